@@ -1,0 +1,26 @@
+"""The one error type for a user's mistake, and the exit codes the CLI uses."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Exit codes of the `assistant` command."""
+
+    OK = 0
+    """Success."""
+    FAILED = 1
+    """The command ran but its check failed (lint found problems, eval below floor)."""
+    USAGE = 2
+    """The user's input was unusable: empty question, missing file, bad option."""
+    INTERRUPTED = 130
+    """Ctrl-C: probes were stopped and their processes killed."""
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the CLI prints it as one line, no traceback."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.USAGE):
+        super().__init__(message)
+        self.code = code
