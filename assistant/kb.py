@@ -9,7 +9,6 @@ kb/threads/<id>.yaml  one community thread with its answers (schema: `Thread`)
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +17,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from assistant.kbfiles import content_hash
 from assistant.probe_registry import PROBES
 
-SCHEMA_VERSION = 1
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
 
 
@@ -165,24 +164,6 @@ _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
 
 def has_cjk(text: str) -> bool:
     return bool(_CJK.search(text))
-
-
-def kb_files(root: Path) -> list[Path]:
-    """The KB source files, in a stable order."""
-    return sorted(root.glob("causes/*.yaml")) + sorted(root.glob("threads/*.yaml"))
-
-
-def content_hash(root: Path) -> str:
-    """Hash of every KB file's name and bytes plus the schema version.
-
-    Cheap (a few hundred KB of reads), so every query can check that the built
-    index still matches its source.
-    """
-    digest = hashlib.sha256(f"schema-{SCHEMA_VERSION}".encode())
-    for path in kb_files(root):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def _describe(path: Path, root: Path, exc: ValidationError) -> list[str]:

@@ -1,0 +1,3 @@
+from assistant.cli import main
+
+main(prog_name="assistant")

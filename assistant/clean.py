@@ -1,0 +1,213 @@
+"""Log cleaning: from a pasted torchrun log to the lines that matter.
+
+Strips what varies between runs and ranks (ANSI codes, timestamps, pids,
+"[rankN]:" prefixes, torchrun banners), folds per-rank repeats into one copy,
+and finds the root error: the first failing rank's own exception, not the
+ChildFailedError wrapper that torchrun prints last.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from assistant.results import RootError
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
+# "[rank1]:", "[default0]:" (torchrun --tee), "1: " (srun -l) at line start.
+RANK_PREFIX = re.compile(r"^\s*\[(?:rank|default)(\d+)\]:\s?|^(\d{1,3}): (?=\S)")
+# "2024-05-01 12:00:00,123", "[2024-05-01T12:00:00.123Z]", glog "E0501 12:00:00.123456 4242 file.cpp:12]"
+TIMESTAMP = re.compile(
+    r"^\s*\[?\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?Z?\]?\s*(?:[-|]\s*)?"
+    r"|^\s*[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+\S+:\d+\]\s?"
+)
+# Numbers that differ between ranks or runs but not in meaning.
+PIDS = re.compile(r"\b(pid[:=]?\s*|PID\s+|process\s+)\d+|(?<=:)\d{3,}(?=:\d+ \[\d+\])|\b0x[0-9a-f]{6,}\b", re.I)
+BANNER = re.compile(
+    r"^\*{5,}$"
+    r"|Setting OMP_NUM_THREADS environment variable"
+    r"|Please further tune the variable for optimal performance"
+    r"|^WARNING:torch\.distributed\.run:"
+    r"|^\s*warnings\.warn\("
+    r"|FutureWarning: The module torch\.distributed\.launch is deprecated"
+    r"|^\s*$"
+)
+EXCEPTION_LINE = re.compile(
+    r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit)|Exception))"
+    r"(?::\s?(?P<message>.*))?$"
+)
+ARGPARSE_ERROR = re.compile(r"^(?P<prog>[\w.\-/]+): error: (?P<message>.+)$")
+WRAPPERS = {"ChildFailedError", "SignalException"}
+ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):")
+SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+SIGNAL_LINE = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID")
+SALIENT = re.compile(
+    r"error|exception|fail|timed? ?out|warn|nccl|gloo|cuda|hang|killed|signal|refused|unable|"
+    r"cannot|can't|could not|invalid|mismatch|duplicate|expected|not (?:set|found|initialized)|"
+    r"address|port|exitcode|segmentation|bus error|[\u3400-\u9fff]",
+    re.I,
+)
+# Lines that carry no meaning for retrieval: source lines of a traceback,
+# torchrun's failure-summary fields, separators.
+FOCUS_NOISE = re.compile(
+    r"^(?:raise |return |Sending process|error_file|time\s*:|host\s*:|traceback\s*:\s*To enable"
+    r"|Failures:|Root Cause|\[\d+\]:$|[=\-^~ ]+$|.*ChildFailedError|.* FAILED$)"
+)
+MAX_FOCUS_LINES = 24
+
+
+@dataclass
+class CleanLog:
+    """A cleaned log: deduplicated lines, the root error and the lines to search with."""
+
+    lines: list[str]
+    root_error: RootError | None
+    focus: str  # root error plus salient lines: what retrieval searches with
+    ranks: list[int] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def strip_line(raw: str) -> tuple[int | None, str]:
+    """One raw line -> (rank from its prefix or None, the line without noise)."""
+    line = ANSI.sub("", raw).rstrip()
+    rank = None
+    for _ in range(2):  # a timestamp may precede or follow the rank prefix
+        line = TIMESTAMP.sub("", line)
+        match = RANK_PREFIX.match(line)
+        if match:
+            rank = int(match.group(1) or match.group(2))
+            line = line[match.end():]
+    return rank, line
+
+
+def _dedup_key(line: str) -> str:
+    """Lines equal up to pids and rank numbers are one line."""
+    key = PIDS.sub(lambda m: (m.group(1) or "") + "#", line)
+    return re.sub(r"\b(rank|local_rank|Rank)\s*[:=]?\s*\d+", r"\1 #", key).strip()
+
+
+def _split(text: str) -> list[tuple[int | None, str]]:
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    out = []
+    for raw in text.split("\n"):
+        rank, line = strip_line(raw)
+        if line and not BANNER.search(line):
+            out.append((rank, line))
+    return out
+
+
+def _find_exceptions(entries: list[tuple[int | None, str]]) -> list[tuple[int, int | None, RootError]]:
+    """Every exception-looking line: (position, rank, error)."""
+    found = []
+    for pos, (rank, line) in enumerate(entries):
+        stripped = line.strip()
+        match = EXCEPTION_LINE.match(stripped)
+        if match and not stripped.startswith(("File ", "raise ")):
+            message = (match.group("message") or "").strip()
+            message = _continue_message(entries, pos, rank, message)
+            found.append((pos, rank, RootError(match.group("type"), message, rank)))
+            continue
+        match = ARGPARSE_ERROR.match(stripped)
+        if match:
+            found.append((pos, rank, RootError("argparse error", match.group("message"), rank)))
+    return found
+
+
+def _continue_message(entries, pos: int, rank: int | None, message: str) -> str:
+    """Exception messages that span lines (DDP's reduction error does) keep them."""
+    parts = [message] if message else []
+    for next_rank, line in entries[pos + 1 : pos + 6]:
+        if next_rank != rank or EXCEPTION_LINE.match(line.strip()) or line.startswith(
+            ("Traceback", "  File", "During handling", "The above exception", "[")
+        ):
+            break
+        parts.append(line.strip())
+    return " ".join(parts)[:2000]
+
+
+def _summary_rank(entries: list[tuple[int | None, str]]) -> int | None:
+    """The rank torchrun names under "Root Cause (first observed failure)"."""
+    for pos, (_, line) in enumerate(entries):
+        if ROOT_CAUSE_RANK.search(line):
+            for _, after in entries[pos + 1 : pos + 8]:
+                match = SUMMARY_RANK.match(after)
+                if match:
+                    return int(match.group(1))
+    return None
+
+
+def _exit_signal_error(entries: list[tuple[int | None, str]], rank: int | None) -> RootError | None:
+    """When a rank died without a traceback, its exit code is the root error."""
+    for _, line in entries:
+        match = SIGNAL_LINE.search(line)
+        if match:
+            return RootError(match.group(2), f"exitcode: -{match.group(1)} ({line.strip()})", rank)
+    for _, line in entries:
+        match = EXITCODE.search(line)
+        if match and match.group(1) not in ("0", "1"):
+            return RootError("ChildFailedError", f"exitcode: {match.group(1)}", rank)
+    return None
+
+
+def find_root_error(entries: list[tuple[int | None, str]]) -> RootError | None:
+    """The first failing rank's own exception (not the launcher's wrapper)."""
+    exceptions = [e for e in _find_exceptions(entries) if e[2].type.split(".")[-1] not in WRAPPERS]
+    summary_rank = _summary_rank(entries)
+    if summary_rank is not None:
+        own = [e for e in exceptions if e[1] == summary_rank]
+        if own:
+            return _with_rank(own[-1][2], summary_rank)
+    if exceptions:
+        _, rank, error = exceptions[0]
+        return _with_rank(error, rank if rank is not None else summary_rank)
+    return _exit_signal_error(entries, summary_rank)
+
+
+def _with_rank(error: RootError, rank: int | None) -> RootError:
+    return RootError(error.type, error.message, rank)
+
+
+def _fold_ranks(entries: list[tuple[int | None, str]]) -> list[str]:
+    """Keep the first copy of each line across ranks, in order of appearance."""
+    seen: set[str] = set()
+    lines = []
+    for _, line in entries:
+        key = _dedup_key(line)
+        if key not in seen:
+            seen.add(key)
+            lines.append(line)
+    return lines
+
+
+def _focus(lines: list[str], root: RootError | None) -> str:
+    """Root error first, then the salient lines (deduplicated, capped)."""
+    picked: list[str] = []
+    if root is not None:
+        picked.append(f"{root.type}: {root.message}".strip())
+    for line in lines:
+        if len(picked) >= MAX_FOCUS_LINES:
+            break
+        stripped = line.strip()
+        if stripped.startswith(("File \"", "Traceback")) or stripped in picked:
+            continue
+        if FOCUS_NOISE.match(stripped):
+            continue
+        if SALIENT.search(stripped):
+            picked.append(stripped[:500])
+    if len(picked) <= 1 and len(lines) <= MAX_FOCUS_LINES:
+        # A short question: everything it says is the focus.
+        picked = [line.strip() for line in lines]
+    return "\n".join(picked)
+
+
+def clean_log(text: str) -> CleanLog:
+    """Clean a pasted error, question or multi-rank log."""
+    entries = _split(text)
+    root = find_root_error(entries)
+    lines = _fold_ranks(entries)
+    ranks = sorted({rank for rank, _ in entries if rank is not None})
+    return CleanLog(lines=lines, root_error=root, focus=_focus(lines, root), ranks=ranks)

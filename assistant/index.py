@@ -1,0 +1,289 @@
+"""The built index: one SQLite file (sqlite-utils) holding the KB, FTS5 and FAISS.
+
+`build_index` compiles kb/ into index.sqlite:
+
+  meta        key/value: schema, KB content hash, embedding model fingerprint
+  causes      one row per cause, the validated entry as JSON
+  threads     one row per thread, as JSON
+  chunks      searchable pieces of text, each linked to the causes it speaks for,
+              with a content hash and its embedding (reused on rebuild)
+  chunks_fts  FTS5 over a CJK-aware token string of each chunk
+  blobs       the serialized FAISS index over chunk embeddings
+
+Building writes a temporary file beside the index and renames it into place,
+so a failed or concurrent build never leaves a broken index. `open_index`
+refuses a stale or damaged one (IndexProblem) so the caller can rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from assistant.textsearch import search_tokens
+
+INDEX_SCHEMA = 2
+
+# How much each kind of chunk counts when it is the best match for a cause.
+KIND_WEIGHTS = {
+    "title": 1.0,
+    "summary": 1.0,
+    "symptom": 1.0,
+    "why": 0.85,
+    "fix": 0.7,
+    "question": 0.75,
+    "answer": 0.8,
+}
+
+
+class IndexProblem(Exception):
+    """The index is missing, stale or damaged; the message says which."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    kind: str
+    lang: str
+    causes: tuple[str, ...]
+    ref: str = ""  # thread id and answer id for answers
+
+    @property
+    def hash(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:24]
+
+
+def chunks_from_kb(kb) -> list[Chunk]:
+    """Every searchable piece of the KB, each linked to the causes it speaks for."""
+    chunks: list[Chunk] = []
+    for cause in kb.causes.values():
+        own = (cause.id,)
+        chunks.append(Chunk(cause.title, "title", "en", own))
+        chunks.append(Chunk(cause.title_zh, "title", "zh", own))
+        chunks.append(Chunk(cause.summary, "summary", "en", own))
+        chunks.append(Chunk(cause.summary_zh, "summary", "zh", own))
+        chunks.append(Chunk(cause.why, "why", "en", own))
+        if cause.why_zh:
+            chunks.append(Chunk(cause.why_zh, "why", "zh", own))
+        chunks.append(Chunk(cause.fix, "fix", "en", own))
+        for symptom in cause.symptoms:
+            chunks.append(Chunk(symptom, "symptom", _lang(symptom), own))
+    for thread in kb.threads:
+        endorsed = _endorsed_causes(thread)
+        if endorsed:
+            chunks.append(Chunk(thread.question, "question", thread.lang, endorsed, thread.id))
+        for answer in thread.answers:
+            if answer.claims and answer.stance != "wrong":
+                ref = f"{thread.id}#{answer.id}"
+                chunks.append(Chunk(answer.text, "answer", answer.lang, tuple(answer.claims), ref))
+    return _dedupe(chunks)
+
+
+def _endorsed_causes(thread) -> tuple[str, ...]:
+    """Causes claimed by the answers a thread judges right or partly right."""
+    seen: dict[str, None] = {}
+    for answer in thread.answers:
+        if answer.stance in ("right", "partly_right"):
+            seen.update(dict.fromkeys(answer.claims))
+    return tuple(seen)
+
+
+def _dedupe(chunks: list[Chunk]) -> list[Chunk]:
+    seen: set[tuple] = set()
+    out = []
+    for chunk in chunks:
+        key = (chunk.text, chunk.causes)
+        if chunk.text.strip() and key not in seen:
+            seen.add(key)
+            out.append(chunk)
+    return out
+
+
+def _lang(text: str) -> str:
+    return "zh" if re.search(r"[\u3400-\u9fff]", text) else "en"
+
+
+@dataclass
+class BuildReport:
+    path: Path
+    chunks: int
+    embedded: int  # chunks whose embedding had to be computed (the rest reused)
+    seconds: float
+
+    def summary(self) -> str:
+        return (
+            f"built {self.path} with {self.chunks} chunks "
+            f"({self.embedded} embedded, {self.chunks - self.embedded} reused) in {self.seconds:.1f}s"
+        )
+
+
+def _reusable_embeddings(path: Path, fingerprint: str) -> dict[str, bytes]:
+    """Embeddings of an earlier build by the same model, keyed by chunk hash."""
+    if not path.exists():
+        return {}
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            model = db.execute("select value from meta where key='model'").fetchone()
+            if not model or model[0] != fingerprint:
+                return {}
+            return dict(db.execute("select hash, embedding from chunks"))
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:
+        return {}
+
+
+def build_index(kb, embedder, path: Path) -> BuildReport:
+    """Compile a validated KB into the index file at `path`, atomically."""
+    import numpy as np
+
+    started = time.perf_counter()
+    chunks = chunks_from_kb(kb)
+    reuse = _reusable_embeddings(path, embedder.fingerprint)
+    missing = [c for c in chunks if c.hash not in reuse]
+    if missing:
+        vectors = embedder.encode([c.text for c in missing])
+        reuse.update({c.hash: v.tobytes() for c, v in zip(missing, vectors)})
+    matrix = np.vstack([np.frombuffer(reuse[c.hash], dtype=np.float32) for c in chunks])
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".index-", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        _write_db(tmp, kb, chunks, reuse, matrix, embedder.fingerprint)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return BuildReport(path, len(chunks), len(missing), time.perf_counter() - started)
+
+
+def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, fingerprint: str) -> None:
+    import sqlite_utils
+
+    db = sqlite_utils.Database(path, recreate=True)
+    db["meta"].insert_all(
+        [
+            {"key": "schema", "value": str(INDEX_SCHEMA)},
+            {"key": "kb_hash", "value": kb.content_hash},
+            {"key": "model", "value": fingerprint},
+            {"key": "built_at", "value": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        ],
+        pk="key",
+    )
+    db["causes"].insert_all(
+        ({"id": c.id, "data": json.dumps(c.model_dump(), ensure_ascii=False)} for c in kb.causes.values()),
+        pk="id",
+    )
+    db["threads"].insert_all(
+        ({"id": t.id, "data": json.dumps(t.model_dump(), ensure_ascii=False)} for t in kb.threads),
+        pk="id",
+    )
+    db["chunks"].insert_all(
+        (
+            {
+                "id": i,
+                "kind": c.kind,
+                "lang": c.lang,
+                "causes": json.dumps(c.causes),
+                "ref": c.ref,
+                "text": c.text,
+                "tokens": " ".join(search_tokens(c.text)),
+                "hash": c.hash,
+                "embedding": vectors[c.hash],
+            }
+            for i, c in enumerate(chunks)
+        ),
+        pk="id",
+    )
+    db["chunks"].enable_fts(["tokens"], tokenize="unicode61", create_triggers=False)
+    db["blobs"].insert({"name": "faiss", "data": _faiss_bytes(matrix)}, pk="name")
+    db.conn.commit()
+    db.close()
+
+
+def _faiss_bytes(matrix) -> bytes:
+    import faiss
+
+    index = faiss.IndexFlatIP(matrix.shape[1])
+    index.add(matrix)
+    return faiss.serialize_index(index).tobytes()
+
+
+@dataclass
+class LoadedIndex:
+    """What a query needs, read once from the index file."""
+
+    path: Path
+    kb_hash: str
+    model: str
+    causes: dict[str, dict]
+    threads: dict[str, dict]
+    chunk_kinds: list[str]
+    chunk_causes: list[tuple[str, ...]]
+    chunk_refs: list[str]
+    faiss_index: object
+    db: sqlite3.Connection  # kept open for FTS queries (check_same_thread=False)
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def open_index(path: Path, kb_hash: str | None, fingerprint: str | None) -> LoadedIndex:
+    """Open and verify an index; IndexProblem when missing, stale or damaged.
+
+    Pass kb_hash / fingerprint as None to skip that staleness check (for a
+    synthetic index in benchmarks).
+    """
+    if not path.exists():
+        raise IndexProblem(f"no index at {path}")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        meta = dict(db.execute("select key, value from meta"))
+        if meta.get("schema") != str(INDEX_SCHEMA):
+            raise IndexProblem("index was built by another version of the assistant")
+        if kb_hash is not None and meta.get("kb_hash") != kb_hash:
+            raise IndexProblem("the knowledge base changed since the index was built")
+        if fingerprint is not None and meta.get("model") != fingerprint:
+            raise IndexProblem(f"index was built with another embedding model ({meta.get('model')})")
+        return _load(db, path, meta)
+    except IndexProblem:
+        raise
+    except Exception as exc:  # sqlite3.DatabaseError, faiss errors, bad JSON: all "damaged"
+        raise IndexProblem(f"index is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _load(db: sqlite3.Connection, path: Path, meta: dict) -> LoadedIndex:
+    import faiss
+    import numpy as np
+
+    causes = {cid: json.loads(data) for cid, data in db.execute("select id, data from causes")}
+    threads = {tid: json.loads(data) for tid, data in db.execute("select id, data from threads")}
+    rows = db.execute("select kind, causes, ref from chunks order by id").fetchall()
+    blob = db.execute("select data from blobs where name='faiss'").fetchone()
+    if blob is None:
+        raise IndexProblem("index is damaged (no FAISS index)")
+    index = faiss.deserialize_index(np.frombuffer(blob[0], dtype=np.uint8))
+    if index.ntotal != len(rows):
+        raise IndexProblem("index is damaged (FAISS and chunk counts differ)")
+    db.execute("select count(*) from chunks_fts").fetchone()  # FTS table must be readable
+    return LoadedIndex(
+        path=path,
+        kb_hash=meta.get("kb_hash", ""),
+        model=meta.get("model", ""),
+        causes=causes,
+        threads=threads,
+        chunk_kinds=[r[0] for r in rows],
+        chunk_causes=[tuple(json.loads(r[1])) for r in rows],
+        chunk_refs=[r[2] for r in rows],
+        faiss_index=index,
+        db=db,
+    )

@@ -1,0 +1,42 @@
+"""CJK-aware tokens for SQLite FTS5.
+
+FTS5's unicode61 tokenizer treats a run of Chinese characters as one token,
+so "找不到设备" would never match "DDP 找不到设备了". We index and query with
+our own tokens instead: lowercased Latin words and numbers, and overlapping
+character bigrams of every CJK run ("找不", "不到", "到设", "设备").
+"""
+
+from __future__ import annotations
+
+import re
+
+_WORD = re.compile(r"[a-z][a-z0-9]+|[0-9]{2,}")
+_CJK_RUN = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]+")
+
+STOPWORDS = frozenset(
+    """the and for with that this you your are was were has have had not but from into
+    when then than what which while will would can could should does did its it's our out
+    all any how why who use used using get got just also only one two there their them
+    they been being very more most some such here about after before over under on in of
+    to is be as at by or an if so no do my me we it py line file""".split()
+)
+
+
+def search_tokens(text: str) -> list[str]:
+    """Tokens for indexing and querying: Latin words and CJK bigrams."""
+    lowered = text.lower()
+    tokens = [w for w in _WORD.findall(lowered) if w not in STOPWORDS]
+    for run in _CJK_RUN.findall(text):
+        if len(run) == 1:
+            tokens.append(run)
+        else:
+            tokens.extend(run[i : i + 2] for i in range(len(run) - 1))
+    return tokens
+
+
+def fts_query(text: str, limit: int = 48) -> str | None:
+    """An FTS5 MATCH expression: the distinct tokens OR-ed, first `limit` kept."""
+    unique = list(dict.fromkeys(search_tokens(text)))[:limit]
+    if not unique:
+        return None
+    return " OR ".join(f'"{token}"' for token in unique)
