@@ -73,15 +73,23 @@ class CleanLog:
 
 def strip_line(raw: str) -> tuple[int | None, str]:
     """One raw line -> (rank from its prefix or None, the line without noise)."""
+    rank, line, _ = _strip(raw)
+    return rank, line
+
+
+def _strip(raw: str) -> tuple[int | None, str, bool]:
+    """(rank, line, whether a logger timestamp was removed)."""
     line = ANSI.sub("", raw).rstrip()
     rank = None
+    logged = False
     for _ in range(2):  # a timestamp may precede or follow the rank prefix
-        line = TIMESTAMP.sub("", line)
+        line, removed = TIMESTAMP.subn("", line)
+        logged = logged or bool(removed)
         match = RANK_PREFIX.match(line)
         if match:
             rank = int(match.group(1) or match.group(2))
             line = line[match.end():]
-    return rank, line
+    return rank, line, logged
 
 
 def _dedup_key(line: str) -> str:
@@ -90,17 +98,27 @@ def _dedup_key(line: str) -> str:
     return re.sub(r"\b(rank|local_rank|Rank)\s*[:=]?\s*\d+", r"\1 #", key).strip()
 
 
-def _split(text: str) -> list[tuple[int | None, str]]:
+def _split(text: str) -> tuple[list[tuple[int | None, str]], set[int]]:
+    """Cleaned (rank, line) entries, and the positions of logger lines.
+
+    Logger lines (torchrun's own "W1129 12:00:00 ... api.py:1028]" output)
+    never continue an exception message.
+    """
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     out = []
+    logged_at = set()
     for raw in text.split("\n"):
-        rank, line = strip_line(raw)
+        rank, line, logged = _strip(raw)
         if line and not BANNER.search(line):
+            if logged:
+                logged_at.add(len(out))
             out.append((rank, line))
-    return out
+    return out, logged_at
 
 
-def _find_exceptions(entries: list[tuple[int | None, str]]) -> list[tuple[int, int | None, RootError]]:
+def _find_exceptions(
+    entries: list[tuple[int | None, str]], logged_at: set[int] = frozenset()
+) -> list[tuple[int, int | None, RootError]]:
     """Every exception-looking line: (position, rank, error)."""
     found = []
     for pos, (rank, line) in enumerate(entries):
@@ -108,7 +126,7 @@ def _find_exceptions(entries: list[tuple[int | None, str]]) -> list[tuple[int, i
         match = EXCEPTION_LINE.match(stripped)
         if match and not stripped.startswith(("File ", "raise ")):
             message = (match.group("message") or "").strip()
-            message = _continue_message(entries, pos, rank, message)
+            message = _continue_message(entries, pos, rank, message, logged_at)
             found.append((pos, rank, RootError(match.group("type"), message, rank)))
             continue
         match = ARGPARSE_ERROR.match(stripped)
@@ -117,10 +135,12 @@ def _find_exceptions(entries: list[tuple[int | None, str]]) -> list[tuple[int, i
     return found
 
 
-def _continue_message(entries, pos: int, rank: int | None, message: str) -> str:
+def _continue_message(entries, pos: int, rank: int | None, message: str, logged_at) -> str:
     """Exception messages that span lines (DDP's reduction error does) keep them."""
     parts = [message] if message else []
-    for next_rank, line in entries[pos + 1 : pos + 6]:
+    for offset, (next_rank, line) in enumerate(entries[pos + 1 : pos + 6], start=pos + 1):
+        if offset in logged_at or line[:1].isspace():  # logger output or traceback source
+            break
         if next_rank != rank or EXCEPTION_LINE.match(line.strip()) or line.startswith(
             ("Traceback", "  File", "During handling", "The above exception", "[")
         ):
@@ -141,7 +161,20 @@ def _summary_rank(entries: list[tuple[int | None, str]]) -> int | None:
 
 
 def _exit_signal_error(entries: list[tuple[int | None, str]], rank: int | None) -> RootError | None:
-    """When a rank died without a traceback, its exit code is the root error."""
+    """When a rank died without a traceback, its exit code is the root error.
+
+    The "Root Cause" section is read first: siblings that torchrun itself
+    stopped with SIGTERM are listed above it under "Failures".
+    """
+    start = next((i for i, (_, line) in enumerate(entries) if ROOT_CAUSE_RANK.search(line)), None)
+    if start is not None:
+        found = _signal_error(entries[start:], rank)
+        if found is not None:
+            return found
+    return _signal_error(entries, rank)
+
+
+def _signal_error(entries: list[tuple[int | None, str]], rank: int | None) -> RootError | None:
     for _, line in entries:
         match = SIGNAL_LINE.search(line)
         if match:
@@ -153,9 +186,13 @@ def _exit_signal_error(entries: list[tuple[int | None, str]], rank: int | None) 
     return None
 
 
-def find_root_error(entries: list[tuple[int | None, str]]) -> RootError | None:
+def find_root_error(
+    entries: list[tuple[int | None, str]], logged_at: set[int] = frozenset()
+) -> RootError | None:
     """The first failing rank's own exception (not the launcher's wrapper)."""
-    exceptions = [e for e in _find_exceptions(entries) if e[2].type.split(".")[-1] not in WRAPPERS]
+    exceptions = [
+        e for e in _find_exceptions(entries, logged_at) if e[2].type.split(".")[-1] not in WRAPPERS
+    ]
     summary_rank = _summary_rank(entries)
     if summary_rank is not None:
         own = [e for e in exceptions if e[1] == summary_rank]
@@ -206,8 +243,8 @@ def _focus(lines: list[str], root: RootError | None) -> str:
 
 def clean_log(text: str) -> CleanLog:
     """Clean a pasted error, question or multi-rank log."""
-    entries = _split(text)
-    root = find_root_error(entries)
+    entries, logged_at = _split(text)
+    root = find_root_error(entries, logged_at)
     lines = _fold_ranks(entries)
     ranks = sorted({rank for rank, _ in entries if rank is not None})
     return CleanLog(lines=lines, root_error=root, focus=_focus(lines, root), ranks=ranks)

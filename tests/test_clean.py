@@ -1,0 +1,106 @@
+"""Log cleaning and root-error finding on real torchrun output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from assistant.clean import clean_log, strip_line
+
+LOGS = Path(__file__).parent / "data" / "logs"
+
+
+def test_strip_line_removes_noise_prefixes():
+    assert strip_line("\x1b[31m[rank1]: RuntimeError: boom\x1b[0m") == (1, "RuntimeError: boom")
+    assert strip_line("W1129 22:30:54.705000 4481 torch/distributed/run.py:874] hello") == (None, "hello")
+    assert strip_line("2024-05-01 12:00:00,123 [default3]:ValueError: x") == (3, "ValueError: x")
+
+
+def test_root_error_is_first_failing_rank_not_wrapper():
+    clean = clean_log((LOGS / "value_error_rank1_then_peer_closed.txt").read_text())
+    assert clean.root_error.type == "ValueError"
+    assert clean.root_error.message == "boom on rank one"
+    assert clean.root_error.rank == 1
+    assert clean.ranks == [0, 1]
+    assert "ChildFailedError" not in clean.focus
+    assert clean.focus.startswith("ValueError: boom on rank one")
+
+
+def test_per_rank_repeats_fold_into_one_copy():
+    log = "\n".join(
+        f"[rank{r}]: RuntimeError: Default process group has not been initialized, please make sure to call init_process_group."
+        for r in range(8)
+    )
+    clean = clean_log(log)
+    assert len(clean.lines) == 1
+    assert clean.root_error.rank == 0
+
+
+def test_sigkill_without_traceback_becomes_root_error():
+    log = """
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+train.py FAILED
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2024-05-01_12:00:00
+  host      : node1
+  rank      : 3 (local_rank: 3)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+"""
+    root = clean_log(log).root_error
+    assert root.type == "SIGKILL"
+    assert root.rank == 3
+    assert "exitcode: -9" in root.message
+
+
+def test_argparse_error_is_a_root_error():
+    log = "[rank0]: usage: train.py [-h] [--local_rank LOCAL_RANK]\n[rank0]: train.py: error: unrecognized arguments: --local-rank=0"
+    root = clean_log(log).root_error
+    assert root.type == "argparse error"
+    assert root.message == "unrecognized arguments: --local-rank=0"
+
+
+def test_multiline_message_is_kept():
+    log = (
+        "RuntimeError: Expected to have finished reduction in the prior iteration before starting a new one.\n"
+        "This error indicates that your module has parameters that were not used in producing loss.\n"
+    )
+    root = clean_log(log).root_error
+    assert "parameters that were not used" in root.message
+
+
+def test_chinese_question_is_its_own_focus():
+    clean = clean_log("用PyTorch做多卡训练，DDP一直报错找不到设备，求指点")
+    assert clean.root_error is None
+    assert clean.focus == "用PyTorch做多卡训练，DDP一直报错找不到设备，求指点"
+
+
+def test_ten_megabyte_log_keeps_the_right_root_error():
+    noise = "[rank0]: step 1234 loss 0.5432 lr 0.001 throughput 1234.5 samples/s\n" * 150_000
+    log = noise + (LOGS / "value_error_rank1_then_peer_closed.txt").read_text()
+    assert len(log) > 10_000_000
+    clean = clean_log(log)
+    assert clean.root_error.type == "ValueError"
+
+
+def test_root_cause_section_wins_over_sibling_sigterm():
+    """torchrun lists the SIGTERM'd sibling under Failures, the killed rank under Root Cause."""
+    root = clean_log((LOGS / "sigkill_rank1_sibling_sigterm.txt").read_text()).root_error
+    assert (root.type, root.rank) == ("SIGKILL", 1)
+    assert "exitcode: -9" in root.message
+
+
+def test_launcher_log_lines_never_continue_a_message():
+    root = clean_log((LOGS / "cuda_on_cpu_build.txt").read_text()).root_error
+    assert root.message == "Torch not compiled with CUDA enabled"
+
+
+def test_interleaved_unprefixed_tracebacks_keep_a_clean_message():
+    root = clean_log((LOGS / "sampler_before_init_two_ranks_unprefixed.txt").read_text()).root_error
+    assert root.type == "ValueError"
+    assert root.message == (
+        "Default process group has not been initialized, please make sure to call init_process_group."
+    )
