@@ -29,7 +29,6 @@ BANNER = re.compile(
     r"|Please further tune the variable for optimal performance"
     r"|^WARNING:torch\.distributed\.run:"
     r"|^\s*warnings\.warn\("
-    r"|FutureWarning: The module torch\.distributed\.launch is deprecated"
     r"|^\s*$"
 )
 EXCEPTION_LINE = re.compile(

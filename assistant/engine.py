@@ -43,6 +43,7 @@ class Engine:
         index_path: Path | None = None,
         log: Callable[[str], None] | None = None,
         require_contract: bool = True,
+        embedder=None,
     ):
         self.model_setting = model
         self.kb_root = kb_root or config.kb_dir()
@@ -50,7 +51,7 @@ class Engine:
         self.log = log or _stderr
         self.require_contract = require_contract  # False only for small test KBs
         self._lock = threading.RLock()
-        self._embedder = None
+        self._embedder = embedder  # shareable: loading the model is the slow part
         self._index: LoadedIndex | None = None
         self._retriever: Retriever | None = None
 
@@ -136,9 +137,14 @@ class Engine:
         )
 
     def rank_ids(self, query: str, signals: tuple[str, ...] = SIGNALS) -> list[str]:
-        """Cause ids best first (for evaluation)."""
+        """Cause ids best first."""
         self.load()
         return [r.id for r in self._retriever.rank(clean_log(query), signals=signals)]
+
+    def signal_scores(self, query: str) -> dict[str, dict[str, float]]:
+        """Every signal's cause scores for a query, unfused (for evaluation)."""
+        self.load()
+        return self._retriever.signal_scores(clean_log(query))
 
     def cause(self, cause_id: str) -> dict:
         """The full KB entry of a cause (for detail views)."""

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from assistant.errors import UserError
-from assistant.retrieve import SIGNALS
+from assistant.retrieve import SIGNALS, fuse
 
 RUNS = {"fused": SIGNALS, **{name: (name,) for name in SIGNALS}}
 
@@ -50,10 +50,12 @@ def evaluate(engine, queries: list[dict]) -> dict:
     """Metrics per run (fused and each signal), plus the misses of the fused run."""
     report: dict = {"queries": len(queries)}
     misses = []
+    # Signals are independent: compute each once per query, fuse per run.
+    per_query = [engine.signal_scores(item["query"]) for item in queries]
     for run, signals in RUNS.items():
         totals = {"top1": 0.0, "recall3": 0.0, "mrr": 0.0}
-        for item in queries:
-            ranked = engine.rank_ids(item["query"], signals=signals)
+        for item, per_signal in zip(queries, per_query):
+            ranked = [r.id for r in fuse({s: per_signal[s] for s in signals})]
             scores = score_ranking(ranked, item["causes"])
             for key in totals:
                 totals[key] += scores[key]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from assistant.textsearch import search_tokens
 
-INDEX_SCHEMA = 2
+INDEX_SCHEMA = 3
 
 # How much each kind of chunk counts when it is the best match for a cause.
 KIND_WEIGHTS = {
@@ -52,7 +52,8 @@ class Chunk:
     text: str
     kind: str
     lang: str
-    causes: tuple[str, ...]
+    # The causes this text speaks for, each with how strongly (0..1).
+    causes: tuple[tuple[str, float], ...]
     ref: str = ""  # thread id and answer id for answers
 
     @property
@@ -64,7 +65,7 @@ def chunks_from_kb(kb) -> list[Chunk]:
     """Every searchable piece of the KB, each linked to the causes it speaks for."""
     chunks: list[Chunk] = []
     for cause in kb.causes.values():
-        own = (cause.id,)
+        own = ((cause.id, 1.0),)
         chunks.append(Chunk(cause.title, "title", "en", own))
         chunks.append(Chunk(cause.title_zh, "title", "zh", own))
         chunks.append(Chunk(cause.summary, "summary", "en", own))
@@ -76,23 +77,37 @@ def chunks_from_kb(kb) -> list[Chunk]:
         for symptom in cause.symptoms:
             chunks.append(Chunk(symptom, "symptom", _lang(symptom), own))
     for thread in kb.threads:
-        endorsed = _endorsed_causes(thread)
-        if endorsed:
-            chunks.append(Chunk(thread.question, "question", thread.lang, endorsed, thread.id))
+        votes = _thread_votes(thread)
+        if votes:
+            chunks.append(Chunk(thread.question, "question", thread.lang, votes, thread.id))
         for answer in thread.answers:
             if answer.claims and answer.stance != "wrong":
                 ref = f"{thread.id}#{answer.id}"
-                chunks.append(Chunk(answer.text, "answer", answer.lang, tuple(answer.claims), ref))
+                weight = _claim_weight(len(answer.claims))
+                causes = tuple((cid, weight) for cid in answer.claims)
+                chunks.append(Chunk(answer.text, "answer", answer.lang, causes, ref))
     return _dedupe(chunks)
 
 
-def _endorsed_causes(thread) -> tuple[str, ...]:
-    """Causes claimed by the answers a thread judges right or partly right."""
-    seen: dict[str, None] = {}
+# How much an answer's claim counts, by the KB's judgment of the answer.
+STANCE_VOTES = {"right": 1.0, "partly_right": 0.7, "unverified": 0.5, "wrong": 0.0}
+
+
+def _claim_weight(n_causes: int) -> float:
+    """An answer that blames seven causes says less about each one."""
+    return 1.0 / (1.0 + 0.3 * (n_causes - 1))
+
+
+def _thread_votes(thread) -> tuple[tuple[str, float], ...]:
+    """A thread's question speaks for the causes its answers claim, by weighted vote."""
+    votes: dict[str, float] = {}
     for answer in thread.answers:
-        if answer.stance in ("right", "partly_right"):
-            seen.update(dict.fromkeys(answer.claims))
-    return tuple(seen)
+        for cid in answer.claims:
+            votes[cid] = votes.get(cid, 0.0) + STANCE_VOTES[answer.stance] * _claim_weight(len(answer.claims))
+    top = max(votes.values(), default=0.0)
+    if top <= 0:
+        return ()
+    return tuple((cid, round(v / top, 4)) for cid, v in votes.items() if v > 0)
 
 
 def _dedupe(chunks: list[Chunk]) -> list[Chunk]:
@@ -193,7 +208,7 @@ def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, finger
                 "id": i,
                 "kind": c.kind,
                 "lang": c.lang,
-                "causes": json.dumps(c.causes),
+                "causes": json.dumps(dict(c.causes)),
                 "ref": c.ref,
                 "text": c.text,
                 "tokens": " ".join(search_tokens(c.text)),
@@ -228,7 +243,7 @@ class LoadedIndex:
     causes: dict[str, dict]
     threads: dict[str, dict]
     chunk_kinds: list[str]
-    chunk_causes: list[tuple[str, ...]]
+    chunk_causes: list[dict[str, float]]  # cause id -> how strongly the chunk speaks for it
     chunk_refs: list[str]
     faiss_index: object
     db: sqlite3.Connection  # kept open for FTS queries (check_same_thread=False)
@@ -282,7 +297,7 @@ def _load(db: sqlite3.Connection, path: Path, meta: dict) -> LoadedIndex:
         causes=causes,
         threads=threads,
         chunk_kinds=[r[0] for r in rows],
-        chunk_causes=[tuple(json.loads(r[1])) for r in rows],
+        chunk_causes=[json.loads(r[1]) for r in rows],
         chunk_refs=[r[2] for r in rows],
         faiss_index=index,
         db=db,

@@ -36,11 +36,6 @@ class RankedCause:
     ranks: dict[str, int] = field(default_factory=dict)
 
 
-def _claim_weight(n_causes: int) -> float:
-    """An answer that blames seven causes says less about each one."""
-    return 1.0 / (1.0 + 0.3 * (n_causes - 1))
-
-
 class Retriever:
     """Ranks the causes of one loaded index for a cleaned query."""
 
@@ -94,9 +89,11 @@ class Retriever:
         """Best weighted chunk score per cause."""
         scores: dict[str, float] = {}
         for chunk_id, score in hits:
-            causes = self.index.chunk_causes[chunk_id]
-            weight = KIND_WEIGHTS.get(self.index.chunk_kinds[chunk_id], 1.0) * _claim_weight(len(causes))
-            for cid in causes:
+            kind_weight = KIND_WEIGHTS.get(self.index.chunk_kinds[chunk_id], 1.0)
+            for cid, strength in self.index.chunk_causes[chunk_id].items():
+                weight = kind_weight * strength
+                if weight <= 0:
+                    continue
                 value = score * weight if score > 0 else score / weight
                 if cid in self.index.causes and value > scores.get(cid, float("-inf")):
                     scores[cid] = value
@@ -111,6 +108,15 @@ class Retriever:
         signals: tuple[str, ...] = SIGNALS,
     ) -> list[RankedCause]:
         """Causes best first, fused over `signals` by weighted reciprocal rank."""
+        return fuse(self.signal_scores(clean, context, signals))
+
+    def signal_scores(
+        self,
+        clean: CleanLog,
+        context: str | None = None,
+        signals: tuple[str, ...] = SIGNALS,
+    ) -> dict[str, dict[str, float]]:
+        """Each signal's cause scores, before fusion."""
         query = clean.focus or clean.text[:2000]
         per_signal: dict[str, dict[str, float]] = {}
         if "signature" in signals:
@@ -120,7 +126,7 @@ class Retriever:
             per_signal["lexical"] = self.lexical_scores(lexical_text)
         if "dense" in signals:
             per_signal["dense"] = self.dense_scores(query, context)
-        return fuse(per_signal)
+        return per_signal
 
 
 def fuse(per_signal: dict[str, dict[str, float]]) -> list[RankedCause]:

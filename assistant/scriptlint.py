@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,22 +65,14 @@ SPAWNERS = frozenset(
     }
 )
 TENSOR_FACTORIES = frozenset(
-    {
-        "tensor",
-        "zeros",
-        "ones",
-        "empty",
-        "full",
-        "rand",
-        "randn",
-        "arange",
-        "zeros_like",
-        "ones_like",
-    }
+    {"tensor", "zeros", "ones", "empty", "full", "rand", "randn", "arange"}
 )
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
 LOCAL_RANK_NAME = re.compile(r"^(local_rank|localrank|local_rank_id|lrank)$", re.IGNORECASE)
 FIXED_CUDA = re.compile(r"^cuda:\d+$")
+# Stepping into every call site of every helper can grow fast in a large file;
+# past this many calls the trace stops stepping into functions.
+MAX_TRACED_CALLS = 20_000
 MAIN_PROCESS_HELPERS = frozenset({"is_main_process", "is_master", "is_rank_zero", "is_rank0"})
 
 
@@ -128,6 +121,9 @@ class Script:
 
 
 Check = Callable[[Script], Iterator[Finding]]
+# The innermost rank test around a statement and which branch it is in.
+RankContext = tuple[ast.If | None, str]
+NO_RANK: RankContext = (None, "")
 
 
 # ---------------------------------------------------------------- entry points
@@ -157,7 +153,8 @@ def parse_script(source: str, path: str = "<string>") -> Script:
     try:
         tree = ast.parse(source, filename=path)
     except SyntaxError as exc:
-        raise UserError(f"{path}:{exc.lineno or 0}: not valid Python: {exc.msg}") from None
+        where = f"{path}:{exc.lineno}" if exc.lineno else path
+        raise UserError(f"{where}: not valid Python: {exc.msg}") from None
     except ValueError as exc:  # null bytes on older Pythons
         raise UserError(f"{path}: not valid Python: {exc}") from None
     functions = {
@@ -204,15 +201,17 @@ class _Tracer:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
             guarded = is_main_guard(stmt)
-            self.statement(stmt, top_line=stmt.lineno, guarded=guarded, rank=(None, ""))
+            self.statement(stmt, top_line=stmt.lineno, guarded=guarded, rank=NO_RANK)
         return self.calls
 
     def run_function(self, name: str) -> list[TracedCall]:
         func = self.script.functions[name]
-        self.enter(name, func, top_line=func.lineno, guarded=True, rank=(None, ""))
+        self.enter(name, func, top_line=func.lineno, guarded=True, rank=NO_RANK)
         return self.calls
 
-    def enter(self, name: str, func: ast.AST, top_line: int, guarded: bool, rank) -> None:
+    def enter(
+        self, name: str, func: ast.AST, top_line: int, guarded: bool, rank: RankContext
+    ) -> None:
         if name in self.stack:  # recursion: walk a function once per path
             return
         self.visited.add(name)
@@ -221,7 +220,7 @@ class _Tracer:
             self.statement(stmt, top_line, guarded, rank)
         self.stack.pop()
 
-    def statement(self, stmt: ast.stmt, top_line: int, guarded: bool, rank) -> None:
+    def statement(self, stmt: ast.stmt, top_line: int, guarded: bool, rank: RankContext) -> None:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             return  # nested definitions run only when called; not followed
         if isinstance(stmt, ast.If):
@@ -236,7 +235,7 @@ class _Tracer:
             return
         self.fields(stmt, top_line, guarded, rank)
 
-    def fields(self, node: ast.AST, top_line: int, guarded: bool, rank) -> None:
+    def fields(self, node: ast.AST, top_line: int, guarded: bool, rank: RankContext) -> None:
         """Every field in order: loop and try bodies, handlers, with-items."""
         for _name, value in ast.iter_fields(node):
             for item in value if isinstance(value, list) else [value]:
@@ -247,7 +246,7 @@ class _Tracer:
                 elif isinstance(item, ast.AST):  # except handler, with-item, match case
                     self.fields(item, top_line, guarded, rank)
 
-    def expression(self, node: ast.AST, top_line: int, guarded: bool, rank) -> None:
+    def expression(self, node: ast.AST, top_line: int, guarded: bool, rank: RankContext) -> None:
         """Post-order: arguments are evaluated before the call that takes them."""
         if isinstance(node, ast.Lambda):
             return
@@ -258,10 +257,12 @@ class _Tracer:
         if isinstance(node, ast.Call):
             self.call(node, top_line, guarded, rank)
 
-    def call(self, node: ast.Call, top_line: int, guarded: bool, rank) -> None:
+    def call(self, node: ast.Call, top_line: int, guarded: bool, rank: RankContext) -> None:
         name = self.script.name_of(node.func)
         rank_if, branch = rank
         self.calls.append(TracedCall(node, name, top_line, guarded, rank_if, branch))
+        if len(self.calls) > MAX_TRACED_CALLS:
+            return  # a helper called from many places: stop stepping in, keep recording
         for target in self.targets(node, name):
             self.enter(target, self.script.functions[target], top_line, guarded, rank)
 
@@ -470,27 +471,25 @@ def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
     """Only one spelling of the local-rank flag, or a flag torchrun never passes."""
     for node, flags in local_rank_arguments(script):
         accepted = flags & set(LOCAL_RANK_FLAGS)
+        problems = []
         if accepted == {"--local_rank"}:
-            yield script.finding(
-                "local-rank-arg-mismatch",
-                node,
+            problems.append(
                 "accepts --local_rank only; torch.distributed.launch in PyTorch 2.x passes "
-                '--local-rank ("unrecognized arguments: --local-rank=0"): accept both '
-                'spellings or read os.environ["LOCAL_RANK"]',
+                '--local-rank ("unrecognized arguments: --local-rank=0")'
             )
         elif accepted == {"--local-rank"}:
-            yield script.finding(
-                "local-rank-arg-mismatch",
-                node,
-                "accepts --local-rank only; launchers before PyTorch 2.0 pass --local_rank: "
-                'accept both spellings or read os.environ["LOCAL_RANK"]',
+            problems.append(
+                "accepts --local-rank only; launchers before PyTorch 2.0 pass --local_rank"
             )
-        if isinstance(keyword(node, "required"), ast.Constant) and keyword(node, "required").value:
+        required = keyword(node, "required")
+        if isinstance(required, ast.Constant) and required.value:
+            problems.append("the flag is required, but torchrun passes none")
+        if problems:
             yield script.finding(
                 "local-rank-arg-mismatch",
                 node,
-                "the local-rank flag is required, but torchrun passes none: read "
-                'os.environ["LOCAL_RANK"] instead',
+                "; ".join(problems) + ': read os.environ["LOCAL_RANK"] (or accept both '
+                "spellings, optional)",
             )
 
 
@@ -821,18 +820,47 @@ def _cpu_tensor_names(script: Script, scope: ast.AST) -> dict[str, int]:
 
 def check_world_size_mismatch(script: Script) -> Iterator[Finding]:
     """init_process_group with a hard-coded world_size or rank."""
+    constants = module_int_constants(script)
     for node in init_calls(script):
         for name in ("world_size", "rank"):
             value = keyword(node, name)
             if is_int(value):
-                yield script.finding(
-                    "world-size-mismatch",
-                    value,
-                    f"init_process_group({name}={value.value}) is hard-coded: when the "
-                    "launcher starts another number of processes, or every process claims "
-                    "the same rank, rendezvous waits and times out; leave it out under "
-                    "torchrun (env://) or pass the spawned rank and the real world size",
+                fixed, source = value.value, f"{name}={value.value}"
+            elif isinstance(value, ast.Name) and value.id in constants:
+                fixed = constants[value.id]
+                source = f"{name}={value.id}, {value.id} = {fixed}"
+            else:
+                continue
+            yield script.finding(
+                "world-size-mismatch",
+                value,
+                f"hard-coded {source} in init_process_group: "
+                + (
+                    f"if the launcher starts other than {fixed} processes, rendezvous"
+                    if name == "world_size"
+                    else f"every process claims rank {fixed}, so rendezvous"
                 )
+                + " waits and times out; leave it out under torchrun "
+                "(env://) or pass the spawned rank and the real world size",
+            )
+
+
+def module_int_constants(script: Script) -> dict[str, int]:
+    """Module-level names assigned exactly once, to an int literal (WORLD_SIZE = 4)."""
+    values: dict[str, int] = {}
+    assigned: Counter[str] = Counter()
+    for node in ast.walk(script.tree):
+        targets = list(node.targets) if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            if isinstance(target, ast.Name):
+                assigned[target.id] += 1
+    for node in script.tree.body:
+        if isinstance(node, ast.Assign) and is_int(node.value):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    values[target.id] = node.value.value
+    return {name: value for name, value in values.items() if assigned[name] == 1}
 
 
 CHECKS: list[Check] = [

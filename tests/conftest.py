@@ -1,0 +1,53 @@
+"""Shared fixtures: a real index over the real KB, built once per session."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory) -> Path:
+    """A private build directory, so tests never touch data/build/."""
+    path = tmp_path_factory.mktemp("build")
+    os.environ["ASSISTANT_BUILD"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The real embedding model, loaded once for the whole session."""
+    from assistant.embed import Embedder
+
+    model = Embedder()
+    model.load()
+    return model
+
+
+@pytest.fixture(scope="session")
+def engine(build_dir, embedder):
+    """The real engine: real KB, real SQLite + FAISS index, real embedding model."""
+    from assistant.engine import Engine
+
+    eng = Engine(index_path=build_dir / "index.sqlite", log=lambda message: None, embedder=embedder)
+    eng.load()
+    return eng
+
+
+@pytest.fixture
+def mini_kb(tmp_path) -> Path:
+    """A small valid KB (one cause, one thread) that tests may break."""
+    root = tmp_path / "kb"
+    (root / "causes").mkdir(parents=True)
+    (root / "threads").mkdir()
+    shutil.copy(REPO / "kb/causes/duplicate-gpu-per-rank.yaml", root / "causes")
+    shutil.copy(DATA / "kb_mini_thread.yaml", root / "threads/mini.yaml")
+    return root
