@@ -21,11 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from assistant.conversation import Conversation, Turn
 from assistant.errors import UserError
+
+if TYPE_CHECKING:  # imported on first use: sqlite_utils costs ~0.3 s, the chat opens first
+    import sqlite_utils
 
 
 def _migration_1(db: sqlite_utils.Database) -> None:
@@ -73,6 +75,8 @@ class History:
         self._lock = threading.Lock()  # one writer at a time within this process
 
     def _db(self) -> sqlite_utils.Database:
+        import sqlite_utils
+
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite_utils.Database(self.path)
@@ -187,9 +191,7 @@ class History:
             try:
                 with db.conn:
                     db.execute("DELETE FROM turns WHERE conversation_id = ?", [conversation_id])
-                    cursor = db.execute(
-                        "DELETE FROM conversations WHERE id = ?", [conversation_id]
-                    )
+                    cursor = db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
             finally:
                 db.close()
         if cursor.rowcount == 0:

@@ -1,0 +1,1 @@
+"""The Textual chat (`assistant` / `assistant chat`): a thin layer over the headless core."""

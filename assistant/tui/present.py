@@ -1,0 +1,140 @@
+"""Pure presentation rules of the chat: no Textual, so they are unit-tested directly."""
+
+from __future__ import annotations
+
+import re
+
+from assistant.conversation import first_line, shorten
+from assistant.i18n import detect_lang
+from assistant.results import AnswerRef, CauseResult
+
+VERDICT_MARKS = {
+    "confirmed": "✔",
+    "ruled_out": "✘",
+    "inconclusive": "?",
+    "not_applicable": "–",
+    "not_run": "·",
+}
+PROBE_MARKS = {
+    "ok": "✔",
+    "not_applicable": "–",
+    "failed": "✘",
+    "timeout": "⧗",
+    "error": "✘",
+    "interrupted": "■",
+}
+
+AGREEING_STANCES = ("right", "confirmed_here")
+CONTRADICTED_STANCES = ("wrong", "refuted_here")
+
+_ERROR_WORDS = re.compile(r"error|exception|traceback|failed|\bat\s+/|\.py\"?, line", re.IGNORECASE)
+
+
+def interface_lang(text: str, current: str) -> str:
+    """The interface language after the person sends `text`.
+
+    Chinese writing is always a choice, so it switches to Chinese. English
+    switches back only when it is prose: an English error line or log pasted
+    by a Chinese speaker must not flip the interface.
+    """
+    if detect_lang(text[:20_000]) == "zh":
+        return "zh"
+    lines = [line for line in text.splitlines() if line.strip()]
+    looks_like_log = len(lines) > 3 or bool(_ERROR_WORDS.search(text[:20_000]))
+    return current if looks_like_log else "en"
+
+
+def query_preview(text: str, width: int = 200) -> tuple[str, int]:
+    """(first non-blank line cut to `width`, how many more non-blank lines follow)."""
+    head = shorten(first_line(text), width)
+    count = 0
+    for line in text.splitlines():
+        if line.strip():
+            count += 1
+    return head, max(count - 1, 0)
+
+
+def middle_cut(text: str, limit: int) -> str:
+    """`text` on one line, its middle cut out when longer than `limit`.
+
+    Error messages put the telling part last ("... Last error: Duplicate GPU
+    detected"), so the tail is kept longer than the head.
+    """
+    flat = " ".join(text.split())
+    if len(flat) <= limit:
+        return flat
+    head = limit * 2 // 5
+    tail = limit - head - 3
+    return f"{flat[:head].rstrip()} … {flat[-tail:].lstrip()}"
+
+
+def cause_title(cause: CauseResult, lang: str) -> str:
+    return cause.title_zh if lang == "zh" and cause.title_zh else cause.title
+
+
+def cause_summary(cause: CauseResult, lang: str) -> str:
+    return cause.summary_zh if lang == "zh" and cause.summary_zh else cause.summary
+
+
+def entry_text(entry: dict, key: str, lang: str) -> str:
+    """A KB entry field in `lang` ('why' -> 'why_zh' in Chinese when present)."""
+    if lang == "zh" and entry.get(f"{key}_zh"):
+        return str(entry[f"{key}_zh"])
+    return str(entry.get(key) or "")
+
+
+def seconds(value: float) -> str:
+    """A duration as the chat shows it: '0.4s', '12.3s', '2m05s'."""
+    if value < 60:
+        return f"{value:.1f}s"
+    minutes, rest = divmod(round(value), 60)
+    return f"{minutes}m{rest:02d}s"
+
+
+def human_size(chars: int) -> str:
+    """A size in characters as 'KB' / 'MB' (characters stand for bytes here)."""
+    if chars >= 1_000_000:
+        return f"{chars / 1_000_000:.1f} MB"
+    return f"{max(chars, 1) / 1000:.0f} KB"
+
+
+def split_answers(answers: list[AnswerRef]) -> tuple[list[AnswerRef], list[AnswerRef]]:
+    """(agreeing, contradicting) community answers, for the side-by-side view.
+
+    The anchor is what is known to be right (the KB says so, or this machine
+    confirmed it). An answer contradicts when it is known wrong, when this
+    machine refuted it, or when it and an anchor contradict each other.
+    Without an anchor, only known-wrong answers go to the right-hand side.
+    """
+
+    def key(answer: AnswerRef) -> tuple[str, str]:
+        return (answer.thread, answer.answer_id)
+
+    anchors = [a for a in answers if a.stance in AGREEING_STANCES]
+    anchor_keys = {key(a) for a in anchors}
+    against_anchor = {(a.thread, other) for a in anchors for other in a.contradicts}
+    agreeing, contradicting = [], []
+    for answer in answers:
+        names_anchor = any((answer.thread, other) in anchor_keys for other in answer.contradicts)
+        is_contradicting = answer.stance in CONTRADICTED_STANCES or (
+            key(answer) not in anchor_keys and (key(answer) in against_anchor or names_anchor)
+        )
+        (contradicting if is_contradicting else agreeing).append(answer)
+    return agreeing, contradicting
+
+
+def verdict_counts(causes: list[CauseResult]) -> dict[str, int]:
+    """How many causes are confirmed, ruled out, and still open."""
+    confirmed = sum(c.verdict.verdict == "confirmed" for c in causes)
+    ruled_out = sum(c.verdict.verdict == "ruled_out" for c in causes)
+    return {
+        "confirmed": confirmed,
+        "ruled_out": ruled_out,
+        "other": len(causes) - confirmed - ruled_out,
+    }
+
+
+def fix_text(cause: CauseResult, entry: dict | None = None) -> str:
+    """What 'copy the fix' copies: the fix code, else the fix prose."""
+    code = (entry or {}).get("fix_code") or cause.fix_code
+    return (code or (entry or {}).get("fix") or cause.fix or "").strip()

@@ -1,0 +1,310 @@
+"""Screens pushed over the chat: a cause in full, the history, the script path prompt."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+from rich.console import Group
+from rich.syntax import Syntax
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.reactive import reactive
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Input, Label, ListItem, ListView, Static
+
+from assistant.results import AnswerRef, CauseResult
+from assistant.tui.messages import ConversationChosen, ConversationDeleted, CopyFix
+from assistant.tui.present import (
+    VERDICT_MARKS,
+    cause_summary,
+    cause_title,
+    entry_text,
+    split_answers,
+)
+from assistant.tui.strings import tr
+from assistant.tui.widgets import localize_bindings
+
+if TYPE_CHECKING:
+    from assistant.history import ConversationSummary
+
+STANCE_STYLES = {
+    "right": "green",
+    "confirmed_here": "bold green",
+    "partly_right": "yellow",
+    "unverified": "dim",
+    "wrong": "red",
+    "refuted_here": "bold red",
+}
+VERDICT_STYLES = {
+    "confirmed": "bold green",
+    "ruled_out": "red",
+    "inconclusive": "yellow",
+    "not_applicable": "dim",
+    "not_run": "dim",
+}
+
+
+def section(title: str) -> Text:
+    return Text(title, style="bold underline")
+
+
+class CauseScreen(Screen):
+    """Everything about one cause: why, evidence, community answers, fix, references."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "back", "Back", id="detail.back"),
+        Binding("c", "copy_fix", "Copy fix", id="detail.copy_fix"),
+    ]
+
+    lang: reactive[str] = reactive("en")
+
+    def __init__(self, cause: CauseResult, lang: str):
+        super().__init__(id="cause-screen")
+        self.cause = cause
+        self.entry: dict | None = None
+        self.entry_error = ""
+        self.entry_pending = True
+        self.set_reactive(CauseScreen.lang, lang)
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="detail-header")
+        with VerticalScroll(id="detail-body"):
+            yield Static(id="detail-top")
+            with Horizontal(id="answers"):
+                yield Static(id="answers-agreeing", classes="answers-column")
+                yield Static(id="answers-contradicting", classes="answers-column")
+            yield Static(id="detail-fix")
+            yield Static(id="fix-code")
+            yield Static(id="detail-bottom")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.refresh_view()
+        self.query_one("#detail-body").focus()
+
+    def watch_lang(self, lang: str) -> None:
+        if self.is_mounted:
+            self.refresh_view()
+
+    def set_entry(self, entry: dict | None, error: str = "") -> None:
+        """The full KB entry arrived (or could not be read: `error`)."""
+        self.entry, self.entry_error, self.entry_pending = entry, error, False
+        self.refresh_view()
+
+    def action_back(self) -> None:
+        self.dismiss()
+
+    def action_copy_fix(self) -> None:
+        self.post_message(CopyFix(self.cause, self.entry))
+
+    # -- rendering ----------------------------------------------------------------
+
+    def refresh_view(self) -> None:
+        localize_bindings(self, self.lang)
+        self.app.refresh_bindings()
+        cause, lang, entry = self.cause, self.lang, self.entry or {}
+        verdict = cause.verdict.verdict
+        header = Text(f"{VERDICT_MARKS.get(verdict, '·')} {tr(f'verdict.{verdict}', lang)}  ")
+        header.stylize(VERDICT_STYLES.get(verdict, ""))
+        header.append(cause_title(cause, lang), style="bold")
+        header.append(f"  ({cause.id})", style="dim")
+        self.query_one("#detail-header", Static).update(header)
+        self.query_one("#detail-top", Static).update(self._top(entry))
+        agreeing, contradicting = split_answers(cause.answers)
+        self.query_one("#answers").display = bool(cause.answers)
+        self.query_one("#answers-agreeing", Static).update(
+            self._answers(tr("detail.agreeing", lang), agreeing)
+        )
+        self.query_one("#answers-contradicting", Static).update(
+            self._answers(tr("detail.contradicting", lang), contradicting)
+        )
+        self.query_one("#detail-fix", Static).update(self._fix(entry))
+        code = (entry.get("fix_code") or cause.fix_code or "").rstrip()
+        code_widget = self.query_one("#fix-code", Static)
+        code_widget.display = bool(code)
+        if code:
+            code_widget.update(Syntax(code, "python", theme="monokai", word_wrap=True))
+        self.query_one("#detail-bottom", Static).update(self._bottom(entry))
+
+    def _top(self, entry: dict) -> Group:
+        cause, lang = self.cause, self.lang
+        parts: list = []
+        if self.entry_pending:
+            parts.append(Text(tr("detail.loading", lang), style="dim italic"))
+        elif self.entry_error:
+            parts.append(Text(tr("detail.partial", lang, error=self.entry_error), style="yellow"))
+        summary = entry_text(entry, "summary", lang) or cause_summary(cause, lang)
+        parts += [section(tr("detail.summary", lang)), Text(summary.strip()), Text()]
+        parts.append(section(tr("evidence", lang)))
+        if cause.verdict.evidence:
+            parts.extend(Text(f"• {line}") for line in cause.verdict.evidence)
+        else:
+            parts.append(Text(tr("detail.no_evidence", lang), style="dim"))
+        parts.append(Text())
+        why = entry_text(entry, "why", lang)
+        if why:
+            parts += [section(tr("why", lang)), Text(why.strip()), Text()]
+        parts.append(section(tr("answers", lang)))
+        if not cause.answers:
+            parts.append(Text(tr("detail.no_answers", lang), style="dim"))
+        return Group(*parts)
+
+    def _answers(self, title: str, answers: list[AnswerRef]) -> Group:
+        lang = self.lang
+        parts: list = [Text(title, style="bold")]
+        if not answers:
+            parts.append(Text(tr("detail.none", lang), style="dim"))
+        for answer in answers:
+            badge = Text(
+                f"[{tr(f'stance.{answer.stance}', lang)}]", STANCE_STYLES.get(answer.stance, "")
+            )
+            if answer.stance == "refuted_here":
+                badge = Text("✘ ", "bold red") + badge
+            name = f" #{answer.answer_id}" if answer.answer_id else ""
+            parts.append(badge + Text(name, style="dim"))
+            parts.append(Text(answer.text.strip()))
+            if answer.note:
+                parts.append(Text(answer.note.strip(), style="dim italic"))
+            parts.append(Text())
+        return Group(*parts)
+
+    def _fix(self, entry: dict) -> Group:
+        lang = self.lang
+        fix = entry_text(entry, "fix", lang) or self.cause.fix
+        return Group(Text(), section(tr("fix", lang)), Text(fix.strip()))
+
+    def _bottom(self, entry: dict) -> Group:
+        lang = self.lang
+        parts: list = []
+        risks = entry_text(entry, "risks", lang)
+        if risks:
+            parts += [Text(), section(tr("risks", lang)), Text(risks.strip())]
+        references = entry.get("references") or []
+        if references:
+            parts += [Text(), section(tr("references", lang))]
+            for ref in references:
+                line = Text("• ")
+                line.append(str(ref.get("title", "")), style=f"link {ref.get('url', '')}")
+                line.append(f"  {ref.get('url', '')}", style="dim")
+                parts.append(line)
+        return Group(*parts)
+
+
+class HistoryItem(ListItem):
+    """One saved conversation in the history list."""
+
+    def __init__(self, entry: ConversationSummary, label: Text):
+        super().__init__(Label(label))
+        self.entry = entry
+
+
+class HistoryList(ListView):
+    """Saved conversations; Enter reopens one, d deletes it."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("enter", "select_cursor", "Open", id="history.open"),
+        Binding("d,delete", "delete", "Delete", id="history.delete"),
+    ]
+
+    def action_delete(self) -> None:
+        item = self.highlighted_child
+        if isinstance(item, HistoryItem):
+            self.post_message(ConversationDeleted(item.entry.id))
+
+
+class HistoryScreen(Screen):
+    """Browse, reopen and delete saved conversations."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "back", "Back", id="history.back")]
+
+    def __init__(
+        self,
+        entries: list[ConversationSummary],
+        lang: str,
+        format_time: Callable[[float], str] | None = None,
+    ):
+        super().__init__(id="history-screen")
+        self.entries = entries
+        self.lang = lang
+        self.format_time = format_time or local_time
+
+    def compose(self) -> ComposeResult:
+        yield Static(tr("history.title", self.lang), id="history-title")
+        yield HistoryList(id="history-list")
+        yield Static(tr("history.empty", self.lang), id="history-empty")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        localize_bindings(self, self.lang)
+        localize_bindings(self.query_one(HistoryList), self.lang)
+        await self.set_entries(self.entries)
+        self.query_one(HistoryList).focus()
+
+    async def set_entries(self, entries: list[ConversationSummary]) -> None:
+        """Show `entries` (newest first), keeping the cursor near where it was."""
+        self.entries = entries
+        listing = self.query_one(HistoryList)
+        old_index = listing.index or 0
+        await listing.clear()
+        await listing.extend(HistoryItem(e, self._label(e)) for e in entries)
+        if entries:
+            listing.index = min(old_index, len(entries) - 1)
+        listing.display = bool(entries)
+        self.query_one("#history-empty").display = not entries
+
+    def _label(self, entry: ConversationSummary) -> Text:
+        label = Text(self.format_time(entry.updated), style="dim")
+        label.append(f"  {tr('history.turns', self.lang, count=entry.turns):<9}  ", style="dim")
+        label.append(entry.title or "-")
+        return label
+
+    def on_list_view_selected(self, event: ListView.Selected) -> None:
+        event.stop()
+        if isinstance(event.item, HistoryItem):
+            self.post_message(ConversationChosen(event.item.entry.id))
+
+    def action_back(self) -> None:
+        self.dismiss()
+
+
+def local_time(stamp: float) -> str:
+    """A timestamp as the person's local 'YYYY-MM-DD HH:MM'."""
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp))
+
+
+class PathPrompt(ModalScreen[str | None]):
+    """Ask for the path of a training script to lint; dismisses with the path or None."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel", id="prompt.cancel")
+    ]
+
+    def __init__(self, lang: str):
+        super().__init__(id="path-prompt")
+        self.lang = lang
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="prompt-box"):
+            yield Label(tr("lint.prompt", self.lang))
+            yield Input(placeholder="train.py", id="path-input")
+            yield Label("", id="prompt-error")
+            yield Label(tr("lint.prompt_hint", self.lang), id="prompt-hint")
+
+    def on_mount(self) -> None:
+        localize_bindings(self, self.lang)
+        self.query_one(Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        path = event.value.strip()
+        if not path:
+            self.query_one("#prompt-error", Label).update(tr("lint.empty_path", self.lang))
+            return
+        self.dismiss(path)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

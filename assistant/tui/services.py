@@ -1,0 +1,153 @@
+"""The real engine, runner and helpers, imported on first use.
+
+`assistant chat` must show its window in under a second, so nothing here
+imports torch, sentence-transformers or the retrieval stack until a worker
+thread first needs it. Tests pass fakes to `make_app` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+
+def _real(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
+
+
+class LazyEngine:
+    """assistant.engine.Engine, constructed on first use (from a worker thread)."""
+
+    def __init__(self, model: str | None = None, log: Callable[[str], None] | None = None):
+        self.model = model
+        self.log = log
+        self._engine = None
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self):
+        with self._lock:
+            if self._engine is None:
+                engine_class = _real("assistant.engine", "Engine")
+                self._engine = engine_class(model=self.model, log=self.log)
+            return self._engine
+
+    @property
+    def ready(self) -> bool:
+        return self._engine is not None and self._engine.ready
+
+    def load(self) -> None:
+        self.engine.load()
+
+    def ask(self, query: str, top: int = 5, context: str | None = None):
+        return self.engine.ask(query, top=top, context=context)
+
+    def rebuild(self) -> str:
+        return self.engine.rebuild()
+
+    def cause(self, cause_id: str) -> dict:
+        return self.engine.cause(cause_id)
+
+
+class LazyRunner:
+    """assistant.runner.ProbeRunner, constructed on first use; other attributes pass through."""
+
+    def __init__(self, **options: Any):
+        self.options = options
+        self._runner = None
+        self._lock = threading.Lock()
+
+    @property
+    def runner(self):
+        with self._lock:
+            if self._runner is None:
+                self._runner = _real("assistant.runner", "ProbeRunner")(**self.options)
+            return self._runner
+
+    def run(self, names, on_progress=None, cancel=None):
+        return self.runner.run(names, on_progress=on_progress, cancel=cancel)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for attributes this wrapper lacks (e.g. `timeout`),
+        # which the doctor may read from a real runner.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+
+def apply_verdicts(result, runs, findings):
+    """assistant.verdicts.apply_verdicts, imported on first use."""
+    return _real("assistant.verdicts", "apply_verdicts")(result, runs, findings)
+
+
+def probes_for(causes, limit=None):
+    """assistant.verdicts.probes_for, imported on first use."""
+    return _real("assistant.verdicts", "probes_for")(causes, limit=limit)
+
+
+def doctor(runner, lang="en", on_progress=None, cancel=None):
+    """assistant.diagnose.doctor, imported on first use."""
+    return _real("assistant.diagnose", "doctor")(
+        runner, lang=lang, on_progress=on_progress, cancel=cancel
+    )
+
+
+def lint_script(path):
+    """assistant.scriptlint.lint_script, imported on first use."""
+    return _real("assistant.scriptlint", "lint_script")(path)
+
+
+class EngineThread:
+    """One daemon thread that makes every engine call, one at a time.
+
+    A model load or an index build cannot be interrupted. Run in Textual's
+    thread workers (the event loop's default executor), they would hold the
+    process open after the person quits, since asyncio joins those threads
+    at exit: up to a minute during an index build. A daemon thread is simply
+    abandoned instead; a half-built index is detected and rebuilt next time.
+    One thread also serializes the calls, which the engine expects.
+    """
+
+    def __init__(self, name: str = "assistant-engine"):
+        self.name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Queue `function(*args, **kwargs)`; the future holds its result or exception."""
+        future: Future = Future()
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+        self._jobs.put((future, function, args, kwargs))
+        return future
+
+    async def call(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Await `function(*args, **kwargs)` run on the engine thread."""
+        return await asyncio.wrap_future(self.submit(function, *args, **kwargs))
+
+    @property
+    def busy(self) -> bool:
+        """An engine call is running right now."""
+        return self._busy.is_set()
+
+    def _serve(self) -> None:
+        while True:
+            future, function, args, kwargs = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller went away before it started
+            self._busy.set()
+            try:
+                future.set_result(function(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            finally:
+                self._busy.clear()

@@ -1,0 +1,96 @@
+"""Benchmark: `assistant doctor` against one bare torchrun launch (not a test).
+
+    .venv/bin/python tests/bench_doctor.py [--repeat 3]
+
+The bare launch is init_process_group + one all_reduce with gloo on 2 ranks,
+timed until torchrun exits. The doctor run is diagnose.doctor() with the
+default runner, as `assistant doctor` calls it. Both run in this process,
+alternating, and the medians are compared: the target is doctor <= 1.5x bare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from assistant.diagnose import doctor
+from assistant.runner import ProbeRunner
+
+BARE = """\
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+tensor = torch.ones(1)
+dist.all_reduce(tensor)
+dist.destroy_process_group()
+"""
+TARGET = 1.5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def time_bare(script: Path) -> float:
+    started = time.monotonic()
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(script),
+        ],
+        check=True,
+        capture_output=True,
+        env=None,
+    )
+    return time.monotonic() - started
+
+
+def time_doctor() -> tuple[float, int]:
+    runner = ProbeRunner()
+    started = time.monotonic()
+    doctor(runner)
+    return time.monotonic() - started, runner.launches
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="pairs of runs (medians are compared)"
+    )
+    options = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        script = Path(folder) / "bare.py"
+        script.write_text(BARE)
+        bare, doc, launches = [], [], set()
+        for round_number in range(1, options.repeat + 1):
+            bare.append(time_bare(script))
+            seconds, count = time_doctor()
+            doc.append(seconds)
+            launches.add(count)
+            print(
+                f"round {round_number}: bare torchrun {bare[-1]:.2f} s, doctor {doc[-1]:.2f} s ({count} launch)"
+            )
+    ratio = statistics.median(doc) / statistics.median(bare)
+    print(f"median bare torchrun launch: {statistics.median(bare):.2f} s")
+    print(
+        f"median assistant doctor:     {statistics.median(doc):.2f} s (torchrun launches: {sorted(launches)})"
+    )
+    print(f"ratio doctor / bare:         {ratio:.2f} (target <= {TARGET})")
+    return 0 if ratio <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The headless core never imports Textual; the chat never imports the heavy stack up front.
+
+Each check runs in a fresh interpreter, because this test process has long
+since imported everything.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "assistant"
+FRONT_ENDS = {"cli", "__main__"}  # thin layers that may import the TUI
+HEAVY = ["torch", "sentence_transformers", "faiss", "transformers"]
+
+
+def core_modules() -> list[str]:
+    return sorted(
+        f"assistant.{path.stem}" for path in PACKAGE.glob("*.py") if path.stem not in FRONT_ENDS
+    )
+
+
+def loaded_after(statement: str, names: list[str]) -> list[str]:
+    """Which of `names` are in sys.modules after running `statement` in a fresh interpreter."""
+    code = (
+        "import sys, json\n"
+        f"{statement}\n"
+        f"print(json.dumps([n for n in {names!r} if n in sys.modules]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_core_module_list_is_not_empty():
+    modules = core_modules()
+    assert "assistant.conversation" in modules and "assistant.history" in modules
+    assert not any(m.startswith("assistant.tui") for m in modules)
+
+
+@pytest.mark.parametrize("module", core_modules())
+def test_core_module_does_not_import_textual(module):
+    assert loaded_after(f"import {module}", ["textual"]) == []
+
+
+def test_the_chat_opens_without_torch_or_the_embedding_stack():
+    # What run_chat does before the window appears: import the app and build it.
+    statement = (
+        "from assistant.tui.app import make_app\n"
+        "from assistant.tui import services\n"
+        "make_app(engine=services.LazyEngine(), runner=services.LazyRunner())"
+    )
+    assert loaded_after(statement, HEAVY) == []

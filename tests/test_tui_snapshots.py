@@ -1,0 +1,78 @@
+"""Snapshots of the main screens at 80x24 and 120x40 (pytest-textual-snapshot).
+
+Nothing that varies between runs reaches the screen: the clock is fixed, the
+cursor does not blink, the fake engine and runner return fixed data, and each
+scene waits for its workers before the picture is taken. After a deliberate
+change, look at the report and update with `pytest --snapshot-update`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, multi_rank_log
+from textual import events
+
+from assistant.tui.screens import CauseScreen
+
+SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]
+
+
+async def _until(pilot, predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the scene did not settle"
+        await pilot.pause(0.02)
+
+
+async def _settled(pilot) -> None:
+    app = pilot.app
+    await _until(pilot, lambda: app.model_phase == "ready")
+    await _until(pilot, lambda: all(v.phase == "done" for v in app.turn_views))
+    await pilot.pause()
+
+
+async def _ask(pilot, text: str) -> None:
+    pilot.app.post_message(events.Paste(text))
+    await pilot.pause()
+    await pilot.press("enter")
+    await _until(pilot, lambda: pilot.app.turn_views)
+    await _settled(pilot)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_welcome(snap_compare, size):
+    async def scene(pilot):
+        await _settled(pilot)
+
+    assert snap_compare(fake_app(), terminal_size=size, run_before=scene)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_answered_with_verdicts(snap_compare, size):
+    async def scene(pilot):
+        await _ask(pilot, multi_rank_log(200))
+
+    assert snap_compare(fake_app(), terminal_size=size, run_before=scene)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_cause_detail(snap_compare, size):
+    async def scene(pilot):
+        await _ask(pilot, DUPLICATE_GPU_LINE)
+        view = pilot.app.turn_views[0]
+        view.causes.focus()
+        await pilot.press("down", "enter")  # set-device-order: an answer refuted here
+        await _until(pilot, lambda: isinstance(pilot.app.screen, CauseScreen))
+        await _until(pilot, lambda: pilot.app.screen.entry is not None)
+        await pilot.pause()
+
+    assert snap_compare(fake_app(), terminal_size=size, run_before=scene)
+
+
+def test_chinese_interface(snap_compare):
+    async def scene(pilot):
+        await _ask(pilot, "我只有一张卡，DDP 一直报错找不到设备：" + DUPLICATE_GPU_LINE)
+
+    assert snap_compare(fake_app(), terminal_size=(80, 24), run_before=scene)
