@@ -111,6 +111,17 @@ NO_CUDA = _pattern(
     r"no GPUs found",
     r"cudaErrorNoDevice",
 )
+# Error text that only a job with a working GPU can print.
+GPU_USED = _pattern(
+    r"Duplicate GPU detected",
+    r"both on CUDA device",
+    r"NCCL (?:error|WARN|version)",
+    r"nccl\w*(?:Invalid|Unhandled|System|Internal)\w*",
+    r"CUDA out of memory",
+    r"GPU \d+ has a total capacity",
+    r"Watchdog caught collective operation timeout",
+    r"ProcessGroupNCCL",
+)
 NCCL_MISSING = _pattern(
     r"doesn't have NCCL built in", r"NCCL is not available", r"backend nccl is not available"
 )
@@ -877,6 +888,19 @@ def _no_cuda_visible(i: Inputs) -> Verdict:
             return _verdict("confirmed", evidence)
         return _undecided(i, ("devices",), [])
     blind = [r for r in records if not r["facts"].get("cuda_available")]
+    if blind and not evidence and i.error_match(GPU_USED):
+        # The pasted error came from a GPU job elsewhere: this machine's lack of
+        # a GPU says nothing about it.
+        return _verdict(
+            "not_applicable",
+            [
+                i.t(
+                    "the error came from a job that used a GPU, but this machine has none: "
+                    "run the probes on the failing machine",
+                    "报错来自一个用了 GPU 的任务，但本机没有 GPU：请在出错的机器上运行探针",
+                )
+            ],
+        )
     if not blind:
         names = sorted({d["name"] for r in records for d in r["facts"].get("visible") or []})
         count = max(r["facts"]["device_count"] for r in records)
@@ -1860,9 +1884,23 @@ def apply_verdicts(result: Result, runs: list[ProbeRun], findings: list[Finding]
                 answer.stance = "refuted_here"
             elif answer.advice and answer.advice in confirmed:
                 answer.stance = "confirmed_here"
-    result.causes = sorted(result.causes, key=lambda c: VERDICT_RANK.get(c.verdict.verdict, 1))
+    best = max((c.score for c in result.causes), default=0.0)
+    result.causes = sorted(result.causes, key=lambda c: _rerank_group(c, best))
     result.probes = list(runs)
     return result
+
+
+# A confirmed cause rises only when retrieval also found it relevant: a fact
+# true of this machine (no GPU here, say) must not push aside the cause the
+# error text points to.
+RISE_FLOOR = 0.5
+
+
+def _rerank_group(cause: CauseResult, best_score: float) -> int:
+    group = VERDICT_RANK.get(cause.verdict.verdict, 1)
+    if cause.verdict.verdict == "confirmed" and cause.score < RISE_FLOOR * best_score:
+        return VERDICT_RANK["inconclusive"]
+    return group
 
 
 def probes_for(causes: list[CauseResult], limit: int | None = None) -> list[str]:

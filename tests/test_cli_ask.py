@@ -129,3 +129,33 @@ def test_binary_on_stdin_is_refused(run):
     result = CliRunner().invoke(main, ["ask", "--no-probe", "-"], input=bytes(range(256)) * 100)
     assert result.exit_code == 2
     assert "looks binary" in result.stderr
+
+
+def test_ask_runs_linked_probes_and_confirms_a_held_port(run, monkeypatch):
+    """Real torchrun: port 29500 is held, the error says EADDRINUSE -> confirmed first."""
+    import socket
+
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        holder.bind(("0.0.0.0", 29500))
+        holder.listen(1)
+    except OSError:
+        pytest.skip("port 29500 is busy already")
+    error = (
+        "torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+        "network address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, "
+        "message: address already in use"
+    )
+    try:
+        result = run(["ask", "--json", "--top", "3", "--nproc-per-node", "2", error])
+    finally:
+        holder.close()
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    first = payload["causes"][0]
+    assert first["id"] == "master-port-in-use"
+    assert first["verdict"] == "confirmed"
+    assert any("29500" in line for line in first["evidence"])
+    assert payload["probes"] and {p["status"] for p in payload["probes"]} <= {"ok", "failed", "not_applicable"}

@@ -469,3 +469,34 @@ def test_probes_for_deduplicates_in_order_and_limits_causes():
     assert probes_for(causes) == ["devices", "launch_env", "set_device_order", "system"]
     assert probes_for(causes, limit=1) == ["devices", "launch_env"]
     assert probes_for([]) == []
+
+
+def test_a_gpu_error_pasted_on_a_cpu_machine_is_not_blamed_on_the_missing_gpu():
+    error = RootError(
+        "torch.distributed.DistBackendError",
+        "NCCL error in: NCCLUtils.hpp:317, invalid usage, NCCL version 2.21.5 "
+        "ncclInvalidUsage: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000",
+        1,
+    )
+    verdict = verdict_of("no-cuda-visible", "cpu_2ranks", error)
+    assert verdict.verdict == "not_applicable"
+    assert "failing machine" in verdict.evidence[0]
+    assert verdict_of("no-cuda-visible", "cpu_2ranks").verdict == "confirmed"
+
+
+def test_a_confirmed_cause_with_weak_retrieval_does_not_jump_the_error_s_own_cause():
+    error = RootError("RuntimeError", "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000")
+    result = Result(
+        query="q",
+        root_error=error,
+        causes=[
+            CauseResult(id="hardcoded-device", title="t", score=1.0),
+            CauseResult(id="shm-too-small", title="t", score=0.9),
+            CauseResult(id="master-port-in-use", title="t", score=0.2),
+        ],
+    )
+    runs = list(runs_of("busy_port").values())
+    apply_verdicts(result, runs, [])
+    by_id = {c.id: c.verdict.verdict for c in result.causes}
+    assert by_id["master-port-in-use"] == "confirmed"
+    assert [c.id for c in result.causes][0] == "hardcoded-device"
