@@ -18,6 +18,9 @@ from assistant.errors import UserError
 
 # The model runs on the CPU on purpose: the GPU belongs to the job being debugged.
 DEVICE = "cpu"
+# Tokens embedded per text. The first 128 tokens of an error or a KB paragraph
+# carry what matters, and they cost half of MiniLM's 256 on a small CPU.
+MAX_TOKENS = 128
 
 
 def resolve_model_dir(setting: str | None = None) -> Path:
@@ -48,7 +51,7 @@ def model_fingerprint(model_dir: Path) -> str:
                 digest.update(path.read_bytes())
             else:
                 digest.update(str(path.stat().st_size).encode())
-    return f"{model_dir.name}:{digest.hexdigest()[:16]}"
+    return f"{model_dir.name}:{digest.hexdigest()[:16]}:t{MAX_TOKENS}"
 
 
 class Embedder:
@@ -71,7 +74,9 @@ class Embedder:
                 os.environ.setdefault("TQDM_DISABLE", "1")
                 from sentence_transformers import SentenceTransformer
 
-                self._model = SentenceTransformer(str(self.model_dir), device=DEVICE)
+                model = SentenceTransformer(str(self.model_dir), device=DEVICE)
+                model.max_seq_length = min(model.max_seq_length or MAX_TOKENS, MAX_TOKENS)
+                self._model = model
         return self._model
 
     @property

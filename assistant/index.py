@@ -8,6 +8,7 @@
   chunks      searchable pieces of text, each linked to the causes it speaks for,
               with a content hash and its embedding (reused on rebuild)
   chunks_fts  FTS5 over a CJK-aware token string of each chunk
+  token_df    in how many chunks each token occurs (for choosing query terms)
   blobs       the serialized FAISS index over chunk embeddings
 
 Building writes a temporary file beside the index and renames it into place,
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from assistant.textsearch import search_tokens
 
-INDEX_SCHEMA = 3
+INDEX_SCHEMA = 4
 
 # How much each kind of chunk counts when it is the best match for a cause.
 KIND_WEIGHTS = {
@@ -220,6 +221,9 @@ def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, finger
         pk="id",
     )
     db["chunks"].enable_fts(["tokens"], tokenize="unicode61", create_triggers=False)
+    # Document frequency per token, so queries can keep their rarest tokens.
+    db.execute("create virtual table chunks_vocab using fts5vocab(chunks_fts, 'row')")
+    db.execute("create table token_df as select term, doc from chunks_vocab")
     db["blobs"].insert({"name": "faiss", "data": _faiss_bytes(matrix)}, pk="name")
     db.conn.commit()
     db.close()
@@ -245,6 +249,7 @@ class LoadedIndex:
     chunk_kinds: list[str]
     chunk_causes: list[dict[str, float]]  # cause id -> how strongly the chunk speaks for it
     chunk_refs: list[str]
+    token_df: dict[str, int]
     faiss_index: object
     db: sqlite3.Connection  # kept open for FTS queries (check_same_thread=False)
 
@@ -299,6 +304,7 @@ def _load(db: sqlite3.Connection, path: Path, meta: dict) -> LoadedIndex:
         chunk_kinds=[r[0] for r in rows],
         chunk_causes=[json.loads(r[1]) for r in rows],
         chunk_refs=[r[2] for r in rows],
+        token_df=dict(db.execute("select term, doc from token_df")),
         faiss_index=index,
         db=db,
     )

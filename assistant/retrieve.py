@@ -24,7 +24,8 @@ RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 CHUNK_HITS = 80
 DENSE_FLOOR = 0.2  # cosine below this is noise for MiniLM
 SIGNATURE_TEXT_LIMIT = 400_000  # characters of a huge log the regexes scan
-CONTEXT_WEIGHT = 0.35  # how much a follow-up's earlier turns pull the dense query
+CONTEXT_WEIGHT = 0.35
+DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it  # how much a follow-up's earlier turns pull the dense query
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Retriever:
         return scores
 
     def lexical_scores(self, text: str) -> dict[str, float]:
-        query = fts_query(text)
+        query = fts_query(text, self.index.token_df)
         if query is None:
             return {}
         rows = self.index.db.execute(
@@ -77,9 +78,9 @@ class Retriever:
         return self._by_cause((rowid, -score) for rowid, score in rows)
 
     def dense_scores(self, text: str, context: str | None = None) -> dict[str, float]:
-        vector = self.embedder.encode([text[:2000]])
+        vector = self.embedder.encode([text[:DENSE_TEXT_LIMIT]])
         if context:
-            vector = vector + CONTEXT_WEIGHT * self.embedder.encode([context[:2000]])
+            vector = vector + CONTEXT_WEIGHT * self.embedder.encode([context[:DENSE_TEXT_LIMIT]])
             vector /= float((vector**2).sum()) ** 0.5
         sims, ids = self.index.faiss_index.search(vector, CHUNK_HITS)
         hits = ((int(i), float(s)) for i, s in zip(ids[0], sims[0]) if i >= 0 and s >= DENSE_FLOOR)

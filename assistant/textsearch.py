@@ -34,9 +34,17 @@ def search_tokens(text: str) -> list[str]:
     return tokens
 
 
-def fts_query(text: str, limit: int = 48) -> str | None:
-    """An FTS5 MATCH expression: the distinct tokens OR-ed, first `limit` kept."""
-    unique = list(dict.fromkeys(search_tokens(text)))[:limit]
+def fts_query(text: str, doc_freq: dict[str, int] | None = None, limit: int = 24) -> str | None:
+    """An FTS5 MATCH expression: distinct tokens OR-ed.
+
+    With `doc_freq` (token -> number of chunks holding it), tokens the index
+    lacks are dropped and the `limit` rarest are kept: they carry the meaning,
+    and common ones would make bm25 score most of a large index.
+    """
+    unique = list(dict.fromkeys(search_tokens(text)))
+    if doc_freq is not None:
+        unique = sorted((t for t in unique if t in doc_freq), key=lambda t: doc_freq[t])
+    unique = unique[:limit]
     if not unique:
         return None
     return " OR ".join(f'"{token}"' for token in unique)

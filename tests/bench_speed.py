@@ -71,7 +71,7 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     ids = list(kb.causes)
     rng = random.Random(0)
     chunks = real + [
-        Chunk(" ".join(rng.choices(words, k=24)) + f" #{i}", "symptom", "en", (rng.choice(ids),))
+        Chunk(" ".join(rng.choices(words, k=24)) + f" #{i}", "symptom", "en", ((rng.choice(ids), 1.0),))
         for i in range(size)
     ]
     vectors = engine.embedder.encode([c.text for c in real])

@@ -14,4 +14,5 @@ def test_identifiers_split_and_stopwords_dropped():
 
 def test_query_quotes_tokens_and_handles_empty():
     assert fts_query("nccl NCCL timeout") == '"nccl" OR "timeout"'
+    assert fts_query("nccl timeout gloo", {"gloo": 1, "nccl": 9}) == '"gloo" OR "nccl"'
     assert fts_query("!!! ...") is None
