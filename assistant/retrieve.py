@@ -25,6 +25,8 @@ CHUNK_HITS = 80
 DENSE_FLOOR = 0.2  # cosine below this is noise for MiniLM
 SIGNATURE_TEXT_LIMIT = 400_000  # characters of a huge log the regexes scan
 CONTEXT_WEIGHT = 0.35
+LARGE_INDEX = 20_000  # chunks
+LEXICAL_TERMS_SMALL, LEXICAL_TERMS_LARGE = 24, 16
 DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it  # how much a follow-up's earlier turns pull the dense query
 
 
@@ -67,7 +69,9 @@ class Retriever:
         return scores
 
     def lexical_scores(self, text: str) -> dict[str, float]:
-        query = fts_query(text, self.index.token_df)
+        # On a large index every extra OR-ed term costs bm25 over many rows.
+        terms = LEXICAL_TERMS_SMALL if len(self.index.chunk_kinds) <= LARGE_INDEX else LEXICAL_TERMS_LARGE
+        query = fts_query(text, self.index.token_df, limit=terms)
         if query is None:
             return {}
         rows = self.index.db.execute(

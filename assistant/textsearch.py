@@ -34,7 +34,7 @@ def search_tokens(text: str) -> list[str]:
     return tokens
 
 
-def fts_query(text: str, doc_freq: dict[str, int] | None = None, limit: int = 24) -> str | None:
+def fts_query(text: str, doc_freq: dict[str, int] | None = None, limit: int = 16) -> str | None:
     """An FTS5 MATCH expression: distinct tokens OR-ed.
 
     With `doc_freq` (token -> number of chunks holding it), tokens the index

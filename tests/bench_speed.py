@@ -57,6 +57,20 @@ def warm_median(engine, texts: list[str]) -> float:
     return statistics.median(times) * 1000
 
 
+def embed_median(engine, texts: list[str]) -> float:
+    """The query embedding alone: the floor under every warm query on this CPU."""
+    from assistant.clean import clean_log
+    from assistant.retrieve import DENSE_TEXT_LIMIT
+
+    focus = [clean_log(text).focus[:DENSE_TEXT_LIMIT] for text in texts]
+    times = []
+    for text in focus:
+        started = time.perf_counter()
+        engine.embedder.encode([text])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
 def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     """The real KB plus `size` synthetic chunks (shuffled KB words, random vectors)."""
     import numpy as np
@@ -103,6 +117,7 @@ def main() -> None:
         engine.load()
         texts = queries()
         figures["warm_median_ms"] = warm_median(engine, texts)
+        figures["embed_only_median_ms"] = embed_median(engine, texts)
 
         synthetic = Engine(index_path=Path(tmp) / "synthetic.sqlite", log=lambda m: None, embedder=engine.embedder)
         synthetic_index(engine, synthetic.index_path)
