@@ -142,9 +142,9 @@ class Engine:
         return [r.id for r in self._retriever.rank(clean_log(query), signals=signals)]
 
     def signal_scores(self, query: str) -> dict[str, dict[str, float]]:
-        """Every signal's cause scores for a query, unfused (for evaluation)."""
+        """Every signal's cause scores for a query, unfused and all computed (for evaluation)."""
         self.load()
-        return self._retriever.signal_scores(clean_log(query))
+        return self._retriever.signal_scores(clean_log(query), shortcut=False)
 
     def cause(self, cause_id: str) -> dict:
         """The full KB entry of a cause (for detail views)."""

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from assistant.errors import UserError
-from assistant.retrieve import SIGNALS, fuse
+from assistant.retrieve import SIGNALS, fuse, with_shortcut
 
 RUNS = {"fused": SIGNALS, **{name: (name,) for name in SIGNALS}}
 
@@ -55,7 +55,10 @@ def evaluate(engine, queries: list[dict]) -> dict:
     for run, signals in RUNS.items():
         totals = {"top1": 0.0, "recall3": 0.0, "mrr": 0.0}
         for item, per_signal in zip(queries, per_query):
-            ranked = [r.id for r in fuse({s: per_signal[s] for s in signals})]
+            chosen = {s: per_signal[s] for s in signals}
+            if run == "fused":
+                chosen = with_shortcut(chosen)  # exactly what `ask` fuses
+            ranked = [r.id for r in fuse(chosen)]
             scores = score_ranking(ranked, item["causes"])
             for key in totals:
                 totals[key] += scores[key]
