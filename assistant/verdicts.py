@@ -1051,8 +1051,8 @@ def _set_device_order(i: Inputs) -> Verdict:
     if run is None:
         return _not_run()
     if run.status == "not_applicable":
-        reason = run.detail or i.t("no CUDA device visible", "看不到任何 CUDA 设备")
-        return _verdict("not_applicable", [reason])
+        # The probe's own reason is English; say it in the user's language.
+        return _verdict("not_applicable", [i.t("no CUDA device visible", "看不到任何 CUDA 设备")])
     outcomes = variant_outcomes(i.runs)
     if not outcomes:
         return _undecided(i, ("set_device_order",), [])

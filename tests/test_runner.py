@@ -370,6 +370,10 @@ def test_ctrl_c_kills_the_launch_and_propagates(hanging_probes):
     tag = new_tag()
     script = textwrap.dedent(
         f"""
+        import signal
+        # As in a terminal: a shell that ran the tests in the background leaves
+        # SIGINT ignored, and the child would inherit that.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from assistant.runner import ProbeRunner
         def show(event):
             print(event.probe, event.state, flush=True)
