@@ -159,3 +159,15 @@ def test_ask_runs_linked_probes_and_confirms_a_held_port(run, monkeypatch):
     assert first["verdict"] == "confirmed"
     assert any("29500" in line for line in first["evidence"])
     assert payload["probes"] and {p["status"] for p in payload["probes"]} <= {"ok", "failed", "not_applicable"}
+
+
+def test_ten_megabyte_log_on_stdin_is_answered_with_the_right_root_error(run):
+    from pathlib import Path
+
+    log = (Path(__file__).parent / "data/logs/sigkill_rank1_sibling_sigterm.txt").read_text()
+    noise = "[rank0]: step 1234 loss 0.5432 lr 0.001 throughput 1234.5 samples/s\n" * 150_000
+    result = run(["ask", "--json", "--no-probe", "-"], stdin=noise + log)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["root_error"]["type"] == "SIGKILL" and payload["root_error"]["rank"] == 1
+    assert payload["causes"][0]["id"] == "oom-killed"
