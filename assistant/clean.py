@@ -22,7 +22,10 @@ TIMESTAMP = re.compile(
     r"|^\s*[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+\S+:\d+\]\s?"
 )
 # Numbers that differ between ranks or runs but not in meaning.
-PIDS = re.compile(r"\b(pid[:=]?\s*|PID\s+|process\s+)\d+|(?<=:)\d{3,}(?=:\d+ \[\d+\])|\b0x[0-9a-f]{6,}\b", re.I)
+PIDS = re.compile(
+    r"\b(pid[:=]?\s*|PID\s+|process\s+)\d+|(?<=:)\d{3,}(?=:\d+ \[\d+\])|\b0x[0-9a-f]{6,}\b",
+    re.IGNORECASE,
+)
 BANNER = re.compile(
     r"^\*{5,}$"
     r"|Setting OMP_NUM_THREADS environment variable"
@@ -45,7 +48,7 @@ SALIENT = re.compile(
     r"error|exception|fail|timed? ?out|warn|nccl|gloo|cuda|hang|killed|signal|refused|unable|"
     r"cannot|can't|could not|invalid|mismatch|duplicate|expected|not (?:set|found|initialized)|"
     r"address|port|exitcode|segmentation|bus error|[\u3400-\u9fff]",
-    re.I,
+    re.IGNORECASE,
 )
 # Lines that carry no meaning for retrieval: source lines of a traceback,
 # torchrun's failure-summary fields, separators.
@@ -87,7 +90,7 @@ def _strip(raw: str) -> tuple[int | None, str, bool]:
         match = RANK_PREFIX.match(line)
         if match:
             rank = int(match.group(1) or match.group(2))
-            line = line[match.end():]
+            line = line[match.end() :]
     return rank, line, logged
 
 
@@ -140,8 +143,12 @@ def _continue_message(entries, pos: int, rank: int | None, message: str, logged_
     for offset, (next_rank, line) in enumerate(entries[pos + 1 : pos + 6], start=pos + 1):
         if offset in logged_at or line[:1].isspace():  # logger output or traceback source
             break
-        if next_rank != rank or EXCEPTION_LINE.match(line.strip()) or line.startswith(
-            ("Traceback", "  File", "During handling", "The above exception", "[")
+        if (
+            next_rank != rank
+            or EXCEPTION_LINE.match(line.strip())
+            or line.startswith(
+                ("Traceback", "  File", "During handling", "The above exception", "[")
+            )
         ):
             break
         parts.append(line.strip())
@@ -228,7 +235,7 @@ def _focus(lines: list[str], root: RootError | None) -> str:
         if len(picked) >= MAX_FOCUS_LINES:
             break
         stripped = line.strip()
-        if stripped.startswith(("File \"", "Traceback")) or stripped in picked:
+        if stripped.startswith(('File "', "Traceback")) or stripped in picked:
             continue
         if FOCUS_NOISE.match(stripped):
             continue

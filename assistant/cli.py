@@ -105,10 +105,17 @@ model_option = click.option(
     "env ASSISTANT_MODEL).",
 )
 probe_options = [
-    click.option("--python", "python_path", metavar="PATH", help="Python of your training environment."),
+    click.option(
+        "--python", "python_path", metavar="PATH", help="Python of your training environment."
+    ),
     click.option("--nproc-per-node", type=click.IntRange(1, 64), help="Ranks per probe launch."),
-    click.option("--probe-timeout", type=click.FloatRange(1, 3600), default=60.0, show_default=True,
-                 help="Seconds before a probe launch is killed."),
+    click.option(
+        "--probe-timeout",
+        type=click.FloatRange(1, 3600),
+        default=60.0,
+        show_default=True,
+        help="Seconds before a probe launch is killed.",
+    ),
 ]
 
 
@@ -120,16 +127,38 @@ def with_probe_options(func):
 
 @main.command()
 @click.argument("text", required=False)
-@click.option("--file", "file", type=click.Path(path_type=Path, dir_okay=False), help="Read the question from a file.")
+@click.option(
+    "--file",
+    "file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Read the question from a file.",
+)
 @click.option("--top", type=int, default=5, show_default=True, help="How many causes to show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON contract (see DESIGN.md).")
-@click.option("--batch", type=click.Path(path_type=Path, dir_okay=False),
-              help="JSON lines {id, query} in; one JSON result per line out.")
+@click.option(
+    "--batch",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="JSON lines {id, query} in; one JSON result per line out.",
+)
 @click.option("--no-probe", is_flag=True, help="Retrieval only: do not run probes.")
-@click.option("--script", type=click.Path(path_type=Path), help="Your training script, checked statically.")
+@click.option(
+    "--script", type=click.Path(path_type=Path), help="Your training script, checked statically."
+)
 @model_option
 @with_probe_options
-def ask(text, file, top, as_json, batch, no_probe, script, model, python_path, nproc_per_node, probe_timeout):
+def ask(
+    text,
+    file,
+    top,
+    as_json,
+    batch,
+    no_probe,
+    script,
+    model,
+    python_path,
+    nproc_per_node,
+    probe_timeout,
+):
     """Explain an error or a log and rank its likely causes.
 
     \b
@@ -196,7 +225,9 @@ def _ask_batch(engine, batch: Path, top: int, runner, findings) -> None:
         lines = batch.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as exc:
         raise UserError(f"cannot read --batch file {batch}: {exc.strerror}") from None
-    items = [_batch_item(batch, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    items = [
+        _batch_item(batch, number, line) for number, line in enumerate(lines, 1) if line.strip()
+    ]
     for item_id, query in items:
         try:
             result = engine.ask(query, top=top)
@@ -213,7 +244,7 @@ def _batch_item(batch: Path, number: int, line: str) -> tuple:
         item = json.loads(line)
         return item["id"], str(item["query"])
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise UserError(f"{batch}:{number}: expected a JSON object with \"id\" and \"query\"") from None
+        raise UserError(f'{batch}:{number}: expected a JSON object with "id" and "query"') from None
 
 
 # -- knowledge base ----------------------------------------------------------------
@@ -225,7 +256,12 @@ def kb() -> None:
 
 
 @kb.command("lint")
-@click.option("--kb", "kb_root", type=click.Path(path_type=Path, file_okay=False), help="KB directory (default: kb/).")
+@click.option(
+    "--kb",
+    "kb_root",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="KB directory (default: kb/).",
+)
 def kb_lint(kb_root):
     """Validate every KB file; exit 1 naming file and field for each problem.
 
@@ -305,7 +341,9 @@ def kb_eval(file, floor, as_json, model):
     report = evaluate(_engine(model), queries)
     click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     if floor is not None and report["fused"]["top1"] < floor:
-        click.echo(f"fused top-1 {report['fused']['top1']:.3f} is below the floor {floor}", err=True)
+        click.echo(
+            f"fused top-1 {report['fused']['top1']:.3f} is below the floor {floor}", err=True
+        )
         sys.exit(int(ExitCode.FAILED))
 
 
@@ -357,7 +395,9 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
             result = run_doctor(
                 runner,
                 lang=lang,
-                on_progress=lambda e: status.update(f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)"),
+                on_progress=lambda e: status.update(
+                    f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)"
+                ),
             )
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
@@ -403,7 +443,11 @@ def probe(names, as_json, python_path, nproc_per_node, probe_timeout):
 
 @main.command()
 @model_option
-@click.option("--lang", type=click.Choice(["en", "zh"]), help="Interface language (default: follows the question).")
+@click.option(
+    "--lang",
+    type=click.Choice(["en", "zh"]),
+    help="Interface language (default: follows the question).",
+)
 def chat(model, lang):
     """Open the terminal chat (the default command).
 

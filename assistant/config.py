@@ -7,6 +7,7 @@ support team can point the assistant at its own KB or model.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # The repository root: kb/, probes/ and data/ sit beside the package.
@@ -43,6 +44,16 @@ def history_path() -> Path:
 def contract_path() -> Path:
     """The cause ids other tools rely on (a copy of shared/causes.yaml)."""
     return PROJECT_ROOT / "data" / "causes.yaml"
+
+
+def contract_ids() -> list[str]:
+    """The contract cause ids, in the order of data/causes.yaml.
+
+    Read with a line pattern rather than a YAML parser: the file's shape is
+    fixed by the contract, and a bare GPU node may lack PyYAML.
+    """
+    text = contract_path().read_text(encoding="utf-8")
+    return re.findall(r"^\s*-\s*id:\s*([a-z0-9-]+)\s*$", text, flags=re.MULTILINE)
 
 
 def eval_dir() -> Path:

@@ -9,11 +9,10 @@ pydantic missing on a bare GPU node) the cause ids stand in for titles.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable
 
-from assistant.config import contract_path, kb_dir
+from assistant.config import contract_ids, kb_dir
 from assistant.probe_registry import probe_names
 from assistant.results import AnswerRef, CauseResult, ProbeRun, Result
 from assistant.runner import ProbeRunner, ProgressEvent
@@ -55,31 +54,8 @@ def contract_causes() -> list[CauseResult]:
         if cause is None:
             causes.append(CauseResult(id=cause_id, title=cause_id, score=0.0))
             continue
-        causes.append(
-            CauseResult(
-                id=cause_id,
-                title=cause.title,
-                score=0.0,
-                title_zh=cause.title_zh,
-                summary=cause.summary,
-                summary_zh=cause.summary_zh,
-                fix=cause.fix,
-                fix_code=cause.fix_code,
-                probes=list(cause.probes),
-                answers=answers.get(cause_id, []),
-            )
-        )
+        causes.append(CauseResult.from_kb(cause.model_dump(), 0.0, answers.get(cause_id, [])))
     return causes
-
-
-def contract_ids() -> list[str]:
-    """The contract cause ids, in the order of data/causes.yaml.
-
-    Read with a line pattern rather than a YAML parser: the file's shape is
-    fixed by the contract, and a bare GPU node may lack PyYAML.
-    """
-    text = contract_path().read_text(encoding="utf-8")
-    return re.findall(r"^\s*-\s*id:\s*([a-z0-9-]+)\s*$", text, flags=re.MULTILINE)
 
 
 def _load_kb_quietly():
@@ -105,15 +81,6 @@ def _advice_answers(knowledge) -> dict[str, list[AnswerRef]]:
                 continue
             for cause_id in answer.claims:
                 answers.setdefault(cause_id, []).append(
-                    AnswerRef(
-                        text=answer.text,
-                        lang=answer.lang,
-                        thread=thread.id,
-                        stance=answer.stance,
-                        note=answer.note,
-                        answer_id=answer.id,
-                        advice=answer.advice,
-                        contradicts=list(answer.contradicts),
-                    )
+                    AnswerRef.from_kb(answer.model_dump(), thread.id)
                 )
     return answers

@@ -82,7 +82,10 @@ class Embedder:
     @property
     def dimension(self) -> int:
         model = self.load()
-        get_dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        get_dim = (
+            getattr(model, "get_embedding_dimension", None)
+            or model.get_sentence_embedding_dimension
+        )
         return int(get_dim())
 
     def encode(self, texts: list[str], batch_size: int = 64):

@@ -160,33 +160,14 @@ class Engine:
 
     def _cause_result(self, ranked: RankedCause, lang: str) -> CauseResult:
         data = self._index.causes[ranked.id]
-        return CauseResult(
-            id=ranked.id,
-            title=data["title"],
-            title_zh=data["title_zh"],
-            summary=data["summary"],
-            summary_zh=data["summary_zh"],
-            fix=data["fix"],
-            fix_code=data["fix_code"],
-            score=ranked.score,
-            probes=list(data["probes"]),
-            answers=self._answers_for(ranked.id, lang),
-            signals=dict(ranked.ranks),
+        return CauseResult.from_kb(
+            data, ranked.score, self._answers_for(ranked.id, lang), ranked.ranks
         )
 
     def _answers_for(self, cause_id: str, lang: str) -> list[AnswerRef]:
         """Community answers that claim this cause: the user's language and the best first."""
         answers = [
-            AnswerRef(
-                text=a["text"],
-                lang=a["lang"],
-                thread=thread["id"],
-                stance=a["stance"],
-                note=a.get("note", ""),
-                answer_id=a["id"],
-                advice=a.get("advice", ""),
-                contradicts=list(a.get("contradicts", [])),
-            )
+            AnswerRef.from_kb(a, thread["id"])
             for thread in self._index.threads.values()
             for a in thread["answers"]
             if cause_id in a["claims"]

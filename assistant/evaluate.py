@@ -27,7 +27,9 @@ def load_queries(path: Path) -> list[dict]:
             continue
         try:
             item = json.loads(line)
-            queries.append({"id": item["id"], "query": item["query"], "causes": list(item["causes"])})
+            queries.append(
+                {"id": item["id"], "query": item["query"], "causes": list(item["causes"])}
+            )
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{path}:{number}: expected JSON with id, query and causes") from None
     if not queries:

@@ -104,7 +104,9 @@ def _thread_votes(thread) -> tuple[tuple[str, float], ...]:
     votes: dict[str, float] = {}
     for answer in thread.answers:
         for cid in answer.claims:
-            votes[cid] = votes.get(cid, 0.0) + STANCE_VOTES[answer.stance] * _claim_weight(len(answer.claims))
+            votes[cid] = votes.get(cid, 0.0) + STANCE_VOTES[answer.stance] * _claim_weight(
+                len(answer.claims)
+            )
     top = max(votes.values(), default=0.0)
     if top <= 0:
         return ()
@@ -196,7 +198,10 @@ def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, finger
         pk="key",
     )
     db["causes"].insert_all(
-        ({"id": c.id, "data": json.dumps(c.model_dump(), ensure_ascii=False)} for c in kb.causes.values()),
+        (
+            {"id": c.id, "data": json.dumps(c.model_dump(), ensure_ascii=False)}
+            for c in kb.causes.values()
+        ),
         pk="id",
     )
     db["threads"].insert_all(
@@ -283,11 +288,13 @@ def open_index(path: Path, kb_hash: str | None, fingerprint: str | None) -> Load
         if kb_hash is not None and meta.get("kb_hash") != kb_hash:
             raise IndexProblem("the knowledge base changed since the index was built")
         if fingerprint is not None and meta.get("model") != fingerprint:
-            raise IndexProblem(f"index was built with another embedding model ({meta.get('model')})")
+            raise IndexProblem(
+                f"index was built with another embedding model ({meta.get('model')})"
+            )
         return _load(db, path, meta)
     except IndexProblem:
         raise
-    except Exception as exc:  # sqlite3.DatabaseError, faiss errors, bad JSON: all "damaged"
+    except Exception as exc:  # noqa: BLE001 - sqlite3, faiss, JSON errors: all mean "damaged"
         raise IndexProblem(f"index is damaged ({type(exc).__name__}: {exc})") from None
 
 

@@ -17,6 +17,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from assistant.config import contract_ids
 from assistant.kbfiles import content_hash
 from assistant.probe_registry import PROBES
 
@@ -190,14 +191,6 @@ def _read_yaml(path: Path, root: Path, problems: list[str]) -> dict | None:
         problems.append(f"{name}: (file): expected a mapping of fields")
         return None
     return data
-
-
-def contract_ids() -> list[str]:
-    """The cause ids of the shared contract (data/causes.yaml)."""
-    from assistant.config import contract_path
-
-    data = yaml.safe_load(contract_path().read_text(encoding="utf-8"))
-    return [entry["id"] for entry in data["causes"]]
 
 
 def load_kb(root: Path, require_contract: bool = True) -> KnowledgeBase:

@@ -20,7 +20,9 @@ def kb_stats(kb: KnowledgeBase) -> dict:
             "id": cause.id,
             "title": cause.title,
             "title_zh": cause.title_zh,
-            "has_zh": bool(cause.title_zh and cause.summary_zh and any(has_cjk(s) for s in cause.symptoms)),
+            "has_zh": bool(
+                cause.title_zh and cause.summary_zh and any(has_cjk(s) for s in cause.symptoms)
+            ),
             "signatures": len(cause.signatures),
             "answers": answers_per_cause[cause.id],
             "probes": list(cause.probes),

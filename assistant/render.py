@@ -107,11 +107,17 @@ def _answer_lines(cause: CauseResult) -> list[Text]:
         if len(preview) > ANSWER_PREVIEW:
             preview = preview[:ANSWER_PREVIEW] + "…"
         line = Text("  ")
-        line.append(f"[{t('stance.' + answer.stance, answer.lang)}] ", style=STANCE_STYLE.get(answer.stance, ""))
+        line.append(
+            f"[{t('stance.' + answer.stance, answer.lang)}] ",
+            style=STANCE_STYLE.get(answer.stance, ""),
+        )
         line.append(preview)
         line.append(f"  ({answer.thread}#{answer.answer_id})", style="dim")
         if answer.contradicts:
-            line.append(f"  ↔ {t('contradicts', answer.lang)} {', '.join(answer.contradicts)}", style="magenta")
+            line.append(
+                f"  ↔ {t('contradicts', answer.lang)} {', '.join(answer.contradicts)}",
+                style="magenta",
+            )
         lines.append(line)
         if answer.note:
             lines.append(Text(f"      {answer.note}", style="italic dim"))
@@ -126,5 +132,7 @@ def _probe_table(result: Result, lang: str) -> Table:
     table.add_column("detail")
     for run in result.probes:
         style = {"ok": "green", "timeout": "yellow", "not_applicable": "dim"}.get(run.status, "red")
-        table.add_row(run.name, Text(run.status, style=style), f"{run.seconds:.1f}", run.detail[:80])
+        table.add_row(
+            run.name, Text(run.status, style=style), f"{run.seconds:.1f}", run.detail[:80]
+        )
     return table

@@ -91,6 +91,20 @@ class AnswerRef:
     advice: str = ""
     contradicts: list[str] = field(default_factory=list)
 
+    @classmethod
+    def from_kb(cls, answer: dict, thread_id: str) -> AnswerRef:
+        """From a KB thread answer (as a dict) and its thread's id."""
+        return cls(
+            text=answer["text"],
+            lang=answer["lang"],
+            thread=thread_id,
+            stance=answer["stance"],
+            note=answer.get("note", ""),
+            answer_id=answer["id"],
+            advice=answer.get("advice", ""),
+            contradicts=list(answer.get("contradicts", [])),
+        )
+
     def to_json(self) -> dict:
         return {"text": self.text, "lang": self.lang, "thread": self.thread, "stance": self.stance}
 
@@ -111,6 +125,29 @@ class CauseResult:
     answers: list[AnswerRef] = field(default_factory=list)
     signals: dict[str, int] = field(default_factory=dict)  # signal name -> rank (1-based)
     verdict: Verdict = field(default_factory=lambda: NOT_RUN)
+
+    @classmethod
+    def from_kb(
+        cls,
+        entry: dict,
+        score: float,
+        answers: list[AnswerRef] | None = None,
+        signals: dict[str, int] | None = None,
+    ) -> CauseResult:
+        """From a KB cause entry (as a dict), before any verdict."""
+        return cls(
+            id=entry["id"],
+            title=entry["title"],
+            title_zh=entry["title_zh"],
+            summary=entry["summary"],
+            summary_zh=entry["summary_zh"],
+            fix=entry["fix"],
+            fix_code=entry["fix_code"],
+            score=score,
+            probes=list(entry["probes"]),
+            answers=list(answers or []),
+            signals=dict(signals or {}),
+        )
 
     def to_json(self, lang: str = "en") -> dict:
         """The contract's `causes[*]` entry (keys and order fixed by DESIGN.md)."""

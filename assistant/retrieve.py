@@ -70,7 +70,11 @@ class Retriever:
 
     def lexical_scores(self, text: str) -> dict[str, float]:
         # On a large index every extra OR-ed term costs bm25 over many rows.
-        terms = LEXICAL_TERMS_SMALL if len(self.index.chunk_kinds) <= LARGE_INDEX else LEXICAL_TERMS_LARGE
+        terms = (
+            LEXICAL_TERMS_SMALL
+            if len(self.index.chunk_kinds) <= LARGE_INDEX
+            else LEXICAL_TERMS_LARGE
+        )
         query = fts_query(text, self.index.token_df, limit=terms)
         if query is None:
             return {}

@@ -13,12 +13,12 @@ import re
 _WORD = re.compile(r"[a-z][a-z0-9]+|[0-9]{2,}")
 _CJK_RUN = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]+")
 
-STOPWORDS = frozenset(
+STOPWORDS = frozenset(  # a word list reads best as text
     """the and for with that this you your are was were has have had not but from into
     when then than what which while will would can could should does did its it's our out
     all any how why who use used using get got just also only one two there their them
     they been being very more most some such here about after before over under on in of
-    to is be as at by or an if so no do my me we it py line file""".split()
+    to is be as at by or an if so no do my me we it py line file""".split()  # noqa: SIM905
 )
 
 

@@ -31,7 +31,9 @@ REPEATS = 3
 
 def wall(cmd: list[str], env: dict | None = None) -> float:
     started = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    subprocess.run(
+        cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO
+    )
     return time.perf_counter() - started
 
 
@@ -85,7 +87,12 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     ids = list(kb.causes)
     rng = random.Random(0)
     chunks = real + [
-        Chunk(" ".join(rng.choices(words, k=24)) + f" #{i}", "symptom", "en", ((rng.choice(ids), 1.0),))
+        Chunk(
+            " ".join(rng.choices(words, k=24)) + f" #{i}",
+            "symptom",
+            "en",
+            ((rng.choice(ids), 1.0),),
+        )
         for i in range(size)
     ]
     vectors = engine.embedder.encode([c.text for c in real])
@@ -107,8 +114,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_env = dict(env, ASSISTANT_BUILD=tmp)
         figures["kb_build_s"] = wall([assistant, "kb", "build"], build_env)
-        figures["import_torch_st_s"] = best_of([python, "-c", "import torch, sentence_transformers"], env)
-        figures["cold_ask_s"] = best_of([assistant, "ask", "--no-probe", "--json", QUESTION], build_env)
+        figures["import_torch_st_s"] = best_of(
+            [python, "-c", "import torch, sentence_transformers"], env
+        )
+        figures["cold_ask_s"] = best_of(
+            [assistant, "ask", "--no-probe", "--json", QUESTION], build_env
+        )
         figures["cold_ratio"] = figures["cold_ask_s"] / figures["import_torch_st_s"]
         figures["help_s"] = best_of([assistant, "--help"], env)
         figures["kb_lint_s"] = best_of([assistant, "kb", "lint"], env)
@@ -119,7 +130,9 @@ def main() -> None:
         figures["warm_median_ms"] = warm_median(engine, texts)
         figures["embed_only_median_ms"] = embed_median(engine, texts)
 
-        synthetic = Engine(index_path=Path(tmp) / "synthetic.sqlite", log=lambda m: None, embedder=engine.embedder)
+        synthetic = Engine(
+            index_path=Path(tmp) / "synthetic.sqlite", log=lambda m: None, embedder=engine.embedder
+        )
         synthetic_index(engine, synthetic.index_path)
         from assistant.index import open_index
         from assistant.retrieve import Retriever
@@ -139,7 +152,9 @@ def main() -> None:
     }
     for key, value in figures.items():
         target = targets.get(key)
-        verdict = "" if target is None else ("  ok" if value <= target else f"  OVER target {target}")
+        verdict = (
+            "" if target is None else ("  ok" if value <= target else f"  OVER target {target}")
+        )
         print(f"{key:22} {value:10.3f}{verdict}")
 
 

@@ -11,7 +11,10 @@ LOGS = Path(__file__).parent / "data" / "logs"
 
 def test_strip_line_removes_noise_prefixes():
     assert strip_line("\x1b[31m[rank1]: RuntimeError: boom\x1b[0m") == (1, "RuntimeError: boom")
-    assert strip_line("W1129 22:30:54.705000 4481 torch/distributed/run.py:874] hello") == (None, "hello")
+    assert strip_line("W1129 22:30:54.705000 4481 torch/distributed/run.py:874] hello") == (
+        None,
+        "hello",
+    )
     assert strip_line("2024-05-01 12:00:00,123 [default3]:ValueError: x") == (3, "ValueError: x")
 
 

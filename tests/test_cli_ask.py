@@ -60,7 +60,9 @@ def test_top_limits_causes(run):
 
 
 def test_chinese_question_gets_chinese_titles_and_seed_answers(run):
-    result = run(["ask", "--json", "--no-probe", "用PyTorch做多卡训练，DDP一直报错找不到设备，求指点"])
+    result = run(
+        ["ask", "--json", "--no-probe", "用PyTorch做多卡训练，DDP一直报错找不到设备，求指点"]
+    )
     payload = json.loads(result.stdout)
     ids = [c["id"] for c in payload["causes"]]
     assert {"duplicate-gpu-per-rank", "local-rank-not-from-env", "set-device-order"} & set(ids[:3])
@@ -80,8 +82,10 @@ def test_human_output_shows_root_error_causes_and_fix(run):
 def test_batch_keeps_order_and_ids(run, tmp_path):
     batch = tmp_path / "q.jsonl"
     batch.write_text(
-        json.dumps({"id": "x1", "query": DUPLICATE}) + "\n"
-        + json.dumps({"id": "x2", "query": "Default process group has not been initialized"}) + "\n"
+        json.dumps({"id": "x1", "query": DUPLICATE})
+        + "\n"
+        + json.dumps({"id": "x2", "query": "Default process group has not been initialized"})
+        + "\n"
     )
     result = run(["ask", "--no-probe", "--batch", str(batch)])
     assert result.exit_code == 0, result.output
@@ -96,7 +100,11 @@ def test_batch_keeps_order_and_ids(run, tmp_path):
         (["ask", "--no-probe", "   "], None, "the question is empty"),
         (["ask", "--no-probe", "-"], "\n\n", "the question is empty"),
         (["ask", "--no-probe", "--top", "0", "x"], None, "--top must be between"),
-        (["ask", "--no-probe", "--batch", "/nonexistent/q.jsonl"], None, "cannot read --batch file"),
+        (
+            ["ask", "--no-probe", "--batch", "/nonexistent/q.jsonl"],
+            None,
+            "cannot read --batch file",
+        ),
         (["ask", "--no-probe", "--file", "/nonexistent/e.log"], None, "cannot read"),
         (["probe", "crystal_ball"], None, "unknown probe crystal_ball"),
     ],
@@ -158,7 +166,11 @@ def test_ask_runs_linked_probes_and_confirms_a_held_port(run, monkeypatch):
     assert first["id"] == "master-port-in-use"
     assert first["verdict"] == "confirmed"
     assert any("29500" in line for line in first["evidence"])
-    assert payload["probes"] and {p["status"] for p in payload["probes"]} <= {"ok", "failed", "not_applicable"}
+    assert payload["probes"] and {p["status"] for p in payload["probes"]} <= {
+        "ok",
+        "failed",
+        "not_applicable",
+    }
 
 
 def test_ten_megabyte_log_on_stdin_is_answered_with_the_right_root_error(run):

@@ -47,7 +47,12 @@ def test_index_records_kb_hash_and_model(mini_kb, tmp_path):
     meta = dict(db.execute("select key, value from meta"))
     assert meta["kb_hash"] == content_hash(mini_kb)
     assert meta["model"] == engine.embedder.fingerprint
-    assert db.execute("select count(*) from chunks_fts where chunks_fts match '\"设备\" OR \"卡\"'").fetchone()[0] >= 1
+    assert (
+        db.execute(
+            'select count(*) from chunks_fts where chunks_fts match \'"设备" OR "卡"\''
+        ).fetchone()[0]
+        >= 1
+    )
 
 
 def test_stale_index_is_rebuilt_and_said_on_log(mini_kb, tmp_path):

@@ -48,8 +48,7 @@ def test_real_kb_passes_lint():
 
 
 def test_real_kb_covers_every_contract_cause_in_both_languages():
-    from assistant.kb import contract_ids
-    from assistant.config import kb_dir
+    from assistant.config import contract_ids, kb_dir
 
     kb = load_kb(kb_dir())
     assert set(contract_ids()) <= set(kb.causes)

@@ -11,7 +11,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_fusion_scales_scores_and_orders_by_reciprocal_rank():
-    ranked = fuse({"signature": {"a": 3.0}, "lexical": {"b": 9.0, "a": 1.0}, "dense": {"a": 0.9, "b": 0.1}})
+    ranked = fuse(
+        {"signature": {"a": 3.0}, "lexical": {"b": 9.0, "a": 1.0}, "dense": {"a": 0.9, "b": 0.1}}
+    )
     assert [r.id for r in ranked] == ["a", "b"]
     assert ranked[0].ranks == {"signature": 1, "lexical": 2, "dense": 1}
     assert 0 < ranked[1].score < ranked[0].score <= 1
@@ -19,7 +21,9 @@ def test_fusion_scales_scores_and_orders_by_reciprocal_rank():
 
 def test_a_root_error_signature_hit_skips_the_dense_signal(engine):
     retriever = engine._retriever
-    exact = clean_log("RuntimeError: Default process group has not been initialized, please make sure to call init_process_group.")
+    exact = clean_log(
+        "RuntimeError: Default process group has not been initialized, please make sure to call init_process_group."
+    )
     question = clean_log("why do both my processes use gpu 0")
     assert not needs_dense(retriever.signal_scores(exact, shortcut=False))
     assert "dense" not in retriever.signal_scores(exact)

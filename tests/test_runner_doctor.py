@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from assistant.diagnose import contract_ids, doctor, run_named
+from assistant.config import contract_ids
+from assistant.diagnose import doctor, run_named
 from assistant.runner import load_runs
 
 FACTS = Path(__file__).parent / "fixtures" / "facts"

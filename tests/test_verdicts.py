@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from assistant.diagnose import contract_ids
+from assistant.config import contract_ids
 from assistant.results import AnswerRef, CauseResult, Finding, Result, RootError
 from assistant.runner import load_runs
 from assistant.verdicts import (
@@ -485,7 +485,9 @@ def test_a_gpu_error_pasted_on_a_cpu_machine_is_not_blamed_on_the_missing_gpu():
 
 
 def test_a_confirmed_cause_with_weak_retrieval_does_not_jump_the_error_s_own_cause():
-    error = RootError("RuntimeError", "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000")
+    error = RootError(
+        "RuntimeError", "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
+    )
     result = Result(
         query="q",
         root_error=error,
@@ -499,4 +501,4 @@ def test_a_confirmed_cause_with_weak_retrieval_does_not_jump_the_error_s_own_cau
     apply_verdicts(result, runs, [])
     by_id = {c.id: c.verdict.verdict for c in result.causes}
     assert by_id["master-port-in-use"] == "confirmed"
-    assert [c.id for c in result.causes][0] == "hardcoded-device"
+    assert next(c.id for c in result.causes) == "hardcoded-device"

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from assistant.diagnose import contract_ids
+from assistant.config import contract_ids
 from assistant.probe_registry import probe_names
 from assistant.runner import ProbeRunner, load_runs, save_runs
 from assistant.verdicts import judge
