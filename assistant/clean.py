@@ -19,7 +19,9 @@ RANK_PREFIX = re.compile(r"^\s*\[(?:rank|default)(\d+)\]:\s?|^(\d{1,3}): (?=\S)"
 # "2024-05-01 12:00:00,123", "[2024-05-01T12:00:00.123Z]", glog "E0501 12:00:00.123456 4242 file.cpp:12]"
 TIMESTAMP = re.compile(
     r"^\s*\[?\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?Z?\]?\s*(?:[-|]\s*)?"
-    r"|^\s*[IWEF]\d{4} \d{2}:\d{2}:\d{2}\.\d+\s+\d+\s+\S+:\d+\]\s?"
+    r"|^\s*\[?[IWEF]\d{3,4} \d{2}:\d{2}:\d{2}\.\d+(?:\s+\d+)?\s+[\w./-]+:\d+\]\s?"
+    # c10d's short form: "[E ProcessGroupNCCL.cpp:475] "
+    r"|^\s*\[[IWEF] [\w./-]+:\d+\]\s?"
 )
 # Numbers that differ between ranks or runs but not in meaning.
 PIDS = re.compile(

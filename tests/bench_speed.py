@@ -5,8 +5,9 @@
 Measures, in one run so that the ratios compare like with like:
   - cold `assistant ask --no-probe` vs `python -c "import torch, sentence_transformers"`
     (target: ratio <= 1.25)
-  - warm query median on the real KB (target: <= 30 ms)
-  - warm query median on a synthetic 100,000-chunk index (target: <= 50 ms)
+  - warm query median on the real KB (target: <= 30 ms), over all labelled
+    queries and over the questions alone (which always need the embedding)
+  - the same on a synthetic 100,000-chunk index (target: <= 50 ms)
   - `assistant kb build` of the whole KB from nothing (target: <= 20 s)
   - `assistant --help` and `assistant kb lint` (target: < 1 s each)
 """
@@ -42,10 +43,17 @@ def best_of(cmd: list[str], env: dict | None = None, repeats: int = REPEATS) -> 
     return min(wall(cmd, env) for _ in range(repeats))
 
 
-def queries() -> list[str]:
+def queries(questions_only: bool = False) -> list[str]:
+    """The labelled queries: logs, messages and questions (or questions alone).
+
+    The mix matters: a log or message whose root error hits a signature
+    skips the embedding, a question never does, so both medians are printed.
+    """
     path = REPO / "data" / "eval" / "queries.jsonl"
-    items = [json.loads(line)["query"] for line in path.read_text().splitlines() if line.strip()]
-    return items[:60]
+    items = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if questions_only:
+        items = [item for item in items if item["source"].startswith("question")]
+    return [item["query"] for item in items]
 
 
 def warm_median(engine, texts: list[str]) -> float:
@@ -128,6 +136,7 @@ def main() -> None:
         engine.load()
         texts = queries()
         figures["warm_median_ms"] = warm_median(engine, texts)
+        figures["warm_median_questions_ms"] = warm_median(engine, queries(questions_only=True))
         figures["embed_only_median_ms"] = embed_median(engine, texts)
 
         synthetic = Engine(
@@ -141,11 +150,14 @@ def main() -> None:
         synthetic._retriever = Retriever(synthetic._index, engine.embedder)
         figures["synthetic_chunks"] = float(synthetic._index.faiss_index.ntotal)
         figures["warm_median_100k_ms"] = warm_median(synthetic, texts)
+        figures["warm_median_100k_questions_ms"] = warm_median(synthetic, queries(questions_only=True))
 
     targets = {
         "cold_ratio": 1.25,
         "warm_median_ms": 30,
         "warm_median_100k_ms": 50,
+        "warm_median_questions_ms": 30,
+        "warm_median_100k_questions_ms": 50,
         "kb_build_s": 20,
         "help_s": 1,
         "kb_lint_s": 1,

@@ -107,3 +107,14 @@ def test_interleaved_unprefixed_tracebacks_keep_a_clean_message():
     assert root.message == (
         "Default process group has not been initialized, please make sure to call init_process_group."
     )
+
+
+def test_c10d_log_prefixes_of_every_torch_version_are_stripped():
+    lines = [
+        "[rank1]:[E626 06:24:44.903881913 ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout",
+        "[E ProcessGroupNCCL.cpp:475] [Rank 1] Watchdog caught collective operation timeout",
+        "E0501 12:00:00.123456 4242 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:616] [Rank 1] Watchdog caught collective operation timeout",
+    ]
+    for line in lines:
+        assert strip_line(line)[1] == "[Rank 1] Watchdog caught collective operation timeout"
+    assert len(clean_log("\n".join(lines)).lines) == 1
