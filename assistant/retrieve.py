@@ -27,6 +27,7 @@ SIGNATURE_TEXT_LIMIT = 400_000  # characters of a huge log the regexes scan
 CONTEXT_WEIGHT = 0.35
 LARGE_INDEX = 20_000  # chunks
 LEXICAL_TERMS_SMALL, LEXICAL_TERMS_LARGE = 24, 16
+COMMON_TERM_SHARE = 0.02  # on a large index, a term in more chunks than this is noise
 DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it  # how much a follow-up's earlier turns pull the dense query
 
 
@@ -70,12 +71,12 @@ class Retriever:
 
     def lexical_scores(self, text: str) -> dict[str, float]:
         # On a large index every extra OR-ed term costs bm25 over many rows.
-        terms = (
-            LEXICAL_TERMS_SMALL
-            if len(self.index.chunk_kinds) <= LARGE_INDEX
-            else LEXICAL_TERMS_LARGE
-        )
-        query = fts_query(text, self.index.token_df, limit=terms)
+        chunks = len(self.index.chunk_kinds)
+        if chunks <= LARGE_INDEX:
+            query = fts_query(text, self.index.token_df, limit=LEXICAL_TERMS_SMALL)
+        else:
+            max_df = int(COMMON_TERM_SHARE * chunks)
+            query = fts_query(text, self.index.token_df, limit=LEXICAL_TERMS_LARGE, max_df=max_df)
         if query is None:
             return {}
         rows = self.index.db.execute(

@@ -34,16 +34,25 @@ def search_tokens(text: str) -> list[str]:
     return tokens
 
 
-def fts_query(text: str, doc_freq: dict[str, int] | None = None, limit: int = 16) -> str | None:
+def fts_query(
+    text: str,
+    doc_freq: dict[str, int] | None = None,
+    limit: int = 16,
+    max_df: int | None = None,
+) -> str | None:
     """An FTS5 MATCH expression: distinct tokens OR-ed.
 
     With `doc_freq` (token -> number of chunks holding it), tokens the index
     lacks are dropped and the `limit` rarest are kept: they carry the meaning,
-    and common ones would make bm25 score most of a large index.
+    and common ones would make bm25 score most of a large index. Tokens in
+    more than `max_df` chunks are dropped outright (near-zero idf, all cost).
     """
     unique = list(dict.fromkeys(search_tokens(text)))
     if doc_freq is not None:
-        unique = sorted((t for t in unique if t in doc_freq), key=lambda t: doc_freq[t])
+        cap = max_df if max_df is not None else float("inf")
+        unique = sorted(
+            (t for t in unique if 0 < doc_freq.get(t, 0) <= cap), key=lambda t: doc_freq[t]
+        )
     unique = unique[:limit]
     if not unique:
         return None

@@ -150,7 +150,9 @@ def main() -> None:
         synthetic._retriever = Retriever(synthetic._index, engine.embedder)
         figures["synthetic_chunks"] = float(synthetic._index.faiss_index.ntotal)
         figures["warm_median_100k_ms"] = warm_median(synthetic, texts)
-        figures["warm_median_100k_questions_ms"] = warm_median(synthetic, queries(questions_only=True))
+        figures["warm_median_100k_questions_ms"] = warm_median(
+            synthetic, queries(questions_only=True)
+        )
 
     targets = {
         "cold_ratio": 1.25,

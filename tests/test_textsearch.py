@@ -16,3 +16,9 @@ def test_query_quotes_tokens_and_handles_empty():
     assert fts_query("nccl NCCL timeout") == '"nccl" OR "timeout"'
     assert fts_query("nccl timeout gloo", {"gloo": 1, "nccl": 9}) == '"gloo" OR "nccl"'
     assert fts_query("!!! ...") is None
+
+
+def test_terms_common_to_a_large_index_are_dropped():
+    df = {"gpu": 5000, "duplicate": 12, "rank": 900}
+    assert fts_query("duplicate gpu rank", df, max_df=1000) == '"duplicate" OR "rank"'
+    assert fts_query("gpu", df, max_df=1000) is None
