@@ -88,7 +88,7 @@ class Embedder:
         )
         return int(get_dim())
 
-    def encode(self, texts: list[str], batch_size: int = 64):
+    def encode(self, texts: list[str], batch_size: int = 32):  # 32 beat 16 and 64 on 2 cores
         """Unit-length float32 vectors, one row per text."""
         import numpy as np
 
