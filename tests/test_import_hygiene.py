@@ -19,9 +19,16 @@ HEAVY = ["torch", "sentence_transformers", "faiss", "transformers"]
 
 
 def core_modules() -> list[str]:
-    return sorted(
-        f"assistant.{path.stem}" for path in PACKAGE.glob("*.py") if path.stem not in FRONT_ENDS
-    )
+    """Every module of the package outside the TUI, subpackages included."""
+    names = []
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[0] == "tui" or parts[-1] in FRONT_ENDS:
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join(("assistant", *parts)))
+    return sorted(names)
 
 
 def loaded_after(statement: str, names: list[str]) -> list[str]:

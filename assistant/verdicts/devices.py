@@ -1,0 +1,573 @@
+"""Verdicts on GPUs: sharing, visible devices, no CUDA, out of memory, and the
+set_device order experiment with its variants."""
+
+from __future__ import annotations
+
+from assistant.results import ProbeRun, Verdict
+from assistant.verdicts.inputs import (
+    ADVICE_VARIANTS,
+    CUDA_OOM,
+    DUPLICATE_GPU,
+    GPU_BUSY_FRACTION,
+    GPU_USED,
+    INVALID_ORDINAL,
+    NO_CUDA,
+    VARIANT_NAMES,
+    Inputs,
+    _by_host,
+    _gist,
+    _not_run,
+    _quote,
+    _short,
+    _undecided,
+    _verdict,
+    judges,
+)
+
+# --- devices --------------------------------------------------------------------
+
+
+def _gpu_records(i: Inputs) -> list[dict]:
+    """devices records of ranks that see CUDA."""
+    return [r for r in i.facts("devices") if r["facts"].get("cuda_available")]
+
+
+def _sharing(i: Inputs) -> list[str]:
+    """Evidence lines of ranks that cannot each have a GPU of their own."""
+    lines = []
+    for host, records in _by_host(_gpu_records(i)).items():
+        by_uuid: dict[str, list[int]] = {}
+        for record in records:
+            landed = record["facts"]["local_rank_device"]
+            if landed.get("uuid"):
+                by_uuid.setdefault(landed["uuid"], []).append(record["rank"])
+        for uuid, ranks in by_uuid.items():
+            if len(ranks) > 1:
+                lines.append(
+                    i.t(
+                        "ranks {ranks} all land on {gpu} with cuda:LOCAL_RANK on {host}",
+                        "{host} 上 rank {ranks} 用 cuda:LOCAL_RANK 都落在 {gpu} 上",
+                        ranks=", ".join(map(str, ranks)),
+                        gpu=_short(uuid),
+                        host=host,
+                    )
+                )
+        local_world = max(r.get("local_world_size") or 0 for r in records)
+        count = min(r["facts"]["device_count"] for r in records)
+        if local_world > count:
+            gpus = sorted(
+                {_short(d["uuid"]) for r in records for d in r["facts"].get("visible") or []}
+            )
+            lines.append(
+                i.t(
+                    "{n} ranks on {host} but only {count} visible GPU(s) ({gpus}): ranks must share",
+                    "{host} 上有 {n} 个 rank，但只看得到 {count} 张 GPU（{gpus}）：只能共用",
+                    n=local_world,
+                    host=host,
+                    count=count,
+                    gpus=", ".join(gpus) or "-",
+                )
+            )
+            defaults = {r["facts"]["default_device"]["uuid"] for r in records}
+            if len(defaults) == 1 and len(records) > 1:
+                lines.append(
+                    i.t(
+                        "every rank's default device is {gpu}",
+                        "每个 rank 的默认设备都是 {gpu}",
+                        gpu=_short(next(iter(defaults))),
+                    )
+                )
+        failing: dict[str, list[int]] = {}
+        for record in records:
+            error = record["facts"]["local_rank_device"].get("error")
+            if error:
+                failing.setdefault(_gist(error, 100), []).append(record["rank"])
+        for error, ranks in failing.items():
+            lines.append(
+                i.t(
+                    "rank {ranks}: cuda:LOCAL_RANK fails: {error}",
+                    "rank {ranks}：cuda:LOCAL_RANK 出错：{error}",
+                    ranks=", ".join(map(str, ranks)),
+                    error=error,
+                )
+            )
+    lines.extend(_nccl_duplicate_lines(i))
+    return lines
+
+
+def _nccl_duplicate_lines(i: Inputs) -> list[str]:
+    """NCCL's own "Duplicate GPU" error from the backend probe."""
+    # Not set_device_order: its no-set-device variant puts ranks on one GPU on purpose.
+    for record in i.facts("backend"):
+        error = (record["facts"].get("nccl") or {}).get("error") or ""
+        match = DUPLICATE_GPU.search(error)
+        if match:
+            return [
+                i.t(
+                    "NCCL refused the backend probe's all_reduce: {error}",
+                    "backend 探针的 all_reduce 被 NCCL 拒绝：{error}",
+                    error=_gist(error[match.start() :], 100),
+                )
+            ]
+    return []
+
+
+def _own_gpus(i: Inputs) -> list[str]:
+    """One line saying each rank has a GPU of its own, when it does."""
+    records = _gpu_records(i)
+    if not records or _sharing(i):
+        return []
+    landed = [f"{r['rank']}->{_short(r['facts']['local_rank_device']['uuid'])}" for r in records]
+    return [
+        i.t(
+            "with cuda:LOCAL_RANK each rank gets a GPU of its own here ({pairs})",
+            "在本机用 cuda:LOCAL_RANK 时每个 rank 各有一张卡（{pairs}）",
+            pairs=", ".join(landed),
+        )
+    ]
+
+
+def _default_device_line(i: Inputs) -> list[str]:
+    records = _gpu_records(i)
+    defaults = {r["facts"]["default_device"]["uuid"] for r in records}
+    if len(records) > 1 and len(defaults) == 1:
+        return [
+            i.t(
+                "without set_device every rank's current device is cuda:0 ({gpu}): bare .cuda() and 'cuda' land there",
+                "不调用 set_device 时每个 rank 的当前设备都是 cuda:0（{gpu}）：.cuda() 和 'cuda' 都会落到这张卡",
+                gpu=_short(next(iter(defaults))),
+            )
+        ]
+    return []
+
+
+def _script_picks_device(i: Inputs) -> list[str]:
+    """Evidence that, on a healthy launch, the device choice is the script's."""
+    lines = _own_gpus(i)
+    if lines and i.error_match(DUPLICATE_GPU):
+        lines.append(
+            i.t(
+                "so the ranks that share a GPU in your error chose it in the script",
+                "所以报错里共用一张卡的 rank，是脚本自己选的设备",
+            )
+        )
+    return lines
+
+
+def _no_gpu(i: Inputs) -> Verdict | None:
+    """not_applicable when the devices probe found no CUDA at all."""
+    records = i.records("devices")
+    if records and all(r["status"] == "not_applicable" for r in records):
+        return _verdict("not_applicable", [i.t("no CUDA device visible", "看不到任何 CUDA 设备")])
+    return None
+
+
+@judges("duplicate-gpu-per-rank")
+def _duplicate_gpu_per_rank(i: Inputs) -> Verdict:
+    sharing = _sharing(i)
+    if sharing:
+        return _verdict("confirmed", sharing)
+    if i.error_match(DUPLICATE_GPU):
+        line = i.t(
+            "the error says two ranks are on one GPU: {error}",
+            "报错说两个 rank 在同一张卡上：{error}",
+            error=_quote(i.error_text(), 120),
+        )
+        return _verdict("confirmed", [line] + _script_picks_device(i))
+    no_gpu = _no_gpu(i)
+    if no_gpu:
+        return no_gpu
+    evidence = _own_gpus(i)
+    if evidence:
+        evidence.append(
+            i.t(
+                "if ranks still share a GPU, the script picks the device (see local-rank-not-from-env, hardcoded-device)",
+                "如果 rank 仍然共用一张卡，是脚本选设备的方式有问题（见 local-rank-not-from-env、hardcoded-device）",
+            )
+        )
+    return _undecided(i, ("devices",), evidence)
+
+
+@judges("hardcoded-device")
+def _hardcoded_device(i: Inputs) -> Verdict:
+    no_gpu = _no_gpu(i)
+    if no_gpu and not i.error_match(DUPLICATE_GPU):
+        return no_gpu
+    return _undecided(i, ("devices",), _script_picks_device(i) + _default_device_line(i))
+
+
+@judges("world-size-exceeds-devices")
+def _world_size_exceeds_devices(i: Inputs) -> Verdict:
+    evidence = []
+    if i.error_match(INVALID_ORDINAL):
+        evidence.append(
+            i.t(
+                "'invalid device ordinal' means a rank asked for a GPU index that does not exist",
+                "'invalid device ordinal' 表示某个 rank 请求了不存在的 GPU 编号",
+            )
+        )
+    records = _gpu_records(i)
+    over = []
+    for host, mine in _by_host(records).items():
+        local_world = max(r.get("local_world_size") or 0 for r in mine)
+        count = min(r["facts"]["device_count"] for r in mine)
+        if local_world > count:
+            over.append(
+                i.t(
+                    "{n} processes on {host} but {count} visible GPU(s)",
+                    "{host} 上有 {n} 个进程，但只看得到 {count} 张 GPU",
+                    n=local_world,
+                    host=host,
+                    count=count,
+                )
+            )
+    if over:
+        return _verdict("confirmed", over + evidence)
+    no_gpu = _no_gpu(i)
+    if no_gpu:
+        return no_gpu
+    if not records:
+        return _undecided(i, ("devices",), evidence)
+    count = min(r["facts"]["device_count"] for r in records)
+    local_world = max(r.get("local_world_size") or 0 for r in records)
+    sources = {r["facts"].get("nproc_source") for r in i.facts("launch_env")}
+    if sources == {"user"}:
+        line = i.t(
+            "{n} process(es) per node fit the {count} visible GPU(s)",
+            "每个节点 {n} 个进程，看得到的 {count} 张 GPU 够用",
+            n=local_world,
+            count=count,
+        )
+        return _verdict("ruled_out", [line] + evidence)
+    line = i.t(
+        "{count} visible GPU(s) here: launch at most {count} process(es) per node",
+        "本机看得到 {count} 张 GPU：每个节点最多启动 {count} 个进程",
+        count=count,
+    )
+    return _verdict("inconclusive", [line] + evidence)
+
+
+@judges("cuda-visible-devices-mismatch")
+def _cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
+    records = i.facts("devices", ("ok", "failed", "not_applicable"))
+    if not records:
+        return _undecided(i, ("devices",), [])
+    problems: list[str] = []
+    healthy: list[str] = []
+    for mine in _by_host(records).values():
+        for value in sorted({r["facts"].get("cuda_visible_devices") for r in mine}, key=str):
+            same = [r for r in mine if r["facts"].get("cuda_visible_devices") == value]
+            problem = _visible_devices_problem(i, value, same)
+            (problems if problem else healthy).append(
+                problem or _visible_devices_ok(i, value, same)
+            )
+    if problems:
+        return _verdict("confirmed", problems)
+    if all(
+        r["facts"].get("physical_gpus") in (0, None) and not r["facts"].get("cuda_available")
+        for r in records
+    ):
+        return _verdict(
+            "not_applicable", [i.t("no NVIDIA GPU on this machine", "本机没有 NVIDIA GPU")]
+        )
+    return _verdict("ruled_out", healthy)
+
+
+def _visible_devices_problem(i: Inputs, value: str | None, records: list[dict]) -> str | None:
+    """What is wrong with one CUDA_VISIBLE_DEVICES value, for the ranks that have it."""
+    if value is None:
+        return None
+    physical = max((r["facts"].get("physical_gpus") or 0) for r in records)
+    count = min(r["facts"].get("device_count") or 0 for r in records)
+    local_world = max(r.get("local_world_size") or 0 for r in records)
+    entries = [e.strip() for e in value.split(",")]
+    if not value.strip():
+        if not physical:
+            return i.t(
+                "CUDA_VISIBLE_DEVICES is set but empty: it hides every GPU",
+                "CUDA_VISIBLE_DEVICES 设成了空值：把所有 GPU 都藏起来了",
+            )
+        return i.t(
+            "CUDA_VISIBLE_DEVICES is set but empty: it hides all {physical} GPU(s)",
+            "CUDA_VISIBLE_DEVICES 设成了空值：把 {physical} 张 GPU 全都藏起来了",
+            physical=physical,
+        )
+    duplicates = sorted({e for e in entries if entries.count(e) > 1})
+    if duplicates:
+        return i.t(
+            "CUDA_VISIBLE_DEVICES={value} lists {dup} twice",
+            "CUDA_VISIBLE_DEVICES={value} 把 {dup} 列了两次",
+            value=value,
+            dup=", ".join(duplicates),
+        )
+    invalid = [
+        e
+        for e in entries
+        if not (
+            e.startswith(("GPU-", "MIG-")) or (e.isdigit() and (not physical or int(e) < physical))
+        )
+    ]
+    if invalid:
+        return i.t(
+            "CUDA_VISIBLE_DEVICES={value} names {bad}, which this machine does not have ({physical} GPU(s))",
+            "CUDA_VISIBLE_DEVICES={value} 里的 {bad} 本机没有（共 {physical} 张 GPU）",
+            value=value,
+            bad=", ".join(invalid),
+            physical=physical,
+        )
+    if count < local_world and physical > count:
+        return i.t(
+            "CUDA_VISIBLE_DEVICES={value} shows {count} of the {physical} GPUs to {n} ranks",
+            "CUDA_VISIBLE_DEVICES={value} 只给 {n} 个 rank 看到 {physical} 张 GPU 中的 {count} 张",
+            value=value,
+            count=count,
+            physical=physical,
+            n=local_world,
+        )
+    return None
+
+
+def _visible_devices_ok(i: Inputs, value: str | None, records: list[dict]) -> str:
+    count = min(r["facts"].get("device_count") or 0 for r in records)
+    if value is None:
+        physical = max((r["facts"].get("physical_gpus") or 0) for r in records)
+        return i.t(
+            "CUDA_VISIBLE_DEVICES is not set: it hides none of the {n} GPU(s)",
+            "没有设置 CUDA_VISIBLE_DEVICES：{n} 张 GPU 都没有被隐藏",
+            n=max(count, physical),
+        )
+    return i.t(
+        "CUDA_VISIBLE_DEVICES={value} shows {count} GPU(s)",
+        "CUDA_VISIBLE_DEVICES={value} 可见 {count} 张 GPU",
+        value=value,
+        count=count,
+    )
+
+
+@judges("no-cuda-visible")
+def _no_cuda_visible(i: Inputs) -> Verdict:
+    records = i.facts("devices", ("ok", "failed", "not_applicable"))
+    evidence = []
+    if i.error_match(NO_CUDA):
+        evidence.append(
+            i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
+        )
+    if not records:
+        if evidence:
+            return _verdict("confirmed", evidence)
+        return _undecided(i, ("devices",), [])
+    blind = [r for r in records if not r["facts"].get("cuda_available")]
+    if blind and not evidence and i.error_match(GPU_USED):
+        # The pasted error came from a GPU job elsewhere: this machine's lack of
+        # a GPU says nothing about it.
+        return _verdict(
+            "not_applicable",
+            [
+                i.t(
+                    "the error came from a job that used a GPU, but this machine has none: "
+                    "run the probes on the failing machine",
+                    "报错来自一个用了 GPU 的任务，但本机没有 GPU：请在出错的机器上运行探针",
+                )
+            ],
+        )
+    if not blind:
+        names = sorted({d["name"] for r in records for d in r["facts"].get("visible") or []})
+        count = max(r["facts"]["device_count"] for r in records)
+        line = i.t(
+            "torch sees {count} GPU(s) on every rank ({names})",
+            "每个 rank 的 torch 都能看到 {count} 张 GPU（{names}）",
+            count=count,
+            names=", ".join(names),
+        )
+        return _verdict("ruled_out", [line] + evidence)
+    return _verdict("confirmed", [_why_no_cuda(i, blind[0]["facts"], blind[0]["rank"])] + evidence)
+
+
+def _why_no_cuda(i: Inputs, facts: dict, rank: int) -> str:
+    if not facts.get("cuda_built"):
+        version = next((r["facts"].get("torch") for r in i.facts("versions")), None)
+        return i.t(
+            "this torch{version} is a CPU-only build",
+            "这个 torch{version} 是只支持 CPU 的版本",
+            version=f" ({version})" if version else "",
+        )
+    if facts.get("cuda_visible_devices") is not None and not facts["cuda_visible_devices"].strip():
+        return i.t(
+            "CUDA_VISIBLE_DEVICES is set but empty: no GPU is visible",
+            "CUDA_VISIBLE_DEVICES 设成了空值：看不到任何 GPU",
+        )
+    if facts.get("cuda_warning") or facts.get("cuda_error"):
+        return i.t(
+            "CUDA initialisation failed: {message}",
+            "CUDA 初始化失败：{message}",
+            message=_quote(facts.get("cuda_warning") or facts.get("cuda_error"), 140),
+        )
+    if not facts.get("driver_loaded") and not facts.get("physical_gpus"):
+        return i.t(
+            "no NVIDIA driver is loaded (no /proc/driver/nvidia)",
+            "没有加载 NVIDIA 驱动（没有 /proc/driver/nvidia）",
+        )
+    return i.t(
+        "torch.cuda.is_available() is False on rank {rank}",
+        "rank {rank} 上 torch.cuda.is_available() 为 False",
+        rank=rank,
+    )
+
+
+@judges("cuda-out-of-memory")
+def _cuda_out_of_memory(i: Inputs) -> Verdict:
+    evidence = []
+    for record in _gpu_records(i):
+        landed = record["facts"]["local_rank_device"]
+        free, total = landed.get("free_mib"), landed.get("total_mib")
+        if free is not None and total and free < GPU_BUSY_FRACTION * total:
+            evidence.append(
+                i.t(
+                    "{gpu} has {free} MiB free of {total} MiB before any training: another process holds it",
+                    "训练开始前 {gpu} 只剩 {free} MiB（共 {total} MiB）：有别的进程占着",
+                    gpu=_short(landed["uuid"]),
+                    free=free,
+                    total=total,
+                )
+            )
+    if i.error_match(CUDA_OOM):
+        line = i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
+        return _verdict("confirmed", [line] + evidence + _default_device_line(i))
+    no_gpu = _no_gpu(i)
+    if no_gpu:
+        return no_gpu
+    if not evidence and _gpu_records(i):
+        evidence.append(
+            i.t(
+                "every rank's GPU is at least {pct}% free before training",
+                "训练开始前每个 rank 的 GPU 至少有 {pct}% 空闲",
+                pct=round(100 * (1 - GPU_BUSY_FRACTION)),
+            )
+        )
+    return _undecided(i, ("devices",), evidence)
+
+
+# --- set_device order -----------------------------------------------------------
+
+
+def variant_outcomes(runs: dict[str, ProbeRun]) -> dict[str, dict]:
+    """Per set_device_order variant: whether it works here and why not.
+
+    {"before-init": {"works": True, "failure": None, "shared": False}, ...}
+    A variant works when every rank finished all its collectives and the
+    ranks of a host do not end on one current device.
+    """
+    run = runs.get("set_device_order")
+    if run is None:
+        return {}
+    outcomes: dict[str, dict] = {}
+    for record in run.ranks:
+        for variant, outcome in ((record.get("facts") or {}).get("variants") or {}).items():
+            entry = outcomes.setdefault(
+                variant, {"works": True, "failure": None, "shared": False, "hosts": {}}
+            )
+            facts = outcome.get("facts") or {}
+            status = outcome.get("status")
+            if status != "ok" or facts.get("step") != "done":
+                entry["works"] = False
+                failure = _variant_failure(status, facts, outcome)
+                # A rank's own error explains the ranks that hung waiting for it.
+                if entry["failure"] is None or (
+                    entry["failure"]["kind"] == "hang" and failure["kind"] != "hang"
+                ):
+                    entry["failure"] = failure
+            entry["hosts"].setdefault(record.get("host"), []).append(facts.get("current_uuid"))
+    for entry in outcomes.values():
+        for uuids in entry["hosts"].values():
+            if len(uuids) > 1 and len(set(uuids)) == 1 and uuids[0]:
+                entry["shared"] = True
+                entry["works"] = False
+                entry["shared_uuid"] = uuids[0]
+    return outcomes
+
+
+def _variant_failure(status: str | None, facts: dict, outcome: dict) -> dict:
+    if status == "timeout":
+        return {"kind": "hang", "step": facts.get("step"), "error": None}
+    return {
+        "kind": "failed",
+        "step": facts.get("failed_step") or facts.get("step"),
+        "error": facts.get("error") or outcome.get("reason"),
+    }
+
+
+def advice_outcomes(runs: dict[str, ProbeRun]) -> tuple[set[str], set[str]]:
+    """(refuted, confirmed) advice tags: a variant fails (works) while another works (fails)."""
+    outcomes = variant_outcomes(runs)
+    if not outcomes:
+        return set(), set()
+    any_works = any(o["works"] for o in outcomes.values())
+    any_fails = any(not o["works"] for o in outcomes.values())
+    refuted, confirmed = set(), set()
+    for tag, variant in ADVICE_VARIANTS.items():
+        if variant not in outcomes:
+            continue
+        if not outcomes[variant]["works"] and any_works:
+            refuted.add(tag)
+        if outcomes[variant]["works"] and any_fails:
+            confirmed.add(tag)
+    return refuted, confirmed
+
+
+@judges("set-device-order")
+def _set_device_order(i: Inputs) -> Verdict:
+    run = i.runs.get("set_device_order")
+    if run is None:
+        return _not_run()
+    if run.status == "not_applicable":
+        # The probe's own reason is English; say it in the user's language.
+        return _verdict("not_applicable", [i.t("no CUDA device visible", "看不到任何 CUDA 设备")])
+    outcomes = variant_outcomes(i.runs)
+    if not outcomes:
+        return _undecided(i, ("set_device_order",), [])
+    evidence = [_variant_line(i, variant, outcome) for variant, outcome in outcomes.items()]
+    refuted, _ = advice_outcomes(i.runs)
+    working = [v for v, o in outcomes.items() if o["works"]]
+    if len(working) == len(outcomes):
+        evidence.insert(0, i.t("every order works here", "本机上每种顺序都能跑通"))
+        return _verdict("ruled_out", evidence)
+    if not working:
+        evidence.insert(
+            0,
+            i.t(
+                "no order works here, so the failure is not about the order (see duplicate-gpu-per-rank)",
+                "本机上哪种顺序都跑不通，所以问题不在顺序（见 duplicate-gpu-per-rank）",
+            ),
+        )
+        return _verdict("inconclusive", evidence + i.trouble("set_device_order"))
+    return _verdict("inconclusive", evidence, sorted(refuted))
+
+
+def _variant_line(i: Inputs, variant: str, outcome: dict) -> str:
+    en, zh = VARIANT_NAMES.get(variant, (variant, variant))
+    name = i.t(en, zh)
+    failure = outcome["failure"]
+    if failure and failure["kind"] == "hang":
+        return i.t(
+            "{name}: hangs in {step}", "{name}：卡在 {step}", name=name, step=failure["step"] or "?"
+        )
+    if failure:
+        return i.t(
+            "{name}: fails in {step}: {error}",
+            "{name}：在 {step} 出错：{error}",
+            name=name,
+            step=failure["step"] or "?",
+            error=_gist(failure["error"] or "?", 100),
+        )
+    if outcome["shared"]:
+        return i.t(
+            "{name}: collectives work, but every rank's current device is {gpu}, where .cuda(), barrier and object collectives go",
+            "{name}：集合通信能跑通，但每个 rank 的当前设备都是 {gpu}，.cuda()、barrier 和对象集合通信都会落到这张卡",
+            name=name,
+            gpu=_short(outcome.get("shared_uuid")),
+        )
+    return i.t(
+        "{name}: barrier, all_reduce and all_gather_object work, one GPU per rank",
+        "{name}：barrier、all_reduce 和 all_gather_object 都正常，每个 rank 一张卡",
+        name=name,
+    )

@@ -1,0 +1,195 @@
+"""Verdicts on the system: shared memory, network interfaces, the OOM killer."""
+
+from __future__ import annotations
+
+from assistant.results import Verdict
+from assistant.verdicts.inputs import (
+    NETWORK,
+    OOM_KILLED,
+    SHM_CONFIRM_MIB,
+    SHM_DOUBT_MIB,
+    SHM_ERROR,
+    SHM_FREE_CONFIRM_MIB,
+    Inputs,
+    _by_host,
+    _multi_node,
+    _quote,
+    _undecided,
+    _verdict,
+    judges,
+)
+
+# --- system -----------------------------------------------------------------------
+
+
+@judges("shm-too-small")
+def _shm_too_small(i: Inputs) -> Verdict:
+    records = i.facts("system")
+    said = i.error_match(SHM_ERROR)
+    evidence = []
+    if said:
+        evidence.append(
+            i.t(
+                "the error points at shared memory: {error}",
+                "报错指向共享内存：{error}",
+                error=_quote(i.error_text(), 120),
+            )
+        )
+    if not records:
+        return _undecided(i, ("system",), evidence)
+    shm = records[0]["facts"].get("shm")
+    if not shm:
+        return _verdict(
+            "not_applicable", [i.t("no /dev/shm on this system", "本系统没有 /dev/shm")] + evidence
+        )
+    size = i.t(
+        "/dev/shm is {total} MiB ({free} MiB free)",
+        "/dev/shm 大小 {total} MiB（空闲 {free} MiB）",
+        total=shm["total_mib"],
+        free=shm["free_mib"],
+    )
+    if shm["total_mib"] < SHM_CONFIRM_MIB or shm["free_mib"] < SHM_FREE_CONFIRM_MIB:
+        fix = i.t(
+            "NCCL and DataLoader workers need more: run the container with --shm-size=16g or --ipc=host",
+            "NCCL 和 DataLoader worker 需要更多：用 --shm-size=16g 或 --ipc=host 启动容器",
+        )
+        return _verdict("confirmed", [size, fix] + evidence)
+    if shm["total_mib"] < SHM_DOUBT_MIB:
+        return _verdict("confirmed" if said else "inconclusive", [size] + evidence)
+    return _verdict("inconclusive" if said else "ruled_out", [size] + evidence)
+
+
+@judges("network-interface")
+def _network_interface(i: Inputs) -> Verdict:
+    records = i.facts("system")
+    evidence = []
+    if i.error_match(NETWORK):
+        evidence.append(
+            i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
+        )
+    if not records:
+        return _verdict("confirmed", evidence) if evidence else _undecided(i, ("system",), [])
+    problems, notes = [], []
+    for record in _by_host(records).values():
+        found, seen = _interface_findings(i, record[0]["facts"])
+        problems.extend(found)
+        notes.extend(seen)
+    if problems or evidence:
+        return _verdict("confirmed", problems + evidence + notes)
+    if any(r["facts"].get("hostname_loopback") for r in records):
+        return _verdict("inconclusive", notes)
+    return _verdict("ruled_out", notes)
+
+
+def _interface_findings(i: Inputs, facts: dict) -> tuple[list[str], list[str]]:
+    """(problems, neutral notes) about the interfaces NCCL and gloo would use on a host."""
+    problems, notes = [], []
+    env = facts.get("env") or {}
+    names = ", ".join(n["name"] for n in facts.get("interfaces") or []) or "-"
+    multi = _multi_node(i)
+    for var, key in (
+        ("NCCL_SOCKET_IFNAME", "nccl_selected"),
+        ("GLOO_SOCKET_IFNAME", "gloo_selected"),
+    ):
+        if env.get(var) and not facts.get(key):
+            problems.append(
+                i.t(
+                    "{var}={value} matches no usable interface here (have: {names})",
+                    "{var}={value} 在本机匹配不到可用网卡（现有：{names}）",
+                    var=var,
+                    value=env[var],
+                    names=names,
+                )
+            )
+    nccl = facts.get("nccl_selected") or []
+    loopbacks = {n["name"] for n in facts.get("interfaces") or [] if n.get("loopback")}
+    if nccl and set(nccl) <= loopbacks and multi:
+        problems.append(
+            i.t(
+                "NCCL would use only {nics} (loopback) while the job spans several nodes",
+                "任务跨多个节点，但 NCCL 只会用 {nics}（回环网卡）",
+                nics=", ".join(nccl),
+            )
+        )
+    if nccl:
+        notes.append(i.t("NCCL would use {nics}", "NCCL 会使用 {nics}", nics=", ".join(nccl)))
+    if facts.get("hostname_loopback") and not env.get("GLOO_SOCKET_IFNAME"):
+        line = i.t(
+            "hostname {host} resolves to {ips} (loopback): gloo binds there, so other nodes cannot connect; set GLOO_SOCKET_IFNAME for multi-node runs",
+            "主机名 {host} 解析成 {ips}（回环地址）：gloo 会绑定到这里，其他节点连不上；多机训练请设置 GLOO_SOCKET_IFNAME",
+            host=facts.get("hostname"),
+            ips=", ".join(facts.get("hostname_addresses") or []),
+        )
+        (problems if multi else notes).append(line)
+    elif facts.get("gloo_selected"):
+        notes.append(
+            i.t(
+                "gloo would use {nics}",
+                "gloo 会使用 {nics}",
+                nics=", ".join(facts["gloo_selected"]),
+            )
+        )
+    elif facts.get("hostname_addresses"):
+        notes.append(
+            i.t(
+                "gloo binds to the hostname's address {ips}",
+                "gloo 会绑定到主机名对应的地址 {ips}",
+                ips=", ".join(facts["hostname_addresses"]),
+            )
+        )
+    return problems, notes
+
+
+@judges("oom-killed")
+def _oom_killed(i: Inputs) -> Verdict:
+    said = i.error_match(OOM_KILLED)
+    evidence = []
+    if said:
+        evidence.append(
+            i.t(
+                "the error shows a SIGKILL: {error}",
+                "报错显示进程被 SIGKILL：{error}",
+                error=_quote(i.error_text(), 120),
+            )
+        )
+    records = i.facts("system")
+    if not records:
+        return _undecided(i, ("system",), evidence)
+    facts = records[0]["facts"]
+    oom = facts.get("oom") or {}
+    kernel, cgroup = oom.get("vmstat_oom_kill"), oom.get("cgroup_oom_kill")
+    memory = facts.get("memory") or {}
+    if memory.get("total_mib"):
+        evidence.append(
+            i.t(
+                "{available} MiB of {total} MiB host memory available now",
+                "主机内存当前可用 {available} MiB，共 {total} MiB",
+                available=memory.get("available_mib"),
+                total=memory.get("total_mib"),
+            )
+        )
+    kills = (kernel or 0) + (cgroup or 0)
+    if kills:
+        line = i.t(
+            "the OOM killer has killed processes here (kernel count {kernel}, this cgroup {cgroup})",
+            "OOM killer 在本机杀过进程（内核计数 {kernel}，本 cgroup {cgroup}）",
+            kernel=kernel,
+            cgroup=cgroup,
+        )
+        return _verdict("confirmed" if said else "inconclusive", [line] + evidence)
+    if kernel is None and cgroup is None:
+        return _verdict(
+            "inconclusive",
+            evidence
+            + [i.t("the OOM-kill counters are not readable here", "本机读不到 OOM kill 计数")],
+        )
+    line = i.t(
+        "the OOM killer has killed nothing since boot",
+        "开机以来 OOM killer 没有杀过任何进程",
+    )
+    if said:
+        line += i.t(
+            ": the SIGKILL came from elsewhere (a scheduler limit, a timeout, a person)",
+            "：SIGKILL 来自别处（调度器限制、超时或人为）",
+        )
+    return _verdict("ruled_out", [line] + evidence)

@@ -1,0 +1,178 @@
+"""Verdicts on versions: NCCL, driver, CUDA and GPU architecture."""
+
+from __future__ import annotations
+
+import re
+
+from assistant.results import Verdict
+from assistant.verdicts.inputs import (
+    DRIVER_OLD,
+    MIN_DRIVER,
+    NCCL_CUDA_ERROR,
+    NO_KERNEL,
+    Inputs,
+    _by_host,
+    _quote,
+    _undecided,
+    _verdict,
+    _version,
+    judges,
+)
+
+# --- versions -------------------------------------------------------------------
+
+
+@judges("nccl-version-mismatch")
+def _nccl_version_mismatch(i: Inputs) -> Verdict:
+    records = i.facts("versions")
+    evidence = []
+    if i.error_match(DRIVER_OLD) or i.error_match(NO_KERNEL):
+        line = i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
+        return _verdict(
+            "confirmed", [line] + [p for r in records for p in _version_problems(i, r["facts"])]
+        )
+    if i.error_match(NCCL_CUDA_ERROR):
+        evidence.append(
+            i.t(
+                "'unhandled cuda error' from NCCL often hides a driver or version mismatch",
+                "NCCL 的 'unhandled cuda error' 常常掩盖了驱动或版本不匹配",
+            )
+        )
+    if not records:
+        return _undecided(i, ("versions",), evidence)
+    problems = _differences(i, records)
+    for record in _by_host(records).values():
+        problems.extend(_version_problems(i, record[0]["facts"]))
+    if problems:
+        return _verdict("confirmed", problems + evidence)
+    facts = records[0]["facts"]
+    if not facts.get("torch_cuda"):
+        return _verdict(
+            "not_applicable",
+            [i.t("this torch is a CPU-only build", "这个 torch 是只支持 CPU 的版本")],
+        )
+    if not facts.get("driver"):
+        return _verdict("not_applicable", [i.t("no NVIDIA driver found", "没有找到 NVIDIA 驱动")])
+    lines = [
+        i.t(
+            "torch {torch} (CUDA {cuda}, NCCL {nccl}) and driver {driver} (CUDA {driver_cuda}) match",
+            "torch {torch}（CUDA {cuda}，NCCL {nccl}）与驱动 {driver}（CUDA {driver_cuda}）匹配",
+            torch=facts.get("torch"),
+            cuda=facts.get("torch_cuda"),
+            nccl=facts.get("nccl"),
+            driver=facts.get("driver"),
+            driver_cuda=facts.get("driver_cuda") or "?",
+        )
+    ]
+    capabilities = sorted(set(facts.get("capabilities") or []))
+    if capabilities:
+        lines.append(
+            i.t(
+                "torch has kernels for compute capability {caps}",
+                "torch 带有算力 {caps} 的内核",
+                caps=", ".join(capabilities),
+            )
+        )
+    return _verdict("ruled_out", lines + evidence)
+
+
+def _differences(i: Inputs, records: list[dict]) -> list[str]:
+    """Versions that differ between ranks (nodes run different software)."""
+    lines = []
+    for key, label in (
+        ("torch", "torch"),
+        ("torch_cuda", "CUDA"),
+        ("nccl", "NCCL"),
+        ("driver", "driver"),
+    ):
+        values = {}
+        for record in records:
+            values.setdefault(record["facts"].get(key), record.get("host"))
+        if len(values) > 1:
+            lines.append(
+                i.t(
+                    "{label} differs between nodes: {values}",
+                    "各节点的 {label} 版本不同：{values}",
+                    label=label,
+                    values=", ".join(f"{host}: {value}" for value, host in values.items()),
+                )
+            )
+    return lines
+
+
+def _version_problems(i: Inputs, facts: dict) -> list[str]:
+    problems = []
+    runtime = _version(facts.get("torch_cuda"))
+    if facts.get("cuda_warning") and "too old" in facts["cuda_warning"]:
+        problems.append(
+            i.t(
+                "CUDA initialisation says: {warning}",
+                "CUDA 初始化提示：{warning}",
+                warning=_quote(facts["cuda_warning"], 140),
+            )
+        )
+    driver_cuda = _version(facts.get("driver_cuda"))
+    if runtime and driver_cuda and driver_cuda[0] < runtime[0]:
+        problems.append(
+            i.t(
+                "driver {driver} supports CUDA up to {driver_cuda}, but torch uses the CUDA {runtime} runtime",
+                "驱动 {driver} 最高支持 CUDA {driver_cuda}，而 torch 用的是 CUDA {runtime} 运行时",
+                driver=facts.get("driver") or "?",
+                driver_cuda=facts.get("driver_cuda"),
+                runtime=facts.get("torch_cuda"),
+            )
+        )
+    elif runtime and facts.get("driver") and not driver_cuda:
+        minimum = MIN_DRIVER.get(runtime[0])
+        if minimum and _version(facts["driver"]) < minimum:
+            problems.append(
+                i.t(
+                    "driver {driver} is older than {minimum}, the minimum for CUDA {runtime}",
+                    "驱动 {driver} 低于 CUDA {runtime} 要求的最低版本 {minimum}",
+                    driver=facts["driver"],
+                    minimum=".".join(map(str, minimum)),
+                    runtime=facts.get("torch_cuda"),
+                )
+            )
+    for capability in sorted(set(facts.get("capabilities") or [])):
+        if _arch_supported(capability, facts.get("arch_list") or []) is False:
+            problems.append(
+                i.t(
+                    "this torch has no kernels for compute capability {cap} (it has {archs}): 'no kernel image is available'",
+                    "这个 torch 没有算力 {cap} 的内核（只有 {archs}）：会报 'no kernel image is available'",
+                    cap=capability,
+                    archs=" ".join(facts.get("arch_list") or []),
+                )
+            )
+    return problems
+
+
+def _arch_supported(capability: str, arch_list: list[str]) -> bool | None:
+    """Whether a GPU of this capability can run torch's kernels.
+
+    A cubin for sm_XY runs on the same major version with an equal or higher
+    minor; PTX (compute_XY) is compiled for any newer GPU; 'a'-suffixed
+    architectures run only on exactly that GPU.
+    """
+    cap = _version(capability)
+    if len(cap) < 2 or not arch_list:
+        return None
+    for arch in arch_list:
+        match = re.fullmatch(r"(sm|compute)_(\d+)(\d)([a-z]?)", arch)
+        if not match:
+            continue
+        kind, major, minor, suffix = (
+            match.group(1),
+            int(match.group(2)),
+            int(match.group(3)),
+            match.group(4),
+        )
+        if suffix:  # 'a'/'f' architectures run on exactly that GPU
+            supported = (major, minor) == cap[:2]
+        elif kind == "sm":
+            supported = major == cap[0] and minor <= cap[1]
+        else:  # PTX, compiled by the driver for newer GPUs
+            supported = (major, minor) <= cap[:2]
+        if supported:
+            return True
+    return False
