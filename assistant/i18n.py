@@ -10,6 +10,11 @@ _LATIN_WORD = re.compile(r"[A-Za-z]{2,}")
 LANGS = ("en", "zh")
 
 
+def has_cjk(text: str) -> bool:
+    """Whether the text holds any Chinese (CJK) character."""
+    return bool(_CJK.search(text))
+
+
 def detect_lang(text: str) -> str:
     """'zh' when the person wrote in Chinese, else 'en'.
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import sqlite3
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from assistant.i18n import has_cjk
 from assistant.textsearch import search_tokens
 
 INDEX_SCHEMA = 4
@@ -76,7 +76,7 @@ def chunks_from_kb(kb) -> list[Chunk]:
             chunks.append(Chunk(cause.why_zh, "why", "zh", own))
         chunks.append(Chunk(cause.fix, "fix", "en", own))
         for symptom in cause.symptoms:
-            chunks.append(Chunk(symptom, "symptom", _lang(symptom), own))
+            chunks.append(Chunk(symptom, "symptom", "zh" if has_cjk(symptom) else "en", own))
     for thread in kb.threads:
         votes = _thread_votes(thread)
         if votes:
@@ -122,10 +122,6 @@ def _dedupe(chunks: list[Chunk]) -> list[Chunk]:
             seen.add(key)
             out.append(chunk)
     return out
-
-
-def _lang(text: str) -> str:
-    return "zh" if re.search(r"[\u3400-\u9fff]", text) else "en"
 
 
 @dataclass

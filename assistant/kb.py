@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from assistant.config import contract_ids
+from assistant.i18n import has_cjk
 from assistant.kbfiles import content_hash
 from assistant.probe_registry import PROBES
 
@@ -158,13 +159,6 @@ class KBError(Exception):
     def __init__(self, problems: list[str]):
         super().__init__("\n".join(problems))
         self.problems = problems
-
-
-_CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
-
-
-def has_cjk(text: str) -> bool:
-    return bool(_CJK.search(text))
 
 
 def _describe(path: Path, root: Path, exc: ValidationError) -> list[str]:

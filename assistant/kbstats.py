@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from assistant.kb import KnowledgeBase, has_cjk
+from assistant.i18n import has_cjk
+from assistant.kb import KnowledgeBase
 
 
 def kb_stats(kb: KnowledgeBase) -> dict:
