@@ -429,7 +429,9 @@ def probe(names, as_json, python_path, nproc_per_node, probe_timeout):
     unknown = [n for n in names if n not in PROBES]
     if unknown:
         raise UserError(f"unknown probe {', '.join(unknown)} (known: {', '.join(PROBES)})")
-    runs = _runner(python_path, nproc_per_node, probe_timeout).run(list(names))
+    from assistant.diagnose import run_named
+
+    runs = run_named(_runner(python_path, nproc_per_node, probe_timeout), list(names))
     if as_json:
         payload = [{**r.to_json(), "detail": r.detail, "ranks": r.ranks} for r in runs]
         click.echo(json.dumps(payload, indent=2, ensure_ascii=False))

@@ -75,9 +75,6 @@ class Verdict:
     refutes: list[str] = field(default_factory=list)
 
 
-NOT_RUN = Verdict("not_run")
-
-
 @dataclass
 class AnswerRef:
     """A community answer shown under a cause."""
@@ -124,7 +121,8 @@ class CauseResult:
     probes: list[str] = field(default_factory=list)
     answers: list[AnswerRef] = field(default_factory=list)
     signals: dict[str, int] = field(default_factory=dict)  # signal name -> rank (1-based)
-    verdict: Verdict = field(default_factory=lambda: NOT_RUN)
+    # A fresh Verdict each: a shared default would let one cause's evidence leak into all.
+    verdict: Verdict = field(default_factory=lambda: Verdict("not_run"))
 
     @classmethod
     def from_kb(

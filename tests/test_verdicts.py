@@ -502,3 +502,12 @@ def test_a_confirmed_cause_with_weak_retrieval_does_not_jump_the_error_s_own_cau
     by_id = {c.id: c.verdict.verdict for c in result.causes}
     assert by_id["master-port-in-use"] == "confirmed"
     assert next(c.id for c in result.causes) == "hardcoded-device"
+
+
+def test_causes_do_not_share_one_default_verdict():
+    first, second = (
+        CauseResult(id="a", title="a", score=1.0),
+        CauseResult(id="b", title="b", score=0.5),
+    )
+    first.verdict.evidence.append("only about a")
+    assert second.verdict.evidence == []
