@@ -32,9 +32,7 @@ def _nccl_not_available(i: Inputs) -> Verdict:
     records = i.facts("backend")
     evidence = []
     if i.error_match(NCCL_MISSING):
-        evidence.append(
-            i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
-        )
+        evidence.append(i.error_line())
     if not records:
         return _undecided(i, ("backend",), evidence)
     facts = records[0]["facts"]
@@ -77,10 +75,8 @@ def _nccl_with_cpu_tensors(i: Inputs) -> Verdict:
             )
             break
     if i.error_match(CPU_TENSORS):
-        line = i.t(
-            "the error is NCCL refusing a CPU tensor: {error}",
-            "报错是 NCCL 拒绝 CPU 张量：{error}",
-            error=_quote(i.error_text(), 120),
+        line = i.error_line(
+            "the error is NCCL refusing a CPU tensor: {error}", "报错是 NCCL 拒绝 CPU 张量：{error}"
         )
         return _verdict("confirmed", [line] + evidence)
     records = i.facts("backend")
@@ -206,7 +202,7 @@ def _p2p_facts(i: Inputs) -> list[str]:
 def _collective_timeout(i: Inputs) -> Verdict:
     if not i.error_match(COLLECTIVE_TIMEOUT):
         return _not_run()
-    evidence = [i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))]
+    evidence = [i.error_line()]
     for record in i.facts("backend")[:1]:
         gloo = record["facts"].get("gloo") or {}
         if gloo.get("result") == "ok":

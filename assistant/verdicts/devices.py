@@ -168,10 +168,9 @@ def _duplicate_gpu_per_rank(i: Inputs) -> Verdict:
     if sharing:
         return _verdict("confirmed", sharing)
     if i.error_match(DUPLICATE_GPU):
-        line = i.t(
+        line = i.error_line(
             "the error says two ranks are on one GPU: {error}",
             "报错说两个 rank 在同一张卡上：{error}",
-            error=_quote(i.error_text(), 120),
         )
         return _verdict("confirmed", [line] + _script_picks_device(i))
     no_gpu = _no_gpu(i)
@@ -349,9 +348,7 @@ def _no_cuda_visible(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
     evidence = []
     if i.error_match(NO_CUDA):
-        evidence.append(
-            i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
-        )
+        evidence.append(i.error_line())
     if not records:
         if evidence:
             return _verdict("confirmed", evidence)
@@ -431,7 +428,7 @@ def _cuda_out_of_memory(i: Inputs) -> Verdict:
                 )
             )
     if i.error_match(CUDA_OOM):
-        line = i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
+        line = i.error_line()
         return _verdict("confirmed", [line] + evidence + _default_device_line(i))
     no_gpu = _no_gpu(i)
     if no_gpu:

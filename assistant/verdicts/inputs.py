@@ -169,6 +169,10 @@ class Inputs:
             return ""
         return f"{self.root_error.type}: {self.root_error.message}"
 
+    def error_line(self, en: str = "the error: {error}", zh: str = "报错：{error}") -> str:
+        """An evidence line quoting the root error, in the user's language."""
+        return self.t(en, zh, error=_quote(self.error_text(), 120))
+
     def error_match(self, pattern: re.Pattern) -> re.Match | None:
         return pattern.search(self.error_text())
 

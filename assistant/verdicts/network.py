@@ -31,10 +31,8 @@ def _master_port_in_use(i: Inputs) -> Verdict:
     said = i.error_match(PORT_IN_USE)
     if said:
         evidence.append(
-            i.t(
-                "the error reports the port in use: {error}",
-                "报错说端口已被占用：{error}",
-                error=_quote(i.error_text(), 120),
+            i.error_line(
+                "the error reports the port in use: {error}", "报错说端口已被占用：{error}"
             )
         )
     record = _endpoint_record(i)
@@ -83,9 +81,7 @@ def _master_endpoint_mismatch(i: Inputs) -> Verdict:
     records = i.facts("rendezvous")
     evidence = []
     if i.error_match(ENDPOINT):
-        evidence.append(
-            i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
-        )
+        evidence.append(i.error_line())
     if not records:
         return _undecided(i, ("rendezvous",), evidence)
     endpoints = {(r["facts"].get("addr"), r["facts"].get("port")) for r in records}

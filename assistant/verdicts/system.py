@@ -13,7 +13,6 @@ from assistant.verdicts.inputs import (
     Inputs,
     _by_host,
     _multi_node,
-    _quote,
     _undecided,
     _verdict,
     judges,
@@ -29,11 +28,7 @@ def _shm_too_small(i: Inputs) -> Verdict:
     evidence = []
     if said:
         evidence.append(
-            i.t(
-                "the error points at shared memory: {error}",
-                "报错指向共享内存：{error}",
-                error=_quote(i.error_text(), 120),
-            )
+            i.error_line("the error points at shared memory: {error}", "报错指向共享内存：{error}")
         )
     if not records:
         return _undecided(i, ("system",), evidence)
@@ -64,9 +59,7 @@ def _network_interface(i: Inputs) -> Verdict:
     records = i.facts("system")
     evidence = []
     if i.error_match(NETWORK):
-        evidence.append(
-            i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
-        )
+        evidence.append(i.error_line())
     if not records:
         return _verdict("confirmed", evidence) if evidence else _undecided(i, ("system",), [])
     problems, notes = [], []
@@ -146,11 +139,7 @@ def _oom_killed(i: Inputs) -> Verdict:
     evidence = []
     if said:
         evidence.append(
-            i.t(
-                "the error shows a SIGKILL: {error}",
-                "报错显示进程被 SIGKILL：{error}",
-                error=_quote(i.error_text(), 120),
-            )
+            i.error_line("the error shows a SIGKILL: {error}", "报错显示进程被 SIGKILL：{error}")
         )
     records = i.facts("system")
     if not records:

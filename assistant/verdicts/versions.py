@@ -27,7 +27,7 @@ def _nccl_version_mismatch(i: Inputs) -> Verdict:
     records = i.facts("versions")
     evidence = []
     if i.error_match(DRIVER_OLD) or i.error_match(NO_KERNEL):
-        line = i.t("the error: {error}", "报错：{error}", error=_quote(i.error_text(), 120))
+        line = i.error_line()
         return _verdict(
             "confirmed", [line] + [p for r in records for p in _version_problems(i, r["facts"])]
         )
