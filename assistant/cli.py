@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -206,17 +207,20 @@ def _probe_and_judge(result, runner, findings, show_progress: bool):
 
 def _run_with_progress(runner, names: list[str], show_progress: bool):
     """Run probes; on a terminal, show which probe runs and for how long."""
-    if not show_progress or not sys.stderr.isatty():
-        return runner.run(names)
+    with probe_status(show_progress) as on_progress:
+        return runner.run(names, on_progress=on_progress)
+
+
+@contextmanager
+def probe_status(show: bool):
+    """A progress callback that updates a spinner on stderr (None when not shown)."""
+    if not show or not sys.stderr.isatty():
+        yield None
+        return
     from rich.console import Console
 
-    console = Console(stderr=True)
-    with console.status("running probes…") as status:
-
-        def progress(event):
-            status.update(f"probe {event.probe}: {event.state} ({event.elapsed:.1f}s)")
-
-        return runner.run(names, on_progress=progress)
+    with Console(stderr=True).status("running probes…") as status:
+        yield lambda e: status.update(f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)")
 
 
 def _ask_batch(engine, batch: Path, top: int, runner, findings) -> None:
@@ -386,19 +390,8 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
     from assistant.diagnose import doctor as run_doctor
 
     runner = _runner(python_path, nproc_per_node, probe_timeout)
-    if as_json or not sys.stderr.isatty():
-        result = run_doctor(runner, lang=lang)
-    else:
-        from rich.console import Console
-
-        with Console(stderr=True).status("running probes…") as status:
-            result = run_doctor(
-                runner,
-                lang=lang,
-                on_progress=lambda e: status.update(
-                    f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)"
-                ),
-            )
+    with probe_status(not as_json) as on_progress:
+        result = run_doctor(runner, lang=lang, on_progress=on_progress)
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
     else:
