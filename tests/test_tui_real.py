@@ -26,6 +26,7 @@ from textual import events
 
 from assistant.results import CauseResult
 from assistant.tui.app import make_app
+from assistant.tui.widgets import TurnView
 
 runner_module = pytest.importorskip("assistant.runner")
 
@@ -108,10 +109,19 @@ async def until(pilot, predicate, timeout: float) -> None:
         await pilot.pause(0.05)
 
 
-async def test_real_probes_report_progress_and_verdicts():
+async def test_real_probes_report_progress_and_verdicts(monkeypatch):
     mark = uuid.uuid4().hex
     app = real_app(mark)
-    seen_running: set[str] = set()
+    # Record every progress event the view receives: a fast probe can start and
+    # finish between two polls, so watching the rendered state alone would be flaky.
+    events_seen: list[tuple[str, str, str]] = []
+    original_event = TurnView.probe_event
+
+    def recording_event(self, probe, state, elapsed, status):
+        original_event(self, probe, state, elapsed, status)
+        events_seen.append((probe, state, self.probe_rows[probe].state))
+
+    monkeypatch.setattr(TurnView, "probe_event", recording_event)
     async with app.run_test(size=(120, 40)) as pilot:
         app.post_message(
             events.Paste("RuntimeError: No backend type associated with device type cpu")
@@ -121,13 +131,13 @@ async def test_real_probes_report_progress_and_verdicts():
         await until(pilot, lambda: app.turn_views and app.turn_views[0].phase == "probing", 10)
         view = app.turn_views[0]
 
-        def finished() -> bool:
-            seen_running.update(n for n, r in view.probe_rows.items() if r.state == "running")
-            return view.phase == "done"
-
-        await until(pilot, finished, 180)
+        await until(pilot, lambda: view.phase == "done", 180)
         assert set(view.probe_rows) == {"backend", "rendezvous", "launch_env"}
-        assert seen_running, "no probe was ever shown running"
+        shown_running = {probe for probe, state, row in events_seen if row == "running"}
+        assert shown_running == set(view.probe_rows), events_seen
+        for probe in view.probe_rows:  # each row went running -> done, in that order
+            states = [state for name, state, _ in events_seen if name == probe]
+            assert states == ["started", "finished"], (probe, states)
         assert all(row.status in FINAL for row in view.probe_rows.values())
         runs = {run.name: run for run in view.turn.result.probes}
         assert runs["launch_env"].status == "ok" and len(runs["launch_env"].ranks) == 2
