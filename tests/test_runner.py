@@ -342,7 +342,8 @@ def test_a_hung_probe_times_out_within_its_budget_and_leaves_no_process(hanging_
     assert runner.launches == 2
     started = next(e.elapsed for e in events if e.probe == "versions" and e.state == "started")
     finished = next(e.elapsed for e in events if e.probe == "versions" and e.state == "finished")
-    assert 3 <= finished - started < 3 + runner_module.KILL_GRACE_SECONDS + 2
+    # Killed at its budget, not at the launch timeout (120 s); slack for a busy machine.
+    assert 3 <= finished - started < 3 + runner_module.KILL_GRACE_SECONDS + 15
     assert tagged_processes(tag) == []
 
 

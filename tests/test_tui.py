@@ -141,7 +141,7 @@ async def test_a_10_mb_paste_is_accepted_and_answered():
         assert chat_input.message_text == text
         await pilot.press("enter")
         await until(pilot, done(app))
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 30  # seconds, not minutes (figures: bench_speed)
         assert engine.asked[0][0] == text
         assert cause_ids(turns(app)[0])[0] == "duplicate-gpu-per-rank"
 
@@ -581,7 +581,7 @@ def test_quitting_while_the_model_loads_exits_at_once():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 40  # did not wait for the model load to finish
 
 
 # -- quitting and layout -----------------------------------------------------------------
