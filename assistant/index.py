@@ -30,7 +30,7 @@ from pathlib import Path
 from assistant.i18n import has_cjk
 from assistant.textsearch import search_tokens
 
-INDEX_SCHEMA = 4
+INDEX_SCHEMA = 5
 
 # How much each kind of chunk counts when it is the best match for a cause.
 KIND_WEIGHTS = {
@@ -42,6 +42,14 @@ KIND_WEIGHTS = {
     "question": 0.75,
     "answer": 0.8,
 }
+
+
+# The kinds of text the dense signal embeds: short texts worded like what users
+# paste or ask. Why-paragraphs and fix code stay lexical only: cut to the
+# model's 128 tokens their vectors are diffuse, and in the eval's ablation they
+# never won a dense match (same MRR without them) while costing 37% of the
+# embedding time of a build.
+DENSE_KINDS = frozenset({"title", "summary", "symptom", "question", "answer"})
 
 
 class IndexProblem(Exception):
@@ -60,6 +68,10 @@ class Chunk:
     @property
     def hash(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()[:24]
+
+    @property
+    def dense(self) -> bool:
+        return self.kind in DENSE_KINDS
 
 
 def chunks_from_kb(kb) -> list[Chunk]:
@@ -128,13 +140,15 @@ def _dedupe(chunks: list[Chunk]) -> list[Chunk]:
 class BuildReport:
     path: Path
     chunks: int
-    embedded: int  # chunks whose embedding had to be computed (the rest reused)
+    dense: int  # chunks with an embedding (DENSE_KINDS)
+    embedded: int  # of those, how many had to be computed (the rest reused)
     seconds: float
 
     def summary(self) -> str:
         return (
-            f"built {self.path} with {self.chunks} chunks "
-            f"({self.embedded} embedded, {self.chunks - self.embedded} reused) in {self.seconds:.1f}s"
+            f"built {self.path} with {self.chunks} chunks, {self.dense} with embeddings "
+            f"({self.embedded} computed, {self.dense - self.embedded} reused) "
+            f"in {self.seconds:.1f}s"
         )
 
 
@@ -148,7 +162,9 @@ def _reusable_embeddings(path: Path, fingerprint: str) -> dict[str, bytes]:
             model = db.execute("select value from meta where key='model'").fetchone()
             if not model or model[0] != fingerprint:
                 return {}
-            return dict(db.execute("select hash, embedding from chunks"))
+            return dict(
+                db.execute("select hash, embedding from chunks where embedding is not null")
+            )
         finally:
             db.close()
     except sqlite3.DatabaseError:
@@ -161,26 +177,28 @@ def build_index(kb, embedder, path: Path) -> BuildReport:
 
     started = time.perf_counter()
     chunks = chunks_from_kb(kb)
-    reuse = _reusable_embeddings(path, embedder.fingerprint)
-    missing = [c for c in chunks if c.hash not in reuse]
+    dense = [c for c in chunks if c.dense]
+    vectors = _reusable_embeddings(path, embedder.fingerprint)
+    missing = list({c.hash: c for c in dense if c.hash not in vectors}.values())
     if missing:
-        vectors = embedder.encode([c.text for c in missing])
-        reuse.update({c.hash: v.tobytes() for c, v in zip(missing, vectors)})
-    matrix = np.vstack([np.frombuffer(reuse[c.hash], dtype=np.float32) for c in chunks])
+        fresh = embedder.encode([c.text for c in missing])
+        vectors.update({c.hash: v.tobytes() for c, v in zip(missing, fresh)})
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=".index-", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write_db(tmp, kb, chunks, reuse, matrix, embedder.fingerprint)
+        _write_db(tmp, kb, chunks, vectors, embedder.fingerprint)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return BuildReport(path, len(chunks), len(missing), time.perf_counter() - started)
+    return BuildReport(path, len(chunks), len(dense), len(missing), time.perf_counter() - started)
 
 
-def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, fingerprint: str) -> None:
+def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, fingerprint: str) -> None:
+    """Write the whole index; `vectors` maps the hash of every dense chunk to its embedding."""
+    import numpy as np
     import sqlite_utils
 
     db = sqlite_utils.Database(path, recreate=True)
@@ -215,17 +233,20 @@ def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, finger
                 "text": c.text,
                 "tokens": " ".join(search_tokens(c.text)),
                 "hash": c.hash,
-                "embedding": vectors[c.hash],
+                "embedding": vectors[c.hash] if c.dense else None,
             }
             for i, c in enumerate(chunks)
         ),
         pk="id",
+        columns={"embedding": bytes},
     )
     db["chunks"].enable_fts(["tokens"], tokenize="unicode61", create_triggers=False)
     # Document frequency per token, so queries can keep their rarest tokens.
     db.execute("create virtual table chunks_vocab using fts5vocab(chunks_fts, 'row')")
     db.execute("create table token_df as select term, doc from chunks_vocab")
-    db["blobs"].insert({"name": "faiss", "data": _faiss_bytes(matrix)}, pk="name")
+    dense_ids = np.array([i for i, c in enumerate(chunks) if c.dense], dtype=np.int64)
+    matrix = np.vstack([np.frombuffer(vectors[chunks[i].hash], np.float32) for i in dense_ids])
+    db["blobs"].insert({"name": "faiss", "data": _faiss_bytes(matrix, dense_ids)}, pk="name")
     db.conn.commit()
     db.close()
 
@@ -235,16 +256,18 @@ def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, matrix, finger
 FLAT_LIMIT = 20_000
 
 
-def _faiss_bytes(matrix) -> bytes:
+def _faiss_bytes(matrix, chunk_ids) -> bytes:
+    """A FAISS index over `matrix` whose search returns the rows' chunk ids."""
     import faiss
 
     dim = matrix.shape[1]
     if len(matrix) <= FLAT_LIMIT:
-        index = faiss.IndexFlatIP(dim)
+        inner = faiss.IndexFlatIP(dim)
     else:
-        index = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efSearch = 128
-    index.add(matrix)
+        inner = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
+        inner.hnsw.efSearch = 128
+    index = faiss.IndexIDMap(inner)
+    index.add_with_ids(matrix, chunk_ids)
     return faiss.serialize_index(index).tobytes()
 
 
@@ -301,11 +324,12 @@ def _load(db: sqlite3.Connection, path: Path, meta: dict) -> LoadedIndex:
     causes = {cid: json.loads(data) for cid, data in db.execute("select id, data from causes")}
     threads = {tid: json.loads(data) for tid, data in db.execute("select id, data from threads")}
     rows = db.execute("select kind, causes, ref from chunks order by id").fetchall()
+    dense = db.execute("select count(*) from chunks where embedding is not null").fetchone()[0]
     blob = db.execute("select data from blobs where name='faiss'").fetchone()
     if blob is None:
         raise IndexProblem("index is damaged (no FAISS index)")
     index = faiss.deserialize_index(np.frombuffer(blob[0], dtype=np.uint8))
-    if index.ntotal != len(rows):
+    if index.ntotal != dense:
         raise IndexProblem("index is damaged (FAISS and chunk counts differ)")
     db.execute("select count(*) from chunks_fts").fetchone()  # FTS table must be readable
     return LoadedIndex(

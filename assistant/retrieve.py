@@ -24,11 +24,11 @@ RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 CHUNK_HITS = 80
 DENSE_FLOOR = 0.2  # cosine below this is noise for MiniLM
 SIGNATURE_TEXT_LIMIT = 400_000  # characters of a huge log the regexes scan
-CONTEXT_WEIGHT = 0.35
+CONTEXT_WEIGHT = 0.35  # how much a follow-up's earlier turns pull the dense query
 LARGE_INDEX = 20_000  # chunks
 LEXICAL_TERMS_SMALL, LEXICAL_TERMS_LARGE = 24, 16
 COMMON_TERM_SHARE = 0.02  # on a large index, a term in more chunks than this is noise
-DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it  # how much a follow-up's earlier turns pull the dense query
+DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it
 
 
 @dataclass

@@ -108,7 +108,7 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     noise /= np.linalg.norm(noise, axis=1, keepdims=True)
     matrix = np.vstack([vectors, noise])
     by_hash = {c.hash: row.tobytes() for c, row in zip(chunks, matrix)}
-    _write_db(path, kb, chunks, by_hash, matrix, engine.embedder.fingerprint)
+    _write_db(path, kb, chunks, by_hash, engine.embedder.fingerprint)
 
 
 def main() -> None:
