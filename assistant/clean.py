@@ -40,6 +40,10 @@ EXCEPTION_LINE = re.compile(
     r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Interrupt|Exit)|Exception))"
     r"(?::\s?(?P<message>.*))?$"
 )
+# A C++ exception that killed a rank (SIGABRT, exitcode -6): no Python traceback,
+# and no rank prefix either, as it bypasses Python's stderr.
+TERMINATE = re.compile(r"terminate called after throwing an instance of '(?P<type>[^']+)'")
+WHAT = re.compile(r"^\s*what\(\):\s*(?P<message>.*)$")
 ARGPARSE_ERROR = re.compile(r"^(?P<prog>[\w.\-/]+): error: (?P<message>.+)$")
 WRAPPERS = {"ChildFailedError", "SignalException"}
 ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):")
@@ -133,10 +137,25 @@ def _find_exceptions(
             message = _continue_message(entries, pos, rank, message, logged_at)
             found.append((pos, rank, RootError(match.group("type"), message, rank)))
             continue
+        match = TERMINATE.search(stripped)
+        if match:
+            found.append((pos, rank, _terminate_error(entries, pos, match, rank)))
+            continue
         match = ARGPARSE_ERROR.match(stripped)
         if match:
             found.append((pos, rank, RootError("argparse error", match.group("message"), rank)))
     return found
+
+
+def _terminate_error(entries, pos: int, match: re.Match, rank: int | None) -> RootError:
+    """`terminate called ... 'gloo::EnforceNotMet'` and its `what():` line."""
+    rest = entries[pos][1][match.end() :]
+    following = [rest] + [line for _, line in entries[pos + 1 : pos + 3]]
+    for line in following:
+        what = WHAT.match(line)
+        if what:
+            return RootError(match.group("type"), what.group("message").strip()[:2000], rank)
+    return RootError(match.group("type"), "", rank)
 
 
 def _continue_message(entries, pos: int, rank: int | None, message: str, logged_at) -> str:
@@ -206,6 +225,10 @@ def find_root_error(
         own = [e for e in exceptions if e[1] == summary_rank]
         if own:
             return _with_rank(own[-1][2], summary_rank)
+        # The first failing rank aborted in C++: its unprefixed terminate message.
+        aborted = [e for e in exceptions if e[1] is None and TERMINATE.search(entries[e[0]][1])]
+        if aborted:
+            return _with_rank(aborted[0][2], summary_rank)
     if exceptions:
         _, rank, error = exceptions[0]
         return _with_rank(error, rank if rank is not None else summary_rank)

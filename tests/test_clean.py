@@ -118,3 +118,23 @@ def test_c10d_log_prefixes_of_every_torch_version_are_stripped():
     for line in lines:
         assert strip_line(line)[1] == "[Rank 1] Watchdog caught collective operation timeout"
     assert len(clean_log("\n".join(lines)).lines) == 1
+
+
+def test_rank_that_aborted_in_cpp_gives_its_terminate_message():
+    # Rank 0 died on gloo's size check (SIGABRT, no traceback, no rank prefix);
+    # rank 1 only saw the connection drop. torchrun names rank 0 first.
+    root = clean_log((LOGS / "gloo_abort_rank0_shape_mismatch.txt").read_text()).root_error
+    assert (root.type, root.rank) == ("gloo::EnforceNotMet", 0)
+    assert "op.preamble.length <= op.nbytes. 2000 vs 1000" in root.message
+    assert "Connection reset" not in root.message
+
+
+def test_a_pasted_terminate_message_is_a_root_error():
+    text = (
+        "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+        "  what():  [PG 0 Rank 1] Process group watchdog thread terminated with exception: "
+        "[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+        "OpType=ALLREDUCE) ran for 600011 milliseconds before timing out.\n"
+    )
+    root = clean_log(text).root_error
+    assert root.type == "c10::DistBackendError" and "Watchdog caught" in root.message

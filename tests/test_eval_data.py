@@ -97,3 +97,17 @@ def test_every_broken_script_is_launched_by_a_run() -> None:
     commands = " ".join(" ".join(run.command) for run in load_recorder().RUNS)
     orphans = [path.name for path in SCRIPTS.glob("*.py") if path.name not in commands]
     assert not orphans
+
+
+def test_real_reports_are_well_formed_and_cite_their_threads() -> None:
+    path = ROOT / "data" / "eval" / "real_reports.jsonl"
+    reports = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    known = set(contract_ids())
+    assert len(reports) >= 40
+    assert len({r["id"] for r in reports}) == len(reports)
+    for report in reports:
+        assert set(report) == {"id", "query", "causes", "source", "url"}, report["id"]
+        assert report["source"] == "real-report" and report["query"].strip(), report["id"]
+        assert report["causes"] and set(report["causes"]) <= known, report["id"]
+        assert report["url"].startswith("https://github.com/"), report["id"]
+    assert any(CJK.search(r["query"]) for r in reports)
