@@ -538,10 +538,17 @@ async def test_history_is_kept_reopened_and_deleted(tmp_path):
         assert "confirmed here" in screen_text(app)
 
         await pilot.press("ctrl+r")
+        await pilot.press("d")  # asks first: nothing is lost on one keystroke
+        await pilot.pause()
+        assert len(history.list()) == 2
+        assert any("Press d again" in str(n.message) for n in app._notifications)
+        await pilot.press("down", "d")  # moving on cancels; this one asks again
+        await pilot.pause()
+        assert len(history.list()) == 2
         await pilot.press("d")
         await pilot.pause()
         assert len(history.list()) == 1
-        await pilot.press("d")
+        await pilot.press("d", "d")
         await pilot.pause()
         assert history.list() == []
         assert "No saved conversation yet" in screen_text(app)

@@ -203,17 +203,33 @@ class HistoryItem(ListItem):
 
 
 class HistoryList(ListView):
-    """Saved conversations; Enter reopens one, d deletes it."""
+    """Saved conversations; Enter reopens one, d twice deletes it."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("enter", "select_cursor", "Open", id="history.open"),
         Binding("d,delete", "delete", "Delete", id="history.delete"),
     ]
 
+    def __init__(self, *args, lang: str = "en", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lang = lang
+        self.armed: str | None = None  # the conversation a first `d` asked about
+
     def action_delete(self) -> None:
+        """A deletion cannot be undone: the first press asks, the second deletes."""
         item = self.highlighted_child
-        if isinstance(item, HistoryItem):
-            self.post_message(ConversationDeleted(item.entry.id))
+        if not isinstance(item, HistoryItem):
+            return
+        if self.armed != item.entry.id:
+            self.armed = item.entry.id
+            self.app.notify(tr("history.confirm_delete", self.lang), severity="warning")
+            return
+        self.armed = None
+        self.post_message(ConversationDeleted(item.entry.id))
+
+    def watch_index(self, old_index: int | None, new_index: int | None) -> None:
+        super().watch_index(old_index, new_index)
+        self.armed = None  # moving on cancels a pending deletion
 
 
 class HistoryScreen(Screen):
@@ -234,7 +250,7 @@ class HistoryScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Static(tr("history.title", self.lang), id="history-title")
-        yield HistoryList(id="history-list")
+        yield HistoryList(id="history-list", lang=self.lang)
         yield Static(tr("history.empty", self.lang), id="history-empty")
         yield Footer()
 

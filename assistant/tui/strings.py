@@ -109,6 +109,10 @@ UI: dict[str, dict[str, str]] = {
     "history.empty": {"en": "No saved conversation yet.", "zh": "还没有保存的对话。"},
     "history.turns": {"en": "{count} turn(s)", "zh": "{count} 轮"},
     "history.deleted": {"en": "Conversation deleted.", "zh": "对话已删除。"},
+    "history.confirm_delete": {
+        "en": "Press d again to delete this conversation (it cannot be undone).",
+        "zh": "再按一次 d 删除这段对话（无法恢复）。",
+    },
     "history.unavailable": {
         "en": "History is not available: {error}",
         "zh": "历史记录不可用：{error}",
