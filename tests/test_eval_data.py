@@ -99,8 +99,9 @@ def test_every_broken_script_is_launched_by_a_run() -> None:
     assert not orphans
 
 
-def test_real_reports_are_well_formed_and_cite_their_threads() -> None:
-    path = ROOT / "data" / "eval" / "real_reports.jsonl"
+@pytest.mark.parametrize("name", ["real_reports.jsonl", "real_reports_holdout.jsonl"])
+def test_real_reports_are_well_formed_and_cite_their_threads(name: str) -> None:
+    path = ROOT / "data" / "eval" / name
     reports = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
     known = set(contract_ids())
     assert len(reports) >= 40
@@ -111,3 +112,11 @@ def test_real_reports_are_well_formed_and_cite_their_threads() -> None:
         assert report["causes"] and set(report["causes"]) <= known, report["id"]
         assert report["url"].startswith("https://github.com/"), report["id"]
     assert any(CJK.search(r["query"]) for r in reports)
+
+
+def test_the_two_real_report_sets_share_no_thread() -> None:
+    def urls(name: str) -> set[str]:
+        path = ROOT / "data" / "eval" / name
+        return {json.loads(line)["url"] for line in path.read_text().splitlines() if line}
+
+    assert not urls("real_reports.jsonl") & urls("real_reports_holdout.jsonl")

@@ -14,9 +14,13 @@ from assistant.evaluate import evaluate, load_queries
 pytestmark = pytest.mark.slow
 
 FLOORS = {"top1": 0.88, "recall3": 0.95, "mrr": 0.92}
-# Real user reports from public issue threads (data/eval/real_reports.jsonl):
-# harder, wordier, often without the decisive line; they guard generality.
-REAL_FLOORS = {"top1": 0.74, "recall3": 0.90, "mrr": 0.84}
+# Real user reports from public issue threads: harder, wordier, often without
+# the decisive line; they guard generality. The holdout set was measured once
+# before any KB change it could inspire (see data/eval/README.md).
+REAL_FLOORS = {
+    "real_reports.jsonl": {"top1": 0.74, "recall3": 0.90, "mrr": 0.84},
+    "real_reports_holdout.jsonl": {"top1": 0.70, "recall3": 0.78, "mrr": 0.76},
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +39,12 @@ def test_fusion_beats_every_single_signal(report):
 
 
 @pytest.fixture(scope="module")
-def real_report(engine):
-    return evaluate(engine, load_queries(eval_dir() / "real_reports.jsonl"))
+def real_reports(engine):
+    return {name: evaluate(engine, load_queries(eval_dir() / name)) for name in REAL_FLOORS}
 
 
-@pytest.mark.parametrize("metric", sorted(REAL_FLOORS))
-def test_real_user_reports_meet_floor(real_report, metric):
-    assert real_report["fused"][metric] >= REAL_FLOORS[metric], real_report["misses"][:10]
+@pytest.mark.parametrize("name", sorted(REAL_FLOORS))
+def test_real_user_reports_meet_floor(real_reports, name):
+    measured = real_reports[name]["fused"]
+    low = {m: measured[m] for m, floor in REAL_FLOORS[name].items() if measured[m] < floor}
+    assert not low, (low, real_reports[name]["misses"][:10])
