@@ -173,7 +173,6 @@ def _reusable_embeddings(path: Path, fingerprint: str) -> dict[str, bytes]:
 
 def build_index(kb, embedder, path: Path) -> BuildReport:
     """Compile a validated KB into the index file at `path`, atomically."""
-
     started = time.perf_counter()
     chunks = chunks_from_kb(kb)
     dense = [c for c in chunks if c.dense]
