@@ -88,7 +88,10 @@ def _engine(model: str | None):
 def _runner(python: str | None, nproc: int | None, timeout: float):
     from assistant.runner import ProbeRunner
 
-    return ProbeRunner(python=python, nproc_per_node=nproc, timeout=timeout)
+    try:
+        return ProbeRunner(python=python, nproc_per_node=nproc, timeout=timeout)
+    except ValueError as exc:  # --python names no interpreter
+        raise UserError(f"--python: {exc}") from None
 
 
 def _console():

@@ -107,6 +107,8 @@ def test_batch_keeps_order_and_ids(run, tmp_path):
         ),
         (["ask", "--no-probe", "--file", "/nonexistent/e.log"], None, "cannot read"),
         (["probe", "crystal_ball"], None, "unknown probe crystal_ball"),
+        (["probe", "--python", "/nonexistent/python", "versions"], None, "--python: no python"),
+        (["ask", "--python", "/nonexistent/python", "x"], None, "--python: no python"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(run, args, stdin, message):
