@@ -99,7 +99,14 @@ class Engine:
                 f"{exc.problems[0]}); run `assistant kb lint`",
                 ExitCode.FAILED,
             ) from None
-        return build_index(kb, self.embedder, self.index_path)
+        try:
+            return build_index(kb, self.embedder, self.index_path)
+        except OSError as exc:  # an unwritable or missing build folder, a full disk
+            raise UserError(
+                f"cannot write the index {self.index_path}: {exc.strerror or exc}; "
+                "set ASSISTANT_BUILD to a writable folder",
+                ExitCode.FAILED,
+            ) from None
 
     def rebuild(self) -> str:
         """Force a rebuild and reload; returns a one-line summary."""

@@ -114,3 +114,19 @@ def test_concurrent_builds_leave_one_valid_index(mini_kb, tmp_path):
     assert all(r.chunks == reports[0].chunks for r in reports)
     open_index(engine.index_path, content_hash(mini_kb), engine.embedder.fingerprint)
     assert not list(engine.index_path.parent.glob(".index-*"))
+
+
+def test_an_unwritable_build_folder_is_a_clear_error(mini_kb, tmp_path):
+    from assistant.errors import UserError
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the build folder should be\n")
+    engine = Engine(
+        kb_root=mini_kb,
+        index_path=blocker / "build" / "index.sqlite",
+        log=lambda message: None,
+        require_contract=False,
+    )
+    with pytest.raises(UserError, match="cannot write the index .*ASSISTANT_BUILD"):
+        engine.build()
+    assert blocker.read_text() == "a file where the build folder should be\n"
