@@ -105,7 +105,8 @@ def test_query_preview_counts_the_lines_after_the_first():
 
 
 def test_durations_and_sizes():
-    assert seconds(0.04) == "0.0s" and seconds(12.34) == "12.3s" and seconds(125) == "2m05s"
+    assert seconds(0.006) == "6ms" and seconds(0.04) == "40ms" and seconds(0.1) == "0.1s"
+    assert seconds(12.34) == "12.3s" and seconds(125) == "2m05s"
     assert human_size(10_400_000) == "10.4 MB" and human_size(250_000) == "250 KB"
 
 

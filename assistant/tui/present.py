@@ -84,7 +84,13 @@ def entry_text(entry: dict, key: str, lang: str) -> str:
 
 
 def seconds(value: float) -> str:
-    """A duration as the chat shows it: '0.4s', '12.3s', '2m05s'."""
+    """A duration as the chat shows it: '6ms', '0.4s', '12.3s', '2m05s'.
+
+    Milliseconds below a tenth of a second: the CPU probes of one launch take a
+    few each, and "0.0s" read as if they had not run.
+    """
+    if value < 0.1:
+        return f"{value * 1000:.0f}ms"
     if value < 60:
         return f"{value:.1f}s"
     minutes, rest = divmod(round(value), 60)
