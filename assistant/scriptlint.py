@@ -10,7 +10,9 @@ module level, statements are walked in order, and a call to a function
 defined in the same file (or handed to mp.spawn / Process) is walked in
 place. Branches are walked one after the other and loops once; that is
 rough, but it is the order a reader would follow, and checks only use it to
-compare two calls on the same path.
+compare two calls on the same path. Each call also carries the `if`s on the
+rank around it (`rank == 0`, `local_rank in [-1, 0]`, and the rest of a block
+after `if rank != 0: return`), so a check can tell who reaches it.
 
 Checks prefer silence to guessing: a correct modern torchrun script must
 produce no findings (tests/data/scripts/correct_*.py).
@@ -70,10 +72,30 @@ TENSOR_FACTORIES = frozenset(
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
 LOCAL_RANK_NAME = re.compile(r"^(local_rank|localrank|local_rank_id|lrank)$", re.IGNORECASE)
 FIXED_CUDA = re.compile(r"^cuda:\d+$")
+# Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
+RANK_NAME = re.compile(r"rank(_?id|_?idx)?$", re.IGNORECASE)
 # Stepping into every call site of every helper can grow fast in a large file;
 # past this many calls the trace stops stepping into functions.
 MAX_TRACED_CALLS = 20_000
 MAIN_PROCESS_HELPERS = frozenset({"is_main_process", "is_master", "is_rank_zero", "is_rank0"})
+# Who runs a branch under an `if` on the rank: rank 0, every rank but 0, or no rank
+# at all in a distributed run (`if local_rank == -1:` is the single-process path).
+RANK_ZERO, OTHER_RANKS, NO_RANKS = "rank 0 only", "every rank but 0", "no rank"
+# `rank <op> value` tests that split rank 0 from the others; -1 is the usual
+# "not distributed" local rank, so `local_rank in [-1, 0]` means rank 0.
+RANK_COMPARISONS = {
+    (ast.Eq, 0): RANK_ZERO,
+    (ast.LtE, 0): RANK_ZERO,
+    (ast.Lt, 1): RANK_ZERO,
+    (ast.In, frozenset({0})): RANK_ZERO,
+    (ast.In, frozenset({-1, 0})): RANK_ZERO,
+    (ast.NotEq, 0): OTHER_RANKS,
+    (ast.Gt, 0): OTHER_RANKS,
+    (ast.GtE, 1): OTHER_RANKS,
+    (ast.NotIn, frozenset({0})): OTHER_RANKS,
+    (ast.NotIn, frozenset({-1, 0})): OTHER_RANKS,
+}
+MIRRORED = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE}
 
 
 @dataclass(frozen=True)
@@ -84,8 +106,20 @@ class TracedCall:
     name: str  # dotted name with import aliases resolved ("" if not a plain name)
     top_line: int  # the module-level statement that led here
     guarded: bool  # reached under `if __name__ == "__main__":` (or not at import time)
-    rank_if: ast.If | None  # innermost `if rank == 0:`-like branch around it
-    rank_branch: str  # the branch of rank_if the call is in: "body" or "orelse"
+    rank_path: RankPath  # the `if rank == 0:`-like branches around it, outermost first
+
+
+@dataclass(frozen=True)
+class RankBranch:
+    """A branch of an `if` that only some ranks take."""
+
+    test_if: ast.If
+    branch: str  # "body" or "orelse" (for an early return: the statements after it)
+    side: str  # RANK_ZERO, OTHER_RANKS or NO_RANKS
+
+
+RankPath = tuple[RankBranch, ...]
+NO_RANK: RankPath = ()
 
 
 @dataclass
@@ -121,9 +155,6 @@ class Script:
 
 
 Check = Callable[[Script], Iterator[Finding]]
-# The innermost rank test around a statement and which branch it is in.
-RankContext = tuple[ast.If | None, str]
-NO_RANK: RankContext = (None, "")
 
 
 # ---------------------------------------------------------------- entry points
@@ -209,44 +240,47 @@ class _Tracer:
         self.enter(name, func, top_line=func.lineno, guarded=True, rank=NO_RANK)
         return self.calls
 
-    def enter(
-        self, name: str, func: ast.AST, top_line: int, guarded: bool, rank: RankContext
-    ) -> None:
+    def enter(self, name: str, func: ast.AST, top_line: int, guarded: bool, rank: RankPath) -> None:
         if name in self.stack:  # recursion: walk a function once per path
             return
         self.visited.add(name)
         self.stack.append(name)
-        for stmt in func.body:
-            self.statement(stmt, top_line, guarded, rank)
+        self.block(func.body, top_line, guarded, rank)
         self.stack.pop()
 
-    def statement(self, stmt: ast.stmt, top_line: int, guarded: bool, rank: RankContext) -> None:
+    def block(self, stmts: list[ast.stmt], top_line: int, guarded: bool, rank: RankPath) -> None:
+        """Statements in order; after `if rank != 0: return` the rest is rank 0's alone."""
+        for stmt in stmts:
+            self.statement(stmt, top_line, guarded, rank)
+            if isinstance(stmt, ast.If) and not stmt.orelse and leaves_block(stmt.body):
+                _body_side, rest_side = rank_branch_sides(stmt.test, self.script)
+                rank = narrowed(rank, stmt, "orelse", rest_side)
+
+    def statement(self, stmt: ast.stmt, top_line: int, guarded: bool, rank: RankPath) -> None:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             return  # nested definitions run only when called; not followed
         if isinstance(stmt, ast.If):
             self.expression(stmt.test, top_line, guarded, rank)
-            body_rank, else_rank = rank, rank
-            if is_rank_test(stmt.test, self.script):
-                body_rank, else_rank = (stmt, "body"), (stmt, "orelse")
-            for child in stmt.body:
-                self.statement(child, top_line, guarded, body_rank)
-            for child in stmt.orelse:
-                self.statement(child, top_line, guarded, else_rank)
+            body_side, else_side = rank_branch_sides(stmt.test, self.script)
+            self.block(stmt.body, top_line, guarded, narrowed(rank, stmt, "body", body_side))
+            self.block(stmt.orelse, top_line, guarded, narrowed(rank, stmt, "orelse", else_side))
             return
         self.fields(stmt, top_line, guarded, rank)
 
-    def fields(self, node: ast.AST, top_line: int, guarded: bool, rank: RankContext) -> None:
+    def fields(self, node: ast.AST, top_line: int, guarded: bool, rank: RankPath) -> None:
         """Every field in order: loop and try bodies, handlers, with-items."""
         for _name, value in ast.iter_fields(node):
-            for item in value if isinstance(value, list) else [value]:
-                if isinstance(item, ast.stmt):
-                    self.statement(item, top_line, guarded, rank)
-                elif isinstance(item, ast.expr):
+            items = value if isinstance(value, list) else [value]
+            if items and all(isinstance(item, ast.stmt) for item in items):
+                self.block(items, top_line, guarded, rank)
+                continue
+            for item in items:
+                if isinstance(item, ast.expr):
                     self.expression(item, top_line, guarded, rank)
                 elif isinstance(item, ast.AST):  # except handler, with-item, match case
                     self.fields(item, top_line, guarded, rank)
 
-    def expression(self, node: ast.AST, top_line: int, guarded: bool, rank: RankContext) -> None:
+    def expression(self, node: ast.AST, top_line: int, guarded: bool, rank: RankPath) -> None:
         """Post-order: arguments are evaluated before the call that takes them."""
         if isinstance(node, ast.Lambda):
             return
@@ -257,10 +291,9 @@ class _Tracer:
         if isinstance(node, ast.Call):
             self.call(node, top_line, guarded, rank)
 
-    def call(self, node: ast.Call, top_line: int, guarded: bool, rank: RankContext) -> None:
+    def call(self, node: ast.Call, top_line: int, guarded: bool, rank: RankPath) -> None:
         name = self.script.name_of(node.func)
-        rank_if, branch = rank
-        self.calls.append(TracedCall(node, name, top_line, guarded, rank_if, branch))
+        self.calls.append(TracedCall(node, name, top_line, guarded, rank))
         if len(self.calls) > MAX_TRACED_CALLS:
             return  # a helper called from many places: stop stepping in, keep recording
         for target in self.targets(node, name):
@@ -305,38 +338,102 @@ def is_main_guard(stmt: ast.stmt) -> bool:
     return "__name__" in names and "__main__" in values
 
 
+def leaves_block(stmts: list[ast.stmt]) -> bool:
+    """The branch ends in return / raise / continue / break."""
+    return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+
+def narrowed(path: RankPath, test_if: ast.If, branch: str, side: str | None) -> RankPath:
+    return path if side is None else (*path, RankBranch(test_if, branch, side))
+
+
 def is_rank_expr(expr: ast.expr, script: Script) -> bool:
     """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`."""
     if isinstance(expr, ast.Call):
-        return script.name_of(expr.func).split(".")[-1] in ("get_rank", "get_local_rank")
+        return short(script.name_of(expr.func)) in ("get_rank", "get_local_rank")
     if isinstance(expr, ast.Name):
-        return "rank" in expr.id.lower()
+        return bool(RANK_NAME.search(expr.id))
     if isinstance(expr, ast.Attribute):
-        return "rank" in expr.attr.lower()
+        return bool(RANK_NAME.search(expr.attr))
     return False
 
 
-def is_rank_test(test: ast.expr, script: Script) -> bool:
-    """`rank == 0`, `rank != 0`, `dist.get_rank() == 0`, `is_main_process()`."""
+def rank_branch_sides(test: ast.expr, script: Script) -> tuple[str | None, str | None]:
+    """Who runs the body and who runs the else branch of `if test:` in a distributed run.
+
+    RANK_ZERO, OTHER_RANKS or NO_RANKS; None where any rank may.
+    """
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        body, orelse = rank_branch_sides(test.operand, script)
+        return orelse, body
+    if isinstance(test, ast.BoolOp):
+        parts = [rank_branch_sides(value, script) for value in test.values]
+        if isinstance(test.op, ast.And):
+            return _all_hold_sides(parts)
+        # De Morgan: `a or b` is `not (not a and not b)`
+        body, orelse = _all_hold_sides([(o, b) for b, o in parts])
+        return orelse, body
+    holds = _holds_when_distributed(test, script)
+    if holds is not None:
+        return (None, NO_RANKS) if holds else (NO_RANKS, None)
+    side = _rank_comparison_side(test, script)
+    return side, _other_side(side)
+
+
+def _all_hold_sides(parts: list[tuple[str | None, str | None]]) -> tuple[str | None, str | None]:
+    """Sides of `a and b and ...`: the body needs every part, the else any one failing."""
+    bodies = {body for body, _ in parts} - {None}
+    if NO_RANKS in bodies or {RANK_ZERO, OTHER_RANKS} <= bodies:
+        body = NO_RANKS
+    else:
+        body = bodies.pop() if bodies else None
+    can_fail = [orelse for _, orelse in parts if orelse != NO_RANKS]
+    orelse = NO_RANKS if not can_fail else can_fail[0] if len(can_fail) == 1 else None
+    return body, orelse
+
+
+def _holds_when_distributed(test: ast.expr, script: Script) -> bool | None:
+    """`dist.is_initialized()` is true and `local_rank == -1` false on every rank of a run."""
     if isinstance(test, ast.Call):
-        return script.name_of(test.func).split(".")[-1] in MAIN_PROCESS_HELPERS
+        always = short(script.name_of(test.func)) in ("is_initialized", "is_available")
+        return True if always else None
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        left, right = test.left, test.comparators[0]
+        if is_rank_expr(left, script) and _literal(right) == -1:
+            op = type(test.ops[0])
+            return {ast.Eq: False, ast.NotEq: True}.get(op)
+    return None
+
+
+def _rank_comparison_side(test: ast.expr, script: Script) -> str | None:
+    """`rank == 0`, `rank != 0`, `local_rank in [-1, 0]`, `get_rank() > 0`, `is_main_process()`."""
+    if isinstance(test, ast.Call):
+        return RANK_ZERO if short(script.name_of(test.func)) in MAIN_PROCESS_HELPERS else None
     if not isinstance(test, ast.Compare) or len(test.ops) != 1:
-        return False
-    if not isinstance(test.ops[0], (ast.Eq, ast.NotEq)):
-        return False
-    left, right = test.left, test.comparators[0]
-    return (is_rank_expr(left, script) and is_zero(right)) or (
-        is_rank_expr(right, script) and is_zero(left)
-    )
+        return None
+    left, op, right = test.left, type(test.ops[0]), test.comparators[0]
+    if is_rank_expr(right, script) and op not in (ast.In, ast.NotIn):  # `0 == rank`
+        left, right, op = right, left, MIRRORED.get(op, op)
+    if not is_rank_expr(left, script):
+        return None
+    return RANK_COMPARISONS.get((op, _literal(right)))
 
 
-def rank_test_means_zero(test: ast.expr) -> bool:
-    """True when the body of the test runs on rank 0 (== 0), False for != 0."""
-    return not (isinstance(test, ast.Compare) and isinstance(test.ops[0], ast.NotEq))
+def _other_side(side: str | None) -> str | None:
+    return {RANK_ZERO: OTHER_RANKS, OTHER_RANKS: RANK_ZERO}.get(side or "")
 
 
-def is_zero(expr: ast.expr) -> bool:
-    return isinstance(expr, ast.Constant) and expr.value == 0 and not isinstance(expr.value, bool)
+def _literal(expr: ast.expr) -> int | frozenset[int] | None:
+    """An int constant, or a list / tuple / set of them as a frozenset."""
+    if is_int(expr):
+        return expr.value
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and is_int(expr.operand):
+        return -expr.operand.value
+    if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+        values = [_literal(e) for e in expr.elts]
+        if all(isinstance(v, int) for v in values):
+            return frozenset(values)
+    return None
 
 
 # ---------------------------------------------------------------- helpers
@@ -447,6 +544,8 @@ def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
     if reads_env(script, "LOCAL_RANK"):
         return
     for node, _flags in local_rank_arguments(script):
+        if not _is_required(node) and not _flag_value_read(script, node):
+            continue  # the flag only swallows the launcher's; the rank comes from elsewhere
         default = keyword(node, "default")
         shown = ast.unparse(default) if default is not None else "None"
         yield script.finding(
@@ -481,16 +580,35 @@ def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
             problems.append(
                 "accepts --local-rank only; launchers before PyTorch 2.0 pass --local_rank"
             )
-        required = keyword(node, "required")
-        if isinstance(required, ast.Constant) and required.value:
+        if _is_required(node):
             problems.append("the flag is required, but torchrun passes none")
         if problems:
             yield script.finding(
-                "local-rank-arg-mismatch",
-                node,
-                "; ".join(problems) + ': read os.environ["LOCAL_RANK"] (or accept both '
-                "spellings, optional)",
+                "local-rank-arg-mismatch", node, "; ".join(problems) + _arg_fix(script, node)
             )
+
+
+def _arg_fix(script: Script, node: ast.Call) -> str:
+    """Where the rank already comes from LOCAL_RANK, only the spellings need fixing."""
+    if reads_env(script, "LOCAL_RANK") or not _flag_value_read(script, node):
+        return ': accept both spellings, optional: add_argument("--local-rank", "--local_rank")'
+    return ': read os.environ["LOCAL_RANK"] (or accept both spellings, optional)'
+
+
+def _is_required(node: ast.Call) -> bool:
+    required = keyword(node, "required")
+    return isinstance(required, ast.Constant) and bool(required.value)
+
+
+def _flag_value_read(script: Script, node: ast.Call) -> bool:
+    """The parsed local rank is used in this file: `args.local_rank`, `opt["local_rank"]`."""
+    dest = keyword(node, "dest")
+    name = dest.value if isinstance(dest, ast.Constant) else "local_rank"
+    return any(
+        (isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Load))
+        or (isinstance(n, ast.Constant) and n.value == name)
+        for n in ast.walk(script.tree)
+    )
 
 
 def check_hardcoded_device(script: Script) -> Iterator[Finding]:
@@ -603,21 +721,36 @@ def check_set_device_order(script: Script) -> Iterator[Finding]:
         return
     for trace in script.traces:
         first_init = next((i for i, c in enumerate(trace) if is_init(c.name)), None)
-        if first_init is None:
+        if first_init is None or _set_device_earlier(trace[:first_init]):
             continue
+        device_work = None  # the first call after init that already needs the rank's GPU
         for call in trace[first_init + 1 :]:
-            if is_set_device(call.name) and not _set_device_earlier(trace[:first_init]):
-                yield script.finding(
-                    "set-device-order",
-                    call.node,
-                    "torch.cuda.set_device comes after init_process_group (line "
-                    f"{trace[first_init].node.lineno}): set the device first so NCCL binds "
-                    "each rank to its own GPU",
-                )
+            if is_set_device(call.name):
+                if device_work is not None:
+                    yield script.finding(
+                        "set-device-order",
+                        call.node,
+                        "torch.cuda.set_device comes after init_process_group and after "
+                        f"{short(device_work.name)} (line {device_work.node.lineno}), which "
+                        "already ran on cuda:0: set the device before init_process_group",
+                    )
+                break
+            if device_work is None and _needs_rank_device(call.name):
+                device_work = call
 
 
 def _set_device_earlier(calls: list[TracedCall]) -> bool:
     return any(is_set_device(c.name) for c in calls)
+
+
+def _needs_rank_device(name: str) -> bool:
+    """A call that creates the NCCL communicator (on the current device).
+
+    init_process_group without device_id creates it lazily, at the first
+    collective or DDP's first broadcast; setting the device between the two,
+    as the PyTorch tutorials do, is early enough.
+    """
+    return is_dist_call(name, COLLECTIVES) or is_ddp(name)
 
 
 def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
@@ -736,29 +869,105 @@ def _calls_external_setup(script: Script) -> bool:
 
 def check_collective_mismatch(script: Script) -> Iterator[Finding]:
     """A collective that only rank 0 (or only the other ranks) reaches: the rest hang."""
+    blocks = statement_blocks(script.tree)
+    reaches: dict[str, _CollectiveReach] = {}
     for trace in script.traces:
         for call in trace:
-            if call.rank_if is None or not is_dist_call(call.name, COLLECTIVES):
+            if not call.rank_path or not is_dist_call(call.name, COLLECTIVES):
                 continue
-            other = call.rank_if.orelse if call.rank_branch == "body" else call.rank_if.body
-            if _branch_calls(script, other, short(call.name)):
+            if not _some_rank_runs(call.rank_path):
+                continue  # the single-process path, or tests no rank passes together
+            collective = short(call.name)
+            reach = reaches.setdefault(collective, _CollectiveReach(script, collective, blocks))
+            # Innermost first: a paired `if` inside can still sit in a rank-0-only caller.
+            lonely = next((b for b in reversed(call.rank_path) if not reach.answered(b)), None)
+            if lonely is None:
                 continue
-            on_zero = rank_test_means_zero(call.rank_if.test) == (call.rank_branch == "body")
-            who = "rank 0 only" if on_zero else "every rank but 0"
             yield script.finding(
                 "collective-mismatch",
                 call.node,
-                f"{short(call.name)}() runs on {who} (the `if` on line {call.rank_if.lineno}); "
+                f"{collective}() runs on {lonely.side} (the `if` on line {lonely.test_if.lineno}); "
                 "every rank must call each collective, or the others hang",
             )
 
 
-def _branch_calls(script: Script, statements: list[ast.stmt], collective: str) -> bool:
-    for stmt in statements:
-        for node in ast.walk(stmt):
-            if isinstance(node, ast.Call) and short(script.name_of(node.func)) == collective:
+def _some_rank_runs(path: RankPath) -> bool:
+    sides = {branch.side for branch in path}
+    return NO_RANKS not in sides and not {RANK_ZERO, OTHER_RANKS} <= sides
+
+
+def statement_blocks(tree: ast.Module) -> dict[int, list[ast.stmt]]:
+    """id of each statement -> the statement list (body, else, loop body) it is in."""
+    blocks: dict[int, list[ast.stmt]] = {}
+    for node in ast.walk(tree):
+        for _name, value in ast.iter_fields(node):
+            if isinstance(value, list) and value and all(isinstance(v, ast.stmt) for v in value):
+                blocks.update((id(stmt), value) for stmt in value)
+    return blocks
+
+
+class _CollectiveReach:
+    """Which statements reach one collective, directly or through same-file functions."""
+
+    def __init__(self, script: Script, collective: str, blocks: dict[int, list[ast.stmt]]):
+        self.script = script
+        self.collective = collective
+        self.blocks = blocks
+        self.functions: dict[str, bool] = {}
+
+    def answered(self, branch: RankBranch) -> bool:
+        """The ranks outside `branch` reach it too: in the other branch, or in a paired `if`."""
+        test_if = branch.test_if
+        other = test_if.orelse if branch.branch == "body" else test_if.body
+        return self.statements(other) or self.paired(test_if)
+
+    def paired(self, test_if: ast.If) -> bool:
+        """`if rank != 0: barrier()` ... `if rank == 0: barrier()`: each rank calls it once."""
+        unmatched: list[tuple[ast.If, str]] = []
+        for stmt in self.blocks.get(id(test_if), []):
+            side = self.reaching_side(stmt)
+            if side is None:
+                continue
+            partner = next((u for u in reversed(unmatched) if u[1] == _other_side(side)), None)
+            if partner is None:
+                unmatched.append((stmt, side))
+                continue
+            unmatched.remove(partner)
+            if test_if is stmt or test_if is partner[0]:
                 return True
-    return False
+        return False
+
+    def reaching_side(self, stmt: ast.stmt) -> str | None:
+        """For an `if` on the rank that reaches the collective in one branch only: who runs it."""
+        if not isinstance(stmt, ast.If):
+            return None
+        body_side, else_side = rank_branch_sides(stmt.test, self.script)
+        in_body, in_else = self.statements(stmt.body), self.statements(stmt.orelse)
+        if in_body == in_else:
+            return None
+        side = body_side if in_body else else_side
+        return side if side in (RANK_ZERO, OTHER_RANKS) else None
+
+    def statements(self, stmts: list[ast.stmt]) -> bool:
+        return any(
+            self.call(node)
+            for stmt in stmts
+            for node in ast.walk(stmt)
+            if isinstance(node, ast.Call)
+        )
+
+    def call(self, node: ast.Call) -> bool:
+        if short(self.script.name_of(node.func)) == self.collective:
+            return True
+        if isinstance(node.func, ast.Name) and node.func.id in self.script.functions:
+            return self.function(node.func.id)
+        return False
+
+    def function(self, name: str) -> bool:
+        if name not in self.functions:
+            self.functions[name] = False  # a recursive call adds nothing
+            self.functions[name] = self.statements(self.script.functions[name].body)
+        return self.functions[name]
 
 
 def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:

@@ -176,3 +176,24 @@ def test_reassigned_module_name_is_not_a_constant() -> None:
         "dist.init_process_group('gloo', world_size=world_size, rank=int(os.environ['RANK']))\n"
     )
     assert lint_source(source) == []
+
+
+def test_rank_zero_only_caller_is_named_not_the_paired_barrier() -> None:
+    # The barrier pair inside load_examples is fine; the `if` that lets only rank 0
+    # call it (line 24) is the one to fix.
+    findings = lint_script(SCRIPTS / "barrier_in_rank_zero_only_caller.py")
+    assert [f.line for f in findings] == [15]
+    assert "rank 0 only (the `if` on line 24)" in findings[0].message
+
+
+def test_unread_local_rank_flag_suggests_both_spellings_only() -> None:
+    source = (
+        "import argparse, os\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local_rank', type=int, default=-1)\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("local-rank-arg-mismatch", 3)]
+    assert "accept both spellings" in findings[0].message
+    assert "read os.environ" not in findings[0].message

@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def setup():
     dist.init_process_group(backend="nccl")
     local_rank = int(os.environ["LOCAL_RANK"])
+    dist.barrier()  # runs on cuda:0 in every rank: the communicator is built there
     torch.cuda.set_device(local_rank)  # expect: set-device-order
     return local_rank
 
