@@ -188,14 +188,25 @@ def parse_script(source: str, path: str = "<string>") -> Script:
         raise UserError(f"{where}: not valid Python: {exc.msg}") from None
     except ValueError as exc:  # null bytes on older Pythons
         raise UserError(f"{path}: not valid Python: {exc}") from None
-    functions = {
-        node.name: node
-        for node in tree.body
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    }
-    script = Script(path=path, tree=tree, aliases=import_aliases(tree), functions=functions)
+    script = Script(
+        path=path, tree=tree, aliases=import_aliases(tree), functions=functions_of(tree)
+    )
     script.traces = trace_script(script)
     return script
+
+
+def functions_of(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Top-level functions by name, and methods of top-level classes as "Class.method".
+
+    Trainers are often classes: their methods are traced like functions, and
+    `Trainer(...)` / `self.step()` step into them.
+    """
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    functions = {node.name: node for node in tree.body if isinstance(node, defs)}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        for method in (node for node in cls.body if isinstance(node, defs)):
+            functions[f"{cls.name}.{method.name}"] = method
+    return functions
 
 
 def import_aliases(tree: ast.Module) -> dict[str, str]:
@@ -302,8 +313,14 @@ class _Tracer:
     def targets(self, node: ast.Call, name: str) -> list[str]:
         """Same-file functions this call runs: the callee, or a spawned target."""
         found = []
-        if isinstance(node.func, ast.Name) and node.func.id in self.script.functions:
-            found.append(node.func.id)
+        functions = self.script.functions
+        if isinstance(node.func, ast.Name):
+            for callee in (node.func.id, f"{node.func.id}.__init__"):  # a function, a class
+                if callee in functions:
+                    found.append(callee)
+        method = self.own_method(node.func)
+        if method in functions:
+            found.append(method)
         if name in SPAWNERS:
             candidates = list(node.args[:1]) + [
                 k.value for k in node.keywords if k.arg in ("fn", "target")
@@ -312,6 +329,15 @@ class _Tracer:
                 if isinstance(arg, ast.Name) and arg.id in self.script.functions:
                     found.append(arg.id)
         return found
+
+    def own_method(self, func: ast.expr) -> str | None:
+        """`self.step` inside a method of class C -> "C.step"."""
+        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+            return None
+        if func.value.id != "self":
+            return None
+        owner = next((name for name in reversed(self.stack) if "." in name), None)
+        return f"{owner.split('.')[0]}.{func.attr}" if owner else None
 
 
 def trace_script(script: Script) -> list[list[TracedCall]]:
