@@ -57,10 +57,12 @@ def model_fingerprint(model_dir: Path) -> str:
 class Embedder:
     """A lazily loaded sentence-transformers model; encode() is thread-safe."""
 
-    def __init__(self, setting: str | None = None):
+    def __init__(self, setting: str | None = None, accelerate: bool = True):
         self.model_dir = resolve_model_dir(setting)
         self.fingerprint = model_fingerprint(self.model_dir)
+        self.accelerate = accelerate  # try the exported ONNX graph (onnxembed)
         self._model = None
+        self._fast = None  # an OnnxEncoder that reproduces the model, when there is one
         self._lock = threading.Lock()
 
     def load(self):
@@ -77,7 +79,38 @@ class Embedder:
                 model = SentenceTransformer(str(self.model_dir), device=DEVICE)
                 model.max_seq_length = min(model.max_seq_length or MAX_TOKENS, MAX_TOKENS)
                 self._model = model
+                if self.accelerate and self._graph_path().exists():
+                    self._fast = self._onnx_encoder(model)
         return self._model
+
+    def accelerate_queries(self) -> None:
+        """Export the ONNX graph if this model has none yet, and use it.
+
+        Called on the query path (a one-time ~3 s); `kb build` only uses a graph
+        that already exists, so a first build is not slowed by the export.
+        """
+        model = self.load()
+        with self._lock:
+            if self.accelerate and self._fast is None:
+                self._fast = self._onnx_encoder(model)
+
+    def _graph_path(self) -> Path:
+        from assistant.config import build_dir
+
+        return build_dir() / "onnx" / f"{self.fingerprint.replace(':', '-')}.onnx"
+
+    def _onnx_encoder(self, model):
+        import torch
+
+        from assistant.onnxembed import onnx_encoder
+
+        return onnx_encoder(model, self._graph_path(), threads=torch.get_num_threads())
+
+    @property
+    def backend(self) -> str:
+        """What computes the vectors: "onnxruntime" or "sentence-transformers"."""
+        self.load()
+        return "onnxruntime" if self._fast is not None else "sentence-transformers"
 
     @property
     def dimension(self) -> int:
@@ -104,13 +137,15 @@ class Embedder:
                 vectors[picked] = self._encode(model, [texts[i] for i in picked], batch_size)
         return vectors
 
-    @staticmethod
-    def _encode(model, texts: list[str], batch_size: int):
+    def _encode(self, model, texts: list[str], batch_size: int):
         import numpy as np
 
-        vectors = model.encode(
-            texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
-        )
+        if self._fast is not None:
+            vectors = self._fast.encode(texts)
+        else:
+            vectors = model.encode(
+                texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
+            )
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
 

@@ -75,7 +75,7 @@ class Engine:
             if self._retriever is not None:
                 return
             index = self._open_or_rebuild()
-            self.embedder.load()
+            self.embedder.accelerate_queries()
             self._index, self._retriever = index, Retriever(index, self.embedder)
 
     def _open_or_rebuild(self) -> LoadedIndex:

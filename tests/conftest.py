@@ -23,8 +23,11 @@ def build_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def embedder():
-    """The real embedding model, loaded once for the whole session."""
+def embedder(build_dir):
+    """The real embedding model, loaded once for the whole session.
+
+    Its exported ONNX graph (onnxembed) goes to the private build directory.
+    """
     from assistant.embed import Embedder
 
     model = Embedder()
