@@ -94,6 +94,18 @@ class Embedder:
             if self.accelerate and self._fast is None:
                 self._fast = self._onnx_encoder(model)
 
+    @property
+    def will_export(self) -> bool:
+        """accelerate_queries() would export the ONNX graph first (a one-time cost)."""
+        import importlib.util
+
+        return (
+            self.accelerate
+            and self._fast is None
+            and not self._graph_path().exists()
+            and importlib.util.find_spec("onnxruntime") is not None
+        )
+
     def _graph_path(self) -> Path:
         from assistant.config import build_dir
 

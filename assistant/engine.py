@@ -75,6 +75,10 @@ class Engine:
             if self._retriever is not None:
                 return
             index = self._open_or_rebuild()
+            if self.embedder.will_export:
+                self.log(
+                    "assistant: exporting the embedding model to ONNX for faster queries (once)"
+                )
             self.embedder.accelerate_queries()
             self._index, self._retriever = index, Retriever(index, self.embedder)
 
