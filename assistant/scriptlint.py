@@ -312,15 +312,8 @@ class _Tracer:
 
     def targets(self, node: ast.Call, name: str) -> list[str]:
         """Same-file functions this call runs: the callee, or a spawned target."""
-        found = []
-        functions = self.script.functions
-        if isinstance(node.func, ast.Name):
-            for callee in (node.func.id, f"{node.func.id}.__init__"):  # a function, a class
-                if callee in functions:
-                    found.append(callee)
-        method = self.own_method(node.func)
-        if method in functions:
-            found.append(method)
+        owner = next((f for f in reversed(self.stack) if "." in f), "").split(".")[0]
+        found = same_file_callees(self.script, node.func, owner or None)
         if name in SPAWNERS:
             candidates = list(node.args[:1]) + [
                 k.value for k in node.keywords if k.arg in ("fn", "target")
@@ -330,14 +323,23 @@ class _Tracer:
                     found.append(arg.id)
         return found
 
-    def own_method(self, func: ast.expr) -> str | None:
-        """`self.step` inside a method of class C -> "C.step"."""
-        if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
-            return None
-        if func.value.id != "self":
-            return None
-        owner = next((name for name in reversed(self.stack) if "." in name), None)
-        return f"{owner.split('.')[0]}.{func.attr}" if owner else None
+
+def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list[str]:
+    """The functions of this file a call runs: `f()`, `Cls()` (its __init__), `self.m()`.
+
+    `owner` is the class whose method makes the call; without it `self.m()`
+    may be the `m` of any class in the file.
+    """
+    functions = script.functions
+    if isinstance(func, ast.Name):
+        return [c for c in (func.id, f"{func.id}.__init__") if c in functions]
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        return []
+    if func.value.id != "self":
+        return []
+    if owner is not None:
+        return [m for m in (f"{owner}.{func.attr}",) if m in functions]
+    return [name for name in functions if name.endswith(f".{func.attr}")]
 
 
 def trace_script(script: Script) -> list[list[TracedCall]]:
@@ -985,9 +987,7 @@ class _CollectiveReach:
     def call(self, node: ast.Call) -> bool:
         if short(self.script.name_of(node.func)) == self.collective:
             return True
-        if isinstance(node.func, ast.Name) and node.func.id in self.script.functions:
-            return self.function(node.func.id)
-        return False
+        return any(self.function(f) for f in same_file_callees(self.script, node.func, None))
 
     def function(self, name: str) -> bool:
         if name not in self.functions:
