@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from assistant.config import DEFAULT_MODEL, model_setting
@@ -63,6 +64,7 @@ class Embedder:
         self.accelerate = accelerate  # try the exported ONNX graph (onnxembed)
         self._model = None
         self._fast = None  # an OnnxEncoder that reproduces the model, when there is one
+        self._fast_tried = False  # tried once per process: a failed check is not redone
         self._lock = threading.Lock()
 
     def load(self):
@@ -79,44 +81,37 @@ class Embedder:
                 model = SentenceTransformer(str(self.model_dir), device=DEVICE)
                 model.max_seq_length = min(model.max_seq_length or MAX_TOKENS, MAX_TOKENS)
                 self._model = model
-                if self.accelerate and self._graph_path().exists():
-                    self._fast = self._onnx_encoder(model)
+                if self._graph_path().exists():  # exported earlier: use it at once
+                    self._try_onnx(model, on_export=None)
         return self._model
 
-    def accelerate_queries(self) -> None:
+    def accelerate_queries(self, on_export: Callable[[], None] | None = None) -> None:
         """Export the ONNX graph if this model has none yet, and use it.
 
-        Called on the query path (a one-time ~3 s); `kb build` only uses a graph
-        that already exists, so a first build is not slowed by the export.
+        Called on the query path (a one-time ~3 s, announced through
+        `on_export`); `kb build` only uses a graph that already exists, so a
+        first build is not slowed by the export.
         """
         model = self.load()
         with self._lock:
-            if self.accelerate and self._fast is None:
-                self._fast = self._onnx_encoder(model)
+            self._try_onnx(model, on_export)
 
-    @property
-    def will_export(self) -> bool:
-        """accelerate_queries() would export the ONNX graph first (a one-time cost)."""
-        import importlib.util
+    def _try_onnx(self, model, on_export: Callable[[], None] | None) -> None:
+        if not self.accelerate or self._fast_tried:
+            return
+        import torch
 
-        return (
-            self.accelerate
-            and self._fast is None
-            and not self._graph_path().exists()
-            and importlib.util.find_spec("onnxruntime") is not None
+        from assistant.onnxembed import onnx_encoder
+
+        self._fast_tried = True
+        self._fast = onnx_encoder(
+            model, self._graph_path(), threads=torch.get_num_threads(), on_export=on_export
         )
 
     def _graph_path(self) -> Path:
         from assistant.config import build_dir
 
         return build_dir() / "onnx" / f"{self.fingerprint.replace(':', '-')}.onnx"
-
-    def _onnx_encoder(self, model):
-        import torch
-
-        from assistant.onnxembed import onnx_encoder
-
-        return onnx_encoder(model, self._graph_path(), threads=torch.get_num_threads())
 
     @property
     def backend(self) -> str:

@@ -75,11 +75,11 @@ class Engine:
             if self._retriever is not None:
                 return
             index = self._open_or_rebuild()
-            if self.embedder.will_export:
-                self.log(
+            self.embedder.accelerate_queries(
+                on_export=lambda: self.log(
                     "assistant: exporting the embedding model to ONNX for faster queries (once)"
                 )
-            self.embedder.accelerate_queries()
+            )
             self._index, self._retriever = index, Retriever(index, self.embedder)
 
     def _open_or_rebuild(self) -> LoadedIndex:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 # Texts the exported graph must reproduce before it is trusted.
@@ -42,14 +43,22 @@ class OnnxEncoder:
         return self.session.run(None, feeds)[0]
 
 
-def onnx_encoder(model, graph_path: Path, threads: int) -> OnnxEncoder | None:
-    """An encoder equivalent to `model` (a loaded SentenceTransformer), or None."""
+def onnx_encoder(
+    model, graph_path: Path, threads: int, on_export: Callable[[], None] | None = None
+) -> OnnxEncoder | None:
+    """An encoder equivalent to `model` (a loaded SentenceTransformer), or None.
+
+    Exports the graph to `graph_path` first when it is not there, calling
+    `on_export` before that one-time cost.
+    """
     try:
         import onnxruntime
     except ImportError:
         return None
     try:
         if not graph_path.exists():
+            if on_export is not None:
+                on_export()
             _export(model, graph_path)
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads

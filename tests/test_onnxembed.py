@@ -43,10 +43,14 @@ def test_queries_run_on_onnxruntime_with_the_models_vectors(embedder, reference)
 
 def test_a_graph_that_does_not_reproduce_the_model_is_not_used(reference, tmp_path):
     graph = tmp_path / "model.onnx"
-    assert onnx_encoder(reference.load(), graph, threads=1) is not None  # exported, checked
+    exports: list[str] = []
+    announce = lambda: exports.append(graph.name)
+    assert onnx_encoder(reference.load(), graph, 1, on_export=announce) is not None
+    assert exports == ["model.onnx"]  # exported (and said so) once, then checked
     other = Embedder(accelerate=False).load()
     other.encode = lambda texts, **kw: np.ones((len(texts), 384), np.float32) / np.sqrt(384)
-    assert onnx_encoder(other, graph, threads=1) is None
+    assert onnx_encoder(other, graph, 1, on_export=announce) is None
+    assert exports == ["model.onnx"]  # the graph existed: no second export
 
 
 def test_a_damaged_graph_or_missing_onnxruntime_keeps_sentence_transformers(
