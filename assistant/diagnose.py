@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 
 from assistant.config import contract_ids, kb_dir
-from assistant.probe_registry import probe_names
+from assistant.probing.registry import probe_names
 from assistant.results import AnswerRef, CauseResult, ProbeRun, Result
-from assistant.runner import ProbeRunner, ProgressEvent
+from assistant.probing.runner import ProbeRunner, ProgressEvent
 from assistant.verdicts import apply_verdicts
 
 
@@ -61,7 +61,7 @@ def contract_causes() -> list[CauseResult]:
 def _load_kb_quietly():
     """The KB, or None when it cannot be loaded right now."""
     try:
-        from assistant.kb import load_kb
+        from assistant.knowledge.kb import load_kb
 
         return load_kb(kb_dir(), require_contract=False)
     # KBError while the KB is being edited, ImportError without pydantic: titles fall back to ids.

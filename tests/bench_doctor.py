@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from assistant.diagnose import doctor
-from assistant.runner import ProbeRunner
+from assistant.probing.runner import ProbeRunner
 
 BARE = """\
 import torch

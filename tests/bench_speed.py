@@ -70,7 +70,7 @@ def warm_median(engine, texts: list[str]) -> float:
 def embed_median(engine, texts: list[str]) -> float:
     """The query embedding alone: the floor under every warm query on this CPU."""
     from assistant.clean import clean_log
-    from assistant.retrieve import DENSE_TEXT_LIMIT
+    from assistant.knowledge.retrieve import DENSE_TEXT_LIMIT
 
     focus = [clean_log(text).focus[:DENSE_TEXT_LIMIT] for text in texts]
     times = []
@@ -86,8 +86,8 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     import numpy as np
 
     from assistant.config import kb_dir
-    from assistant.index import Chunk, _write_db, chunks_from_kb
-    from assistant.kb import load_kb
+    from assistant.knowledge.index import Chunk, _write_db, chunks_from_kb
+    from assistant.knowledge.kb import load_kb
 
     kb = load_kb(kb_dir())
     real = chunks_from_kb(kb)
@@ -112,7 +112,7 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
 
 
 def main() -> None:
-    from assistant.engine import Engine
+    from assistant.knowledge.engine import Engine
 
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     assistant = str(BIN / "assistant")
@@ -143,8 +143,8 @@ def main() -> None:
             index_path=Path(tmp) / "synthetic.sqlite", log=lambda m: None, embedder=engine.embedder
         )
         synthetic_index(engine, synthetic.index_path)
-        from assistant.index import open_index
-        from assistant.retrieve import Retriever
+        from assistant.knowledge.index import open_index
+        from assistant.knowledge.retrieve import Retriever
 
         synthetic._index = open_index(synthetic.index_path, None, None)
         synthetic._retriever = Retriever(synthetic._index, engine.embedder)

@@ -28,7 +28,7 @@ def embedder(build_dir):
 
     Its exported ONNX graph (onnxembed) goes to the private build directory.
     """
-    from assistant.embed import Embedder
+    from assistant.knowledge.embed import Embedder
 
     model = Embedder()
     model.load()
@@ -38,7 +38,7 @@ def embedder(build_dir):
 @pytest.fixture(scope="session")
 def engine(build_dir, embedder):
     """The real engine: real KB, real SQLite + FAISS index, real embedding model."""
-    from assistant.engine import Engine
+    from assistant.knowledge.engine import Engine
 
     eng = Engine(index_path=build_dir / "index.sqlite", log=lambda message: None, embedder=embedder)
     eng.load()

@@ -30,9 +30,9 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from assistant.conversation import Conversation, Turn
+from assistant.chat.conversation import Conversation, Turn
 from assistant.errors import UserError
-from assistant.export import conversation_markdown
+from assistant.chat.export import conversation_markdown
 from assistant.results import ProbeRun, Result
 from assistant.tui import services
 from assistant.tui.messages import (
@@ -568,7 +568,7 @@ class ChatApp(App[None]):
 
     @work(thread=True, group="lint", exit_on_error=False)
     def lint(self, key: int, path: str) -> None:
-        """Lint a training script (assistant.scriptlint.lint_script)."""
+        """Lint a training script (assistant.lint.script.lint_script)."""
         try:
             findings = list(self.linter(path))
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
@@ -757,7 +757,7 @@ def make_app(
     engine:   .load(), .ready, .ask(query, top, context), .rebuild(), .cause(id)
     runner:   .run(names, on_progress, cancel) -> list[ProbeRun]
     linter:   lint_script(path) -> list[Finding]
-    history:  assistant.history.History, or None to keep nothing
+    history:  assistant.chat.history.History, or None to keep nothing
     apply_verdicts / probes_for / doctor: default to assistant.verdicts and
     assistant.diagnose, imported when first used.
     clock (monotonic seconds) and now (epoch seconds) are injectable so
@@ -784,7 +784,7 @@ def make_app(
 def run_chat(model: str | None = None, lang: str | None = None) -> None:
     """Open the chat with the real engine, probe runner and history."""
     from assistant.config import history_path
-    from assistant.history import History
+    from assistant.chat.history import History
 
     app: ChatApp | None = None
 

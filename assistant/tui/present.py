@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from assistant.conversation import first_line, shorten
+from assistant.chat.conversation import first_line, shorten
 from assistant.i18n import detect_lang
 from assistant.results import AnswerRef, CauseResult
 

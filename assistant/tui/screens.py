@@ -29,7 +29,7 @@ from assistant.tui.strings import tr
 from assistant.tui.widgets import localize_bindings
 
 if TYPE_CHECKING:
-    from assistant.history import ConversationSummary
+    from assistant.chat.history import ConversationSummary
 
 STANCE_STYLES = {
     "right": "green",

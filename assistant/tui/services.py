@@ -21,7 +21,7 @@ def _real(module: str, name: str) -> Any:
 
 
 class LazyEngine:
-    """assistant.engine.Engine, constructed on first use (from a worker thread)."""
+    """assistant.knowledge.engine.Engine, constructed on first use (from a worker thread)."""
 
     def __init__(self, model: str | None = None, log: Callable[[str], None] | None = None):
         self.model = model
@@ -33,7 +33,7 @@ class LazyEngine:
     def engine(self):
         with self._lock:
             if self._engine is None:
-                engine_class = _real("assistant.engine", "Engine")
+                engine_class = _real("assistant.knowledge.engine", "Engine")
                 self._engine = engine_class(model=self.model, log=self.log)
             return self._engine
 
@@ -55,7 +55,7 @@ class LazyEngine:
 
 
 class LazyRunner:
-    """assistant.runner.ProbeRunner, constructed on first use; other attributes pass through."""
+    """assistant.probing.runner.ProbeRunner, constructed on first use; other attributes pass through."""
 
     def __init__(self, **options: Any):
         self.options = options
@@ -66,7 +66,7 @@ class LazyRunner:
     def runner(self):
         with self._lock:
             if self._runner is None:
-                self._runner = _real("assistant.runner", "ProbeRunner")(**self.options)
+                self._runner = _real("assistant.probing.runner", "ProbeRunner")(**self.options)
             return self._runner
 
     def run(self, names, on_progress=None, cancel=None):
@@ -98,8 +98,8 @@ def doctor(runner, lang="en", on_progress=None, cancel=None):
 
 
 def lint_script(path):
-    """assistant.scriptlint.lint_script, imported on first use."""
-    return _real("assistant.scriptlint", "lint_script")(path)
+    """assistant.lint.script.lint_script, imported on first use."""
+    return _real("assistant.lint.script", "lint_script")(path)
 
 
 class EngineThread:

@@ -20,7 +20,7 @@ from textual.dom import DOMNode
 from textual.reactive import reactive
 from textual.widgets import Label, ListItem, ListView, Static, TextArea
 
-from assistant.conversation import Turn
+from assistant.chat.conversation import Turn
 from assistant.results import CauseResult, Finding, ProbeRun, Result
 from assistant.tui.messages import CauseChosen, CopyFix, QuerySubmitted
 from assistant.tui.present import (

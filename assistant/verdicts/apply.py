@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from assistant.probe_registry import PROBES
+from assistant.probing.registry import PROBES
 from assistant.results import VERDICT_RANK, CauseResult, Finding, ProbeRun, Result
 from assistant.verdicts.devices import advice_outcomes
 from assistant.verdicts.inputs import judge

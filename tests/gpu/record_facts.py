@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from assistant.config import contract_ids
-from assistant.probe_registry import probe_names
-from assistant.runner import ProbeRunner, load_runs, save_runs
+from assistant.probing.registry import probe_names
+from assistant.probing.runner import ProbeRunner, load_runs, save_runs
 from assistant.verdicts import judge
 
 

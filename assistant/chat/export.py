@@ -1,0 +1,211 @@
+"""A conversation as Markdown, ready to paste into an issue tracker.
+
+    text = conversation_markdown(conversation, lang="en")
+
+The report holds what a maintainer needs to reproduce and judge the failure:
+the root error, the environment facts the probes measured, the verdict on
+each candidate cause with its evidence, the fix as a code block, script-lint
+findings, and the questions asked. Nothing here imports Textual.
+"""
+
+from __future__ import annotations
+
+from assistant.chat.conversation import Conversation, first_line, shorten
+from assistant.i18n import t
+from assistant.results import CauseResult, ProbeRun, Result
+
+_STRINGS: dict[str, dict[str, str]] = {
+    "report": {"en": "DDP assistant report", "zh": "DDP 助手报告"},
+    "verdicts": {"en": "Verdicts on this machine", "zh": "本机判定"},
+    "cause": {"en": "Cause", "zh": "原因"},
+    "verdict": {"en": "Verdict", "zh": "判定"},
+    "environment": {"en": "Environment (measured by probes)", "zh": "环境（探针测得）"},
+    "no_probes": {"en": "No probe has run yet.", "zh": "还没有运行探针。"},
+    "findings": {"en": "Training script findings", "zh": "训练脚本检查结果"},
+    "questions": {"en": "Questions asked", "zh": "提出的问题"},
+    "lines": {"en": "lines", "zh": "行"},
+    "no_result": {"en": "No answer yet.", "zh": "还没有答案。"},
+    "rank": {"en": "rank", "zh": "rank"},
+}
+
+MAX_FACTS_PER_PROBE = 24
+FACT_VALUE_CHARS = 160
+
+
+def _s(key: str, lang: str) -> str:
+    entry = _STRINGS.get(key)
+    return (entry.get(lang) or entry["en"]) if entry else t(key, lang)
+
+
+def conversation_markdown(conversation: Conversation, lang: str = "en") -> str:
+    """The whole conversation as one Markdown document (ends with a newline)."""
+    result = conversation.latest_result()
+    sections = [
+        f"# {_s('report', lang)}: {conversation.title or '-'}",
+        _root_error_section(conversation, lang),
+        _verdict_section(result, lang),
+        _fix_section(result, lang),
+        _environment_section(conversation, lang),
+        _findings_section(conversation, lang),
+        _questions_section(conversation, lang),
+    ]
+    return "\n\n".join(s for s in sections if s).rstrip() + "\n"
+
+
+def cause_title(cause: CauseResult, lang: str) -> str:
+    """The cause's title in `lang` when the KB has one."""
+    return cause.title_zh if lang == "zh" and cause.title_zh else cause.title
+
+
+def _root_error_section(conversation: Conversation, lang: str) -> str:
+    root = conversation.root_error()
+    if root is None:
+        return f"## {t('root_error', lang)}\n\n{t('no_root_error', lang)}."
+    where = f" ({_s('rank', lang)} {root.rank})" if root.rank is not None else ""
+    return f"## {t('root_error', lang)}{where}\n\n" + fence(f"{root.type}: {root.message}", "text")
+
+
+def _verdict_section(result: Result | None, lang: str) -> str:
+    head = f"## {_s('verdicts', lang)}"
+    if result is None:
+        return f"{head}\n\n{_s('no_result', lang)}"
+    if not result.causes:
+        return f"{head}\n\n{t('no_causes', lang)}."
+    rows = [
+        f"| # | {_s('cause', lang)} | {_s('verdict', lang)} | {t('score', lang)} |",
+        "|---|---|---|---|",
+    ]
+    details = []
+    for number, cause in enumerate(result.causes, 1):
+        title = cause_title(cause, lang)
+        verdict = t(f"verdict.{cause.verdict.verdict}", lang)
+        rows.append(
+            f"| {number} | {_cell(title)} (`{cause.id}`) | {_cell(verdict)} | {cause.score:.2f} |"
+        )
+        if cause.verdict.evidence:
+            evidence = "\n".join(f"- {line}" for line in cause.verdict.evidence)
+            details.append(f"**{number}. {title}** ({verdict}):\n\n{evidence}")
+    return "\n\n".join([head, "\n".join(rows), *details])
+
+
+def fix_causes(result: Result | None) -> list[CauseResult]:
+    """Whose fix the report shows: every confirmed cause, else the best-ranked one."""
+    if result is None or not result.causes:
+        return []
+    confirmed = [c for c in result.causes if c.verdict.verdict == "confirmed"]
+    return confirmed or [result.causes[0]]
+
+
+def _fix_section(result: Result | None, lang: str) -> str:
+    causes = fix_causes(result)
+    if not causes:
+        return ""
+    parts = [f"## {t('fix', lang)}"]
+    for cause in causes:
+        parts.append(f"### {cause_title(cause, lang)} (`{cause.id}`)")
+        if cause.fix.strip():
+            parts.append(cause.fix.strip())
+        if cause.fix_code.strip():
+            parts.append(fence(cause.fix_code.rstrip(), "python"))
+    return "\n\n".join(parts)
+
+
+def _environment_section(conversation: Conversation, lang: str) -> str:
+    runs = _latest_runs(conversation)
+    head = f"## {_s('environment', lang)}"
+    if not runs:
+        return f"{head}\n\n{_s('no_probes', lang)}"
+    lines = []
+    for run in runs:
+        detail = f": {shorten(run.detail, FACT_VALUE_CHARS)}" if run.detail else ""
+        lines.append(f"- **{run.name}**: {run.status}, {run.seconds:.1f} s{detail}")
+        lines.extend(f"  - {fact}" for fact in probe_facts(run))
+    return f"{head}\n\n" + "\n".join(lines)
+
+
+def _latest_runs(conversation: Conversation) -> list[ProbeRun]:
+    """The latest run of each probe across the conversation, in first-run order."""
+    runs: dict[str, ProbeRun] = {}
+    for turn in conversation.turns:
+        for run in turn.result.probes if turn.result else []:
+            runs[run.name] = run
+    return list(runs.values())
+
+
+def probe_facts(run: ProbeRun, limit: int = MAX_FACTS_PER_PROBE) -> list[str]:
+    """'key: value' lines from every rank's facts; values that differ show per rank."""
+    flat = [_flatten(rank) for rank in run.ranks if isinstance(rank, dict)]
+    keys: list[str] = []
+    for facts in flat:
+        keys.extend(k for k in facts if k not in keys and k != "rank")
+    lines = []
+    for key in keys[:limit]:
+        values = [facts.get(key, "-") for facts in flat]
+        if len(set(values)) == 1:
+            lines.append(f"{key}: {values[0]}")
+        else:
+            ranks = [facts.get("rank", i) for i, facts in enumerate(flat)]
+            per_rank = ", ".join(f"rank {r}={v}" for r, v in zip(ranks, values))
+            lines.append(f"{key}: {per_rank}")
+    if len(keys) > limit:
+        lines.append(f"… (+{len(keys) - limit})")
+    return lines
+
+
+def _flatten(facts: dict, prefix: str = "") -> dict[str, str]:
+    """Nested dicts as dotted keys, every value as a short string."""
+    flat: dict[str, str] = {}
+    for key, value in facts.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{name}."))
+        elif isinstance(value, (list, tuple)):
+            flat[name] = shorten(", ".join(str(v) for v in value) or "[]", FACT_VALUE_CHARS)
+        else:
+            flat[name] = shorten(str(value), FACT_VALUE_CHARS)
+    return flat
+
+
+def _findings_section(conversation: Conversation, lang: str) -> str:
+    findings = conversation.findings()
+    if not findings:
+        return ""
+    lines = [f"- {f.path or '?'}:{f.line} `{f.cause_id}`: {f.message}" for f in findings]
+    return f"## {_s('findings', lang)}\n\n" + "\n".join(lines)
+
+
+def _questions_section(conversation: Conversation, lang: str) -> str:
+    asks = [turn for turn in conversation.turns if turn.kind == "ask"]
+    if not asks:
+        return ""
+    lines = []
+    for number, turn in enumerate(asks, 1):
+        count = len(turn.query.splitlines())
+        more = f" ({count} {_s('lines', lang)})" if count > 1 else ""
+        lines.append(f"{number}. {_cell(shorten(first_line(turn.query), 120))}{more}")
+    return f"## {_s('questions', lang)}\n\n" + "\n".join(lines)
+
+
+def fence(text: str, info: str = "") -> str:
+    """`text` in a fenced code block whose fence no line of `text` can close."""
+    longest = max((len(run) for run in _backtick_runs(text)), default=0)
+    marks = "`" * max(3, longest + 1)
+    return f"{marks}{info}\n{text}\n{marks}"
+
+
+def _backtick_runs(text: str) -> list[str]:
+    runs, current = [], ""
+    for char in text:
+        if char == "`":
+            current += char
+        elif current:
+            runs.append(current)
+            current = ""
+    if current:
+        runs.append(current)
+    return runs
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")

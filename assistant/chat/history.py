@@ -1,0 +1,226 @@
+"""Chat history kept between runs, in one SQLite file (sqlite-utils).
+
+    history = History(config.history_path())
+    history.save(conversation)          # inserts, or updates the same conversation
+    for entry in history.list(): ...    # newest first, without loading the turns
+    conversation = history.load(entry.id)
+    history.delete(entry.id)
+
+The schema is created by numbered migrations recorded in `PRAGMA
+user_version`, so a later version can add columns without losing old chats.
+Each call opens its own connection: the chat may save from its UI thread and
+load from a worker. Nothing here imports Textual.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from assistant.chat.conversation import Conversation, Turn
+from assistant.errors import UserError
+
+if TYPE_CHECKING:  # imported on first use: sqlite_utils costs ~0.3 s, the chat opens first
+    import sqlite_utils
+
+
+def _migration_1(db: sqlite_utils.Database) -> None:
+    db["conversations"].create(
+        {"id": int, "title": str, "created": float, "updated": float, "lang": str},
+        pk="id",
+    )
+    db["turns"].create(
+        {
+            "conversation_id": int,
+            "position": int,
+            "kind": str,
+            "lang": str,
+            "query": str,
+            "result": str,  # JSON of assistant.chat.conversation.result_to_dict
+            "error": str,
+            "findings": str,  # JSON list of Finding.to_json()
+            "created": float,
+        },
+        pk=("conversation_id", "position"),
+        foreign_keys=[("conversation_id", "conversations", "id")],
+    )
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migration_1]
+"""Schema steps; step n (1-based) brings `user_version` from n-1 to n. Append only."""
+
+
+@dataclass(frozen=True)
+class ConversationSummary:
+    """One row of the history list."""
+
+    id: int
+    title: str
+    created: float
+    updated: float
+    turns: int
+
+
+class History:
+    """Saved conversations in the SQLite file at `path` (created on first use)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._lock = threading.Lock()  # one writer at a time within this process
+
+    def _db(self) -> sqlite_utils.Database:
+        import sqlite_utils
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite_utils.Database(self.path)
+            migrate(db)
+        except (OSError, sqlite3.DatabaseError) as exc:
+            raise UserError(f"cannot open the chat history {self.path}: {exc}") from None
+        return db
+
+    def save(self, conversation: Conversation, now: float | None = None) -> int:
+        """Store the conversation and its turns; sets and returns `conversation.id`.
+
+        A turn's query is written once: later saves update only what changes
+        (result, error, findings), so a 10 MB pasted log is not rewritten
+        each time its probes report.
+        """
+        stamp = time.time() if now is None else now
+        with self._lock:
+            db = self._db()
+            try:
+                with db.conn:
+                    conversation.id = self._save_row(db, conversation, stamp)
+                    for position, turn in enumerate(conversation.turns):
+                        self._save_turn(db, conversation.id, position, turn)
+                    db.execute(
+                        "DELETE FROM turns WHERE conversation_id = ? AND position >= ?",
+                        [conversation.id, len(conversation.turns)],
+                    )
+            finally:
+                db.close()
+        return conversation.id
+
+    def _save_row(self, db: sqlite_utils.Database, conversation: Conversation, stamp: float) -> int:
+        lang = conversation.turns[-1].lang if conversation.turns else "en"
+        row = {"title": conversation.title, "updated": stamp, "lang": lang}
+        if conversation.id is not None and db["conversations"].count_where(
+            "id = ?", [conversation.id]
+        ):
+            db["conversations"].update(conversation.id, row)
+            return conversation.id
+        row["created"] = conversation.created or stamp
+        if conversation.id is not None:
+            row["id"] = conversation.id
+        return db["conversations"].insert(row).last_pk
+
+    @staticmethod
+    def _save_turn(db: sqlite_utils.Database, conversation_id: int, position: int, turn: Turn):
+        data = turn.to_dict()
+        db.execute(
+            """
+            INSERT INTO turns (conversation_id, position, kind, lang, query, result, error,
+                               findings, created)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+            ON CONFLICT (conversation_id, position) DO UPDATE SET
+                kind = excluded.kind, lang = excluded.lang, result = excluded.result,
+                error = excluded.error, findings = excluded.findings
+            """,
+            [
+                conversation_id,
+                position,
+                turn.kind,
+                turn.lang,
+                turn.query,
+                json.dumps(data["result"], ensure_ascii=False) if turn.result else None,
+                turn.error,
+                json.dumps(data["findings"], ensure_ascii=False),
+                turn.created,
+            ],
+        )
+
+    def list(self, limit: int = 200) -> list[ConversationSummary]:
+        """Saved conversations, most recently updated first."""
+        with self._lock:
+            db = self._db()
+            try:
+                rows = db.execute(
+                    """
+                    SELECT c.id, c.title, c.created, c.updated,
+                           (SELECT COUNT(*) FROM turns t WHERE t.conversation_id = c.id)
+                    FROM conversations c ORDER BY c.updated DESC, c.id DESC LIMIT ?
+                    """,
+                    [limit],
+                ).fetchall()
+            finally:
+                db.close()
+        return [ConversationSummary(*row) for row in rows]
+
+    def load(self, conversation_id: int) -> Conversation:
+        """The saved conversation `conversation_id`; UserError when there is none."""
+        with self._lock:
+            db = self._db()
+            try:
+                rows = list(db["conversations"].rows_where("id = ?", [conversation_id]))
+                if not rows:
+                    raise UserError(f"no saved conversation #{conversation_id}")
+                turns = list(
+                    db["turns"].rows_where(
+                        "conversation_id = ?", [conversation_id], order_by="position"
+                    )
+                )
+            finally:
+                db.close()
+        return Conversation(
+            turns=[_turn_from_row(row) for row in turns],
+            id=conversation_id,
+            created=rows[0]["created"] or 0.0,
+        )
+
+    def delete(self, conversation_id: int) -> None:
+        """Remove a conversation and its turns; UserError when there is none."""
+        with self._lock:
+            db = self._db()
+            try:
+                with db.conn:
+                    db.execute("DELETE FROM turns WHERE conversation_id = ?", [conversation_id])
+                    cursor = db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
+            finally:
+                db.close()
+        if cursor.rowcount == 0:
+            raise UserError(f"no saved conversation #{conversation_id}")
+
+
+def migrate(db: sqlite_utils.Database) -> int:
+    """Apply the migrations this file lacks; returns the schema version."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > len(MIGRATIONS):
+        raise sqlite3.DatabaseError(
+            f"history schema {version} is newer than this assistant knows ({len(MIGRATIONS)})"
+        )
+    for number in range(version + 1, len(MIGRATIONS) + 1):
+        with db.conn:
+            MIGRATIONS[number - 1](db)
+            db.execute(f"PRAGMA user_version = {number}")
+    return len(MIGRATIONS)
+
+
+def _turn_from_row(row: dict) -> Turn:
+    return Turn.from_dict(
+        {
+            "query": row["query"] or "",
+            "lang": row["lang"] or "en",
+            "kind": row["kind"] or "ask",
+            "result": json.loads(row["result"]) if row["result"] else None,
+            "error": row["error"] or "",
+            "findings": json.loads(row["findings"]) if row["findings"] else [],
+            "created": row["created"] or 0.0,
+        }
+    )

@@ -1,0 +1,461 @@
+"""The `assistant` command: thin wrappers over the library.
+
+Heavy modules (torch, sentence-transformers, faiss, textual, rich) are
+imported inside the commands that need them, so `assistant --help` and
+`assistant kb lint` start in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from assistant.errors import ExitCode, UserError
+
+BINARY_SHARE = 0.3  # above this share of undecodable/control characters, stdin is binary
+
+
+class AssistantGroup(click.Group):
+    """Turns UserError into one line on stderr and its exit code; Ctrl-C into 130."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            click.echo(f"assistant: error: {exc}", err=True)
+            ctx.exit(int(exc.code))
+        except KeyboardInterrupt:
+            click.echo("assistant: interrupted", err=True)
+            ctx.exit(int(ExitCode.INTERRUPTED))
+
+
+@click.group(cls=AssistantGroup, invoke_without_command=True)
+@click.version_option(package_name="ddp-assistant")
+@click.pass_context
+def main(ctx: click.Context) -> None:
+    """The assistant for broken PyTorch distributed (DDP) training.
+
+    With no command, opens the chat. Examples:
+
+    \b
+        assistant ask "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device"
+        torchrun --nproc_per_node=2 train.py 2>&1 | assistant ask -
+        assistant doctor
+    """
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(chat)
+
+
+# -- input ---------------------------------------------------------------------
+
+
+def decode_input(data: bytes) -> str:
+    """Bytes from stdin or a file -> text; invalid UTF-8 is replaced, binary refused."""
+    text = data.decode("utf-8", errors="replace").replace("\x00", "")
+    if not text.strip():
+        return ""
+    sample = text[:100_000]
+    bad = sum(1 for ch in sample if ch == "\ufffd" or (ch < " " and ch not in "\t\n\r\x1b"))
+    if bad / len(sample) > BINARY_SHARE:
+        raise UserError("the input looks binary, not text: paste the error message or log")
+    return text
+
+
+def read_question(text: str | None, file: Path | None) -> str:
+    """The question from an argument, `-` (stdin) or --file."""
+    if file is not None and text is not None:
+        raise UserError("give the question as an argument or with --file, not both")
+    if file is not None:
+        try:
+            return decode_input(file.read_bytes())
+        except OSError as exc:
+            raise UserError(f"cannot read {file}: {exc.strerror}") from None
+    if text == "-" or (text is None and not sys.stdin.isatty()):
+        return decode_input(sys.stdin.buffer.read())
+    return text or ""
+
+
+def _engine(model: str | None):
+    from assistant.knowledge.engine import Engine
+
+    return Engine(model=model)
+
+
+def _runner(python: str | None, nproc: int | None, timeout: float):
+    from assistant.probing.runner import ProbeRunner
+
+    try:
+        return ProbeRunner(python=python, nproc_per_node=nproc, timeout=timeout)
+    except ValueError as exc:  # --python names no interpreter
+        raise UserError(f"--python: {exc}") from None
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(soft_wrap=False)
+
+
+# -- ask -------------------------------------------------------------------------
+
+model_option = click.option(
+    "--model",
+    metavar="PATH",
+    help="Local sentence-transformers model directory (default: bundled all-MiniLM-L6-v2; "
+    "env ASSISTANT_MODEL).",
+)
+probe_options = [
+    click.option(
+        "--python", "python_path", metavar="PATH", help="Python of your training environment."
+    ),
+    click.option("--nproc-per-node", type=click.IntRange(1, 64), help="Ranks per probe launch."),
+    click.option(
+        "--probe-timeout",
+        type=click.FloatRange(1, 3600),
+        default=60.0,
+        show_default=True,
+        help="Seconds before a probe launch is killed.",
+    ),
+]
+
+
+def with_probe_options(func):
+    for option in reversed(probe_options):
+        func = option(func)
+    return func
+
+
+@main.command()
+@click.argument("text", required=False)
+@click.option(
+    "--file",
+    "file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="Read the question from a file.",
+)
+@click.option("--top", type=int, default=5, show_default=True, help="How many causes to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON contract (see DESIGN.md).")
+@click.option(
+    "--batch",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="JSON lines {id, query} in; one JSON result per line out.",
+)
+@click.option("--no-probe", is_flag=True, help="Retrieval only: do not run probes.")
+@click.option(
+    "--script", type=click.Path(path_type=Path), help="Your training script, checked statically."
+)
+@model_option
+@with_probe_options
+def ask(
+    text,
+    file,
+    top,
+    as_json,
+    batch,
+    no_probe,
+    script,
+    model,
+    python_path,
+    nproc_per_node,
+    probe_timeout,
+):
+    """Explain an error or a log and rank its likely causes.
+
+    \b
+    assistant ask "RuntimeError: Default process group has not been initialized"
+    torchrun --nproc_per_node=2 train.py 2>&1 | assistant ask -
+    assistant ask --json --no-probe "DDP 一直报错找不到设备"
+    """
+    if not 1 <= top <= 50:
+        raise UserError("--top must be between 1 and 50")
+    findings = _lint_findings(script)
+    engine = _engine(model)
+    runner = None if no_probe else _runner(python_path, nproc_per_node, probe_timeout)
+    if batch is not None:
+        _ask_batch(engine, batch, top, runner, findings)
+        return
+    question = read_question(text, file)
+    if not question.strip():
+        raise UserError("the question is empty: give an error message, a log, or `-` for stdin")
+    result = engine.ask(question, top=top)
+    if runner is not None:
+        result = _probe_and_judge(result, runner, findings, show_progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
+    else:
+        from assistant.cli.render import render_result
+
+        render_result(result, _console())
+
+
+def _lint_findings(script: Path | None) -> list:
+    if script is None:
+        return []
+    from assistant.lint.script import lint_script
+
+    return lint_script(script)
+
+
+def _probe_and_judge(result, runner, findings, show_progress: bool):
+    from assistant.verdicts import apply_verdicts, probes_for
+
+    names = probes_for(result.causes)
+    runs = _run_with_progress(runner, names, show_progress) if names else []
+    return apply_verdicts(result, runs, findings)
+
+
+def _run_with_progress(runner, names: list[str], show_progress: bool):
+    """Run probes; on a terminal, show which probe runs and for how long."""
+    with probe_status(show_progress) as on_progress:
+        return runner.run(names, on_progress=on_progress)
+
+
+@contextmanager
+def probe_status(show: bool):
+    """A progress callback that updates a spinner on stderr (None when not shown)."""
+    if not show or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status("running probes…") as status:
+        yield lambda e: status.update(f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)")
+
+
+def _ask_batch(engine, batch: Path, top: int, runner, findings) -> None:
+    """One contract object per input line, in order, each with its id."""
+    try:
+        lines = batch.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as exc:
+        raise UserError(f"cannot read --batch file {batch}: {exc.strerror}") from None
+    items = [
+        _batch_item(batch, number, line) for number, line in enumerate(lines, 1) if line.strip()
+    ]
+    for item_id, query in items:
+        try:
+            result = engine.ask(query, top=top)
+            if runner is not None:
+                result = _probe_and_judge(result, runner, findings, show_progress=False)
+            payload = {"id": item_id, **result.to_json()}
+        except UserError as exc:
+            payload = {"id": item_id, "error": str(exc)}
+        click.echo(json.dumps(payload, ensure_ascii=False))
+
+
+def _batch_item(batch: Path, number: int, line: str) -> tuple:
+    try:
+        item = json.loads(line)
+        return item["id"], str(item["query"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f'{batch}:{number}: expected a JSON object with "id" and "query"') from None
+
+
+# -- knowledge base ----------------------------------------------------------------
+
+
+@main.group()
+def kb() -> None:
+    """Maintain the knowledge base: lint, build, stats, eval."""
+
+
+@kb.command("lint")
+@click.option(
+    "--kb",
+    "kb_root",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="KB directory (default: kb/).",
+)
+def kb_lint(kb_root):
+    """Validate every KB file; exit 1 naming file and field for each problem.
+
+    \b
+    assistant kb lint
+    """
+    from assistant.config import kb_dir
+    from assistant.knowledge.kb import KBError, load_kb
+
+    root = kb_root or kb_dir()
+    try:
+        kb = load_kb(root)
+    except KBError as exc:
+        for problem in exc.problems:
+            click.echo(problem, err=True)
+        click.echo(f"{len(exc.problems)} problem(s) in {root}", err=True)
+        sys.exit(int(ExitCode.FAILED))
+    answers = sum(len(t.answers) for t in kb.threads)
+    click.echo(f"ok: {len(kb.causes)} causes, {len(kb.threads)} threads, {answers} answers")
+
+
+@kb.command("build")
+@model_option
+def kb_build(model):
+    """Compile kb/ into the SQLite + FAISS index (re-embeds only what changed).
+
+    \b
+    assistant kb build
+    """
+    engine = _engine(model)
+    click.echo(engine.build().summary())
+
+
+@kb.command("stats")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def kb_stats(as_json):
+    """Per cause: titles, signatures, answers and probes.
+
+    \b
+    assistant kb stats --json
+    """
+    from assistant.config import kb_dir
+    from assistant.knowledge.kb import KBError, load_kb
+    from assistant.knowledge.stats import kb_stats as compute
+
+    try:
+        stats = compute(load_kb(kb_dir()))
+    except KBError as exc:
+        raise UserError(f"knowledge base is invalid: {exc.problems[0]}", ExitCode.FAILED) from None
+    if as_json:
+        click.echo(json.dumps(stats, ensure_ascii=False, indent=2))
+        return
+    for row in stats["causes"]:
+        click.echo(
+            f"{row['id']:32} sig={row['signatures']:<2} answers={row['answers']:<2} "
+            f"probes={','.join(row['probes']) or '-'}"
+        )
+    click.echo(json.dumps(stats["totals"]))
+
+
+@kb.command("eval")
+@click.argument("file", required=False, type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--floor", type=float, help="Exit 1 when fused top-1 is below this fraction.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@model_option
+def kb_eval(file, floor, as_json, model):
+    """Top-1, recall@3 and MRR on labelled queries, fused and per signal.
+
+    \b
+    assistant kb eval                      # data/eval/queries.jsonl
+    assistant kb eval my_queries.jsonl --floor 0.6
+    """
+    from assistant.config import eval_dir
+    from assistant.knowledge.evaluate import evaluate, format_report, load_queries
+
+    queries = load_queries(file or eval_dir() / "queries.jsonl")
+    report = evaluate(_engine(model), queries)
+    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    if floor is not None and report["fused"]["top1"] < floor:
+        click.echo(
+            f"fused top-1 {report['fused']['top1']:.3f} is below the floor {floor}", err=True
+        )
+        sys.exit(int(ExitCode.FAILED))
+
+
+# -- scripts and probes ---------------------------------------------------------------
+
+
+@main.command("lint")
+@click.argument("script", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print findings as JSON.")
+def lint(script, as_json):
+    """Check a training script statically (never runs it); exit 1 on findings.
+
+    \b
+    assistant lint train.py
+    """
+    from assistant.lint.script import lint_script
+
+    findings = lint_script(script)
+    if as_json:
+        click.echo(json.dumps([f.to_json() for f in findings], indent=2))
+    else:
+        for f in findings:
+            click.echo(f"{f.path or script}:{f.line}: [{f.cause_id}] {f.message}")
+        click.echo(f"{len(findings)} finding(s)")
+    if findings:
+        sys.exit(int(ExitCode.FAILED))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON contract with query null.")
+@click.option("--lang", type=click.Choice(["en", "zh"]), default="en", show_default=True)
+@with_probe_options
+def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
+    """Run every probe on this machine and judge every cause.
+
+    \b
+    assistant doctor
+    assistant doctor --json --nproc-per-node 2
+    """
+    from assistant.diagnose import doctor as run_doctor
+
+    runner = _runner(python_path, nproc_per_node, probe_timeout)
+    with probe_status(not as_json) as on_progress:
+        result = run_doctor(runner, lang=lang, on_progress=on_progress)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
+    else:
+        from assistant.cli.render import render_result
+
+        render_result(result, _console(), detail=0)
+        _print_evidence(result)
+
+
+def _print_evidence(result) -> None:
+    for cause in result.causes:
+        if cause.verdict.evidence:
+            click.echo(f"{cause.id}: {cause.verdict.verdict}: {'; '.join(cause.verdict.evidence)}")
+
+
+@main.command()
+@click.argument("names", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True, help="Print every rank's facts as JSON.")
+@with_probe_options
+def probe(names, as_json, python_path, nproc_per_node, probe_timeout):
+    """Run chosen registered probes and print their facts.
+
+    \b
+    assistant probe devices rendezvous
+    """
+    from assistant.probing.registry import PROBES
+
+    unknown = [n for n in names if n not in PROBES]
+    if unknown:
+        raise UserError(f"unknown probe {', '.join(unknown)} (known: {', '.join(PROBES)})")
+    from assistant.diagnose import run_named
+
+    runs = run_named(_runner(python_path, nproc_per_node, probe_timeout), list(names))
+    if as_json:
+        payload = [{**r.to_json(), "detail": r.detail, "ranks": r.ranks} for r in runs]
+        click.echo(json.dumps(payload, indent=2, ensure_ascii=False))
+        return
+    for run in runs:
+        click.echo(f"{run.name}: {run.status} ({run.seconds:.1f}s) {run.detail}")
+
+
+# -- chat -------------------------------------------------------------------------------
+
+
+@main.command()
+@model_option
+@click.option(
+    "--lang",
+    type=click.Choice(["en", "zh"]),
+    help="Interface language (default: follows the question).",
+)
+def chat(model, lang):
+    """Open the terminal chat (the default command).
+
+    \b
+    assistant chat
+    """
+    from assistant.tui.app import run_chat
+
+    run_chat(model=model, lang=lang)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The headless core behind `assistant ask` and the chat: index + model + retrieval.
+
+    engine = Engine()
+    engine.load()                       # checks/rebuilds the index, loads the model
+    result = engine.ask("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device")
+
+`ask` returns causes ranked by retrieval alone (verdicts "not_run"); probes
+and verdicts are applied afterwards by assistant.verdicts.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from assistant import config
+from assistant.clean import clean_log
+from assistant.errors import ExitCode, UserError
+from assistant.i18n import detect_lang
+from assistant.knowledge.index import BuildReport, IndexProblem, LoadedIndex, build_index, open_index
+from assistant.knowledge.files import content_hash
+from assistant.results import AnswerRef, CauseResult, Result
+from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
+
+MAX_ANSWERS_PER_CAUSE = 6
+STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}
+MAX_TOP = 50
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+class Engine:
+    """Loads the index and the embedding model once; answers many questions."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        kb_root: Path | None = None,
+        index_path: Path | None = None,
+        log: Callable[[str], None] | None = None,
+        require_contract: bool = True,
+        embedder=None,
+    ):
+        self.model_setting = model
+        self.kb_root = kb_root or config.kb_dir()
+        self.index_path = index_path or config.index_path()
+        self.log = log or _stderr
+        self.require_contract = require_contract  # False only for small test KBs
+        self._lock = threading.RLock()
+        self._embedder = embedder  # shareable: loading the model is the slow part
+        self._index: LoadedIndex | None = None
+        self._retriever: Retriever | None = None
+
+    # -- loading -------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._retriever is not None
+
+    @property
+    def embedder(self):
+        if self._embedder is None:
+            from assistant.knowledge.embed import Embedder
+
+            self._embedder = Embedder(self.model_setting)
+        return self._embedder
+
+    def load(self) -> None:
+        """Open the index (rebuilding it when missing, stale or damaged) and the model."""
+        with self._lock:
+            if self._retriever is not None:
+                return
+            index = self._open_or_rebuild()
+            self.embedder.accelerate_queries(
+                on_export=lambda: self.log(
+                    "assistant: exporting the embedding model to ONNX for faster queries (once)"
+                )
+            )
+            self._index, self._retriever = index, Retriever(index, self.embedder)
+
+    def _open_or_rebuild(self) -> LoadedIndex:
+        kb_hash = content_hash(self.kb_root)
+        try:
+            return open_index(self.index_path, kb_hash, self.embedder.fingerprint)
+        except IndexProblem as problem:
+            self.log(f"assistant: {problem}; rebuilding the index")
+        self.build()
+        return open_index(self.index_path, kb_hash, self.embedder.fingerprint)
+
+    def build(self) -> BuildReport:
+        """Validate the KB and compile it into the index file."""
+        from assistant.knowledge.kb import KBError, load_kb
+
+        try:
+            kb = load_kb(self.kb_root, require_contract=self.require_contract)
+        except KBError as exc:
+            raise UserError(
+                f"knowledge base is invalid ({len(exc.problems)} problem(s), first: "
+                f"{exc.problems[0]}); run `assistant kb lint`",
+                ExitCode.FAILED,
+            ) from None
+        try:
+            return build_index(kb, self.embedder, self.index_path)
+        except OSError as exc:  # an unwritable or missing build folder, a full disk
+            raise UserError(
+                f"cannot write the index {self.index_path}: {exc.strerror or exc}; "
+                "set ASSISTANT_BUILD to a writable folder",
+                ExitCode.FAILED,
+            ) from None
+
+    def rebuild(self) -> str:
+        """Force a rebuild and reload; returns a one-line summary."""
+        with self._lock:
+            report = self.build()
+            if self._index is not None:
+                self._index.close()
+            self._index = self._retriever = None
+        self.load()
+        return report.summary()
+
+    # -- answering -----------------------------------------------------------
+
+    def ask(
+        self,
+        query: str,
+        top: int = 5,
+        context: str | None = None,
+        signals: tuple[str, ...] = SIGNALS,
+    ) -> Result:
+        """Rank the causes of `query` (retrieval only; verdicts stay "not_run")."""
+        if not query or not query.strip():
+            raise UserError("the question is empty: paste an error message or a log")
+        if not 1 <= top <= MAX_TOP:
+            raise UserError(f"--top must be between 1 and {MAX_TOP}")
+        self.load()
+        clean = clean_log(query)
+        ranked = self._retriever.rank(clean, context=context, signals=signals)[:top]
+        lang = detect_lang(query[:20_000])
+        return Result(
+            query=query,
+            root_error=clean.root_error,
+            causes=[self._cause_result(r, lang) for r in ranked],
+            lang=lang,
+        )
+
+    def rank_ids(self, query: str, signals: tuple[str, ...] = SIGNALS) -> list[str]:
+        """Cause ids best first."""
+        self.load()
+        return [r.id for r in self._retriever.rank(clean_log(query), signals=signals)]
+
+    def signal_scores(self, query: str) -> dict[str, dict[str, float]]:
+        """Every signal's cause scores for a query, unfused and all computed (for evaluation)."""
+        self.load()
+        return self._retriever.signal_scores(clean_log(query), shortcut=False)
+
+    def cause(self, cause_id: str) -> dict:
+        """The full KB entry of a cause (for detail views)."""
+        self.load()
+        try:
+            return dict(self._index.causes[cause_id])
+        except KeyError:
+            raise UserError(f"unknown cause {cause_id!r}") from None
+
+    def cause_ids(self) -> list[str]:
+        self.load()
+        return list(self._index.causes)
+
+    def _cause_result(self, ranked: RankedCause, lang: str) -> CauseResult:
+        data = self._index.causes[ranked.id]
+        return CauseResult.from_kb(
+            data, ranked.score, self._answers_for(ranked.id, lang), ranked.ranks
+        )
+
+    def _answers_for(self, cause_id: str, lang: str) -> list[AnswerRef]:
+        """Community answers that claim this cause: the user's language and the best first."""
+        answers = [
+            AnswerRef.from_kb(a, thread["id"])
+            for thread in self._index.threads.values()
+            for a in thread["answers"]
+            if cause_id in a["claims"]
+        ]
+        answers.sort(key=lambda a: (a.lang != lang, STANCE_ORDER.get(a.stance, 9), len(a.text)))
+        return answers[:MAX_ANSWERS_PER_CAUSE]

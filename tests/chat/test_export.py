@@ -1,0 +1,122 @@
+"""The Markdown export of a conversation."""
+
+from __future__ import annotations
+
+from assistant.chat.conversation import Conversation, Turn
+from assistant.chat.export import conversation_markdown, fence, probe_facts
+from assistant.results import CauseResult, Finding, ProbeRun, Result, RootError, Verdict
+
+FIX_CODE = "local_rank = int(os.environ['LOCAL_RANK'])\ntorch.cuda.set_device(local_rank)\n"
+
+
+def conversation() -> Conversation:
+    causes = [
+        CauseResult(
+            "duplicate-gpu-per-rank",
+            "Two ranks | one GPU",
+            0.91,
+            title_zh="多个 rank 在同一张卡上",
+            fix="Give every rank its own GPU.",
+            fix_code=FIX_CODE,
+            verdict=Verdict("confirmed", ["rank 0 and rank 1 both on GPU-3f2a"]),
+        ),
+        CauseResult(
+            "set-device-order",
+            "set_device after init",
+            0.5,
+            fix="Set the device first.",
+            fix_code="torch.cuda.set_device(i)",
+            verdict=Verdict("ruled_out", ["before init works here"]),
+        ),
+    ]
+    probes = [
+        ProbeRun(
+            "devices",
+            "ok",
+            1.43,
+            ranks=[
+                {"rank": 0, "uuid": "GPU-3f2a", "count": 2, "env": {"CUDA_VISIBLE_DEVICES": "0"}},
+                {"rank": 1, "uuid": "GPU-3f2a", "count": 2, "env": {"CUDA_VISIBLE_DEVICES": "1"}},
+            ],
+        ),
+        ProbeRun("backend", "timeout", 60.0, detail="nccl all_reduce hung"),
+    ]
+    log = "banner\n[rank1]: RuntimeError: Duplicate GPU detected\nmore"
+    result = Result(
+        query=log,
+        root_error=RootError("torch.distributed.DistBackendError", "Duplicate GPU detected", 1),
+        causes=causes,
+        probes=probes,
+    )
+    conv = Conversation()
+    conv.add(Turn(query=log, result=result))
+    conv.add(
+        Turn(
+            query="train.py",
+            kind="lint",
+            findings=[Finding("local-rank-not-from-env", 12, "argparse default 0", "train.py")],
+        )
+    )
+    return conv
+
+
+def test_export_has_root_error_verdicts_evidence_fix_environment_and_findings():
+    text = conversation_markdown(conversation())
+    assert text.startswith(
+        "# DDP assistant report: torch.distributed.DistBackendError: Duplicate GPU detected\n"
+    )
+    assert (
+        "## Root error (rank 1)\n\n```text\n"
+        "torch.distributed.DistBackendError: Duplicate GPU detected\n```" in text
+    )
+    assert (
+        "| 1 | Two ranks \\| one GPU (`duplicate-gpu-per-rank`) | confirmed here | 0.91 |" in text
+    )
+    assert "| 2 | set_device after init (`set-device-order`) | ruled out here | 0.50 |" in text
+    assert "- rank 0 and rank 1 both on GPU-3f2a" in text
+    # The fix of the confirmed cause only, as a Python block.
+    assert "## Fix\n\n### Two ranks | one GPU (`duplicate-gpu-per-rank`)" in text
+    assert "```python\n" + FIX_CODE.rstrip() + "\n```" in text
+    assert "Set the device first." not in text
+    # Environment facts: equal ones once, differing ones per rank.
+    assert "- **devices**: ok, 1.4 s" in text
+    assert "  - uuid: GPU-3f2a" in text and "  - count: 2" in text
+    assert "  - env.CUDA_VISIBLE_DEVICES: rank 0=0, rank 1=1" in text
+    assert "- **backend**: timeout, 60.0 s: nccl all_reduce hung" in text
+    assert "- train.py:12 `local-rank-not-from-env`: argparse default 0" in text
+    assert "## Questions asked\n\n1. banner (3 lines)" in text
+    assert text.endswith("\n")
+
+
+def test_without_a_confirmed_cause_the_best_ranked_fix_is_shown():
+    conv = conversation()
+    conv.turns[0].result.causes[0].verdict = Verdict("inconclusive")
+    text = conversation_markdown(conv)
+    assert "### Two ranks | one GPU" in text and "Set the device first." not in text
+
+
+def test_export_in_chinese_uses_chinese_headings_and_titles():
+    text = conversation_markdown(conversation(), lang="zh")
+    assert text.startswith("# DDP 助手报告")
+    assert "## 根本错误" in text and "## 本机判定" in text and "## 修复方法" in text
+    assert "多个 rank 在同一张卡上" in text and "本机确认" in text
+
+
+def test_a_conversation_without_answers_still_exports():
+    conv = Conversation()
+    conv.add(Turn(query="why?", error="Failed: index damaged"))
+    text = conversation_markdown(conv)
+    assert "No exception found in the text." in text
+    assert "No answer yet." in text and "No probe has run yet." in text
+    assert "## Fix" not in text
+
+
+def test_fence_is_longer_than_any_backtick_run_inside():
+    assert fence("a ``` b", "text") == "````text\na ``` b\n````"
+    assert fence("plain") == "```\nplain\n```"
+
+
+def test_probe_facts_are_capped():
+    run = ProbeRun("system", "ok", 1.0, ranks=[{f"k{i}": i for i in range(40)}])
+    lines = probe_facts(run, limit=5)
+    assert lines[:5] == ["k0: 0", "k1: 1", "k2: 2", "k3: 3", "k4: 4"] and lines[5] == "… (+35)"

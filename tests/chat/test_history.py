@@ -1,0 +1,137 @@
+"""Chat history in SQLite: save, list, load, delete, and what goes wrong."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import sqlite_utils
+
+from assistant.chat.conversation import Conversation, Turn
+from assistant.errors import UserError
+from assistant.chat.history import MIGRATIONS, History, migrate
+from assistant.results import CauseResult, ProbeRun, Result, RootError, Verdict
+
+
+def judged_turn(query: str = "log", created: float = 10.0) -> Turn:
+    result = Result(
+        query=query,
+        root_error=RootError("RuntimeError", "Duplicate GPU detected", 1),
+        causes=[
+            CauseResult(
+                "duplicate-gpu-per-rank",
+                "Two ranks on one GPU",
+                0.9,
+                verdict=Verdict("confirmed", ["both on GPU-3f2a"]),
+            )
+        ],
+        probes=[ProbeRun("devices", "ok", 1.2, ranks=[{"rank": 0, "uuid": "GPU-3f2a"}])],
+    )
+    return Turn(query=query, result=result, created=created)
+
+
+@pytest.fixture
+def history(tmp_path) -> History:
+    return History(tmp_path / "sub" / "history.sqlite")
+
+
+def test_save_list_load_round_trip(history):
+    conversation = Conversation(created=5.0)
+    conversation.add(judged_turn())
+    conversation.add(Turn(query="what if I use gloo?", created=11.0))
+    conversation_id = history.save(conversation, now=20.0)
+    assert conversation.id == conversation_id
+
+    [entry] = history.list()
+    assert (entry.id, entry.turns, entry.created, entry.updated) == (conversation_id, 2, 5.0, 20.0)
+    assert entry.title == "RuntimeError: Duplicate GPU detected"
+    assert history.load(conversation_id) == conversation
+
+
+def test_saving_again_updates_the_same_conversation(history):
+    conversation = Conversation()
+    conversation.add(Turn(query="first"))
+    history.save(conversation, now=1.0)
+    conversation.turns[0] = judged_turn("first")
+    conversation.add(Turn(query="second"))
+    history.save(conversation, now=2.0)
+    [entry] = history.list()
+    assert entry.turns == 2 and entry.updated == 2.0
+    loaded = history.load(conversation.id)
+    assert loaded.turns[0].result.causes[0].verdict.verdict == "confirmed"
+
+
+def test_a_query_is_written_once(history):
+    conversation = Conversation()
+    conversation.add(Turn(query="original log"))
+    history.save(conversation)
+    conversation.turns[0].query = "changed in memory"
+    conversation.turns[0].error = "later error"
+    history.save(conversation)
+    turn = history.load(conversation.id).turns[0]
+    assert turn.query == "original log" and turn.error == "later error"
+
+
+def test_list_is_newest_first(history):
+    ids = []
+    for stamp in (3.0, 1.0, 2.0):
+        conversation = Conversation()
+        conversation.add(Turn(query=f"q{stamp}"))
+        ids.append(history.save(conversation, now=stamp))
+    assert [e.id for e in history.list()] == [ids[0], ids[2], ids[1]]
+    assert len(history.list(limit=2)) == 2
+
+
+def test_delete_removes_the_conversation_and_its_turns(history):
+    keep, drop = Conversation(), Conversation()
+    keep.add(Turn(query="keep"))
+    drop.add(Turn(query="drop"))
+    history.save(keep)
+    history.save(drop)
+    history.delete(drop.id)
+    assert [e.id for e in history.list()] == [keep.id]
+    db = sqlite_utils.Database(history.path)
+    assert db["turns"].count == 1
+    with pytest.raises(UserError, match=f"no saved conversation #{drop.id}"):
+        history.delete(drop.id)
+    with pytest.raises(UserError, match=f"no saved conversation #{drop.id}"):
+        history.load(drop.id)
+
+
+def test_a_deleted_conversation_saved_again_comes_back(history):
+    conversation = Conversation()
+    conversation.add(Turn(query="q"))
+    history.save(conversation)
+    history.delete(conversation.id)
+    history.save(conversation)
+    assert [e.id for e in history.list()] == [conversation.id]
+
+
+def test_a_10_mb_log_is_kept(history):
+    log = "x" * 10_000_000
+    conversation = Conversation()
+    conversation.add(Turn(query=log))
+    history.save(conversation)
+    assert history.load(conversation.id).turns[0].query == log
+
+
+def test_a_file_that_is_not_a_database_is_a_user_error(tmp_path):
+    path = tmp_path / "history.sqlite"
+    path.write_text("not sqlite at all, just text " * 100)
+    with pytest.raises(UserError, match="cannot open the chat history"):
+        History(path).list()
+
+
+def test_a_newer_schema_is_refused_not_damaged(tmp_path):
+    path = tmp_path / "history.sqlite"
+    sqlite3.connect(path).execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}").connection.close()
+    with pytest.raises(UserError, match="newer than this assistant knows"):
+        History(path).list()
+
+
+def test_migrations_run_once_and_record_the_version(tmp_path):
+    db = sqlite_utils.Database(tmp_path / "h.sqlite")
+    assert migrate(db) == len(MIGRATIONS)
+    assert migrate(db) == len(MIGRATIONS)  # a second run changes nothing
+    assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    assert set(db.table_names()) == {"conversations", "turns"}

@@ -1,0 +1,128 @@
+"""The evaluation set data/eval/queries.jsonl is well formed and covers the contract."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+QUERIES = ROOT / "data" / "eval" / "queries.jsonl"
+SCRIPTS = ROOT / "data" / "eval" / "scripts"
+SOURCES = {"torchrun-log", "message", "question-en", "question-zh", "seed"}
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def contract_ids() -> list[str]:
+    return [
+        cause["id"]
+        for cause in yaml.safe_load((ROOT / "data" / "causes.yaml").read_text())["causes"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def entries() -> list[dict]:
+    lines = QUERIES.read_text(encoding="utf-8").splitlines()
+    parsed = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            pytest.fail(f"queries.jsonl:{number}: not JSON: {exc}")
+    return parsed
+
+
+def test_every_entry_has_the_four_fields(entries: list[dict]) -> None:
+    for entry in entries:
+        assert set(entry) == {"id", "query", "causes", "source"}, entry.get("id")
+        assert isinstance(entry["query"], str) and entry["query"].strip(), entry["id"]
+        assert entry["source"] in SOURCES, entry["id"]
+        assert entry["causes"] and len(set(entry["causes"])) == len(entry["causes"]), entry["id"]
+
+
+def test_ids_are_unique(entries: list[dict]) -> None:
+    duplicates = [key for key, n in Counter(e["id"] for e in entries).items() if n > 1]
+    assert not duplicates
+
+
+def test_every_label_is_a_contract_id(entries: list[dict]) -> None:
+    known = set(contract_ids())
+    unknown = {(e["id"], c) for e in entries for c in e["causes"] if c not in known}
+    assert not unknown
+
+
+def test_each_contract_id_is_the_first_label_of_two_queries(entries: list[dict]) -> None:
+    first = Counter(e["causes"][0] for e in entries)
+    thin = {cause: first[cause] for cause in contract_ids() if first[cause] < 2}
+    assert not thin
+
+
+def test_size_and_languages(entries: list[dict]) -> None:
+    assert len(entries) >= 100
+    sources = Counter(e["source"] for e in entries)
+    assert sources["question-en"] >= 20 and sources["question-zh"] >= 20
+    assert sources["torchrun-log"] >= 20
+    assert all(CJK.search(e["query"]) for e in entries if e["source"] == "question-zh")
+    assert not any(CJK.search(e["query"]) for e in entries if e["source"] == "question-en")
+
+
+def load_recorder():
+    """data/eval/record_logs.py, the table of recorded runs (it is not a package)."""
+    spec = importlib.util.spec_from_file_location("record_logs", ROOT / "data/eval/record_logs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while defining
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recorded_logs_match_the_recorder_table(entries: list[dict]) -> None:
+    # Labels live next to the launch command in record_logs.py; the JSONL must
+    # agree with it, so a relabel there cannot silently drift from the data.
+    runs = {run.id: run for run in load_recorder().RUNS}
+    logs = {e["id"]: e for e in entries if e["source"] == "torchrun-log"}
+    assert set(logs) == set(runs)
+    for key, entry in logs.items():
+        assert entry["causes"] == runs[key].causes, key
+        # Whole launcher output, never a one-line excerpt.
+        assert len(entry["query"].splitlines()) >= 5, key
+
+
+def test_every_broken_script_is_launched_by_a_run() -> None:
+    commands = " ".join(" ".join(run.command) for run in load_recorder().RUNS)
+    orphans = [path.name for path in SCRIPTS.glob("*.py") if path.name not in commands]
+    assert not orphans
+
+
+REAL_SETS = ["real_reports.jsonl", "real_reports_holdout.jsonl", "real_reports_holdout2.jsonl"]
+
+
+@pytest.mark.parametrize("name", REAL_SETS)
+def test_real_reports_are_well_formed_and_cite_their_threads(name: str) -> None:
+    path = ROOT / "data" / "eval" / name
+    reports = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    known = set(contract_ids())
+    assert len(reports) >= 35
+    assert len({r["id"] for r in reports}) == len(reports)
+    for report in reports:
+        assert set(report) == {"id", "query", "causes", "source", "url"}, report["id"]
+        assert report["source"] == "real-report" and report["query"].strip(), report["id"]
+        assert report["causes"] and set(report["causes"]) <= known, report["id"]
+        assert report["url"].startswith("https://github.com/"), report["id"]
+    assert any(CJK.search(r["query"]) for r in reports)
+
+
+def test_the_real_report_sets_share_no_thread() -> None:
+    def urls(name: str) -> set[str]:
+        path = ROOT / "data" / "eval" / name
+        return {json.loads(line)["url"] for line in path.read_text().splitlines() if line}
+
+    seen: set[str] = set()
+    for name in REAL_SETS:
+        assert not seen & urls(name), name
+        seen |= urls(name)

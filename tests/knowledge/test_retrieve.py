@@ -1,0 +1,37 @@
+"""Fusion and the exact-signature shortcut, on the real index."""
+
+from __future__ import annotations
+
+import pytest
+
+from assistant.clean import clean_log
+from assistant.knowledge.retrieve import fuse, needs_dense, with_shortcut
+
+pytestmark = pytest.mark.slow
+
+
+def test_fusion_scales_scores_and_orders_by_reciprocal_rank():
+    ranked = fuse(
+        {"signature": {"a": 3.0}, "lexical": {"b": 9.0, "a": 1.0}, "dense": {"a": 0.9, "b": 0.1}}
+    )
+    assert [r.id for r in ranked] == ["a", "b"]
+    assert ranked[0].ranks == {"signature": 1, "lexical": 2, "dense": 1}
+    assert 0 < ranked[1].score < ranked[0].score <= 1
+
+
+def test_a_root_error_signature_hit_skips_the_dense_signal(engine):
+    retriever = engine._retriever
+    exact = clean_log(
+        "RuntimeError: Default process group has not been initialized, please make sure to call init_process_group."
+    )
+    question = clean_log("why do both my processes use gpu 0")
+    assert not needs_dense(retriever.signal_scores(exact, shortcut=False))
+    assert "dense" not in retriever.signal_scores(exact)
+    assert "dense" in retriever.signal_scores(question)
+    full = retriever.signal_scores(exact, shortcut=False)
+    assert set(with_shortcut(full)) == {"signature", "lexical"}
+
+
+def test_chinese_question_matches_through_fts_bigrams(engine):
+    lexical = engine._retriever.lexical_scores("多卡训练两个进程都跑到0号卡上了")
+    assert lexical, "CJK bigrams found nothing"

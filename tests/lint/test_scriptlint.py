@@ -1,0 +1,199 @@
+"""`assistant lint`: each fixture under tests/data/scripts/ is named for its mistake
+and marks the lines that must be reported with `# expect: <cause id>`; the
+correct_*.py scripts carry no marker and must produce no finding."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from assistant.errors import UserError
+from assistant.lint.script import CHECKS, lint_script, lint_source
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+CONTRACT = Path(__file__).parents[2] / "data" / "causes.yaml"
+MARKER = re.compile(r"#\s*expect:\s*([a-z0-9-]+)")
+FIXTURES = sorted(SCRIPTS.glob("*.py"))
+
+
+def expected_findings(path: Path) -> set[tuple[str, int]]:
+    """(cause id, line) for every `# expect:` marker in a fixture."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return {
+        (match.group(1), number)
+        for number, line in enumerate(lines, start=1)
+        for match in MARKER.finditer(line)
+    }
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_fixture_reports_exactly_its_marked_lines(path: Path) -> None:
+    found = {(f.cause_id, f.line) for f in lint_script(path)}
+    assert found == expected_findings(path)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_only_correct_scripts_are_unmarked(path: Path) -> None:
+    # A broken fixture without a marker would pass the test above vacuously.
+    assert bool(expected_findings(path)) != path.stem.startswith("correct_")
+
+
+def test_every_check_has_a_broken_fixture_and_uses_contract_ids() -> None:
+    contract = {c["id"] for c in yaml.safe_load(CONTRACT.read_text())["causes"]}
+    marked = {cause for path in FIXTURES for cause, _line in expected_findings(path)}
+    assert marked <= contract
+    assert len(marked) == len(CHECKS)
+
+
+def test_findings_carry_path_and_sorted_lines() -> None:
+    path = SCRIPTS / "barrier_only_on_rank_zero.py"
+    findings = lint_script(path)
+    assert [f.line for f in findings] == sorted(f.line for f in findings)
+    assert all(f.path == str(path) and f.message for f in findings)
+
+
+def test_only_dash_spelling_is_reported_too() -> None:
+    source = (
+        "import argparse, os\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local-rank', type=int, default=int(os.environ['LOCAL_RANK']))\n"
+    )
+    assert [(f.cause_id, f.line) for f in lint_source(source)] == [("local-rank-arg-mismatch", 3)]
+
+
+def test_required_local_rank_flag_is_an_arg_mismatch() -> None:
+    source = (
+        "import argparse\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local_rank', '--local-rank', type=int, required=True)\n"
+    )
+    causes = [f.cause_id for f in lint_source(source)]
+    assert causes == ["local-rank-arg-mismatch", "local-rank-not-from-env"]
+
+
+def test_spawn_at_module_level_is_reported_on_its_own_line() -> None:
+    source = (
+        "import torch.multiprocessing as mp\ndef work(rank):\n    pass\nmp.spawn(work, nprocs=2)\n"
+    )
+    assert [(f.cause_id, f.line) for f in lint_source(source)] == [("missing-main-guard", 4)]
+
+
+def test_collective_in_both_branches_is_not_a_mismatch() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo')\n"
+        "    if dist.get_rank() != 0:\n"
+        "        dist.barrier()\n"
+        "    else:\n"
+        "        dist.barrier()\n"
+        "main()\n"
+    )
+    assert lint_source(source) == []
+
+
+def test_collective_only_on_other_ranks_is_a_mismatch() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() != 0:\n"
+        "    dist.barrier()\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", 4)]
+    assert "every rank but 0" in findings[0].message
+
+
+def test_dist_calls_in_a_file_without_init_are_reported() -> None:
+    source = "import torch.distributed as dist\nprint(dist.get_world_size())\n"
+    assert [(f.cause_id, f.line) for f in lint_source(source)] == [
+        ("process-group-not-initialized", 2)
+    ]
+
+
+def test_imported_setup_helper_silences_the_missing_init() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        "from mylib.distributed import setup_distributed\n"
+        "setup_distributed()\n"
+        "print(dist.get_world_size())\n"
+    )
+    assert lint_source(source) == []
+
+
+def test_gloo_script_needs_no_set_device() -> None:
+    source = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+    assert lint_source(source) == []
+
+
+def test_missing_file_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"train\.py: no such file"):
+        lint_script(tmp_path / "train.py")
+
+
+def test_directory_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="is a directory"):
+        lint_script(tmp_path)
+
+
+def test_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n\n\ndef main(:\n    pass\n")
+    with pytest.raises(UserError) as caught:
+        lint_script(script)
+    message = str(caught.value)
+    assert message.startswith(f"{script}:4: not valid Python:")
+    assert "\n" not in message
+
+
+def test_non_utf8_bytes_are_replaced_not_fatal(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_bytes(b"# caf\xe9\nimport torch\nx = torch.device('cuda:0')\n")
+    assert [(f.cause_id, f.line) for f in lint_script(script)] == [("hardcoded-device", 3)]
+
+
+def test_world_size_from_a_module_constant_is_hard_coded() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        "WORLD_SIZE = 4\n"
+        "def main(rank):\n"
+        "    dist.init_process_group('gloo', world_size=WORLD_SIZE, rank=rank)\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("world-size-mismatch", 4)]
+    assert "world_size=WORLD_SIZE, WORLD_SIZE = 4" in findings[0].message
+
+
+def test_reassigned_module_name_is_not_a_constant() -> None:
+    source = (
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "world_size = 1\n"
+        "world_size = int(os.environ['WORLD_SIZE'])\n"
+        "dist.init_process_group('gloo', world_size=world_size, rank=int(os.environ['RANK']))\n"
+    )
+    assert lint_source(source) == []
+
+
+def test_rank_zero_only_caller_is_named_not_the_paired_barrier() -> None:
+    # The barrier pair inside load_examples is fine; the `if` that lets only rank 0
+    # call it (line 24) is the one to fix.
+    findings = lint_script(SCRIPTS / "barrier_in_rank_zero_only_caller.py")
+    assert [f.line for f in findings] == [15]
+    assert "rank 0 only (the `if` on line 24)" in findings[0].message
+
+
+def test_unread_local_rank_flag_suggests_both_spellings_only() -> None:
+    source = (
+        "import argparse, os\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local_rank', type=int, default=-1)\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("local-rank-arg-mismatch", 3)]
+    assert "accept both spellings" in findings[0].message
+    assert "read os.environ" not in findings[0].message
