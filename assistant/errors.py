@@ -14,8 +14,12 @@ class ExitCode(IntEnum):
     """The command ran but its check failed (lint found problems, eval below floor)."""
     USAGE = 2
     """The user's input was unusable: empty question, missing file, bad option."""
+    HANGUP = 129
+    """SIGHUP (the terminal closed): as Ctrl-C, probes stopped and cleaned up; 128 + 1."""
     INTERRUPTED = 130
     """Ctrl-C: probes were stopped and their processes killed."""
+    TERMINATED = 143
+    """SIGTERM (timeout, kill): as Ctrl-C, probes stopped and cleaned up; 128 + 15."""
 
 
 class UserError(Exception):

@@ -20,17 +20,31 @@ BINARY_SHARE = 0.3  # above this share of undecodable/control characters, stdin 
 
 
 class AssistantGroup(click.Group):
-    """Turns UserError into one line on stderr and its exit code; Ctrl-C into 130."""
+    """Turns UserError into one line on stderr and its exit code; Ctrl-C into 130.
+
+    SIGTERM and SIGHUP (timeout, a closed terminal) end a command like
+    Ctrl-C: every probe launch killed, temp folders removed (see
+    assistant.probing.processes), exit code 128 + signum.
+    """
 
     def invoke(self, ctx):
+        from assistant.probing.processes import Terminated, signals_raise
+
         try:
-            return super().invoke(ctx)
+            with signals_raise():
+                return super().invoke(ctx)
         except UserError as exc:
             click.echo(f"assistant: error: {exc}", err=True)
             ctx.exit(int(exc.code))
         except KeyboardInterrupt:
             click.echo("assistant: interrupted", err=True)
             ctx.exit(int(ExitCode.INTERRUPTED))
+        except Terminated as exc:
+            try:
+                click.echo(f"assistant: {exc}", err=True)
+            except OSError:
+                pass  # SIGHUP: the terminal may be gone
+            ctx.exit(exc.exit_code)
 
 
 @click.group(cls=AssistantGroup, invoke_without_command=True)
