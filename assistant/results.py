@@ -12,16 +12,26 @@ from typing import Literal
 
 VerdictValue = Literal["confirmed", "ruled_out", "inconclusive", "not_applicable", "not_run"]
 ProbeStatus = Literal["ok", "failed", "timeout", "not_applicable", "error", "interrupted"]
+# Where a verdict comes from: a probe on this machine, the error text itself,
+# or a static finding in the user's script. A user reads "confirmed here" as
+# "tested here", so the words shown depend on it.
+VerdictSource = Literal["probe", "error", "script"]
+Confidence = Literal["high", "medium", "low"]
+# What the machine showed about a community answer's advice, kept beside the
+# answer's community stance (never written over it).
+HereOutcome = Literal["", "confirmed_here", "refuted_here"]
 
-# Sorting weight of a verdict when results are re-ranked after probes:
-# confirmed causes rise, ruled-out ones sink, the rest keep retrieval order.
+# The order a person reads (DESIGN.md): confirmed, inconclusive, not run,
+# not applicable, ruled out, each within a score margin (verdicts/apply.py).
 VERDICT_RANK = {
     "confirmed": 0,
     "inconclusive": 1,
-    "not_run": 1,
-    "not_applicable": 1,
-    "ruled_out": 2,
+    "not_run": 2,
+    "not_applicable": 3,
+    "ruled_out": 4,
 }
+# --json echoes the question; a 36 MB log must not come back whole.
+QUERY_ECHO_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,9 @@ class Finding:
     line: int
     message: str
     path: str = ""
+    # "script" for a static finding; "probe" for what was observed in the
+    # user's own running job (`assistant run`: where each rank waits).
+    source: str = "script"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -73,6 +86,8 @@ class Verdict:
     # Advice tags (see kb threads, `advice:`) that this machine refutes, e.g.
     # "set-device-after-init" when that variant failed here.
     refutes: list[str] = field(default_factory=list)
+    # None while not judged (not_run); see VerdictSource.
+    source: VerdictSource | None = None
 
 
 @dataclass
@@ -87,10 +102,15 @@ class AnswerRef:
     answer_id: str = ""
     advice: str = ""
     contradicts: list[str] = field(default_factory=list)
+    # The question this answer was given to: a stance ("wrong") is about that
+    # question, not necessarily about the user's.
+    question: str = ""
+    # What this machine's probes showed about the answer's advice.
+    here: HereOutcome = ""
 
     @classmethod
-    def from_kb(cls, answer: dict, thread_id: str) -> AnswerRef:
-        """From a KB thread answer (as a dict) and its thread's id."""
+    def from_kb(cls, answer: dict, thread_id: str, question: str = "") -> AnswerRef:
+        """From a KB thread answer (as a dict), its thread's id and question."""
         return cls(
             text=answer["text"],
             lang=answer["lang"],
@@ -100,10 +120,16 @@ class AnswerRef:
             answer_id=answer["id"],
             advice=answer.get("advice", ""),
             contradicts=list(answer.get("contradicts", [])),
+            question=question,
         )
 
     def to_json(self) -> dict:
-        return {"text": self.text, "lang": self.lang, "thread": self.thread, "stance": self.stance}
+        """The contract's `answers[*]`; `here` only when the machine settled the advice."""
+        payload = {"text": self.text, "lang": self.lang, "thread": self.thread}
+        payload["stance"] = self.stance
+        if self.here:
+            payload["here"] = self.here
+        return payload
 
 
 @dataclass
@@ -155,6 +181,7 @@ class CauseResult:
             "title": self.title_zh if lang == "zh" and self.title_zh else self.title,
             "score": round(self.score, 4),
             "verdict": self.verdict.verdict,
+            "verdict_source": self.verdict.source,
             "evidence": list(self.verdict.evidence),
             "answers": [a.to_json() for a in self.answers],
             "fix": fix,
@@ -170,11 +197,32 @@ class Result:
     causes: list[CauseResult]
     probes: list[ProbeRun] = field(default_factory=list)
     lang: str = "en"
+    # How sure the first cause is (see assistant/confidence.py), and what
+    # would decide between the leading causes when it is not "high".
+    confidence: Confidence | None = None
+    decide: list[str] = field(default_factory=list)
+    # The handle `assistant feedback` takes ("this fixed it", "wrong cause").
+    answer_id: str = ""
 
     def to_json(self) -> dict:
-        return {
-            "query": self.query,
+        """The contract of DESIGN.md; keys are only ever added."""
+        payload = {
+            "query": echo(self.query),
             "root_error": self.root_error.to_json() if self.root_error else None,
             "causes": [c.to_json(self.lang) for c in self.causes],
             "probes": [p.to_json() for p in self.probes],
+            "confidence": self.confidence,
+            "decide": list(self.decide),
+            "answer_id": self.answer_id or None,
         }
+        if self.query is not None and len(self.query) > QUERY_ECHO_CHARS:
+            payload["query_chars"] = len(self.query)
+        return payload
+
+
+def echo(query: str | None) -> str | None:
+    """The question as --json echoes it: whole when short, else its start and a note."""
+    if query is None or len(query) <= QUERY_ECHO_CHARS:
+        return query
+    cut = len(query) - QUERY_ECHO_CHARS
+    return f"{query[:QUERY_ECHO_CHARS]}\n[... {cut} more characters not echoed]"

@@ -3,7 +3,7 @@
     .venv/bin/python tests/bench_doctor.py [--repeat 3]
 
 The bare launch is init_process_group + one all_reduce with gloo on 2 ranks,
-timed until torchrun exits. The doctor run is diagnose.doctor() with the
+timed until torchrun exits. The doctor run is Pipeline.doctor() with the
 default runner, as `assistant doctor` calls it. Both run in this process,
 alternating, and the medians are compared: the target is doctor <= 1.5x bare.
 """
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from assistant.diagnose import doctor
+from assistant.pipeline import Pipeline
 from assistant.probing.runner import ProbeRunner
 
 BARE = """\
@@ -61,7 +61,7 @@ def time_bare(script: Path) -> float:
 def time_doctor() -> tuple[float, int]:
     runner = ProbeRunner()
     started = time.monotonic()
-    doctor(runner)
+    Pipeline(runner=runner).doctor()
     return time.monotonic() - started, runner.launches
 
 

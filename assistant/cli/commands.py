@@ -187,17 +187,18 @@ def ask(
     if not 1 <= top <= 50:
         raise UserError("--top must be between 1 and 50")
     findings = _lint_findings(script)
-    engine = _engine(model)
     runner = None if no_probe else _runner(python_path, nproc_per_node, probe_timeout)
+    pipeline = _pipeline(_engine(model), runner)
     if batch is not None:
-        _ask_batch(engine, batch, top, runner, findings)
+        _ask_batch(pipeline, batch, top, findings)
         return
-    question = read_question(text, file)
-    if not question.strip():
+    text = read_question(text, file)
+    if not text.strip():
         raise UserError("the question is empty: give an error message, a log, or `-` for stdin")
-    result = engine.ask(question, top=top)
-    if runner is not None:
-        result = _probe_and_judge(result, runner, findings, show_progress=not as_json)
+    from assistant.pipeline import Question
+
+    with probe_status(runner is not None and not as_json) as observer:
+        result = pipeline.ask(Question(text, top=top, findings=findings), observer)
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
     else:
@@ -214,33 +215,29 @@ def _lint_findings(script: Path | None) -> list:
     return lint_script(script)
 
 
-def _probe_and_judge(result, runner, findings, show_progress: bool):
-    from assistant.verdicts import apply_verdicts, probes_for
+def _pipeline(engine, runner):
+    from assistant.pipeline import Pipeline
 
-    names = probes_for(result.causes)
-    runs = _run_with_progress(runner, names, show_progress) if names else []
-    return apply_verdicts(result, runs, findings)
-
-
-def _run_with_progress(runner, names: list[str], show_progress: bool):
-    """Run probes; on a terminal, show which probe runs and for how long."""
-    with probe_status(show_progress) as on_progress:
-        return runner.run(names, on_progress=on_progress)
+    return Pipeline(engine=engine, runner=runner)
 
 
 @contextmanager
 def probe_status(show: bool):
-    """A progress callback that updates a spinner on stderr (None when not shown)."""
+    """The pipeline's observer; on a terminal it shows which probe runs, and for how long."""
+    from assistant.pipeline import Observer
+
     if not show or not sys.stderr.isatty():
-        yield None
+        yield Observer()
         return
     from rich.console import Console
 
     with Console(stderr=True).status("running probes…") as status:
-        yield lambda e: status.update(f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)")
+        yield Observer(
+            on_probe=lambda e: status.update(f"probe {e.probe}: {e.state} ({e.elapsed:.1f}s)")
+        )
 
 
-def _ask_batch(engine, batch: Path, top: int, runner, findings) -> None:
+def _ask_batch(pipeline, batch: Path, top: int, findings) -> None:
     """One contract object per input line, in order, each with its id."""
     try:
         lines = batch.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -249,11 +246,15 @@ def _ask_batch(engine, batch: Path, top: int, runner, findings) -> None:
     items = [
         _batch_item(batch, number, line) for number, line in enumerate(lines, 1) if line.strip()
     ]
+    from assistant.pipeline import Question
+
+    known_runs: list = []  # this machine's facts do not change between lines: probe once
     for item_id, query in items:
         try:
-            result = engine.ask(query, top=top)
-            if runner is not None:
-                result = _probe_and_judge(result, runner, findings, show_progress=False)
+            result = pipeline.ask(
+                Question(query, top=top, findings=findings, known_runs=known_runs)
+            )
+            known_runs = known_runs or list(result.probes)
             payload = {"id": item_id, **result.to_json()}
         except UserError as exc:
             payload = {"id": item_id, "error": str(exc)}
@@ -304,11 +305,9 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
     assistant doctor
     assistant doctor --json --nproc-per-node 2
     """
-    from assistant.diagnose import doctor as run_doctor
-
-    runner = _runner(python_path, nproc_per_node, probe_timeout)
-    with probe_status(not as_json) as on_progress:
-        result = run_doctor(runner, lang=lang, on_progress=on_progress)
+    pipeline = _pipeline(None, _runner(python_path, nproc_per_node, probe_timeout))
+    with probe_status(not as_json) as observer:
+        result = pipeline.doctor(lang=lang, observer=observer)
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
     else:
@@ -339,9 +338,8 @@ def probe(names, as_json, python_path, nproc_per_node, probe_timeout):
     unknown = [n for n in names if n not in PROBES]
     if unknown:
         raise UserError(f"unknown probe {', '.join(unknown)} (known: {', '.join(PROBES)})")
-    from assistant.diagnose import run_named
-
-    runs = run_named(_runner(python_path, nproc_per_node, probe_timeout), list(names))
+    pipeline = _pipeline(None, _runner(python_path, nproc_per_node, probe_timeout))
+    runs = pipeline.run_named(names)
     if as_json:
         payload = [{**r.to_json(), "detail": r.detail, "ranks": r.ranks} for r in runs]
         click.echo(json.dumps(payload, indent=2, ensure_ascii=False))

@@ -26,6 +26,8 @@ from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
 
 MAX_ANSWERS_PER_CAUSE = 6
 STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}
+# Answers judged (partly) right lead, unverified follow, wrong ones come last.
+STANCE_GROUP = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
 MAX_TOP = 50
 
 
@@ -175,13 +177,29 @@ class Engine:
             data, ranked.score, self._answers_for(ranked.id, lang), ranked.ranks
         )
 
+    def signatures(self) -> dict[str, list[str]]:
+        """Every cause's error signatures (regex sources), as the KB gives them."""
+        self.load()
+        return {cid: list(data.get("signatures", [])) for cid, data in self._index.causes.items()}
+
     def _answers_for(self, cause_id: str, lang: str) -> list[AnswerRef]:
-        """Community answers that claim this cause: the user's language and the best first."""
+        """Community answers that claim this cause: the best first, then the user's language.
+
+        Stance comes before language: an answer its own thread judged wrong
+        must not lead just because it is in the user's language.
+        """
         answers = [
-            AnswerRef.from_kb(a, thread["id"])
+            AnswerRef.from_kb(a, thread["id"], thread.get("question", ""))
             for thread in self._index.threads.values()
             for a in thread["answers"]
             if cause_id in a["claims"]
         ]
-        answers.sort(key=lambda a: (a.lang != lang, STANCE_ORDER.get(a.stance, 9), len(a.text)))
+        answers.sort(
+            key=lambda a: (
+                STANCE_GROUP.get(a.stance, 1),
+                a.lang != lang,
+                STANCE_ORDER.get(a.stance, 9),
+                len(a.text),
+            )
+        )
         return answers[:MAX_ANSWERS_PER_CAUSE]

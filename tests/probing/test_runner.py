@@ -26,7 +26,7 @@ import pytest
 
 from assistant.probing import runner as runner_module
 from assistant.config import PROJECT_ROOT
-from assistant.diagnose import doctor, run_named
+from assistant.pipeline import Observer, Pipeline
 from assistant.probing.registry import PROBES, probe_names
 from assistant.results import ProbeRun
 from assistant.probing.runner import ProbeRunner, load_runs, save_runs, visible_gpu_count
@@ -220,7 +220,7 @@ def healthy():
     runner = ProbeRunner(env={"PROBE_TEST_TAG": tag, "MASTER_PORT": str(_free_port())})
     events = []
     started = time.monotonic()
-    result = doctor(runner, on_progress=events.append)
+    result = Pipeline(runner=runner).doctor(observer=Observer(on_probe=events.append))
     return {
         "result": result,
         "runner": runner,
@@ -283,7 +283,7 @@ def test_a_held_port_29500_confirms_master_port_in_use():
         env["MASTER_PORT"] = str(port)
     holder.listen(1)
     try:
-        runs = {r.name: r for r in run_named(ProbeRunner(env=env), ["rendezvous"])}
+        runs = {r.name: r for r in Pipeline(runner=ProbeRunner(env=env)).run_named(["rendezvous"])}
     finally:
         holder.close()
     verdict = judge("master-port-in-use", runs, None, [])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from assistant.config import contract_ids
-from assistant.diagnose import doctor, run_named
+from assistant.pipeline import Observer, Pipeline
 from assistant.probing.runner import load_runs
 
 FACTS = Path(__file__).parents[1] / "fixtures" / "facts"
@@ -81,7 +81,7 @@ def order_kb(tmp_path, monkeypatch) -> Path:
 
 def test_doctor_judges_every_contract_cause_confirmed_first(order_kb):
     runner = ReplayRunner(FACTS / "busy_port.json")
-    result = doctor(runner)
+    result = Pipeline(runner=runner).doctor()
     assert runner.asked == list(runner.runs)  # every registered probe
     assert sorted(c.id for c in result.causes) == sorted(contract_ids())
     assert result.causes[0].id == "master-port-in-use"
@@ -94,7 +94,7 @@ def test_doctor_judges_every_contract_cause_confirmed_first(order_kb):
 
 
 def test_doctor_settles_the_seed_advice_with_the_set_device_probe(order_kb):
-    result = doctor(ReplayRunner(FACTS / "healthy_8gpu.json"))
+    result = Pipeline(runner=ReplayRunner(FACTS / "healthy_8gpu.json")).doctor()
     cause = next(c for c in result.causes if c.id == "set-device-order")
     assert cause.title == "set_device comes too late or not at all"
     assert cause.probes == ["set_device_order"]
@@ -106,7 +106,7 @@ def test_doctor_settles_the_seed_advice_with_the_set_device_probe(order_kb):
 
 def test_doctor_falls_back_to_ids_when_the_kb_does_not_load(tmp_path, monkeypatch):
     monkeypatch.setenv("ASSISTANT_KB", str(tmp_path / "missing"))
-    result = doctor(ReplayRunner(FACTS / "cvd_empty.json"), lang="zh")
+    result = Pipeline(runner=ReplayRunner(FACTS / "cvd_empty.json")).doctor(lang="zh")
     assert all(c.title == c.id for c in result.causes)
     top = result.causes[0]
     assert top.verdict.verdict == "confirmed"
@@ -116,7 +116,7 @@ def test_doctor_falls_back_to_ids_when_the_kb_does_not_load(tmp_path, monkeypatc
 
 def test_run_named_runs_just_those_probes():
     runner = ReplayRunner(FACTS / "shm_64mb.json")
-    runs = run_named(runner, ["system", "devices"])
+    runs = Pipeline(runner=runner).run_named(["system", "devices"])
     assert [r.name for r in runs] == ["system", "devices"]
 
 
@@ -135,8 +135,8 @@ def test_runner_verdicts_and_doctor_work_without_the_heavy_stack():
         sys.meta_path.insert(0, Missing())
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_runner_doctor import ReplayRunner
-        from assistant.diagnose import doctor
-        result = doctor(ReplayRunner(__import__("pathlib").Path({str(FACTS / "two_ranks_one_gpu.json")!r})))
+        from assistant.pipeline import Pipeline
+        result = Pipeline(runner=ReplayRunner(__import__("pathlib").Path({str(FACTS / "two_ranks_one_gpu.json")!r}))).doctor()
         print(json.dumps([c.id for c in result.causes if c.verdict.verdict == "confirmed"]))
         """
     )

@@ -1,0 +1,169 @@
+"""How sure the first cause is, and what would decide between the leading ones.
+
+`assess(result)` sets `confidence` ("high" | "medium" | "low") and, when it is
+not high, `decide`: the few pieces of evidence that would tell the leading
+causes apart (the first failing rank's traceback, NCCL_DEBUG=INFO output,
+the launch command, nvidia-smi, ...), in the user's language, leaving out
+what the question already shows.
+
+The levels rest on signals that were measured on real user reports (see
+data/eval/README.md, "Confidence"): an exact KB signature that names the
+first cause in the root error, retrieval signals that agree on it, the
+margin to the second cause, and a verdict that confirms it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from assistant.results import CauseResult, Result
+
+# The first cause's fused score must lead the second by this much to count as
+# standing apart (fused scores are scaled to 0..1 in knowledge/retrieve.fuse).
+CLEAR_MARGIN = 0.25
+MEDIUM_MARGIN = 0.1
+MAX_DECIDE = 3
+
+# Pieces of evidence a person can add, and how to recognise them in a question.
+EVIDENCE = {
+    "traceback": (
+        re.compile(r"Traceback \(most recent call last\)"),
+        "the full traceback of the first rank that failed (not only torchrun's summary)",
+        "第一个出错的 rank 的完整 traceback（不只是 torchrun 的汇总）",
+    ),
+    "nccl_debug": (
+        re.compile(r"NCCL INFO"),
+        "the log of a rerun with NCCL_DEBUG=INFO",
+        "设置 NCCL_DEBUG=INFO 后重跑的日志",
+    ),
+    "launch": (
+        re.compile(r"torchrun|torch\.distributed\.(?:run|launch)|mp\.spawn|srun|--nproc"),
+        "the exact launch command (torchrun/srun/mp.spawn and its flags)",
+        "完整的启动命令（torchrun/srun/mp.spawn 及参数）",
+    ),
+    "nvidia_smi": (
+        re.compile(r"NVIDIA-SMI|nvidia-smi"),
+        "nvidia-smi while the job runs (which processes sit on which GPU)",
+        "任务运行时的 nvidia-smi 输出（哪些进程在哪张卡上）",
+    ),
+    "nodes": (
+        re.compile(r"nnodes|node_rank|MASTER_ADDR|多机|多节点", re.IGNORECASE),
+        "single node or several (and MASTER_ADDR / network interface settings)",
+        "单机还是多机（以及 MASTER_ADDR、网卡设置）",
+    ),
+    "script": (
+        None,
+        "the training script (assistant ask --script train.py checks it)",
+        "训练脚本（用 assistant ask --script train.py 检查）",
+    ),
+    "run": (
+        None,
+        "where each rank waits: rerun under `assistant run -- <your launch>`",
+        "每个 rank 卡在哪里：用 `assistant run -- <启动命令>` 重跑",
+    ),
+    "memory": (
+        re.compile(r"dmesg|oom-kill|Out of memory: Killed", re.IGNORECASE),
+        "host memory use and `dmesg | grep -i oom` after the failure",
+        "主机内存占用，以及出错后 `dmesg | grep -i oom` 的输出",
+    ),
+    "doctor": (
+        None,
+        "`assistant doctor` run on the failing machine",
+        "在出错的机器上运行 `assistant doctor`",
+    ),
+}
+
+# Which evidence tells each cause apart from its neighbours; causes not listed
+# (new ones from a team KB) fall back to DEFAULT_DECIDERS.
+DECIDERS = {
+    "launched-without-torchrun": ("launch", "traceback"),
+    "local-rank-not-from-env": ("script", "nvidia_smi"),
+    "local-rank-arg-mismatch": ("launch", "script"),
+    "hardcoded-device": ("script", "nvidia_smi"),
+    "duplicate-gpu-per-rank": ("nvidia_smi", "script"),
+    "set-device-order": ("script", "doctor"),
+    "cuda-visible-devices-mismatch": ("launch", "nvidia_smi"),
+    "world-size-exceeds-devices": ("launch", "nvidia_smi"),
+    "world-size-mismatch": ("launch", "nodes"),
+    "missing-main-guard": ("script", "traceback"),
+    "master-endpoint-mismatch": ("nodes", "launch"),
+    "master-port-in-use": ("launch", "traceback"),
+    "nccl-version-mismatch": ("nccl_debug", "nodes"),
+    "shm-too-small": ("nccl_debug", "doctor"),
+    "network-interface": ("nccl_debug", "nodes"),
+    "no-cuda-visible": ("doctor", "nvidia_smi"),
+    "nccl-not-available": ("traceback", "doctor"),
+    "nccl-with-cpu-tensors": ("traceback", "script"),
+    "unused-parameters": ("traceback", "script"),
+    "ddp-device-ids-cpu-module": ("traceback", "script"),
+    "process-group-not-initialized": ("traceback", "script"),
+    "collective-mismatch": ("run", "script"),
+    "uneven-inputs": ("run", "script"),
+    "collective-timeout": ("run", "nccl_debug"),
+    "oom-killed": ("memory", "traceback"),
+    "cuda-out-of-memory": ("nvidia_smi", "traceback"),
+    "p2p-hang": ("nccl_debug", "nvidia_smi"),
+}
+DEFAULT_DECIDERS = ("traceback", "launch")
+
+
+def assess(result: Result) -> Result:
+    """The result with its confidence and, unless high, what would decide."""
+    level = level_of(result)
+    decide = [] if level == "high" else what_would_decide(result)
+    return replace(result, confidence=level, decide=decide)
+
+
+def level_of(result: Result) -> str | None:
+    """high / medium / low for the first cause; None when there is no cause or no question."""
+    if not result.causes or result.query is None:
+        return None
+    first = result.causes[0]
+    second = result.causes[1].score if len(result.causes) > 1 else 0.0
+    margin = first.score - second
+    if first.verdict.verdict == "ruled_out":
+        return "low"
+    if names_the_root_error(first) and margin >= CLEAR_MARGIN:
+        return "high"
+    if first.verdict.verdict == "confirmed" and first.verdict.source in ("error", "script"):
+        return "high" if margin >= MEDIUM_MARGIN else "medium"
+    if signals_agree(first) and margin >= MEDIUM_MARGIN:
+        return "medium"
+    return "low"
+
+
+def names_the_root_error(cause: CauseResult) -> bool:
+    """An exact KB signature ranks this cause first (the strongest signal)."""
+    return cause.signals.get("signature") == 1
+
+
+def signals_agree(cause: CauseResult) -> bool:
+    """At least two retrieval signals rank this cause first."""
+    return sum(1 for rank in cause.signals.values() if rank == 1) >= 2
+
+
+def what_would_decide(result: Result) -> list[str]:
+    """Up to MAX_DECIDE pieces of evidence that split the leading causes, in the user's language.
+
+    Evidence that only one of the leading causes needs splits them best, so it
+    comes first; evidence the question already contains is not asked for.
+    """
+    leading = result.causes[:3]
+    query = result.query or ""
+    counts: dict[str, int] = {}
+    order: list[str] = []
+    for cause in leading:
+        for kind in DECIDERS.get(cause.id, DEFAULT_DECIDERS):
+            if kind not in counts:
+                order.append(kind)
+            counts[kind] = counts.get(kind, 0) + 1
+    missing = [kind for kind in order if not already_given(kind, query)]
+    missing.sort(key=lambda kind: counts[kind])  # stable: first-cause evidence first
+    zh = result.lang == "zh"
+    return [EVIDENCE[kind][2 if zh else 1] for kind in missing[:MAX_DECIDE]]
+
+
+def already_given(kind: str, query: str) -> bool:
+    pattern = EVIDENCE[kind][0]
+    return bool(pattern and pattern.search(query[:200_000]))

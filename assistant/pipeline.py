@@ -1,0 +1,218 @@
+"""The one flow: question -> clean -> retrieve -> probes -> verdicts -> answer.
+
+Every front end (`ask`, `ask --batch`, `doctor`, `run`, the chat) calls this
+module and only presents what it returns:
+
+    pipeline = Pipeline(engine=Engine(), runner=ProbeRunner())
+    result = pipeline.ask("Duplicate GPU detected : rank 1 and rank 0 both on CUDA device")
+    result = pipeline.doctor()
+
+`ask` reports progress through callbacks (the ranked causes before any
+probe has finished, then every probe's start and end) and stops early when
+`cancel` is set. It returns a new Result each time; nothing it was given is
+changed.
+
+The probe launch starts as soon as the question is known, in parallel with
+retrieval: one torchrun launch runs every probe at about the cost of a bare
+launch, so asking with probes costs about one launch, not retrieval plus a
+launch. Probes that need launches of their own (set_device_order's variants
+on a GPU machine) run afterwards, only when a ranked cause links them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from assistant.errors import UserError
+from assistant.results import Finding, ProbeRun, Result, RootError
+
+OnCauses = Callable[[Result], None]
+OnProbe = Callable[[object], None]  # receives assistant.probing.runner.ProgressEvent
+
+
+class Retrieval(Protocol):
+    """What the flow needs of the knowledge side (assistant.knowledge.engine.Engine)."""
+
+    def ask(self, query: str, top: int = 5, context: str | None = None) -> Result: ...
+
+    def signatures(self) -> dict[str, list[str]]: ...
+
+
+class Probing(Protocol):
+    """What the flow needs of the probing side (assistant.probing.runner.ProbeRunner)."""
+
+    def run(self, names, on_progress=None, cancel=None) -> list[ProbeRun]: ...
+
+
+@dataclass
+class Observer:
+    """Progress callbacks of one call; each is optional and runs in the caller's worker."""
+
+    on_causes: OnCauses | None = None
+    on_probe: OnProbe | None = None
+
+    def causes(self, result: Result) -> None:
+        if self.on_causes is not None:
+            self.on_causes(result)
+
+    def probe(self, event) -> None:
+        if self.on_probe is not None:
+            self.on_probe(event)
+
+
+@dataclass
+class Question:
+    """One question and what the caller already knows about it.
+
+    findings: static findings in the user's script (assistant lint).
+    root_error: the root error when the caller knows it better than the
+        text does (`assistant run` reads it from the ranks' own records).
+    context: an earlier question of the same conversation (a follow-up).
+    known_runs: probe runs from earlier in the session, reused as they are.
+    """
+
+    text: str
+    top: int = 5
+    findings: Sequence[Finding] = ()
+    root_error: RootError | None = None
+    context: str | None = None
+    known_runs: Sequence[ProbeRun] = ()
+    probe: bool = True
+
+
+@dataclass
+class Pipeline:
+    """The whole flow, with the knowledge side and the probing side passed in.
+
+    engine: answers retrieval (None for machine-only use: doctor).
+    runner: runs probes (None: retrieval only, every verdict stays not_run).
+    """
+
+    engine: Retrieval | None = None
+    runner: Probing | None = None
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="assistant-probes"),
+        repr=False,
+    )
+
+    # -- the question flow ------------------------------------------------------
+
+    def ask(
+        self,
+        question: Question | str,
+        observer: Observer | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Result:
+        """Rank the causes of a question, probe this machine, judge, re-rank."""
+        question = Question(question) if isinstance(question, str) else question
+        observer = observer or Observer()
+        if not question.text or not question.text.strip():
+            raise UserError("the question is empty: paste an error message or a log")
+        if self.engine is None:
+            raise UserError("no knowledge base loaded")
+        cancel = cancel or threading.Event()
+        early = self._start_probes(question, observer, cancel)
+        try:
+            ranked = self.engine.ask(question.text, top=question.top, context=question.context)
+        except BaseException:
+            cancel.set()  # a failed retrieval must not leave a launch running
+            raise
+        if question.root_error is not None:
+            ranked = replace(ranked, root_error=question.root_error)
+        observer.causes(ranked)
+        if not self._probing(question):
+            return self.judge(ranked, list(question.known_runs), question.findings)
+        runs = self._finish_probes(ranked, question, early, observer, cancel)
+        return self.judge(ranked, runs, question.findings)
+
+    def judge(
+        self, result: Result, runs: Sequence[ProbeRun], findings: Sequence[Finding] = ()
+    ) -> Result:
+        """Verdicts for a ranked result: a new Result, re-ranked (confirmed first)."""
+        from assistant.confidence import assess
+        from assistant.verdicts import apply_verdicts
+
+        signatures = self.engine.signatures() if self.engine is not None else None
+        judged = apply_verdicts(result, list(runs), list(findings), signatures)
+        return assess(judged)
+
+    # -- machine only -------------------------------------------------------------
+
+    def doctor(
+        self,
+        lang: str = "en",
+        observer: Observer | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Result:
+        """Probe this machine and judge every contract cause, with no question."""
+        from assistant.knowledge.catalog import contract_causes, kb_signatures
+        from assistant.probing.registry import probe_names
+        from assistant.verdicts import apply_verdicts
+
+        if self.runner is None:
+            raise UserError("doctor needs the probe runner")
+        observer = observer or Observer()
+        runs = self.runner.run(probe_names(), on_progress=observer.probe, cancel=cancel)
+        blank = Result(query=None, root_error=None, causes=contract_causes(), lang=lang)
+        return apply_verdicts(blank, runs, [], kb_signatures())
+
+    def run_named(
+        self,
+        names: Iterable[str],
+        observer: Observer | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[ProbeRun]:
+        """Run the named probes (`assistant probe NAME...`)."""
+        if self.runner is None:
+            raise UserError("no probe runner")
+        observer = observer or Observer()
+        return self.runner.run(list(names), on_progress=observer.probe, cancel=cancel)
+
+    # -- probes ---------------------------------------------------------------------
+
+    def _probing(self, question: Question) -> bool:
+        return question.probe and self.runner is not None
+
+    def _start_probes(
+        self, question: Question, observer: Observer, cancel: threading.Event
+    ) -> Future | None:
+        """Launch the shared-launch probes now, while retrieval runs."""
+        if not self._probing(question):
+            return None
+        from assistant.probing.registry import probe_names
+
+        # Every probe, not only those the ranked causes will link: one launch
+        # runs them all at about the cost of one, and it cannot wait for the ranking.
+        known = {run.name for run in question.known_runs}
+        names = [name for name in probe_names() if name not in known]
+        if not names:
+            return None
+        return self._pool.submit(self.runner.run, names, on_progress=observer.probe, cancel=cancel)
+
+    def _finish_probes(
+        self,
+        ranked: Result,
+        question: Question,
+        early: Future | None,
+        observer: Observer,
+        cancel: threading.Event,
+    ) -> list[ProbeRun]:
+        """Every run this answer rests on: known, launched early, and linked extras."""
+        from assistant.verdicts import probes_for
+
+        runs = {run.name: run for run in question.known_runs}
+        if early is not None:
+            runs.update((run.name, run) for run in early.result())
+        extra = [name for name in probes_for(ranked.causes) if name not in runs]
+        if extra and not cancel.is_set():
+            fresh = self.runner.run(extra, on_progress=observer.probe, cancel=cancel)
+            runs.update((run.name, run) for run in fresh)
+        return list(runs.values())
+
+    def close(self) -> None:
+        """Stop accepting probe launches (running ones finish or are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,172 @@
+"""The one flow (assistant.pipeline): real KB, index and model; probe facts replayed
+from machines recorded in tests/fixtures/facts/ (the runner is tested on its own
+with real torchrun in tests/probing/)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+
+import pytest
+
+from assistant.errors import UserError
+from assistant.pipeline import Observer, Pipeline, Question
+from assistant.results import Finding
+
+FACTS = Path(__file__).parent / "fixtures" / "facts"
+PG_ERROR = (
+    "RuntimeError: Default process group has not been initialized, "
+    "please make sure to call init_process_group."
+)
+DUPLICATE_GPU = (
+    "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+    "invalid usage, NCCL version 2.20.5\nncclInvalidUsage: This usually reflects invalid "
+    "usage of NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both "
+    "on CUDA device 1a000"
+)
+
+pytestmark = pytest.mark.slow
+
+
+class ReplayRunner:
+    """Answers run() with recorded runs; remembers every call, reports progress."""
+
+    def __init__(self, scenario: str):
+        from assistant.probing.runner import load_runs
+
+        self.recorded = {run.name: run for run in load_runs(FACTS / f"{scenario}.json")}
+        self.calls: list[list[str]] = []
+        self.started = threading.Event()
+
+    def run(self, names, on_progress=None, cancel=None):
+        from assistant.probing.runner import ProgressEvent
+
+        self.calls.append(list(names))
+        self.started.set()
+        for name in names:
+            if on_progress:
+                on_progress(ProgressEvent(name, "started", 0.0))
+                on_progress(ProgressEvent(name, "finished", 0.1, self.recorded[name].status))
+        return [self.recorded[name] for name in names]
+
+
+class SlowEngine:
+    """The real engine, answering only once the probe launch has started."""
+
+    def __init__(self, engine, runner: ReplayRunner):
+        self.engine, self.runner = engine, runner
+
+    def ask(self, query, top=5, context=None):
+        assert self.runner.started.wait(30), "the probe launch did not start before retrieval"
+        return self.engine.ask(query, top=top, context=context)
+
+    def signatures(self):
+        return self.engine.signatures()
+
+
+def test_ask_runs_the_whole_flow_and_returns_judged_causes(engine):
+    runner = ReplayRunner("cpu_2ranks")
+    result = Pipeline(engine=engine, runner=runner).ask(PG_ERROR)
+    assert result.causes[0].id == "process-group-not-initialized"
+    assert result.causes[0].verdict.verdict != "not_run"
+    assert {run.name for run in result.probes} >= {"launch_env", "devices", "backend"}
+    assert result.confidence in ("high", "medium", "low")
+
+
+def test_the_probe_launch_starts_before_retrieval_ends(engine):
+    runner = ReplayRunner("cpu_2ranks")
+    pipeline = Pipeline(engine=SlowEngine(engine, runner), runner=runner)
+    result = pipeline.ask(PG_ERROR)  # SlowEngine fails the test if probes had not started
+    assert result.probes and len(runner.calls) == 1
+
+
+def test_causes_are_reported_before_probe_progress(engine):
+    runner = ReplayRunner("cpu_2ranks")
+    events: list[str] = []
+    observer = Observer(
+        on_causes=lambda result: events.append(f"causes:{result.causes[0].verdict.verdict}"),
+        on_probe=lambda event: events.append(f"probe:{event.state}"),
+    )
+    Pipeline(engine=engine, runner=runner).ask(PG_ERROR, observer)
+    assert "causes:not_run" in events and any(e.startswith("probe:") for e in events)
+    assert events.count("causes:not_run") == 1
+
+
+def test_ask_never_changes_what_it_was_given(engine):
+    pipeline = Pipeline(engine=engine, runner=ReplayRunner("two_ranks_one_gpu"))
+    ranked = engine.ask(DUPLICATE_GPU)
+    before = copy.deepcopy(ranked)
+    runs = pipeline.runner.run(["devices", "launch_env"])
+    judged = pipeline.judge(ranked, runs)
+    assert ranked == before
+    assert judged is not ranked
+    assert judged.causes[0].verdict.verdict == "confirmed"
+
+
+def test_known_runs_are_reused_not_relaunched(engine):
+    runner = ReplayRunner("cpu_2ranks")
+    pipeline = Pipeline(engine=engine, runner=runner)
+    first = pipeline.ask(PG_ERROR)
+    second = pipeline.ask(Question(DUPLICATE_GPU, known_runs=first.probes))
+    assert len(runner.calls) == 1
+    assert {r.name for r in second.probes} == {r.name for r in first.probes}
+
+
+def test_without_a_runner_every_verdict_rests_on_text_or_script(engine):
+    finding = Finding("process-group-not-initialized", 3, "dist.barrier() before init")
+    result = Pipeline(engine=engine).ask(Question(PG_ERROR, findings=[finding]))
+    first = result.causes[0]
+    assert first.id == "process-group-not-initialized"
+    assert first.verdict.verdict == "confirmed" and first.verdict.source == "script"
+    assert not result.probes
+
+
+def test_a_failed_retrieval_cancels_the_early_launch(engine):
+    seen: list[threading.Event] = []
+
+    class Waiting(ReplayRunner):
+        def run(self, names, on_progress=None, cancel=None):
+            seen.append(cancel)
+            cancel.wait(30)
+            return []
+
+    class Broken:
+        def ask(self, query, top=5, context=None):
+            while not seen:
+                threading.Event().wait(0.01)
+            raise UserError("index damaged")
+
+        def signatures(self):
+            return {}
+
+    with pytest.raises(UserError):
+        Pipeline(engine=Broken(), runner=Waiting("cpu_2ranks")).ask(PG_ERROR)
+    assert seen[0].wait(5), "the launch was left running"
+
+
+def test_an_empty_question_is_a_user_error(engine):
+    with pytest.raises(UserError):
+        Pipeline(engine=engine).ask("   ")
+
+
+def test_doctor_judges_every_contract_cause_with_no_question():
+    from assistant.config import contract_ids
+
+    result = Pipeline(runner=ReplayRunner("two_ranks_one_gpu")).doctor()
+    assert {c.id for c in result.causes} >= set(contract_ids())
+    assert result.query is None and result.confidence is None
+    assert result.causes[0].verdict.verdict == "confirmed"
+
+
+def test_confidence_is_high_when_a_signature_names_the_error(engine):
+    result = Pipeline(engine=engine).ask(DUPLICATE_GPU)
+    assert result.confidence == "high" and result.decide == []
+
+
+def test_an_unsure_answer_says_what_would_decide_in_the_users_language(engine):
+    result = Pipeline(engine=engine).ask("DDP 训练卡住了，不知道为什么")
+    assert result.confidence in ("medium", "low")
+    assert result.decide and all(any("\u4e00" <= ch <= "\u9fff" for ch in d) for d in result.decide)
+    english = Pipeline(engine=engine).ask("my DDP training just hangs, no error at all")
+    assert english.decide and not any("\u4e00" <= ch <= "\u9fff" for d in english.decide for ch in d)
