@@ -45,6 +45,10 @@ EXCEPTION_LINE = re.compile(
 TERMINATE = re.compile(r"terminate called after throwing an instance of '(?P<type>[^']+)'")
 WHAT = re.compile(r"^\s*what\(\):\s*(?P<message>.*)$")
 ARGPARSE_ERROR = re.compile(r"^(?P<prog>[\w.\-/]+): error: (?P<message>.+)$")
+# The start of another record that can follow an exception line unprefixed
+# (another rank's output): a Python warning "path.py:12: UserWarning: ...",
+# or any "file:line:" location.
+NEW_RECORD = re.compile(r"^\S+\.pyx?:\d+: |^\S*\w+Warning: |^\S+:\d+:\d*:? ")
 WRAPPERS = {"ChildFailedError", "SignalException"}
 ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):")
 SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -167,6 +171,7 @@ def _continue_message(entries, pos: int, rank: int | None, message: str, logged_
         if (
             next_rank != rank
             or EXCEPTION_LINE.match(line.strip())
+            or NEW_RECORD.match(line)
             or line.startswith(
                 ("Traceback", "  File", "During handling", "The above exception", "[")
             )

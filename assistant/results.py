@@ -132,6 +132,64 @@ class AnswerRef:
         return payload
 
 
+@dataclass(frozen=True)
+class CauseDoc:
+    """A cause's whole document, as its KB file gives it (one shape from file to screen).
+
+    `text(field, lang)` is the one place where a Chinese field stands in for
+    the English one (title_zh, summary_zh, why_zh, fix_zh), falling back to
+    English where a cause has no translation.
+    """
+
+    id: str
+    title: str
+    title_zh: str = ""
+    summary: str = ""
+    summary_zh: str = ""
+    why: str = ""
+    why_zh: str = ""
+    fix: str = ""
+    fix_zh: str = ""
+    fix_code: str = ""
+    risks: str = ""
+    signatures: tuple[str, ...] = ()
+    symptoms: tuple[str, ...] = ()
+    probes: tuple[str, ...] = ()
+    references: tuple[tuple[str, str], ...] = ()  # (title, url)
+
+    @classmethod
+    def from_kb(cls, entry: dict) -> CauseDoc:
+        """From a KB cause entry as a dict (a model_dump or the index's JSON)."""
+        return cls(
+            id=entry["id"],
+            title=entry["title"],
+            title_zh=entry.get("title_zh", ""),
+            summary=entry.get("summary", ""),
+            summary_zh=entry.get("summary_zh", ""),
+            why=entry.get("why", ""),
+            why_zh=entry.get("why_zh", ""),
+            fix=entry.get("fix", ""),
+            fix_zh=entry.get("fix_zh", ""),
+            fix_code=entry.get("fix_code", ""),
+            risks=entry.get("risks", ""),
+            signatures=tuple(entry.get("signatures", ())),
+            symptoms=tuple(entry.get("symptoms", ())),
+            probes=tuple(entry.get("probes", ())),
+            references=tuple(
+                (ref["title"], ref["url"]) if isinstance(ref, dict) else tuple(ref)
+                for ref in entry.get("references", ())
+            ),
+        )
+
+    def text(self, name: str, lang: str = "en") -> str:
+        """A text field in `lang`: the `_zh` variant for Chinese when it exists."""
+        if lang == "zh":
+            translated = getattr(self, f"{name}_zh", "")
+            if translated:
+                return translated
+        return getattr(self, name)
+
+
 @dataclass
 class CauseResult:
     """One candidate cause, as ranked for a query."""
@@ -143,6 +201,7 @@ class CauseResult:
     summary: str = ""
     summary_zh: str = ""
     fix: str = ""
+    fix_zh: str = ""
     fix_code: str = ""
     probes: list[str] = field(default_factory=list)
     answers: list[AnswerRef] = field(default_factory=list)
@@ -166,6 +225,7 @@ class CauseResult:
             summary=entry["summary"],
             summary_zh=entry["summary_zh"],
             fix=entry["fix"],
+            fix_zh=entry.get("fix_zh", ""),
             fix_code=entry["fix_code"],
             score=score,
             probes=list(entry["probes"]),
@@ -173,12 +233,21 @@ class CauseResult:
             signals=dict(signals or {}),
         )
 
+    def text(self, name: str, lang: str = "en") -> str:
+        """title / summary / fix in `lang`: the Chinese text where the KB has one."""
+        if lang == "zh":
+            translated = getattr(self, f"{name}_zh", "")
+            if translated:
+                return translated
+        return getattr(self, name)
+
     def to_json(self, lang: str = "en") -> dict:
         """The contract's `causes[*]` entry (keys and order fixed by DESIGN.md)."""
-        fix = self.fix if not self.fix_code else f"{self.fix}\n\n{self.fix_code}".strip()
+        fix = self.text("fix", lang)
+        fix = fix if not self.fix_code else f"{fix}\n\n{self.fix_code}".strip()
         return {
             "id": self.id,
-            "title": self.title_zh if lang == "zh" and self.title_zh else self.title,
+            "title": self.text("title", lang),
             "score": round(self.score, 4),
             "verdict": self.verdict.verdict,
             "verdict_source": self.verdict.source,

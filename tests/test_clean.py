@@ -138,3 +138,22 @@ def test_a_pasted_terminate_message_is_a_root_error():
     )
     root = clean_log(text).root_error
     assert root.type == "c10::DistBackendError" and "Watchdog caught" in root.message
+
+
+def test_the_root_error_is_one_ranks_exception_not_the_next_ranks_warning():
+    # Real log (torchrun, 2 ranks, init_process_group("nccl") on a CPU-only torch):
+    # rank 1's UserWarning follows rank 0's exception line without a rank prefix.
+    clean = clean_log((LOGS / "nccl_on_cpu_only_torch.txt").read_text())
+    assert clean.root_error.type == "RuntimeError"
+    assert clean.root_error.message == "Distributed package doesn't have NCCL built in"
+
+
+def test_a_message_that_spans_lines_still_keeps_them():
+    text = (
+        "RuntimeError: Expected to have finished reduction in the prior iteration before\n"
+        "starting a new one. This error indicates that your module has parameters that\n"
+        "were not used in producing loss.\n"
+        "/usr/lib/python3/site-packages/torch/nn/modules/module.py:1501: UserWarning: x\n"
+    )
+    message = clean_log(text).root_error.message
+    assert message.endswith("were not used in producing loss.") and "UserWarning" not in message

@@ -1,8 +1,10 @@
 """The `assistant` command line: commands (click) and the rich renderer."""
 
 from assistant.cli.commands import main
+from assistant.cli.explain import explain
 from assistant.cli.kb import kb
 
 main.add_command(kb)
+main.add_command(explain)
 
 __all__ = ["main"]

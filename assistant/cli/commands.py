@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from assistant.cli.options import team_kb_option
 from assistant.errors import ExitCode, UserError
 
 BINARY_SHARE = 0.3  # above this share of undecodable/control characters, stdin is binary
@@ -152,7 +153,10 @@ def with_probe_options(func):
     help="Read the question from a file.",
 )
 @click.option("--top", type=int, default=5, show_default=True, help="How many causes to show.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON contract (see DESIGN.md).")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the JSON contract (README: the --json contract)."
+)
+@click.option("--full", is_flag=True, help="Every cause in full (default: the first in full).")
 @click.option(
     "--batch",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -163,12 +167,14 @@ def with_probe_options(func):
     "--script", type=click.Path(path_type=Path), help="Your training script, checked statically."
 )
 @model_option
+@team_kb_option
 @with_probe_options
 def ask(
     text,
     file,
     top,
     as_json,
+    full,
     batch,
     no_probe,
     script,
@@ -204,7 +210,7 @@ def ask(
     else:
         from assistant.cli.render import render_result
 
-        render_result(result, _console())
+        render_result(result, _console(), full=full)
 
 
 def _lint_findings(script: Path | None) -> list:
@@ -297,6 +303,7 @@ def lint(script, as_json):
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON contract with query null.")
 @click.option("--lang", type=click.Choice(["en", "zh"]), default="en", show_default=True)
+@team_kb_option
 @with_probe_options
 def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
     """Run every probe on this machine and judge every cause.
@@ -311,16 +318,9 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
     else:
-        from assistant.cli.render import render_result
+        from assistant.cli.render import render_machine_check
 
-        render_result(result, _console(), detail=0)
-        _print_evidence(result)
-
-
-def _print_evidence(result) -> None:
-    for cause in result.causes:
-        if cause.verdict.evidence:
-            click.echo(f"{cause.id}: {cause.verdict.verdict}: {'; '.join(cause.verdict.evidence)}")
+        render_machine_check(result, _console())
 
 
 @main.command()
@@ -353,6 +353,7 @@ def probe(names, as_json, python_path, nproc_per_node, probe_timeout):
 
 @main.command()
 @model_option
+@team_kb_option
 @click.option(
     "--lang",
     type=click.Choice(["en", "zh"]),

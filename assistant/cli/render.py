@@ -1,7 +1,12 @@
 """Human output for the terminal (rich): root error, ranked causes, answers, fix.
 
-Written in the language of the question. Textual-free; the chat app has its
-own widgets and reuses only the strings in assistant.i18n.
+Written in the language of the question. The default answer fits a screen or
+two at 80 columns: the first cause in full, the others one line each; `full`
+shows every cause in full. A verdict always says where it comes from (a
+probe on this machine, the error text, the user's script), because a person
+reads "confirmed here" as "tested here".
+
+Textual-free; all words come through assistant.i18n.
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from assistant.i18n import t
-from assistant.results import CauseResult, Result
+from assistant.i18n import STRINGS, t
+from assistant.results import AnswerRef, CauseResult, ProbeRun, Result
 
 VERDICT_STYLE = {
     "confirmed": "bold green",
@@ -24,115 +29,206 @@ VERDICT_STYLE = {
 }
 STANCE_STYLE = {
     "right": "green",
-    "confirmed_here": "bold green",
     "partly_right": "yellow",
     "unverified": "cyan",
     "wrong": "red",
-    "refuted_here": "bold red",
 }
-ANSWER_PREVIEW = 280
+HERE_STYLE = {"confirmed_here": "bold green", "refuted_here": "bold red"}
+CONFIDENCE_STYLE = {"high": "bold green", "medium": "yellow", "low": "red"}
+ANSWER_PREVIEW = 240
+QUESTION_PREVIEW = 70
+SHORT_ANSWERS = 3  # answers under the first cause in the default view
+ERROR_PREVIEW = 400
+
+# The CLI's own words, through the one localisation helper (assistant.i18n).
+STRINGS.update(
+    {
+        "machine_check": {
+            "en": "Machine check: every cause judged by probes on this machine (no question asked)",
+            "zh": "本机检查：用本机探针逐一判断每个原因（未提供问题）",
+        },
+        "confidence": {"en": "Confidence", "zh": "把握"},
+        "confidence.high": {"en": "high", "zh": "高"},
+        "confidence.medium": {"en": "medium", "zh": "中"},
+        "confidence.low": {"en": "low", "zh": "低"},
+        "decide": {
+            "en": "To tell the leading causes apart, add",
+            "zh": "要区分这几个原因，请补充",
+        },
+        "more_causes": {"en": "Other candidates", "zh": "其他可能"},
+        "full_hint": {
+            "en": "--full shows every cause in full; `assistant explain ID` one cause's document",
+            "zh": "--full 显示全部原因的详情；`assistant explain ID` 查看单个原因的文档",
+        },
+        "given_to": {"en": "said to", "zh": "针对的问题"},
+        "verdict_col": {"en": "verdict", "zh": "结论"},
+        "judged.confirmed.probe": {"en": "confirmed on this machine", "zh": "本机探针确认"},
+        "judged.confirmed.error": {"en": "the error says so", "zh": "报错本身表明"},
+        "judged.confirmed.script": {"en": "found in your script", "zh": "脚本中发现"},
+        "judged.ruled_out.probe": {"en": "ruled out on this machine", "zh": "本机探针排除"},
+        "judged.ruled_out.error": {"en": "ruled out by the error", "zh": "报错可排除"},
+        "judged.ruled_out.script": {"en": "ruled out by your script", "zh": "脚本可排除"},
+        "judged.inconclusive": {"en": "inconclusive", "zh": "无法判断"},
+        "judged.not_applicable": {"en": "not applicable here", "zh": "本机不适用"},
+        "judged.not_run": {"en": "not checked", "zh": "未检查"},
+        "evidence.probe": {"en": "Tested on this machine", "zh": "本机探针结果"},
+        "evidence.error": {"en": "From the error text", "zh": "来自报错文本"},
+        "evidence.script": {"en": "From your script", "zh": "来自你的脚本"},
+        "evidence.none": {"en": "Evidence", "zh": "证据"},
+        "here.confirmed_here": {"en": "confirmed on this machine", "zh": "本机证实"},
+        "here.refuted_here": {"en": "refuted on this machine", "zh": "本机否定"},
+    }
+)
 
 
-def render_result(result: Result, console: Console, detail: int = 3) -> None:
-    """Print a whole answer; the first `detail` causes get answers and fix."""
+def verdict_words(cause: CauseResult, lang: str) -> str:
+    """A verdict with its source, in words a person cannot misread."""
+    verdict, source = cause.verdict.verdict, cause.verdict.source
+    if verdict in ("confirmed", "ruled_out") and source:
+        return t(f"judged.{verdict}.{source}", lang)
+    if verdict in ("confirmed", "ruled_out"):
+        return t(f"verdict.{verdict}", lang)
+    return t(f"judged.{verdict}", lang)
+
+
+def render_result(result: Result, console: Console, full: bool = False) -> None:
+    """Print a whole answer: the first cause in full, the others one line each."""
     lang = result.lang
-    console.print(_root_error(result, lang))
+    console.print(_heading(result, lang))
     if not result.causes:
         console.print(Text(t("no_causes", lang), style="yellow"))
         return
-    console.print(_cause_table(result, lang))
-    for position, cause in enumerate(result.causes[:detail], start=1):
-        console.print(_cause_panel(position, cause, lang))
+    if result.confidence:
+        console.print(_confidence(result, lang))
+    console.print(_cause_table(result.causes, lang))
+    shown = result.causes if full else result.causes[:1]
+    for position, cause in enumerate(shown, start=1):
+        console.print(_cause_panel(position, cause, lang, full))
+    if not full and len(result.causes) > 1:
+        console.print(Text(t("full_hint", lang), style="dim"))
     if result.probes:
-        console.print(_probe_table(result, lang))
+        console.print(_probe_table(result.probes, lang))
 
 
-def _root_error(result: Result, lang: str) -> Text:
+def render_machine_check(result: Result, console: Console) -> None:
+    """`assistant doctor`: every judged cause with its evidence, no retrieval scores."""
+    lang = result.lang
+    console.print(Text(t("machine_check", lang), style="bold"))
+    judged = [c for c in result.causes if c.verdict.verdict != "not_run"]
+    table = Table(expand=False, show_edge=False)
+    table.add_column("id", no_wrap=True)
+    table.add_column(t("verdict_col", lang), no_wrap=True)
+    table.add_column(t("evidence.none", lang), overflow="fold")
+    for cause in judged:
+        table.add_row(
+            cause.id,
+            Text(verdict_words(cause, lang), style=VERDICT_STYLE[cause.verdict.verdict]),
+            "; ".join(cause.verdict.evidence) or "-",
+        )
+    console.print(table)
+    if result.probes:
+        console.print(_probe_table(result.probes, lang))
+
+
+def _heading(result: Result, lang: str) -> Text:
     error = result.root_error
     if error is None:
         return Text(t("no_root_error", lang), style="dim")
     rank = f" (rank {error.rank})" if error.rank is not None else ""
     text = Text(f"{t('root_error', lang)}{rank}: ", style="bold")
     text.append(f"{error.type}: ", style="bold red")
-    text.append(error.message[:400])
+    text.append(error.message[:ERROR_PREVIEW])
     return text
 
 
-def _title(cause: CauseResult, lang: str) -> str:
-    return cause.title_zh if lang == "zh" and cause.title_zh else cause.title
+def _confidence(result: Result, lang: str) -> Text:
+    level = result.confidence or "low"
+    text = Text(f"{t('confidence', lang)}: ", style="bold")
+    text.append(t(f"confidence.{level}", lang), style=CONFIDENCE_STYLE[level])
+    if result.decide:
+        text.append(f"\n{t('decide', lang)}:", style="bold")
+        for item in result.decide:
+            text.append(f"\n  • {item}")
+    return text
 
 
-def _cause_table(result: Result, lang: str) -> Table:
-    table = Table(title=t("causes", lang), title_justify="left", expand=False)
-    table.add_column("#", justify="right")
-    table.add_column("id")
-    table.add_column(t("causes", lang))
-    table.add_column(t("score", lang), justify="right")
-    table.add_column("verdict")
-    for position, cause in enumerate(result.causes, start=1):
-        verdict = cause.verdict.verdict
+def _cause_table(causes: list[CauseResult], lang: str) -> Table:
+    table = Table(title=t("causes", lang), title_justify="left", expand=False, show_edge=False)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("id", no_wrap=True)  # ids are handles people type: never cut
+    table.add_column(t("verdict_col", lang), no_wrap=True)
+    table.add_column(t("score", lang), justify="right", no_wrap=True)
+    for position, cause in enumerate(causes, start=1):
         table.add_row(
             str(position),
             cause.id,
-            _title(cause, lang),
+            Text(verdict_words(cause, lang), style=VERDICT_STYLE[cause.verdict.verdict]),
             f"{cause.score:.2f}",
-            Text(t(f"verdict.{verdict}", lang), style=VERDICT_STYLE[verdict]),
         )
     return table
 
 
-def _cause_panel(position: int, cause: CauseResult, lang: str) -> Panel:
-    parts: list = []
-    summary = cause.summary_zh if lang == "zh" and cause.summary_zh else cause.summary
-    parts.append(Text(summary))
+def _cause_panel(position: int, cause: CauseResult, lang: str, full: bool) -> Panel:
+    parts: list = [Text(f"{position}. {cause.text('title', lang)}", style="bold")]
+    parts.append(Text(cause.text("summary", lang)))
     if cause.verdict.evidence:
-        parts.append(Text(f"\n{t('evidence', lang)}:", style="bold"))
+        header = t(f"evidence.{cause.verdict.source or 'none'}", lang)
+        parts.append(Text(f"\n{header}:", style="bold"))
         for line in cause.verdict.evidence:
             parts.append(Text(f"  • {line}", style=VERDICT_STYLE[cause.verdict.verdict]))
-    if cause.answers:
+    answers = cause.answers if full else cause.answers[:SHORT_ANSWERS]
+    if answers:
         parts.append(Text(f"\n{t('answers', lang)}:", style="bold"))
-        parts.extend(_answer_lines(cause))
+        for answer in answers:
+            parts.extend(answer_lines(answer, lang))
     parts.append(Text(f"\n{t('fix', lang)}:", style="bold"))
-    parts.append(Text(cause.fix.strip()))
+    parts.append(Text(cause.text("fix", lang).strip()))
     if cause.fix_code:
         parts.append(Syntax(cause.fix_code.rstrip(), "python", theme="ansi_dark", word_wrap=True))
-    header = f"{position}. {_title(cause, lang)}  [{cause.id}]"
-    return Panel(Group(*parts), title=header, title_align="left", border_style="blue")
+    return Panel(Group(*parts), title=cause.id, title_align="left", border_style="blue")
 
 
-def _answer_lines(cause: CauseResult) -> list[Text]:
-    lines = []
-    for answer in cause.answers:
-        preview = " ".join(answer.text.split())
-        if len(preview) > ANSWER_PREVIEW:
-            preview = preview[:ANSWER_PREVIEW] + "…"
-        line = Text("  ")
-        line.append(
-            f"[{t('stance.' + answer.stance, answer.lang)}] ",
-            style=STANCE_STYLE.get(answer.stance, ""),
+def answer_lines(answer: AnswerRef, lang: str) -> list[Text]:
+    """A community answer: its stance, what this machine showed, the question it answered."""
+    preview = _shorten(answer.text, ANSWER_PREVIEW)
+    line = Text("  ")
+    line.append(f"[{t('stance.' + answer.stance, lang)}]", style=STANCE_STYLE.get(answer.stance))
+    if answer.here:
+        line.append(f" [{t('here.' + answer.here, lang)}]", style=HERE_STYLE[answer.here])
+    line.append(f" {preview}")
+    line.append(f"  ({answer.thread}#{answer.answer_id})", style="dim")
+    lines = [line]
+    if answer.question and answer.stance != "right":
+        asked = _shorten(answer.question, QUESTION_PREVIEW)
+        lines.append(Text(f"      {t('given_to', lang)}: {asked}", style="dim"))
+    if answer.note:
+        lines.append(Text(f"      {answer.note}", style="italic dim"))
+    if answer.contradicts:
+        lines.append(
+            Text(f"      ↔ {t('contradicts', lang)} {', '.join(answer.contradicts)}", "magenta")
         )
-        line.append(preview)
-        line.append(f"  ({answer.thread}#{answer.answer_id})", style="dim")
-        if answer.contradicts:
-            line.append(
-                f"  ↔ {t('contradicts', answer.lang)} {', '.join(answer.contradicts)}",
-                style="magenta",
-            )
-        lines.append(line)
-        if answer.note:
-            lines.append(Text(f"      {answer.note}", style="italic dim"))
     return lines
 
 
-def _probe_table(result: Result, lang: str) -> Table:
-    table = Table(title=t("probes", lang), title_justify="left")
-    table.add_column("probe")
-    table.add_column("status")
-    table.add_column("s", justify="right")
-    table.add_column("detail")
-    for run in result.probes:
+def _shorten(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def probe_seconds(seconds: float) -> str:
+    """Probe time as a person reads it: a few ms is not "0.0 s" (which reads as not run)."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 0.1 else f"{seconds:.1f} s"
+
+
+def _probe_table(probes: list[ProbeRun], lang: str) -> Table:
+    table = Table(title=t("probes", lang), title_justify="left", show_edge=False)
+    table.add_column("probe", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for run in probes:
         style = {"ok": "green", "timeout": "yellow", "not_applicable": "dim"}.get(run.status, "red")
         table.add_row(
-            run.name, Text(run.status, style=style), f"{run.seconds:.1f}", run.detail[:80]
+            run.name, Text(run.status, style=style), probe_seconds(run.seconds), run.detail[:80]
         )
     return table

@@ -21,7 +21,7 @@ from assistant.errors import ExitCode, UserError
 from assistant.i18n import detect_lang
 from assistant.knowledge.index import BuildReport, IndexProblem, LoadedIndex, build_index, open_index
 from assistant.knowledge.files import content_hash
-from assistant.results import AnswerRef, CauseResult, Result
+from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
 
 MAX_ANSWERS_PER_CAUSE = 6
@@ -48,7 +48,7 @@ class Engine:
         embedder=None,
     ):
         self.model_setting = model
-        self.kb_root = kb_root or config.kb_dir()
+        self.kb_root = kb_root or config.kb_layers()  # one folder, or the layers
         self.index_path = index_path or config.index_path()
         self.log = log or _stderr
         self.require_contract = require_contract  # False only for small test KBs
@@ -166,6 +166,10 @@ class Engine:
             return dict(self._index.causes[cause_id])
         except KeyError:
             raise UserError(f"unknown cause {cause_id!r}") from None
+
+    def document(self, cause_id: str) -> CauseDoc:
+        """A cause's whole document, typed (`assistant explain`, the detail screen)."""
+        return CauseDoc.from_kb(self.cause(cause_id))
 
     def cause_ids(self) -> list[str]:
         self.load()
