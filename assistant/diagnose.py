@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from assistant.config import contract_ids, kb_dir
+from assistant.config import contract_ids, kb_layers
 from assistant.probing.registry import probe_names
 from assistant.results import AnswerRef, CauseResult, ProbeRun, Result
 from assistant.probing.runner import ProbeRunner, ProgressEvent
@@ -63,7 +63,7 @@ def _load_kb_quietly():
     try:
         from assistant.knowledge.kb import load_kb
 
-        return load_kb(kb_dir(), require_contract=False)
+        return load_kb(kb_layers(), require_contract=False)
     # KBError while the KB is being edited, ImportError without pydantic: titles fall back to ids.
     except Exception:  # noqa: BLE001
         return None

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from assistant.cli.commands import model_option
+from assistant.cli.options import team_kb_option
 from assistant.errors import ExitCode, UserError
 
 
@@ -29,35 +30,36 @@ def kb() -> None:
 
 
 @kb.command("lint")
-@click.option(
-    "--kb",
-    "kb_root",
-    type=click.Path(path_type=Path, file_okay=False),
-    help="KB directory (default: kb/).",
-)
-def kb_lint(kb_root):
-    """Validate every KB file; exit 1 naming file and field for each problem.
+@team_kb_option
+def kb_lint():
+    """Validate every KB file of every layer; exit 1 naming file and field for each problem.
 
     \b
     assistant kb lint
+    assistant kb lint --kb ../team-kb
     """
-    from assistant.config import kb_dir
+    from assistant.config import kb_layers
     from assistant.knowledge.kb import KBError, load_kb
 
-    root = kb_root or kb_dir()
+    layers = kb_layers()
     try:
-        kb = load_kb(root)
+        kb = load_kb(layers)
     except KBError as exc:
         for problem in exc.problems:
             click.echo(problem, err=True)
-        click.echo(f"{len(exc.problems)} problem(s) in {root}", err=True)
+        where = " + ".join(str(layer) for layer in layers)
+        click.echo(f"{len(exc.problems)} problem(s) in {where}", err=True)
         sys.exit(int(ExitCode.FAILED))
     answers = sum(len(t.answers) for t in kb.threads)
-    click.echo(f"ok: {len(kb.causes)} causes, {len(kb.threads)} threads, {answers} answers")
+    extended = f", {len(kb.extended_by)} extended" if kb.extended_by else ""
+    click.echo(
+        f"ok: {len(kb.causes)} causes{extended}, {len(kb.threads)} threads, {answers} answers"
+    )
 
 
 @kb.command("build")
 @model_option
+@team_kb_option
 def kb_build(model):
     """Compile kb/ into the SQLite + FAISS index (re-embeds only what changed).
 
@@ -70,18 +72,20 @@ def kb_build(model):
 
 @kb.command("stats")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@team_kb_option
 def kb_stats(as_json):
-    """Per cause: titles, signatures, answers and probes.
+    """Per cause: titles, signatures, answers, probes and the layer it came from.
 
     \b
     assistant kb stats --json
+    assistant kb stats --kb ../team-kb
     """
-    from assistant.config import kb_dir
+    from assistant.config import kb_layers
     from assistant.knowledge.kb import KBError, load_kb
     from assistant.knowledge.stats import kb_stats as compute
 
     try:
-        stats = compute(load_kb(kb_dir()))
+        stats = compute(load_kb(kb_layers()))
     except KBError as exc:
         raise UserError(f"knowledge base is invalid: {exc.problems[0]}", ExitCode.FAILED) from None
     if as_json:

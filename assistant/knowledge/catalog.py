@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from assistant.config import contract_ids, kb_dir
+from assistant.config import contract_ids, kb_layers
 from assistant.results import AnswerRef, CauseResult
 
 
@@ -38,13 +38,18 @@ def kb_signatures() -> dict[str, list[str]]:
     return {cause_id: list(cause.signatures) for cause_id, cause in knowledge.causes.items()}
 
 
-@lru_cache(maxsize=1)
 def load_quietly():
-    """The KB, or None when it cannot be loaded right now (read once per process)."""
+    """The KB (all its layers), or None when it cannot be loaded right now."""
+    return _load_layers(tuple(kb_layers()))
+
+
+@lru_cache(maxsize=4)
+def _load_layers(layers: tuple):
+    """Read once per process and set of layers (`--kb` may change them)."""
     try:
         from assistant.knowledge.kb import load_kb
 
-        return load_kb(kb_dir(), require_contract=False)
+        return load_kb(list(layers), require_contract=False)
     # KBError while the KB is being edited, ImportError without pydantic: titles fall back to ids.
     except Exception:  # noqa: BLE001
         return None

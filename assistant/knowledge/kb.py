@@ -1,10 +1,22 @@
-"""The knowledge base: loading and strictly validating the files under kb/.
+"""The knowledge base: loading and strictly validating the files of every KB layer.
 
-kb/causes/<id>.yaml   one file per cause (schema: `Cause`)
-kb/threads/<id>.yaml  one community thread with its answers (schema: `Thread`)
+<layer>/causes/<id>.yaml   one file per cause (schema: `Cause`), or an extension
+                           of a cause from an earlier layer (schema: `CauseExtension`)
+<layer>/threads/<id>.yaml  one community thread with its answers (schema: `Thread`)
 
-`load_kb` returns the parsed KB or raises `KBError` listing every problem as
-"file: field: message", which is what `assistant kb lint` prints.
+The first layer is the built-in kb/; team folders come after it (see
+config.kb_layers). A team folder adds its own causes and threads, and extends
+a built-in cause with a file that names it and lists only what to append:
+
+    # team/causes/duplicate-gpu-per-rank.yaml
+    extends: duplicate-gpu-per-rank
+    symptoms: ["our cluster: both ranks on GPU 0 after the driver update"]
+    signatures: ['ACME launcher: duplicate device \\d+']
+
+`load_kb` returns the merged KB or raises `KBError` listing every problem as
+"file: field: message" (what `assistant kb lint` prints), one per mistake: a
+cause file that fails validation still declares its id, so the threads that
+claim it and the contract check do not report it a second time.
 """
 
 from __future__ import annotations
@@ -12,14 +24,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
 from assistant.config import contract_ids
 from assistant.i18n import has_cjk
-from assistant.knowledge.files import content_hash
+from assistant.knowledge.files import Layers, as_layers, content_hash
+from assistant.knowledge.patterns import PatternError, compile_signature
 from assistant.probing.registry import PROBES
 
 ID_PATTERN = r"^[a-z0-9][a-z0-9-]*$"
@@ -33,6 +46,32 @@ def _non_empty(value: str) -> str:
     if not value.strip():
         raise ValueError("must not be empty")
     return value
+
+
+def _safe_signature(pattern: str) -> str:
+    """The rules of patterns.py: RE2 takes it, and `re` could not backtrack on it."""
+    try:
+        compile_signature(pattern)
+    except PatternError as exc:
+        raise ValueError(f"invalid regex {pattern!r}: {exc}") from None
+    return pattern
+
+
+def _known_probe(name: str) -> str:
+    if name not in PROBES:
+        raise ValueError(f"unknown probe {name} (known: {', '.join(PROBES)})")
+    return name
+
+
+def _no_empty_entries(values: list[str]) -> list[str]:
+    if any(not v.strip() for v in values):
+        raise ValueError("must not contain empty entries")
+    return values
+
+
+# Checked item by item, so a problem names the entry: "signatures.2: invalid regex ...".
+SignatureText = Annotated[str, AfterValidator(_safe_signature)]
+ProbeName = Annotated[str, AfterValidator(_known_probe)]
 
 
 class Reference(Strict):
@@ -49,12 +88,12 @@ class Cause(Strict):
     summary: str
     summary_zh: str
     why: str
-    signatures: list[str]  # regexes over real error text, case-insensitive
+    signatures: list[SignatureText]  # regexes over real error text, case-insensitive
     symptoms: list[str]  # how people paste it; at least one in Chinese
     fix: str
     fix_code: str
     risks: str
-    probes: list[str]
+    probes: list[ProbeName]
     references: list[Reference]
     why_zh: str = ""
     fix_zh: str = ""
@@ -70,16 +109,6 @@ class Cause(Strict):
             raise ValueError("must be lowercase words joined by '-'")
         return value
 
-    @field_validator("signatures")
-    @classmethod
-    def _regexes_compile(cls, values: list[str]) -> list[str]:
-        for pattern in values:
-            try:
-                re.compile(pattern, re.IGNORECASE)
-            except re.error as exc:
-                raise ValueError(f"invalid regex {pattern!r}: {exc}") from None
-        return values
-
     @field_validator("symptoms", "references")
     @classmethod
     def _at_least_one(cls, values: list) -> list:
@@ -92,17 +121,24 @@ class Cause(Strict):
     def _one_in_chinese(cls, values: list[str]) -> list[str]:
         if not any(has_cjk(v) for v in values):
             raise ValueError("needs at least one symptom in Chinese")
-        if any(not v.strip() for v in values):
-            raise ValueError("must not contain empty entries")
-        return values
+        return _no_empty_entries(values)
 
-    @field_validator("probes")
-    @classmethod
-    def _known_probes(cls, values: list[str]) -> list[str]:
-        unknown = [name for name in values if name not in PROBES]
-        if unknown:
-            raise ValueError(f"unknown probe {', '.join(unknown)} (known: {', '.join(PROBES)})")
-        return values
+
+# The lists a team layer may append to a cause of an earlier layer; every
+# other field of a cause is a scalar that only its own file may set.
+EXTENDABLE = ("signatures", "symptoms", "probes", "references")
+
+
+class CauseExtension(Strict):
+    """Additions to a cause of an earlier layer: only lists, appended in order."""
+
+    extends: str
+    signatures: list[SignatureText] = []
+    symptoms: list[str] = []
+    probes: list[ProbeName] = []
+    references: list[Reference] = []
+
+    _symptoms = field_validator("symptoms")(_no_empty_entries)
 
 
 Stance = Literal["right", "partly_right", "wrong", "unverified"]
@@ -145,12 +181,14 @@ class Thread(Strict):
 
 @dataclass
 class KnowledgeBase:
-    """The parsed KB: causes by id, threads, and the hash of their source."""
+    """The merged KB: causes by id, threads, and the hash of every layer's source."""
 
     causes: dict[str, Cause]
     threads: list[Thread]
     content_hash: str
     files: dict[str, Path] = field(default_factory=dict)  # cause or thread id -> file
+    sources: dict[str, Path] = field(default_factory=dict)  # cause id -> layer it came from
+    extended_by: dict[str, list[Path]] = field(default_factory=dict)  # cause id -> layers
 
 
 class KBError(Exception):
@@ -161,8 +199,7 @@ class KBError(Exception):
         self.problems = problems
 
 
-def _describe(path: Path, root: Path, exc: ValidationError) -> list[str]:
-    name = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
+def _describe(name: str, exc: ValidationError) -> list[str]:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(part) for part in err["loc"]) or "(top)"
@@ -177,8 +214,7 @@ def _describe(path: Path, root: Path, exc: ValidationError) -> list[str]:
 SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
-def _read_yaml(path: Path, root: Path, problems: list[str]) -> dict | None:
-    name = path.relative_to(root).as_posix()
+def _read_yaml(path: Path, name: str, problems: list[str]) -> dict | None:
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=SAFE_LOADER)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -191,61 +227,173 @@ def _read_yaml(path: Path, root: Path, problems: list[str]) -> dict | None:
     return data
 
 
-def load_kb(root: Path, require_contract: bool = True) -> KnowledgeBase:
-    """Parse and validate the whole KB; raise KBError with every problem found."""
-    if not root.is_dir():
-        raise KBError([f"{root}: (dir): knowledge base directory not found"])
-    problems: list[str] = []
-    causes: dict[str, Cause] = {}
-    threads: list[Thread] = []
-    files: dict[str, Path] = {}
+def _declared_id(data: dict | None, path: Path) -> str:
+    """The id a file means to define, even when it does not validate."""
+    value = (data or {}).get("id")
+    return value if isinstance(value, str) and value.strip() else path.stem
 
-    for path in sorted(root.glob("causes/*.yaml")):
-        data = _read_yaml(path, root, problems)
+
+class _LayeredLoader:
+    """Reads the layers bottom first, collecting problems; one mistake, one problem."""
+
+    def __init__(self, layers: list[Path]):
+        self.layers = layers
+        self.problems: list[str] = []
+        self.causes: dict[str, Cause] = {}
+        self.threads: list[Thread] = []
+        self.thread_names: list[str] = []
+        self.files: dict[str, Path] = {}
+        self.sources: dict[str, Path] = {}
+        self.extended_by: dict[str, list[Path]] = {}
+        self.broken: set[str] = set()  # ids of files that failed: not reported again
+
+    def name(self, path: Path, layer: Path) -> str:
+        """How a problem names a file: relative in the built-in layer, the full path above it."""
+        if layer == self.layers[0]:
+            return path.relative_to(layer).as_posix()
+        return str(path)
+
+    def load_layer(self, layer: Path) -> None:
+        extensions = []
+        for path in sorted(layer.glob("causes/*.yaml")):
+            data = _read_yaml(path, self.name(path, layer), self.problems)
+            if data is not None and "extends" in data:
+                extensions.append((path, data))
+            else:
+                self.add_cause(path, layer, data)
+        # Extensions apply after the layer's own causes, to causes of earlier layers only.
+        for path, data in extensions:
+            self.extend_cause(path, layer, data)
+        for path in sorted(layer.glob("threads/*.yaml")):
+            self.add_thread(path, layer)
+
+    def add_cause(self, path: Path, layer: Path, data: dict | None) -> None:
+        name = self.name(path, layer)
         if data is None:
-            continue
+            self.broken.add(path.stem)
+            return
         try:
             cause = Cause.model_validate(data)
         except ValidationError as exc:
-            problems.extend(_describe(path, root, exc))
-            continue
-        name = path.relative_to(root).as_posix()
-        if cause.id in causes:
-            other = files[cause.id].relative_to(root).as_posix()
-            problems.append(f"{name}: id: duplicate id {cause.id!r} (also in {other})")
-            continue
+            self.problems.extend(_describe(name, exc))
+            self.broken.add(_declared_id(data, path))
+            return
+        if cause.id in self.causes:
+            self.problems.append(self.duplicate_cause(name, cause.id, layer))
+            return
         if path.stem != cause.id:
-            problems.append(f"{name}: id: {cause.id!r} does not match the file name")
-        causes[cause.id] = cause
-        files[cause.id] = path
+            self.problems.append(f"{name}: id: {cause.id!r} does not match the file name")
+        self.causes[cause.id] = cause
+        self.files[cause.id] = path
+        self.sources[cause.id] = layer
 
-    for path in sorted(root.glob("threads/*.yaml")):
-        data = _read_yaml(path, root, problems)
+    def duplicate_cause(self, name: str, cause_id: str, layer: Path) -> str:
+        other = self.files[cause_id]
+        where = self.name(other, self.sources[cause_id])
+        if self.sources[cause_id] != layer:
+            return (
+                f"{name}: id: duplicate id {cause_id!r} (also in {where}); to add to it, "
+                f"write `extends: {cause_id}` with only the lists to append"
+            )
+        return f"{name}: id: duplicate id {cause_id!r} (also in {where})"
+
+    def extend_cause(self, path: Path, layer: Path, data: dict) -> None:
+        name = self.name(path, layer)
+        overrides = [key for key in data if key in Cause.model_fields and key not in EXTENDABLE]
+        for key in overrides:
+            self.problems.append(
+                f"{name}: {key}: an extension cannot override {key!r}; "
+                f"it may only add to {', '.join(EXTENDABLE)}"
+            )
+        rest = {key: value for key, value in data.items() if key not in overrides}
+        try:
+            extension = CauseExtension.model_validate(rest)
+        except ValidationError as exc:
+            self.problems.extend(_describe(name, exc))
+            return
+        target = extension.extends
+        if target in self.broken:
+            return  # its own file's problem is already reported
+        if target not in self.causes or self.sources[target] == layer:
+            self.problems.append(
+                f"{name}: extends: unknown cause {target!r} (an extension adds to a cause "
+                "of an earlier layer)"
+            )
+            return
+        self.causes[target] = _merged(self.causes[target], extension)
+        self.extended_by.setdefault(target, []).append(layer)
+
+    def add_thread(self, path: Path, layer: Path) -> None:
+        name = self.name(path, layer)
+        data = _read_yaml(path, name, self.problems)
         if data is None:
-            continue
+            return
         try:
             thread = Thread.model_validate(data)
         except ValidationError as exc:
-            problems.extend(_describe(path, root, exc))
-            continue
-        name = path.relative_to(root).as_posix()
-        if thread.id in files:
-            problems.append(f"{name}: id: duplicate id {thread.id!r}")
-            continue
-        problems.extend(_thread_problems(name, thread, causes))
-        threads.append(thread)
-        files[thread.id] = path
+            self.problems.extend(_describe(name, exc))
+            return
+        if thread.id in self.files:
+            self.problems.append(f"{name}: id: duplicate id {thread.id!r}")
+            return
+        self.threads.append(thread)
+        self.thread_names.append(name)
+        self.files[thread.id] = path
 
-    if require_contract:
-        missing = [cid for cid in contract_ids() if cid not in causes]
+    def check_threads(self) -> None:
+        """Claims are checked once every layer is read: a team thread may claim a team cause."""
+        known = set(self.causes) | self.broken
+        for name, thread in zip(self.thread_names, self.threads):
+            self.problems.extend(_thread_problems(name, thread, known))
+
+    def check_contract(self) -> None:
+        known = set(self.causes) | self.broken
+        missing = [cid for cid in contract_ids() if cid not in known]
         if missing:
-            problems.append(f"kb/causes: (dir): no file for contract cause(s) {', '.join(missing)}")
-    if problems:
-        raise KBError(problems)
-    return KnowledgeBase(causes, threads, content_hash(root), files)
+            self.problems.append(
+                f"kb/causes: (dir): no file for contract cause(s) {', '.join(missing)}"
+            )
 
 
-def _thread_problems(name: str, thread: Thread, causes: dict[str, Cause]) -> list[str]:
+def _merged(cause: Cause, extension: CauseExtension) -> Cause:
+    """The cause with the extension's list entries appended (duplicates dropped)."""
+    update = {}
+    for key in EXTENDABLE:
+        added = getattr(extension, key)
+        if added:
+            current = list(getattr(cause, key))
+            update[key] = current + [item for item in added if item not in current]
+    return cause.model_copy(update=update)
+
+
+def load_kb(layers: Layers, require_contract: bool = True) -> KnowledgeBase:
+    """Parse, validate and merge the KB layers (one folder or several, built-in first).
+
+    Raises KBError with every problem found.
+    """
+    roots = as_layers(layers)
+    missing = [root for root in roots if not root.is_dir()]
+    if missing:
+        raise KBError([f"{root}: (dir): knowledge base directory not found" for root in missing])
+    loader = _LayeredLoader(roots)
+    for root in roots:
+        loader.load_layer(root)
+    loader.check_threads()
+    if require_contract:
+        loader.check_contract()
+    if loader.problems:
+        raise KBError(loader.problems)
+    return KnowledgeBase(
+        loader.causes,
+        loader.threads,
+        content_hash(roots),
+        loader.files,
+        loader.sources,
+        loader.extended_by,
+    )
+
+
+def _thread_problems(name: str, thread: Thread, known_causes: set[str]) -> list[str]:
     problems = []
     seen: set[str] = set()
     ids = {a.id for a in thread.answers}
@@ -255,7 +403,7 @@ def _thread_problems(name: str, thread: Thread, causes: dict[str, Cause]) -> lis
             problems.append(f"{where}.id: duplicate answer id {answer.id!r}")
         seen.add(answer.id)
         for cid in answer.claims:
-            if cid not in causes:
+            if cid not in known_causes:
                 problems.append(f"{where}.claims: unknown cause {cid!r}")
         for other in answer.contradicts:
             if other not in ids or other == answer.id:

@@ -11,11 +11,11 @@ Each signal scores chunks; a cause takes the best score of its chunks
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from assistant.clean import CleanLog
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
+from assistant.knowledge.patterns import PatternSet
 from assistant.knowledge.textsearch import fts_query
 
 SIGNALS = ("signature", "lexical", "dense")
@@ -46,8 +46,9 @@ class Retriever:
     def __init__(self, index: LoadedIndex, embedder):
         self.index = index
         self.embedder = embedder
+        # Linear-time matching (patterns.py): no KB signature can make a query slow.
         self.signatures = {
-            cid: [re.compile(p, re.IGNORECASE) for p in data.get("signatures", [])]
+            cid: PatternSet.from_patterns(data.get("signatures", []), skip_invalid=True)
             for cid, data in index.causes.items()
         }
 
@@ -60,7 +61,7 @@ class Retriever:
         scores: dict[str, float] = {}
         for cid, patterns in self.signatures.items():
             score = 0.0
-            for pattern in patterns:
+            for pattern in patterns.signatures:
                 if root_text and pattern.search(root_text):
                     score += 3.0
                 elif pattern.search(body):

@@ -7,7 +7,8 @@ from assistant.knowledge.kb import KnowledgeBase
 
 
 def kb_stats(kb: KnowledgeBase) -> dict:
-    """Per cause: titles, whether it has Chinese, signature/answer/probe counts; plus totals."""
+    """Per cause: titles, whether it has Chinese, signature/answer/probe counts, the layer
+    it came from (`source`) and the layers that extend it; plus totals."""
     answers_per_cause: dict[str, int] = {cid: 0 for cid in kb.causes}
     zh_answers: dict[str, int] = {cid: 0 for cid in kb.causes}
     for thread in kb.threads:
@@ -27,6 +28,8 @@ def kb_stats(kb: KnowledgeBase) -> dict:
             "signatures": len(cause.signatures),
             "answers": answers_per_cause[cause.id],
             "probes": list(cause.probes),
+            "source": str(kb.sources.get(cause.id, "")),
+            "extended_by": [str(layer) for layer in kb.extended_by.get(cause.id, [])],
         }
         for cause in kb.causes.values()
     ]

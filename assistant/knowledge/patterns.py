@@ -1,0 +1,279 @@
+"""Error signatures: the one place where KB regexes are compiled and matched.
+
+KB files come from many hands (team layers, pull requests), so no signature
+may make a query slow. Matching runs on RE2 (google-re2), whose time is linear
+in the text whatever the pattern: `(a+)+$` over 10,000 characters takes
+microseconds instead of never ending under Python's backtracking `re`.
+
+Fallback policy. `re` is used only when the re2 module cannot be imported (a
+platform without a google-re2 wheel). That stays safe because every
+signature must pass both engines' rules, here and in `assistant kb lint`:
+
+- RE2 must compile it (no lookaround, no backreferences, no possessive
+  quantifiers, bounded repeat counts);
+- it must not be able to backtrack catastrophically in `re`: no unbounded
+  repeat around another unbounded repeat (`(a+)+`, `(\\w+\\s?)*`), and no
+  unbounded repeat of alternatives that can start alike (`(a|ab)*`).
+
+All matching is case-insensitive. Under RE2, `\\w`, `\\d`, `\\s` and `\\b` are
+ASCII-only (in `re` they are Unicode): write Chinese text literally.
+
+    sig = compile_signature(r"environment variable (\\w+) expected")
+    sig.search(log).group(1)                     # 'RANK'
+    errors = PatternSet.from_patterns([r"Duplicate GPU detected", r"both on CUDA device"])
+    errors.search(log)                           # the first signature's match, or None
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+try:  # the linear engine; see the fallback policy above
+    import re2
+except ImportError:  # pragma: no cover - exercised with engine="re" in tests
+    re2 = None
+
+try:  # Python 3.11+
+    import re._constants as sre_constants
+    import re._parser as sre_parse
+except ImportError:  # Python 3.10
+    import sre_constants
+    import sre_parse
+
+ENGINE = "re2" if re2 is not None else "re"
+MAX_PATTERN_LENGTH = 2000  # characters: a signature is an error line, not a grammar
+
+_UNBOUNDED = sre_constants.MAXREPEAT
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT)
+_POSSESSIVE = getattr(sre_constants, "POSSESSIVE_REPEAT", None)  # 3.11+: `a++`
+_LOOKAROUND = (sre_constants.ASSERT, sre_constants.ASSERT_NOT)
+_BACKREFS = (sre_constants.GROUPREF, sre_constants.GROUPREF_EXISTS)
+_ATOMIC = getattr(sre_constants, "ATOMIC_GROUP", None)  # 3.11+: `(?>...)`
+
+
+class PatternError(ValueError):
+    """A signature that is not a regex, or that a query could not run safely."""
+
+
+@dataclass(frozen=True)
+class Signature:
+    """One compiled signature; `search` behaves like `re.Pattern.search`."""
+
+    source: str
+    compiled: object  # an re2 or an re pattern, whichever engine compiled it
+
+    def search(self, text: str):
+        """The first match in `text` (with .group(), .span()), or None."""
+        return self.compiled.search(text)
+
+
+class PatternSet:
+    """Several signatures searched together, e.g. the alternatives that name one cause."""
+
+    def __init__(self, signatures: Iterable[Signature]):
+        self.signatures = tuple(signatures)
+
+    @classmethod
+    def from_patterns(
+        cls, patterns: Iterable[str], engine: str | None = None, skip_invalid: bool = False
+    ) -> PatternSet:
+        """Compile every pattern; raise PatternError on the first bad one.
+
+        With `skip_invalid`, bad patterns are left out instead: for reading an
+        index built before a rule existed, where a query must still answer.
+        """
+        compiled = []
+        for pattern in patterns:
+            try:
+                compiled.append(compile_signature(pattern, engine))
+            except PatternError:
+                if not skip_invalid:
+                    raise
+        return cls(compiled)
+
+    def search(self, text: str):
+        """The match of the first signature (in order) that matches, or None."""
+        for signature in self.signatures:
+            found = signature.search(text)
+            if found is not None:
+                return found
+        return None
+
+    def matching(self, text: str) -> list[Signature]:
+        """Every signature that matches somewhere in `text`."""
+        return [s for s in self.signatures if s.search(text) is not None]
+
+    def __len__(self) -> int:
+        return len(self.signatures)
+
+
+def compile_signature(pattern: str, engine: str | None = None) -> Signature:
+    """Compile a KB signature (case-insensitive), or raise PatternError saying why not.
+
+    The same rules hold whichever engine runs it (see the module docstring),
+    so a KB that lints clean is safe on both. `engine` is "re2" or "re"
+    (default: re2 when installed).
+    """
+    engine = engine or ENGINE
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise PatternError("a signature must be a non-empty string")
+    if len(pattern) > MAX_PATTERN_LENGTH:
+        raise PatternError(f"longer than {MAX_PATTERN_LENGTH} characters")
+    tree = _parse(pattern)
+    risk = backtracking_risk(tree)
+    if risk:
+        raise PatternError(f"{risk}; it could take exponential time in Python's re")
+    if engine == "re2":
+        return Signature(pattern, _compile_re2(pattern))
+    unsupported = re2_unsupported(tree)
+    if unsupported:
+        raise PatternError(f"the linear engine (RE2) cannot take {unsupported}")
+    return Signature(pattern, re.compile(pattern, re.IGNORECASE))
+
+
+def _parse(pattern: str):
+    try:
+        return sre_parse.parse(pattern, re.IGNORECASE)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise PatternError(f"not a valid regex: {exc}") from None
+
+
+def _re2_options():
+    options = re2.Options()
+    options.case_sensitive = False
+    options.log_errors = False  # the reason comes back in the exception
+    return options
+
+
+def _compile_re2(pattern: str):
+    try:
+        return re2.compile(pattern, _re2_options())
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else exc
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", "replace")
+        raise PatternError(f"the linear engine (RE2) cannot take it: {reason}") from None
+
+
+# -- static checks over Python's parse tree ----------------------------------------
+
+
+def _children(tree) -> Iterable:
+    """The sub-patterns directly under the nodes of a parsed pattern."""
+    for op, arg in tree:
+        if op in _REPEATS or (_POSSESSIVE is not None and op == _POSSESSIVE):
+            yield arg[2]
+        elif op == sre_constants.SUBPATTERN:
+            yield arg[-1]
+        elif op == sre_constants.BRANCH:
+            yield from arg[1]
+        elif op in _LOOKAROUND:
+            yield arg[1]
+        elif op == sre_constants.GROUPREF_EXISTS:
+            yield from (sub for sub in arg[1:] if sub is not None)
+        elif _ATOMIC is not None and op == _ATOMIC:
+            yield arg
+
+
+def _has_unbounded_repeat(tree) -> bool:
+    for op, arg in tree:
+        if op in _REPEATS and arg[1] == _UNBOUNDED and _can_be_long(arg[2]):
+            return True
+        if any(_has_unbounded_repeat(sub) for sub in _children([(op, arg)])):
+            return True
+    return False
+
+
+def _can_be_long(tree) -> bool:
+    """Whether a repeated body matches something (an empty body cannot backtrack)."""
+    return tree.getwidth()[1] > 0
+
+
+def _first_chars(tree) -> set | None:
+    """Characters a sub-pattern can start with (lower-cased), or None for 'anything'."""
+    for op, arg in tree:
+        if op == sre_constants.LITERAL:
+            return {chr(arg).lower()}
+        if op == sre_constants.SUBPATTERN:
+            return _first_chars(arg[-1])
+        if op in _REPEATS:
+            first = _first_chars(arg[2])
+            if arg[0] > 0 or first is None:
+                return first
+            return None  # an optional start: the rest may start with anything
+        if op == sre_constants.BRANCH:
+            sets = [_first_chars(branch) for branch in arg[1]]
+            if any(s is None for s in sets):
+                return None
+            return set().union(*sets)
+        if op in (sre_constants.AT,):
+            continue
+        return None  # classes, `.`, categories: treat as overlapping everything
+    return None
+
+
+def _overlapping_branches(tree) -> bool:
+    for op, arg in tree:
+        if op == sre_constants.SUBPATTERN:
+            return _overlapping_branches(arg[-1])
+        if op == sre_constants.BRANCH:
+            starts = [_first_chars(branch) for branch in arg[1]]
+            for i, first in enumerate(starts):
+                for other in starts[i + 1 :]:
+                    if first is None or other is None or first & other:
+                        return True
+            return False
+    return False
+
+
+def backtracking_risk(tree) -> str | None:
+    """Why a parsed pattern can backtrack catastrophically in `re`, or None.
+
+    Two shapes cover the classic exponential cases: a repeat with a large or
+    unbounded count around another unbounded repeat (`(a+)+`, `(\\w+\\s?)*`,
+    `(a*){20}`), and an unbounded repeat of alternatives that can start with
+    the same character (`(a|ab)*`). Polynomial shapes such as `.*x.*y` stay
+    allowed: RE2 runs them in linear time and `re` on one error line in
+    milliseconds.
+    """
+    if isinstance(tree, str):
+        tree = _parse(tree)
+    for op, arg in tree:
+        if op in _REPEATS:
+            _, high, body = arg
+            many = high == _UNBOUNDED or high >= 10
+            if many and _has_unbounded_repeat(body):
+                return "nested quantifier (a repeat inside a repeat, like (a+)+)"
+            if high == _UNBOUNDED and _overlapping_branches(body):
+                return "repeated alternatives that can match the same text (like (a|ab)*)"
+        for sub in _children([(op, arg)]):
+            risk = backtracking_risk(sub)
+            if risk:
+                return risk
+    return None
+
+
+def re2_unsupported(tree) -> str | None:
+    """What RE2 cannot take in a parsed pattern (lookaround, backreferences), or None.
+
+    Used when RE2 itself is not installed, so that `kb lint` gives the same
+    answer with or without it.
+    """
+    if isinstance(tree, str):
+        tree = _parse(tree)
+    for op, arg in tree:
+        if op in _LOOKAROUND:
+            return "lookahead or lookbehind"
+        if op in _BACKREFS:
+            return "a backreference"
+        if op is not None and op in (_POSSESSIVE, _ATOMIC):
+            return "a possessive quantifier or an atomic group"
+        if op in _REPEATS and arg[1] != _UNBOUNDED and arg[1] > 1000:
+            return "a repeat count above 1000"
+        for sub in _children([(op, arg)]):
+            found = re2_unsupported(sub)
+            if found:
+                return found
+    return None
