@@ -1,0 +1,129 @@
+"""KB signatures: linear-time matching, and the rules that keep the `re` fallback safe."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from assistant.knowledge.patterns import PatternError, PatternSet, compile_signature
+
+REPO = Path(__file__).resolve().parents[2]
+BAD = REPO / "tests" / "data" / "kb_bad"
+
+# pattern -> why it is refused (None: accepted). The same answer on both engines,
+# so a KB that lints clean where RE2 is installed is safe where it is not.
+RULES = {
+    r"(a+)+$": "nested quantifier",
+    r"(\w+\s?)*$": "nested quantifier",
+    r"(a*){20}": "nested quantifier",
+    r"(a|ab)*c": "repeated alternatives",
+    r"(.|\n)*x": "repeated alternatives",
+    r"Duplicate GPU (?=detected)": "cannot take",
+    r"(a)\1": "cannot take",
+    r"a++": "cannot take",
+    r"\d{1,5000}": "cannot take",
+    r"Duplicate GPU (detected": "not a valid regex",
+    r"(?:error|exception)+": None,
+    r"(\d+\.){3}\d+": None,
+    r"unrecognized arguments: .*--local[-_]rank": None,
+    r"多卡\s*训练": None,
+}
+
+
+@pytest.mark.parametrize("engine", ["re2", "re"])
+@pytest.mark.parametrize("pattern", sorted(RULES))
+def test_the_same_rules_on_both_engines(pattern, engine):
+    reason = RULES[pattern]
+    if reason is None:
+        assert compile_signature(pattern, engine).source == pattern
+        return
+    with pytest.raises(PatternError, match=reason.replace("(", r"\(")):
+        compile_signature(pattern, engine)
+
+
+@pytest.mark.parametrize("engine", ["re2", "re"])
+def test_a_pattern_set_gives_the_first_match_with_its_groups(engine):
+    errors = PatternSet.from_patterns(
+        [r"environment variable (\w+) expected", r"KeyError: '(LOCAL_RANK|RANK)'"], engine
+    )
+    found = errors.search("ValueError: Environment variable MASTER_ADDR expected, but not set")
+    assert found.group(1) == "MASTER_ADDR"
+    assert errors.search("KeyError: 'LOCAL_RANK'").group(1) == "LOCAL_RANK"
+    assert errors.search("all good") is None
+    assert [s.source for s in errors.matching("KeyError: 'RANK'")] == [
+        r"KeyError: '(LOCAL_RANK|RANK)'"
+    ]
+
+
+def test_a_pattern_set_refuses_or_skips_a_hostile_pattern():
+    with pytest.raises(PatternError, match="nested quantifier"):
+        PatternSet.from_patterns(["Duplicate GPU", "(a+)+$"])
+    kept = PatternSet.from_patterns(["Duplicate GPU", "(a+)+$"], skip_invalid=True)
+    assert [s.source for s in kept.signatures] == ["Duplicate GPU"]
+
+
+# The retriever's own signature signal over signatures that would never finish
+# under backtracking `re`: (a+)+$ (an index built before the lint rule) and
+# .*.*.*.*.*x (allowed: polynomial, ~10^15 steps in `re` on this text).
+HOSTILE_QUERY = textwrap.dedent(
+    """
+    import time
+    from types import SimpleNamespace
+    from assistant.clean import clean_log
+    from assistant.knowledge.retrieve import Retriever
+
+    causes = {
+        "hostile": {"signatures": ["(a+)+$", ".*.*.*.*.*x"]},
+        "plain": {"signatures": ["aaaa!"]},
+    }
+    retriever = Retriever(SimpleNamespace(causes=causes), embedder=None)
+    started = time.perf_counter()
+    scores = retriever.signature_scores(clean_log("a" * 3000 + "!"))
+    print(sorted(scores), round(time.perf_counter() - started, 3))
+    """
+)
+
+
+def test_a_query_against_hostile_signatures_returns_at_once():
+    done = subprocess.run(
+        [sys.executable, "-c", HOSTILE_QUERY],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    matched, seconds = done.stdout.rsplit(" ", 1)
+    assert matched == "['plain']"
+    assert float(seconds) < 1.0
+
+
+@pytest.mark.slow
+def test_ask_with_a_hostile_team_kb_ends_with_one_line_at_once(tmp_path):
+    """The tester's report, end to end: the KB is refused, the query does not hang."""
+    team = tmp_path / "team"
+    (team / "causes").mkdir(parents=True)
+    (team / "causes" / "catastrophic-backtracking.yaml").write_bytes(
+        (BAD / "causes" / "catastrophic-backtracking.yaml").read_bytes()
+    )
+    env = {**os.environ, "ASSISTANT_BUILD": str(tmp_path / "build"), "ASSISTANT_KB_PATH": ""}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "assistant", "ask", "--no-probe", "--kb", str(team), "a" * 34],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("assistant: error: knowledge base is invalid (1 problem(s)")
+    assert "catastrophic-backtracking.yaml: signatures.1: invalid regex '(a+)+$'" in lines[-1]
+    assert time.monotonic() - started < 60
