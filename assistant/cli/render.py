@@ -61,6 +61,10 @@ STRINGS.update(
             "zh": "--full 显示全部原因的详情；`assistant explain ID` 查看单个原因的文档",
         },
         "given_to": {"en": "said to", "zh": "针对的问题"},
+        "feedback_hint": {
+            "en": "answer {id}: tell us what fixed it: assistant feedback {id} --cause ID --fixed",
+            "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
+        },
         "verdict_col": {"en": "verdict", "zh": "结论"},
         "judged.confirmed.probe": {"en": "confirmed on this machine", "zh": "本机探针确认"},
         "judged.confirmed.error": {"en": "the error says so", "zh": "报错本身表明"},
@@ -108,6 +112,8 @@ def render_result(result: Result, console: Console, full: bool = False) -> None:
         console.print(Text(t("full_hint", lang), style="dim"))
     if result.probes:
         console.print(_probe_table(result.probes, lang))
+    if result.answer_id:
+        console.print(Text(t("feedback_hint", lang).format(id=result.answer_id), style="dim"))
 
 
 def render_machine_check(result: Result, console: Console) -> None:

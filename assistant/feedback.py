@@ -1,0 +1,160 @@
+"""What users say about answers, kept on this machine only (never sent anywhere).
+
+Every answer the CLI gives gets an `answer_id`; the answer (question, ranked
+cause ids) is kept in a private SQLite file so that later
+
+    assistant feedback 3f2a9c01d4e5 --cause duplicate-gpu-per-rank --fixed
+
+can record "this fixed it" (or --wrong: "not this cause"). Support teams read
+it back with `assistant kb feedback` (per cause) and turn the confirmed cases
+into eval lines with `assistant kb feedback --export FILE`, which
+`assistant kb eval FILE` reads.
+
+The file holds pasted logs, so it is created 0600 in a 0700 folder, and
+ASSISTANT_NO_HISTORY=1 turns keeping answers off (feedback then has nothing
+to refer to and says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from assistant.errors import ExitCode, UserError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS answers (
+    answer_id TEXT PRIMARY KEY,
+    query TEXT NOT NULL,
+    causes TEXT NOT NULL,          -- JSON list of cause ids, best first
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS feedback (
+    answer_id TEXT NOT NULL REFERENCES answers(answer_id),
+    cause_id TEXT NOT NULL,
+    verdict TEXT NOT NULL CHECK (verdict IN ('fixed', 'wrong')),
+    note TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL
+);
+"""
+KEPT_ANSWERS = 2000  # older answers are dropped: this is a feedback inbox, not an archive
+QUERY_LIMIT = 50_000  # characters of a question kept (a 36 MB log is not)
+ID_LENGTH = 12
+
+
+def answer_id(query: str, cause_ids: list[str]) -> str:
+    """A short, stable handle for one answer: the same question and ranking give the same id."""
+    digest = hashlib.sha256(json.dumps([query, cause_ids]).encode("utf-8", "replace"))
+    return digest.hexdigest()[:ID_LENGTH]
+
+
+def keeping_disabled() -> bool:
+    """ASSISTANT_NO_HISTORY=1 (also honoured by the chat's history) keeps nothing."""
+    return os.environ.get("ASSISTANT_NO_HISTORY", "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class CauseFeedback:
+    """What users said about one cause."""
+
+    cause_id: str
+    fixed: int
+    wrong: int
+
+
+class FeedbackStore:
+    """The local answers and the feedback on them."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.close(fd)
+            db = sqlite3.connect(self.path)
+            db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise UserError(f"cannot open the feedback file {self.path}: {exc}", ExitCode.FAILED)
+        return db
+
+    def remember(self, query: str, cause_ids: list[str]) -> str:
+        """Keep an answer (unless keeping is off); its id either way."""
+        handle = answer_id(query, cause_ids)
+        if keeping_disabled():
+            return handle
+        with self._connect() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO answers VALUES (?, ?, ?, ?)",
+                (handle, query[:QUERY_LIMIT], json.dumps(cause_ids), time.time()),
+            )
+            db.execute(
+                "DELETE FROM answers WHERE answer_id NOT IN (SELECT answer_id FROM answers "
+                "ORDER BY created DESC LIMIT ?) AND answer_id NOT IN (SELECT answer_id FROM "
+                "feedback)",
+                (KEPT_ANSWERS,),
+            )
+        return handle
+
+    def record(self, handle: str, cause_id: str, verdict: str, note: str = "") -> None:
+        """One user's word on one cause of one answer."""
+        with self._connect() as db:
+            row = db.execute("SELECT causes FROM answers WHERE answer_id = ?", (handle,)).fetchone()
+            if row is None:
+                raise UserError(
+                    f"no answer {handle!r} kept here (answers are kept on the machine that gave "
+                    "them, unless ASSISTANT_NO_HISTORY is set)"
+                )
+            if verdict == "fixed" and cause_id not in json.loads(row[0]):
+                raise UserError(
+                    f"{cause_id!r} was not among that answer's causes ({', '.join(json.loads(row[0]))})"
+                )
+            db.execute(
+                "INSERT INTO feedback VALUES (?, ?, ?, ?, ?)",
+                (handle, cause_id, verdict, note, time.time()),
+            )
+
+    def summary(self) -> list[CauseFeedback]:
+        """Per cause: how often it fixed the problem, how often it was the wrong cause."""
+        if not self.path.exists():
+            return []
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT cause_id, SUM(verdict = 'fixed'), SUM(verdict = 'wrong') FROM feedback "
+                "GROUP BY cause_id ORDER BY cause_id"
+            ).fetchall()
+        return [CauseFeedback(cause_id, fixed, wrong) for cause_id, fixed, wrong in rows]
+
+    def confirmed_cases(self) -> list[dict]:
+        """Eval lines {"id", "query", "causes"} for answers a user said a cause fixed."""
+        if not self.path.exists():
+            return []
+        with self._connect() as db:
+            rows = db.execute(
+                "SELECT a.answer_id, a.query, GROUP_CONCAT(DISTINCT f.cause_id) FROM answers a "
+                "JOIN feedback f ON f.answer_id = a.answer_id WHERE f.verdict = 'fixed' "
+                "GROUP BY a.answer_id ORDER BY MIN(f.created)"
+            ).fetchall()
+        return [
+            {"id": f"feedback-{handle}", "query": query, "causes": sorted(causes.split(","))}
+            for handle, query, causes in rows
+        ]
+
+    def export(self, out: Path) -> int:
+        """Write the confirmed cases as JSON lines to a new file; how many were written."""
+        cases = self.confirmed_cases()
+        try:
+            with open(out, "x", encoding="utf-8") as handle:  # never overwrites
+                for case in cases:
+                    handle.write(json.dumps(case, ensure_ascii=False) + "\n")
+        except FileExistsError:
+            raise UserError(f"{out} exists; choose a new file (nothing is overwritten)") from None
+        except OSError as exc:
+            raise UserError(f"cannot write {out}: {exc.strerror}") from None
+        return len(cases)

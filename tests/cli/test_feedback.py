@@ -1,0 +1,91 @@
+"""Feedback from users: answer ids, `assistant feedback`, `assistant kb feedback` and its export."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+from click.testing import CliRunner
+
+from assistant.cli import main
+from assistant.feedback import FeedbackStore, answer_id
+
+pytestmark = pytest.mark.slow
+
+ERROR = "RuntimeError: Default process group has not been initialized"
+
+
+@pytest.fixture
+def run(engine, monkeypatch, tmp_path):
+    monkeypatch.setattr("assistant.cli.commands._engine", lambda model: engine)
+    monkeypatch.setenv("ASSISTANT_FEEDBACK", str(tmp_path / "private" / "feedback.sqlite"))
+    monkeypatch.delenv("ASSISTANT_NO_HISTORY", raising=False)
+    return lambda args: CliRunner().invoke(main, args)
+
+
+def ask(run, text=ERROR) -> dict:
+    result = run(["ask", "--json", "--no-probe", text])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_an_answer_carries_an_id_that_feedback_accepts(run, tmp_path):
+    answer = ask(run)
+    handle = answer["answer_id"]
+    assert handle == answer_id(answer["query"], [c["id"] for c in answer["causes"]])
+    first = answer["causes"][0]["id"]
+    done = run(["feedback", handle, "--cause", first, "--fixed", "--note", "moved init up"])
+    assert done.exit_code == 0, done.output
+    summary = run(["kb", "feedback", "--json"])
+    assert json.loads(summary.output) == [{"cause_id": first, "fixed": 1, "wrong": 0}]
+    path = tmp_path / "private" / "feedback.sqlite"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_export_writes_confirmed_cases_that_kb_eval_reads(run, tmp_path):
+    answer = ask(run)
+    first = answer["causes"][0]["id"]
+    run(["feedback", answer["answer_id"], "--cause", first, "--fixed"])
+    other = ask(run, "DDP hangs forever at the first all_reduce")
+    run(["feedback", other["answer_id"], "--cause", other["causes"][0]["id"], "--wrong"])
+    out = tmp_path / "confirmed.jsonl"
+    exported = run(["kb", "feedback", "--export", str(out)])
+    assert exported.exit_code == 0 and "wrote 1" in exported.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert lines == [{"id": f"feedback-{answer['answer_id']}", "query": ERROR, "causes": [first]}]
+    again = run(["kb", "feedback", "--export", str(out)])
+    assert again.exit_code == 2 and "exists" in again.output
+    evaluated = run(["kb", "eval", str(out), "--json"])
+    assert evaluated.exit_code == 0, evaluated.output
+
+
+def test_feedback_on_an_unknown_answer_or_cause_is_one_line(run):
+    unknown = run(["feedback", "000000000000", "--cause", "oom-killed", "--fixed"])
+    assert unknown.exit_code == 2 and "no answer" in unknown.output
+    answer = ask(run)
+    stranger = run(["feedback", answer["answer_id"], "--cause", "p2p-hang", "--fixed"])
+    if "p2p-hang" not in [c["id"] for c in answer["causes"]]:
+        assert stranger.exit_code == 2 and "not among" in stranger.output
+    neither = run(["feedback", answer["answer_id"], "--cause", "p2p-hang"])
+    assert neither.exit_code == 2 and "--fixed or --wrong" in neither.output
+
+
+def test_no_history_keeps_no_answer(run, monkeypatch, tmp_path):
+    monkeypatch.setenv("ASSISTANT_NO_HISTORY", "1")
+    answer = ask(run)
+    assert not (tmp_path / "private" / "feedback.sqlite").exists()
+    refused = run(["feedback", answer["answer_id"], "--cause", "oom-killed", "--wrong"])
+    assert refused.exit_code == 2
+
+
+def test_old_answers_are_dropped_but_answers_with_feedback_stay(tmp_path, monkeypatch):
+    monkeypatch.setattr("assistant.feedback.KEPT_ANSWERS", 3)
+    monkeypatch.delenv("ASSISTANT_NO_HISTORY", raising=False)
+    store = FeedbackStore(tmp_path / "f.sqlite")
+    first = store.remember("q0", ["a"])
+    store.record(first, "a", "fixed")
+    for n in range(1, 8):
+        store.remember(f"q{n}", ["a"])
+    assert [case["query"] for case in store.confirmed_cases()] == ["q0"]
