@@ -14,14 +14,8 @@ NotApplicable(reason, facts) when the probe does not apply on this machine.
 Each rank writes one JSON record per probe, `<probe>.rank<R>.json`, into the
 folder named by PROBE_FACTS_DIR (or --out). The record is first written with
 status "running" and rewritten at every checkpoint, so the facts a hung probe
-gathered before it hung survive. Record format (FORMAT 1):
-
-    {"probe": "devices", "format": 1, "status": "ok", "reason": "",
-     "summary": "...", "problems": [], "seconds": 0.12,
-     "rank": 0, "local_rank": 0, "world_size": 2, "local_world_size": 2,
-     "host": "node-1", "pid": 4242, "variant": null, "facts": {...}}
-
-status is one of running | ok | failed | not_applicable | error.
+gathered before it hung survive. The variable names, the record format and
+its version are in probe_protocol.py, which the assistant's runner reads too.
 """
 
 from __future__ import annotations
@@ -46,16 +40,18 @@ try:
 except ImportError:  # Windows: probes still run, with less detail
     fcntl = None
 
-FORMAT = 1
-FACTS_DIR_ENV = "PROBE_FACTS_DIR"
-VARIANT_ENV = "PROBE_VARIANT"
-# Set by the assistant's runner; by hand the probes see the user's own launch.
-RUNNER_ENV = "PROBE_RUNNER"
-USER_PREFIX = "PROBE_USER_"
-# A short process-group timeout so that a probe fails instead of waiting the
-# default 10-30 minutes.
-PG_TIMEOUT_ENV = "PROBE_PG_TIMEOUT"
-DEFAULT_PG_TIMEOUT = 60.0
+from probe_protocol import (  # noqa: F401  (FORMAT and the names are re-exported for probes)
+    DEFAULT_PG_TIMEOUT,
+    FACTS_DIR_ENV,
+    FORMAT,
+    PG_TIMEOUT_ENV,
+    RUNNER_ENV,
+    USER_PREFIX,
+    VARIANT_ENV,
+    new_record,
+    record_filename,
+    temp_record_filename,
+)
 
 
 class NotApplicable(Exception):
@@ -147,23 +143,22 @@ class ProbeContext:
         facts = dict(facts)
         problems = list(facts.pop("problems", []) or [])
         summary = str(facts.pop("summary", "") or "")
-        return {
-            "probe": self.probe,
-            "format": FORMAT,
-            "status": status,
-            "reason": reason,
-            "summary": summary,
-            "problems": problems,
-            "seconds": round(time.monotonic() - self.started, 3),
-            "rank": self.rank.rank,
-            "local_rank": self.rank.local_rank,
-            "world_size": self.rank.world_size,
-            "local_world_size": self.rank.local_world_size,
-            "host": self.rank.host,
-            "pid": self.rank.pid,
-            "variant": self.variant,
-            "facts": facts,
-        }
+        return new_record(
+            self.probe,
+            status,
+            reason=reason,
+            summary=summary,
+            problems=problems,
+            seconds=round(time.monotonic() - self.started, 3),
+            rank=self.rank.rank,
+            local_rank=self.rank.local_rank,
+            world_size=self.rank.world_size,
+            local_world_size=self.rank.local_world_size,
+            host=self.rank.host,
+            pid=self.rank.pid,
+            variant=self.variant,
+            facts=facts,
+        )
 
     def checkpoint(self, facts: dict) -> None:
         """Save the facts gathered so far; they survive if the probe then hangs."""
@@ -173,13 +168,13 @@ class ProbeContext:
 
 
 def record_path(out_dir: Path, probe: str, rank: int) -> Path:
-    return out_dir / f"{probe}.rank{rank}.json"
+    return out_dir / record_filename(probe, rank)
 
 
 def write_record(out_dir: Path, record: dict) -> None:
     """Write a record atomically, so a reader never sees half a file."""
     path = record_path(out_dir, record["probe"], record["rank"])
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(temp_record_filename(record["probe"], record["rank"], os.getpid()))
     tmp.write_text(json.dumps(record, default=str), encoding="utf-8")
     os.replace(tmp, path)
 

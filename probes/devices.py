@@ -18,12 +18,11 @@ If it hangs: CUDA initialisation is stuck (a wedged driver or GPU). Check
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from _probekit import NotApplicable, cuda_status, gpu_uuid, main, one_line
+from probe_protocol import physical_gpu_count
 
 NAME = "devices"
 MIB = 1024 * 1024
@@ -61,26 +60,6 @@ def collect(ctx) -> dict:
         f"{cuda['device_count']} visible"
     )
     return facts
-
-
-def physical_gpu_count() -> int | None:
-    """NVIDIA GPUs the driver knows, whatever CUDA_VISIBLE_DEVICES hides.
-
-    /proc/driver/nvidia/gpus has one folder per GPU; nvidia-smi -L is the
-    fallback where /proc is not exposed (some containers).
-    """
-    folder = Path("/proc/driver/nvidia/gpus")
-    if folder.is_dir():
-        return len(list(folder.iterdir()))
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(
-                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=15, check=False
-            ).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-    return None
 
 
 def _describe_device(index: int) -> dict:

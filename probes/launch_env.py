@@ -22,6 +22,7 @@ import platform
 import sys
 
 from _probekit import USER_PREFIX, main, under_runner
+from probe_protocol import NPROC_SOURCE_ENV
 
 NAME = "launch_env"
 
@@ -62,7 +63,7 @@ def collect(ctx) -> dict:
             a for a in sys.argv[1:] if a.startswith(("--local-rank", "--local_rank"))
         ],
         "user_env": _user_launch_env(),
-        "nproc_source": os.environ.get("PROBE_NPROC_SOURCE"),
+        "nproc_source": os.environ.get(NPROC_SOURCE_ENV),
         "multi_node_hints": {k: os.environ[k] for k in MULTI_NODE_VARS if os.environ.get(k)},
         # The first method is the platform default: fork on Linux before
         # Python 3.14, spawn on macOS and Windows.

@@ -2,10 +2,10 @@
 
     torchrun --nproc_per_node=2 probes/run_probes.py [--out DIR] [NAME ...]
 
-Without names it runs every probe below, in this order, in the same
-processes: one torch import and one process group for all of them. Probes
-that touch no process group come first, so a rendezvous problem cannot hide
-their facts; `backend` comes last because it sets the CUDA device.
+Without names it runs every probe, in probe_protocol.PROBE_ORDER, in the
+same processes: one torch import and one process group for all of them.
+Probes that touch no process group come first, so a rendezvous problem
+cannot hide their facts; `backend` comes last because it sets the CUDA device.
 set_device_order only checks CUDA and NCCL here: its variants each need a
 launch of their own (see probes/set_device_order.py).
 
@@ -23,8 +23,7 @@ import sys
 from pathlib import Path
 
 from _probekit import FACTS_DIR_ENV, Rank, describe, finish, run_probe, say
-
-ORDER = ("launch_env", "devices", "versions", "system", "rendezvous", "set_device_order", "backend")
+from probe_protocol import PROBE_ORDER as ORDER
 
 
 def main(argv: list[str] | None = None) -> int:

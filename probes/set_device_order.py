@@ -33,9 +33,9 @@ import sys
 import time
 
 from _probekit import NotApplicable, cuda_status, gpu_uuid, main, one_line, pg_timeout
+from probe_protocol import SET_DEVICE_VARIANTS as VARIANTS
 
 NAME = "set_device_order"
-VARIANTS = ("before-init", "after-init", "no-set-device", "device-id")
 
 
 def collect(ctx) -> dict:

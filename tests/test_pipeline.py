@@ -33,7 +33,7 @@ class ReplayRunner:
     """Answers run() with recorded runs; remembers every call, reports progress."""
 
     def __init__(self, scenario: str):
-        from assistant.probing.runner import load_runs
+        from assistant.probing.recorded import load_runs
 
         self.recorded = {run.name: run for run in load_runs(FACTS / f"{scenario}.json")}
         self.calls: list[list[str]] = []

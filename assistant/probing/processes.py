@@ -196,11 +196,13 @@ class MarkedProcess:
         return pids_with_marker(self.marker)
 
     def stop(self, grace: float = KILL_GRACE_SECONDS) -> None:
-        """Kill the whole tree (SIGTERM, grace, SIGKILL) and forget it."""
-        try:
-            kill_marked(self.marker, grace, self.process)
-        finally:
-            _REGISTER.forget_process(self)
+        """Kill the whole tree (SIGTERM, grace, SIGKILL) and forget it.
+
+        Forgotten only once the kill is through: a signal that cuts it
+        short leaves it registered, for stop_everything() to finish.
+        """
+        kill_marked(self.marker, grace, self.process)
+        _REGISTER.forget_process(self)
 
 
 def new_marker() -> str:

@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 from assistant.config import contract_ids
+from assistant.probing.recorded import load_runs, save_runs
 from assistant.probing.registry import probe_names
-from assistant.probing.runner import ProbeRunner, load_runs, save_runs
+from assistant.probing.runner import ProbeRunner
 from assistant.verdicts import judge
 
 

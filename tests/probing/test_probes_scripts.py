@@ -2,7 +2,7 @@
 
 A probe runs in the user's training environment, which may not have this
 package: it may import only the standard library, torch and its sibling
-helper probes/_probekit.py.
+helpers probes/_probekit.py and probes/probe_protocol.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from assistant.probing.registry import PROBES
 
 PROBES_DIR = PROJECT_ROOT / "probes"
 SCRIPTS = sorted(PROBES_DIR.glob("*.py"))
-ALLOWED = set(sys.stdlib_module_names) | {"torch", "_probekit", "__future__"}
+ALLOWED = set(sys.stdlib_module_names) | {"torch", "_probekit", "probe_protocol", "__future__"}
 
 
 def imported_modules(path: Path) -> set[str]:

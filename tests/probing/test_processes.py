@@ -123,9 +123,7 @@ GUARDED = textwrap.dedent(
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 def test_signal_in_main_thread_cleans_up_a_launch_of_a_worker_thread(sig):
     script = GUARDED.format(launcher=LAUNCHER)
-    child = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True
-    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         _, marker, folder = child.stdout.readline().split()
         assert wait_for(lambda: len(pids_with_marker(marker)) == 2)

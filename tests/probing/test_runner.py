@@ -24,12 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from assistant.probing import runner as runner_module
 from assistant.config import PROJECT_ROOT
 from assistant.pipeline import Observer, Pipeline
+from assistant.probing import machine, outcomes
+from assistant.probing import runner as runner_module
+from assistant.probing.recorded import load_runs, save_runs
 from assistant.probing.registry import PROBES, probe_names
+from assistant.probing.runner import ProbeRunner, visible_gpu_count
 from assistant.results import ProbeRun
-from assistant.probing.runner import ProbeRunner, load_runs, save_runs, visible_gpu_count
 from assistant.verdicts import judge
 
 PROBES_DIR = PROJECT_ROOT / "probes"
@@ -89,18 +91,18 @@ def test_launch_env_hands_over_the_users_launcher_variables():
             "PYTHONSAFEPATH": "1",
         },
     )
-    env = runner._launch_env(Path("/tmp/facts"), "abc", None)
+    env = runner._launch_env(Path("/tmp/facts"), None)
     assert "MASTER_PORT" not in env and env["PROBE_USER_MASTER_PORT"] == "29999"
     assert "RANK" not in env and env["PROBE_USER_RANK"] == "3"
     assert "PET_NNODES" not in env and env["PROBE_USER_PET_NNODES"] == "2"
     assert env["NCCL_DEBUG"] == "INFO"  # the user's NCCL settings pass through
     assert "PYTHONSAFEPATH" not in env
-    assert env["PROBE_FACTS_DIR"] == "/tmp/facts" and env["PROBE_LAUNCH_ID"] == "abc"
+    assert env["PROBE_FACTS_DIR"] == "/tmp/facts" and "PROBE_VARIANT" not in env
     assert env["PROBE_NPROC_SOURCE"] == "user" and env["PROBE_RUNNER"] == "1"
 
 
 def test_nproc_defaults_to_two_without_gpus(monkeypatch):
-    monkeypatch.setattr(runner_module, "physical_gpu_count", lambda: 0)
+    monkeypatch.setattr(machine, "physical_gpu_count", lambda: 0)
     runner = ProbeRunner()
     assert runner.nproc_per_node == 2 and runner.nproc_source == "default"
 
@@ -114,12 +116,13 @@ def test_nproc_defaults_to_two_without_gpus(monkeypatch):
         ("0,9,1", 8, 1),  # CUDA stops at the first invalid entry
         ("GPU-3f2a1b2c-1111-2222-3333-444455556666", 8, 1),
         ("0,1", 0, 0),
+        ("0,1", None, 0),  # a driver that cannot be asked counts as no GPU
     ],
 )
 def test_visible_gpu_count_reads_cuda_visible_devices_like_cuda(
     monkeypatch, visible, physical, expected
 ):
-    monkeypatch.setattr(runner_module, "physical_gpu_count", lambda: physical)
+    monkeypatch.setattr(machine, "physical_gpu_count", lambda: physical)
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     assert visible_gpu_count(env) == expected
 
@@ -160,8 +163,8 @@ def test_a_hung_probe_keeps_its_facts_and_unstarted_probes_are_rerun():
         ("versions", 0): _record("versions", 0, "running", {"step": "nvidia-smi", "torch": "2.13"}),
         ("versions", 1): _record("versions", 1, "ok"),
     }
-    end = runner_module._End("probe_timeout", hung="versions")
-    launch = runner_module._Launch(
+    end = outcomes.LaunchEnd("probe_timeout", hung="versions")
+    launch = outcomes.LaunchResult(
         ["launch_env", "versions", "system"],
         2,
         end,
@@ -171,7 +174,7 @@ def test_a_hung_probe_keeps_its_facts_and_unstarted_probes_are_rerun():
         {"launch_env": 0.0, "versions": 0.1},
         60.0,
     )
-    runs, rerun = runner_module._batch_runs(launch)
+    runs, rerun = outcomes.batch_runs(launch)
     assert rerun == ["system"]
     assert runs["launch_env"].status == "ok"
     hung = runs["versions"]
@@ -180,14 +183,14 @@ def test_a_hung_probe_keeps_its_facts_and_unstarted_probes_are_rerun():
 
 
 def test_a_crashed_launch_reports_the_error_line():
-    end = runner_module._End("exit", code=1)
+    end = outcomes.LaunchEnd("exit", code=1)
     tail = [
         "Traceback (most recent call last):",
         "  File ...",
         "ModuleNotFoundError: No module named 'torch'",
     ]
-    launch = runner_module._Launch(["devices"], 2, end, {}, tail, {"devices": 60}, {}, 60.0)
-    runs, _ = runner_module._batch_runs(launch)
+    launch = outcomes.LaunchResult(["devices"], 2, end, {}, tail, {"devices": 60}, {}, 60.0)
+    runs, _ = outcomes.batch_runs(launch)
     assert runs["devices"].status == "error"
     assert runs["devices"].detail == "ModuleNotFoundError: No module named 'torch'"
     assert [r["status"] for r in runs["devices"].ranks] == ["error", "error"]

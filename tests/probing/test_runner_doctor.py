@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from assistant.config import contract_ids
-from assistant.pipeline import Observer, Pipeline
-from assistant.probing.runner import load_runs
+from assistant.pipeline import Pipeline
+from assistant.probing.recorded import load_runs
 
 FACTS = Path(__file__).parents[1] / "fixtures" / "facts"
 

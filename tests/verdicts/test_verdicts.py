@@ -1,7 +1,7 @@
 """Verdict functions against recorded facts of machines this project does not have.
 
 Each fixture in tests/fixtures/facts/ is a doctor run in the runner's exact
-format (see assistant.probing.runner.save_runs); the tests check what each cause's
+format (see assistant.probing.recorded.save_runs); the tests check what each cause's
 verdict says about it, with and without a root error or a script finding.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 from assistant.config import contract_ids
 from assistant.results import AnswerRef, CauseResult, Finding, Result, RootError
-from assistant.probing.runner import load_runs
+from assistant.probing.recorded import load_runs
 from assistant.verdicts import (
     JUDGES,
     _arch_supported,
