@@ -2,49 +2,123 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from assistant.probing.registry import PROBES
-from assistant.results import VERDICT_RANK, CauseResult, Finding, ProbeRun, Result
+from assistant.results import VERDICT_RANK, AnswerRef, CauseResult, Finding, ProbeRun, Result
 from assistant.verdicts.devices import advice_outcomes
 from assistant.verdicts.inputs import judge
+from assistant.verdicts.signatures import Signatures, kb_signatures
+
+# --- the reading order -------------------------------------------------------------------
+
+# Causes are read in the order confirmed, inconclusive, not run, not
+# applicable, ruled out, within a score margin: each step down that order
+# costs VERDICT_STEP of retrieval score relative to the best cause. So a
+# confirmed cause passes an unjudged one only when retrieval put them within
+# 2 x VERDICT_STEP (half the best score) of each other, and a fact about
+# this machine ("no GPU here", score 0.27) never pushes aside the cause the
+# error names (score 1.00). Ruled out costs 4 steps: it sinks below every
+# cause but one retrieved far better.
+VERDICT_STEP = 0.25
+# Confirmed by the failing job itself (its error text names the cause, or a
+# lint finding in its script) is about this failure, not about the machine:
+# such causes lead, whatever their score.
+JOB_SOURCES = ("error", "script")
+
+
+def reading_key(cause: CauseResult, best_score: float) -> tuple[int, float]:
+    """Sort key of a judged cause: (tier, -(relative score - verdict steps))."""
+    relative = cause.score / best_score if best_score > 0 else 1.0
+    verdict = cause.verdict
+    tier = 0 if verdict.verdict == "confirmed" and verdict.source in JOB_SOURCES else 1
+    return tier, -(relative - VERDICT_STEP * VERDICT_RANK[verdict.verdict])
+
+
+def reading_order(causes: list[CauseResult]) -> list[CauseResult]:
+    """Judged causes in the order a person reads them (stable for equal keys)."""
+    best = max((c.score for c in causes), default=0.0)
+    return sorted(causes, key=lambda c: reading_key(c, best))
+
+
+# --- answers under a cause ----------------------------------------------------------------
+
+# Community stance: an answer its thread agreed with first, one it called
+# wrong last (and only beside its question, see shown_answers).
+STANCE_ORDER = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
+HERE_ORDER = {"confirmed_here": 0, "": 1, "refuted_here": 2}
+
+
+def shown_answers(
+    answers: list[AnswerRef], refuted: set[str], confirmed: set[str]
+) -> list[AnswerRef]:
+    """Copies of a cause's answers with what this machine showed (`here`), ordered.
+
+    The community `stance` is never changed. An answer its own thread judged
+    wrong is shown only with the question it was wrong about, or when this
+    machine settled its advice; otherwise a reader would take it for the fix.
+    Order: advice confirmed here, then unsettled, then refuted here; within
+    each, right and partly right before unverified before wrong.
+    """
+    marked = [
+        replace(a, contradicts=list(a.contradicts), here=_here(a, refuted, confirmed))
+        for a in answers
+    ]
+    shown = [a for a in marked if a.stance != "wrong" or a.question or a.here]
+    return sorted(shown, key=lambda a: (HERE_ORDER[a.here], STANCE_ORDER.get(a.stance, 1)))
+
+
+def _here(answer: AnswerRef, refuted: set[str], confirmed: set[str]) -> str:
+    if answer.advice and answer.advice in refuted:
+        return "refuted_here"
+    if answer.advice and answer.advice in confirmed:
+        return "confirmed_here"
+    return answer.here
+
 
 # --- applying verdicts to a result -----------------------------------------------------
 
 
-def apply_verdicts(result: Result, runs: list[ProbeRun], findings: list[Finding]) -> Result:
-    """Judge every cause of a result, mark the advice this machine settles, re-rank.
+def apply_verdicts(
+    result: Result,
+    runs: list[ProbeRun],
+    findings: list[Finding],
+    signatures: Signatures | None = None,
+) -> Result:
+    """A new Result: every cause judged, its answers marked, in reading order.
 
-    Answers whose advice the probes refute get stance "refuted_here", those
-    whose advice works where another fails "confirmed_here". Causes are then
-    sorted stably by VERDICT_RANK (confirmed first, ruled_out last).
+    Pure: `result` and its causes and answers are left as they were.
+    `signatures` (cause id -> regexes, the KB's) decide which causes the
+    error text names; None reads them from the KB files when there is an
+    error to read. Answers whose advice the probes refute get here =
+    "refuted_here", those whose advice works where another fails
+    "confirmed_here".
     """
     by_name = {run.name: run for run in runs}
+    query = result.query or ""
+    if signatures is None:
+        signatures = kb_signatures() if (result.root_error or query) else {}
     refuted, confirmed = advice_outcomes(by_name)
+    judged = []
     for cause in result.causes:
-        cause.verdict = judge(cause.id, by_name, result.root_error, findings, result.lang)
-        refuted |= set(cause.verdict.refutes)
-    for cause in result.causes:
-        for answer in cause.answers:
-            if answer.advice and answer.advice in refuted:
-                answer.stance = "refuted_here"
-            elif answer.advice and answer.advice in confirmed:
-                answer.stance = "confirmed_here"
-    best = max((c.score for c in result.causes), default=0.0)
-    result.causes = sorted(result.causes, key=lambda c: _rerank_group(c, best))
-    result.probes = list(runs)
-    return result
-
-
-# A confirmed cause rises only when retrieval also found it relevant: a fact
-# true of this machine (no GPU here, say) must not push aside the cause the
-# error text points to.
-RISE_FLOOR = 0.5
-
-
-def _rerank_group(cause: CauseResult, best_score: float) -> int:
-    group = VERDICT_RANK.get(cause.verdict.verdict, 1)
-    if cause.verdict.verdict == "confirmed" and cause.score < RISE_FLOOR * best_score:
-        return VERDICT_RANK["inconclusive"]
-    return group
+        verdict = judge(
+            cause.id, by_name, result.root_error, findings, result.lang, signatures, query
+        )
+        refuted |= set(verdict.refutes)
+        judged.append((cause, verdict))
+    causes = [
+        replace(
+            cause,
+            verdict=verdict,
+            probes=list(cause.probes),
+            signals=dict(cause.signals),
+            answers=shown_answers(cause.answers, refuted, confirmed),
+        )
+        for cause, verdict in judged
+    ]
+    return replace(
+        result, causes=reading_order(causes), probes=list(runs), decide=list(result.decide)
+    )
 
 
 def probes_for(causes: list[CauseResult], limit: int | None = None) -> list[str]:

@@ -4,87 +4,106 @@ collective timeouts, and causes only the error text decides."""
 from __future__ import annotations
 
 from assistant.results import Verdict
-from assistant.verdicts.devices import _gpu_records, _no_gpu
+from assistant.verdicts.devices import gpu_records, no_gpu
 from assistant.verdicts.inputs import (
-    COLLECTIVE_MISMATCH,
-    COLLECTIVE_TIMEOUT,
-    CONNECTION_CLOSED,
-    CPU_TENSORS,
-    DDP_CPU_MODULE,
     JUDGES,
-    NCCL_MISSING,
-    PG_NOT_INITIALIZED,
-    UNUSED_PARAMETERS,
     Inputs,
-    _by_error,
-    _not_run,
-    _quote,
-    _undecided,
-    _verdict,
+    by_error,
     judges,
+    not_run,
+    quote,
+    undecided,
+    verdict,
 )
 
 # --- backend ------------------------------------------------------------------
 
 
 @judges("nccl-not-available")
-def _nccl_not_available(i: Inputs) -> Verdict:
+def nccl_not_available(i: Inputs) -> Verdict:
+    said = []
+    if i.error_names("nccl-not-available"):
+        said.append(
+            i.error_line(
+                "the error says this torch has no NCCL: {error}",
+                "报错说这个 torch 没有 NCCL：{error}",
+            )
+        )
     records = i.facts("backend")
-    evidence = []
-    if i.error_match(NCCL_MISSING):
-        evidence.append(i.error_line())
     if not records:
-        return _undecided(i, ("backend",), evidence)
+        if said:
+            return verdict("confirmed", said, source="error")
+        return undecided(i, ("backend",), [])
     facts = records[0]["facts"]
-    platform = facts.get("platform")
     if facts["available"].get("nccl"):
         version = next((r["facts"].get("nccl") for r in i.facts("versions")), None)
         line = i.t(
-            "this torch has NCCL{version}",
-            "这个 torch 带有 NCCL{version}",
+            "this torch here has NCCL{version}",
+            "本机的 torch 带有 NCCL{version}",
             version=f" {version}" if version else "",
         )
-        return _verdict("ruled_out", [line] + evidence)
+        if not said:
+            return verdict("ruled_out", [line], source="probe")
+        elsewhere = i.t(
+            "so the failing job ran another torch build (a CPU-only, Windows or macOS one)",
+            "所以出错的任务用的是另一个 torch（CPU 版、Windows 或 macOS 版）",
+        )
+        return verdict("confirmed", said + [line, elsewhere], source="error")
+    return verdict("confirmed", [_why_no_nccl(i, facts.get("platform"))] + said, source="probe")
+
+
+def _why_no_nccl(i: Inputs, platform: str | None) -> str:
+    """Why this machine's torch has no NCCL, and what to do instead."""
     if platform in ("Windows", "Darwin"):
-        line = i.t(
+        return i.t(
             "there is no NCCL on {platform}: use the gloo backend",
             "{platform} 上没有 NCCL：请用 gloo 后端",
             platform=platform,
         )
-        return _verdict("confirmed", [line] + evidence)
-    line = i.t(
-        "{platform} has NCCL; this torch build lacks it (see no-cuda-visible)",
-        "{platform} 平台本身有 NCCL；是这个 torch 版本没带（见 no-cuda-visible）",
-        platform=platform,
+    torch = next((r["facts"] for r in i.facts("versions")), {})
+    if torch and not torch.get("torch_cuda"):
+        return i.t(
+            "this torch ({version}) is a CPU-only build without NCCL: init_process_group('nccl') "
+            "fails here; install a CUDA build of torch, or use gloo (see no-cuda-visible)",
+            "这个 torch（{version}）是不带 NCCL 的 CPU 版：本机上 init_process_group('nccl') 会失败；"
+            "请安装 CUDA 版 torch，或改用 gloo（见 no-cuda-visible）",
+            version=torch.get("torch") or "?",
+        )
+    return i.t(
+        "this torch has no NCCL: init_process_group('nccl') fails here; use gloo or a torch build with NCCL",
+        "这个 torch 没有 NCCL：本机上 init_process_group('nccl') 会失败；请用 gloo 或带 NCCL 的 torch",
     )
-    return _verdict("ruled_out", [line] + evidence)
 
 
 @judges("nccl-with-cpu-tensors")
-def _nccl_with_cpu_tensors(i: Inputs) -> Verdict:
-    evidence = []
+def nccl_with_cpu_tensors(i: Inputs) -> Verdict:
+    here = []
     for record in i.facts("backend"):
         text = (record["facts"].get("nccl") or {}).get("cpu_tensor_error")
         if text:
-            evidence.append(
+            here.append(
                 i.t(
                     "here NCCL answers a CPU tensor with: {error}",
                     "本机上 NCCL 收到 CPU 张量时报：{error}",
-                    error=_quote(text, 120),
+                    error=quote(text, 120),
                 )
             )
             break
-    if i.error_match(CPU_TENSORS):
+    if i.error_names("nccl-with-cpu-tensors"):
         line = i.error_line(
             "the error is NCCL refusing a CPU tensor: {error}", "报错是 NCCL 拒绝 CPU 张量：{error}"
         )
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + here, source="error")
     records = i.facts("backend")
     if records and not records[0]["facts"]["available"].get("nccl"):
-        return _verdict("not_applicable", [i.t("this torch has no NCCL", "这个 torch 没有 NCCL")])
-    no_gpu = _no_gpu(i)
-    if no_gpu:
-        return no_gpu
+        return verdict(
+            "not_applicable",
+            [i.t("this torch has no NCCL", "这个 torch 没有 NCCL")],
+            source="probe",
+        )
+    none_here = no_gpu(i)
+    if none_here:
+        return none_here
     skipped = next(
         (
             r["facts"]["nccl"].get("reason")
@@ -93,25 +112,25 @@ def _nccl_with_cpu_tensors(i: Inputs) -> Verdict:
         ),
         None,
     )
-    if skipped and not evidence:
-        evidence.append(
+    if skipped and not here:
+        here.append(
             i.t(
                 "the backend probe skipped NCCL: {reason}",
                 "backend 探针跳过了 NCCL：{reason}",
                 reason=skipped,
             )
         )
-    return _undecided(i, ("backend",), evidence)
+    return undecided(i, ("backend",), here)
 
 
 @judges("p2p-hang")
-def _p2p_hang(i: Inputs) -> Verdict:
-    no_gpu = _no_gpu(i)
-    if no_gpu:
-        return no_gpu
-    gpus = _gpu_records(i)
+def p2p_hang(i: Inputs) -> Verdict:
+    none_here = no_gpu(i)
+    if none_here:
+        return none_here
+    gpus = gpu_records(i)
     if gpus and max(r["facts"]["device_count"] for r in gpus) < 2:
-        return _verdict(
+        return verdict(
             "not_applicable",
             [
                 i.t(
@@ -119,6 +138,7 @@ def _p2p_hang(i: Inputs) -> Verdict:
                     "每个节点不到两张 GPU：没有点对点传输",
                 )
             ],
+            source="probe",
         )
     evidence = _p2p_facts(i)
     run = i.runs.get("backend")
@@ -135,10 +155,11 @@ def _p2p_hang(i: Inputs) -> Verdict:
             "the NCCL all_reduce hung across the GPUs while gloo worked",
             "gloo 正常，但跨 GPU 的 NCCL all_reduce 卡住了",
         )
-        return _verdict("confirmed" if iommu_translates else "inconclusive", [line] + evidence)
+        value = "confirmed" if iommu_translates else "inconclusive"
+        return verdict(value, [line] + evidence, source="probe")
     if nccl.get("result") == "wrong_result":
         line = i.t("the NCCL all_reduce returned wrong values", "NCCL all_reduce 返回了错误的结果")
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + evidence, source="probe")
     if nccl.get("result") == "ok":
         world = len(run.ranks)
         line = i.t(
@@ -149,8 +170,8 @@ def _p2p_hang(i: Inputs) -> Verdict:
             ms=round((nccl.get("seconds") or 0) * 1000, 1),
         )
         if world > 1:
-            return _verdict("ruled_out", [line] + evidence)
-    return _undecided(i, ("backend", "system"), evidence)
+            return verdict("ruled_out", [line] + evidence, source="probe")
+    return undecided(i, ("backend", "system"), evidence)
 
 
 def _p2p_facts(i: Inputs) -> list[str]:
@@ -199,52 +220,81 @@ def _p2p_facts(i: Inputs) -> list[str]:
 
 
 @judges("collective-timeout")
-def _collective_timeout(i: Inputs) -> Verdict:
-    if not i.error_match(COLLECTIVE_TIMEOUT):
-        return _not_run()
-    evidence = [i.error_line()]
+def collective_timeout(i: Inputs) -> Verdict:
+    # A timeout is a symptom: a slow rank (this cause) or a rank that never
+    # calls the collective (collective-mismatch) end the same way, so the
+    # error alone leaves it open; raising the timeout fixes only the first.
+    if not i.error_names("collective-timeout"):
+        return not_run()
+    evidence = [
+        i.error_line(
+            "the error says a collective timed out: a rank was slow, or never called it "
+            "(see collective-mismatch): {error}",
+            "报错说集合通信超时：某个 rank 太慢，或根本没调用它（见 collective-mismatch）：{error}",
+        )
+    ]
+    fast = _fast_collective_here(i)
+    return verdict("inconclusive", evidence + fast, source="error")
+
+
+def _fast_collective_here(i: Inputs) -> list[str]:
+    """How long a gloo all_reduce takes here, when the backend probe measured one."""
     for record in i.facts("backend")[:1]:
         gloo = record["facts"].get("gloo") or {}
         if gloo.get("result") == "ok":
-            evidence.append(
+            return [
                 i.t(
-                    "a gloo all_reduce across {n} ranks takes {ms} ms here: the collective itself is fast, so a rank was late",
-                    "本机 {n} 个 rank 的 gloo all_reduce 只要 {ms} ms：集合通信本身很快，是某个 rank 迟到了",
+                    "a gloo all_reduce across {n} ranks takes {ms} ms here: the collective itself is fast, so a rank was late or never came",
+                    "本机 {n} 个 rank 的 gloo all_reduce 只要 {ms} ms：集合通信本身很快，是某个 rank 迟到或没来",
                     n=record.get("world_size"),
                     ms=round((gloo.get("seconds") or 0) * 1000, 1),
                 )
-            )
-    return _verdict("confirmed", evidence)
+            ]
+    return []
+
+
+@judges("collective-mismatch")
+def collective_mismatch(i: Inputs) -> Verdict:
+    if i.error_names("collective-mismatch"):
+        line = i.error_line(
+            "the error is a collective mismatch between ranks: {error}",
+            "报错是各 rank 之间的集合通信不一致：{error}",
+        )
+        return verdict("confirmed", [line], source="error")
+    if i.error_names("collective-timeout"):
+        line = i.error_line(
+            "the error says a collective timed out, as when one rank never calls it "
+            "(a collective under `if rank == 0:`); --script checks your script for that: {error}",
+            "报错说集合通信超时，某个 rank 根本没调用它时（比如写在 `if rank == 0:` 里）也会这样；"
+            "--script 可以检查脚本：{error}",
+        )
+        return verdict("inconclusive", [line], source="error")
+    return not_run()
 
 
 @judges("uneven-inputs")
-def _uneven_inputs(i: Inputs) -> Verdict:
-    if i.error_match(CONNECTION_CLOSED):
+def uneven_inputs(i: Inputs) -> Verdict:
+    if i.error_names("uneven-inputs"):
         line = i.t(
             "the error shows a peer that left while others still waited, as when one rank finishes its data early",
             "报错显示某个对端已经退出而其他 rank 还在等待，就像某个 rank 提前跑完了数据",
         )
-        return _verdict("inconclusive", [line])
-    return _not_run()
+        return verdict("inconclusive", [line], source="error")
+    return not_run()
 
 
-JUDGES["unused-parameters"] = _by_error(
-    UNUSED_PARAMETERS,
+JUDGES["unused-parameters"] = by_error(
+    "unused-parameters",
     "the error is DDP's message for parameters without a gradient: {error}",
-    "这是 DDP 在有参数没有梯度时的报错：{error}",
+    "报错是 DDP 在有参数没有梯度时的提示：{error}",
 )
-JUDGES["ddp-device-ids-cpu-module"] = _by_error(
-    DDP_CPU_MODULE,
+JUDGES["ddp-device-ids-cpu-module"] = by_error(
+    "ddp-device-ids-cpu-module",
     "the error is DDP refusing device_ids for a module on the CPU: {error}",
-    "这是 DDP 拒绝为 CPU 上的模型设置 device_ids 的报错：{error}",
+    "报错是 DDP 拒绝为 CPU 上的模型设置 device_ids：{error}",
 )
-JUDGES["process-group-not-initialized"] = _by_error(
-    PG_NOT_INITIALIZED,
+JUDGES["process-group-not-initialized"] = by_error(
+    "process-group-not-initialized",
     "the error says a torch.distributed call ran before init_process_group: {error}",
     "报错说在 init_process_group 之前就调用了 torch.distributed：{error}",
-)
-JUDGES["collective-mismatch"] = _by_error(
-    COLLECTIVE_MISMATCH,
-    "the error is a collective mismatch between ranks: {error}",
-    "报错是各 rank 之间的集合通信不一致：{error}",
 )

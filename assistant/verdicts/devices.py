@@ -6,28 +6,24 @@ from __future__ import annotations
 from assistant.results import ProbeRun, Verdict
 from assistant.verdicts.inputs import (
     ADVICE_VARIANTS,
-    CUDA_OOM,
-    DUPLICATE_GPU,
     GPU_BUSY_FRACTION,
-    GPU_USED,
-    INVALID_ORDINAL,
-    NO_CUDA,
     VARIANT_NAMES,
     Inputs,
-    _by_host,
-    _gist,
-    _not_run,
-    _quote,
-    _short,
-    _undecided,
-    _verdict,
+    by_host,
+    gist,
     judges,
+    not_run,
+    quote,
+    short,
+    undecided,
+    verdict,
 )
+from assistant.verdicts.signatures import GPU_CAUSES
 
 # --- devices --------------------------------------------------------------------
 
 
-def _gpu_records(i: Inputs) -> list[dict]:
+def gpu_records(i: Inputs) -> list[dict]:
     """devices records of ranks that see CUDA."""
     return [r for r in i.facts("devices") if r["facts"].get("cuda_available")]
 
@@ -35,7 +31,7 @@ def _gpu_records(i: Inputs) -> list[dict]:
 def _sharing(i: Inputs) -> list[str]:
     """Evidence lines of ranks that cannot each have a GPU of their own."""
     lines = []
-    for host, records in _by_host(_gpu_records(i)).items():
+    for host, records in by_host(gpu_records(i)).items():
         by_uuid: dict[str, list[int]] = {}
         for record in records:
             landed = record["facts"]["local_rank_device"]
@@ -48,7 +44,7 @@ def _sharing(i: Inputs) -> list[str]:
                         "ranks {ranks} all land on {gpu} with cuda:LOCAL_RANK on {host}",
                         "{host} 上 rank {ranks} 用 cuda:LOCAL_RANK 都落在 {gpu} 上",
                         ranks=", ".join(map(str, ranks)),
-                        gpu=_short(uuid),
+                        gpu=short(uuid),
                         host=host,
                     )
                 )
@@ -56,7 +52,7 @@ def _sharing(i: Inputs) -> list[str]:
         count = min(r["facts"]["device_count"] for r in records)
         if local_world > count:
             gpus = sorted(
-                {_short(d["uuid"]) for r in records for d in r["facts"].get("visible") or []}
+                {short(d["uuid"]) for r in records for d in r["facts"].get("visible") or []}
             )
             lines.append(
                 i.t(
@@ -74,14 +70,14 @@ def _sharing(i: Inputs) -> list[str]:
                     i.t(
                         "every rank's default device is {gpu}",
                         "每个 rank 的默认设备都是 {gpu}",
-                        gpu=_short(next(iter(defaults))),
+                        gpu=short(next(iter(defaults))),
                     )
                 )
         failing: dict[str, list[int]] = {}
         for record in records:
             error = record["facts"]["local_rank_device"].get("error")
             if error:
-                failing.setdefault(_gist(error, 100), []).append(record["rank"])
+                failing.setdefault(gist(error, 100), []).append(record["rank"])
         for error, ranks in failing.items():
             lines.append(
                 i.t(
@@ -98,15 +94,16 @@ def _sharing(i: Inputs) -> list[str]:
 def _nccl_duplicate_lines(i: Inputs) -> list[str]:
     """NCCL's own "Duplicate GPU" error from the backend probe."""
     # Not set_device_order: its no-set-device variant puts ranks on one GPU on purpose.
+    duplicate = i.signature_set("duplicate-gpu-per-rank")
     for record in i.facts("backend"):
         error = (record["facts"].get("nccl") or {}).get("error") or ""
-        match = DUPLICATE_GPU.search(error)
+        match = duplicate.search(error) if error else None
         if match:
             return [
                 i.t(
                     "NCCL refused the backend probe's all_reduce: {error}",
                     "backend 探针的 all_reduce 被 NCCL 拒绝：{error}",
-                    error=_gist(error[match.start() :], 100),
+                    error=gist(error[match.start() :], 100),
                 )
             ]
     return []
@@ -114,10 +111,10 @@ def _nccl_duplicate_lines(i: Inputs) -> list[str]:
 
 def _own_gpus(i: Inputs) -> list[str]:
     """One line saying each rank has a GPU of its own, when it does."""
-    records = _gpu_records(i)
+    records = gpu_records(i)
     if not records or _sharing(i):
         return []
-    landed = [f"{r['rank']}->{_short(r['facts']['local_rank_device']['uuid'])}" for r in records]
+    landed = [f"{r['rank']}->{short(r['facts']['local_rank_device']['uuid'])}" for r in records]
     return [
         i.t(
             "with cuda:LOCAL_RANK each rank gets a GPU of its own here ({pairs})",
@@ -128,23 +125,23 @@ def _own_gpus(i: Inputs) -> list[str]:
 
 
 def _default_device_line(i: Inputs) -> list[str]:
-    records = _gpu_records(i)
+    records = gpu_records(i)
     defaults = {r["facts"]["default_device"]["uuid"] for r in records}
     if len(records) > 1 and len(defaults) == 1:
         return [
             i.t(
                 "without set_device every rank's current device is cuda:0 ({gpu}): bare .cuda() and 'cuda' land there",
                 "不调用 set_device 时每个 rank 的当前设备都是 cuda:0（{gpu}）：.cuda() 和 'cuda' 都会落到这张卡",
-                gpu=_short(next(iter(defaults))),
+                gpu=short(next(iter(defaults))),
             )
         ]
     return []
 
 
-def _script_picks_device(i: Inputs) -> list[str]:
+def script_picks_device(i: Inputs) -> list[str]:
     """Evidence that, on a healthy launch, the device choice is the script's."""
     lines = _own_gpus(i)
-    if lines and i.error_match(DUPLICATE_GPU):
+    if lines and i.error_names("duplicate-gpu-per-rank"):
         lines.append(
             i.t(
                 "so the ranks that share a GPU in your error chose it in the script",
@@ -154,28 +151,32 @@ def _script_picks_device(i: Inputs) -> list[str]:
     return lines
 
 
-def _no_gpu(i: Inputs) -> Verdict | None:
+def no_gpu(i: Inputs) -> Verdict | None:
     """not_applicable when the devices probe found no CUDA at all."""
     records = i.records("devices")
     if records and all(r["status"] == "not_applicable" for r in records):
-        return _verdict("not_applicable", [i.t("no CUDA device visible", "看不到任何 CUDA 设备")])
+        return verdict(
+            "not_applicable",
+            [i.t("no CUDA device visible", "看不到任何 CUDA 设备")],
+            source="probe",
+        )
     return None
 
 
 @judges("duplicate-gpu-per-rank")
-def _duplicate_gpu_per_rank(i: Inputs) -> Verdict:
+def duplicate_gpu_per_rank(i: Inputs) -> Verdict:
     sharing = _sharing(i)
     if sharing:
-        return _verdict("confirmed", sharing)
-    if i.error_match(DUPLICATE_GPU):
+        return verdict("confirmed", sharing, source="probe")
+    if i.error_names("duplicate-gpu-per-rank"):
         line = i.error_line(
             "the error says two ranks are on one GPU: {error}",
             "报错说两个 rank 在同一张卡上：{error}",
         )
-        return _verdict("confirmed", [line] + _script_picks_device(i))
-    no_gpu = _no_gpu(i)
-    if no_gpu:
-        return no_gpu
+        return verdict("confirmed", [line] + script_picks_device(i), source="error")
+    none_here = no_gpu(i)
+    if none_here:
+        return none_here
     evidence = _own_gpus(i)
     if evidence:
         evidence.append(
@@ -184,30 +185,40 @@ def _duplicate_gpu_per_rank(i: Inputs) -> Verdict:
                 "如果 rank 仍然共用一张卡，是脚本选设备的方式有问题（见 local-rank-not-from-env、hardcoded-device）",
             )
         )
-    return _undecided(i, ("devices",), evidence)
+    return undecided(i, ("devices",), evidence)
 
 
 @judges("hardcoded-device")
-def _hardcoded_device(i: Inputs) -> Verdict:
-    no_gpu = _no_gpu(i)
-    if no_gpu and not i.error_match(DUPLICATE_GPU):
-        return no_gpu
-    return _undecided(i, ("devices",), _script_picks_device(i) + _default_device_line(i))
+def hardcoded_device(i: Inputs) -> Verdict:
+    evidence = []
+    if i.error_names("hardcoded-device"):
+        evidence.append(
+            i.error_line(
+                "the error says tensors sit on different GPUs: {error}",
+                "报错说张量分在不同的 GPU 上：{error}",
+            )
+        )
+    none_here = no_gpu(i)
+    if none_here and not evidence and not i.error_names("duplicate-gpu-per-rank"):
+        return none_here
+    return undecided(i, ("devices",), evidence + script_picks_device(i) + _default_device_line(i))
 
 
 @judges("world-size-exceeds-devices")
-def _world_size_exceeds_devices(i: Inputs) -> Verdict:
+def world_size_exceeds_devices(i: Inputs) -> Verdict:
     evidence = []
-    if i.error_match(INVALID_ORDINAL):
+    said = i.error_names("world-size-exceeds-devices")
+    if said:
         evidence.append(
             i.t(
-                "'invalid device ordinal' means a rank asked for a GPU index that does not exist",
-                "'invalid device ordinal' 表示某个 rank 请求了不存在的 GPU 编号",
+                "the error says a rank asked for a GPU index that does not exist ({text})",
+                "报错说某个 rank 请求了不存在的 GPU 编号（{text}）",
+                text=quote(said.group(0), 60),
             )
         )
-    records = _gpu_records(i)
+    records = gpu_records(i)
     over = []
-    for host, mine in _by_host(records).items():
+    for host, mine in by_host(records).items():
         local_world = max(r.get("local_world_size") or 0 for r in mine)
         count = min(r["facts"]["device_count"] for r in mine)
         if local_world > count:
@@ -221,12 +232,12 @@ def _world_size_exceeds_devices(i: Inputs) -> Verdict:
                 )
             )
     if over:
-        return _verdict("confirmed", over + evidence)
-    no_gpu = _no_gpu(i)
-    if no_gpu:
-        return no_gpu
+        return verdict("confirmed", over + evidence, source="probe")
+    none_here = no_gpu(i)
+    if none_here and not said:
+        return none_here
     if not records:
-        return _undecided(i, ("devices",), evidence)
+        return undecided(i, ("devices",), evidence)
     count = min(r["facts"]["device_count"] for r in records)
     local_world = max(r.get("local_world_size") or 0 for r in records)
     sources = {r["facts"].get("nproc_source") for r in i.facts("launch_env")}
@@ -237,23 +248,29 @@ def _world_size_exceeds_devices(i: Inputs) -> Verdict:
             n=local_world,
             count=count,
         )
-        return _verdict("ruled_out", [line] + evidence)
+        if not said:
+            return verdict("ruled_out", [line], source="probe")
+        script = i.t(
+            "so the index in the error comes from the script (RANK used for LOCAL_RANK, or a hardcoded cuda:N)",
+            "所以报错里的编号来自脚本（把 RANK 当成 LOCAL_RANK，或写死了 cuda:N）",
+        )
+        return verdict("inconclusive", evidence + [line, script], source="probe")
     line = i.t(
         "{count} visible GPU(s) here: launch at most {count} process(es) per node",
         "本机看得到 {count} 张 GPU：每个节点最多启动 {count} 个进程",
         count=count,
     )
-    return _verdict("inconclusive", [line] + evidence)
+    return verdict("inconclusive", [line] + evidence, source="probe")
 
 
 @judges("cuda-visible-devices-mismatch")
-def _cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
+def cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
     if not records:
-        return _undecided(i, ("devices",), [])
+        return undecided(i, ("devices",), [])
     problems: list[str] = []
     healthy: list[str] = []
-    for mine in _by_host(records).values():
+    for mine in by_host(records).values():
         for value in sorted({r["facts"].get("cuda_visible_devices") for r in mine}, key=str):
             same = [r for r in mine if r["facts"].get("cuda_visible_devices") == value]
             problem = _visible_devices_problem(i, value, same)
@@ -261,15 +278,17 @@ def _cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
                 problem or _visible_devices_ok(i, value, same)
             )
     if problems:
-        return _verdict("confirmed", problems)
+        return verdict("confirmed", problems, source="probe")
     if all(
         r["facts"].get("physical_gpus") in (0, None) and not r["facts"].get("cuda_available")
         for r in records
     ):
-        return _verdict(
-            "not_applicable", [i.t("no NVIDIA GPU on this machine", "本机没有 NVIDIA GPU")]
+        return verdict(
+            "not_applicable",
+            [i.t("no NVIDIA GPU on this machine", "本机没有 NVIDIA GPU")],
+            source="probe",
         )
-    return _verdict("ruled_out", healthy)
+    return verdict("ruled_out", healthy, source="probe")
 
 
 def _visible_devices_problem(i: Inputs, value: str | None, records: list[dict]) -> str | None:
@@ -344,20 +363,18 @@ def _visible_devices_ok(i: Inputs, value: str | None, records: list[dict]) -> st
 
 
 @judges("no-cuda-visible")
-def _no_cuda_visible(i: Inputs) -> Verdict:
+def no_cuda_visible(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
-    evidence = []
-    if i.error_match(NO_CUDA):
-        evidence.append(i.error_line())
+    said = [i.error_line()] if i.error_names("no-cuda-visible") else []
     if not records:
-        if evidence:
-            return _verdict("confirmed", evidence)
-        return _undecided(i, ("devices",), [])
+        if said:
+            return verdict("confirmed", said, source="error")
+        return undecided(i, ("devices",), [])
     blind = [r for r in records if not r["facts"].get("cuda_available")]
-    if blind and not evidence and i.error_match(GPU_USED):
+    if blind and not said and i.error_names(*GPU_CAUSES):
         # The pasted error came from a GPU job elsewhere: this machine's lack of
         # a GPU says nothing about it.
-        return _verdict(
+        return verdict(
             "not_applicable",
             [
                 i.t(
@@ -366,18 +383,27 @@ def _no_cuda_visible(i: Inputs) -> Verdict:
                     "报错来自一个用了 GPU 的任务，但本机没有 GPU：请在出错的机器上运行探针",
                 )
             ],
+            source="probe",
         )
-    if not blind:
-        names = sorted({d["name"] for r in records for d in r["facts"].get("visible") or []})
-        count = max(r["facts"]["device_count"] for r in records)
-        line = i.t(
-            "torch sees {count} GPU(s) on every rank ({names})",
-            "每个 rank 的 torch 都能看到 {count} 张 GPU（{names}）",
-            count=count,
-            names=", ".join(names),
-        )
-        return _verdict("ruled_out", [line] + evidence)
-    return _verdict("confirmed", [_why_no_cuda(i, blind[0]["facts"], blind[0]["rank"])] + evidence)
+    if blind:
+        line = _why_no_cuda(i, blind[0]["facts"], blind[0]["rank"])
+        return verdict("confirmed", [line] + said, source="probe")
+    names = sorted({d["name"] for r in records for d in r["facts"].get("visible") or []})
+    count = max(r["facts"]["device_count"] for r in records)
+    line = i.t(
+        "torch sees {count} GPU(s) on every rank here ({names})",
+        "本机每个 rank 的 torch 都能看到 {count} 张 GPU（{names}）",
+        count=count,
+        names=", ".join(names),
+    )
+    if not said:
+        return verdict("ruled_out", [line], source="probe")
+    elsewhere = i.t(
+        "so the failing job ran in another environment (another node or container, "
+        "another torch, or CUDA_VISIBLE_DEVICES set there)",
+        "所以出错的任务跑在别的环境里（别的节点或容器、别的 torch，或那里设置了 CUDA_VISIBLE_DEVICES）",
+    )
+    return verdict("confirmed", said + [line, elsewhere], source="error")
 
 
 def _why_no_cuda(i: Inputs, facts: dict, rank: int) -> str:
@@ -397,7 +423,7 @@ def _why_no_cuda(i: Inputs, facts: dict, rank: int) -> str:
         return i.t(
             "CUDA initialisation failed: {message}",
             "CUDA 初始化失败：{message}",
-            message=_quote(facts.get("cuda_warning") or facts.get("cuda_error"), 140),
+            message=quote(facts.get("cuda_warning") or facts.get("cuda_error"), 140),
         )
     if not facts.get("driver_loaded") and not facts.get("physical_gpus"):
         return i.t(
@@ -412,9 +438,9 @@ def _why_no_cuda(i: Inputs, facts: dict, rank: int) -> str:
 
 
 @judges("cuda-out-of-memory")
-def _cuda_out_of_memory(i: Inputs) -> Verdict:
+def cuda_out_of_memory(i: Inputs) -> Verdict:
     evidence = []
-    for record in _gpu_records(i):
+    for record in gpu_records(i):
         landed = record["facts"]["local_rank_device"]
         free, total = landed.get("free_mib"), landed.get("total_mib")
         if free is not None and total and free < GPU_BUSY_FRACTION * total:
@@ -422,18 +448,18 @@ def _cuda_out_of_memory(i: Inputs) -> Verdict:
                 i.t(
                     "{gpu} has {free} MiB free of {total} MiB before any training: another process holds it",
                     "训练开始前 {gpu} 只剩 {free} MiB（共 {total} MiB）：有别的进程占着",
-                    gpu=_short(landed["uuid"]),
+                    gpu=short(landed["uuid"]),
                     free=free,
                     total=total,
                 )
             )
-    if i.error_match(CUDA_OOM):
+    if i.error_names("cuda-out-of-memory"):
         line = i.error_line()
-        return _verdict("confirmed", [line] + evidence + _default_device_line(i))
-    no_gpu = _no_gpu(i)
-    if no_gpu:
-        return no_gpu
-    if not evidence and _gpu_records(i):
+        return verdict("confirmed", [line] + evidence + _default_device_line(i), source="error")
+    none_here = no_gpu(i)
+    if none_here:
+        return none_here
+    if not evidence and gpu_records(i):
         evidence.append(
             i.t(
                 "every rank's GPU is at least {pct}% free before training",
@@ -441,7 +467,7 @@ def _cuda_out_of_memory(i: Inputs) -> Verdict:
                 pct=round(100 * (1 - GPU_BUSY_FRACTION)),
             )
         )
-    return _undecided(i, ("devices",), evidence)
+    return undecided(i, ("devices",), evidence)
 
 
 # --- set_device order -----------------------------------------------------------
@@ -512,22 +538,26 @@ def advice_outcomes(runs: dict[str, ProbeRun]) -> tuple[set[str], set[str]]:
 
 
 @judges("set-device-order")
-def _set_device_order(i: Inputs) -> Verdict:
+def set_device_order(i: Inputs) -> Verdict:
     run = i.runs.get("set_device_order")
     if run is None:
-        return _not_run()
+        return not_run()
     if run.status == "not_applicable":
         # The probe's own reason is English; say it in the user's language.
-        return _verdict("not_applicable", [i.t("no CUDA device visible", "看不到任何 CUDA 设备")])
+        return verdict(
+            "not_applicable",
+            [i.t("no CUDA device visible", "看不到任何 CUDA 设备")],
+            source="probe",
+        )
     outcomes = variant_outcomes(i.runs)
     if not outcomes:
-        return _undecided(i, ("set_device_order",), [])
+        return undecided(i, ("set_device_order",), [])
     evidence = [_variant_line(i, variant, outcome) for variant, outcome in outcomes.items()]
     refuted, _ = advice_outcomes(i.runs)
     working = [v for v, o in outcomes.items() if o["works"]]
     if len(working) == len(outcomes):
         evidence.insert(0, i.t("every order works here", "本机上每种顺序都能跑通"))
-        return _verdict("ruled_out", evidence)
+        return verdict("ruled_out", evidence, source="probe")
     if not working:
         evidence.insert(
             0,
@@ -536,8 +566,8 @@ def _set_device_order(i: Inputs) -> Verdict:
                 "本机上哪种顺序都跑不通，所以问题不在顺序（见 duplicate-gpu-per-rank）",
             ),
         )
-        return _verdict("inconclusive", evidence + i.trouble("set_device_order"))
-    return _verdict("inconclusive", evidence, sorted(refuted))
+        return verdict("inconclusive", evidence + i.trouble("set_device_order"), source="probe")
+    return verdict("inconclusive", evidence, sorted(refuted), source="probe")
 
 
 def _variant_line(i: Inputs, variant: str, outcome: dict) -> str:
@@ -554,14 +584,14 @@ def _variant_line(i: Inputs, variant: str, outcome: dict) -> str:
             "{name}：在 {step} 出错：{error}",
             name=name,
             step=failure["step"] or "?",
-            error=_gist(failure["error"] or "?", 100),
+            error=gist(failure["error"] or "?", 100),
         )
     if outcome["shared"]:
         return i.t(
             "{name}: collectives work, but every rank's current device is {gpu}, where .cuda(), barrier and object collectives go",
             "{name}：集合通信能跑通，但每个 rank 的当前设备都是 {gpu}，.cuda()、barrier 和对象集合通信都会落到这张卡",
             name=name,
-            gpu=_short(outcome.get("shared_uuid")),
+            gpu=short(outcome.get("shared_uuid")),
         )
     return i.t(
         "{name}: barrier, all_reduce and all_gather_object work, one GPU per rank",

@@ -1,5 +1,9 @@
-"""Shared inputs of every verdict: the Inputs dataclass, thresholds, error
-patterns, small helpers, and the registry of verdict functions (judges, judge)."""
+"""Shared inputs of every verdict: the Inputs dataclass, thresholds, small
+helpers, and the registry of verdict functions (judges, judge).
+
+Error patterns are not here: whether the error text names a cause is asked
+of the KB's signatures (Inputs.error_names, see verdicts/signatures.py).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from assistant.results import Finding, ProbeRun, RootError, Verdict
+from assistant.knowledge.patterns import PatternSet
+from assistant.results import Finding, ProbeRun, RootError, Verdict, VerdictSource
+from assistant.verdicts.signatures import Signatures, compiled, kb_signatures, patterns_of
 
 USABLE = ("ok", "failed", "not_applicable")
 TROUBLE = ("timeout", "error", "interrupted")
@@ -35,117 +41,12 @@ SHM_CONFIRM_MIB = 512  # Docker's 64 MB default and the like: NCCL and DataLoade
 SHM_DOUBT_MIB = 2048
 SHM_FREE_CONFIRM_MIB = 256
 GPU_BUSY_FRACTION = 0.1  # less free than this before training starts: someone holds the GPU
-
-
-def _pattern(*alternatives: str) -> re.Pattern:
-    return re.compile("|".join(alternatives), re.IGNORECASE)
-
-
-# Error texts precise enough to name a cause (or to add evidence for one).
-ENV_MISSING = _pattern(
-    r"environment variable (\w+) expected, but not set",
-    r"KeyError: '(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT)'",
-)
-LOCAL_RANK_ARG = _pattern(r"unrecognized arguments?:.*--local[-_]rank")
-DUPLICATE_GPU = _pattern(r"Duplicate GPU detected", r"both on CUDA device")
-INVALID_ORDINAL = _pattern(r"invalid device ordinal")
-PORT_IN_USE = _pattern(r"address already in use", r"EADDRINUSE", r"errno:? ?98\b")
-ENDPOINT = _pattern(
-    r"client socket has timed out",
-    r"failed to connect to",
-    r"Connection refused",
-    r"Name or service not known",
-    r"Temporary failure in name resolution",
-    r"nodename nor servname",
-    r"No route to host",
-)
-DRIVER_OLD = _pattern(r"driver version is insufficient", r"driver on your system is too old")
-NO_KERNEL = _pattern(r"no kernel image is available")
-NCCL_CUDA_ERROR = _pattern(r"unhandled cuda error", r"ncclUnhandledCudaError")
-SHM_ERROR = _pattern(
-    r"\bBus error\b",
-    r"/dev/shm",
-    r"shared memory",
-    r"shm_open",
-    r"unhandled system error",
-    r"No space left on device",
-)
-NETWORK = _pattern(
-    r"no socket interface found",
-    r"Bootstrap ?: ?no socket",
-    r"Unable to find address for",
-    r"getifaddrs",
-)
-NO_CUDA = _pattern(
-    r"Torch not compiled with CUDA enabled",
-    r"no CUDA GPUs are available",
-    r"Found no NVIDIA driver",
-    r"doesn't have NCCL built in",
-    r"CUDA driver initialization failed",
-    r"no GPUs found",
-    r"cudaErrorNoDevice",
-)
-# Error text that only a job with a working GPU can print.
-GPU_USED = _pattern(
-    r"Duplicate GPU detected",
-    r"both on CUDA device",
-    r"NCCL (?:error|WARN|version)",
-    r"nccl\w*(?:Invalid|Unhandled|System|Internal)\w*",
-    r"CUDA out of memory",
-    r"GPU \d+ has a total capacity",
-    r"Watchdog caught collective operation timeout",
-    r"ProcessGroupNCCL",
-)
-NCCL_MISSING = _pattern(
-    r"doesn't have NCCL built in", r"NCCL is not available", r"backend nccl is not available"
-)
-CPU_TENSORS = _pattern(
-    r"Tensors must be CUDA and dense",
-    r"No backend type associated with device type cpu",
-    r"ProcessGroupNCCL only supports CUDA",
-)
-UNUSED_PARAMETERS = _pattern(
-    r"Expected to have finished reduction in the prior iteration",
-    r"did not receive grad",
-    r"find_unused_parameters=True",
-)
-DDP_CPU_MODULE = _pattern(
-    r"device_ids and output_device arguments only work with",
-    r"module parameters \{device\(type='cpu'\)\}",
-    r"device_ids can only be None or contain a single element",
-)
-PG_NOT_INITIALIZED = _pattern(r"Default process group has not been initialized")
-COLLECTIVE_MISMATCH = _pattern(
-    r"Detected mismatch between collectives",
-    r"CollectiveFingerPrint",
-    r"Tensor list input and output sizes",
-    r"tensors? (?:must|should) have the same (?:size|shape|dtype)",
-)
-CONNECTION_CLOSED = _pattern(r"Connection closed by peer", r"Connection reset by peer")
-COLLECTIVE_TIMEOUT = _pattern(
-    r"Watchdog caught collective operation timeout",
-    r"collective operation timeout",
-    r"ran for \d+ milliseconds before timing out",
-    r"Timed out waiting \d+ ?ms for (?:recv|send)",
-)
-STORE_BARRIER = _pattern(
-    r"Timed out initializing process group in store based barrier",
-    r"clients joined",
-    r"waiting for all \d+ workers",
-)
-OOM_KILLED = _pattern(
-    r"Signal 9 \(SIGKILL\)",
-    r"exit ?code\s*:?\s*-9\b",
-    r"\bSIGKILL\b",
-    r"Out of memory: Killed process",
-    r"oom-kill",
-)
-CUDA_OOM = _pattern(r"CUDA out of memory", r"OutOfMemoryError", r"CUDA error: out of memory")
-MAIN_GUARD = _pattern(
-    r"An attempt has been made to start a new process before",
-    r"bootstrapping phase",
-    r"freeze_support\(\)",
-)
+# Without a root error the question itself is searched (a pasted sentence);
+# a huge log is cut like retrieval cuts it.
+QUERY_SCAN_CHARS = 400_000
+# Every evidence line read from the error text starts with one of these, so a
+# reader never takes it for something tested on this machine.
+ERROR_WORDS = ("the error", "报错")
 
 
 # --- the inputs of a judgement -------------------------------------------------
@@ -153,28 +54,57 @@ MAIN_GUARD = _pattern(
 
 @dataclass(frozen=True)
 class Inputs:
-    """Everything a verdict function may look at, and helpers to read it."""
+    """Everything a verdict function may look at, and helpers to read it.
+
+    `signatures` are the KB's (cause id -> regex sources); None reads them
+    from the KB files on the first error lookup. `query` is the question as
+    pasted: searched for error text only when no root error was found in it.
+    """
 
     runs: dict[str, ProbeRun]
     root_error: RootError | None
     findings: list[Finding] = field(default_factory=list)
     lang: str = "en"
+    signatures: Signatures | None = None
+    query: str = ""
 
     def t(self, en: str, zh: str, **values) -> str:
         """One evidence line in the user's language."""
         return (zh if self.lang == "zh" else en).format(**values)
 
     def error_text(self) -> str:
-        if self.root_error is None:
-            return ""
-        return f"{self.root_error.type}: {self.root_error.message}"
+        """The text the error patterns search: the root error, else the question."""
+        if self.root_error is not None:
+            return f"{self.root_error.type}: {self.root_error.message}"
+        return self.query[:QUERY_SCAN_CHARS]
 
-    def error_line(self, en: str = "the error: {error}", zh: str = "报错：{error}") -> str:
-        """An evidence line quoting the root error, in the user's language."""
-        return self.t(en, zh, error=_quote(self.error_text(), 120))
+    def signature_set(self, *cause_ids: str) -> PatternSet:
+        """The KB signatures of these causes, compiled (all causes when none are named)."""
+        signatures = self.signatures if self.signatures is not None else kb_signatures()
+        return compiled(patterns_of(signatures, cause_ids or tuple(signatures)))
 
-    def error_match(self, pattern: re.Pattern) -> re.Match | None:
-        return pattern.search(self.error_text())
+    def error_names(self, *cause_ids: str):
+        """The match (.group(), .groups()) of any of these causes' KB signatures in
+        the error text, or None."""
+        text = self.error_text()
+        return self.signature_set(*cause_ids).search(text) if text and cause_ids else None
+
+    def quoted_error(self, limit: int = 120) -> str:
+        """The error as evidence quotes it: the root error, else the question's line
+        that the signatures matched (or its first line)."""
+        if self.root_error is not None or not self.query:
+            return quote(self.error_text(), limit)
+        lines = [line for line in self.query.splitlines() if line.strip()] or [""]
+        named = self.signature_set()
+        return quote(next((line for line in lines if named.search(line)), lines[0]), limit)
+
+    def error_line(self, en: str = "the error says: {error}", zh: str = "报错：{error}") -> str:
+        """An evidence line quoting the error, in the user's language.
+
+        Templates must start with "the error" / "报错" (ERROR_WORDS): the
+        line is about the pasted text, not about this machine.
+        """
+        return self.t(en, zh, error=self.quoted_error())
 
     def records(self, probe: str) -> list[dict] | None:
         """The per-rank records of a probe that ran to an answer, else None."""
@@ -208,27 +138,46 @@ class Inputs:
         return any(name in self.runs for name in probes)
 
 
-def _verdict(value: str, evidence: list[str], refutes: list[str] | None = None) -> Verdict:
+def verdict(
+    value: str,
+    evidence: list[str],
+    refutes: list[str] | None = None,
+    source: VerdictSource | None = None,
+) -> Verdict:
+    """A verdict with its evidence (blank and repeated lines dropped) and its source.
+
+    Every judged verdict says what decided it: "probe" (facts of this
+    machine), "error" (the error text) or "script" (a lint finding); only
+    not_run has none.
+    """
+    if (value == "not_run") != (source is None):
+        raise ValueError(f"a {value} verdict with source {source!r}")
     seen: list[str] = []
     for line in evidence:
         line = " ".join(str(line).split())
         if line and line not in seen:
             seen.append(line)
-    return Verdict(value, seen, list(refutes or []))
+    return Verdict(value, seen, list(refutes or []), source)
 
 
-def _undecided(i: Inputs, probes: tuple[str, ...], evidence: list[str]) -> Verdict:
-    """Inconclusive when there is something to say, else not_run."""
+def undecided(i: Inputs, probes: tuple[str, ...], evidence: list[str]) -> Verdict:
+    """Inconclusive when there is something to say, else not_run.
+
+    The probes decided it when any of them ran (their facts, or their
+    trouble, are the evidence); otherwise the only evidence is the error's.
+    """
     evidence = evidence + i.trouble(*probes)
-    return _verdict("inconclusive" if evidence or i.ran(*probes) else "not_run", evidence)
+    if not evidence and not i.ran(*probes):
+        return not_run()
+    return verdict("inconclusive", evidence, source="probe" if i.ran(*probes) else "error")
 
 
-def _quote(text: str, limit: int = 160) -> str:
+def quote(text: str, limit: int = 160) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _gist(error: str, limit: int = 120) -> str:
+def gist(error: str, limit: int = 120) -> str:
     """The informative part of a long CUDA or NCCL error message.
 
     NCCL puts the reason after "Last error:"; CUDA appends advice about
@@ -236,35 +185,35 @@ def _gist(error: str, limit: int = 120) -> str:
     """
     text = " ".join(error.split()).split(" CUDA kernel errors might")[0]
     if "Last error:" in text:
-        code = re.search(r"\bnccl[A-Z]\w+", text)
+        code = re.search(r"\bnccl[A-Z]\w+", text)  # NCCL's result code, e.g. ncclInvalidUsage
         reason = text.split("Last error:", 1)[1].strip()
         text = f"{code.group(0)}: {reason}" if code else reason
-    return _quote(text, limit)
+    return quote(text, limit)
 
 
-def _short(uuid: str | None) -> str:
+def short(uuid: str | None) -> str:
     return (uuid or "?")[:12]
 
 
-def _by_host(records: list[dict]) -> dict[str, list[dict]]:
+def by_host(records: list[dict]) -> dict[str, list[dict]]:
     hosts: dict[str, list[dict]] = {}
     for record in sorted(records, key=lambda r: r.get("rank") or 0):
         hosts.setdefault(record.get("host") or "?", []).append(record)
     return hosts
 
 
-def _int(value) -> int | None:
+def as_int(value) -> int | None:
     try:
         return int(value)
     except (TypeError, ValueError):
         return None
 
 
-def _version(text: str | None) -> tuple[int, ...]:
+def version_tuple(text: str | None) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", text or ""))
 
 
-def _multi_node(i: Inputs) -> bool:
+def multi_node(i: Inputs) -> bool:
     """Whether the facts show a job spanning several nodes."""
     hosts = {r.get("host") for run in i.runs.values() for r in run.ranks if r.get("host")}
     if len(hosts) > 1:
@@ -280,9 +229,9 @@ def _multi_node(i: Inputs) -> bool:
             "NNODES",
             "GROUP_WORLD_SIZE",
         ):
-            if (_int(values.get(key)) or 0) > 1:
+            if (as_int(values.get(key)) or 0) > 1:
                 return True
-        if (_int(values.get("NODE_RANK")) or 0) > 0:
+        if (as_int(values.get("NODE_RANK")) or 0) > 0:
             return True
     return False
 
@@ -309,18 +258,24 @@ def judge(
     root_error: RootError | None,
     findings: list[Finding],
     lang: str = "en",
+    signatures: Signatures | None = None,
+    query: str = "",
 ) -> Verdict:
-    """The verdict on one cause. A finding in the user's script confirms it."""
-    inputs = Inputs(runs, root_error, list(findings), lang)
-    verdict = JUDGES.get(cause_id, _no_probe)(inputs)
+    """The verdict on one cause. A finding in the user's script confirms it.
+
+    `signatures`: the KB's (None: read from the KB files when an error is
+    looked up); `query`: the question, searched when there is no root error.
+    """
+    inputs = Inputs(runs, root_error, list(findings), lang, signatures, query)
+    found = JUDGES.get(cause_id, no_probe)(inputs)
     own = [f for f in findings if f.cause_id == cause_id]
     if not own:
-        return verdict
-    lines = [_finding_line(inputs, f) for f in own]
-    return _verdict("confirmed", lines + verdict.evidence, verdict.refutes)
+        return found
+    lines = [finding_line(inputs, f) for f in own]
+    return verdict("confirmed", lines + found.evidence, found.refutes, source="script")
 
 
-def _finding_line(i: Inputs, finding: Finding) -> str:
+def finding_line(i: Inputs, finding: Finding) -> str:
     where = (
         f"{finding.path}:{finding.line}"
         if finding.path
@@ -331,22 +286,26 @@ def _finding_line(i: Inputs, finding: Finding) -> str:
     )
 
 
-def _no_probe(i: Inputs) -> Verdict:
+def no_probe(i: Inputs) -> Verdict:
     """Causes no probe can decide: only a finding (handled by judge) confirms."""
-    return _not_run()
+    return not_run()
 
 
-def _not_run() -> Verdict:
+def not_run() -> Verdict:
     # A fresh object each time: callers may extend a verdict's evidence.
     return Verdict("not_run")
 
 
-def _by_error(pattern: re.Pattern, en: str, zh: str) -> Judge:
-    """A verdict function for a cause only the error text can confirm."""
+def by_error(cause_id: str, en: str, zh: str, value: str = "confirmed") -> Judge:
+    """A verdict function for a cause only the error text can decide.
+
+    The cause's own KB signatures decide whether the error names it; the
+    templates start with "the error" / "报错" and may quote it as {error}.
+    """
 
     def decide(i: Inputs) -> Verdict:
-        if i.error_match(pattern):
-            return _verdict("confirmed", [i.t(en, zh, error=_quote(i.error_text()))])
-        return _not_run()
+        if i.error_names(cause_id):
+            return verdict(value, [i.error_line(en, zh)], source="error")
+        return not_run()
 
     return decide

@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 from assistant.results import Verdict
-from assistant.verdicts.devices import _script_picks_device
+from assistant.verdicts.devices import script_picks_device
 from assistant.verdicts.inputs import (
-    ENV_MISSING,
-    LOCAL_RANK_ARG,
-    MAIN_GUARD,
-    STORE_BARRIER,
     Inputs,
-    _int,
-    _quote,
-    _undecided,
-    _verdict,
+    as_int,
     judges,
+    undecided,
+    verdict,
 )
 
 # --- launch -------------------------------------------------------------------
 
 
 @judges("launched-without-torchrun")
-def _launched_without_torchrun(i: Inputs) -> Verdict:
+def launched_without_torchrun(i: Inputs) -> Verdict:
     evidence = []
-    match = i.error_match(ENV_MISSING)
+    match = i.error_names("launched-without-torchrun")
     launch = i.facts("launch_env")
     missing = [(r["rank"], r["facts"]["missing"]) for r in launch if r["facts"].get("missing")]
     for rank, names in missing:
@@ -49,21 +44,21 @@ def _launched_without_torchrun(i: Inputs) -> Verdict:
             "报错说 {name} 没有设置：脚本不是用 torchrun 启动的（或者没有拿到 rank 和 world_size）",
             name=name,
         )
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + evidence, source="error")
     if missing:
-        return _verdict("confirmed", evidence)
+        return verdict("confirmed", evidence, source="probe")
     if i.root_error is not None and i.root_error.rank is not None:
         line = i.t(
             "the error comes from rank {rank}, so the process group knew its rank",
             "报错来自 rank {rank}，说明进程组已经拿到了 rank",
             rank=i.root_error.rank,
         )
-        return _verdict("ruled_out", [line] + evidence)
-    return _undecided(i, ("launch_env",), evidence)
+        return verdict("ruled_out", [line] + evidence, source="error")
+    return undecided(i, ("launch_env",), evidence)
 
 
 @judges("local-rank-not-from-env")
-def _local_rank_not_from_env(i: Inputs) -> Verdict:
+def local_rank_not_from_env(i: Inputs) -> Verdict:
     evidence = []
     launch = i.facts("launch_env")
     if launch:
@@ -76,12 +71,12 @@ def _local_rank_not_from_env(i: Inputs) -> Verdict:
                     values=", ".join(str(v) for v in local_ranks),
                 )
             )
-    evidence.extend(_script_picks_device(i))
-    return _undecided(i, ("launch_env", "devices"), evidence)
+    evidence.extend(script_picks_device(i))
+    return undecided(i, ("launch_env", "devices"), evidence)
 
 
 @judges("local-rank-arg-mismatch")
-def _local_rank_arg_mismatch(i: Inputs) -> Verdict:
+def local_rank_arg_mismatch(i: Inputs) -> Verdict:
     evidence = []
     launch = i.facts("launch_env")
     passed = sorted({a for r in launch for a in r["facts"].get("local_rank_args") or []})
@@ -100,21 +95,20 @@ def _local_rank_arg_mismatch(i: Inputs) -> Verdict:
                 "本机 torchrun 不传 --local-rank 参数；请改读 os.environ['LOCAL_RANK']",
             )
         )
-    if i.error_match(LOCAL_RANK_ARG):
-        line = i.t(
-            "the script rejects the --local-rank argument its launcher passed: {error}",
-            "脚本不认启动器传入的 --local-rank 参数：{error}",
-            error=_quote(i.error_text()),
+    if i.error_names("local-rank-arg-mismatch"):
+        line = i.error_line(
+            "the error says the script rejects the --local-rank argument its launcher passed: {error}",
+            "报错说脚本不认启动器传入的 --local-rank 参数：{error}",
         )
-        return _verdict("confirmed", [line] + evidence)
-    return _undecided(i, ("launch_env",), evidence)
+        return verdict("confirmed", [line] + evidence, source="error")
+    return undecided(i, ("launch_env",), evidence)
 
 
 @judges("world-size-mismatch")
-def _world_size_mismatch(i: Inputs) -> Verdict:
+def world_size_mismatch(i: Inputs) -> Verdict:
     launch = i.facts("launch_env")
     evidence = []
-    if i.error_match(STORE_BARRIER):
+    if i.error_names("world-size-mismatch"):
         evidence.append(
             i.t(
                 "the error shows the rendezvous waiting for ranks that never joined",
@@ -122,10 +116,10 @@ def _world_size_mismatch(i: Inputs) -> Verdict:
             )
         )
     if not launch:
-        return _undecided(i, ("launch_env",), evidence)
+        return undecided(i, ("launch_env",), evidence)
     sizes = {r["facts"]["env"].get("WORLD_SIZE") for r in launch}
-    ranks = [_int(r["facts"]["env"].get("RANK")) for r in launch]
-    world = _int(next(iter(sizes))) if len(sizes) == 1 else None
+    ranks = [as_int(r["facts"]["env"].get("RANK")) for r in launch]
+    world = as_int(next(iter(sizes))) if len(sizes) == 1 else None
     complete = len(launch) == len(i.runs["launch_env"].ranks)
     if len(sizes) > 1:
         line = i.t(
@@ -135,7 +129,7 @@ def _world_size_mismatch(i: Inputs) -> Verdict:
                 f"rank {r['rank']}: {r['facts']['env'].get('WORLD_SIZE')}" for r in launch
             ),
         )
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + evidence, source="probe")
     if len(set(ranks)) < len(ranks) or (
         complete and world is not None and sorted(ranks) != list(range(world))
     ):
@@ -145,7 +139,7 @@ def _world_size_mismatch(i: Inputs) -> Verdict:
             ranks=sorted(ranks, key=lambda v: -1 if v is None else v),
             last=(world or len(ranks)) - 1,
         )
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + evidence, source="probe")
     evidence.append(
         i.t(
             "torchrun here gives {n} rank(s) RANK 0..{last} and WORLD_SIZE {world}: a mismatch would come from an explicit world_size or rank in the script",
@@ -164,11 +158,11 @@ def _world_size_mismatch(i: Inputs) -> Verdict:
                 value=user_world,
             )
         )
-    return _verdict("inconclusive", evidence)
+    return verdict("inconclusive", evidence, source="probe")
 
 
 @judges("missing-main-guard")
-def _missing_main_guard(i: Inputs) -> Verdict:
+def missing_main_guard(i: Inputs) -> Verdict:
     evidence = []
     methods = sorted(
         {r["facts"].get("default_start_method") for r in i.facts("launch_env")} - {None}
@@ -189,10 +183,10 @@ def _missing_main_guard(i: Inputs) -> Verdict:
                     method=method,
                 )
             )
-    if i.error_match(MAIN_GUARD):
+    if i.error_names("missing-main-guard"):
         line = i.t(
             "the error is Python's message for a process started while the script was still being imported",
-            "这个报错是 Python 在脚本导入过程中又启动新进程时给出的",
+            "报错是 Python 在脚本导入过程中又启动新进程时给出的",
         )
-        return _verdict("confirmed", [line] + evidence)
-    return _undecided(i, ("launch_env",), evidence)
+        return verdict("confirmed", [line] + evidence, source="error")
+    return undecided(i, ("launch_env",), evidence)

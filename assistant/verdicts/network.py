@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from assistant.results import Verdict
 from assistant.verdicts.inputs import (
-    ENDPOINT,
-    PORT_IN_USE,
     Inputs,
-    _multi_node,
-    _quote,
-    _undecided,
-    _verdict,
     judges,
+    multi_node,
+    quote,
+    undecided,
+    verdict,
 )
 
 # --- rendezvous -------------------------------------------------------------------
@@ -26,9 +24,9 @@ def _endpoint_record(i: Inputs) -> dict | None:
 
 
 @judges("master-port-in-use")
-def _master_port_in_use(i: Inputs) -> Verdict:
+def master_port_in_use(i: Inputs) -> Verdict:
     evidence = []
-    said = i.error_match(PORT_IN_USE)
+    said = i.error_names("master-port-in-use")
     if said:
         evidence.append(
             i.error_line(
@@ -38,8 +36,8 @@ def _master_port_in_use(i: Inputs) -> Verdict:
     record = _endpoint_record(i)
     if record is None:
         if said:
-            return _verdict("confirmed", evidence)
-        return _undecided(i, ("rendezvous",), evidence)
+            return verdict("confirmed", evidence, source="error")
+        return undecided(i, ("rendezvous",), evidence)
     facts = record["facts"]
     port = facts.get("port")
     if facts.get("port_free") is False:
@@ -50,12 +48,12 @@ def _master_port_in_use(i: Inputs) -> Verdict:
                 "端口 {port} 已被占用，占用者 pid {pid}：{cmd}",
                 port=port,
                 pid=holder["pid"],
-                cmd=_quote(holder.get("cmdline") or "?", 80),
+                cmd=quote(holder.get("cmdline") or "?", 80),
             )
             if holder
             else i.t("port {port} is in use on this host", "本机端口 {port} 已被占用", port=port)
         )
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + evidence, source="probe")
     if facts.get("port_free") is True:
         line = i.t("port {port} is free now", "端口 {port} 现在是空闲的", port=port)
         if said:
@@ -63,8 +61,8 @@ def _master_port_in_use(i: Inputs) -> Verdict:
                 "so the process that held it has exited since",
                 "所以当时占用它的进程已经退出了",
             )
-            return _verdict("confirmed", evidence + [line, later])
-        return _verdict("ruled_out", [line])
+            return verdict("confirmed", evidence + [line, later], source="error")
+        return verdict("ruled_out", [line], source="probe")
     if "connect" in facts:
         evidence.append(
             i.t(
@@ -73,17 +71,19 @@ def _master_port_in_use(i: Inputs) -> Verdict:
                 addr=facts.get("addr"),
             )
         )
-    return _verdict("confirmed" if said else "inconclusive", evidence)
+    if said:
+        return verdict("confirmed", evidence, source="error")
+    return verdict("inconclusive", evidence, source="probe")
 
 
 @judges("master-endpoint-mismatch")
-def _master_endpoint_mismatch(i: Inputs) -> Verdict:
+def master_endpoint_mismatch(i: Inputs) -> Verdict:
     records = i.facts("rendezvous")
     evidence = []
-    if i.error_match(ENDPOINT):
+    if i.error_names("master-endpoint-mismatch"):
         evidence.append(i.error_line())
     if not records:
-        return _undecided(i, ("rendezvous",), evidence)
+        return undecided(i, ("rendezvous",), evidence)
     endpoints = {(r["facts"].get("addr"), r["facts"].get("port")) for r in records}
     if len(endpoints) > 1:
         line = i.t(
@@ -91,12 +91,12 @@ def _master_endpoint_mismatch(i: Inputs) -> Verdict:
             "各 rank 用的地址不一致：{endpoints}",
             endpoints=", ".join(f"{a}:{p}" for a, p in sorted(endpoints, key=str)),
         )
-        return _verdict("confirmed", [line] + evidence)
+        return verdict("confirmed", [line] + evidence, source="probe")
     facts = (_endpoint_record(i) or records[0])["facts"]
     addr, port = facts.get("addr"), facts.get("port")
     problem = _endpoint_problem(i, facts)
     if problem:
-        return _verdict("confirmed", [problem] + evidence)
+        return verdict("confirmed", [problem] + evidence, source="probe")
     if facts.get("connect") == "refused":
         line = i.t(
             "{addr}:{port} refuses connections now: nothing listens there (fine if the job is not running)",
@@ -104,20 +104,20 @@ def _master_endpoint_mismatch(i: Inputs) -> Verdict:
             addr=addr,
             port=port,
         )
-        return _verdict("inconclusive", [line] + evidence)
-    if facts.get("master_addr") is None and _multi_node(i):
+        return verdict("inconclusive", [line] + evidence, source="probe")
+    if facts.get("master_addr") is None and multi_node(i):
         line = i.t(
             "MASTER_ADDR is not set while the job spans several nodes: torchrun's default 127.0.0.1 works on one node only",
             "任务跨多个节点，却没有设置 MASTER_ADDR：torchrun 默认的 127.0.0.1 只在单机上可用",
         )
-        return _verdict("inconclusive", [line] + evidence)
+        return verdict("inconclusive", [line] + evidence, source="probe")
     works = _endpoint_works(i, facts)
     if works and not evidence:
-        return _verdict("ruled_out", works)
+        return verdict("ruled_out", works, source="probe")
     return (
-        _verdict("inconclusive", works + evidence)
+        verdict("inconclusive", works + evidence, source="probe")
         if works or evidence
-        else _undecided(i, ("rendezvous",), [])
+        else undecided(i, ("rendezvous",), [])
     )
 
 
@@ -144,7 +144,7 @@ def _endpoint_problem(i: Inputs, facts: dict) -> str | None:
             port=port,
             result=facts["connect"],
         )
-    if facts.get("loopback") and _multi_node(i):
+    if facts.get("loopback") and multi_node(i):
         return i.t(
             "MASTER_ADDR {addr} resolves to {ips} (loopback) while the job spans several nodes: other nodes cannot reach it",
             "MASTER_ADDR {addr} 解析成 {ips}（回环地址），而任务跨多个节点：其他节点连不上",
@@ -158,7 +158,7 @@ def _endpoint_problem(i: Inputs, facts: dict) -> str | None:
             "在 {addr}:{port} 上的 TCPStore 读写失败：{error}",
             addr=addr,
             port=port,
-            error=_quote(store.get("error") or "?", 100),
+            error=quote(store.get("error") or "?", 100),
         )
     return None
 

@@ -4,38 +4,37 @@ from __future__ import annotations
 
 from assistant.results import Verdict
 from assistant.verdicts.inputs import (
-    NETWORK,
-    OOM_KILLED,
     SHM_CONFIRM_MIB,
     SHM_DOUBT_MIB,
-    SHM_ERROR,
     SHM_FREE_CONFIRM_MIB,
     Inputs,
-    _by_host,
-    _multi_node,
-    _undecided,
-    _verdict,
+    by_host,
     judges,
+    multi_node,
+    undecided,
+    verdict,
 )
 
 # --- system -----------------------------------------------------------------------
 
 
 @judges("shm-too-small")
-def _shm_too_small(i: Inputs) -> Verdict:
+def shm_too_small(i: Inputs) -> Verdict:
     records = i.facts("system")
-    said = i.error_match(SHM_ERROR)
+    said = i.error_names("shm-too-small")
     evidence = []
     if said:
         evidence.append(
             i.error_line("the error points at shared memory: {error}", "报错指向共享内存：{error}")
         )
     if not records:
-        return _undecided(i, ("system",), evidence)
+        return undecided(i, ("system",), evidence)
     shm = records[0]["facts"].get("shm")
     if not shm:
-        return _verdict(
-            "not_applicable", [i.t("no /dev/shm on this system", "本系统没有 /dev/shm")] + evidence
+        return verdict(
+            "not_applicable",
+            [i.t("no /dev/shm on this system", "本系统没有 /dev/shm")] + evidence,
+            source="probe",
         )
     size = i.t(
         "/dev/shm is {total} MiB ({free} MiB free)",
@@ -48,30 +47,34 @@ def _shm_too_small(i: Inputs) -> Verdict:
             "NCCL and DataLoader workers need more: run the container with --shm-size=16g or --ipc=host",
             "NCCL 和 DataLoader worker 需要更多：用 --shm-size=16g 或 --ipc=host 启动容器",
         )
-        return _verdict("confirmed", [size, fix] + evidence)
+        return verdict("confirmed", [size, fix] + evidence, source="probe")
     if shm["total_mib"] < SHM_DOUBT_MIB:
-        return _verdict("confirmed" if said else "inconclusive", [size] + evidence)
-    return _verdict("inconclusive" if said else "ruled_out", [size] + evidence)
+        return verdict("confirmed" if said else "inconclusive", [size] + evidence, source="probe")
+    return verdict("inconclusive" if said else "ruled_out", [size] + evidence, source="probe")
 
 
 @judges("network-interface")
-def _network_interface(i: Inputs) -> Verdict:
+def network_interface(i: Inputs) -> Verdict:
     records = i.facts("system")
     evidence = []
-    if i.error_match(NETWORK):
+    if i.error_names("network-interface"):
         evidence.append(i.error_line())
     if not records:
-        return _verdict("confirmed", evidence) if evidence else _undecided(i, ("system",), [])
+        if evidence:
+            return verdict("confirmed", evidence, source="error")
+        return undecided(i, ("system",), [])
     problems, notes = [], []
-    for record in _by_host(records).values():
+    for record in by_host(records).values():
         found, seen = _interface_findings(i, record[0]["facts"])
         problems.extend(found)
         notes.extend(seen)
-    if problems or evidence:
-        return _verdict("confirmed", problems + evidence + notes)
+    if problems:
+        return verdict("confirmed", problems + evidence + notes, source="probe")
+    if evidence:
+        return verdict("confirmed", evidence + notes, source="error")
     if any(r["facts"].get("hostname_loopback") for r in records):
-        return _verdict("inconclusive", notes)
-    return _verdict("ruled_out", notes)
+        return verdict("inconclusive", notes, source="probe")
+    return verdict("ruled_out", notes, source="probe")
 
 
 def _interface_findings(i: Inputs, facts: dict) -> tuple[list[str], list[str]]:
@@ -79,7 +82,7 @@ def _interface_findings(i: Inputs, facts: dict) -> tuple[list[str], list[str]]:
     problems, notes = [], []
     env = facts.get("env") or {}
     names = ", ".join(n["name"] for n in facts.get("interfaces") or []) or "-"
-    multi = _multi_node(i)
+    multi = multi_node(i)
     for var, key in (
         ("NCCL_SOCKET_IFNAME", "nccl_selected"),
         ("GLOO_SOCKET_IFNAME", "gloo_selected"),
@@ -134,8 +137,8 @@ def _interface_findings(i: Inputs, facts: dict) -> tuple[list[str], list[str]]:
 
 
 @judges("oom-killed")
-def _oom_killed(i: Inputs) -> Verdict:
-    said = i.error_match(OOM_KILLED)
+def oom_killed(i: Inputs) -> Verdict:
+    said = i.error_names("oom-killed")
     evidence = []
     if said:
         evidence.append(
@@ -143,7 +146,7 @@ def _oom_killed(i: Inputs) -> Verdict:
         )
     records = i.facts("system")
     if not records:
-        return _undecided(i, ("system",), evidence)
+        return undecided(i, ("system",), evidence)
     facts = records[0]["facts"]
     oom = facts.get("oom") or {}
     kernel, cgroup = oom.get("vmstat_oom_kill"), oom.get("cgroup_oom_kill")
@@ -165,12 +168,13 @@ def _oom_killed(i: Inputs) -> Verdict:
             kernel=kernel,
             cgroup=cgroup,
         )
-        return _verdict("confirmed" if said else "inconclusive", [line] + evidence)
+        return verdict("confirmed" if said else "inconclusive", [line] + evidence, source="probe")
     if kernel is None and cgroup is None:
-        return _verdict(
+        return verdict(
             "inconclusive",
             evidence
             + [i.t("the OOM-kill counters are not readable here", "本机读不到 OOM kill 计数")],
+            source="probe",
         )
     line = i.t(
         "the OOM killer has killed nothing since boot",
@@ -181,4 +185,4 @@ def _oom_killed(i: Inputs) -> Verdict:
             ": the SIGKILL came from elsewhere (a scheduler limit, a timeout, a person)",
             "：SIGKILL 来自别处（调度器限制、超时或人为）",
         )
-    return _verdict("ruled_out", [line] + evidence)
+    return verdict("ruled_out", [line] + evidence, source="probe")

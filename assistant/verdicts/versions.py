@@ -6,57 +6,50 @@ import re
 
 from assistant.results import Verdict
 from assistant.verdicts.inputs import (
-    DRIVER_OLD,
     MIN_DRIVER,
-    NCCL_CUDA_ERROR,
-    NO_KERNEL,
     Inputs,
-    _by_host,
-    _quote,
-    _undecided,
-    _verdict,
-    _version,
+    by_host,
     judges,
+    quote,
+    undecided,
+    verdict,
+    version_tuple,
 )
 
 # --- versions -------------------------------------------------------------------
 
 
 @judges("nccl-version-mismatch")
-def _nccl_version_mismatch(i: Inputs) -> Verdict:
+def nccl_version_mismatch(i: Inputs) -> Verdict:
+    # The KB's signatures for this cause include NCCL's generic "unhandled
+    # cuda error": the error text alone only points here, the versions decide.
     records = i.facts("versions")
-    evidence = []
-    if i.error_match(DRIVER_OLD) or i.error_match(NO_KERNEL):
-        line = i.error_line()
-        return _verdict(
-            "confirmed", [line] + [p for r in records for p in _version_problems(i, r["facts"])]
-        )
-    if i.error_match(NCCL_CUDA_ERROR):
-        evidence.append(
-            i.t(
-                "'unhandled cuda error' from NCCL often hides a driver or version mismatch",
-                "NCCL 的 'unhandled cuda error' 常常掩盖了驱动或版本不匹配",
+    said = []
+    if i.error_names("nccl-version-mismatch"):
+        said.append(
+            i.error_line(
+                "the error is one a driver, CUDA or NCCL version mismatch gives: {error}",
+                "报错是驱动、CUDA 或 NCCL 版本不匹配时常见的：{error}",
             )
         )
     if not records:
-        return _undecided(i, ("versions",), evidence)
+        return undecided(i, ("versions",), said)
     problems = _differences(i, records)
-    for record in _by_host(records).values():
+    for record in by_host(records).values():
         problems.extend(_version_problems(i, record[0]["facts"]))
     if problems:
-        return _verdict("confirmed", problems + evidence)
+        return verdict("confirmed", problems + said, source="probe")
     facts = records[0]["facts"]
-    if not facts.get("torch_cuda"):
-        return _verdict(
-            "not_applicable",
-            [i.t("this torch is a CPU-only build", "这个 torch 是只支持 CPU 的版本")],
+    unjudgeable = _nothing_to_compare(i, facts)
+    if unjudgeable:
+        # Nothing here to compare; a version error pasted from a GPU machine stays open.
+        return verdict(
+            "inconclusive" if said else "not_applicable", said + unjudgeable, source="probe"
         )
-    if not facts.get("driver"):
-        return _verdict("not_applicable", [i.t("no NVIDIA driver found", "没有找到 NVIDIA 驱动")])
     lines = [
         i.t(
-            "torch {torch} (CUDA {cuda}, NCCL {nccl}) and driver {driver} (CUDA {driver_cuda}) match",
-            "torch {torch}（CUDA {cuda}，NCCL {nccl}）与驱动 {driver}（CUDA {driver_cuda}）匹配",
+            "torch {torch} (CUDA {cuda}, NCCL {nccl}) and driver {driver} (CUDA {driver_cuda}) match here",
+            "本机 torch {torch}（CUDA {cuda}，NCCL {nccl}）与驱动 {driver}（CUDA {driver_cuda}）匹配",
             torch=facts.get("torch"),
             cuda=facts.get("torch_cuda"),
             nccl=facts.get("nccl"),
@@ -73,7 +66,18 @@ def _nccl_version_mismatch(i: Inputs) -> Verdict:
                 caps=", ".join(capabilities),
             )
         )
-    return _verdict("ruled_out", lines + evidence)
+    if said:
+        return verdict("inconclusive", said + lines, source="probe")
+    return verdict("ruled_out", lines, source="probe")
+
+
+def _nothing_to_compare(i: Inputs, facts: dict) -> list[str]:
+    """Why this machine has no GPU versions to compare, or []."""
+    if not facts.get("torch_cuda"):
+        return [i.t("this torch is a CPU-only build", "这个 torch 是只支持 CPU 的版本")]
+    if not facts.get("driver"):
+        return [i.t("no NVIDIA driver found", "没有找到 NVIDIA 驱动")]
+    return []
 
 
 def _differences(i: Inputs, records: list[dict]) -> list[str]:
@@ -102,16 +106,16 @@ def _differences(i: Inputs, records: list[dict]) -> list[str]:
 
 def _version_problems(i: Inputs, facts: dict) -> list[str]:
     problems = []
-    runtime = _version(facts.get("torch_cuda"))
+    runtime = version_tuple(facts.get("torch_cuda"))
     if facts.get("cuda_warning") and "too old" in facts["cuda_warning"]:
         problems.append(
             i.t(
                 "CUDA initialisation says: {warning}",
                 "CUDA 初始化提示：{warning}",
-                warning=_quote(facts["cuda_warning"], 140),
+                warning=quote(facts["cuda_warning"], 140),
             )
         )
-    driver_cuda = _version(facts.get("driver_cuda"))
+    driver_cuda = version_tuple(facts.get("driver_cuda"))
     if runtime and driver_cuda and driver_cuda[0] < runtime[0]:
         problems.append(
             i.t(
@@ -124,7 +128,7 @@ def _version_problems(i: Inputs, facts: dict) -> list[str]:
         )
     elif runtime and facts.get("driver") and not driver_cuda:
         minimum = MIN_DRIVER.get(runtime[0])
-        if minimum and _version(facts["driver"]) < minimum:
+        if minimum and version_tuple(facts["driver"]) < minimum:
             problems.append(
                 i.t(
                     "driver {driver} is older than {minimum}, the minimum for CUDA {runtime}",
@@ -135,7 +139,7 @@ def _version_problems(i: Inputs, facts: dict) -> list[str]:
                 )
             )
     for capability in sorted(set(facts.get("capabilities") or [])):
-        if _arch_supported(capability, facts.get("arch_list") or []) is False:
+        if arch_supported(capability, facts.get("arch_list") or []) is False:
             problems.append(
                 i.t(
                     "this torch has no kernels for compute capability {cap} (it has {archs}): 'no kernel image is available'",
@@ -147,14 +151,14 @@ def _version_problems(i: Inputs, facts: dict) -> list[str]:
     return problems
 
 
-def _arch_supported(capability: str, arch_list: list[str]) -> bool | None:
+def arch_supported(capability: str, arch_list: list[str]) -> bool | None:
     """Whether a GPU of this capability can run torch's kernels.
 
     A cubin for sm_XY runs on the same major version with an equal or higher
     minor; PTX (compute_XY) is compiled for any newer GPU; 'a'-suffixed
     architectures run only on exactly that GPU.
     """
-    cap = _version(capability)
+    cap = version_tuple(capability)
     if len(cap) < 2 or not arch_list:
         return None
     for arch in arch_list:

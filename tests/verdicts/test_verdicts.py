@@ -17,7 +17,7 @@ from assistant.results import AnswerRef, CauseResult, Finding, Result, RootError
 from assistant.probing.recorded import load_runs
 from assistant.verdicts import (
     JUDGES,
-    _arch_supported,
+    arch_supported,
     advice_outcomes,
     apply_verdicts,
     judge,
@@ -186,9 +186,14 @@ def test_hostname_resolving_to_loopback_on_a_single_node_is_only_a_note():
     assert judge("master-endpoint-mismatch", runs, None, []).verdict == "ruled_out"
 
 
-def test_recorded_cpu_machine_confirms_only_the_missing_gpu():
-    assert confirmed("cpu_2ranks") == {"no-cuda-visible"}
+def test_recorded_cpu_machine_confirms_the_missing_gpu_and_nccl():
+    # A CPU-only torch has no NCCL: init_process_group("nccl") fails here, which
+    # is what nccl-not-available says (its title: "on this platform or build").
+    assert confirmed("cpu_2ranks") == {"no-cuda-visible", "nccl-not-available"}
     assert "CPU-only build" in verdict_of("no-cuda-visible", "cpu_2ranks").evidence[0]
+    nccl = verdict_of("nccl-not-available", "cpu_2ranks")
+    assert nccl.source == "probe"
+    assert "2.13.0+cpu) is a CPU-only build without NCCL" in nccl.evidence[0]
     results = verdicts("cpu_2ranks")
     for cause in ("shm-too-small", "master-port-in-use", "oom-killed"):
         assert results[cause] == "ruled_out", cause
@@ -397,7 +402,7 @@ def test_nccl_all_reduce_hang_with_translating_iommu_confirms_p2p_hang():
     ],
 )
 def test_arch_support(capability, arch_list, expected):
-    assert _arch_supported(capability, arch_list) is expected
+    assert arch_supported(capability, arch_list) is expected
 
 
 def test_versions_differing_between_nodes_are_confirmed():
@@ -434,29 +439,42 @@ def test_apply_verdicts_reranks_and_marks_advice():
         _cause("unused-parameters", []),
         _cause("shm-too-small", ["system"]),
     ]
-    result = Result(query="q", root_error=None, causes=causes, lang="en")
+    given = Result(query="q", root_error=None, causes=causes, lang="en")
     runs = load_runs(FACTS / "shm_64mb.json")
-    apply_verdicts(result, runs, [])
+    result = apply_verdicts(given, runs, [])
     assert [c.id for c in result.causes] == [
         "shm-too-small",  # confirmed rises
-        "set-device-order",  # inconclusive and not_run keep their order
+        "set-device-order",  # then inconclusive, then not_run
         "unused-parameters",
         "master-port-in-use",  # ruled out sinks
     ]
-    stances = {a.advice: a.stance for a in result.causes[1].answers}
-    assert stances == {
-        "remove-set-device": "refuted_here",
-        "set-device-before-init": "confirmed_here",
-    }
+    # What this machine showed goes beside the community stance, never over it;
+    # the advice confirmed here comes first.
+    answers = result.causes[1].answers
+    assert [(a.advice, a.here, a.stance) for a in answers] == [
+        ("set-device-before-init", "confirmed_here", "unverified"),
+        ("remove-set-device", "refuted_here", "unverified"),
+    ]
     assert result.probes == runs
     assert result.to_json()["causes"][0]["verdict"] == "confirmed"
+    assert result.to_json()["causes"][0]["verdict_source"] == "probe"
+    # Pure: the given result is as it was.
+    assert [c.id for c in given.causes] == [
+        "set-device-order",
+        "master-port-in-use",
+        "unused-parameters",
+        "shm-too-small",
+    ]
+    assert all(c.verdict.verdict == "not_run" for c in given.causes)
+    assert [a.here for a in given.causes[0].answers] == ["", ""]
+    assert given.probes == []
 
 
 def test_apply_verdicts_uses_the_result_language():
-    result = Result(
+    given = Result(
         query=None, root_error=None, causes=[_cause("shm-too-small", ["system"])], lang="zh"
     )
-    apply_verdicts(result, load_runs(FACTS / "shm_64mb.json"), [])
+    result = apply_verdicts(given, load_runs(FACTS / "shm_64mb.json"), [])
     assert "空闲" in result.causes[0].verdict.evidence[0]
 
 
@@ -488,7 +506,7 @@ def test_a_confirmed_cause_with_weak_retrieval_does_not_jump_the_error_s_own_cau
     error = RootError(
         "RuntimeError", "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
     )
-    result = Result(
+    given = Result(
         query="q",
         root_error=error,
         causes=[
@@ -498,7 +516,7 @@ def test_a_confirmed_cause_with_weak_retrieval_does_not_jump_the_error_s_own_cau
         ],
     )
     runs = list(runs_of("busy_port").values())
-    apply_verdicts(result, runs, [])
+    result = apply_verdicts(given, runs, [])
     by_id = {c.id: c.verdict.verdict for c in result.causes}
     assert by_id["master-port-in-use"] == "confirmed"
     assert next(c.id for c in result.causes) == "hardcoded-device"
