@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 def main():
     local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl")
+    dist.init_process_group("nccl")  # expect: set-device-order
     model = torch.nn.Linear(4, 4).to(f"cuda:{local_rank}")
     print(model)
     dist.destroy_process_group()
