@@ -1,0 +1,373 @@
+"""The hook `assistant run` puts into every Python process of the user's job.
+
+This file is copied as `sitecustomize.py` into a folder put first on the
+job's PYTHONPATH, so every Python process the launch starts (torchrun's
+agent, its workers, mp.spawn children, srun tasks on this node) imports it
+at start-up. It does nothing unless WATCH_DIR_VAR names a writable folder,
+and then, per process, in WATCH_DIR/procs/:
+
+- <pid>.json      who the process is: pid, parent, host, rank variables, its
+                  main thread, later the rank torch.distributed gave it;
+- <pid>.out/.err  its stdout and stderr (fd 1 and 2 are redirected here; the
+                  watcher streams them to the terminal unchanged as they grow,
+                  and they survive a SIGKILL of the process);
+- <pid>.error.json the exception that ended it, as data (type, message,
+                  traceback frames), from sys.excepthook, threading.excepthook
+                  and mp.spawn's own wrapper (which never reaches excepthook);
+                  a launcher's failure also carries its per-rank exit codes;
+- <pid>.stacks    every thread's stack, written by faulthandler when the
+                  watcher sends STACK_SIGNAL: the stack of a hung rank without
+                  killing it, even while C code holds the GIL;
+- <pid>.progress  a counter that grows each time the main thread is seen
+                  leaving a torch.distributed collective (or a backward pass,
+                  where DDP's all_reduce runs): "a rank left a collective";
+- <pid>.exit      written at a normal interpreter exit.
+
+It then imports the user's own sitecustomize, if any, so it stays invisible.
+Standard library only: it runs in the user's training environment, with
+whatever Python that is, before anything else.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+WATCH_DIR_VAR = "ASSISTANT_WATCH_DIR"
+HOOK_DIR_VAR = "ASSISTANT_WATCH_HOOK"
+# A real-time signal: no launcher, library or Slurm uses it, unlike SIGUSR1/2.
+STACK_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
+SAMPLE_SECONDS = 0.2
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID")
+# Functions of torch.distributed a rank can block in (the main thread's
+# frames are compared against these names inside torch/distributed/).
+COLLECTIVES = frozenset(
+    """all_reduce all_gather all_gather_into_tensor all_gather_object all_to_all
+    all_to_all_single barrier monitored_barrier broadcast broadcast_object_list
+    gather gather_object reduce reduce_scatter reduce_scatter_tensor scatter
+    scatter_object_list send recv isend irecv batch_isend_irecv wait
+    init_process_group new_group destroy_process_group""".split()
+)
+
+
+class _State:
+    """This process's files; None everywhere when the hook is off."""
+
+    procs: str | None = None
+    pid: int = 0
+    record: dict = {}
+    stack_file = None
+    progress_fd: int | None = None
+    progress: int = 0
+
+
+STATE = _State()
+
+
+def procs_dir(watch_dir: str) -> str:
+    """The folder of per-process files under a watch folder."""
+    return os.path.join(watch_dir, "procs")
+
+
+# --- writing files --------------------------------------------------------------
+
+
+def _path(suffix: str) -> str:
+    return os.path.join(STATE.procs, f"{STATE.pid}{suffix}")
+
+
+def _write_json(suffix: str, payload: dict) -> None:
+    """Atomically, so the watcher never reads half a record."""
+    final = _path(suffix)
+    partial = f"{final}.part"
+    with open(partial, "w", encoding="utf-8") as out:
+        json.dump(payload, out)
+    os.replace(partial, final)
+
+
+def _update_record(**values) -> None:
+    STATE.record.update(values)
+    _write_json(".json", STATE.record)
+
+
+# --- exceptions as data ------------------------------------------------------
+
+
+def type_name(exc_type) -> str:
+    """The exception type as a traceback prints it (module-qualified unless builtin)."""
+    module = getattr(exc_type, "__module__", "")
+    qualname = getattr(exc_type, "__qualname__", exc_type.__name__)
+    return qualname if module in ("builtins", "__main__", "") else f"{module}.{qualname}"
+
+
+def _frames(tb) -> list[dict]:
+    return [
+        {"file": f.filename, "line": f.lineno, "function": f.name}
+        for f in traceback.extract_tb(tb)
+        if f.filename != __file__
+    ]
+
+
+def _launch_failures(exc) -> list[dict]:
+    """Per-rank exit codes a launcher knows (torchrun's ChildFailedError, mp.spawn's errors)."""
+    failures = []
+    for failure in (getattr(exc, "failures", None) or {}).values():  # torchrun
+        failures.append(
+            {
+                "rank": getattr(failure, "rank", None),
+                "local_rank": getattr(failure, "local_rank", None),
+                "pid": getattr(failure, "pid", None),
+                "exit_code": getattr(failure, "exitcode", None),
+            }
+        )
+    if hasattr(exc, "error_index") and hasattr(exc, "error_pid"):  # mp.spawn
+        failures.append(
+            {
+                "rank": exc.error_index,
+                "local_rank": exc.error_index,
+                "pid": exc.error_pid,
+                "exit_code": getattr(exc, "exit_code", None),
+            }
+        )
+    return failures
+
+
+def record_exception(exc: BaseException, thread: str = "MainThread") -> None:
+    """Write this process's exception record (the first one wins: it is the root)."""
+    if STATE.procs is None or os.path.exists(_path(".error.json")):
+        return
+    try:
+        _write_json(
+            ".error.json",
+            {
+                "pid": STATE.pid,
+                "time": time.time(),
+                "type": type_name(type(exc)),
+                "message": str(exc),
+                "thread": thread,
+                "frames": _frames(exc.__traceback__),
+                "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                "failures": _launch_failures(exc),
+            },
+        )
+        _note_rank()
+    except Exception:
+        pass  # never let the hook change how the user's program fails
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            record_exception(exc)
+        previous(exc_type, exc, tb)
+
+    return hook
+
+
+def _threading_excepthook(previous):
+    def hook(args):
+        if args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            name = args.thread.name if args.thread is not None else "thread"
+            record_exception(args.exc_value, thread=name)
+        previous(args)
+
+    return hook
+
+
+# --- the rank --------------------------------------------------------------------
+
+
+def _note_rank() -> None:
+    """Record the rank torch.distributed gave this process, once it has one."""
+    if "dist_rank" in STATE.record:
+        return
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            _update_record(dist_rank=dist.get_rank(), world_size=dist.get_world_size())
+    except Exception:
+        pass
+
+
+# --- progress: the main thread leaving a collective ----------------------------
+
+
+def _collective_frame(frame):
+    """The outermost torch.distributed collective (or backward) frame on a stack."""
+    found = None
+    while frame is not None:
+        code = frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if "/torch/distributed/" in path and code.co_name in COLLECTIVES:
+            found = frame
+        elif "/torch/autograd/" in path and code.co_name == "backward":
+            found = frame  # DDP's gradient all_reduce runs inside backward
+        frame = frame.f_back
+    return found
+
+
+def _sample(main_id: int) -> None:
+    """Count the main thread's exits from collectives, by sampling its stack.
+
+    A rank that waits stays in the same frame object; a new frame object
+    (held here so its id cannot be reused) or none means it moved on.
+    """
+    held = None
+    while True:
+        time.sleep(SAMPLE_SECONDS)
+        frame = sys._current_frames().get(main_id)
+        current = _collective_frame(frame) if frame is not None else None
+        del frame
+        if held is not None and current is not held:
+            STATE.progress += 1
+            try:
+                os.pwrite(STATE.progress_fd, str(STATE.progress).encode().ljust(20), 0)
+            except OSError:
+                return
+        held = current
+        del current
+        _note_rank()
+
+
+# --- mp.spawn children ---------------------------------------------------------------
+
+
+def _patch_spawn(module) -> None:
+    """mp.spawn's _wrap catches the child's exception and exits 1: record it first.
+
+    The exception is the context of _wrap's SystemExit, so nothing is added
+    to the user's traceback. The wrapper keeps _wrap's name: the parent
+    pickles it by reference for the child.
+    """
+    original = getattr(module, "_wrap", None)
+    if original is None:
+        return
+
+    def _wrap(fn, i, *args, **kwargs):
+        if STATE.procs is not None:
+            _update_record(spawn_index=i)
+        try:
+            return original(fn, i, *args, **kwargs)
+        except SystemExit as exit_:
+            if isinstance(exit_.__context__, Exception):
+                record_exception(exit_.__context__)
+            raise
+
+    _wrap.__module__ = original.__module__
+    _wrap.__qualname__ = original.__qualname__
+    module._wrap = _wrap
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a named module is imported."""
+
+    def __init__(self, patches: dict):
+        self.patches = patches
+
+    def find_spec(self, name, path=None, target=None):
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return None
+        run_module = spec.loader.exec_module
+
+        def exec_module(module):
+            run_module(module)
+            try:
+                patch(module)
+            except Exception:
+                pass
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+# --- install -------------------------------------------------------------------------
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker) is not a rank: its output still
+    # goes to the rank's files, but it must not write the rank's records.
+    STATE.procs = None
+
+
+def _redirect_output() -> None:
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        target = os.open(_path(suffix), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+
+
+def install(watch_dir: str) -> None:
+    """Turn the hook on in this process (writes its record, redirects its output)."""
+    procs = procs_dir(watch_dir)
+    if not os.path.isdir(procs) or not os.access(procs, os.W_OK):
+        return  # e.g. an srun task on another node: leave it alone
+    STATE.procs, STATE.pid = procs, os.getpid()
+    main_id = threading.main_thread().ident
+    STATE.record = {
+        "pid": STATE.pid,
+        "ppid": os.getppid(),
+        "host": socket.gethostname(),
+        "argv": list(getattr(sys, "orig_argv", sys.argv)),
+        "executable": sys.executable,
+        "env": {name: os.environ[name] for name in RANK_VARS if name in os.environ},
+        "main_thread": main_id,
+        "started": time.time(),
+        "stack_signal": None,
+    }
+    _redirect_output()
+    if STACK_SIGNAL is not None:
+        STATE.stack_file = open(_path(".stacks"), "ab")
+        faulthandler.register(STACK_SIGNAL, file=STATE.stack_file, all_threads=True)
+        STATE.record["stack_signal"] = int(STACK_SIGNAL)
+    STATE.progress_fd = os.open(_path(".progress"), os.O_WRONLY | os.O_CREAT, 0o644)
+    _write_json(".json", STATE.record)
+    sys.excepthook = _excepthook(sys.excepthook)
+    threading.excepthook = _threading_excepthook(threading.excepthook)
+    sys.meta_path.insert(0, _AfterImport({"torch.multiprocessing.spawn": _patch_spawn}))
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    atexit.register(_at_exit)
+    threading.Thread(target=_sample, args=(main_id,), name="assistant-watch", daemon=True).start()
+
+
+def _at_exit() -> None:
+    if STATE.procs is not None:
+        _note_rank()
+        with open(_path(".exit"), "w") as marker:
+            marker.write(str(time.time()))
+
+
+def chain_user_sitecustomize(hook_dir: str) -> None:
+    """Import the sitecustomize this one shadows, as Python would have."""
+    here = os.path.realpath(hook_dir)
+    path = [p for p in sys.path if os.path.realpath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "sitecustomize":
+    if os.environ.get(WATCH_DIR_VAR):
+        try:
+            install(os.environ[WATCH_DIR_VAR])
+        except Exception as exc:  # the job must run even if watching cannot
+            STATE.procs = None
+            sys.__stderr__.write(f"assistant run: cannot watch process {os.getpid()}: {exc}\n")
+    chain_user_sitecustomize(os.environ.get(HOOK_DIR_VAR) or os.path.dirname(__file__))
