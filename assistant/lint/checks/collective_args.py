@@ -1,0 +1,437 @@
+"""Collectives every rank calls, but with a tensor whose shape or dtype depends on the rank.
+
+`t = torch.zeros(rank + 1); dist.all_reduce(t)` is called by every rank, yet
+rank 0 sends one element and rank 1 two: NCCL hangs or reads garbage, gloo
+fails with a size mismatch. The check follows data flow within a function
+(module level counts as one): in source order it notes which names hold a
+rank-dependent value (`n = rank + 1`, `10 if rank == 0 else 5`,
+`int(os.environ["RANK"])`), which hold a tensor whose shape or dtype comes from
+one (`torch.zeros(n)`, `.to(torch.half if rank else torch.float)`) and which a
+list whose length does (`[... for _ in range(rank)]`), then looks at the
+tensor arguments of each collective that no rank test keeps from some ranks.
+
+Silence where the rank only places or labels things: a device (`.to(rank)`,
+f"cuda:{local_rank}", device=rank), a seed, a log line, a sampler, a slice of
+a dataset, the value (not the shape) of a tensor (`torch.tensor([rank])`), the
+gather/scatter list that only the root passes, and all_to_all's split sizes,
+which may differ by design. A value that went through a collective
+(`dist.all_reduce(size)`) is the same on every rank afterwards.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.ranks import is_rank_expr
+from assistant.lint.registry import check
+from assistant.lint.torchapi import COLLECTIVES, is_dist_call
+from assistant.results import Finding
+
+# The tensor (or tensor list) parameters of each collective, in positional order,
+# that must match across ranks. gather/scatter lists matter on the root only.
+TENSOR_PARAMETERS = {
+    "all_reduce": ("tensor",),
+    "broadcast": ("tensor",),
+    "reduce": ("tensor",),
+    "all_gather": ("tensor_list", "tensor"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor"),
+    "gather": ("tensor",),
+    "scatter": ("tensor",),
+    "reduce_scatter": ("output", "input_list"),
+    "reduce_scatter_tensor": ("output", "input"),
+}
+# Factories whose every positional argument (and size=) is a dimension.
+SIZE_FACTORIES = frozenset({"zeros", "ones", "empty", "rand", "randn", "arange"})
+LIKE_FACTORIES = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like"})
+NEW_FACTORIES = frozenset({"new_zeros", "new_ones", "new_empty", "new_full"})
+DATA_FACTORIES = frozenset({"tensor", "as_tensor"})
+# Methods that return a tensor of the same shape as their receiver.
+SHAPE_KEEPING = frozenset(
+    {
+        "to",
+        "type",
+        "cuda",
+        "cpu",
+        "float",
+        "half",
+        "double",
+        "bfloat16",
+        "long",
+        "int",
+        "bool",
+        "contiguous",
+        "clone",
+        "detach",
+        "requires_grad_",
+    }
+)
+DTYPES = frozenset(
+    {
+        "float16",
+        "float32",
+        "float64",
+        "bfloat16",
+        "half",
+        "float",
+        "double",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "long",
+        "int",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+    }
+)
+# Methods whose arguments place a tensor or a module, or seed a generator.
+PLACEMENT_METHODS = frozenset({"to", "cuda", "set_device", "manual_seed", "seed"})
+# Environment variables that hold the rank (launchers and schedulers).
+RANK_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "PMI_RANK",
+    }
+)
+# Expressions nested deeper than this are not followed (silence, not a guess).
+MAX_FOLLOWED_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class Taint:
+    """Why a tensor or list differs between ranks: what differs, and where it was made."""
+
+    what: str  # "shape", "dtype" or "length"
+    line: int
+    source: str  # the expression that made it, as source text
+
+
+@dataclass
+class Flow:
+    """What the names of one function hold so far, walking its statements in order."""
+
+    script: Script
+    rank_values: set[str] = field(default_factory=set)  # names of rank-dependent values
+    tensors: dict[str, Taint] = field(default_factory=dict)  # rank-shaped tensors and lists
+
+
+@check("collective-mismatch")
+def check_collective_args_depend_on_rank(script: Script) -> Iterator[Finding]:
+    """A collective reached by every rank whose tensors' shape, dtype or count depends on the rank."""
+    guarded = {id(call.node) for trace in script.traces for call in trace if call.rank_path}
+    for scope in [script.tree, *script.functions.values()]:
+        flow = Flow(script)
+        for node in ordered_events(script, scope):
+            if isinstance(node, ast.Call):
+                yield from collective_finding(flow, node, guarded)
+            else:
+                record(flow, node)
+
+
+def ordered_events(script: Script, scope: ast.AST) -> list[ast.AST]:
+    """Assignments, loops and calls of a scope in the order they take effect.
+
+    An assignment takes effect at its end (after the calls in its value);
+    a loop at its start, where its target and the lists it appends to change.
+    """
+    kinds = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.Call)
+    events = [node for node in script.scope_nodes(scope) if isinstance(node, kinds)]
+
+    def position(node: ast.AST) -> tuple[int, int]:
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            return (node.end_lineno or node.lineno, node.end_col_offset or 0)
+        return (node.lineno, node.col_offset)
+
+    return sorted(events, key=position)
+
+
+def record(flow: Flow, node: ast.AST) -> None:
+    """Update what names hold after an assignment or at the start of a loop."""
+    if isinstance(node, ast.For):
+        record_loop(flow, node)
+        return
+    value = node.value
+    if value is None:  # `x: int` without a value
+        return
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for target in targets:
+        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
+            if len(target.elts) == len(value.elts):
+                for each_target, each_value in zip(target.elts, value.elts, strict=True):
+                    bind(flow, each_target, each_value, isinstance(node, ast.AugAssign))
+                continue
+        for each_target in unpacked(target):
+            bind(flow, each_target, value, isinstance(node, ast.AugAssign))
+
+
+def unpacked(target: ast.expr) -> list[ast.expr]:
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [t for element in target.elts for t in unpacked(element)]
+    return [target.value] if isinstance(target, ast.Starred) else [target]
+
+
+def bind(flow: Flow, target: ast.expr, value: ast.expr, augmented: bool) -> None:
+    """`target = value` (or `target += value`): what the name holds from now on."""
+    key = key_of(target)
+    if key is None:
+        return
+    rank_valued = depends_on_rank(flow, value)
+    taint = tensor_taint(flow, value) or list_taint(flow, value)
+    if augmented:  # `n += rank` adds to what n held; `t += 1` keeps t's shape
+        rank_valued = rank_valued or key in flow.rank_values
+        taint = flow.tensors.get(key) or taint
+    if rank_valued:
+        flow.rank_values.add(key)
+    else:
+        flow.rank_values.discard(key)
+    if taint is not None:
+        flow.tensors[key] = taint
+    else:
+        flow.tensors.pop(key, None)
+
+
+def record_loop(flow: Flow, loop: ast.For) -> None:
+    """`for i in range(rank): xs.append(...)`: i is rank-dependent, and so is len(xs)."""
+    if not depends_on_rank(flow, loop.iter):
+        return
+    for target in unpacked(loop.target):
+        key = key_of(target)
+        if key is not None:
+            flow.rank_values.add(key)
+    if not is_range(flow.script, loop.iter):
+        return  # `for x in data[rank::world]`: a shard, not a count
+    for node in (n for stmt in loop.body for n in own_nodes(stmt)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "extend", "insert")
+        ):
+            key = key_of(node.func.value)
+            if key is not None:
+                flow.tensors[key] = Taint("length", loop.lineno, source_text(loop.iter))
+
+
+def collective_finding(flow: Flow, node: ast.Call, guarded: set[int]) -> Iterator[Finding]:
+    """The finding for a collective with a rank-dependent tensor; then its outputs agree."""
+    name = flow.script.name_of(node.func)
+    if not is_dist_call(name, COLLECTIVES):
+        return
+    collective = short(name)
+    if id(node) not in guarded:
+        for parameter, argument in tensor_arguments(node, collective):
+            taint = tensor_taint(flow, argument) or list_taint(flow, argument)
+            if taint is not None:
+                yield flow.script.finding(
+                    "collective-mismatch", node, message(collective, parameter, argument, taint)
+                )
+                break
+    # After the collective its tensors hold the same values on every rank
+    # (`dist.all_reduce(size, op=MAX)`): sizes read from them no longer differ.
+    for argument in [*node.args, *(k.value for k in node.keywords)]:
+        key = key_of(argument)
+        if key is not None:
+            flow.rank_values.discard(key)
+
+
+def tensor_arguments(node: ast.Call, collective: str) -> list[tuple[str, ast.expr]]:
+    """(parameter, argument) for the tensors of a collective call that must match."""
+    parameters = TENSOR_PARAMETERS.get(collective, ())
+    found = list(zip(parameters, node.args, strict=False))
+    found += [(k.arg, k.value) for k in node.keywords if k.arg in parameters]
+    return found
+
+
+def message(collective: str, parameter: str, argument: ast.expr, taint: Taint) -> str:
+    shown = source_text(argument)
+    made = f"{taint.source}, line {taint.line}"
+    if taint.what == "length":
+        what = f"the length of {shown}"
+    else:
+        what = f"the {taint.what} of {shown}" if shown != taint.source else f"its {taint.what}"
+    return (
+        f"{collective}() is called by every rank, but {what} depends on the rank ({made}): "
+        "every rank must pass the same shapes and dtypes, or it hangs or fails"
+    )
+
+
+# ---------------------------------------------------------------- what depends on the rank
+
+
+def key_of(expr: ast.expr) -> str | None:
+    """`t` or `self.buffer`: a name the flow can follow; None for anything else."""
+    parts: list[str] = []
+    while isinstance(expr, ast.Attribute):
+        parts.append(expr.attr)
+        expr = expr.value
+    if not isinstance(expr, ast.Name):
+        return None
+    parts.append(expr.id)
+    return ".".join(reversed(parts))
+
+
+def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
+    """The value of `expr` may differ between ranks (strings and devices aside)."""
+    stack: list[ast.AST] = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.JoinedStr, ast.Lambda, ast.keyword)):
+            # f"cuda:{rank}" or a log line is text, never a size; a keyword
+            # (DistributedSampler(rank=rank), device=rank) configures an object.
+            continue
+        if isinstance(node, ast.Call) and is_placement(flow.script, node):
+            stack.append(node.func)  # `batch.to(rank)`: the receiver's value, not the device
+            continue
+        if isinstance(node, ast.Constant) and node.value in RANK_VARIABLES:
+            return True  # os.environ["RANK"]
+        if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and is_rank_expr(
+            node, flow.script
+        ):
+            return True
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            key = key_of(node)
+            if key in flow.rank_values or key in flow.tensors:
+                return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
+        stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def is_placement(script: Script, call: ast.Call) -> bool:
+    """A call whose arguments place or seed, never size: .to(rank), torch.device(...), seeds."""
+    if isinstance(call.func, ast.Attribute) and call.func.attr in PLACEMENT_METHODS:
+        return True
+    return short(script.name_of(call.func)) in ("device", "manual_seed", "seed")
+
+
+def tensor_taint(flow: Flow, expr: ast.expr, depth: int = 0) -> Taint | None:
+    """Why the tensor `expr` has a rank-dependent shape or dtype; None if it does not."""
+    if depth > MAX_FOLLOWED_DEPTH:
+        return None
+    key = key_of(expr)
+    if key is not None:
+        return flow.tensors.get(key)
+    if isinstance(expr, ast.BinOp):
+        return tensor_taint(flow, expr.left, depth + 1) or tensor_taint(
+            flow, expr.right, depth + 1
+        )
+    if isinstance(expr, ast.IfExp):
+        return (
+            tensor_taint(flow, expr.body, depth + 1)
+            or tensor_taint(flow, expr.orelse, depth + 1)
+            or chosen_by_rank(flow, expr)
+        )
+    if isinstance(expr, ast.Call):
+        return call_taint(flow, expr, depth)
+    return None
+
+
+def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
+    """A factory given a rank-dependent size or dtype, or a method that keeps such a shape."""
+    name = flow.script.name_of(call.func)
+    factory = short(name) if name.startswith("torch.") and name.count(".") == 1 else ""
+    sizes: list[ast.expr] = []
+    if factory in SIZE_FACTORIES:
+        sizes = [*call.args, *filter(None, [keyword(call, "size")])]
+    elif factory == "full":
+        sizes = [*call.args[:1], *filter(None, [keyword(call, "size")])]
+    elif factory == "randint":
+        sizes = [a for a in call.args if isinstance(a, (ast.Tuple, ast.List))]
+        sizes += list(filter(None, [keyword(call, "size")]))
+    elif factory in DATA_FACTORIES and call.args:
+        taint = list_taint(flow, call.args[0], depth + 1)
+        if taint is not None and taint.what == "length":
+            return Taint("shape", taint.line, taint.source)
+    elif factory in LIKE_FACTORIES and call.args:
+        taint = tensor_taint(flow, call.args[0], depth + 1)
+        if taint is not None:
+            return taint
+    elif isinstance(call.func, ast.Attribute) and call.func.attr in NEW_FACTORIES:
+        sizes = call.args[:1] if call.func.attr == "new_full" else list(call.args)
+    elif isinstance(call.func, ast.Attribute) and call.func.attr in SHAPE_KEEPING:
+        kept = tensor_taint(flow, call.func.value, depth + 1)
+        if kept is not None:
+            return kept
+        sizes = []
+        dtypes = [*call.args, *filter(None, [keyword(call, "dtype")])]
+        if any(is_rank_dtype(flow, d) for d in dtypes):
+            return Taint("dtype", call.lineno, source_text(call))
+        return None
+    if any(depends_on_rank(flow, size) for size in sizes):
+        return Taint("shape", call.lineno, source_text(call))
+    dtype = keyword(call, "dtype")
+    if factory and dtype is not None and is_rank_dtype(flow, dtype):
+        return Taint("dtype", call.lineno, source_text(call))
+    return None
+
+
+def is_rank_dtype(flow: Flow, expr: ast.expr) -> bool:
+    """`torch.half if rank == 0 else torch.float`: a dtype chosen by the rank."""
+    names_dtype = any(
+        isinstance(n, ast.Attribute)
+        and n.attr in DTYPES
+        and flow.script.name_of(n).startswith("torch.")
+        for n in ast.walk(expr)
+    )
+    return names_dtype and depends_on_rank(flow, expr)
+
+
+def chosen_by_rank(flow: Flow, choice: ast.IfExp) -> Taint | None:
+    """`torch.zeros(10) if rank == 0 else torch.zeros(5)`: two literal shapes, picked by rank."""
+    if not depends_on_rank(flow, choice.test):
+        return None
+    sides = [choice.body, choice.orelse]
+    if not all(isinstance(s, ast.Call) and literal_factory(flow, s) for s in sides):
+        return None
+    if source_text(choice.body) == source_text(choice.orelse):
+        return None
+    return Taint("shape", choice.lineno, source_text(choice))
+
+
+def literal_factory(flow: Flow, call: ast.Call) -> bool:
+    """A torch size factory whose arguments are all literals (`torch.zeros(10, 4)`)."""
+    name = flow.script.name_of(call.func)
+    return (
+        name.startswith("torch.")
+        and short(name) in SIZE_FACTORIES
+        and all(isinstance(a, ast.Constant) for a in call.args)
+    )
+
+
+def list_taint(flow: Flow, expr: ast.expr, depth: int = 0) -> Taint | None:
+    """Why the list `expr` has a rank-dependent length or holds rank-shaped tensors."""
+    if depth > MAX_FOLLOWED_DEPTH:
+        return None
+    key = key_of(expr)
+    if key is not None:
+        return flow.tensors.get(key)
+    if isinstance(expr, (ast.ListComp, ast.GeneratorExp)):
+        for generator in expr.generators:
+            if is_range(flow.script, generator.iter) and depends_on_rank(flow, generator.iter):
+                return Taint("length", expr.lineno, source_text(expr))
+        return tensor_taint(flow, expr.elt, depth + 1)
+    if isinstance(expr, (ast.List, ast.Tuple)):
+        return next(
+            filter(None, (tensor_taint(flow, e, depth + 1) for e in expr.elts)), None
+        )
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult):
+        for items, count in ((expr.left, expr.right), (expr.right, expr.left)):
+            if isinstance(items, (ast.List, ast.ListComp)) and depends_on_rank(flow, count):
+                return Taint("length", expr.lineno, source_text(expr))
+        return list_taint(flow, expr.left, depth + 1) or list_taint(flow, expr.right, depth + 1)
+    if isinstance(expr, ast.Call) and flow.script.name_of(expr.func) in ("list", "tuple"):
+        return list_taint(flow, expr.args[0], depth + 1) if expr.args else None
+    return None
+
+
+def is_range(script: Script, expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Call) and script.name_of(expr.func) == "range"

@@ -1,0 +1,207 @@
+"""Device checks: a fixed GPU, set_device missing or late, DDP device_ids on a CPU module."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, is_int, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import (
+    COLLECTIVES,
+    FIXED_CUDA,
+    backend_of,
+    init_calls,
+    is_ddp,
+    is_dist_call,
+    is_init,
+    is_method,
+    is_set_device,
+    uses_cuda,
+)
+from assistant.lint.tracer import TracedCall
+from assistant.results import Finding
+
+CURRENT_DEVICE = (
+    "means the current device, which is cuda:0 in every process unless "
+    "torch.cuda.set_device(local_rank) ran first"
+)
+
+
+@check("hardcoded-device")
+def check_hardcoded_device(script: Script) -> Iterator[Finding]:
+    """A fixed GPU ("cuda:0", device_ids=[0]) instead of the rank's own device."""
+    has_set_device = any(is_set_device(name) for _node, name in script.calls())
+    for node, name in script.calls():
+        yield from fixed_cuda_strings(script, node)
+        if not has_set_device:
+            yield from current_device_uses(script, node, name)
+        if is_torch_device(name) and len(node.args) == 2 and is_int(node.args[1]):
+            yield script.finding(
+                "hardcoded-device",
+                node,
+                f"torch.device(..., {node.args[1].value}) is the same GPU on every rank: "
+                "pass local_rank",
+            )
+        if is_method(node, "cuda"):
+            index = node.args[0] if node.args else keyword(node, "device")
+            if is_int(index):
+                yield script.finding(
+                    "hardcoded-device",
+                    node,
+                    f".cuda({index.value}) is the same GPU on every rank: use .cuda(local_rank)",
+                )
+        if is_ddp(name):
+            yield from fixed_ddp_devices(script, node)
+
+
+def is_torch_device(name: str) -> bool:
+    return name == "torch.device"
+
+
+def fixed_cuda_strings(script: Script, node: ast.Call) -> Iterator[Finding]:
+    for arg in [*node.args, *(k.value for k in node.keywords)]:
+        if isinstance(arg, ast.Constant) and FIXED_CUDA.match(str(arg.value)):
+            yield script.finding(
+                "hardcoded-device",
+                arg,
+                f'"{arg.value}" puts every rank on the same GPU: use '
+                'torch.device("cuda", local_rank)',
+            )
+
+
+def current_device_uses(script: Script, node: ast.Call, name: str) -> Iterator[Finding]:
+    """`.cuda()`, `.to("cuda")`, torch.device("cuda"): cuda:0 without set_device."""
+    if is_method(node, "cuda") and not node.args and keyword(node, "device") is None:
+        yield script.finding("hardcoded-device", node, f".cuda() without an index {CURRENT_DEVICE}")
+        return
+    bare = [a for a in node.args if isinstance(a, ast.Constant) and a.value == "cuda"]
+    device_kw = keyword(node, "device")
+    if is_method(node, "to") and bare:
+        yield script.finding("hardcoded-device", node, f'.to("cuda") {CURRENT_DEVICE}')
+    elif is_torch_device(name) and len(node.args) == 1 and bare:
+        yield script.finding("hardcoded-device", node, f'torch.device("cuda") {CURRENT_DEVICE}')
+    elif isinstance(device_kw, ast.Constant) and device_kw.value == "cuda":
+        yield script.finding("hardcoded-device", node, f'device="cuda" {CURRENT_DEVICE}')
+
+
+def fixed_ddp_devices(script: Script, node: ast.Call) -> Iterator[Finding]:
+    ids = keyword(node, "device_ids")
+    if isinstance(ids, (ast.List, ast.Tuple)) and any(is_int(e) for e in ids.elts):
+        yield script.finding(
+            "hardcoded-device",
+            ids,
+            f"device_ids={source_text(ids)} is the same GPU on every rank: use [local_rank]",
+        )
+    output = keyword(node, "output_device")
+    if is_int(output):
+        yield script.finding(
+            "hardcoded-device",
+            output,
+            f"output_device={output.value} is the same GPU on every rank: use local_rank",
+        )
+
+
+@check("set-device-order")
+def check_set_device_order(script: Script) -> Iterator[Finding]:
+    """set_device missing with NCCL/CUDA, or called after init_process_group."""
+    inits = init_calls(script)
+    if not inits:
+        return
+    set_devices = [node for node, name in script.calls() if is_set_device(name)]
+    if not set_devices:
+        yield from missing_set_device(script, inits[0])
+        return
+    for trace in script.traces:
+        first_init = next((i for i, c in enumerate(trace) if is_init(c.name)), None)
+        if first_init is None or any(is_set_device(c.name) for c in trace[:first_init]):
+            continue
+        device_work = None  # the first call after init that already needs the rank's GPU
+        for call in trace[first_init + 1 :]:
+            if is_set_device(call.name):
+                if device_work is not None:
+                    yield late_set_device(script, call, device_work)
+                break
+            if device_work is None and needs_rank_device(call.name):
+                device_work = call
+
+
+def missing_set_device(script: Script, first_init: ast.Call) -> Iterator[Finding]:
+    if keyword(first_init, "device_id") is not None:
+        return  # the communicator is bound to an explicit device
+    backend = backend_of(first_init)
+    needs_gpu = "nccl" in backend if backend else uses_cuda(script)
+    if needs_gpu:
+        yield script.finding(
+            "set-device-order",
+            first_init,
+            "init_process_group with NCCL/CUDA but torch.cuda.set_device is never "
+            "called: every rank's current device is cuda:0; call "
+            "torch.cuda.set_device(local_rank) before init_process_group",
+        )
+
+
+def late_set_device(script: Script, call: TracedCall, device_work: TracedCall) -> Finding:
+    return script.finding(
+        "set-device-order",
+        call.node,
+        "torch.cuda.set_device comes after init_process_group and after "
+        f"{short(device_work.name)} (line {device_work.node.lineno}), which "
+        "already ran on cuda:0: set the device before init_process_group",
+    )
+
+
+def needs_rank_device(name: str) -> bool:
+    """A call that creates the NCCL communicator (on the current device).
+
+    init_process_group without device_id creates it lazily, at the first
+    collective or DDP's first broadcast; setting the device between the two,
+    as the PyTorch tutorials do, is early enough.
+    """
+    return is_dist_call(name, COLLECTIVES) or is_ddp(name)
+
+
+@check("ddp-device-ids-cpu-module")
+def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
+    """DDP(module, device_ids=...) on a module that was never moved to a device."""
+    moved = moved_expressions(script)
+    for node, name in script.calls():
+        if not is_ddp(name) or not node.args:
+            continue
+        ids = keyword(node, "device_ids")
+        if ids is None or (isinstance(ids, ast.Constant) and ids.value is None):
+            continue
+        module = node.args[0]
+        if is_move(module) or source_text(module) in moved:
+            continue
+        yield script.finding(
+            "ddp-device-ids-cpu-module",
+            node,
+            f"DDP gets device_ids but {source_text(module)} is never moved to a device "
+            "(.to(device) / .cuda(local_rank)): move it first, or drop device_ids on CPU",
+        )
+
+
+def is_move(expr: ast.expr) -> bool:
+    """`x.to(...)`, `x.cuda(...)`, or a constructor given device=..."""
+    if not isinstance(expr, ast.Call):
+        return False
+    if isinstance(expr.func, ast.Attribute) and expr.func.attr in ("to", "cuda"):
+        return True
+    return keyword(expr, "device") is not None
+
+
+def moved_expressions(script: Script) -> set[str]:
+    """Expressions (as source text) that are moved to a device somewhere in the file."""
+    moved: set[str] = set()
+    for node in script.nodes:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("to", "cuda")
+        ):
+            moved.add(source_text(node.func.value))
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value and is_move(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            moved.update(source_text(t) for t in targets)
+    return moved

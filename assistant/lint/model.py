@@ -1,0 +1,238 @@
+"""The script as the checks see it: reading and parsing it, and the `Script` model.
+
+Everything a hostile file can do to the linter is stopped here or bounded
+here: a missing file, a directory, a device or pipe (reading would never
+end), a file too big to be a training script, bytes that are not UTF-8,
+text that is not Python, nesting deeper than Python's own parser follows.
+Each becomes a one-line `UserError`; a file that parses is linted.
+
+The walks over the tree are iterative (`ast.walk` and explicit stacks), so a
+deep expression that parses costs no recursion here.
+"""
+
+from __future__ import annotations
+
+import ast
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from assistant.errors import UserError
+from assistant.results import Finding
+
+if TYPE_CHECKING:  # the tracer builds the traces and imports this module
+    from assistant.lint.tracer import TracedCall
+
+# A training script is a few thousand lines; past this size the file is
+# something else (a dump, a bundle), and parsing it costs seconds per MiB.
+MAX_SCRIPT_BYTES = 4 * 1024 * 1024
+# Message text for an expression: long or deep ones are shown by their line.
+MAX_SHOWN_CHARS = 60
+MAX_SHOWN_DEPTH = 40
+
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+@dataclass
+class Script:
+    """A parsed training script and what the checks need to know about it."""
+
+    path: str
+    tree: ast.Module
+    nodes: list[ast.AST]  # every node of the file, walked once: checks filter this list
+    aliases: dict[str, str]
+    functions: dict[str, Function]
+    traces: list[list[TracedCall]] = field(default_factory=list)
+    scope_nodes_cache: dict[int, list[ast.AST]] = field(default_factory=dict, repr=False)
+
+    def scope_nodes(self, scope: ast.AST) -> list[ast.AST]:
+        """`own_nodes(scope)`, computed once per scope for all checks."""
+        if id(scope) not in self.scope_nodes_cache:
+            self.scope_nodes_cache[id(scope)] = list(own_nodes(scope))
+        return self.scope_nodes_cache[id(scope)]
+
+    @cached_property
+    def call_names(self) -> list[tuple[ast.Call, str]]:
+        """Every call in the file with its resolved name, in source order."""
+        found = [n for n in self.nodes if isinstance(n, ast.Call)]
+        found.sort(key=lambda n: (n.lineno, n.col_offset))
+        return [(node, self.name_of(node.func)) for node in found]
+
+    @cached_property
+    def string_constants(self) -> frozenset[str]:
+        """Every string literal in the file ("LOCAL_RANK", "cuda:0", ...)."""
+        return frozenset(
+            n.value for n in self.nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)
+        )
+
+    @cached_property
+    def methods_by_name(self) -> dict[str, list[str]]:
+        """The file's methods ("Class.method") by method name, for `self.method()`."""
+        methods: dict[str, list[str]] = {}
+        for qualified in self.functions:
+            if "." in qualified:
+                methods.setdefault(qualified.split(".")[1], []).append(qualified)
+        return methods
+
+    def calls(self) -> Iterator[tuple[ast.Call, str]]:
+        """Every call in the file with its resolved name, in source order."""
+        return iter(self.call_names)
+
+    def name_of(self, expr: ast.expr) -> str:
+        """The dotted name of `expr` with its first part resolved through imports."""
+        parts: list[str] = []
+        while isinstance(expr, ast.Attribute):
+            parts.append(expr.attr)
+            expr = expr.value
+        if not isinstance(expr, ast.Name):
+            return ""
+        parts.append(self.aliases.get(expr.id, expr.id))
+        return ".".join(reversed(parts))
+
+    def finding(self, cause_id: str, node: ast.AST | int, message: str) -> Finding:
+        line = node if isinstance(node, int) else node.lineno
+        return Finding(cause_id=cause_id, line=line, message=message, path=self.path)
+
+
+# ---------------------------------------------------------------- reading and parsing
+
+
+def read_script(path: str | Path) -> str:
+    """The text of a script on disk; UserError for anything that is not a readable file."""
+    file = Path(path)
+    try:
+        info = file.stat()
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise UserError(f"{path}: is a directory, not a Python script")
+    if not stat.S_ISREG(info.st_mode):
+        # A FIFO or /dev/zero would block or never end.
+        raise UserError(f"{path}: not a regular file, not a Python script")
+    if info.st_size > MAX_SCRIPT_BYTES:
+        raise UserError(
+            f"{path}: {info.st_size / 2**20:.1f} MiB is too big for a training script "
+            f"(lint reads up to {MAX_SCRIPT_BYTES // 2**20} MiB)"
+        )
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read: {exc.strerror}") from None
+    # A stray byte in a comment should not stop the lint; replace it.
+    return data.decode("utf-8-sig", errors="replace")
+
+
+def parse_script(source: str, path: str = "<string>") -> Script:
+    """Parse `source` into a `Script` with its import aliases and functions (no traces)."""
+    if len(source) > MAX_SCRIPT_BYTES:
+        raise UserError(f"{path}: too big for a training script ({len(source)} characters)")
+    try:
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as exc:
+        where = f"{path}:{exc.lineno}" if exc.lineno else path
+        raise UserError(f"{where}: not valid Python: {exc.msg}") from None
+    except ValueError as exc:  # null bytes on older Pythons
+        raise UserError(f"{path}: not valid Python: {exc}") from None
+    except (RecursionError, MemoryError):
+        # `a + a + ... + a` a hundred thousand times: Python's parser gives up.
+        raise UserError(f"{path}: nested too deeply for Python's parser; not linted") from None
+    nodes = list(ast.walk(tree))
+    return Script(
+        path=path,
+        tree=tree,
+        nodes=nodes,
+        aliases=import_aliases(nodes),
+        functions=functions_of(tree),
+    )
+
+
+def functions_of(tree: ast.Module) -> dict[str, Function]:
+    """Top-level functions by name, and methods of top-level classes as "Class.method".
+
+    Trainers are often classes: their methods are traced like functions, and
+    `Trainer(...)` / `self.step()` step into them.
+    """
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    functions = {node.name: node for node in tree.body if isinstance(node, defs)}
+    for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
+        for method in (node for node in cls.body if isinstance(node, defs)):
+            functions[f"{cls.name}.{method.name}"] = method
+    return functions
+
+
+def import_aliases(nodes: list[ast.AST]) -> dict[str, str]:
+    """Local name -> full dotted name, from every import among the file's nodes."""
+    aliases: dict[str, str] = {}
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    aliases[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    aliases[top] = top
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return aliases
+
+
+# ---------------------------------------------------------------- small AST helpers
+
+
+def keyword(call: ast.Call, name: str) -> ast.expr | None:
+    """The value of `name=` in a call, None if absent."""
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def is_int(expr: ast.expr | None) -> bool:
+    """An int literal (not a bool)."""
+    return (
+        isinstance(expr, ast.Constant)
+        and isinstance(expr.value, int)
+        and not isinstance(expr.value, bool)
+    )
+
+
+def short(name: str) -> str:
+    """The last part of a dotted name."""
+    return name.split(".")[-1]
+
+
+def own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
+    """Nodes of a module or function body in source order, not of functions nested in it."""
+    nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+    stack = list(reversed(list(ast.iter_child_nodes(scope))))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, nested):
+            continue
+        yield node
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def depth_of(node: ast.AST, limit: int) -> int:
+    """How deep the tree under `node` goes, counting no further than `limit`."""
+    deepest = 0
+    stack = [(node, 1)]
+    while stack and deepest < limit:
+        current, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(current))
+    return deepest
+
+
+def source_text(expr: ast.AST) -> str:
+    """`expr` as source text for a message or a comparison; long or deep ones abbreviated.
+
+    ast.unparse recurses once per level: a deep expression is named by its line.
+    """
+    if depth_of(expr, MAX_SHOWN_DEPTH + 1) > MAX_SHOWN_DEPTH:
+        return f"<expression on line {getattr(expr, 'lineno', '?')}>"
+    text = ast.unparse(expr)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."

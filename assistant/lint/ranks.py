@@ -1,0 +1,158 @@
+"""Which ranks run a branch: `if rank == 0:`, `local_rank in [-1, 0]`, `is_main_process()`.
+
+`rank_branch_sides(test)` says who runs the body and who the else branch of
+`if test:` in a distributed run: rank 0 only, every rank but 0, no rank at
+all (`if local_rank == -1:` is the single-process path), or None when any
+rank may. The tracer records these branches around every call (a `RankPath`),
+and the checks read them.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+
+from assistant.lint.model import Script, is_int, short
+from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
+
+# Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
+RANK_NAME = re.compile(r"rank(_?id|_?idx)?$", re.IGNORECASE)
+RANK_ZERO, OTHER_RANKS, NO_RANKS = "rank 0 only", "every rank but 0", "no rank"
+# `rank <op> value` tests that split rank 0 from the others; -1 is the usual
+# "not distributed" local rank, so `local_rank in [-1, 0]` means rank 0.
+RANK_COMPARISONS = {
+    (ast.Eq, 0): RANK_ZERO,
+    (ast.LtE, 0): RANK_ZERO,
+    (ast.Lt, 1): RANK_ZERO,
+    (ast.In, frozenset({0})): RANK_ZERO,
+    (ast.In, frozenset({-1, 0})): RANK_ZERO,
+    (ast.NotEq, 0): OTHER_RANKS,
+    (ast.Gt, 0): OTHER_RANKS,
+    (ast.GtE, 1): OTHER_RANKS,
+    (ast.NotIn, frozenset({0})): OTHER_RANKS,
+    (ast.NotIn, frozenset({-1, 0})): OTHER_RANKS,
+}
+MIRRORED = {ast.Lt: ast.Gt, ast.Gt: ast.Lt, ast.LtE: ast.GtE, ast.GtE: ast.LtE}
+# A test nested deeper than this (`not not ... rank == 0`, towers of and/or)
+# is not a rank test anyone writes; it is read as "any rank may".
+MAX_TEST_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class RankBranch:
+    """A branch of an `if` that only some ranks take."""
+
+    test_if: ast.If
+    branch: str  # "body" or "orelse" (for an early return: the statements after it)
+    side: str  # RANK_ZERO, OTHER_RANKS or NO_RANKS
+
+
+RankPath = tuple[RankBranch, ...]
+NO_RANK: RankPath = ()
+
+
+def narrowed(path: RankPath, test_if: ast.If, branch: str, side: str | None) -> RankPath:
+    """`path` with one more branch, if that branch is taken by some ranks only."""
+    return path if side is None else (*path, RankBranch(test_if, branch, side))
+
+
+def some_rank_runs(path: RankPath) -> bool:
+    """A path that some rank of a distributed run takes (not the single-process one)."""
+    sides = {branch.side for branch in path}
+    return NO_RANKS not in sides and not {RANK_ZERO, OTHER_RANKS} <= sides
+
+
+def is_rank_expr(expr: ast.expr, script: Script) -> bool:
+    """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`."""
+    if isinstance(expr, ast.Call):
+        return short(script.name_of(expr.func)) in ("get_rank", "get_local_rank")
+    if isinstance(expr, ast.Name):
+        return bool(RANK_NAME.search(expr.id))
+    if isinstance(expr, ast.Attribute):
+        return bool(RANK_NAME.search(expr.attr))
+    return False
+
+
+def rank_branch_sides(
+    test: ast.expr, script: Script, depth: int = 0
+) -> tuple[str | None, str | None]:
+    """Who runs the body and who runs the else branch of `if test:` in a distributed run.
+
+    RANK_ZERO, OTHER_RANKS or NO_RANKS; None where any rank may.
+    """
+    if depth > MAX_TEST_DEPTH:
+        return None, None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        body, orelse = rank_branch_sides(test.operand, script, depth + 1)
+        return orelse, body
+    if isinstance(test, ast.BoolOp):
+        parts = [rank_branch_sides(value, script, depth + 1) for value in test.values]
+        if isinstance(test.op, ast.And):
+            return all_hold_sides(parts)
+        # De Morgan: `a or b` is `not (not a and not b)`
+        body, orelse = all_hold_sides([(o, b) for b, o in parts])
+        return orelse, body
+    holds = holds_when_distributed(test, script)
+    if holds is not None:
+        return (None, NO_RANKS) if holds else (NO_RANKS, None)
+    side = rank_comparison_side(test, script)
+    return side, other_side(side)
+
+
+def all_hold_sides(parts: list[tuple[str | None, str | None]]) -> tuple[str | None, str | None]:
+    """Sides of `a and b and ...`: the body needs every part, the else any one failing."""
+    bodies = {body for body, _ in parts} - {None}
+    if NO_RANKS in bodies or {RANK_ZERO, OTHER_RANKS} <= bodies:
+        body = NO_RANKS
+    else:
+        body = bodies.pop() if bodies else None
+    can_fail = [orelse for _, orelse in parts if orelse != NO_RANKS]
+    orelse = NO_RANKS if not can_fail else can_fail[0] if len(can_fail) == 1 else None
+    return body, orelse
+
+
+def holds_when_distributed(test: ast.expr, script: Script) -> bool | None:
+    """`dist.is_initialized()` is true and `local_rank == -1` false on every rank of a run."""
+    if isinstance(test, ast.Call):
+        always = short(script.name_of(test.func)) in ("is_initialized", "is_available")
+        return True if always else None
+    if isinstance(test, ast.Compare) and len(test.ops) == 1:
+        left, right = test.left, test.comparators[0]
+        if is_rank_expr(left, script) and int_literal(right) == -1:
+            op = type(test.ops[0])
+            return {ast.Eq: False, ast.NotEq: True}.get(op)
+    return None
+
+
+def rank_comparison_side(test: ast.expr, script: Script) -> str | None:
+    """`rank == 0`, `rank != 0`, `local_rank in [-1, 0]`, `get_rank() > 0`, `is_main_process()`."""
+    if isinstance(test, ast.Call):
+        return RANK_ZERO if short(script.name_of(test.func)) in MAIN_PROCESS_HELPERS else None
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1:
+        return None
+    left, op, right = test.left, type(test.ops[0]), test.comparators[0]
+    if is_rank_expr(right, script) and op not in (ast.In, ast.NotIn):  # `0 == rank`
+        left, right, op = right, left, MIRRORED.get(op, op)
+    if not is_rank_expr(left, script):
+        return None
+    return RANK_COMPARISONS.get((op, int_literal(right)))
+
+
+def other_side(side: str | None) -> str | None:
+    """Rank 0 <-> every rank but 0; None for anything else."""
+    return {RANK_ZERO: OTHER_RANKS, OTHER_RANKS: RANK_ZERO}.get(side or "")
+
+
+def int_literal(expr: ast.expr) -> int | frozenset[int] | None:
+    """An int constant, or a list / tuple / set of them as a frozenset."""
+    if is_int(expr):
+        return expr.value
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and is_int(expr.operand):
+        return -expr.operand.value
+    if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
+        values = [int_literal(e) if not isinstance(e, (ast.List, ast.Tuple, ast.Set)) else None
+                  for e in expr.elts]
+        if all(isinstance(v, int) for v in values):
+            return frozenset(values)
+    return None

@@ -1,0 +1,43 @@
+"""The registry of checks: `@check("cause-id")` on a function of a module in checks/.
+
+A check reads a `Script` (the parsed file and its traces) and yields
+`Finding`s for the one contract cause id (data/causes.yaml) it is registered
+under; several checks may share a cause id. `assistant.lint.checks` imports
+every area module, which registers its checks here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from assistant.lint.model import Script
+from assistant.results import Finding
+
+Check = Callable[[Script], Iterator[Finding]]
+
+
+@dataclass(frozen=True)
+class RegisteredCheck:
+    """A check and the cause id of every finding it yields."""
+
+    cause_id: str
+    run: Check
+
+    @property
+    def name(self) -> str:
+        return f"{self.run.__module__}.{self.run.__name__}"
+
+
+CHECKS: list[RegisteredCheck] = []
+"""Every registered check, in the order their modules register them."""
+
+
+def check(cause_id: str) -> Callable[[Check], Check]:
+    """Register a check whose findings carry `cause_id`."""
+
+    def register(function: Check) -> Check:
+        CHECKS.append(RegisteredCheck(cause_id, function))
+        return function
+
+    return register

@@ -1,0 +1,117 @@
+"""What the linter knows about PyTorch's API: names of collectives, spawners,
+tensor factories, and tests on resolved call names ("torch.distributed.barrier")."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+from assistant.lint.model import Script, keyword, short
+
+DIST = "torch.distributed"
+
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+    }
+)
+# torch.distributed calls that need the default process group.
+NEEDS_GROUP = COLLECTIVES | {"get_rank", "get_world_size", "get_backend", "new_group"}
+
+SPAWNERS = frozenset(
+    {
+        "torch.multiprocessing.spawn",
+        "torch.multiprocessing.start_processes",
+        "torch.multiprocessing.Process",
+        "torch.multiprocessing.Pool",
+        "multiprocessing.Process",
+        "multiprocessing.Pool",
+    }
+)
+TENSOR_FACTORIES = frozenset(
+    {"tensor", "zeros", "ones", "empty", "full", "rand", "randn", "arange"}
+)
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+LOCAL_RANK_NAME = re.compile(r"^(local_rank|localrank|local_rank_id|lrank)$", re.IGNORECASE)
+FIXED_CUDA = re.compile(r"^cuda:\d+$")
+MAIN_PROCESS_HELPERS = frozenset({"is_main_process", "is_master", "is_rank_zero", "is_rank0"})
+
+
+def is_dist_call(name: str, functions: frozenset[str] | set[str]) -> bool:
+    """`torch.distributed.<one of functions>` (not a method of a submodule)."""
+    return name.startswith(DIST + ".") and short(name) in functions and name.count(".") == 2
+
+
+def is_init(name: str) -> bool:
+    return short(name) == "init_process_group"
+
+
+def is_set_device(name: str) -> bool:
+    return name.endswith("cuda.set_device")
+
+
+def is_ddp(name: str) -> bool:
+    return short(name) == "DistributedDataParallel"
+
+
+def init_calls(script: Script) -> list[ast.Call]:
+    """Every init_process_group call of the file, in source order."""
+    return [node for node, name in script.calls() if is_init(name)]
+
+
+def backend_of(call: ast.Call) -> str | None:
+    """The literal backend of an init_process_group call, None if absent or computed."""
+    value = keyword(call, "backend") or (call.args[0] if call.args else None)
+    if isinstance(value, ast.Constant) and isinstance(value.value, str):
+        return value.value.lower()
+    return None
+
+
+def reads_env(script: Script, variable: str) -> bool:
+    """True if the string `variable` appears as a literal (os.environ[...], getenv)."""
+    return variable in script.string_constants
+
+
+def is_method(node: ast.Call, attr: str) -> bool:
+    """`something.attr(...)` where something is not the torch module itself."""
+    func = node.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == attr
+        and not (isinstance(func.value, ast.Name) and func.value.id == "torch")
+    )
+
+
+def uses_cuda(script: Script) -> bool:
+    """`.cuda(...)`, a "cuda..." device string, or an f"cuda:{...}" string."""
+    if any(is_method(node, "cuda") for node, _name in script.calls()):
+        return True
+    return any(s == "cuda" or s.startswith("cuda:") for s in script.string_constants)
+
+
+def local_rank_arguments(script: Script) -> list[tuple[ast.Call, set[str]]]:
+    """parser.add_argument calls for the local rank, with the flags they accept."""
+    found = []
+    for node, name in script.calls():
+        if short(name) != "add_argument":
+            continue
+        flags = {a.value for a in node.args if isinstance(a, ast.Constant)}
+        if flags & set(LOCAL_RANK_FLAGS):
+            found.append((node, flags))
+    return found

@@ -1,0 +1,240 @@
+"""The rough execution trace of a script: which calls run, in which order, on which ranks.
+
+Starting at module level, statements are walked in order, and a call to a
+function defined in the same file (`f()`, `Trainer()` for its __init__,
+`self.step()`, or a target handed to mp.spawn / Process) is walked in place.
+Branches are walked one after the other and loops once; that is rough, but it
+is the order a reader would follow, and checks only use it to compare two
+calls on the same path. Each call also carries the `if`s on the rank around
+it (see ranks.py), so a check can tell who reaches it.
+
+The walk never recurses in Python: each step is a generator that yields the
+steps it contains, and `drive` runs them from an explicit stack. A chain of
+five thousand functions calling each other is as safe as one. Stepping into
+functions is bounded (per trace and for the whole file), so a helper called
+from everywhere, or a fan-out that doubles at each level, costs a bounded
+amount of work; past the bound the trace still records every call it walks.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from assistant.lint.model import Script
+from assistant.lint.ranks import NO_RANK, RankPath, narrowed, rank_branch_sides
+from assistant.lint.torchapi import SPAWNERS
+
+# Past this many calls in one trace, it stops stepping into functions.
+MAX_TRACED_CALLS = 20_000
+# Past this many calls in all traces of a file together, no trace steps in.
+MAX_TRACED_CALLS_PER_FILE = 200_000
+
+Step = Iterator["Step"]  # a generator that yields the steps it contains
+
+
+@dataclass(frozen=True)
+class TracedCall:
+    """One call on the rough execution path."""
+
+    node: ast.Call
+    name: str  # dotted name with import aliases resolved ("" if not a plain name)
+    top_line: int  # the module-level statement that led here
+    guarded: bool  # reached under `if __name__ == "__main__":` (or not at import time)
+    rank_path: RankPath  # the `if rank == 0:`-like branches around it, outermost first
+
+
+@dataclass(frozen=True)
+class Where:
+    """What every call in a block shares: how it was reached and by which ranks."""
+
+    top_line: int
+    guarded: bool
+    rank: RankPath
+
+    def with_rank(self, rank: RankPath) -> Where:
+        return Where(self.top_line, self.guarded, rank)
+
+
+class Budget:
+    """The calls all traces of one file may still record before they stop stepping in."""
+
+    def __init__(self, calls: int = MAX_TRACED_CALLS_PER_FILE):
+        self.calls_left = calls
+
+
+def drive(step: Step) -> None:
+    """Run a step and every step it yields, depth first, without recursion."""
+    stack = [step]
+    while stack:
+        try:
+            inner = next(stack[-1])
+        except StopIteration:
+            stack.pop()
+            continue
+        stack.append(inner)
+
+
+class Tracer:
+    """Walks statements in order, stepping into same-file functions."""
+
+    def __init__(self, script: Script, budget: Budget):
+        self.script = script
+        self.budget = budget
+        self.visited: set[str] = set()
+        self.calls: list[TracedCall] = []
+        self.stack: list[str] = []  # the functions being walked, outermost first
+        self.active: set[str] = set()  # the same, for a quick recursion test
+
+    def run_module(self) -> list[TracedCall]:
+        drive(self.module())
+        return self.calls
+
+    def run_function(self, name: str) -> list[TracedCall]:
+        func = self.script.functions[name]
+        drive(self.enter(name, func, Where(func.lineno, True, NO_RANK)))
+        return self.calls
+
+    def module(self) -> Step:
+        for stmt in self.script.tree.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            yield self.statement(stmt, Where(stmt.lineno, is_main_guard(stmt), NO_RANK))
+
+    def enter(self, name: str, func: ast.AST, where: Where) -> Step:
+        if name in self.active:  # recursion: walk a function once per path
+            return
+        self.visited.add(name)
+        self.stack.append(name)
+        self.active.add(name)
+        yield self.block(func.body, where)
+        self.active.discard(name)
+        self.stack.pop()
+
+    def block(self, stmts: list[ast.stmt], where: Where) -> Step:
+        """Statements in order; after `if rank != 0: return` the rest is rank 0's alone."""
+        for stmt in stmts:
+            yield self.statement(stmt, where)
+            if isinstance(stmt, ast.If) and not stmt.orelse and leaves_block(stmt.body):
+                _body_side, rest_side = rank_branch_sides(stmt.test, self.script)
+                where = where.with_rank(narrowed(where.rank, stmt, "orelse", rest_side))
+
+    def statement(self, stmt: ast.stmt, where: Where) -> Step:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return  # nested definitions run only when called; not followed
+        if isinstance(stmt, ast.If):
+            yield self.expression(stmt.test, where)
+            body_side, else_side = rank_branch_sides(stmt.test, self.script)
+            yield self.block(stmt.body, where.with_rank(narrowed(where.rank, stmt, "body", body_side)))
+            yield self.block(
+                stmt.orelse, where.with_rank(narrowed(where.rank, stmt, "orelse", else_side))
+            )
+            return
+        yield self.fields(stmt, where)
+
+    def fields(self, node: ast.AST, where: Where) -> Step:
+        """Every field in order: loop and try bodies, handlers, with-items."""
+        for _name, value in ast.iter_fields(node):
+            items = value if isinstance(value, list) else [value]
+            if items and all(isinstance(item, ast.stmt) for item in items):
+                yield self.block(items, where)
+                continue
+            for item in items:
+                if isinstance(item, ast.expr):
+                    yield self.expression(item, where)
+                elif isinstance(item, ast.AST):  # except handler, with-item, match case
+                    yield self.fields(item, where)
+
+    def expression(self, node: ast.AST, where: Where) -> Step:
+        """The calls of an expression, arguments before the call that takes them."""
+        for call in calls_in_evaluation_order(node):
+            yield from self.call(call, where)
+
+    def call(self, node: ast.Call, where: Where) -> Step:
+        name = self.script.name_of(node.func)
+        self.calls.append(TracedCall(node, name, where.top_line, where.guarded, where.rank))
+        self.budget.calls_left -= 1
+        if len(self.calls) > MAX_TRACED_CALLS or self.budget.calls_left < 0:
+            return  # a helper called from many places: stop stepping in, keep recording
+        for target in self.targets(node, name):
+            yield self.enter(target, self.script.functions[target], where)
+
+    def targets(self, node: ast.Call, name: str) -> list[str]:
+        """Same-file functions this call runs: the callee, or a spawned target."""
+        owner = next((f for f in reversed(self.stack) if "." in f), "").split(".")[0]
+        found = same_file_callees(self.script, node.func, owner or None)
+        if name in SPAWNERS:
+            candidates = list(node.args[:1]) + [
+                k.value for k in node.keywords if k.arg in ("fn", "target")
+            ]
+            for arg in candidates:
+                if isinstance(arg, ast.Name) and arg.id in self.script.functions:
+                    found.append(arg.id)
+        return found
+
+
+def calls_in_evaluation_order(node: ast.AST) -> list[ast.Call]:
+    """Calls inside an expression in post-order (not inside lambdas), iteratively."""
+    calls: list[ast.Call] = []
+    stack: list[tuple[ast.AST, bool]] = [(node, False)]
+    while stack:
+        current, children_done = stack.pop()
+        if children_done:
+            if isinstance(current, ast.Call):
+                calls.append(current)
+            continue
+        if isinstance(current, ast.Lambda):
+            continue
+        stack.append((current, True))
+        children = [c for c in ast.iter_child_nodes(current) if not isinstance(c, ast.stmt)]
+        stack.extend((child, False) for child in reversed(children))
+    return calls
+
+
+def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list[str]:
+    """The functions of this file a call runs: `f()`, `Cls()` (its __init__), `self.m()`.
+
+    `owner` is the class whose method makes the call; without it `self.m()`
+    may be the `m` of any class in the file.
+    """
+    functions = script.functions
+    if isinstance(func, ast.Name):
+        return [c for c in (func.id, f"{func.id}.__init__") if c in functions]
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        return []
+    if func.value.id != "self":
+        return []
+    if owner is not None:
+        return [m for m in (f"{owner}.{func.attr}",) if m in functions]
+    return list(script.methods_by_name.get(func.attr, []))
+
+
+def trace_script(script: Script) -> list[list[TracedCall]]:
+    """The trace from module level, then one per function it never reaches."""
+    budget = Budget()
+    main = Tracer(script, budget)
+    traces = [main.run_module()]
+    seen = set(main.visited)
+    for name in script.functions:
+        if name in seen:
+            continue
+        tracer = Tracer(script, budget)
+        traces.append(tracer.run_function(name))
+        seen |= tracer.visited
+    return traces
+
+
+def is_main_guard(stmt: ast.stmt) -> bool:
+    """`if __name__ == "__main__":`"""
+    if not isinstance(stmt, ast.If) or not isinstance(stmt.test, ast.Compare):
+        return False
+    sides = [stmt.test.left, *stmt.test.comparators]
+    names = {s.id for s in sides if isinstance(s, ast.Name)}
+    values = {s.value for s in sides if isinstance(s, ast.Constant)}
+    return "__name__" in names and "__main__" in values
+
+
+def leaves_block(stmts: list[ast.stmt]) -> bool:
+    """The branch ends in return / raise / continue / break."""
+    return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
