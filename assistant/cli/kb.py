@@ -102,23 +102,63 @@ def kb_stats(as_json):
 @kb.command("eval")
 @click.argument("file", required=False, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--floor", type=float, help="Exit 1 when fused top-1 is below this fraction.")
+@click.option("--by-cause", is_flag=True, help="Recall per cause, and which cause is taken for it.")
+@click.option(
+    "--compare",
+    "revision",
+    metavar="REV",
+    help="Query by query against the KB at git revision REV: fixed, broken, unchanged.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @model_option
-def kb_eval(file, floor, as_json, model):
+@team_kb_option
+def kb_eval(file, floor, by_cause, revision, as_json, model):
     """Top-1, recall@3 and MRR on labelled queries, fused and per signal.
 
     \b
     assistant kb eval                      # data/eval/queries.jsonl
     assistant kb eval my_queries.jsonl --floor 0.6
+    assistant kb eval --by-cause           # which causes are missed, and for what
+    assistant kb eval --compare main       # what this change fixes and breaks
     """
-    from assistant.config import eval_dir
-    from assistant.knowledge.evaluate import evaluate, format_report, load_queries
+    from assistant.knowledge import evaluate as ev
 
-    queries = load_queries(file or eval_dir() / "queries.jsonl")
-    report = evaluate(make_engine(model), queries)
-    click.echo(json.dumps(report, indent=2) if as_json else format_report(report))
-    if floor is not None and report["fused"]["top1"] < floor:
-        click.echo(
-            f"fused top-1 {report['fused']['top1']:.3f} is below the floor {floor}", err=True
-        )
+    queries = ev.load_queries(file or default_queries())
+    engine = make_engine(model)
+    per_query = ev.all_signal_scores(engine, queries)  # the working tree's, computed once
+    rankings = ev.fused_rankings(per_query)
+    if revision:
+        from assistant.knowledge.revision import compare_to_revision
+
+        report = compare_to_revision(engine, queries, revision, rankings, log=_stderr)
+        top1 = report["after"]["top1"]
+        text = ev.format_comparison(report)
+    else:
+        report = ev.evaluate(engine, queries, per_query)
+        top1 = report["fused"]["top1"]
+        text = ev.format_report(report)
+    if by_cause:
+        rows = ev.by_cause(queries, rankings)
+        report["by_cause"] = rows
+        text += "\n" + ev.format_by_cause(rows)
+    click.echo(json.dumps(report, indent=2, ensure_ascii=False) if as_json else text)
+    if floor is not None and top1 < floor:
+        click.echo(f"fused top-1 {top1:.3f} is below the floor {floor}", err=True)
         sys.exit(int(ExitCode.FAILED))
+
+
+def _stderr(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def default_queries() -> Path:
+    """The built-in labelled set (in the checkout, and shipped in the wheel)."""
+    from assistant.config import eval_dir
+
+    path = eval_dir() / "queries.jsonl"
+    if not path.is_file():
+        raise UserError(
+            f"no labelled queries at {path} (this installation lacks the eval set): "
+            "give a file, e.g. `assistant kb eval my_queries.jsonl`"
+        )
+    return path

@@ -48,12 +48,22 @@ def score_ranking(ranked: list[str], relevant: list[str]) -> dict[str, float]:
     }
 
 
-def evaluate(engine, queries: list[dict]) -> dict:
+def all_signal_scores(engine, queries: list[dict]) -> list[dict]:
+    """Every signal's cause scores per query (computed once, fused per run)."""
+    return [engine.signal_scores(item["query"]) for item in queries]
+
+
+def fused_rankings(per_query: list[dict]) -> list[list[str]]:
+    """Cause ids best first per query, fused exactly as `ask` fuses them."""
+    return [[r.id for r in fuse(with_shortcut(dict(scores)))] for scores in per_query]
+
+
+def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -> dict:
     """Metrics per run (fused and each signal), plus the misses of the fused run."""
     report: dict = {"queries": len(queries)}
     misses = []
-    # Signals are independent: compute each once per query, fuse per run.
-    per_query = [engine.signal_scores(item["query"]) for item in queries]
+    if per_query is None:
+        per_query = all_signal_scores(engine, queries)
     for run, signals in RUNS.items():
         totals = {"top1": 0.0, "recall3": 0.0, "mrr": 0.0}
         for item, per_signal in zip(queries, per_query):
@@ -79,4 +89,80 @@ def format_report(report: dict) -> str:
     if report["misses"]:
         lines.append(f"fused misses ({len(report['misses'])}):")
         lines += [f"  {m['id']}: want {m['want']} got {m['got']}" for m in report["misses"]]
+    return "\n".join(lines)
+
+
+# -- review: per cause, and against another revision of the KB ---------------------------
+
+
+def by_cause(queries: list[dict], rankings: list[list[str]]) -> list[dict]:
+    """Per expected cause (a query's first label): how often it comes first, or in the
+    top 3, and which causes are taken for it when it does not; worst first."""
+    rows: dict[str, dict] = {}
+    for item, ranked in zip(queries, rankings):
+        want = item["causes"][0]
+        row = rows.setdefault(
+            want, {"id": want, "queries": 0, "top1": 0, "recall3": 0, "taken_for": {}}
+        )
+        scores = score_ranking(ranked, item["causes"])
+        row["queries"] += 1
+        row["top1"] += int(scores["top1"])
+        row["recall3"] += int(scores["recall3"])
+        if not scores["top1"] and ranked:
+            row["taken_for"][ranked[0]] = row["taken_for"].get(ranked[0], 0) + 1
+    for row in rows.values():
+        row["top1"] = round(row["top1"] / row["queries"], 4)
+        row["recall3"] = round(row["recall3"] / row["queries"], 4)
+        row["taken_for"] = dict(sorted(row["taken_for"].items(), key=lambda kv: (-kv[1], kv[0])))
+    return sorted(rows.values(), key=lambda r: (r["top1"], r["recall3"], r["id"]))
+
+
+def format_by_cause(rows: list[dict]) -> str:
+    lines = [f"{'cause':34} {'queries':>7} {'top1':>6} {'recall@3':>9}  taken for"]
+    for row in rows:
+        confused = ", ".join(f"{cid} x{n}" for cid, n in row["taken_for"].items()) or "-"
+        lines.append(
+            f"{row['id']:34} {row['queries']:7d} {row['top1']:6.3f} {row['recall3']:9.3f}  {confused}"
+        )
+    return "\n".join(lines)
+
+
+def compare_rankings(queries: list[dict], before: list[list[str]], after: list[list[str]]) -> dict:
+    """Query by query, top-1 before and after a KB change: fixed, broken, unchanged."""
+    report: dict = {"queries": len(queries), "fixed": [], "broken": [], "unchanged": 0}
+    totals = {"before": dict.fromkeys(("top1", "recall3", "mrr"), 0.0), "after": {}}
+    totals["after"] = dict(totals["before"])
+    for item, old, new in zip(queries, before, after):
+        old_scores = score_ranking(old, item["causes"])
+        new_scores = score_ranking(new, item["causes"])
+        for side, scores in (("before", old_scores), ("after", new_scores)):
+            for key in totals[side]:
+                totals[side][key] += scores[key]
+        entry = {"id": item["id"], "want": item["causes"], "before": old[:3], "after": new[:3]}
+        if new_scores["top1"] > old_scores["top1"]:
+            report["fixed"].append(entry)
+        elif new_scores["top1"] < old_scores["top1"]:
+            report["broken"].append(entry)
+        else:
+            report["unchanged"] += 1
+    for side, sums in totals.items():
+        report[side] = {key: round(value / len(queries), 4) for key, value in sums.items()}
+    return report
+
+
+def format_comparison(report: dict) -> str:
+    lines = [
+        f"{report['revision']} (before) -> working tree (after), {report['queries']} queries",
+        f"{'':10} {'top1':>6} {'recall@3':>9} {'MRR':>6}",
+    ]
+    for side in ("before", "after"):
+        m = report[side]
+        lines.append(f"{side:10} {m['top1']:6.3f} {m['recall3']:9.3f} {m['mrr']:6.3f}")
+    for kind in ("fixed", "broken"):
+        lines.append(f"{kind} ({len(report[kind])}):")
+        lines += [
+            f"  {e['id']}: want {e['want']} was {e['before'][:1]} now {e['after'][:1]}"
+            for e in report[kind]
+        ]
+    lines.append(f"unchanged: {report['unchanged']}")
     return "\n".join(lines)

@@ -93,6 +93,7 @@ HOSTILE_QUERY = textwrap.dedent(
 def test_a_query_against_hostile_signatures_returns_at_once():
     done = subprocess.run(
         [sys.executable, "-c", HOSTILE_QUERY],
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -116,6 +117,7 @@ def test_ask_with_a_hostile_team_kb_ends_with_one_line_at_once(tmp_path):
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "assistant", "ask", "--no-probe", "--kb", str(team), "a" * 34],
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
