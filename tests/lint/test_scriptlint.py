@@ -1,6 +1,7 @@
 """`assistant lint`: each fixture under tests/data/scripts/ is named for its mistake
 and marks the lines that must be reported with `# expect: <cause id>`; the
-correct_*.py scripts carry no marker and must produce no finding."""
+correct_*.py scripts carry no marker and must produce no finding, and so must
+scripts kept there for run-time tests that say `# lint: no findings`."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import pytest
 import yaml
 
 from assistant.errors import UserError
-from assistant.lint.script import CHECKS, lint_script, lint_source
+from assistant.lint import CHECKS, lint_script, lint_source
+from assistant.lint.model import parse_script
+from assistant.lint.tracer import trace_script
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 CONTRACT = Path(__file__).parents[2] / "data" / "causes.yaml"
 MARKER = re.compile(r"#\s*expect:\s*([a-z0-9-]+)")
+CLEAN_MARKER = "# lint: no findings"
 FIXTURES = sorted(SCRIPTS.glob("*.py"))
 
 
@@ -38,14 +42,34 @@ def test_fixture_reports_exactly_its_marked_lines(path: Path) -> None:
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_only_correct_scripts_are_unmarked(path: Path) -> None:
     # A broken fixture without a marker would pass the test above vacuously.
-    assert bool(expected_findings(path)) != path.stem.startswith("correct_")
+    clean = path.stem.startswith("correct_") or CLEAN_MARKER in path.read_text(encoding="utf-8")
+    assert bool(expected_findings(path)) != clean
 
 
 def test_every_check_has_a_broken_fixture_and_uses_contract_ids() -> None:
     contract = {c["id"] for c in yaml.safe_load(CONTRACT.read_text())["causes"]}
     marked = {cause for path in FIXTURES for cause, _line in expected_findings(path)}
-    assert marked <= contract
-    assert len(marked) == len(CHECKS)
+    registered = {check.cause_id for check in CHECKS}
+    assert registered <= contract
+    assert registered <= marked
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.run.__name__ for c in CHECKS])
+def test_each_check_fires_on_a_fixture_and_only_under_its_cause_id(check) -> None:
+    # Two checks may share a cause id; each must still be exercised by a fixture.
+    found = set()
+    for path in FIXTURES:
+        script = parse_script(path.read_text(encoding="utf-8"), str(path))
+        script.traces = trace_script(script)
+        found |= set(check.run(script))
+    assert found, f"{check.name} reports nothing on any fixture"
+    assert {f.cause_id for f in found} == {check.cause_id}
+
+
+def test_checks_live_one_area_per_module_under_checks() -> None:
+    modules = {check.run.__module__ for check in CHECKS}
+    assert all(m.startswith("assistant.lint.checks.") for m in modules)
+    assert len(modules) >= 5
 
 
 def test_findings_carry_path_and_sorted_lines() -> None:

@@ -11,7 +11,7 @@ def main():
     print(f"rank {rank} ready", flush=True)
     if rank == 0:
         total = torch.ones(4)
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # expect: collective-mismatch
     dist.barrier()
     dist.destroy_process_group()
 
