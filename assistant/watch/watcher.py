@@ -87,6 +87,7 @@ class LaunchReport:
     root_text: str = ""  # the text to ask about: the root traceback, else the output's end
     hang: HangAnalysis | None = None
     seconds: float = 0.0
+    quiet_seconds: float | None = None  # how long nothing progressed before a hang was declared
     gpu: list[str] = field(default_factory=list)  # nvidia-smi lines taken at a hang
 
     @property
@@ -188,6 +189,7 @@ class Watch:
             return self._report(hung, positions, gpu, time.monotonic() - started)
         except (KeyboardInterrupt, Terminated) as exc:
             self._forward(signal.SIGINT if isinstance(exc, KeyboardInterrupt) else exc.signum)
+            exc.log_dir = self.log_dir  # the caller says where the logs are
             raise
         finally:
             if self.marked is not None:
@@ -276,6 +278,7 @@ class Watch:
         ranks += [self._rank(records, r, stacks, hung) for r in records.rankless_workers]
         report = LaunchReport(self.command, code, hung, self.log_dir, ranks, seconds=seconds, gpu=gpu)
         if hung:
+            report.quiet_seconds = self.quiet_seconds
             report.hang = analyse(self._positions(records, ranks, stacks), self.quiet_seconds)
         found = records.root_error()
         if found is not None:
@@ -287,13 +290,14 @@ class Watch:
 
     def _rank(self, records: JobRecords, record: ProcessRecord, stacks, hung) -> RankReport:
         frames = stacks.get(record.pid, [])
+        where = innermost_user_frame(frames) if frames else error_frame(record.error)
         return RankReport(
             rank=record.rank,
             host=record.host,
             pid=record.pid,
             exit_code=None if hung and record.pid in stacks else records.exit_code(record),
             error=record.error,
-            where=innermost_user_frame(frames) if frames else None,
+            where=where,
             waiting_in=waiting_in(frames) if frames else None,
             stack=frames,
         )
@@ -331,6 +335,14 @@ def exit_status(returncode: int | None) -> int | None:
     if returncode is None:
         return None
     return 128 - returncode if returncode < 0 else returncode
+
+
+def error_frame(error: dict | None) -> Frame | None:
+    """Where a rank's exception was raised in the user's own code."""
+    if not error:
+        return None
+    frames = [Frame(f["file"], f["line"], f["function"]) for f in error.get("frames", [])]
+    return innermost_user_frame(list(reversed(frames)))
 
 
 def is_alive(pid: int) -> bool:
