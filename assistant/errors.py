@@ -14,6 +14,8 @@ class ExitCode(IntEnum):
     """The command ran but its check failed (lint found problems, eval below floor)."""
     USAGE = 2
     """The user's input was unusable: empty question, missing file, bad option."""
+    HUNG = 124
+    """`assistant run`: the job hung and was ended (as timeout(1) reports a command it killed)."""
     HANGUP = 129
     """SIGHUP (the terminal closed): as Ctrl-C, probes stopped and cleaned up; 128 + 1."""
     INTERRUPTED = 130
