@@ -40,7 +40,10 @@ def installed(tmp_path_factory) -> Path:
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "build", "*.egg-info")
     for name in ("assistant", "kb", "probes"):
         shutil.copytree(PROJECT_ROOT / name, source / name, ignore=skip)
-    for name in ("pyproject.toml", "README.md", "data/causes.yaml"):
+    eval_sets = [
+        p.relative_to(PROJECT_ROOT).as_posix() for p in PROJECT_ROOT.glob("data/eval/*.jsonl")
+    ]
+    for name in ("pyproject.toml", "README.md", "data/causes.yaml", *eval_sets):
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(PROJECT_ROOT / name, source / name)
     run(
@@ -115,3 +118,17 @@ def test_installed_wheel_finds_its_kb_and_probes(installed, tmp_path):
     assert (share / "probes" / "run_probes.py").is_file()
     # Built artifacts go to the user's cache, never into the installation.
     assert where[2] == str(tmp_path / "cache" / "ddp-assistant") and where[3] == "27"
+
+
+def test_installed_wheel_ships_the_eval_set(installed, tmp_path):
+    """`assistant kb eval` with no file works from the wheel: the labelled set is shipped."""
+    where = run(
+        [str(installed / "python"), "-c", "from assistant import config; print(config.eval_dir())"],
+        cwd=tmp_path,
+        env=clean_env(tmp_path),
+    ).stdout.strip()
+    share = installed.parent / "share" / "ddp-assistant"
+    assert where == str(share / "data" / "eval")
+    shipped = sorted(p.name for p in Path(where).glob("*.jsonl"))
+    assert "queries.jsonl" in shipped
+    assert shipped == sorted(p.name for p in (PROJECT_ROOT / "data" / "eval").glob("*.jsonl"))

@@ -4,7 +4,6 @@ every command that reads the KB reads the layered whole."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -178,24 +177,6 @@ def causes_without_team():
     from assistant.knowledge.catalog import contract_causes
 
     return next(c for c in contract_causes() if c.id == "set-device-order").answers
-
-
-@pytest.fixture
-def private_engine(engine, build_dir, tmp_path, monkeypatch):
-    """CLI engines in a private build folder that starts as a copy of the session's
-    (only the team's text is embedded), sharing the session's loaded model."""
-    from assistant.knowledge.engine import Engine
-
-    build = tmp_path / "build"
-    shutil.copytree(build_dir, build)
-    logs: list[str] = []
-
-    def make(model=None):
-        return Engine(index_path=build / "index.sqlite", log=logs.append, embedder=engine.embedder)
-
-    monkeypatch.setattr("assistant.cli.commands._engine", make)
-    monkeypatch.setattr("assistant.cli.kb.make_engine", make)
-    return logs
 
 
 @pytest.mark.slow
