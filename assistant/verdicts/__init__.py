@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from assistant.verdicts import backend, devices, launch, network, system, versions
 from assistant.verdicts.apply import (
-    VERDICT_STEP,
+    VERDICT_MARGIN,
     apply_verdicts,
     probes_for,
     reading_order,
@@ -66,7 +66,7 @@ __all__ = [
     "ERROR_WORDS",
     "GPU_CAUSES",
     "JUDGES",
-    "VERDICT_STEP",
+    "VERDICT_MARGIN",
     "Inputs",
     "Judge",
     "advice_outcomes",
