@@ -61,6 +61,7 @@ def test_the_chat_opens_without_torch_or_the_embedding_stack():
     statement = (
         "from assistant.tui.app import make_app\n"
         "from assistant.tui import services\n"
-        "make_app(engine=services.LazyEngine(), runner=services.LazyRunner())"
+        "from assistant.tui.deps import chat_deps\n"
+        "make_app(chat_deps(engine=services.LazyEngine(), runner=services.LazyRunner()))"
     )
     assert loaded_after(statement, HEAVY) == []

@@ -33,6 +33,8 @@ REUSABLE_PROBE_STATUSES = ("ok", "not_applicable")
 
 # Retrieval context stays short: it steers ranking, it is not a second query.
 CONTEXT_ERROR_CHARS = 300
+# A reply to "to tell these apart, paste: ..." carries the question it answers.
+CONTEXT_QUESTION_CHARS = 600
 TITLE_CHARS = 80
 
 
@@ -128,9 +130,14 @@ class Conversation:
     def context(self, before: int | None = None) -> str | None:
         """What a follow-up question carries into retrieval: earlier root error and confirmed causes.
 
-        None when nothing has been learned yet (a first question).
+        None when nothing has been learned yet (a first question). When the
+        answer before asked the person for more (its `decide`), their reply is
+        read together with that earlier question.
         """
         parts = []
+        asked = self.asked_to_decide(before)
+        if asked is not None:
+            parts.append(f"Earlier question: {shorten(asked.query, CONTEXT_QUESTION_CHARS)}")
         root = self.root_error(before)
         if root is not None:
             where = f" (rank {root.rank})" if root.rank is not None else ""
@@ -143,6 +150,14 @@ class Conversation:
             names = "; ".join(f"{c.title} ({c.id})" for c in confirmed)
             parts.append(f"Confirmed on this machine: {names}.")
         return " ".join(parts) or None
+
+    def asked_to_decide(self, before: int | None = None) -> Turn | None:
+        """The latest question before `before` if its answer asked what would decide."""
+        asks = [t for t in self.turns[:before] if t.kind == "ask" and t.result is not None]
+        if not asks:
+            return None
+        latest = asks[-1].result
+        return asks[-1] if latest.decide and latest.confidence != "high" else None
 
     def findings(self) -> list[Finding]:
         """Script-lint findings, from the latest lint of each script."""
@@ -221,6 +236,9 @@ def result_from_dict(data: dict[str, Any]) -> Result:
         causes=[_cause_from_dict(c) for c in data.get("causes") or []],
         probes=[_build(ProbeRun, p) for p in data.get("probes") or []],
         lang=data.get("lang", "en"),
+        confidence=data.get("confidence"),
+        decide=list(data.get("decide") or []),
+        answer_id=data.get("answer_id") or "",
     )
 
 

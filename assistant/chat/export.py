@@ -1,6 +1,11 @@
 """A conversation as Markdown, ready to paste into an issue tracker.
 
     text = conversation_markdown(conversation, lang="en")
+    path = write_report(text, folder, now=time.time())   # OSError -> ExportFailed
+
+A folder that cannot be written (read-only, gone) raises ExportFailed with a
+one-line reason; the chat then offers another path, the home folder or the
+clipboard.
 
 The report holds what a maintainer needs to reproduce and judge the failure:
 the root error, the environment facts the probes measured, the verdict on
@@ -10,51 +15,68 @@ findings, and the questions asked. Nothing here imports Textual.
 
 from __future__ import annotations
 
-from assistant.chat.conversation import Conversation, first_line, shorten
-from assistant.i18n import t
-from assistant.results import CauseResult, ProbeRun, Result
+import os
+import time
+from pathlib import Path
 
-_STRINGS: dict[str, dict[str, str]] = {
-    "report": {"en": "DDP assistant report", "zh": "DDP 助手报告"},
-    "verdicts": {"en": "Verdicts on this machine", "zh": "本机判定"},
-    "cause": {"en": "Cause", "zh": "原因"},
-    "verdict": {"en": "Verdict", "zh": "判定"},
-    "environment": {"en": "Environment (measured by probes)", "zh": "环境（探针测得）"},
-    "no_probes": {"en": "No probe has run yet.", "zh": "还没有运行探针。"},
-    "findings": {"en": "Training script findings", "zh": "训练脚本检查结果"},
-    "questions": {"en": "Questions asked", "zh": "提出的问题"},
-    "lines": {"en": "lines", "zh": "行"},
-    "no_result": {"en": "No answer yet.", "zh": "还没有答案。"},
-    "rank": {"en": "rank", "zh": "rank"},
-}
+from assistant.chat.conversation import Conversation, first_line, shorten
+from assistant.i18n import cause_title, t, verdict_label
+from assistant.results import CauseResult, ProbeRun, Result
 
 MAX_FACTS_PER_PROBE = 24
 FACT_VALUE_CHARS = 160
 
 
+class ExportFailed(Exception):
+    """The report could not be written to `path`; `reason` is one line."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"cannot write {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+def report_name(now: float) -> str:
+    """The report's file name, from the local time (one per second)."""
+    return time.strftime("ddp-assistant-%Y%m%d-%H%M%S.md", time.localtime(now))
+
+
+def write_report(text: str, target: Path, now: float) -> Path:
+    """Write the report into folder `target` (or to file `target` when it ends in .md).
+
+    Raises ExportFailed with the operating system's reason in one line.
+    """
+    target = Path(os.path.expanduser(str(target)))
+    path = target if target.suffix.lower() == ".md" else target / report_name(now)
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ExportFailed(path, exc.strerror or str(exc)) from None
+    return path
+
+
+def home_folder() -> Path:
+    """Where a report goes when the chosen folder cannot take it."""
+    return Path.home()
+
+
 def _s(key: str, lang: str) -> str:
-    entry = _STRINGS.get(key)
-    return (entry.get(lang) or entry["en"]) if entry else t(key, lang)
+    return t(f"report.{key}", lang)
 
 
 def conversation_markdown(conversation: Conversation, lang: str = "en") -> str:
     """The whole conversation as one Markdown document (ends with a newline)."""
     result = conversation.latest_result()
     sections = [
-        f"# {_s('report', lang)}: {conversation.title or '-'}",
+        f"# {_s('title', lang)}: {conversation.title or '-'}",
         _root_error_section(conversation, lang),
-        _verdict_section(result, lang),
+        _verdict_section(result, lang, conversation.findings()),
         _fix_section(result, lang),
         _environment_section(conversation, lang),
         _findings_section(conversation, lang),
         _questions_section(conversation, lang),
     ]
     return "\n\n".join(s for s in sections if s).rstrip() + "\n"
-
-
-def cause_title(cause: CauseResult, lang: str) -> str:
-    """The cause's title in `lang` when the KB has one."""
-    return cause.title_zh if lang == "zh" and cause.title_zh else cause.title
 
 
 def _root_error_section(conversation: Conversation, lang: str) -> str:
@@ -65,7 +87,7 @@ def _root_error_section(conversation: Conversation, lang: str) -> str:
     return f"## {t('root_error', lang)}{where}\n\n" + fence(f"{root.type}: {root.message}", "text")
 
 
-def _verdict_section(result: Result | None, lang: str) -> str:
+def _verdict_section(result: Result | None, lang: str, findings: list) -> str:
     head = f"## {_s('verdicts', lang)}"
     if result is None:
         return f"{head}\n\n{_s('no_result', lang)}"
@@ -78,7 +100,7 @@ def _verdict_section(result: Result | None, lang: str) -> str:
     details = []
     for number, cause in enumerate(result.causes, 1):
         title = cause_title(cause, lang)
-        verdict = t(f"verdict.{cause.verdict.verdict}", lang)
+        verdict = verdict_label(cause, lang, findings)
         rows.append(
             f"| {number} | {_cell(title)} (`{cause.id}`) | {_cell(verdict)} | {cause.score:.2f} |"
         )

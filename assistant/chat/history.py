@@ -10,11 +10,18 @@ The schema is created by numbered migrations recorded in `PRAGMA
 user_version`, so a later version can add columns without losing old chats.
 Each call opens its own connection: the chat may save from its UI thread and
 load from a worker. Nothing here imports Textual.
+
+The file keeps every pasted log (host names, paths, sometimes tokens), so it
+is private: created 0600 (its folder 0700 when this module creates it), and
+the chat tells the person once, the first time it writes (`notice_due` /
+`mark_notice_shown`, remembered in the file itself). `clear()` empties it;
+`history_enabled()` reads ASSISTANT_NO_HISTORY.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -52,7 +59,12 @@ def _migration_1(db: sqlite_utils.Database) -> None:
     )
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migration_1]
+def _migration_2(db: sqlite_utils.Database) -> None:
+    # Small facts about the file itself (e.g. that the privacy notice was shown).
+    db["meta"].create({"key": str, "value": str}, pk="key")
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migration_1, _migration_2]
 """Schema steps; step n (1-based) brings `user_version` from n-1 to n. Append only."""
 
 
@@ -78,12 +90,50 @@ class History:
         import sqlite_utils
 
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private(self.path)
             db = sqlite_utils.Database(self.path)
             migrate(db)
         except (OSError, sqlite3.DatabaseError) as exc:
             raise UserError(f"cannot open the chat history {self.path}: {exc}") from None
         return db
+
+    # -- the one-time privacy notice ------------------------------------------------
+
+    NOTICE_KEY = "privacy_notice_shown"
+
+    def notice_due(self) -> bool:
+        """Whether the person has not yet been told what this file keeps."""
+        with self._lock:
+            db = self._db()
+            try:
+                return not db["meta"].count_where("key = ?", [self.NOTICE_KEY])
+            finally:
+                db.close()
+
+    def mark_notice_shown(self) -> None:
+        """Remember (in the file) that the notice was shown."""
+        with self._lock:
+            db = self._db()
+            try:
+                with db.conn:
+                    db["meta"].upsert({"key": self.NOTICE_KEY, "value": "1"}, pk="key")
+            finally:
+                db.close()
+
+    def clear(self) -> int:
+        """Delete every saved conversation (the notice stays remembered); returns how many."""
+        with self._lock:
+            db = self._db()
+            try:
+                with db.conn:
+                    count = db["conversations"].count
+                    db.execute("DELETE FROM turns")
+                    db.execute("DELETE FROM conversations")
+                # Deleted rows linger in free pages until the file is rewritten.
+                db.execute("VACUUM")
+            finally:
+                db.close()
+        return count
 
     def save(self, conversation: Conversation, now: float | None = None) -> int:
         """Store the conversation and its turns; sets and returns `conversation.id`.
@@ -196,6 +246,26 @@ class History:
                 db.close()
         if cursor.rowcount == 0:
             raise UserError(f"no saved conversation #{conversation_id}")
+
+
+def history_enabled(environ: dict | None = None) -> bool:
+    """False when ASSISTANT_NO_HISTORY asks to keep nothing (1, true, yes)."""
+    value = (environ if environ is not None else os.environ).get("ASSISTANT_NO_HISTORY", "")
+    return value.strip().lower() not in ("1", "true", "yes", "on")
+
+
+def make_private(path: Path) -> None:
+    """Create `path`'s folder (0700) and the file (0600) if missing; tighten an existing file.
+
+    An existing folder is left as it is: it may be the person's own (~/.cache).
+    """
+    folder = path.parent
+    if not folder.exists():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(descriptor)
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)
 
 
 def migrate(db: sqlite_utils.Database) -> int:

@@ -1,43 +1,43 @@
 """The Textual chat: paste a failing job's log, see causes, watch probes decide.
 
-    run_chat()                        # what `assistant` / `assistant chat` runs
-    app = make_app(engine=FakeEngine(), runner=FakeRunner(), history=History(tmp))
+    run_chat()                                  # what `assistant` / `assistant chat` runs
+    app = make_app(chat_deps(engine=FakeEngine(), runner=FakeRunner()))
     async with app.run_test() as pilot: ...
 
-`make_app` takes every dependency, so the tests drive the real app with fakes
-and `run_chat` wires the real ones (imported lazily: the window opens before
-torch is loaded). Slow work runs in thread workers that post the messages of
-assistant.tui.messages back; the UI thread never waits on the engine or on a
-probe.
+The chat runs the flow only through assistant.pipeline (one thread worker
+per question, posting the pipeline's progress back as messages); its I/O
+goes through the objects of assistant.tui.deps. The real engine and runner
+are imported lazily, so the window opens before torch is loaded.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
-import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import VerticalScroll
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from assistant.chat.conversation import Conversation, Turn
-from assistant.errors import UserError
-from assistant.chat.export import conversation_markdown
-from assistant.results import ProbeRun, Result
+from assistant.chat.export import ExportFailed
+from assistant.pipeline import Observer, Question
 from assistant.tui import services
+from assistant.tui.deps import ChatDeps, chat_deps
+from assistant.tui.keys import LocalizedBindings, bilingual
 from assistant.tui.messages import (
+    Answered,
     CauseChosen,
     CauseEntryLoaded,
+    CausesRanked,
+    ClearHistory,
     ConversationChosen,
     ConversationDeleted,
     CopyFix,
@@ -46,152 +46,96 @@ from assistant.tui.messages import (
     LintDone,
     ModelFailed,
     ModelLoaded,
+    Notice,
     ProbeProgress,
-    ProbesDone,
     ProbesFailed,
     QuerySubmitted,
     RebuildDone,
-    RetrievalDone,
+    Rejudged,
     TurnFailed,
+    TypedElsewhere,
 )
-from assistant.tui.present import fix_text, interface_lang
-from assistant.tui.screens import CauseScreen, HistoryScreen, PathPrompt, local_time
-from assistant.tui.strings import tr
-from assistant.tui.widgets import ChatInput, StatusBar, TurnView, localize_bindings
+from assistant.tui.present import fix_text, interface_lang, one_line
+from assistant.tui.screens import (
+    CauseScreen,
+    ConfirmDialog,
+    ExportChoice,
+    HistoryScreen,
+    PathPrompt,
+)
+from assistant.tui.strings import command_title, tr
+from assistant.tui.turn import TurnView
+from assistant.tui.widgets import ChatInput, StatusBar
 
-TOP_CAUSES = 5
 QUIT_WAIT_SECONDS = 10.0  # the runner kills its process groups well within this
 TICK_SECONDS = 0.5
+# Palette commands: (string key, action name).
+COMMANDS = (
+    ("cmd.doctor", "doctor"),
+    ("cmd.lint", "lint"),
+    ("cmd.rebuild", "rebuild"),
+    ("cmd.language", "switch_language"),
+    ("cmd.export", "export"),
+    ("cmd.history", "history"),
+    ("cmd.clear_history", "clear_history"),
+    ("cmd.new", "new_conversation"),
+)
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one line for the interface."""
-    text = " ".join(str(exc).split())
-    return text if isinstance(exc, UserError) else f"{type(exc).__name__}: {text}".rstrip(": ")
-
-
-class ProbeRuns:
-    """The probe runs in flight, each with its cancel event.
-
-    Worker threads enter `track()`; quitting calls `cancel_all()` and waits
-    in `wait_idle()` until every run has returned (the runner kills its
-    processes when its event is set).
-    """
-
-    def __init__(self) -> None:
-        self._cancels: set[threading.Event] = set()
-        self._changed = threading.Condition()
-
-    @contextmanager
-    def track(self) -> Iterator[threading.Event]:
-        cancel = threading.Event()
-        with self._changed:
-            self._cancels.add(cancel)
-        try:
-            yield cancel
-        finally:
-            with self._changed:
-                self._cancels.discard(cancel)
-                self._changed.notify_all()
-
-    @property
-    def count(self) -> int:
-        with self._changed:
-            return len(self._cancels)
-
-    def cancel_all(self) -> None:
-        with self._changed:
-            for cancel in self._cancels:
-                cancel.set()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Block until no run is in flight (True) or `timeout` passes (False)."""
-        with self._changed:
-            return self._changed.wait_for(lambda: not self._cancels, timeout)
-
-
-class ChatApp(App[None]):
+class ChatApp(LocalizedBindings, App[None]):
     """The chat. Build it with `make_app`."""
 
     CSS_PATH = "app.tcss"
     TITLE = "DDP assistant"
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("ctrl+l", "switch_language", "中文", id="app.language"),
-        Binding("ctrl+r", "history", "History", id="app.history"),
-        Binding("ctrl+s", "export", "Export", id="app.export"),
-        Binding("ctrl+n", "new_conversation", "New", id="app.new", show=False),
-        Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
+        *bilingual("ctrl+l", "switch_language", "key.language", "app.language"),
+        *bilingual("ctrl+r", "history", "key.history", "app.history"),
+        *bilingual("ctrl+s", "export", "key.export", "app.export"),
+        *bilingual("ctrl+n", "new_conversation", "key.new", "app.new", show=False),
+        *bilingual("ctrl+q", "quit", "key.quit", "app.quit", priority=True),
     ]
 
     lang: reactive[str] = reactive("en")
 
-    def __init__(
-        self,
-        *,
-        engine: Any,
-        runner: Any,
-        linter: Callable[[str], list] | None,
-        history: Any | None,
-        lang: str | None,
-        apply_verdicts: Callable,
-        probes_for: Callable,
-        doctor: Callable,
-        clock: Callable[[], float],
-        now: Callable[[], float],
-        export_dir: Path | None,
-        cursor_blink: bool,
-        format_time: Callable[[float], str],
-        top: int,
-    ):
+    def __init__(self, deps: ChatDeps):
         super().__init__()
-        self.engine = engine
-        self.runner = runner
-        self.linter = linter
-        self.history = history
-        self.apply_verdicts = apply_verdicts
-        self.probes_for = probes_for
-        self.doctor = doctor
-        self.clock = clock
-        self.now = now
-        self.export_dir = export_dir
-        self.cursor_blink = cursor_blink
-        self.format_time = format_time
-        self.top = top
-        self.conversation = Conversation(created=now())
+        self.deps = deps
+        self.conversation = Conversation(created=deps.now())
         self.model_phase = "loading"
         self.model_error = ""
         self.last_copied: str | None = None
         self.last_export: Path | None = None
         self.history_error = ""
-        self._pending: list[TurnView] = []  # sent before the model was ready
-        self._views: dict[int, TurnView] = {}  # turn key -> view
-        self._next_key = 0
-        self._runs = ProbeRuns()
-        self.engine_thread = services.EngineThread()  # every engine call, one at a time
-        self._probe_lock = threading.Lock()  # one torchrun launch set at a time
-        self.set_reactive(ChatApp.lang, lang if lang in ("en", "zh") else "en")
+        self.notices: list[str] = []  # every notification shown, oldest first
+        self.pending: list[TurnView] = []  # sent before the model was ready
+        self.views: dict[int, TurnView] = {}  # turn key -> view
+        self.next_key = 0
+        self.runs = services.ProbeRuns()
+        self.question_cancel: threading.Event | None = None  # the question being answered
+        self.probe_lock = threading.Lock()  # one torchrun launch set at a time
+        self.set_reactive(ChatApp.lang, deps.lang if deps.lang in ("en", "zh") else "en")
 
     # -- layout -----------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield StatusBar(self.clock, id="status")
+        yield StatusBar(self.deps.clock, id="status")
         with VerticalScroll(id="conversation"):
             yield Static(id="welcome")
-        yield ChatInput(id="chat-input", cursor_blink=self.cursor_blink)
+        yield ChatInput(id="chat-input", cursor_blink=self.deps.cursor_blink)
         yield Static(id="input-hint")
         yield Footer()
 
     def on_mount(self) -> None:
-        self._apply_lang()
-        self.query_one(ChatInput).focus()
+        self.apply_lang()
+        self.chat_input.focus()
         # Start slow work once the first frame is out: importing torch in a
         # thread competes for the interpreter lock and would delay the window.
-        self.call_after_refresh(self._start_background_work)
-        self.set_interval(TICK_SECONDS, self._tick)
+        self.call_after_refresh(self.start_background_work)
+        self.set_interval(TICK_SECONDS, self.tick)
 
-    def _start_background_work(self) -> None:
+    def start_background_work(self) -> None:
         self.load_model()
-        if self.history is not None:
+        if self.deps.history is not None:
             self.check_history()
 
     @property
@@ -204,15 +148,23 @@ class ChatApp(App[None]):
 
     @property
     def turn_views(self) -> list[TurnView]:
-        return list(self._views.values())
+        return list(self.views.values())
 
-    def _tick(self) -> None:
+    def tick(self) -> None:
         # Elapsed times move on their own: the model load and running probes.
         if self.model_phase == "loading":
             self.status.refresh_view()
-        for view in self._views.values():
+        for view in self.views.values():
             if view.running:
                 view.refresh_view()
+
+    def tell(self, message: str, severity: str = "information", timeout: float | None = None):
+        """Show a notification (and keep it in `notices`)."""
+        self.notices.append(message)
+        self.notify(message, severity=severity, timeout=timeout)
+
+    def on_notice(self, message: Notice) -> None:
+        self.tell(message.text, message.severity)
 
     def action_focus_causes(self) -> None:
         """From the input, Tab goes to the newest list of causes (else on as usual)."""
@@ -226,6 +178,9 @@ class ChatApp(App[None]):
     def action_focus_input(self) -> None:
         self.chat_input.focus()
 
+    def on_typed_elsewhere(self, message: TypedElsewhere) -> None:
+        self.chat_input.type_in(message.text)
+
     def hint(self, text: str, error: bool = False) -> None:
         """The line under the input: why a send did nothing, or what happens next."""
         widget = self.query_one("#input-hint", Static)
@@ -236,19 +191,13 @@ class ChatApp(App[None]):
 
     def watch_lang(self, lang: str) -> None:
         if self.is_mounted:
-            self._apply_lang()
+            self.apply_lang()
 
-    def _apply_lang(self) -> None:
-        lang = self.lang
-        localize_bindings(self, lang)
-        self.status.lang = lang
-        self.chat_input.lang = lang
-        self.query_one("#welcome", Static).update(tr("welcome", lang))
-        for view in self._views.values():
-            view.lang = lang
-        for screen in self.screen_stack:
-            if isinstance(screen, CauseScreen):
-                screen.lang = lang
+    def apply_lang(self) -> None:
+        """The interface speaks `lang`; turns keep their own language."""
+        self.status.lang = self.lang
+        self.chat_input.lang = self.lang
+        self.query_one("#welcome", Static).update(tr("welcome", self.lang))
         self.refresh_bindings()
 
     def action_switch_language(self) -> None:
@@ -260,7 +209,7 @@ class ChatApp(App[None]):
     async def load_model(self) -> None:
         """Load the engine (index + embedding model) without blocking the window."""
         try:
-            await self.engine_thread.call(self.engine.load)
+            await self.deps.knowledge.load()
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(ModelFailed(one_line(exc)))
         else:
@@ -268,22 +217,27 @@ class ChatApp(App[None]):
 
     def on_model_loaded(self, message: ModelLoaded) -> None:
         self.model_phase = "ready"
-        self.status.set_state(phase="ready", note="")
-        pending, self._pending = self._pending, []
+        self.status.set_state(phase="ready", note="", error="")
+        pending, self.pending = self.pending, []
         for view in pending:
-            self._start_retrieval(view)
+            self.start_question(view)
         if pending:
             self.hint("")
 
     def on_model_failed(self, message: ModelFailed) -> None:
         self.model_phase, self.model_error = "failed", message.error
         self.status.set_state(phase="failed", error=message.error)
-        pending, self._pending = self._pending, []
+        pending, self.pending = self.pending, []
         for view in pending:
-            self._fail(view, tr("model.failed", self.lang, error=message.error))
+            self.fail(view, tr("model.failed", self.lang, error=message.error))
 
     def on_engine_log(self, message: EngineLog) -> None:
         self.status.set_state(note=message.text)
+
+    @property
+    def engine_busy(self) -> bool:
+        """An engine call (model load, index build, query) is running."""
+        return self.deps.knowledge.busy
 
     # -- asking ---------------------------------------------------------------------------
 
@@ -294,179 +248,155 @@ class ChatApp(App[None]):
             return
         self.lang = interface_lang(text[:20_000], self.lang)
         self.chat_input.reset()
-        view = await self._add_turn(Turn(query=text, lang=self.lang, created=self.now()))
+        view = await self.add_turn(Turn(query=text, lang=self.lang, created=self.deps.now()))
         if self.model_phase == "loading":
-            self._pending.append(view)
+            self.pending.append(view)
             view.set_phase("waiting_model")
             self.hint(tr("input.queued", self.lang))
             return
         self.hint("")
-        self._start_retrieval(view)
+        self.start_question(view)
 
-    async def _add_turn(self, turn: Turn) -> TurnView:
+    async def add_turn(self, turn: Turn) -> TurnView:
         self.conversation.add(turn)
-        view = TurnView(self._next_key, turn, self.clock, self.lang)
-        self._views[self._next_key] = view
-        self._next_key += 1
+        view = self.new_view(turn)
         self.query_one("#welcome").display = False
         conversation = self.query_one("#conversation", VerticalScroll)
         await conversation.mount(view)
         conversation.scroll_end(animate=False)
         return view
 
-    def _index_of(self, view: TurnView) -> int:
+    def new_view(self, turn: Turn) -> TurnView:
+        view = TurnView(self.next_key, turn, self.deps.clock)
+        self.views[self.next_key] = view
+        self.next_key += 1
+        return view
+
+    def index_of(self, view: TurnView) -> int:
         # By identity: two turns with the same question compare equal.
         return next(i for i, turn in enumerate(self.conversation.turns) if turn is view.turn)
 
-    def _start_retrieval(self, view: TurnView) -> None:
-        context = self.conversation.context(before=self._index_of(view))
+    def start_question(self, view: TurnView) -> None:
+        """Ask the pipeline; a question still running is stopped first."""
+        before = self.index_of(view)
+        known = self.conversation.probe_runs()
+        question = Question(
+            view.turn.query,
+            top=self.deps.top,
+            findings=self.conversation.findings(),
+            context=self.conversation.context(before=before),
+            known_runs=list(known.values()),
+        )
+        if self.question_cancel is not None:
+            self.question_cancel.set()
+        self.question_cancel = threading.Event()
+        view.findings = list(question.findings)
+        view.show_reused(known)
         view.set_phase("searching")
-        self.retrieve(view.key, view.turn.query, context)
+        self.ask_pipeline(view.key, question, self.question_cancel)
 
-    @work(group="retrieve", exit_on_error=False)
-    async def retrieve(self, key: int, query: str, context: str | None) -> None:
-        """Rank the causes of one question (retrieval only)."""
-        try:
-            result = await self.engine_thread.call(
-                self.engine.ask, query, top=self.top, context=context
-            )
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(TurnFailed(key, one_line(exc)))
-        else:
-            self.post_message(RetrievalDone(key, result))
+    def observer(self, key: int) -> Observer:
+        """Pipeline callbacks (called on its threads) that post messages for turn `key`."""
 
-    async def on_retrieval_done(self, message: RetrievalDone) -> None:
-        if self.model_phase == "failed":
-            # A question retried the load (Engine.ask loads) and it worked this time.
-            self.model_phase = "ready"
-            self.status.set_state(phase="ready", error="")
-        view = self._views.get(message.turn)
-        if view is None:
-            return  # the conversation was replaced meanwhile
-        await view.show_result(message.result)
-        self._bring_into_view(view)
-        try:
-            names = list(self.probes_for(message.result.causes))
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            view.set_phase("done", error=tr("turn.probes_failed", self.lang, error=one_line(exc)))
-            self.save()
-            return
-        findings = self.conversation.findings()
-        if not names and not findings:
-            view.set_phase("done")
-            self.save()
-            return
-        reused = {n: r for n, r in self.conversation.probe_runs().items() if n in names}
-        view.expect_probes(names, reused)
-        view.set_phase("probing")
-        self.save()
-        # The worker judges its own copy: the one on screen is read meanwhile.
-        self.run_probes(view.key, copy.deepcopy(message.result), names, reused, findings)
+        def causes(result) -> None:
+            self.post_message(CausesRanked(key, result))
 
-    def _bring_into_view(self, view: TurnView) -> None:
-        """Show the newest turn from its top once its answer arrives (older ones stay put)."""
-        if self.turn_views and view is self.turn_views[-1]:
-            self.call_after_refresh(view.scroll_visible, top=True, animate=False)
-
-    def on_turn_failed(self, message: TurnFailed) -> None:
-        view = self._views.get(message.turn)
-        if view is not None:
-            self._fail(view, message.error)
-
-    def _fail(self, view: TurnView, error: str) -> None:
-        view.turn.error = error
-        view.set_phase("failed", error)
-        self.save()
-
-    # -- probes ------------------------------------------------------------------------------
-
-    def _progress(self, key: int) -> Callable[[Any], None]:
-        """A runner callback (called on the runner's thread) that posts ProbeProgress."""
-
-        def report(event: Any) -> None:
+        def probe(event) -> None:
             self.post_message(
                 ProbeProgress(key, event.probe, event.state, event.elapsed, event.status)
             )
 
-        return report
+        return Observer(on_causes=causes, on_probe=probe)
 
-    @work(thread=True, group="probes", exit_on_error=False)
-    def run_probes(
-        self,
-        key: int,
-        result: Result,
-        names: list[str],
-        reused: dict[str, ProbeRun],
-        findings: list,
-    ) -> None:
-        """Run the probes of one turn (skipping reused ones) and apply the verdicts."""
+    @work(thread=True, exclusive=True, group="ask", exit_on_error=False)
+    def ask_pipeline(self, key: int, question: Question, cancel: threading.Event) -> None:
+        """One question through the whole flow (assistant.pipeline.Pipeline.ask)."""
         try:
-            with self._runs.track() as cancel, self._probe_lock:
-                todo = [n for n in names if n not in reused]
-                fresh = []
-                if todo and not cancel.is_set():
-                    fresh = self.runner.run(todo, on_progress=self._progress(key), cancel=cancel)
-            by_name = {**reused, **{run.name: run for run in fresh}}
-            runs = [by_name[n] for n in names if n in by_name]
-            judged = self.apply_verdicts(result, runs, findings)
-            if not judged.probes:
-                judged.probes = list(runs)
+            with self.runs.track(cancel), self.probe_lock:
+                result = self.deps.pipeline.ask(question, self.observer(key), cancel)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(ProbesFailed(key, one_line(exc)))
         else:
-            self.post_message(ProbesDone(key, judged, runs))
+            self.post_message(Answered(key, result))
+
+    async def on_causes_ranked(self, message: CausesRanked) -> None:
+        if self.model_phase == "failed":
+            # A question retried the load (Engine.ask loads) and it worked this time.
+            self.model_phase = "ready"
+            self.status.set_state(phase="ready", error="")
+        view = self.views.get(message.turn)
+        if view is None:
+            return  # the conversation was replaced meanwhile
+        await view.show_result(message.result)
+        view.set_phase("probing")
+        self.bring_into_view(view)
+        self.save()
 
     def on_probe_progress(self, message: ProbeProgress) -> None:
-        view = self._views.get(message.turn)
+        view = self.views.get(message.turn)
         if view is not None:
             view.probe_event(message.probe, message.state, message.elapsed, message.status)
 
-    async def on_probes_done(self, message: ProbesDone) -> None:
-        view = self._views.get(message.turn)
+    async def on_answered(self, message: Answered) -> None:
+        view = self.views.get(message.turn)
         if view is None:
             return
-        for run in message.runs:
-            if not view.probe_rows.get(run.name) or not view.probe_rows[run.name].reused:
-                view.probe_finished(run)
+        for run in message.result.probes:
+            view.probe_finished(run)
         view.finish_rows("interrupted")
         await view.show_result(message.result)
         view.set_phase("done")
-        self._bring_into_view(view)
+        self.bring_into_view(view)
         self.save()
 
     def on_probes_failed(self, message: ProbesFailed) -> None:
-        view = self._views.get(message.turn)
+        view = self.views.get(message.turn)
         if view is None:
             return
+        if view.turn.result is None:  # nothing was shown: the question itself failed
+            self.fail(view, message.error)
+            return
         view.finish_rows("error")
-        view.set_phase("done", error=tr("turn.probes_failed", self.lang, error=message.error))
+        view.set_phase("done", error=tr("turn.probes_failed", view.lang, error=message.error))
         self.save()
 
+    def on_turn_failed(self, message: TurnFailed) -> None:
+        view = self.views.get(message.turn)
+        if view is not None:
+            self.fail(view, message.error)
+
+    def fail(self, view: TurnView, error: str) -> None:
+        view.turn.error = error
+        view.set_phase("failed", error)
+        self.save()
+
+    def bring_into_view(self, view: TurnView) -> None:
+        """Show the newest turn from its top once its answer arrives (older ones stay put)."""
+        if self.turn_views and view is self.turn_views[-1]:
+            self.call_after_refresh(view.scroll_visible, top=True, animate=False)
+
+    # -- stopping ------------------------------------------------------------------------------
+
     def cancel_probes(self) -> None:
-        """Ask every running probe set to stop (the runner kills its process groups)."""
-        self._runs.cancel_all()
-        for view in self._views.values():
+        """Ask every running flow to stop (the runner kills its process groups)."""
+        self.runs.cancel_all()
+        for view in self.views.values():
             if view.phase == "probing":
                 view.finish_rows("interrupted")
 
     async def stop_probes(self, timeout: float = QUIT_WAIT_SECONDS) -> bool:
         """Cancel running probes and wait (off the UI thread) until they are gone."""
         self.cancel_probes()
-        return await asyncio.to_thread(self._runs.wait_idle, timeout)
+        return await asyncio.to_thread(self.runs.wait_idle, timeout)
 
     def stop_probes_now(self, timeout: float = QUIT_WAIT_SECONDS) -> bool:
         """Cancel running probes and block until they are gone (for shutdown paths)."""
-        self._runs.cancel_all()
-        return self._runs.wait_idle(timeout)
+        self.runs.cancel_all()
+        return self.runs.wait_idle(timeout)
 
     @property
     def probes_running(self) -> bool:
-        return self._runs.count > 0
-
-    @property
-    def engine_busy(self) -> bool:
-        """An engine call (model load, index build, query) is running."""
-        return self.engine_thread.busy
+        return self.runs.count > 0
 
     async def action_quit(self) -> None:
         if self.probes_running:
@@ -482,14 +412,17 @@ class ChatApp(App[None]):
     # -- causes -------------------------------------------------------------------------------
 
     def on_cause_chosen(self, message: CauseChosen) -> None:
-        self.push_screen(CauseScreen(message.cause, self.lang))
+        view = self.views.get(message.turn)
+        lang = view.lang if view is not None else self.lang
+        findings = view.findings if view is not None else []
+        self.push_screen(CauseScreen(message.cause, lang, findings))
         self.load_cause_entry(message.cause.id)
 
     @work(exclusive=True, group="detail", exit_on_error=False)
     async def load_cause_entry(self, cause_id: str) -> None:
         """Fetch the full KB entry for the detail screen."""
         try:
-            entry = await self.engine_thread.call(self.engine.cause, cause_id)
+            entry = await self.deps.knowledge.entry(cause_id)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(CauseEntryLoaded(cause_id, None, one_line(exc)))
         else:
@@ -503,104 +436,98 @@ class ChatApp(App[None]):
     def on_copy_fix(self, message: CopyFix) -> None:
         text = fix_text(message.cause, message.entry)
         if not text:
-            self.notify(tr("nothing_to_copy", self.lang), severity="warning")
+            self.tell(tr("nothing_to_copy", self.lang), severity="warning")
             return
         self.copy_to_clipboard(text)
         self.last_copied = text
-        self.notify(tr("copied", self.lang))
+        self.tell(tr("copied", self.lang))
 
     # -- commands -----------------------------------------------------------------------------
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        lang = self.lang
-        yield SystemCommand(tr("cmd.doctor", lang), tr("cmd.doctor.help", lang), self.action_doctor)
-        yield SystemCommand(tr("cmd.lint", lang), tr("cmd.lint.help", lang), self.action_lint)
-        yield SystemCommand(
-            tr("cmd.rebuild", lang), tr("cmd.rebuild.help", lang), self.action_rebuild
-        )
-        yield SystemCommand(
-            tr("cmd.language", lang), tr("cmd.language.help", lang), self.action_switch_language
-        )
-        yield SystemCommand(tr("cmd.export", lang), tr("cmd.export.help", lang), self.action_export)
-        yield SystemCommand(
-            tr("cmd.history", lang), tr("cmd.history.help", lang), self.action_history
-        )
-        yield SystemCommand(
-            tr("cmd.new", lang), tr("cmd.new.help", lang), self.action_new_conversation
-        )
+        for key, action in COMMANDS:
+            yield SystemCommand(
+                command_title(key, self.lang),
+                tr(f"{key}.help", self.lang),
+                getattr(self, f"action_{action}"),
+            )
         yield from super().get_system_commands(screen)
 
     # doctor
 
     async def action_doctor(self) -> None:
-        view = await self._add_turn(
-            Turn(query="doctor", lang=self.lang, kind="doctor", created=self.now())
-        )
+        turn = Turn(query="doctor", lang=self.lang, kind="doctor", created=self.deps.now())
+        view = await self.add_turn(turn)
         view.set_phase("probing")
         self.run_doctor(view.key, self.lang)
 
-    @work(thread=True, group="probes", exit_on_error=False)
+    @work(thread=True, group="doctor", exit_on_error=False)
     def run_doctor(self, key: int, lang: str) -> None:
-        """Run every probe on this machine (assistant.diagnose.doctor)."""
+        """Every probe on this machine, every cause judged (Pipeline.doctor)."""
         try:
-            with self._runs.track() as cancel, self._probe_lock:
-                result = self.doctor(
-                    self.runner, lang=lang, on_progress=self._progress(key), cancel=cancel
-                )
+            with self.runs.track() as cancel, self.probe_lock:
+                result = self.deps.pipeline.doctor(lang, self.observer(key), cancel)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(ProbesFailed(key, one_line(exc)))
+            self.post_message(TurnFailed(key, one_line(exc)))
         else:
-            self.post_message(ProbesDone(key, result, list(result.probes)))
+            self.post_message(Answered(key, result))
 
     # lint
 
     def action_lint(self) -> None:
-        self.push_screen(PathPrompt(self.lang), callback=self._lint_path)
+        self.push_screen(PathPrompt(self.lang), callback=self.lint_path)
 
-    async def _lint_path(self, path: str | None) -> None:
+    async def lint_path(self, path: str | None) -> None:
         if not path:
             return
-        view = await self._add_turn(
-            Turn(query=path, lang=self.lang, kind="lint", created=self.now())
-        )
+        turn = Turn(query=path, lang=self.lang, kind="lint", created=self.deps.now())
+        view = await self.add_turn(turn)
         view.set_phase("linting")
         self.lint(view.key, path)
 
     @work(thread=True, group="lint", exit_on_error=False)
     def lint(self, key: int, path: str) -> None:
-        """Lint a training script (assistant.lint.script.lint_script)."""
+        """Lint a training script (assistant.lint)."""
         try:
-            findings = list(self.linter(path))
+            findings = list(self.deps.lint(path))
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(TurnFailed(key, one_line(exc)))
         else:
             self.post_message(LintDone(key, findings))
 
-    async def on_lint_done(self, message: LintDone) -> None:
-        view = self._views.get(message.turn)
+    def on_lint_done(self, message: LintDone) -> None:
+        view = self.views.get(message.turn)
         if view is None:
             return
         view.turn.findings = list(message.findings)
         view.set_phase("done")
-        await self._rejudge_latest()
         self.save()
+        latest = self.latest_answered()
+        if latest is not None:
+            self.rejudge(latest.key, latest.turn.result, self.conversation.findings())
 
-    async def _rejudge_latest(self) -> None:
-        """Findings changed: re-apply verdicts to the latest answered question."""
+    def latest_answered(self) -> TurnView | None:
         for view in reversed(self.turn_views):
             if view.turn.kind == "ask" and view.phase == "done" and view.turn.result:
-                result = view.turn.result
-                try:
-                    judged = self.apply_verdicts(
-                        result, list(result.probes), self.conversation.findings()
-                    )
-                except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-                    view.set_phase("done", error=one_line(exc))
-                    return
-                if not judged.probes:
-                    judged.probes = list(result.probes)
-                await view.show_result(judged)
-                return
+                return view
+        return None
+
+    @work(thread=True, group="rejudge", exit_on_error=False)
+    def rejudge(self, key: int, result, findings: list) -> None:
+        """New findings: judge the answer again with the probe runs it already has."""
+        try:
+            judged = self.deps.pipeline.judge(result, list(result.probes), findings)
+        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
+            self.post_message(ProbesFailed(key, one_line(exc)))
+        else:
+            self.post_message(Rejudged(key, judged))
+
+    async def on_rejudged(self, message: Rejudged) -> None:
+        view = self.views.get(message.turn)
+        if view is not None:
+            await view.show_result(message.result, self.conversation.findings())
+            view.refresh_view()
+            self.save()
 
     # rebuild
 
@@ -612,7 +539,7 @@ class ChatApp(App[None]):
     async def rebuild_kb(self) -> None:
         """Recompile the knowledge base index and reload it."""
         try:
-            summary = await self.engine_thread.call(self.engine.rebuild)
+            summary = await self.deps.knowledge.rebuild()
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(RebuildDone(error=one_line(exc)))
         else:
@@ -621,31 +548,49 @@ class ChatApp(App[None]):
     def on_rebuild_done(self, message: RebuildDone) -> None:
         self.status.set_state(note="")
         if message.error:
-            self.notify(tr("rebuild.failed", self.lang, error=message.error), severity="error")
+            self.tell(tr("rebuild.failed", self.lang, error=message.error), severity="error")
             return
-        self.notify(tr("rebuild.done", self.lang, summary=message.summary))
-        if self.model_phase != "ready" and getattr(self.engine, "ready", False):
+        self.tell(tr("rebuild.done", self.lang, summary=message.summary))
+        if self.model_phase != "ready" and self.deps.knowledge.ready:
             self.post_message(ModelLoaded())
 
     # export
 
     def action_export(self) -> None:
         if not self.conversation.turns:
-            self.notify(tr("export.empty", self.lang), severity="warning")
+            self.tell(tr("export.empty", self.lang), severity="warning")
             return
-        text = conversation_markdown(self.conversation, self.lang)
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.now()))
-        folder = self.export_dir or Path.cwd()
-        path = folder / f"ddp-assistant-{stamp}.md"
+        text = self.deps.exporter.markdown(self.conversation, self.lang)
+        self.export_to(text, self.deps.export_dir or Path.cwd())
+
+    def export_to(self, text: str, target: Path) -> None:
+        """Write the report; when it cannot be written, offer the other places."""
         try:
-            path.write_text(text, encoding="utf-8")
-        except OSError as exc:
-            self.notify(tr("export.failed", self.lang, error=exc), severity="error")
+            path = self.deps.exporter.write(text, target, self.deps.now())
+        except ExportFailed as failed:
+            reason = tr("export.unwritable", self.lang, path=failed.path, reason=failed.reason)
+            home = str(self.deps.exporter.home())
+            self.push_screen(
+                ExportChoice(reason, home, self.lang),
+                callback=lambda choice: self.export_elsewhere(choice, text),
+            )
             return
         self.copy_to_clipboard(text)
         self.last_copied = text
         self.last_export = path
-        self.notify(tr("export.done", self.lang, path=path))
+        self.tell(tr("export.done", self.lang, path=path))
+
+    def export_elsewhere(self, choice: str | None, text: str) -> None:
+        home = self.deps.exporter.home()
+        if choice == "home":
+            self.export_to(text, home)
+        elif choice == "other":
+            prompt = PathPrompt(self.lang, "export.prompt", placeholder=str(home), value=str(home))
+            self.push_screen(prompt, callback=lambda path: path and self.export_to(text, Path(path)))
+        elif choice == "clipboard":
+            self.copy_to_clipboard(text)
+            self.last_copied = text
+            self.tell(tr("export.copied", self.lang))
 
     # history
 
@@ -653,7 +598,7 @@ class ChatApp(App[None]):
     def check_history(self) -> None:
         """Open the history file off the UI thread (this also pays sqlite-utils' import)."""
         try:
-            self.history.list(limit=1)
+            self.deps.history.list(limit=1)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(HistoryChecked(one_line(exc)))
         else:
@@ -662,38 +607,46 @@ class ChatApp(App[None]):
     def on_history_checked(self, message: HistoryChecked) -> None:
         if message.error and not self.history_error:
             self.history_error = message.error
-            self.notify(tr("history.unavailable", self.lang, error=message.error))
+            self.tell(tr("history.unavailable", self.lang, error=message.error))
 
     def save(self) -> None:
-        """Store the conversation in the history (quietly off when it cannot be opened)."""
-        if self.history is None or self.history_error or not self.conversation.turns:
+        """Store the conversation in the history (quietly off when it cannot be opened).
+
+        The first time anything is written, say once what is kept and where.
+        """
+        history = self.deps.history
+        if history is None or self.history_error or not self.conversation.turns:
             return
         try:
-            self.history.save(self.conversation, now=self.now())
+            history.save(self.conversation, now=self.deps.now())
+            if history.notice_due():
+                self.tell(tr("history.notice", self.lang, path=history.path), timeout=20)
+                history.mark_notice_shown()
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.history_error = one_line(exc)
-            self.notify(tr("history.unavailable", self.lang, error=self.history_error))
+            self.tell(tr("history.unavailable", self.lang, error=self.history_error))
 
-    def _history_entries(self) -> list | None:
-        if self.history is None:
-            self.notify(tr("history.unavailable", self.lang, error="-"), severity="warning")
+    def history_entries(self) -> list | None:
+        if self.deps.history is None:
+            off = tr("history.off", self.lang) if self.deps.history_off else None
+            self.tell(off or tr("history.unavailable", self.lang, error="-"), severity="warning")
             return None
         try:
-            return self.history.list()
+            return self.deps.history.list()
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.notify(tr("history.unavailable", self.lang, error=one_line(exc)))
+            self.tell(tr("history.unavailable", self.lang, error=one_line(exc)))
             return None
 
     def action_history(self) -> None:
-        entries = self._history_entries()
+        entries = self.history_entries()
         if entries is not None:
-            self.push_screen(HistoryScreen(entries, self.lang, self.format_time))
+            self.push_screen(HistoryScreen(entries, self.lang, self.deps.format_time))
 
     async def on_conversation_chosen(self, message: ConversationChosen) -> None:
         try:
-            conversation = self.history.load(message.conversation_id)
+            conversation = self.deps.history.load(message.conversation_id)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.notify(one_line(exc), severity="error")
+            self.tell(one_line(exc), severity="error")
             return
         if isinstance(self.screen, HistoryScreen):
             self.pop_screen()
@@ -701,90 +654,75 @@ class ChatApp(App[None]):
 
     async def on_conversation_deleted(self, message: ConversationDeleted) -> None:
         try:
-            self.history.delete(message.conversation_id)
+            self.deps.history.delete(message.conversation_id)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.notify(one_line(exc), severity="error")
+            self.tell(one_line(exc), severity="error")
             return
         if self.conversation.id == message.conversation_id:
             self.conversation.id = None  # still on screen; saved again as new if it changes
-        self.notify(tr("history.deleted", self.lang))
-        entries = self._history_entries()
-        if entries is not None and isinstance(self.screen, HistoryScreen):
-            await self.screen.set_entries(entries)
+        self.tell(tr("history.deleted", self.lang))
+        await self.refresh_history_screen()
+
+    async def refresh_history_screen(self) -> None:
+        if isinstance(self.screen, HistoryScreen):
+            entries = self.history_entries()
+            if entries is not None:
+                await self.screen.set_entries(entries)
+
+    def action_clear_history(self) -> None:
+        """Delete every saved conversation, after a confirmation."""
+        entries = self.history_entries()
+        if entries is None:
+            return
+        question = tr("history.confirm_clear", self.lang, count=len(entries))
+        self.push_screen(ConfirmDialog(question, self.lang), callback=self.clear_history)
+
+    def on_clear_history(self, message: ClearHistory) -> None:
+        self.action_clear_history()
+
+    async def clear_history(self, yes: bool | None) -> None:
+        if not yes:
+            return
+        try:
+            self.deps.history.clear()
+        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
+            self.tell(one_line(exc), severity="error")
+            return
+        self.conversation.id = None  # what is on screen is saved again only if it changes
+        self.tell(tr("history.cleared", self.lang))
+        await self.refresh_history_screen()
 
     async def action_new_conversation(self) -> None:
-        await self.show_conversation(Conversation(created=self.now()))
-        self.notify(tr("new.done", self.lang))
+        await self.show_conversation(Conversation(created=self.deps.now()))
+        self.tell(tr("new.done", self.lang))
 
     async def show_conversation(self, conversation: Conversation) -> None:
         """Replace the conversation on screen (running probes of the old one are stopped)."""
         self.cancel_probes()
-        self._pending = []
+        self.pending = []
         await self.query(TurnView).remove()
-        self._views = {}
+        self.views = {}
         self.conversation = conversation
         self.query_one("#welcome").display = not conversation.turns
         container = self.query_one("#conversation", VerticalScroll)
+        findings = conversation.findings()
         for turn in conversation.turns:
-            view = TurnView(self._next_key, turn, self.clock, self.lang)
-            self._views[self._next_key] = view
-            self._next_key += 1
+            view = self.new_view(turn)
             await container.mount(view)
-            await view.restore()
+            await view.restore(findings)
         container.scroll_end(animate=False)
         self.chat_input.focus()
 
 
-def make_app(
-    *,
-    engine: Any,
-    runner: Any,
-    linter: Callable[[str], list] | None = None,
-    history: Any | None = None,
-    lang: str | None = None,
-    apply_verdicts: Callable | None = None,
-    probes_for: Callable | None = None,
-    doctor: Callable | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    now: Callable[[], float] = time.time,
-    export_dir: Path | None = None,
-    cursor_blink: bool = True,
-    format_time: Callable[[float], str] = local_time,
-    top: int = TOP_CAUSES,
-) -> ChatApp:
-    """Build the chat from its dependencies (the CLI and the tests both come through here).
-
-    engine:   .load(), .ready, .ask(query, top, context), .rebuild(), .cause(id)
-    runner:   .run(names, on_progress, cancel) -> list[ProbeRun]
-    linter:   lint_script(path) -> list[Finding]
-    history:  assistant.chat.history.History, or None to keep nothing
-    apply_verdicts / probes_for / doctor: default to assistant.verdicts and
-    assistant.diagnose, imported when first used.
-    clock (monotonic seconds) and now (epoch seconds) are injectable so
-    snapshot tests show no moving time.
-    """
-    return ChatApp(
-        engine=engine,
-        runner=runner,
-        linter=linter or services.lint_script,
-        history=history,
-        lang=lang,
-        apply_verdicts=apply_verdicts or services.apply_verdicts,
-        probes_for=probes_for or services.probes_for,
-        doctor=doctor or services.doctor,
-        clock=clock,
-        now=now,
-        export_dir=export_dir,
-        cursor_blink=cursor_blink,
-        format_time=format_time,
-        top=top,
-    )
+def make_app(deps: ChatDeps) -> ChatApp:
+    """The chat over its dependencies (built by assistant.tui.deps.chat_deps)."""
+    return ChatApp(deps)
 
 
-def run_chat(model: str | None = None, lang: str | None = None) -> None:
-    """Open the chat with the real engine, probe runner and history."""
+def run_chat(model: str | None = None, lang: str | None = None, keep_history: bool = True) -> None:
+    """Open the chat with the real engine, probe runner and (unless asked not to) history."""
+    from assistant.chat.history import History, history_enabled
     from assistant.config import history_path
-    from assistant.chat.history import History
 
     app: ChatApp | None = None
 
@@ -793,13 +731,17 @@ def run_chat(model: str | None = None, lang: str | None = None) -> None:
         if app is not None:
             app.post_message(EngineLog(text))
 
-    app = make_app(
+    keep = keep_history and history_enabled()
+    deps = chat_deps(
         engine=services.LazyEngine(model, log=engine_log),
         runner=services.LazyRunner(),
-        history=History(history_path()),
+        history=History(history_path()) if keep else None,
+        history_off=not keep,
         lang=lang,
     )
+    app = make_app(deps)
     try:
         app.run()
     finally:
         app.stop_probes_now()
+

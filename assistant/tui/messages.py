@@ -6,12 +6,27 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from assistant.results import CauseResult, Finding, ProbeRun, Result
+from assistant.results import CauseResult, Finding, Result
 
 
 @dataclass
 class QuerySubmitted(Message):
     """The person pressed the send key; `text` is the whole input, pastes expanded."""
+
+    text: str
+
+
+@dataclass
+class Notice(Message):
+    """A screen or widget has something to tell the person (the app shows it)."""
+
+    text: str
+    severity: str = "information"
+
+
+@dataclass
+class TypedElsewhere(Message):
+    """Printable text was typed while a list had focus; it belongs in the input."""
 
     text: str
 
@@ -43,8 +58,8 @@ class HistoryChecked(Message):
 
 
 @dataclass
-class RetrievalDone(Message):
-    """Retrieval answered turn `turn`."""
+class CausesRanked(Message):
+    """The pipeline ranked the causes of turn `turn` (verdicts not run yet)."""
 
     turn: int
     result: Result
@@ -70,20 +85,27 @@ class ProbeProgress(Message):
 
 
 @dataclass
-class ProbesDone(Message):
-    """The probes of turn `turn` finished and verdicts were applied."""
+class Answered(Message):
+    """The pipeline returned the judged answer of turn `turn` (question or doctor)."""
 
     turn: int
     result: Result
-    runs: list[ProbeRun] = field(default_factory=list)
 
 
 @dataclass
 class ProbesFailed(Message):
-    """Running the probes of turn `turn` raised; `error` is one line."""
+    """The flow of turn `turn` raised after its causes were shown; `error` is one line."""
 
     turn: int
     error: str
+
+
+@dataclass
+class Rejudged(Message):
+    """New findings re-judged the answer of turn `turn` (no probe was rerun)."""
+
+    turn: int
+    result: Result
 
 
 @dataclass
@@ -132,6 +154,11 @@ class ConversationChosen(Message):
     """A saved conversation was picked in the history screen."""
 
     conversation_id: int
+
+
+@dataclass
+class ClearHistory(Message):
+    """The person asked to delete every saved conversation (confirmation comes next)."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from assistant.chat.conversation import first_line, shorten
-from assistant.i18n import detect_lang
+from assistant.i18n import community_stance, detect_lang, here_outcome
 from assistant.results import AnswerRef, CauseResult
 
 VERDICT_MARKS = {
@@ -24,10 +24,18 @@ PROBE_MARKS = {
     "interrupted": "■",
 }
 
-AGREEING_STANCES = ("right", "confirmed_here")
-CONTRADICTED_STANCES = ("wrong", "refuted_here")
+AGREEING_STANCES = ("right",)
+CONTRADICTED_STANCES = ("wrong",)
 
 _ERROR_WORDS = re.compile(r"error|exception|traceback|failed|\bat\s+/|\.py\"?, line", re.IGNORECASE)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for the interface (a UserError is already worded for people)."""
+    from assistant.errors import UserError
+
+    text = " ".join(str(exc).split())
+    return text if isinstance(exc, UserError) else f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
 def interface_lang(text: str, current: str) -> str:
@@ -68,19 +76,9 @@ def middle_cut(text: str, limit: int) -> str:
     return f"{flat[:head].rstrip()} … {flat[-tail:].lstrip()}"
 
 
-def cause_title(cause: CauseResult, lang: str) -> str:
-    return cause.title_zh if lang == "zh" and cause.title_zh else cause.title
-
-
-def cause_summary(cause: CauseResult, lang: str) -> str:
-    return cause.summary_zh if lang == "zh" and cause.summary_zh else cause.summary
-
-
-def entry_text(entry: dict, key: str, lang: str) -> str:
-    """A KB entry field in `lang` ('why' -> 'why_zh' in Chinese when present)."""
-    if lang == "zh" and entry.get(f"{key}_zh"):
-        return str(entry[f"{key}_zh"])
-    return str(entry.get(key) or "")
+def line_count(text: str) -> int:
+    """Real lines in `text`: \n, \r\n and a terminal's bare \r all end one."""
+    return len(text.splitlines())
 
 
 def seconds(value: float) -> str:
@@ -116,13 +114,25 @@ def split_answers(answers: list[AnswerRef]) -> tuple[list[AnswerRef], list[Answe
     def key(answer: AnswerRef) -> tuple[str, str]:
         return (answer.thread, answer.answer_id)
 
-    anchors = [a for a in answers if a.stance in AGREEING_STANCES]
+    def agrees(answer: AnswerRef) -> bool:
+        outcome = here_outcome(answer)
+        if outcome:
+            return outcome == "confirmed_here"
+        return community_stance(answer) in AGREEING_STANCES
+
+    def contradicted(answer: AnswerRef) -> bool:
+        outcome = here_outcome(answer)
+        if outcome:
+            return outcome == "refuted_here"
+        return community_stance(answer) in CONTRADICTED_STANCES
+
+    anchors = [a for a in answers if agrees(a)]
     anchor_keys = {key(a) for a in anchors}
     against_anchor = {(a.thread, other) for a in anchors for other in a.contradicts}
     agreeing, contradicting = [], []
     for answer in answers:
         names_anchor = any((answer.thread, other) in anchor_keys for other in answer.contradicts)
-        is_contradicting = answer.stance in CONTRADICTED_STANCES or (
+        is_contradicting = contradicted(answer) or (
             key(answer) not in anchor_keys and (key(answer) in against_anchor or names_anchor)
         )
         (contradicting if is_contradicting else agreeing).append(answer)

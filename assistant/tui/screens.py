@@ -1,4 +1,4 @@
-"""Screens pushed over the chat: a cause in full, the history, the script path prompt."""
+"""Screens pushed over the chat: a cause in full, the history, a path prompt, a confirmation."""
 
 from __future__ import annotations
 
@@ -10,35 +10,45 @@ from rich.console import Group
 from rich.syntax import Syntax
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
+from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.screen import ModalScreen, Screen
-from textual.widgets import Footer, Input, Label, ListItem, ListView, Static
+from textual.widgets import Footer, Input, Label, ListItem, ListView, OptionList, Static
+from textual.widgets.option_list import Option
 
-from assistant.results import AnswerRef, CauseResult
-from assistant.tui.messages import ConversationChosen, ConversationDeleted, CopyFix
-from assistant.tui.present import (
-    VERDICT_MARKS,
+from assistant.i18n import (
     cause_summary,
     cause_title,
+    community_stance,
     entry_text,
-    split_answers,
+    here_outcome,
+    stance_label,
+    t,
+    verdict_label,
 )
+from assistant.results import AnswerRef, CauseResult, Finding
+from assistant.tui.keys import LocalizedBindings, bilingual
+from assistant.tui.messages import (
+    ClearHistory,
+    ConversationChosen,
+    ConversationDeleted,
+    CopyFix,
+    Notice,
+)
+from assistant.tui.present import VERDICT_MARKS, split_answers
 from assistant.tui.strings import tr
-from assistant.tui.widgets import localize_bindings
 
 if TYPE_CHECKING:
     from assistant.chat.history import ConversationSummary
 
 STANCE_STYLES = {
     "right": "green",
-    "confirmed_here": "bold green",
     "partly_right": "yellow",
     "unverified": "dim",
     "wrong": "red",
-    "refuted_here": "bold red",
 }
+HERE_STYLES = {"confirmed_here": "bold green", "refuted_here": "bold red"}
 VERDICT_STYLES = {
     "confirmed": "bold green",
     "ruled_out": "red",
@@ -52,19 +62,23 @@ def section(title: str) -> Text:
     return Text(title, style="bold underline")
 
 
-class CauseScreen(Screen):
-    """Everything about one cause: why, evidence, community answers, fix, references."""
+class CauseScreen(LocalizedBindings, Screen):
+    """Everything about one cause: why, evidence, community answers, fix, references.
+
+    It speaks the language of the turn the cause belongs to.
+    """
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "back", "Back", id="detail.back"),
-        Binding("c", "copy_fix", "Copy fix", id="detail.copy_fix"),
+        *bilingual("escape", "back", "key.back", "detail.back"),
+        *bilingual("c", "copy_fix", "key.copy_fix", "detail.copy_fix"),
     ]
 
     lang: reactive[str] = reactive("en")
 
-    def __init__(self, cause: CauseResult, lang: str):
+    def __init__(self, cause: CauseResult, lang: str, findings: list[Finding] | None = None):
         super().__init__(id="cause-screen")
         self.cause = cause
+        self.findings = list(findings or [])
         self.entry: dict | None = None
         self.entry_error = ""
         self.entry_pending = True
@@ -104,11 +118,10 @@ class CauseScreen(Screen):
     # -- rendering ----------------------------------------------------------------
 
     def refresh_view(self) -> None:
-        localize_bindings(self, self.lang)
-        self.app.refresh_bindings()
         cause, lang, entry = self.cause, self.lang, self.entry or {}
         verdict = cause.verdict.verdict
-        header = Text(f"{VERDICT_MARKS.get(verdict, '·')} {tr(f'verdict.{verdict}', lang)}  ")
+        label = verdict_label(cause, lang, self.findings)
+        header = Text(f"{VERDICT_MARKS.get(verdict, '·')} {label}  ")
         header.stylize(VERDICT_STYLES.get(verdict, ""))
         header.append(cause_title(cause, lang), style="bold")
         header.append(f"  ({cause.id})", style="dim")
@@ -139,7 +152,7 @@ class CauseScreen(Screen):
             parts.append(Text(tr("detail.partial", lang, error=self.entry_error), style="yellow"))
         summary = entry_text(entry, "summary", lang) or cause_summary(cause, lang)
         parts += [section(tr("detail.summary", lang)), Text(summary.strip()), Text()]
-        parts.append(section(tr("evidence", lang)))
+        parts.append(section(t("evidence", lang)))
         if cause.verdict.evidence:
             parts.extend(Text(f"• {line}") for line in cause.verdict.evidence)
         else:
@@ -147,8 +160,8 @@ class CauseScreen(Screen):
         parts.append(Text())
         why = entry_text(entry, "why", lang)
         if why:
-            parts += [section(tr("why", lang)), Text(why.strip()), Text()]
-        parts.append(section(tr("answers", lang)))
+            parts += [section(t("why", lang)), Text(why.strip()), Text()]
+        parts.append(section(t("answers", lang)))
         if not cause.answers:
             parts.append(Text(tr("detail.no_answers", lang), style="dim"))
         return Group(*parts)
@@ -159,11 +172,7 @@ class CauseScreen(Screen):
         if not answers:
             parts.append(Text(tr("detail.none", lang), style="dim"))
         for answer in answers:
-            badge = Text(
-                f"[{tr(f'stance.{answer.stance}', lang)}]", STANCE_STYLES.get(answer.stance, "")
-            )
-            if answer.stance == "refuted_here":
-                badge = Text("✘ ", "bold red") + badge
+            badge = answer_badge(answer, lang)
             name = f" #{answer.answer_id}" if answer.answer_id else ""
             parts.append(badge + Text(name, style="dim"))
             parts.append(Text(answer.text.strip()))
@@ -175,17 +184,17 @@ class CauseScreen(Screen):
     def _fix(self, entry: dict) -> Group:
         lang = self.lang
         fix = entry_text(entry, "fix", lang) or self.cause.fix
-        return Group(Text(), section(tr("fix", lang)), Text(fix.strip()))
+        return Group(Text(), section(t("fix", lang)), Text(fix.strip()))
 
     def _bottom(self, entry: dict) -> Group:
         lang = self.lang
         parts: list = []
         risks = entry_text(entry, "risks", lang)
         if risks:
-            parts += [Text(), section(tr("risks", lang)), Text(risks.strip())]
+            parts += [Text(), section(t("risks", lang)), Text(risks.strip())]
         references = entry.get("references") or []
         if references:
-            parts += [Text(), section(tr("references", lang))]
+            parts += [Text(), section(t("references", lang))]
             for ref in references:
                 line = Text("• ")
                 line.append(str(ref.get("title", "")), style=f"link {ref.get('url', '')}")
@@ -202,12 +211,12 @@ class HistoryItem(ListItem):
         self.entry = entry
 
 
-class HistoryList(ListView):
+class HistoryList(LocalizedBindings, ListView):
     """Saved conversations; Enter reopens one, d twice deletes it."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("enter", "select_cursor", "Open", id="history.open"),
-        Binding("d,delete", "delete", "Delete", id="history.delete"),
+        *bilingual("enter", "select_cursor", "key.reopen", "history.open"),
+        *bilingual("d,delete", "delete", "key.delete", "history.delete"),
     ]
 
     def __init__(self, *args, lang: str = "en", **kwargs):
@@ -222,7 +231,7 @@ class HistoryList(ListView):
             return
         if self.armed != item.entry.id:
             self.armed = item.entry.id
-            self.app.notify(tr("history.confirm_delete", self.lang), severity="warning")
+            self.post_message(Notice(tr("history.confirm_delete", self.lang), "warning"))
             return
         self.armed = None
         self.post_message(ConversationDeleted(item.entry.id))
@@ -232,10 +241,13 @@ class HistoryList(ListView):
         self.armed = None  # moving on cancels a pending deletion
 
 
-class HistoryScreen(Screen):
-    """Browse, reopen and delete saved conversations."""
+class HistoryScreen(LocalizedBindings, Screen):
+    """Browse, reopen and delete saved conversations; x clears them all (asks first)."""
 
-    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "back", "Back", id="history.back")]
+    BINDINGS: ClassVar[list[BindingType]] = [
+        *bilingual("escape", "back", "key.back", "history.back"),
+        *bilingual("x", "clear", "key.clear", "history.clear"),
+    ]
 
     def __init__(
         self,
@@ -255,8 +267,6 @@ class HistoryScreen(Screen):
         yield Footer()
 
     async def on_mount(self) -> None:
-        localize_bindings(self, self.lang)
-        localize_bindings(self.query_one(HistoryList), self.lang)
         await self.set_entries(self.entries)
         self.query_one(HistoryList).focus()
 
@@ -286,32 +296,57 @@ class HistoryScreen(Screen):
     def action_back(self) -> None:
         self.dismiss()
 
+    def action_clear(self) -> None:
+        if self.entries:
+            self.post_message(ClearHistory())
+
 
 def local_time(stamp: float) -> str:
     """A timestamp as the person's local 'YYYY-MM-DD HH:MM'."""
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp))
 
 
-class PathPrompt(ModalScreen[str | None]):
-    """Ask for the path of a training script to lint; dismisses with the path or None."""
+def answer_badge(answer: AnswerRef, lang: str) -> Text:
+    """The community stance (and the question it was given for) with the machine's outcome."""
+    label = stance_label(answer, lang)
+    outcome = here_outcome(answer)
+    style = HERE_STYLES.get(outcome) or STANCE_STYLES.get(community_stance(answer), "")
+    badge = Text(label, style)
+    if outcome == "refuted_here":
+        badge = Text("✘ ", "bold red") + badge
+    elif outcome == "confirmed_here":
+        badge = Text("✔ ", "bold green") + badge
+    return badge
+
+
+class PathPrompt(LocalizedBindings, ModalScreen[str | None]):
+    """Ask for a path (a script to lint, a folder for the report); dismisses with it or None."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "cancel", "Cancel", id="prompt.cancel")
+        *bilingual("escape", "cancel", "key.cancel", "prompt.cancel")
     ]
 
-    def __init__(self, lang: str):
+    def __init__(
+        self,
+        lang: str,
+        prompt_key: str = "lint.prompt",
+        placeholder: str = "train.py",
+        value: str = "",
+    ):
         super().__init__(id="path-prompt")
         self.lang = lang
+        self.prompt_key = prompt_key
+        self.placeholder = placeholder
+        self.value = value
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt-box"):
-            yield Label(tr("lint.prompt", self.lang))
-            yield Input(placeholder="train.py", id="path-input")
+            yield Label(tr(self.prompt_key, self.lang))
+            yield Input(value=self.value, placeholder=self.placeholder, id="path-input")
             yield Label("", id="prompt-error")
             yield Label(tr("lint.prompt_hint", self.lang), id="prompt-hint")
 
     def on_mount(self) -> None:
-        localize_bindings(self, self.lang)
         self.query_one(Input).focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -321,6 +356,66 @@ class PathPrompt(ModalScreen[str | None]):
             self.query_one("#prompt-error", Label).update(tr("lint.empty_path", self.lang))
             return
         self.dismiss(path)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmDialog(LocalizedBindings, ModalScreen[bool]):
+    """A yes/no question about something that cannot be undone; dismisses with True for yes."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        *bilingual("y", "answer(True)", "key.yes", "confirm.yes"),
+        *bilingual("n,escape", "answer(False)", "key.no", "confirm.no"),
+    ]
+
+    def __init__(self, question: str, lang: str):
+        super().__init__(id="confirm-dialog")
+        self.question = question
+        self.lang = lang
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="prompt-box"):
+            yield Label(self.question, id="confirm-question")
+            yield Label(tr("confirm.hint", self.lang), id="prompt-hint")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class ExportChoice(LocalizedBindings, ModalScreen[str | None]):
+    """Where to put a report the chosen folder could not take.
+
+    Dismisses with "other", "home" or "clipboard" (None when cancelled).
+    """
+
+    BINDINGS: ClassVar[list[BindingType]] = [
+        *bilingual("escape", "cancel", "key.cancel", "export.cancel")
+    ]
+
+    def __init__(self, reason: str, home: str, lang: str):
+        super().__init__(id="export-choice")
+        self.reason = reason
+        self.home = home
+        self.lang = lang
+
+    def compose(self) -> ComposeResult:
+        lang = self.lang
+        with Vertical(id="prompt-box"):
+            yield Label(self.reason, id="export-reason")
+            yield OptionList(
+                Option(tr("export.home", lang, path=self.home), id="home"),
+                Option(tr("export.other_path", lang), id="other"),
+                Option(tr("export.clipboard", lang), id="clipboard"),
+                id="export-options",
+            )
+
+    def on_mount(self) -> None:
+        self.query_one(OptionList).focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        event.stop()
+        self.dismiss(event.option.id)
 
     def action_cancel(self) -> None:
         self.dismiss(None)

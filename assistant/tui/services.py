@@ -1,8 +1,9 @@
-"""The real engine, runner and helpers, imported on first use.
+"""The real engine, runner and helpers, imported on first use; the threads the chat keeps.
 
 `assistant chat` must show its window in under a second, so nothing here
 imports torch, sentence-transformers or the retrieval stack until a worker
-thread first needs it. Tests pass fakes to `make_app` instead.
+thread first needs it. Tests hand fakes to the same factory
+(assistant.tui.deps.chat_deps) instead.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import asyncio
 import importlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -53,6 +55,9 @@ class LazyEngine:
     def cause(self, cause_id: str) -> dict:
         return self.engine.cause(cause_id)
 
+    def signatures(self) -> dict[str, list[str]]:
+        return self.engine.signatures()
+
 
 class LazyRunner:
     """assistant.probing.runner.ProbeRunner, constructed on first use; other attributes pass through."""
@@ -78,23 +83,6 @@ class LazyRunner:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.runner, name)
-
-
-def apply_verdicts(result, runs, findings):
-    """assistant.verdicts.apply_verdicts, imported on first use."""
-    return _real("assistant.verdicts", "apply_verdicts")(result, runs, findings)
-
-
-def probes_for(causes, limit=None):
-    """assistant.verdicts.probes_for, imported on first use."""
-    return _real("assistant.verdicts", "probes_for")(causes, limit=limit)
-
-
-def doctor(runner, lang="en", on_progress=None, cancel=None):
-    """assistant.diagnose.doctor, imported on first use."""
-    return _real("assistant.diagnose", "doctor")(
-        runner, lang=lang, on_progress=on_progress, cancel=cancel
-    )
 
 
 def lint_script(path):
@@ -151,3 +139,81 @@ class EngineThread:
                 future.set_exception(exc)
             finally:
                 self._busy.clear()
+
+
+class Knowledge:
+    """The knowledge side as the chat uses it: every engine call on one EngineThread.
+
+    The pipeline's worker calls `ask` and `signatures` (they block that
+    worker, never the UI); the app awaits `load`, `rebuild` and `entry`.
+    A query therefore never runs while the index is being rebuilt.
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.thread = EngineThread()
+
+    @property
+    def ready(self) -> bool:
+        return bool(getattr(self.engine, "ready", False))
+
+    @property
+    def busy(self) -> bool:
+        """An engine call (model load, index build, query) is running."""
+        return self.thread.busy
+
+    def ask(self, query: str, top: int = 5, context: str | None = None):
+        return self.thread.submit(self.engine.ask, query, top=top, context=context).result()
+
+    def signatures(self) -> dict[str, list[str]]:
+        return self.thread.submit(self.engine.signatures).result()
+
+    async def load(self) -> None:
+        await self.thread.call(self.engine.load)
+
+    async def rebuild(self) -> str:
+        return await self.thread.call(self.engine.rebuild)
+
+    async def entry(self, cause_id: str) -> dict:
+        """The full KB entry of a cause (for the detail screen)."""
+        return await self.thread.call(self.engine.cause, cause_id)
+
+
+class ProbeRuns:
+    """The question, doctor and lint workers in flight, each with its cancel event.
+
+    Worker threads enter `track()`; quitting calls `cancel_all()` and waits
+    in `wait_idle()` until every one has returned (the runner kills its
+    processes when its event is set).
+    """
+
+    def __init__(self) -> None:
+        self._cancels: set[threading.Event] = set()
+        self._changed = threading.Condition()
+
+    @contextmanager
+    def track(self, cancel: threading.Event | None = None) -> Iterator[threading.Event]:
+        cancel = cancel or threading.Event()
+        with self._changed:
+            self._cancels.add(cancel)
+        try:
+            yield cancel
+        finally:
+            with self._changed:
+                self._cancels.discard(cancel)
+                self._changed.notify_all()
+
+    @property
+    def count(self) -> int:
+        with self._changed:
+            return len(self._cancels)
+
+    def cancel_all(self) -> None:
+        with self._changed:
+            for cancel in self._cancels:
+                cancel.set()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no run is in flight (True) or `timeout` passes (False)."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._cancels, timeout)

@@ -1,12 +1,13 @@
 """Interface strings of the chat, in English and Chinese.
 
-Shared result words (verdicts, stances, section names) come from
-assistant.i18n; this table holds only what the chat itself says.
+Shared result words (verdicts, stances, section names) and the rules for
+choosing a language live in assistant.i18n; this table holds only what the
+chat itself says, looked up by the same `translate`.
 """
 
 from __future__ import annotations
 
-from assistant.i18n import STRINGS as SHARED
+from assistant.i18n import translate
 
 UI: dict[str, dict[str, str]] = {
     "app.title": {"en": "DDP assistant", "zh": "DDP 助手"},
@@ -47,6 +48,7 @@ UI: dict[str, dict[str, str]] = {
     "turn.doctor": {"en": "doctor: check this machine", "zh": "环境体检：检查本机"},
     "turn.lint": {"en": "lint {path}", "zh": "检查脚本 {path}"},
     "turn.lines": {"en": "[{count} lines]", "zh": "[{count} 行]"},
+    "turn.confidence": {"en": "{level}", "zh": "{level}"},
     "turn.waiting_model": {
         "en": "Waiting for the model to load…",
         "zh": "等待模型加载…",
@@ -54,8 +56,8 @@ UI: dict[str, dict[str, str]] = {
     "turn.searching": {"en": "Searching the knowledge base…", "zh": "正在检索知识库…"},
     "turn.linting": {"en": "Checking the script…", "zh": "正在检查脚本…"},
     "turn.probing": {
-        "en": "Checking on this machine: {done} of {count} probe(s) done…",
-        "zh": "正在本机检查：{count} 个探针已完成 {done} 个…",
+        "en": "Checking on this machine: {done} probe(s) done, {running} running…",
+        "zh": "正在本机检查：已完成 {done} 个探针，{running} 个运行中…",
     },
     "turn.no_probes": {
         "en": "No probe applies to these causes.",
@@ -66,6 +68,10 @@ UI: dict[str, dict[str, str]] = {
         "zh": "确认 {confirmed} 个，排除 {ruled_out} 个，待定 {other} 个。",
     },
     "turn.error": {"en": "Failed: {error}", "zh": "失败：{error}"},
+    "turn.from_earlier": {
+        "en": "(follow-up to your earlier question)",
+        "zh": "（接着上一个问题）",
+    },
     "turn.probes_failed": {
         "en": "Probes failed: {error}",
         "zh": "探针运行失败：{error}",
@@ -133,6 +139,51 @@ UI: dict[str, dict[str, str]] = {
     "export.empty": {"en": "Nothing to export yet.", "zh": "还没有可导出的内容。"},
     "export.failed": {"en": "Export failed: {error}", "zh": "导出失败：{error}"},
     "new.done": {"en": "New conversation.", "zh": "新对话。"},
+    "export.unwritable": {
+        "en": "Cannot write the report to {path}: {reason}. Save it elsewhere:",
+        "zh": "无法把报告写入 {path}：{reason}。换个位置保存：",
+    },
+    "export.other_path": {"en": "Another folder or file…", "zh": "其他文件夹或文件…"},
+    "export.home": {"en": "My home folder ({path})", "zh": "我的主目录（{path}）"},
+    "export.clipboard": {"en": "Copy to the clipboard only", "zh": "只复制到剪贴板"},
+    "export.copied": {
+        "en": "Report copied to the clipboard (not saved to a file).",
+        "zh": "报告已复制到剪贴板（未保存为文件）。",
+    },
+    "export.prompt": {"en": "Folder (or .md file) for the report:", "zh": "报告保存到的文件夹（或 .md 文件）："},
+    "history.notice": {
+        "en": (
+            "Conversations, pasted logs included, are kept on this machine in {path} "
+            "(readable only by you). Ctrl+P 'Clear history' empties it; "
+            "`assistant chat --no-history` or ASSISTANT_NO_HISTORY=1 keeps nothing."
+        ),
+        "zh": (
+            "对话（包括粘贴的日志）保存在本机 {path}（仅你本人可读）。"
+            "Ctrl+P “清空历史记录”可清空；`assistant chat --no-history` 或 "
+            "ASSISTANT_NO_HISTORY=1 则不保存。"
+        ),
+    },
+    "history.off": {
+        "en": "History is off for this session (--no-history or ASSISTANT_NO_HISTORY).",
+        "zh": "本次会话不保存历史记录（--no-history 或 ASSISTANT_NO_HISTORY）。",
+    },
+    "history.confirm_clear": {
+        "en": "Delete every saved conversation ({count})? This cannot be undone.",
+        "zh": "删除全部已保存的对话（{count} 段）？无法恢复。",
+    },
+    "history.cleared": {"en": "History cleared.", "zh": "历史记录已清空。"},
+    "confirm.yes": {"en": "Delete all", "zh": "全部删除"},
+    "confirm.no": {"en": "Keep", "zh": "保留"},
+    "confirm.hint": {"en": "y deletes · n or Esc keeps", "zh": "y 删除 · n 或 Esc 保留"},
+    "cmd.clear_history": {"en": "Clear history", "zh": "清空历史记录"},
+    "cmd.clear_history.help": {
+        "en": "Delete every saved conversation (pasted logs included)",
+        "zh": "删除全部已保存的对话（包括粘贴的日志）",
+    },
+    "key.clear": {"en": "Clear all", "zh": "全部清空"},
+    "key.choose": {"en": "Choose", "zh": "选择"},
+    "key.yes": {"en": "Delete", "zh": "删除"},
+    "key.no": {"en": "Keep", "zh": "保留"},
     "busy.quit": {"en": "Stopping probes…", "zh": "正在停止探针…"},
     "cmd.doctor": {"en": "Run doctor", "zh": "运行环境体检"},
     "cmd.doctor.help": {
@@ -165,6 +216,8 @@ UI: dict[str, dict[str, str]] = {
     "cmd.new.help": {"en": "Start over with an empty conversation", "zh": "清空并开始新对话"},
     # Footer descriptions, by binding id.
     "key.send": {"en": "Send", "zh": "发送"},
+    "key.causes": {"en": "Causes", "zh": "原因"},
+    "key.input": {"en": "Back to input", "zh": "回到输入框"},
     "key.newline": {"en": "Newline", "zh": "换行"},
     "key.language": {"en": "中文", "zh": "English"},
     "key.history": {"en": "History", "zh": "历史"},
@@ -182,8 +235,14 @@ UI: dict[str, dict[str, str]] = {
 
 def tr(key: str, lang: str = "en", **values: object) -> str:
     """The string `key` in `lang` (English when missing), formatted with `values`."""
-    entry = UI.get(key) or SHARED.get(key)
-    if entry is None:
-        return key
-    text = entry.get(lang) or entry["en"]
-    return text.format(**values) if values else text
+    return translate(UI, key, lang, **values)
+
+
+def command_title(key: str, lang: str) -> str:
+    """A palette command's title: in Chinese with its English name beside it.
+
+    The palette matches what it shows, so a person who knows the English
+    name (from the README, a colleague) still finds the command in Chinese.
+    """
+    english = tr(key, "en")
+    return english if lang == "en" else f"{tr(key, lang)} · {english}"

@@ -18,7 +18,7 @@ def conversation() -> Conversation:
             title_zh="多个 rank 在同一张卡上",
             fix="Give every rank its own GPU.",
             fix_code=FIX_CODE,
-            verdict=Verdict("confirmed", ["rank 0 and rank 1 both on GPU-3f2a"]),
+            verdict=Verdict("confirmed", ["rank 0 and rank 1 both on GPU-3f2a"], source="probe"),
         ),
         CauseResult(
             "set-device-order",
@@ -26,7 +26,19 @@ def conversation() -> Conversation:
             0.5,
             fix="Set the device first.",
             fix_code="torch.cuda.set_device(i)",
-            verdict=Verdict("ruled_out", ["before init works here"]),
+            verdict=Verdict("ruled_out", ["before init works here"], source="probe"),
+        ),
+        CauseResult(
+            "local-rank-not-from-env",
+            "LOCAL_RANK not read from the environment",
+            0.3,
+            verdict=Verdict("confirmed", ["train.py:12: argparse default 0"], source="script"),
+        ),
+        CauseResult(
+            "nccl-not-available",
+            "NCCL not built in",
+            0.2,
+            verdict=Verdict("confirmed", ["the error names it"], source="error"),
         ),
     ]
     probes = [
@@ -69,13 +81,21 @@ def test_export_has_root_error_verdicts_evidence_fix_environment_and_findings():
         "## Root error (rank 1)\n\n```text\n"
         "torch.distributed.DistBackendError: Duplicate GPU detected\n```" in text
     )
+    # Each verdict says where it comes from: only a probe "tested on this machine".
     assert (
-        "| 1 | Two ranks \\| one GPU (`duplicate-gpu-per-rank`) | confirmed here | 0.91 |" in text
+        "| 1 | Two ranks \\| one GPU (`duplicate-gpu-per-rank`) "
+        "| confirmed · tested on this machine | 0.91 |" in text
     )
-    assert "| 2 | set_device after init (`set-device-order`) | ruled out here | 0.50 |" in text
+    assert (
+        "| 2 | set_device after init (`set-device-order`) "
+        "| ruled out · tested on this machine | 0.50 |" in text
+    )
+    assert "| confirmed · your script, line 12 | 0.30 |" in text
+    assert "| confirmed · the error says so | 0.20 |" in text
     assert "- rank 0 and rank 1 both on GPU-3f2a" in text
     # The fix of the confirmed cause only, as a Python block.
     assert "## Fix\n\n### Two ranks | one GPU (`duplicate-gpu-per-rank`)" in text
+    assert "### LOCAL_RANK not read" in text  # every confirmed cause's fix
     assert "```python\n" + FIX_CODE.rstrip() + "\n```" in text
     assert "Set the device first." not in text
     # Environment facts: equal ones once, differing ones per rank.
@@ -90,7 +110,8 @@ def test_export_has_root_error_verdicts_evidence_fix_environment_and_findings():
 
 def test_without_a_confirmed_cause_the_best_ranked_fix_is_shown():
     conv = conversation()
-    conv.turns[0].result.causes[0].verdict = Verdict("inconclusive")
+    for cause in conv.turns[0].result.causes:
+        cause.verdict = Verdict("inconclusive")
     text = conversation_markdown(conv)
     assert "### Two ranks | one GPU" in text and "Set the device first." not in text
 
@@ -98,8 +119,9 @@ def test_without_a_confirmed_cause_the_best_ranked_fix_is_shown():
 def test_export_in_chinese_uses_chinese_headings_and_titles():
     text = conversation_markdown(conversation(), lang="zh")
     assert text.startswith("# DDP 助手报告")
-    assert "## 根本错误" in text and "## 本机判定" in text and "## 修复方法" in text
-    assert "多个 rank 在同一张卡上" in text and "本机确认" in text
+    assert "## 根本错误" in text and "## 判定" in text and "## 修复方法" in text
+    assert "多个 rank 在同一张卡上" in text and "已确认 · 已在本机测试" in text
+    assert "已确认 · 你的脚本第 12 行" in text and "已确认 · 报错本身表明" in text
 
 
 def test_a_conversation_without_answers_still_exports():

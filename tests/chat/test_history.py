@@ -134,4 +134,4 @@ def test_migrations_run_once_and_record_the_version(tmp_path):
     assert migrate(db) == len(MIGRATIONS)
     assert migrate(db) == len(MIGRATIONS)  # a second run changes nothing
     assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
-    assert set(db.table_names()) == {"conversations", "turns"}
+    assert set(db.table_names()) == {"conversations", "turns", "meta"}

@@ -1,8 +1,11 @@
 """Fakes for the chat's dependencies, with the exact signatures of the real ones.
 
-The Pilot and snapshot tests import these; the tests at the bottom keep them
-honest by comparing their signatures with the real Engine / ProbeRunner /
-verdict functions once those modules exist.
+The Pilot and snapshot tests import these. The flow itself is the real
+assistant.pipeline.Pipeline; only its verdict step is table-driven here
+(TablePipeline), so the tests do not depend on how the verdict functions
+read facts; the tests that pass `pipeline_type=Pipeline` use the real
+verdicts on facts recorded on real machines. The tests at the bottom keep
+the fakes honest by comparing their signatures with the real ones.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from assistant.confidence import assess
 from assistant.errors import UserError
 from assistant.i18n import detect_lang
+from assistant.pipeline import Observer, Pipeline
 from assistant.results import (
     VERDICT_RANK,
     AnswerRef,
@@ -64,6 +69,9 @@ def multi_rank_log(lines: int = 500) -> str:
     return "\n".join(head + body + tail)
 
 
+THREAD_QUESTION = "DDP 一直报错找不到设备，我只有一张卡，init_process_group 之前要不要 set_device？"
+
+
 def _answers_duplicate() -> list[AnswerRef]:
     return [
         AnswerRef(
@@ -71,6 +79,7 @@ def _answers_duplicate() -> list[AnswerRef]:
             "torch.cuda.set_device。",
             lang="zh",
             thread=THREAD,
+            question=THREAD_QUESTION,
             stance="right",
             note="Matches the PyTorch docs.",
             answer_id="a8",
@@ -81,6 +90,7 @@ def _answers_duplicate() -> list[AnswerRef]:
             text="我之前就是先设了set_device再初始化进程组，改成先初始化再设设备就通了。",
             lang="zh",
             thread=THREAD,
+            question=THREAD_QUESTION,
             stance="partly_right",
             note="Reading LOCAL_RANK from os.environ is right; the order claim is not.",
             answer_id="a7",
@@ -91,6 +101,7 @@ def _answers_duplicate() -> list[AnswerRef]:
             text="用 torch.cuda.device_count() 打印一下每个进程看到的卡数。",
             lang="zh",
             thread=THREAD,
+            question=THREAD_QUESTION,
             stance="partly_right",
             answer_id="a4",
             advice="remove-set-device",
@@ -159,6 +170,18 @@ def gloo_causes() -> list[CauseResult]:
     ]
 
 
+# A question the fake engine answers with an exact signature match far ahead
+# of the rest: the confidence is high and no follow-up question is asked.
+SURE_MARK = "[exact signature]"
+
+
+def sure_causes() -> list[CauseResult]:
+    duplicate, order = sample_causes()[1], sample_causes()[0]
+    duplicate.score, duplicate.signals = 0.95, {"signature": 1, "lexical": 1}
+    order.score = 0.4
+    return [duplicate, order]
+
+
 CAUSE_ENTRIES = {
     "set-device-order": {
         "why": "NCCL binds its communicator to the current CUDA device at init.",
@@ -213,6 +236,8 @@ class FakeEngine:
             raise UserError("the question is empty: paste an error message or a log")
         self.asked.append((query, top, context))
         causes = gloo_causes() if "gloo" in query.lower() else sample_causes()
+        if SURE_MARK in query:
+            causes = sure_causes()
         root = None
         if "Duplicate GPU" in query:
             message = DUPLICATE_GPU_LINE.split(": ", 1)[1]
@@ -220,6 +245,9 @@ class FakeEngine:
         return Result(
             query=query, root_error=root, causes=causes[:top], lang=detect_lang(query[:20_000])
         )
+
+    def signatures(self) -> dict[str, list[str]]:
+        return {}
 
     def rebuild(self) -> str:
         self.rebuilds += 1
@@ -393,7 +421,7 @@ def fake_probes_for(causes: list[CauseResult], limit: int | None = None) -> list
 
 
 def fake_apply_verdicts(result: Result, runs: list[ProbeRun], findings: list[Finding]) -> Result:
-    """Table-driven stand-in for assistant.verdicts.apply_verdicts on GPU_FACTS."""
+    """Table-driven stand-in for assistant.verdicts.apply_verdicts on GPU_FACTS (a new Result)."""
     judged = copy.deepcopy(result)
     by_name = {run.name: run for run in runs}
     for cause in judged.causes:
@@ -401,7 +429,7 @@ def fake_apply_verdicts(result: Result, runs: list[ProbeRun], findings: list[Fin
         refuted = set(cause.verdict.refutes)
         for answer in cause.answers:
             if answer.advice and answer.advice in refuted:
-                answer.stance = "refuted_here"
+                answer.here = "refuted_here"
     judged.causes.sort(key=lambda c: VERDICT_RANK[c.verdict.verdict])
     judged.probes = list(runs)
     return judged
@@ -412,12 +440,13 @@ def _judge(cause: CauseResult, runs: dict[str, ProbeRun], findings: list[Finding
     evidence = [f"{f.path}:{f.line}: {f.message}" for f in findings if f.cause_id == cause.id]
     if any(run.status == "timeout" for run in own):
         names = ", ".join(r.name for r in own if r.status == "timeout")
-        return Verdict("inconclusive", [f"probe {names} timed out", *evidence])
+        return Verdict("inconclusive", [f"probe {names} timed out", *evidence], source="probe")
     if cause.id == "duplicate-gpu-per-rank" and "devices" in runs and runs["devices"].ranks:
         uuids = {r["uuid"] for r in runs["devices"].ranks}
         if len(uuids) == 1:
-            return Verdict("confirmed", [f"rank 0 and rank 1 both on {uuids.pop()}", *evidence])
-        return Verdict("ruled_out", ["every rank on its own GPU", *evidence])
+            line = f"rank 0 and rank 1 both on {uuids.pop()}"
+            return Verdict("confirmed", [line, *evidence], source="probe")
+        return Verdict("ruled_out", ["every rank on its own GPU", *evidence], source="probe")
     if cause.id == "set-device-order" and "set_device_order" in runs:
         facts = runs["set_device_order"].ranks
         if facts and not facts[0]["after_init"]:
@@ -425,21 +454,31 @@ def _judge(cause: CauseResult, runs: dict[str, ProbeRun], findings: list[Finding
                 "ruled_out",
                 ["set_device before init_process_group works here; after it fails", *evidence],
                 refutes=["set-device-after-init"],
+                source="probe",
             )
     rendezvous = runs.get("rendezvous")
     if cause.id == "master-endpoint-mismatch" and rendezvous and rendezvous.status == "ok":
-        return Verdict("ruled_out", ["rendezvous on 127.0.0.1:29500 succeeded", *evidence])
+        line = "rendezvous on 127.0.0.1:29500 succeeded"
+        return Verdict("ruled_out", [line, *evidence], source="probe")
     if evidence:
-        return Verdict("confirmed", evidence)
-    return Verdict("not_run") if not own else Verdict("inconclusive", [])
+        return Verdict("confirmed", evidence, source="script")
+    return Verdict("not_run") if not own else Verdict("inconclusive", [], source="probe")
 
 
-def fake_doctor(runner, lang: str = "en", on_progress=None, cancel=None) -> Result:
-    """Same contract as assistant.diagnose.doctor."""
-    names = ["launch_env", "devices", "backend", "versions"]
-    runs = runner.run(names, on_progress=on_progress, cancel=cancel)
-    result = Result(query=None, root_error=None, causes=sample_causes()[1:2], lang=lang)
-    return fake_apply_verdicts(result, runs, [])
+DOCTOR_PROBES = ["launch_env", "devices", "backend", "versions"]
+
+
+class TablePipeline(Pipeline):
+    """The real Pipeline, its verdict step and doctor replaced by the table above."""
+
+    def judge(self, result, runs, findings=()):
+        return assess(fake_apply_verdicts(result, list(runs), list(findings)))
+
+    def doctor(self, lang="en", observer=None, cancel=None):
+        observer = observer or Observer()
+        runs = self.runner.run(DOCTOR_PROBES, on_progress=observer.probe, cancel=cancel)
+        result = Result(query=None, root_error=None, causes=sample_causes()[1:2], lang=lang)
+        return fake_apply_verdicts(result, runs, [])
 
 
 def fake_linter(path: str) -> list[Finding]:
@@ -470,35 +509,40 @@ class FixedClock:
         self.value += seconds
 
 
-def fake_app(
+def fake_deps(
     engine: FakeEngine | None = None,
-    runner: FakeRunner | None = None,
+    runner=None,
     history=None,
     lang: str | None = None,
     clock: Callable[[], float] | None = None,
     export_dir: Path | None = None,
-    apply_verdicts: Callable | None = None,
-    probes_for: Callable | None = None,
-    doctor: Callable | None = None,
+    pipeline_type=TablePipeline,
+    **options,
 ):
-    """The real chat app wired to the fakes above (or to the real verdict functions)."""
-    from assistant.tui.app import make_app
+    """The chat's dependencies from the one factory, around the fakes above."""
+    from assistant.tui.deps import chat_deps
 
-    return make_app(
+    return chat_deps(
         engine=engine or FakeEngine(),
         runner=runner or FakeRunner(),
-        linter=fake_linter,
+        lint=fake_linter,
         history=history,
+        pipeline_type=pipeline_type,
         lang=lang,
-        apply_verdicts=apply_verdicts or fake_apply_verdicts,
-        probes_for=probes_for or fake_probes_for,
-        doctor=doctor or fake_doctor,
         clock=clock or FixedClock(),
         now=lambda: 1_700_000_000.0,
         export_dir=export_dir,
         cursor_blink=False,
         format_time=lambda stamp: time.strftime("%Y-%m-%d %H:%M", time.gmtime(stamp)),
+        **options,
     )
+
+
+def fake_app(**kwargs):
+    """The real chat app over fake_deps(**kwargs)."""
+    from assistant.tui.app import make_app
+
+    return make_app(fake_deps(**kwargs))
 
 
 # -- the fakes follow the real signatures ---------------------------------------------
@@ -545,14 +589,19 @@ def test_fake_runner_matches_probe_runner():
     ("module", "name", "fake"),
     [
         ("assistant.verdicts", "apply_verdicts", fake_apply_verdicts),
-        ("assistant.verdicts", "probes_for", fake_probes_for),
-        ("assistant.diagnose", "doctor", fake_doctor),
         ("assistant.lint.script", "lint_script", fake_linter),
     ],
 )
 def test_fake_functions_match_real(module, name, fake):
     real = _real(module, name)
-    assert [n for n, _ in _parameters(real)] == [n for n, _ in _parameters(fake)]
+    real_names = [n for n, _ in _parameters(real)]
+    fake_names = [n for n, _ in _parameters(fake)]
+    assert real_names[: len(fake_names)] == fake_names
+
+
+@pytest.mark.parametrize("method", ["judge", "doctor"])
+def test_the_table_pipeline_keeps_the_pipeline_signatures(method):
+    assert _parameters(getattr(TablePipeline, method)) == _parameters(getattr(Pipeline, method))
 
 
 def screen_text(app) -> str:
