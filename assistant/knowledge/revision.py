@@ -66,7 +66,7 @@ def layer_at_revision(layer: Path, revision: str, dest: Path) -> Path:
             reason = archive.stderr.decode("utf-8", "replace").strip().splitlines()
             raise UserError(f"--compare: git archive failed: {reason[-1] if reason else '?'}")
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(unpacked, filter="data")
+            _extract(tar, unpacked)
     source = unpacked / prefix
     for name in KB_FOLDERS:
         target = dest / name
@@ -75,6 +75,16 @@ def layer_at_revision(layer: Path, revision: str, dest: Path) -> Path:
         else:
             target.mkdir(parents=True, exist_ok=True)
     return dest
+
+
+def _extract(tar: tarfile.TarFile, folder: Path) -> None:
+    """Extract refusing links out of the folder and odd members (the "data" filter,
+    where this Python has it: 3.10.12+, 3.11.4+)."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extractall(folder, filter="data")
+    else:  # git archive of our own repository: plain files and folders only
+        members = [m for m in tar.getmembers() if m.isfile() or m.isdir()]
+        tar.extractall(folder, members=members)
 
 
 def compare_to_revision(
