@@ -325,12 +325,15 @@ def signals_raise() -> Iterator[None]:
     On leaving through KeyboardInterrupt or Terminated, every registered
     launch is killed and every tracked folder removed before the exception
     goes on, whichever thread started them. A second signal while that
-    cleanup runs is ignored rather than cutting the cleanup short. Outside
-    the main thread (where handlers cannot be set) it only does the cleanup.
+    cleanup runs is ignored rather than cutting the cleanup short. A signal
+    already ignored (nohup) stays ignored. Outside the main thread (where
+    handlers cannot be set) it only does the cleanup.
     """
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in HOSTILE_SIGNALS:
+            if signal.getsignal(sig) is signal.SIG_IGN:
+                continue  # `nohup assistant doctor`: the person asked to survive it
             previous[sig] = signal.signal(sig, _raise_terminated)
     try:
         yield

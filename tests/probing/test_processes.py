@@ -136,3 +136,21 @@ def test_signal_in_main_thread_cleans_up_a_launch_of_a_worker_thread(sig):
     assert f"terminated {128 + sig}" in out
     assert pids_with_marker(marker) == []
     assert not Path(folder).exists()
+
+
+def test_an_ignored_sighup_stays_ignored():
+    """nohup: the person asked the command to survive a closed terminal."""
+    script = (
+        "import signal, time\n"
+        "from assistant.probing import processes\n"
+        "signal.signal(signal.SIGHUP, signal.SIG_IGN)\n"
+        "with processes.signals_raise():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(1.5)\n"
+        "print('survived', flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGHUP)
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 0 and "survived" in out

@@ -1,0 +1,110 @@
+"""Hostile signals to the real `assistant` command while torchrun's ranks run.
+
+SIGTERM (timeout, kill) and SIGHUP (the terminal closed) must clean up like
+Ctrl-C: every process of the launch killed, the temp folders removed, and
+the exit code a shell reports for the signal (128 + signum). The probe
+folder is a copy whose versions probe hangs, so the ranks are alive when
+the signal comes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from assistant.probing.processes import MARKER_VAR, has_proc, pids_with_marker
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not has_proc(), reason="finds the launch's processes in /proc"),
+]
+
+# As from a terminal: a test runner started under nohup or in the background
+# may leave SIGHUP ignored, and the child would inherit that.
+CLI = (
+    "import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+    "from assistant.cli import main; sys.exit(main())"
+)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries PROBE_TEST_TAG=tag."""
+    return [
+        int(entry.name)
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and environ_of(int(entry.name)).get("PROBE_TEST_TAG") == tag
+    ]
+
+
+def wait_for_ranks(child: subprocess.Popen, tag: str, nproc: int, seconds: float = 120.0) -> str:
+    """The launch marker, once torchrun and all its ranks exist."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise AssertionError(f"assistant ended before its ranks ran: {child.stderr.read()}")
+        markers = {environ_of(pid).get(MARKER_VAR) for pid in tagged(tag)} - {None}
+        for marker in markers:
+            if len(pids_with_marker(marker)) >= nproc + 1:  # torchrun + its ranks
+                return marker
+        time.sleep(0.1)
+    raise AssertionError("the probe launch never started its ranks")
+
+
+@pytest.mark.parametrize(
+    "sig, command",
+    [
+        (signal.SIGTERM, ["probe", "versions", "system"]),
+        (signal.SIGHUP, ["probe", "versions"]),
+        (signal.SIGTERM, ["doctor", "--json"]),
+    ],
+    ids=["SIGTERM-probe", "SIGHUP-probe", "SIGTERM-doctor"],
+)
+def test_a_signal_kills_every_process_of_the_launch_and_removes_its_folders(
+    hanging_probes, tmp_path, sig, command
+):
+    tag = uuid.uuid4().hex
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "PROBE_TEST_TAG": tag, "TMPDIR": str(temp)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CLI, *command, "--nproc-per-node", "2"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        marker = wait_for_ranks(child, tag, nproc=2)
+        assert list(temp.glob("ddp-probes-*")), "the launch's folder should exist meanwhile"
+        started = time.monotonic()
+        child.send_signal(sig)
+        _, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 128 + sig, stderr
+    assert f"assistant: terminated by {signal.Signals(sig).name}" in stderr
+    assert "Traceback" not in stderr
+    assert time.monotonic() - started < 30
+    assert pids_with_marker(marker) == []
+    assert tagged(tag) == []
+    assert list(temp.glob("ddp-probes-*")) == []
