@@ -10,6 +10,7 @@ from assistant.verdicts.inputs import (
     Inputs,
     by_error,
     judges,
+    kept_open,
     not_run,
     quote,
     undecided,
@@ -125,6 +126,21 @@ def nccl_with_cpu_tensors(i: Inputs) -> Verdict:
 
 @judges("p2p-hang")
 def p2p_hang(i: Inputs) -> Verdict:
+    # The KB's p2p signatures include NCCL's INFO line "via P2P/IPC", printed
+    # by healthy runs too: the error's words only keep the cause open.
+    said = []
+    if i.error_names("p2p-hang"):
+        said.append(
+            i.error_line(
+                "the error shows NCCL peer-to-peer traffic or settings: {error}",
+                "报错里有 NCCL 点对点传输的内容：{error}",
+            )
+        )
+    return kept_open(said, _p2p_here(i))
+
+
+def _p2p_here(i: Inputs) -> Verdict:
+    """What this machine's facts say about peer-to-peer hangs."""
     none_here = no_gpu(i)
     if none_here:
         return none_here

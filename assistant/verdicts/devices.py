@@ -12,6 +12,7 @@ from assistant.verdicts.inputs import (
     by_host,
     gist,
     judges,
+    kept_open,
     not_run,
     quote,
     short,
@@ -266,7 +267,17 @@ def world_size_exceeds_devices(i: Inputs) -> Verdict:
 @judges("cuda-visible-devices-mismatch")
 def cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
+    said = []
+    if i.error_names("cuda-visible-devices-mismatch"):
+        said.append(
+            i.error_line(
+                "the error is CUDA's when the visible devices change after CUDA started: {error}",
+                "报错是 CUDA 启动后可见设备又被改变时给出的：{error}",
+            )
+        )
     if not records:
+        if said:
+            return verdict("confirmed", said, source="error")
         return undecided(i, ("devices",), [])
     problems: list[str] = []
     healthy: list[str] = []
@@ -278,16 +289,22 @@ def cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
                 problem or _visible_devices_ok(i, value, same)
             )
     if problems:
-        return verdict("confirmed", problems, source="probe")
+        return verdict("confirmed", problems + said, source="probe")
     if all(
         r["facts"].get("physical_gpus") in (0, None) and not r["facts"].get("cuda_available")
         for r in records
     ):
-        return verdict(
-            "not_applicable",
-            [i.t("no NVIDIA GPU on this machine", "本机没有 NVIDIA GPU")],
-            source="probe",
+        none_here = [i.t("no NVIDIA GPU on this machine", "本机没有 NVIDIA GPU")]
+        if said:  # the error came from a GPU machine: this one cannot judge it
+            return verdict("confirmed", said + none_here, source="error")
+        return verdict("not_applicable", none_here, source="probe")
+    if said:
+        # A healthy value now does not clear a script that changes it after CUDA started.
+        script = i.t(
+            "so the script (or a library) changes CUDA_VISIBLE_DEVICES after CUDA started",
+            "所以是脚本（或某个库）在 CUDA 启动后改了 CUDA_VISIBLE_DEVICES",
         )
+        return verdict("confirmed", said + healthy + [script], source="error")
     return verdict("ruled_out", healthy, source="probe")
 
 
@@ -378,9 +395,9 @@ def no_cuda_visible(i: Inputs) -> Verdict:
             "not_applicable",
             [
                 i.t(
-                    "the error came from a job that used a GPU, but this machine has none: "
+                    "this machine has no GPU, but the error came from a job that used one: "
                     "run the probes on the failing machine",
-                    "报错来自一个用了 GPU 的任务，但本机没有 GPU：请在出错的机器上运行探针",
+                    "本机没有 GPU，但报错来自一个用了 GPU 的任务：请在出错的机器上运行探针",
                 )
             ],
             source="probe",
@@ -539,6 +556,19 @@ def advice_outcomes(runs: dict[str, ProbeRun]) -> tuple[set[str], set[str]]:
 
 @judges("set-device-order")
 def set_device_order(i: Inputs) -> Verdict:
+    said = []
+    if i.error_names("set-device-order"):
+        said.append(
+            i.error_line(
+                "the error says the ranks' CUDA devices were not set before the process group: {error}",
+                "报错说建立进程组之前没有设定各 rank 的 CUDA 设备：{error}",
+            )
+        )
+    return kept_open(said, _set_device_order_here(i))
+
+
+def _set_device_order_here(i: Inputs) -> Verdict:
+    """What the set_device_order experiment on this machine says."""
     run = i.runs.get("set_device_order")
     if run is None:
         return not_run()

@@ -163,13 +163,30 @@ def verdict(
 def undecided(i: Inputs, probes: tuple[str, ...], evidence: list[str]) -> Verdict:
     """Inconclusive when there is something to say, else not_run.
 
-    The probes decided it when any of them ran (their facts, or their
-    trouble, are the evidence); otherwise the only evidence is the error's.
+    Its source is "error" when every line is the error's own (they start
+    with ERROR_WORDS), else "probe": a fact of this machine, or a probe's
+    trouble, is part of it.
     """
     evidence = evidence + i.trouble(*probes)
-    if not evidence and not i.ran(*probes):
+    if not evidence:  # nothing bears on it, whether or not the probes ran
         return not_run()
-    return verdict("inconclusive", evidence, source="probe" if i.ran(*probes) else "error")
+    only_error = evidence and all(line.startswith(ERROR_WORDS) for line in evidence)
+    return verdict("inconclusive", evidence, source="error" if only_error else "probe")
+
+
+def kept_open(said: list[str], found: Verdict) -> Verdict:
+    """This machine's verdict `found` beside the error lines `said` that name the cause.
+
+    The error is the failing job's own word, and this machine may not be
+    where it ran: a fact here that rules the cause out (or cannot judge it)
+    leaves it inconclusive, with both as evidence. With nothing from the
+    machine the error's words stand alone; otherwise they are added.
+    """
+    if not said:
+        return found
+    if found.verdict in ("ruled_out", "not_applicable", "not_run"):
+        return verdict("inconclusive", said + found.evidence, found.refutes, source="error")
+    return verdict(found.verdict, found.evidence + said, found.refutes, source=found.source)
 
 
 def quote(text: str, limit: int = 160) -> str:

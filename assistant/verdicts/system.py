@@ -177,12 +177,14 @@ def oom_killed(i: Inputs) -> Verdict:
             source="probe",
         )
     line = i.t(
-        "the OOM killer has killed nothing since boot",
-        "开机以来 OOM killer 没有杀过任何进程",
+        "the OOM killer has killed nothing here since boot",
+        "本机开机以来 OOM killer 没有杀过任何进程",
     )
-    if said:
-        line += i.t(
-            ": the SIGKILL came from elsewhere (a scheduler limit, a timeout, a person)",
-            "：SIGKILL 来自别处（调度器限制、超时或人为）",
-        )
-    return verdict("ruled_out", [line] + evidence, source="probe")
+    if not said:
+        return verdict("ruled_out", [line] + evidence, source="probe")
+    # The error may come from another node: a SIGKILL there stays open.
+    line += i.t(
+        ": if the job ran here, the SIGKILL came from elsewhere (a scheduler limit, a timeout, a person)",
+        "：如果任务跑在本机，SIGKILL 来自别处（调度器限制、超时或人为）",
+    )
+    return verdict("inconclusive", [line] + evidence, source="probe")
