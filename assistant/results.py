@@ -76,6 +76,21 @@ class ProbeRun:
         """The contract's `probes[*]` entry."""
         return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 2)}
 
+    def typed_records(self) -> list:
+        """Every rank's record as a probe_protocol.RankRecord, its facts typed for this probe.
+
+        `run.typed_facts()[0].local_rank_device.uuid` reads what
+        `run.ranks[0]["facts"]["local_rank_device"]["uuid"]` does, with
+        defaults where an older record lacks a key; `ranks` stays as it is.
+        """
+        from assistant.probing.protocol import RankRecord  # the protocol file, loaded on first use
+
+        return [RankRecord.from_dict(record) for record in self.ranks]
+
+    def typed_facts(self) -> list:
+        """Per rank, the typed facts (DevicesFacts, BackendFacts, ... of probe_protocol)."""
+        return [record.facts for record in self.typed_records()]
+
 
 @dataclass
 class Verdict:

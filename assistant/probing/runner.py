@@ -250,7 +250,9 @@ class ProbeRunner:
             for event in watch.update(now):
                 control.progress.report(*event)
             if code is not None:
-                return LaunchEnd("exit", code=code)
+                # Killed from another thread on a signal: a stop, not a crash.
+                stopped = control.cancelled() and not watch.all_done()
+                return LaunchEnd("cancelled") if stopped else LaunchEnd("exit", code=code)
             if watch.all_done():
                 return LaunchEnd("done", code=0)
             if control.cancelled():

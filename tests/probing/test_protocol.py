@@ -216,3 +216,16 @@ def test_variant_outcomes_read_failures_hangs_and_shared_gpus():
     assert outcomes["no-set-device"].describe() == "hang at barrier"
     shared = outcomes["device-id"]
     assert shared.kind == "ok" and not shared.works and shared.shared_uuid == "GPU-a"
+
+
+def test_a_probe_run_gives_its_facts_typed_and_keeps_the_dicts():
+    runs = {run.name: run for run in load_runs(FACTS / "two_ranks_one_gpu.json")}
+    devices = runs["devices"]
+    typed = devices.typed_facts()
+    assert [type(f) for f in typed] == [protocol.DevicesFacts] * len(devices.ranks)
+    for facts, raw in zip(typed, devices.ranks):
+        landed = raw["facts"]["local_rank_device"]
+        assert facts.local_rank_device.uuid == landed["uuid"]
+    records = runs["backend"].typed_records()
+    assert records[0].probe == "backend" and records[0].facts.gloo.result == "ok"
+    assert isinstance(devices.ranks[0], dict)  # the dict records verdicts read today

@@ -108,3 +108,52 @@ def test_a_signal_kills_every_process_of_the_launch_and_removes_its_folders(
     assert pids_with_marker(marker) == []
     assert tagged(tag) == []
     assert list(temp.glob("ddp-probes-*")) == []
+
+
+# The chat's case: the runner works in a worker thread, the signal lands in
+# the main thread. The worker is not a daemon: the exit waits for it, so it
+# must notice the stop by itself.
+IN_A_WORKER = """
+import sys, threading, time
+from assistant.probing import processes
+from assistant.probing.runner import ProbeRunner
+
+def work():
+    runs = ProbeRunner(nproc_per_node=2, timeout=120).run(["versions"])
+    print("worker", runs[0].status, flush=True)
+
+try:
+    with processes.signals_raise():
+        threading.Thread(target=work).start()
+        while True:
+            time.sleep(0.1)
+except processes.Terminated as exc:
+    sys.exit(exc.exit_code)
+"""
+
+
+def test_a_signal_stops_a_runner_working_in_another_thread(hanging_probes, tmp_path):
+    tag = uuid.uuid4().hex
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "PROBE_TEST_TAG": tag, "TMPDIR": str(temp)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", IN_A_WORKER],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        marker = wait_for_ranks(child, tag, nproc=2)
+        child.send_signal(signal.SIGTERM)
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 128 + signal.SIGTERM, stderr
+    assert "worker interrupted" in stdout  # the worker stopped as on a cancel
+    assert pids_with_marker(marker) == []
+    assert tagged(tag) == []
+    assert list(temp.glob("ddp-probes-*")) == []
