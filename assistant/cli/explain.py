@@ -11,6 +11,7 @@ import os
 
 import click
 
+from assistant.cli.options import team_kb_option
 from assistant.errors import ExitCode, UserError
 from assistant.i18n import STRINGS, t
 
@@ -40,6 +41,7 @@ def user_lang() -> str:
 @click.argument("cause_id")
 @click.option("--lang", type=click.Choice(["en", "zh"]), help="Language (default: your locale).")
 @click.option("--json", "as_json", is_flag=True, help="Print the document as JSON.")
+@team_kb_option
 def explain(cause_id, lang, as_json):
     """Show a cause's document: why, the error text, the fix, its probes, the community answers.
 
@@ -47,11 +49,11 @@ def explain(cause_id, lang, as_json):
     assistant explain duplicate-gpu-per-rank
     assistant explain set-device-order --lang zh
     """
+    from assistant.config import kb_layers
     from assistant.knowledge.kb import KBError, load_kb
-    from assistant.config import kb_dir
 
     try:
-        knowledge = load_kb(kb_dir(), require_contract=False)
+        knowledge = load_kb(kb_layers(), require_contract=False)
     except KBError as exc:
         raise UserError(f"knowledge base is invalid: {exc.problems[0]}", ExitCode.FAILED) from None
     cause = knowledge.causes.get(cause_id)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from assistant.cli.options import team_kb_option
 from assistant.errors import ExitCode
 
 HANG_AFTER_DEFAULT = 600.0
@@ -39,6 +40,7 @@ HANG_AFTER_DEFAULT = 600.0
 )
 @click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="How many causes.")
 @click.option("--model", metavar="PATH", help="Local sentence-transformers model directory.")
+@team_kb_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(hang_after, no_probe, as_json, log_dir, top, model, command):
     """Run your launch command, watch it, and diagnose a failure or a hang.

@@ -196,3 +196,13 @@ def test_ask_and_build_read_every_layer(team, private_engine):
     assert result.exit_code == 0, result.stderr
     assert "acme-shm-quota" not in {c["id"] for c in json.loads(result.stdout)["causes"]}
     assert any("rebuilding the index" in line for line in private_engine)
+
+
+def test_explain_shows_what_the_team_layer_added(team):
+    result = CliRunner().invoke(
+        main, ["explain", "duplicate-gpu-per-rank", "--json", "--kb", str(team)]
+    )
+    assert result.exit_code == 0, result.stderr
+    assert TEAM_SIGNATURE in result.stdout.replace("\\\\", "\\")
+    result = CliRunner().invoke(main, ["explain", "acme-shm-quota", "--kb", str(team)])
+    assert result.exit_code == 0, result.stderr
