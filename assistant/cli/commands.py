@@ -362,15 +362,21 @@ def probe(names, as_json, python_path, nproc_per_node, probe_timeout):
     type=click.Choice(["en", "zh"]),
     help="Interface language (default: follows the question).",
 )
-def chat(model, lang):
+@click.option(
+    "--no-history",
+    is_flag=True,
+    help="Keep nothing of this chat on disk (also ASSISTANT_NO_HISTORY=1).",
+)
+def chat(model, lang, no_history):
     """Open the terminal chat (the default command).
 
     \b
     assistant chat
+    assistant chat --no-history      # pasted logs stay in memory only
     """
     from assistant.tui.app import run_chat
 
-    run_chat(model=model, lang=lang)
+    run_chat(model=model, lang=lang, keep_history=not no_history)
 
 
 if __name__ == "__main__":
