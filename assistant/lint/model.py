@@ -132,7 +132,8 @@ def parse_script(source: str, path: str = "<string>") -> Script:
     if len(source) > MAX_SCRIPT_BYTES:
         raise UserError(f"{path}: too big for a training script ({len(source)} characters)")
     try:
-        tree = ast.parse(source, filename=path)
+        # A byte-order mark is fine in a file, but ast.parse of a str rejects it.
+        tree = ast.parse(source.removeprefix("\ufeff"), filename=path)
     except SyntaxError as exc:
         where = f"{path}:{exc.lineno}" if exc.lineno else path
         raise UserError(f"{where}: not valid Python: {exc.msg}") from None

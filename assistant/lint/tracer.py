@@ -29,7 +29,7 @@ from assistant.lint.torchapi import SPAWNERS
 # Past this many calls in one trace, it stops stepping into functions.
 MAX_TRACED_CALLS = 20_000
 # Past this many calls in all traces of a file together, no trace steps in.
-MAX_TRACED_CALLS_PER_FILE = 200_000
+MAX_TRACED_CALLS_PER_FILE = 100_000
 
 Step = Iterator["Step"]  # a generator that yields the steps it contains
 
@@ -57,11 +57,22 @@ class Where:
         return Where(self.top_line, self.guarded, rank)
 
 
-class Budget:
-    """The calls all traces of one file may still record before they stop stepping in."""
+class Shared:
+    """What all traces of one file share: the budget of calls, and answers worked out once.
 
-    def __init__(self, calls: int = MAX_TRACED_CALLS_PER_FILE):
+    A function called from a hundred places is walked a hundred times; its
+    expressions' calls and their names are found the first time only.
+    """
+
+    def __init__(self, script: Script, calls: int = MAX_TRACED_CALLS_PER_FILE):
         self.calls_left = calls
+        self.names = {id(node): name for node, name in script.calls()}
+        self.expression_calls: dict[int, list[ast.Call]] = {}
+
+    def calls_in(self, node: ast.AST) -> list[ast.Call]:
+        if id(node) not in self.expression_calls:
+            self.expression_calls[id(node)] = calls_in_evaluation_order(node)
+        return self.expression_calls[id(node)]
 
 
 def drive(step: Step) -> None:
@@ -79,13 +90,15 @@ def drive(step: Step) -> None:
 class Tracer:
     """Walks statements in order, stepping into same-file functions."""
 
-    def __init__(self, script: Script, budget: Budget):
+    def __init__(self, script: Script, shared: Shared):
         self.script = script
-        self.budget = budget
+        self.shared = shared
         self.visited: set[str] = set()
         self.calls: list[TracedCall] = []
-        self.stack: list[str] = []  # the functions being walked, outermost first
-        self.active: set[str] = set()  # the same, for a quick recursion test
+        self.active: set[str] = set()  # the functions being walked, to stop recursion
+        # The class whose method is being walked (innermost), "" outside methods:
+        # `self.m()` there means that class's m.
+        self.owners: list[str] = [""]
 
     def run_module(self) -> list[TracedCall]:
         drive(self.module())
@@ -106,11 +119,11 @@ class Tracer:
         if name in self.active:  # recursion: walk a function once per path
             return
         self.visited.add(name)
-        self.stack.append(name)
         self.active.add(name)
+        self.owners.append(name.split(".")[0] if "." in name else self.owners[-1])
         yield self.block(func.body, where)
+        self.owners.pop()
         self.active.discard(name)
-        self.stack.pop()
 
     def block(self, stmts: list[ast.stmt], where: Where) -> Step:
         """Statements in order; after `if rank != 0: return` the rest is rank 0's alone."""
@@ -148,22 +161,21 @@ class Tracer:
 
     def expression(self, node: ast.AST, where: Where) -> Step:
         """The calls of an expression, arguments before the call that takes them."""
-        for call in calls_in_evaluation_order(node):
+        for call in self.shared.calls_in(node):
             yield from self.call(call, where)
 
     def call(self, node: ast.Call, where: Where) -> Step:
-        name = self.script.name_of(node.func)
+        name = self.shared.names[id(node)]
         self.calls.append(TracedCall(node, name, where.top_line, where.guarded, where.rank))
-        self.budget.calls_left -= 1
-        if len(self.calls) > MAX_TRACED_CALLS or self.budget.calls_left < 0:
+        self.shared.calls_left -= 1
+        if len(self.calls) > MAX_TRACED_CALLS or self.shared.calls_left < 0:
             return  # a helper called from many places: stop stepping in, keep recording
         for target in self.targets(node, name):
             yield self.enter(target, self.script.functions[target], where)
 
     def targets(self, node: ast.Call, name: str) -> list[str]:
         """Same-file functions this call runs: the callee, or a spawned target."""
-        owner = next((f for f in reversed(self.stack) if "." in f), "").split(".")[0]
-        found = same_file_callees(self.script, node.func, owner or None)
+        found = same_file_callees(self.script, node.func, self.owners[-1] or None)
         if name in SPAWNERS:
             candidates = list(node.args[:1]) + [
                 k.value for k in node.keywords if k.arg in ("fn", "target")
@@ -212,14 +224,14 @@ def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list
 
 def trace_script(script: Script) -> list[list[TracedCall]]:
     """The trace from module level, then one per function it never reaches."""
-    budget = Budget()
-    main = Tracer(script, budget)
+    shared = Shared(script)
+    main = Tracer(script, shared)
     traces = [main.run_module()]
     seen = set(main.visited)
     for name in script.functions:
         if name in seen:
             continue
-        tracer = Tracer(script, budget)
+        tracer = Tracer(script, shared)
         traces.append(tracer.run_function(name))
         seen |= tracer.visited
     return traces

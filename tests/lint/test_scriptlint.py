@@ -43,7 +43,10 @@ def test_fixture_reports_exactly_its_marked_lines(path: Path) -> None:
 def test_only_correct_scripts_are_unmarked(path: Path) -> None:
     # A broken fixture without a marker would pass the test above vacuously.
     clean = path.stem.startswith("correct_") or CLEAN_MARKER in path.read_text(encoding="utf-8")
-    assert bool(expected_findings(path)) != clean
+    assert bool(expected_findings(path)) != clean, (
+        f"{path.name}: mark the lines lint must report with `# expect: <cause id>`, "
+        f"or, for a script kept here for run-time tests, add a line `{CLEAN_MARKER}`"
+    )
 
 
 def test_every_check_has_a_broken_fixture_and_uses_contract_ids() -> None:

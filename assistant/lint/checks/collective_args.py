@@ -113,8 +113,15 @@ class Taint:
     """Why a tensor or list differs between ranks: what differs, and where it was made."""
 
     what: str  # "shape", "dtype" or "length"
-    line: int
-    source: str  # the expression that made it, as source text
+    made_by: ast.expr  # the expression that made it
+
+    @property
+    def line(self) -> int:
+        return self.made_by.lineno
+
+    @property
+    def source(self) -> str:
+        return source_text(self.made_by)  # only for a message: unparse is not cheap
 
 
 @dataclass
@@ -219,7 +226,7 @@ def record_loop(flow: Flow, loop: ast.For) -> None:
         ):
             key = key_of(node.func.value)
             if key is not None:
-                flow.tensors[key] = Taint("length", loop.lineno, source_text(loop.iter))
+                flow.tensors[key] = Taint("length", loop.iter)
 
 
 def collective_finding(flow: Flow, node: ast.Call, guarded: set[int]) -> Iterator[Finding]:
@@ -350,7 +357,7 @@ def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
     elif factory in DATA_FACTORIES and call.args:
         taint = list_taint(flow, call.args[0], depth + 1)
         if taint is not None and taint.what == "length":
-            return Taint("shape", taint.line, taint.source)
+            return Taint("shape", taint.made_by)
     elif factory in LIKE_FACTORIES and call.args:
         taint = tensor_taint(flow, call.args[0], depth + 1)
         if taint is not None:
@@ -364,13 +371,13 @@ def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
         sizes = []
         dtypes = [*call.args, *filter(None, [keyword(call, "dtype")])]
         if any(is_rank_dtype(flow, d) for d in dtypes):
-            return Taint("dtype", call.lineno, source_text(call))
+            return Taint("dtype", call)
         return None
     if any(depends_on_rank(flow, size) for size in sizes):
-        return Taint("shape", call.lineno, source_text(call))
+        return Taint("shape", call)
     dtype = keyword(call, "dtype")
     if factory and dtype is not None and is_rank_dtype(flow, dtype):
-        return Taint("dtype", call.lineno, source_text(call))
+        return Taint("dtype", call)
     return None
 
 
@@ -394,7 +401,7 @@ def chosen_by_rank(flow: Flow, choice: ast.IfExp) -> Taint | None:
         return None
     if source_text(choice.body) == source_text(choice.orelse):
         return None
-    return Taint("shape", choice.lineno, source_text(choice))
+    return Taint("shape", choice)
 
 
 def literal_factory(flow: Flow, call: ast.Call) -> bool:
@@ -417,7 +424,7 @@ def list_taint(flow: Flow, expr: ast.expr, depth: int = 0) -> Taint | None:
     if isinstance(expr, (ast.ListComp, ast.GeneratorExp)):
         for generator in expr.generators:
             if is_range(flow.script, generator.iter) and depends_on_rank(flow, generator.iter):
-                return Taint("length", expr.lineno, source_text(expr))
+                return Taint("length", expr)
         return tensor_taint(flow, expr.elt, depth + 1)
     if isinstance(expr, (ast.List, ast.Tuple)):
         return next(
@@ -426,7 +433,7 @@ def list_taint(flow: Flow, expr: ast.expr, depth: int = 0) -> Taint | None:
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult):
         for items, count in ((expr.left, expr.right), (expr.right, expr.left)):
             if isinstance(items, (ast.List, ast.ListComp)) and depends_on_rank(flow, count):
-                return Taint("length", expr.lineno, source_text(expr))
+                return Taint("length", expr)
         return list_taint(flow, expr.left, depth + 1) or list_taint(flow, expr.right, depth + 1)
     if isinstance(expr, ast.Call) and flow.script.name_of(expr.func) in ("list", "tuple"):
         return list_taint(flow, expr.args[0], depth + 1) if expr.args else None

@@ -99,17 +99,16 @@ class CollectiveReach:
     def pairs_in(self, block: list[ast.stmt]) -> set[int]:
         """ids of the rank `if`s of a block matched with one for the other side."""
         paired: set[int] = set()
-        unmatched: list[tuple[ast.stmt, str]] = []
+        unmatched: dict[str, list[ast.stmt]] = {RANK_ZERO: [], OTHER_RANKS: []}  # stacks
         for stmt in block:
             side = self.reaching_side(stmt)
             if side is None:
                 continue
-            partner = next((u for u in reversed(unmatched) if u[1] == other_side(side)), None)
-            if partner is None:
-                unmatched.append((stmt, side))
+            partners = unmatched[other_side(side)]
+            if not partners:
+                unmatched[side].append(stmt)
                 continue
-            unmatched.remove(partner)
-            paired.update((id(stmt), id(partner[0])))
+            paired.update((id(stmt), id(partners.pop())))  # the nearest one before it
         return paired
 
     def reaching_side(self, stmt: ast.stmt) -> str | None:
