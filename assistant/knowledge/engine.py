@@ -77,11 +77,9 @@ class Engine:
             if self._retriever is not None:
                 return
             index = self._open_or_rebuild()
-            self.embedder.accelerate_queries(
-                on_export=lambda: self.log(
-                    "assistant: exporting the embedding model to ONNX for faster queries (once)"
-                )
-            )
+            # The graph checked at build time, verified without torch; else one line, and
+            # sentence-transformers.
+            self.embedder.use_recorded(index.graph_check, log=self.log)
             self._index, self._retriever = index, Retriever(index, self.embedder)
 
     def _open_or_rebuild(self) -> LoadedIndex:
@@ -106,7 +104,7 @@ class Engine:
                 ExitCode.FAILED,
             ) from None
         try:
-            return build_index(kb, self.embedder, self.index_path)
+            return build_index(kb, self.embedder, self.index_path, log=self.log)
         except OSError as exc:  # an unwritable or missing build folder, a full disk
             raise UserError(
                 f"cannot write the index {self.index_path}: {exc.strerror or exc}; "
