@@ -1,0 +1,220 @@
+"""Hostile input to `assistant lint` (from a tester's report): every file ends in
+findings or in one UserError line, never a traceback or a hang; through the
+library and through the command line (`lint`, `ask --script`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from assistant.cli import main
+from assistant.errors import ExitCode, UserError
+from assistant.lint import lint_script, lint_source
+from assistant.lint.model import MAX_SCRIPT_BYTES, parse_script
+from assistant.lint.tracer import MAX_TRACED_CALLS_PER_FILE, trace_script
+
+HEADER = "import torch\nimport torch.distributed as dist\n"
+
+
+def deep_parentheses() -> str:
+    return "x = " + "(" * 5000 + "1" + ")" * 5000 + "\n"
+
+
+def long_sum() -> str:
+    return "x = a" + "+a" * 100_000 + "\n"
+
+
+def call_chain(length: int = 5000) -> str:
+    """f1 calls f2 ... calls f<length>, whose barrier only rank 0 reaches."""
+    functions = "".join(f"def f{i}(rank):\n    f{i + 1}(rank)\n\n" for i in range(1, length))
+    last = f"def f{length}(rank):\n    if rank == 0:\n        dist.barrier()\n\n"
+    start = "dist.init_process_group('gloo')\nf1(dist.get_rank())\n"
+    return HEADER + functions + last + start
+
+
+def line_of(source: str, text: str) -> int:
+    return next(n for n, line in enumerate(source.splitlines(), 1) if text in line)
+
+
+def write(tmp_path: Path, content: str | bytes, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def one_line_error(call) -> str:
+    with pytest.raises(UserError) as caught:
+        call()
+    message = str(caught.value)
+    assert message and "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- through lint_script
+
+
+def test_deep_parentheses_are_a_user_error(tmp_path: Path) -> None:
+    path = write(tmp_path, deep_parentheses())
+    assert "not valid Python: too many nested parentheses" in one_line_error(
+        lambda: lint_script(path)
+    )
+
+
+def test_a_sum_too_deep_for_the_parser_is_a_user_error(tmp_path: Path) -> None:
+    path = write(tmp_path, long_sum())
+    assert "nested too deeply" in one_line_error(lambda: lint_script(path))
+
+
+def test_a_deep_expression_that_parses_is_linted_through(tmp_path: Path) -> None:
+    # 2,000 levels: deeper than Python's recursion limit, within its parser's.
+    source = (
+        HEADER
+        + "dist.init_process_group('gloo')\nrank = dist.get_rank()\n"
+        + "t = torch.zeros(rank"
+        + " + 1" * 2000
+        + ")\ndist.all_reduce(t)\n"
+    )
+    findings = lint_script(write(tmp_path, source))
+    assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", 6)]
+
+
+def test_a_deep_expression_is_named_by_its_line_in_a_message() -> None:
+    module = "m" + " + m" * 2000
+    source = (
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        f"model = DDP({module}, device_ids=[local_rank])\n"
+    )
+    findings = lint_source(source)
+    assert [f.cause_id for f in findings] == ["ddp-device-ids-cpu-module"]
+    assert "<expression on line 2>" in findings[0].message
+
+
+def test_a_5000_function_call_chain_is_followed_to_its_end(tmp_path: Path) -> None:
+    source = call_chain(5000)
+    findings = lint_script(write(tmp_path, source))
+    assert [(f.cause_id, f.line) for f in findings] == [
+        ("collective-mismatch", line_of(source, "dist.barrier()"))
+    ]
+
+
+def test_recursion_between_functions_ends(tmp_path: Path) -> None:
+    source = HEADER + (
+        "def ping(rank, n):\n"
+        "    pong(rank, n - 1)\n"
+        "def pong(rank, n):\n"
+        "    ping(rank, n - 1)\n"
+        "    if rank == 0:\n"
+        "        dist.barrier()\n"
+        "dist.init_process_group('gloo')\n"
+        "ping(dist.get_rank(), 10)\n"
+    )
+    findings = lint_script(write(tmp_path, source))
+    assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", 8)]
+
+
+def test_a_call_graph_that_doubles_at_each_level_is_traced_within_the_budget() -> None:
+    # 2**40 paths from f0 to f40; the trace stops stepping in, but records every call it walks.
+    functions = "".join(f"def f{i}():\n    f{i + 1}()\n    f{i + 1}()\n" for i in range(40))
+    uncalled = "".join(f"def g{i}():\n    f0()\n" for i in range(200))
+    source = HEADER + functions + "def f40():\n    dist.barrier()\n" + uncalled + "f0()\n"
+    script = parse_script(source)
+    traces = trace_script(script)
+    calls_in_file = len(script.call_names)
+    assert sum(len(t) for t in traces) <= MAX_TRACED_CALLS_PER_FILE + len(traces) * calls_in_file
+    assert [f.cause_id for f in lint_source(source)] == ["process-group-not-initialized"]
+
+
+def test_thousands_of_rank_guarded_collectives_are_each_judged() -> None:
+    lonely = "if dist.get_rank() == 0:\n    dist.barrier()\n" * 3000
+    paired = "if dist.get_rank() == 0:\n    dist.barrier()\nif dist.get_rank() != 0:\n    dist.barrier()\n"
+    start = HEADER + "dist.init_process_group('gloo')\n"
+    assert len(lint_source(start + lonely)) == 3000
+    assert lint_source(start + paired * 1500) == []
+
+
+def test_prose_is_not_python(tmp_path: Path) -> None:
+    path = write(tmp_path, "Dear team, the training hangs at step 5 (see log).\n")
+    assert one_line_error(lambda: lint_script(path)).startswith(f"{path}:1: not valid Python")
+
+
+def test_binary_and_utf16_files_are_not_python(tmp_path: Path) -> None:
+    binary = write(tmp_path, bytes(range(256)) * 4, "model.pt")
+    utf16 = write(tmp_path, "import torch\n".encode("utf-16"), "utf16.py")
+    for path in (binary, utf16):
+        assert "not valid Python" in one_line_error(lambda path=path: lint_script(path))
+
+
+def test_a_byte_order_mark_is_fine(tmp_path: Path) -> None:
+    path = write(tmp_path, b"\xef\xbb\xbfimport torch\nx = torch.device('cuda:0')\n")
+    assert [(f.cause_id, f.line) for f in lint_script(path)] == [("hardcoded-device", 2)]
+
+
+def test_an_empty_file_has_no_findings(tmp_path: Path) -> None:
+    assert lint_script(write(tmp_path, "")) == []
+
+
+def test_a_pipe_is_refused_instead_of_read_forever(tmp_path: Path) -> None:
+    fifo = tmp_path / "train.py"
+    os.mkfifo(fifo)
+    assert "not a regular file" in one_line_error(lambda: lint_script(fifo))
+
+
+def test_a_file_too_big_for_a_training_script_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bundle.py"
+    with path.open("wb") as out:
+        out.truncate(MAX_SCRIPT_BYTES + 1)  # sparse: no need to write it
+    assert "too big for a training script" in one_line_error(lambda: lint_script(path))
+
+
+# ---------------------------------------------------------------- through the command line
+
+HOSTILE_FILES = {
+    "deep_parentheses.py": deep_parentheses(),
+    "long_sum.py": long_sum(),
+    "prose.py": "this is not python at all {{{\n",
+    "binary.py": bytes(range(256)) * 4,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_FILES))
+def test_cli_lint_of_hostile_input_is_one_line_and_exit_2(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, HOSTILE_FILES[name], name)
+    result = CliRunner().invoke(main, ["lint", str(path)])
+    assert result.exit_code == ExitCode.USAGE
+    assert result.stderr.startswith("assistant: error: ")
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_cli_lint_of_no_script_is_one_line_and_exit_2(tmp_path: Path, what: str) -> None:
+    path = tmp_path / "train.py" if what == "missing" else tmp_path
+    result = CliRunner().invoke(main, ["lint", str(path)])
+    assert result.exit_code == ExitCode.USAGE
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_lint_of_a_long_call_chain_reports_the_finding(tmp_path: Path) -> None:
+    source = call_chain(5000)
+    path = write(tmp_path, source)
+    result = CliRunner().invoke(main, ["lint", str(path)])
+    assert result.exit_code == ExitCode.FAILED
+    line = line_of(source, "dist.barrier()")
+    assert f"{path}:{line}: [collective-mismatch]" in result.stdout
+    assert result.stdout.strip().endswith("1 finding(s)")
+
+
+def test_cli_ask_with_a_hostile_script_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    path = write(tmp_path, long_sum())
+    result = CliRunner().invoke(
+        main, ["ask", "--no-probe", "--script", str(path), "NCCL timeout in all_reduce"]
+    )
+    assert result.exit_code == ExitCode.USAGE
+    assert "nested too deeply" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
