@@ -3,6 +3,8 @@ set_device order experiment with its variants."""
 
 from __future__ import annotations
 
+from assistant.probing.protocol import VariantOutcome
+from assistant.probing.protocol import variant_outcomes as protocol_variant_outcomes
 from assistant.results import ProbeRun, Verdict
 from assistant.verdicts.inputs import (
     ADVICE_VARIANTS,
@@ -490,66 +492,30 @@ def cuda_out_of_memory(i: Inputs) -> Verdict:
 # --- set_device order -----------------------------------------------------------
 
 
-def variant_outcomes(runs: dict[str, ProbeRun]) -> dict[str, dict]:
-    """Per set_device_order variant: whether it works here and why not.
+def variant_outcomes(runs: dict[str, ProbeRun]) -> dict[str, VariantOutcome]:
+    """Per set_device_order variant, what it did here, read by the probe protocol.
 
-    {"before-init": {"works": True, "failure": None, "shared": False}, ...}
-    A variant works when every rank finished all its collectives and the
-    ranks of a host do not end on one current device.
+    One reading for the runner's summary and the verdicts
+    (probe_protocol.variant_outcomes): a variant works when every rank
+    finished all its collectives and the ranks of a host do not end on one
+    current device; a rank's own error explains the ranks that hung for it.
     """
     run = runs.get("set_device_order")
-    if run is None:
-        return {}
-    outcomes: dict[str, dict] = {}
-    for record in run.ranks:
-        for variant, outcome in ((record.get("facts") or {}).get("variants") or {}).items():
-            entry = outcomes.setdefault(
-                variant, {"works": True, "failure": None, "shared": False, "hosts": {}}
-            )
-            facts = outcome.get("facts") or {}
-            status = outcome.get("status")
-            if status != "ok" or facts.get("step") != "done":
-                entry["works"] = False
-                failure = _variant_failure(status, facts, outcome)
-                # A rank's own error explains the ranks that hung waiting for it.
-                if entry["failure"] is None or (
-                    entry["failure"]["kind"] == "hang" and failure["kind"] != "hang"
-                ):
-                    entry["failure"] = failure
-            entry["hosts"].setdefault(record.get("host"), []).append(facts.get("current_uuid"))
-    for entry in outcomes.values():
-        for uuids in entry["hosts"].values():
-            if len(uuids) > 1 and len(set(uuids)) == 1 and uuids[0]:
-                entry["shared"] = True
-                entry["works"] = False
-                entry["shared_uuid"] = uuids[0]
-    return outcomes
-
-
-def _variant_failure(status: str | None, facts: dict, outcome: dict) -> dict:
-    if status == "timeout":
-        return {"kind": "hang", "step": facts.get("step"), "error": None}
-    return {
-        "kind": "failed",
-        "step": facts.get("failed_step") or facts.get("step"),
-        "error": facts.get("error") or outcome.get("reason"),
-    }
+    return protocol_variant_outcomes(run.ranks) if run is not None else {}
 
 
 def advice_outcomes(runs: dict[str, ProbeRun]) -> tuple[set[str], set[str]]:
     """(refuted, confirmed) advice tags: a variant fails (works) while another works (fails)."""
     outcomes = variant_outcomes(runs)
-    if not outcomes:
-        return set(), set()
-    any_works = any(o["works"] for o in outcomes.values())
-    any_fails = any(not o["works"] for o in outcomes.values())
+    any_works = any(o.works for o in outcomes.values())
+    any_fails = any(not o.works for o in outcomes.values())
     refuted, confirmed = set(), set()
     for tag, variant in ADVICE_VARIANTS.items():
         if variant not in outcomes:
             continue
-        if not outcomes[variant]["works"] and any_works:
+        if not outcomes[variant].works and any_works:
             refuted.add(tag)
-        if outcomes[variant]["works"] and any_fails:
+        if outcomes[variant].works and any_fails:
             confirmed.add(tag)
     return refuted, confirmed
 
@@ -584,7 +550,7 @@ def _set_device_order_here(i: Inputs) -> Verdict:
         return undecided(i, ("set_device_order",), [])
     evidence = [_variant_line(i, variant, outcome) for variant, outcome in outcomes.items()]
     refuted, _ = advice_outcomes(i.runs)
-    working = [v for v, o in outcomes.items() if o["works"]]
+    working = [v for v, o in outcomes.items() if o.works]
     if len(working) == len(outcomes):
         evidence.insert(0, i.t("every order works here", "本机上每种顺序都能跑通"))
         return verdict("ruled_out", evidence, source="probe")
@@ -600,28 +566,35 @@ def _set_device_order_here(i: Inputs) -> Verdict:
     return verdict("inconclusive", evidence, sorted(refuted), source="probe")
 
 
-def _variant_line(i: Inputs, variant: str, outcome: dict) -> str:
+def _variant_line(i: Inputs, variant: str, outcome: VariantOutcome) -> str:
     en, zh = VARIANT_NAMES.get(variant, (variant, variant))
     name = i.t(en, zh)
-    failure = outcome["failure"]
-    if failure and failure["kind"] == "hang":
+    if outcome.kind == "hang":
         return i.t(
-            "{name}: hangs in {step}", "{name}：卡在 {step}", name=name, step=failure["step"] or "?"
+            "{name}: hangs in {step}", "{name}：卡在 {step}", name=name, step=outcome.step or "?"
         )
-    if failure:
+    if outcome.kind in ("failed", "error"):
         return i.t(
             "{name}: fails in {step}: {error}",
             "{name}：在 {step} 出错：{error}",
             name=name,
-            step=failure["step"] or "?",
-            error=gist(failure["error"] or "?", 100),
+            step=outcome.step or "?",
+            error=gist(outcome.error or "?", 100),
         )
-    if outcome["shared"]:
+    if outcome.kind != "ok":  # interrupted, not applicable
+        return i.t("{name}: {kind}", "{name}：{kind}", name=name, kind=outcome.kind)
+    if outcome.shared_uuid:
         return i.t(
             "{name}: collectives work, but every rank's current device is {gpu}, where .cuda(), barrier and object collectives go",
             "{name}：集合通信能跑通，但每个 rank 的当前设备都是 {gpu}，.cuda()、barrier 和对象集合通信都会落到这张卡",
             name=name,
-            gpu=short(outcome.get("shared_uuid")),
+            gpu=short(outcome.shared_uuid),
+        )
+    if not outcome.all_done:
+        return i.t(
+            "{name}: a rank stopped before the last collective",
+            "{name}：有 rank 没跑完所有集合通信",
+            name=name,
         )
     return i.t(
         "{name}: barrier, all_reduce and all_gather_object work, one GPU per rank",

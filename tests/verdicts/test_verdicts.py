@@ -238,13 +238,9 @@ def test_healthy_machine_refutes_removing_set_device():
 
 
 def test_hung_variant_counts_as_not_working():
-    outcomes = variant_outcomes(runs_of("healthy_8gpu"))
-    assert outcomes["device-id"]["works"] is False
-    assert outcomes["device-id"]["failure"] == {
-        "kind": "hang",
-        "step": "all_gather_object",
-        "error": None,
-    }
+    outcome = variant_outcomes(runs_of("healthy_8gpu"))["device-id"]
+    assert outcome.works is False
+    assert (outcome.kind, outcome.step, outcome.error) == ("hang", "all_gather_object", None)
 
 
 def test_when_no_order_works_no_advice_is_refuted():
