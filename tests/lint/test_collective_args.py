@@ -1,0 +1,156 @@
+"""The collective-mismatch check on arguments: every rank calls the collective, but
+the shape, dtype or count of its tensors depends on the rank. Each case is a
+function body; rank, world_size and a few tensors are defined around it."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from assistant.lint import lint_source
+
+PRELUDE = """\
+import os
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+def work(data, x):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
+    local_rank = int(os.environ["LOCAL_RANK"])
+"""
+
+FLAGGED = {
+    "size_from_rank": "t = torch.zeros(rank + 1)\ndist.all_reduce(t)",
+    "size_through_names": (
+        "size = dist.get_rank() * 2 + 1\nfeat = torch.randn(size, 8)\n"
+        "out = [torch.empty(4, 8) for _ in range(world_size)]\ndist.all_gather(out, feat)"
+    ),
+    "size_chosen_by_rank": "dist.all_reduce(torch.ones(10 if rank == 0 else 5))",
+    "size_from_environment": (
+        "n = int(os.environ['RANK']) + 1\nt = torch.empty(n, 3)\ndist.broadcast(t, src=0)"
+    ),
+    "list_length_from_rank": (
+        "xs = [torch.zeros(2) for _ in range(rank + 1)]\ndist.all_gather(xs, torch.zeros(2))"
+    ),
+    "list_repeated_by_rank": (
+        "xs = [torch.zeros(2)] * (local_rank + 1)\ndist.reduce_scatter(torch.zeros(2), xs)"
+    ),
+    "list_appended_in_a_rank_loop": (
+        "xs = []\nfor _ in range(rank):\n    xs.append(torch.zeros(2))\n"
+        "dist.all_gather(xs, torch.zeros(2))"
+    ),
+    "dtype_chosen_by_rank": (
+        "t = torch.zeros(4, dtype=torch.float16 if rank == 0 else torch.float32)\n"
+        "dist.all_reduce(t)"
+    ),
+    "two_literal_shapes_chosen_by_rank": (
+        "t = torch.zeros(4) if rank == 0 else torch.zeros(8)\ndist.all_reduce(t)"
+    ),
+    "shape_kept_through_moves": (
+        "t = torch.zeros(rank + 1)\nu = t.to(local_rank).float()\ndist.all_reduce(u)"
+    ),
+    "shape_copied_by_zeros_like": (
+        "t = torch.zeros(rank + 1)\ndist.all_reduce(torch.zeros_like(t))"
+    ),
+    "size_read_from_a_rank_shaped_tensor": (
+        "t = torch.zeros(rank + 1)\nu = torch.ones(t.numel())\ndist.all_reduce(u)"
+    ),
+}
+
+SILENT = {
+    "device_placement": (
+        "t = torch.zeros(4).to(rank)\nu = torch.zeros(4, device=local_rank)\n"
+        "v = torch.zeros(4).cuda(local_rank)\nd = torch.device(f'cuda:{local_rank}')\n"
+        "w = torch.ones(4, device=d)\n"
+        "dist.all_reduce(t)\ndist.all_reduce(u)\ndist.all_reduce(v)\ndist.all_reduce(w)"
+    ),
+    "seed_and_log": (
+        "torch.manual_seed(1234 + rank)\nprint(f'rank {rank} of {world_size}')\n"
+        "t = torch.randn(4)\ndist.all_reduce(t)"
+    ),
+    "sampler_and_loader": (
+        "sampler = DistributedSampler(data, num_replicas=world_size, rank=rank)\n"
+        "loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+        "for batch in loader:\n    dist.all_reduce(torch.zeros(len(loader)))"
+    ),
+    "dataset_slice_counted_by_value": (
+        "shard = data[rank::world_size]\nn = torch.tensor([len(shard)])\ndist.all_reduce(n)"
+    ),
+    "rank_in_values_only": (
+        "a = torch.tensor([rank])\nb = torch.full((4,), rank)\n"
+        "c = torch.randint(0, rank + 1, (4,))\n"
+        "dist.all_reduce(a)\ndist.all_reduce(b)\ndist.all_reduce(c)"
+    ),
+    "world_size_is_the_same_everywhere": (
+        "t = torch.zeros(world_size)\nxs = [torch.zeros(2) for _ in range(world_size)]\n"
+        "dist.all_gather(xs, torch.zeros(2))\ndist.all_reduce(t)"
+    ),
+    "gather_list_on_the_root_only": (
+        "gl = [torch.zeros(1) for _ in range(world_size)] if rank == 0 else None\n"
+        "dist.gather(torch.tensor([float(rank)]), gl, dst=0)"
+    ),
+    "size_agreed_on_before_use": (
+        "n = torch.tensor([rank + 1])\ndist.all_reduce(n, op=dist.ReduceOp.MAX)\n"
+        "buf = torch.zeros(int(n.item()))\ndist.all_reduce(buf)"
+    ),
+    "reassigned_before_the_collective": (
+        "t = torch.zeros(rank + 1)\nt = torch.zeros(4)\ndist.all_reduce(t)"
+    ),
+    "uneven_all_to_all_splits_are_allowed": (
+        "splits = [rank + 1] * world_size\n"
+        "dist.all_to_all_single(torch.zeros(8), x, output_split_sizes=splits)"
+    ),
+    "object_collectives_pickle_any_size": (
+        "obj = list(range(rank))\nout = [None] * world_size\ndist.all_gather_object(out, obj)"
+    ),
+}
+
+
+def in_function(body: str) -> str:
+    return PRELUDE + textwrap.indent(body, "    ") + "\n"
+
+
+@pytest.mark.parametrize("name", sorted(FLAGGED))
+def test_rank_dependent_arguments_are_flagged_on_the_collective_line(name: str) -> None:
+    source = in_function(FLAGGED[name])
+    last_line = len(source.splitlines())
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", last_line)]
+    assert "depends on the rank" in findings[0].message
+    assert "line " in findings[0].message  # where the rank-dependent value was made
+
+
+@pytest.mark.parametrize("name", sorted(SILENT))
+def test_rank_used_elsewhere_is_not_flagged(name: str) -> None:
+    assert lint_source(in_function(SILENT[name])) == []
+
+
+def test_message_names_the_collective_the_tensor_and_where_it_was_made() -> None:
+    findings = lint_source(in_function("t = torch.zeros(rank + 1)\ndist.all_reduce(t)"))
+    message = findings[0].message
+    assert message.startswith("all_reduce() is called by every rank, but the shape of t")
+    assert "(torch.zeros(rank + 1), line 12)" in message
+
+
+def test_a_collective_only_some_ranks_reach_is_reported_once() -> None:
+    # The reach check names it; the argument check leaves guarded calls alone.
+    body = "if rank == 0:\n    dist.all_reduce(torch.zeros(rank + 1))"
+    findings = lint_source(in_function(body))
+    assert len(findings) == 1
+    assert "runs on rank 0 only" in findings[0].message
+
+
+def test_a_method_follows_attributes_of_self() -> None:
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        "class Trainer:\n"
+        "    def sync(self):\n"
+        "        self.buf = torch.zeros(self.rank + 1)\n"
+        "        dist.all_reduce(self.buf)\n"
+    )
+    assert [(f.cause_id, f.line) for f in lint_source(source)] == [("collective-mismatch", 6)]
