@@ -1,38 +1,48 @@
-"""Error signatures: the one place where KB regexes are compiled and matched.
+r"""Error signatures: the one place where KB regexes are compiled and matched.
 
 KB files come from many hands (team layers, pull requests), so no signature
-may make a query slow. Matching runs on RE2 (google-re2), whose time is linear
-in the text whatever the pattern: `(a+)+$` over 10,000 characters takes
-microseconds instead of never ending under Python's backtracking `re`.
+may make a query slow. Matching runs on RE2 (google-re2, a declared
+dependency), whose time is linear in the text whatever the pattern: `(a+)+$`
+over 10,000 characters takes microseconds instead of never ending under
+Python's backtracking `re`.
 
-Fallback policy. `re` is used only when the re2 module cannot be imported (a
-platform without a google-re2 wheel). That stays safe because every
-signature must pass both engines' rules, here and in `assistant kb lint`:
+Every signature must pass two rules, here and in `assistant kb lint`:
 
-- RE2 must compile it (no lookaround, no backreferences, no possessive
-  quantifiers, bounded repeat counts);
-- it must not be able to backtrack catastrophically in `re`: no unbounded
-  repeat around another unbounded repeat (`(a+)+`, `(\\w+\\s?)*`), and no
-  unbounded repeat of alternatives that can start alike (`(a|ab)*`).
+- RE2 must take it (no lookaround, no backreferences, no possessive
+  quantifiers or atomic groups, repeat counts up to 1000);
+- it must not be able to backtrack catastrophically in `re`: no repeat
+  around an unbounded repeat (`(a+)+`, `(\w+\s?)*`, `(a*){20}`), and no
+  unbounded repeat of alternatives that can start alike (`(a|ab)*`), so that
+  the KB stays usable by tools that only have `re`.
 
-All matching is case-insensitive. Under RE2, `\\w`, `\\d`, `\\s` and `\\b` are
+Fallback policy: when the re2 module cannot be imported, signatures are still
+validated by the same rules (checked statically, so `kb lint` gives the same
+answer), but nothing matches them, and the first search says so on stderr.
+Python's `re` is no fallback: the rules above cannot exclude polynomial
+blow-ups (`a.*a.*a.*x` never finishes on a 2,000-character line), and a
+query that hangs is worse than one that loses its strongest signal (the
+lexical and dense signals still rank the causes).
+
+All matching is case-insensitive. Under RE2, `\w`, `\d`, `\s` and `\b` are
 ASCII-only (in `re` they are Unicode): write Chinese text literally.
 
-    sig = compile_signature(r"environment variable (\\w+) expected")
+    sig = compile_signature(r"environment variable (\w+) expected")
     sig.search(log).group(1)                     # 'RANK'
     errors = PatternSet.from_patterns([r"Duplicate GPU detected", r"both on CUDA device"])
     errors.search(log)                           # the first signature's match, or None
+    errors.matching(log)                         # every Signature that matches
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 try:  # the linear engine; see the fallback policy above
     import re2
-except ImportError:  # pragma: no cover - exercised with engine="re" in tests
+except ImportError:  # pragma: no cover - tested with linear=False
     re2 = None
 
 try:  # Python 3.11+
@@ -42,8 +52,12 @@ except ImportError:  # Python 3.10
     import sre_constants
     import sre_parse
 
-ENGINE = "re2" if re2 is not None else "re"
+LINEAR_ENGINE = re2 is not None  # False: signatures are validated but never matched
 MAX_PATTERN_LENGTH = 2000  # characters: a signature is an error line, not a grammar
+NO_ENGINE_NOTICE = (
+    "assistant: google-re2 is not installed, so error signatures are not matched "
+    "(pip install google-re2)"
+)
 
 _UNBOUNDED = sre_constants.MAXREPEAT
 _REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT)
@@ -51,6 +65,7 @@ _POSSESSIVE = getattr(sre_constants, "POSSESSIVE_REPEAT", None)  # 3.11+: `a++`
 _LOOKAROUND = (sre_constants.ASSERT, sre_constants.ASSERT_NOT)
 _BACKREFS = (sre_constants.GROUPREF, sre_constants.GROUPREF_EXISTS)
 _ATOMIC = getattr(sre_constants, "ATOMIC_GROUP", None)  # 3.11+: `(?>...)`
+_notice_given = False
 
 
 class PatternError(ValueError):
@@ -59,14 +74,24 @@ class PatternError(ValueError):
 
 @dataclass(frozen=True)
 class Signature:
-    """One compiled signature; `search` behaves like `re.Pattern.search`."""
+    """One validated signature; `search` behaves like `re.Pattern.search`."""
 
     source: str
-    compiled: object  # an re2 or an re pattern, whichever engine compiled it
+    compiled: object | None  # the RE2 pattern; None where RE2 is missing
 
     def search(self, text: str):
         """The first match in `text` (with .group(), .span()), or None."""
+        if self.compiled is None:
+            _notice_no_engine()
+            return None
         return self.compiled.search(text)
+
+
+def _notice_no_engine() -> None:
+    global _notice_given
+    if not _notice_given:
+        _notice_given = True
+        print(NO_ENGINE_NOTICE, file=sys.stderr)
 
 
 class PatternSet:
@@ -77,7 +102,7 @@ class PatternSet:
 
     @classmethod
     def from_patterns(
-        cls, patterns: Iterable[str], engine: str | None = None, skip_invalid: bool = False
+        cls, patterns: Iterable[str], linear: bool | None = None, skip_invalid: bool = False
     ) -> PatternSet:
         """Compile every pattern; raise PatternError on the first bad one.
 
@@ -87,7 +112,7 @@ class PatternSet:
         compiled = []
         for pattern in patterns:
             try:
-                compiled.append(compile_signature(pattern, engine))
+                compiled.append(compile_signature(pattern, linear))
             except PatternError:
                 if not skip_invalid:
                     raise
@@ -109,14 +134,14 @@ class PatternSet:
         return len(self.signatures)
 
 
-def compile_signature(pattern: str, engine: str | None = None) -> Signature:
-    """Compile a KB signature (case-insensitive), or raise PatternError saying why not.
+def compile_signature(pattern: str, linear: bool | None = None) -> Signature:
+    """Validate and compile a KB signature (case-insensitive); PatternError says why not.
 
-    The same rules hold whichever engine runs it (see the module docstring),
-    so a KB that lints clean is safe on both. `engine` is "re2" or "re"
-    (default: re2 when installed).
+    `linear` chooses whether RE2 compiles it (default: when installed); without
+    it the same rules are checked statically and the signature matches nothing
+    (see the fallback policy in the module docstring).
     """
-    engine = engine or ENGINE
+    linear = LINEAR_ENGINE if linear is None else linear
     if not isinstance(pattern, str) or not pattern.strip():
         raise PatternError("a signature must be a non-empty string")
     if len(pattern) > MAX_PATTERN_LENGTH:
@@ -125,12 +150,12 @@ def compile_signature(pattern: str, engine: str | None = None) -> Signature:
     risk = backtracking_risk(tree)
     if risk:
         raise PatternError(f"{risk}; it could take exponential time in Python's re")
-    if engine == "re2":
+    if linear:
         return Signature(pattern, _compile_re2(pattern))
     unsupported = re2_unsupported(tree)
     if unsupported:
         raise PatternError(f"the linear engine (RE2) cannot take {unsupported}")
-    return Signature(pattern, re.compile(pattern, re.IGNORECASE))
+    return Signature(pattern, None)
 
 
 def _parse(pattern: str):
