@@ -206,3 +206,16 @@ def test_explain_shows_what_the_team_layer_added(team):
     assert TEAM_SIGNATURE in result.stdout.replace("\\\\", "\\")
     result = CliRunner().invoke(main, ["explain", "acme-shm-quota", "--kb", str(team)])
     assert result.exit_code == 0, result.stderr
+
+
+def test_the_chat_runs_with_the_team_layers(team, monkeypatch):
+    """The chat builds its engine from config.kb_layers(): --kb is in force while it runs."""
+    monkeypatch.delenv("ASSISTANT_KB_PATH", raising=False)
+    seen = []
+    monkeypatch.setattr(
+        "assistant.tui.app.run_chat", lambda **options: seen.append(config.kb_layers())
+    )
+    result = CliRunner().invoke(main, ["chat", "--kb", str(team)])
+    assert result.exit_code == 0, result.stderr
+    assert seen == [[config.kb_dir(), team]]
+    assert config.kb_layers() == [config.kb_dir()]  # and no longer after it
