@@ -122,10 +122,10 @@ def _frames(tb) -> list[dict]:
 def _launch_failures(exc) -> list[dict]:
     """Per-rank exit codes a launcher knows (torchrun's ChildFailedError, mp.spawn's errors)."""
     failures = []
-    for failure in (getattr(exc, "failures", None) or {}).values():  # torchrun
+    for rank, failure in (getattr(exc, "failures", None) or {}).items():  # torchrun: by global rank
         failures.append(
             {
-                "rank": getattr(failure, "rank", None),
+                "rank": rank if isinstance(rank, int) else None,
                 "local_rank": getattr(failure, "local_rank", None),
                 "pid": getattr(failure, "pid", None),
                 "exit_code": getattr(failure, "exitcode", None),
@@ -217,26 +217,53 @@ def _collective_frame(frame):
     return found
 
 
-def _sample(main_id: int) -> None:
-    """Count the main thread's exits from collectives, by sampling its stack.
+def _dist_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:
+        return False  # torch.distributed half imported
 
-    A rank that waits stays in the same frame object; a new frame object
-    (held here so its id cannot be reused) or none means it moved on.
+
+def _stack_signature(frame) -> tuple:
+    spots = []
+    while frame is not None:
+        spots.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+    return tuple(spots)
+
+
+def _sample(main_id: int) -> None:
+    """Count the main thread's progress, by sampling its stack.
+
+    After init_process_group, progress means leaving a collective: a rank
+    that waits stays in the same frame object; a new frame object (held
+    here so its id cannot be reused) or none means it moved on. Before it,
+    any change of the stack counts (importing torch on a busy machine is
+    slow, and silent).
     """
     held = None
+    signature = None
     while True:
         time.sleep(SAMPLE_SECONDS)
         frame = sys._current_frames().get(main_id)
-        current = _collective_frame(frame) if frame is not None else None
+        if frame is None:
+            return  # the main thread has ended
+        current = _collective_frame(frame)
+        moved = held is not None and current is not held
+        if not _dist_initialized():
+            now = _stack_signature(frame)
+            moved = moved or (signature is not None and now != signature)
+            signature = now
         del frame
-        if held is not None and current is not held:
+        held = current
+        del current
+        if moved:
             STATE.progress += 1
             try:
                 os.pwrite(STATE.progress_fd, str(STATE.progress).encode().ljust(20), 0)
             except OSError:
                 return
-        held = current
-        del current
         _note_rank()
 
 

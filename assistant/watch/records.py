@@ -13,14 +13,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from assistant.results import RootError
 from assistant.watch.jobhook import procs_dir
 
+# How a launcher process shows in its argv (it is one even before it starts a rank).
+LAUNCHER_MARKERS = ("torch.distributed.run", "torch.distributed.launch", "torchrun")
 # Helper processes of multiprocessing: they run the hook but are no rank.
 HELPER_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# Errors a rank raises only because a peer went away: never the root when a
+# rank died of a signal without an exception of its own (SIGKILL, SIGSEGV).
+PEER_LOSS = re.compile(
+    r"Connection (closed|reset) by peer|Broken pipe|remote process exited|"
+    r"Socket Timeout|NCCL communicator was aborted",
+    re.IGNORECASE,
+)
+# Signals a launcher sends the surviving ranks itself: not how a failure starts.
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Launcher exceptions that only say "a rank failed": the rank's own error is the root.
 WRAPPER_ERRORS = ("ChildFailedError", "ProcessRaisedException", "ProcessExitedException")
 
@@ -61,6 +74,14 @@ class ProcessRecord:
         return self.spawn_index
 
     @property
+    def launcher(self) -> bool:
+        """torchrun's agent or mp.spawn's parent: it starts ranks, it is none."""
+        if self.rank is not None:
+            return False
+        words = [os.path.basename(word) for word in self.argv[:4]] + self.argv[:4]
+        return bool(self.children) or any(marker in words for marker in LAUNCHER_MARKERS)
+
+    @property
     def helper(self) -> bool:
         return any(marker in " ".join(self.argv) for marker in HELPER_MARKERS)
 
@@ -86,7 +107,7 @@ class JobRecords:
     @property
     def launchers(self) -> list[ProcessRecord]:
         """Rank-less processes that started recorded processes (torchrun, mp.spawn's parent)."""
-        return [r for r in self.processes.values() if r.rank is None and r.children]
+        return [r for r in self.processes.values() if r.launcher]
 
     @property
     def rankless_workers(self) -> list[ProcessRecord]:
@@ -94,27 +115,49 @@ class JobRecords:
         return [
             r
             for r in self.processes.values()
-            if r.rank is None and not r.children and not r.helper and r.error
+            if r.rank is None and not r.launcher and not r.helper and r.error
         ]
 
     def root_error(self) -> tuple[RootError, str] | None:
-        """The root error and the text to ask about it (its traceback), or None."""
-        raised = [r for r in self.ranks + self.rankless_workers if r.error]
+        """The root error and the text to ask about it (its traceback), or None.
+
+        The earliest exception a rank raised, unless it only reports a lost
+        peer and a rank died of a signal without one: that death came first.
+        Else the launcher's own error (a busy port fails in torchrun's agent).
+        """
+        raised = sorted(
+            (r for r in self.ranks + self.rankless_workers if r.error),
+            key=lambda r: r.error["time"],
+        )
+        own = [r for r in raised if not PEER_LOSS.search(r.error["message"])]
+        if own:
+            return _raised(own[0])
+        killed = self.killed_without_exception()
+        if killed:
+            return died_without_exception(*killed[0])
         if raised:
-            first = min(raised, key=lambda r: r.error["time"])
-            error = first.error
-            root = RootError(error["type"], error["message"], first.rank)
-            return root, error["traceback"]
+            return _raised(raised[0])
         for launcher in sorted(self.launchers, key=lambda r: r.started):
-            if launcher.error is None:
-                continue
-            died = [f for f in launcher.error.get("failures", []) if f.get("exit_code")]
-            if died:
-                return died_without_exception(launcher.error, died[0])
-            if not launcher.error["type"].endswith(WRAPPER_ERRORS):
-                error = launcher.error
+            error = launcher.error
+            if error is not None and not error["type"].endswith(WRAPPER_ERRORS):
                 return RootError(error["type"], error["message"], None), error["traceback"]
         return None
+
+    def killed_without_exception(self) -> list[tuple[dict, dict]]:
+        """(launcher error, failure) for each rank a signal killed before it could raise."""
+        with_error = {r.pid for r in self.processes.values() if r.error}
+        killed = []
+        for launcher in self.launchers:
+            for failure in (launcher.error or {}).get("failures", []):
+                code = failure.get("exit_code")
+                if (
+                    isinstance(code, int)
+                    and code < 0
+                    and -code not in LAUNCHER_SIGNALS
+                    and failure.get("pid") not in with_error
+                ):
+                    killed.append((launcher.error, failure))
+        return killed
 
     def exit_code(self, record: ProcessRecord) -> int | None:
         """A rank's exit code: the launcher's figure, else 1 after an exception, 0 after a clean exit."""
@@ -127,6 +170,11 @@ class JobRecords:
         if record.error is not None:
             return 1
         return 0 if record.exited_cleanly else None
+
+
+def _raised(record: ProcessRecord) -> tuple[RootError, str]:
+    error = record.error
+    return RootError(error["type"], error["message"], record.rank), error["traceback"]
 
 
 def died_without_exception(launcher_error: dict, failure: dict) -> tuple[RootError, str]:
@@ -142,8 +190,6 @@ def died_without_exception(launcher_error: dict, failure: dict) -> tuple[RootErr
 
 
 def signal_name(number: int) -> str:
-    import signal
-
     try:
         return signal.Signals(number).name
     except ValueError:

@@ -1,0 +1,169 @@
+"""The parts of `assistant run` that need no launch: the hook's chaining, stacks, hang rules, command parsing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from assistant.watch import jobhook
+from assistant.watch.hang import RankPosition, analyse, enclosing_loop
+from assistant.watch.launch import interpreter_of, nproc_of, probe_environment, script_of
+from assistant.watch.stacks import Frame, innermost_user_frame, main_thread, parse_dump, waiting_in
+from assistant.watch.watcher import prepare_log_dir
+
+DUMP = """\
+Thread 0x00007f3a1c5ff640 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f3a2d1b7740 (most recent call first):
+  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 2950 in all_reduce
+  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 81 in wrapper
+  File "/home/me/train.py", line 14 in main
+  File "/home/me/train.py", line 30 in <module>
+"""
+
+
+def test_a_faulthandler_dump_gives_the_main_threads_place_and_collective():
+    threads = parse_dump(DUMP)
+    assert [t.ident for t in threads] == [0x7F3A1C5FF640, 0x7F3A2D1B7740]
+    main = main_thread(threads, 0x7F3A2D1B7740)
+    assert innermost_user_frame(main.frames) == Frame("/home/me/train.py", 14, "main")
+    assert waiting_in(main.frames) == "all_reduce"
+    assert waiting_in(threads[0].frames) is None
+
+
+def _script(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(text)
+    return path
+
+
+LOOP = """\
+import torch.distributed as dist
+def main(batches):
+    for batch in batches:
+        dist.all_reduce(batch)
+    dist.barrier()
+"""
+
+
+def test_a_rank_past_the_loop_while_another_is_in_it_ran_out_of_batches(tmp_path):
+    path = str(_script(tmp_path, LOOP))
+    assert enclosing_loop(path, 4) == (3, 4)
+    positions = [
+        RankPosition(0, True, Frame(path, 4, "main"), "all_reduce"),
+        RankPosition(1, True, Frame(path, 5, "main"), "barrier"),
+    ]
+    analysis = analyse(positions, 8)
+    assert analysis.cause_id == "uneven-inputs" and analysis.odd_ranks == [1]
+    assert analysis.findings[0].line == 5 and analysis.findings[0].source == "probe"
+
+
+def test_different_collectives_outside_a_loop_are_a_mismatch_naming_the_skipped_one(tmp_path):
+    path = str(_script(tmp_path, "if rank == 0:\n    all_reduce(x)\nbarrier()\n"))
+    positions = [
+        RankPosition(0, True, Frame(path, 2, "main"), "all_reduce"),
+        RankPosition(1, True, Frame(path, 3, "main"), "barrier"),
+        RankPosition(2, True, Frame(path, 3, "main"), "barrier"),
+    ]
+    analysis = analyse(positions, 8)
+    assert analysis.cause_id == "collective-mismatch" and analysis.odd_ranks == [0]
+    assert "ranks 1, 2 never issued" in analysis.findings[0].message
+
+
+def test_a_rank_outside_any_collective_is_the_straggler():
+    positions = [
+        RankPosition(0, True, Frame("/t.py", 9, "main"), "barrier"),
+        RankPosition(1, True, Frame("/t.py", 4, "load"), None),
+    ]
+    analysis = analyse(positions, 8)
+    assert analysis.cause_id == "collective-timeout" and analysis.odd_ranks == [1]
+    assert analysis.findings[0].line == 4
+
+
+def test_no_rank_in_a_collective_names_no_cause():
+    analysis = analyse([RankPosition(0, True, Frame("/t.py", 4, "load"), None)], 8)
+    assert analysis.cause_id is None and analysis.findings == []
+
+
+def test_every_rank_in_the_same_collective_while_one_left_cleanly_is_uneven_inputs():
+    positions = [
+        RankPosition(0, True, Frame("/t.py", 9, "main"), "all_reduce"),
+        RankPosition(1, False, None, None, exited_cleanly=True),
+    ]
+    analysis = analyse(positions, 8)
+    assert analysis.cause_id == "uneven-inputs" and analysis.odd_ranks == [1]
+
+
+def test_the_command_gives_its_script_ranks_and_interpreter(tmp_path):
+    script = _script(tmp_path, "print()\n")
+    command = ["srun", "-N1", "torchrun", "--nproc-per-node", "4", "train.py", "--lr", "0.1"]
+    assert script_of(command, tmp_path) == script
+    assert nproc_of(command) == 4
+    assert nproc_of(["torchrun", "--nproc_per_node=3", "x.py"]) == 3
+    assert nproc_of(["python", "x.py"]) is None
+    assert interpreter_of([sys.executable, "x.py"]) == sys.executable
+    fake = tmp_path / "torchrun"
+    fake.write_text(f"#!{sys.executable}\nprint()\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert interpreter_of(["srun", str(fake), "x.py"]) == sys.executable
+
+
+def test_the_probes_see_the_jobs_device_and_distributed_variables_only():
+    env = {"CUDA_VISIBLE_DEVICES": "1", "NCCL_DEBUG": "INFO", "MASTER_PORT": "1", "HOME": "/root"}
+    assert probe_environment(env) == {k: v for k, v in env.items() if k != "HOME"}
+
+
+def _python_with_hook(hook_dir: Path, extra_path: Path, env_extra: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if k != jobhook.WATCH_DIR_VAR}
+    env.update(env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(hook_dir), str(extra_path)])
+    code = "import sys, threading; print(sys.modules['sitecustomize'].__file__, threading.active_count())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+def test_the_hook_chains_to_the_users_sitecustomize_and_is_idle_without_a_watch_dir(tmp_path):
+    hook_dir = prepare_log_dir(tmp_path / "logs")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("print('user sitecustomize ran')\n")
+    printed = _python_with_hook(hook_dir, user, {})
+    assert "user sitecustomize ran" in printed
+    assert str(user / "sitecustomize.py") in printed  # the user's module, as without us
+    assert printed.strip().endswith(" 1")  # no watcher thread when not watching
+    assert not any((tmp_path / "logs" / "procs").iterdir())
+
+
+def test_the_hook_records_the_process_and_still_chains(tmp_path):
+    log_dir = tmp_path / "logs"
+    hook_dir = prepare_log_dir(log_dir)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("import sys; sys.stderr.write('user hook\\n')\n")
+    printed = _python_with_hook(hook_dir, user, {jobhook.WATCH_DIR_VAR: str(log_dir)})
+    assert printed == ""  # the output went to the process's own files
+    procs = log_dir / "procs"
+    (out,) = procs.glob("*.out")
+    assert "user hook" in out.with_suffix(".err").read_text()
+    assert str(user / "sitecustomize.py") in out.read_text()
+    assert (procs / f"{out.stem}.json").exists() and (procs / f"{out.stem}.exit").exists()
+
+
+def test_a_log_dir_in_use_is_refused(tmp_path):
+    from assistant.errors import UserError
+
+    (tmp_path / "old.txt").write_text("x")
+    with pytest.raises(UserError, match="not empty"):
+        prepare_log_dir(tmp_path)
+    shutil.rmtree(tmp_path)
