@@ -91,10 +91,13 @@ def kb_stats(as_json):
     if as_json:
         click.echo(json.dumps(stats, ensure_ascii=False, indent=2))
         return
+    builtin = str(kb_layers()[0])
     for row in stats["causes"]:
+        layers = [] if row["source"] == builtin else [f"from={row['source']}"]
+        layers += [f"extended-by={layer}" for layer in row["extended_by"]]
         click.echo(
             f"{row['id']:32} sig={row['signatures']:<2} answers={row['answers']:<2} "
-            f"probes={','.join(row['probes']) or '-'}"
+            f"probes={','.join(row['probes']) or '-'} {' '.join(layers)}".rstrip()
         )
     click.echo(json.dumps(stats["totals"]))
 

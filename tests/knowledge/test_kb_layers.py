@@ -148,6 +148,10 @@ def test_stats_name_the_layer_of_every_cause(team):
     assert rows["duplicate-gpu-per-rank"]["source"] == str(config.kb_dir())
     assert rows["duplicate-gpu-per-rank"]["extended_by"] == [str(team)]
     assert rows["acme-shm-quota"]["answers"] == 1
+    text = CliRunner().invoke(main, ["kb", "stats", "--kb", str(team)]).stdout.splitlines()
+    assert next(line for line in text if line.startswith("acme-shm-quota")).endswith(f"from={team}")
+    duplicate = next(line for line in text if line.startswith("duplicate-gpu-per-rank"))
+    assert duplicate.endswith(f"extended-by={team}")
 
 
 def test_a_change_in_any_layer_changes_the_content_hash(team):
