@@ -289,7 +289,10 @@ def judge(
     if not own:
         return found
     lines = [finding_line(inputs, f) for f in own]
-    return verdict("confirmed", lines + found.evidence, found.refutes, source="script")
+    # What `assistant run` saw in the running job (a hang's stacks) is
+    # observed on this machine, like a probe's fact; a lint finding is static.
+    source = "probe" if all(f.source == "probe" for f in own) else "script"
+    return verdict("confirmed", lines + found.evidence, found.refutes, source=source)
 
 
 def finding_line(i: Inputs, finding: Finding) -> str:
@@ -298,6 +301,13 @@ def finding_line(i: Inputs, finding: Finding) -> str:
         if finding.path
         else i.t("line {n}", "第 {n} 行", n=finding.line)
     )
+    if finding.source == "probe":
+        return i.t(
+            "the running job, {where}: {message}",
+            "运行中的作业，{where}：{message}",
+            where=where,
+            message=finding.message,
+        )
     return i.t(
         "script {where}: {message}", "脚本 {where}：{message}", where=where, message=finding.message
     )
