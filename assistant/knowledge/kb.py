@@ -314,7 +314,14 @@ class _LayeredLoader:
         target = extension.extends
         if target in self.broken:
             return  # its own file's problem is already reported
-        if target not in self.causes or self.sources[target] == layer:
+        if target in self.causes and self.sources[target] == layer:
+            where = self.name(self.files[target], layer)
+            self.problems.append(
+                f"{name}: extends: {target!r} is defined in this same layer ({where}): "
+                "edit that file instead"
+            )
+            return
+        if target not in self.causes:
             self.problems.append(
                 f"{name}: extends: unknown cause {target!r} (an extension adds to a cause "
                 "of an earlier layer)"

@@ -223,3 +223,17 @@ def test_the_chat_runs_with_the_team_layers(team, monkeypatch):
     assert result.exit_code == 0, result.stderr
     assert seen == [[config.kb_dir(), team]]
     assert config.kb_layers() == [config.kb_dir()]  # and no longer after it
+
+
+def test_an_extension_in_the_same_layer_as_its_cause_is_one_problem(team):
+    write_yaml(
+        team / "causes" / "acme-shm-quota-more.yaml",
+        {"extends": "acme-shm-quota", "symptoms": ["ACME: shm quota exceeded again"]},
+    )
+    with pytest.raises(KBError) as err:
+        load_kb([REPO_KB, team])
+    expected = (
+        f"{team / 'causes' / 'acme-shm-quota-more.yaml'}: extends: 'acme-shm-quota' is defined "
+        f"in this same layer ({team / 'causes' / 'acme-shm-quota.yaml'}): edit that file instead"
+    )
+    assert err.value.problems == [expected]
