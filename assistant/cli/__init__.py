@@ -4,11 +4,13 @@ from assistant.cli import kb as kb_commands  # the module stays reachable as ass
 from assistant.cli.commands import main
 from assistant.cli.explain import explain
 from assistant.cli.feedback import feedback, kb_feedback
+from assistant.cli.lint import lint
 from assistant.cli.run import run
 
 main.add_command(kb_commands.kb)
 main.add_command(explain)
 main.add_command(feedback)
+main.add_command(lint)
 main.add_command(run)
 kb_commands.kb.add_command(kb_feedback)
 

@@ -216,7 +216,7 @@ def ask(
 def _lint_findings(script: Path | None) -> list:
     if script is None:
         return []
-    from assistant.lint.script import lint_script
+    from assistant.lint import lint_script
 
     return lint_script(script)
 
@@ -279,28 +279,6 @@ def _batch_item(batch: Path, number: int, line: str) -> tuple:
 
 
 # -- scripts and probes ---------------------------------------------------------------
-
-
-@main.command("lint")
-@click.argument("script", type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print findings as JSON.")
-def lint(script, as_json):
-    """Check a training script statically (never runs it); exit 1 on findings.
-
-    \b
-    assistant lint train.py
-    """
-    from assistant.lint.script import lint_script
-
-    findings = lint_script(script)
-    if as_json:
-        click.echo(json.dumps([f.to_json() for f in findings], indent=2))
-    else:
-        for f in findings:
-            click.echo(f"{f.path or script}:{f.line}: [{f.cause_id}] {f.message}")
-        click.echo(f"{len(findings)} finding(s)")
-    if findings:
-        sys.exit(int(ExitCode.FAILED))
 
 
 @main.command()
