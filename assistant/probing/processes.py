@@ -234,15 +234,22 @@ def start_marked(
     with _REGISTER.lock:  # no start can slip between a stop request and its sweep
         if _REGISTER.stopping.is_set():
             raise Terminated(_REGISTER.signum or signal.SIGTERM)
-        process = subprocess.Popen(
-            list(command),
-            env=full_env,
-            cwd=cwd,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,
-        )
+        # The marker is registered before the start: a signal between the
+        # start and the line below still leaves the tree findable by it.
+        _REGISTER.processes[marker] = None
+        try:
+            process = subprocess.Popen(
+                list(command),
+                env=full_env,
+                cwd=cwd,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        except OSError:
+            del _REGISTER.processes[marker]
+            raise
         marked = MarkedProcess(process, marker)
         _REGISTER.processes[marker] = marked
     return marked
@@ -270,7 +277,8 @@ class _Register:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.processes: dict[str, MarkedProcess] = {}
+        # marker -> its started process (None while it is being started)
+        self.processes: dict[str, MarkedProcess | None] = {}
         self.folders: set[Path] = set()
         self.stopping = threading.Event()
         self.signum: int | None = None
@@ -288,10 +296,20 @@ def stop_requested() -> bool:
     return _REGISTER.stopping.is_set()
 
 
+def registered_markers() -> list[str]:
+    """Markers of the launches started here (or starting) and not stopped yet."""
+    with _REGISTER.lock:
+        return list(_REGISTER.processes)
+
+
 def live_markers() -> list[str]:
     """Markers of the launches started here and not stopped yet."""
     with _REGISTER.lock:
-        return [m for m, p in _REGISTER.processes.items() if p.poll() is None or p.pids()]
+        return [
+            marker
+            for marker, marked in _REGISTER.processes.items()
+            if (marked is not None and marked.poll() is None) or pids_with_marker(marker)
+        ]
 
 
 def stop_everything(grace: float = KILL_GRACE_SECONDS) -> None:
@@ -302,9 +320,13 @@ def stop_everything(grace: float = KILL_GRACE_SECONDS) -> None:
     """
     with _REGISTER.lock:
         _REGISTER.stopping.set()
-        launches = list(_REGISTER.processes.values())
-    for marked in launches:
-        marked.stop(grace)
+        launches = list(_REGISTER.processes.items())
+    for marker, marked in launches:
+        if marked is None:
+            kill_marked(marker, grace)
+            _REGISTER.processes.pop(marker, None)
+        else:
+            marked.stop(grace)
     with _REGISTER.lock:
         folders = list(_REGISTER.folders)
     for folder in folders:

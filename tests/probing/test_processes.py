@@ -154,3 +154,10 @@ def test_an_ignored_sighup_stays_ignored():
     child.send_signal(signal.SIGHUP)
     out, _ = child.communicate(timeout=30)
     assert child.returncode == 0 and "survived" in out
+
+
+def test_a_command_that_cannot_start_is_an_oserror_and_not_registered():
+    before = set(processes.registered_markers())
+    with pytest.raises(OSError):
+        start_marked(["/no/such/program"])
+    assert set(processes.registered_markers()) == before
