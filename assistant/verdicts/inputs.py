@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from assistant.knowledge.patterns import PatternSet
+from assistant.probing.protocol import RankRecord
 from assistant.results import Finding, ProbeRun, RootError, Verdict, VerdictSource
 from assistant.verdicts.signatures import Signatures, compiled, kb_signatures, patterns_of
 
@@ -116,6 +117,12 @@ class Inputs:
     def facts(self, probe: str, with_status: tuple[str, ...] = ("ok", "failed")) -> list[dict]:
         """The records of a probe's ranks whose own status is one of with_status."""
         return [r for r in self.records(probe) or [] if r["status"] in with_status]
+
+    def typed(
+        self, probe: str, with_status: tuple[str, ...] = ("ok", "failed")
+    ) -> list[RankRecord]:
+        """facts() as the probe protocol's typed records (rank, host, facts fields)."""
+        return [RankRecord.from_dict(r) for r in self.facts(probe, with_status)]
 
     def trouble(self, *probes: str) -> list[str]:
         """Evidence lines for needed probes that timed out, crashed or were stopped."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
+from assistant.probing.protocol import RankRecord, VersionsFacts
 from assistant.results import Verdict
 from assistant.verdicts.inputs import (
     MIN_DRIVER,
     Inputs,
-    by_host,
     judges,
     quote,
     undecided,
@@ -23,7 +23,7 @@ from assistant.verdicts.inputs import (
 def nccl_version_mismatch(i: Inputs) -> Verdict:
     # The KB's signatures for this cause include NCCL's generic "unhandled
     # cuda error": the error text alone only points here, the versions decide.
-    records = i.facts("versions")
+    records = i.typed("versions")
     said = []
     if i.error_names("nccl-version-mismatch"):
         said.append(
@@ -35,11 +35,11 @@ def nccl_version_mismatch(i: Inputs) -> Verdict:
     if not records:
         return undecided(i, ("versions",), said)
     problems = _differences(i, records)
-    for record in by_host(records).values():
-        problems.extend(_version_problems(i, record[0]["facts"]))
+    for first in _first_per_host(records):
+        problems.extend(_version_problems(i, first.facts))
     if problems:
         return verdict("confirmed", problems + said, source="probe")
-    facts = records[0]["facts"]
+    facts = records[0].facts
     unjudgeable = _nothing_to_compare(i, facts)
     if unjudgeable:
         # Nothing here to compare; a version error pasted from a GPU machine stays open.
@@ -50,14 +50,14 @@ def nccl_version_mismatch(i: Inputs) -> Verdict:
         i.t(
             "torch {torch} (CUDA {cuda}, NCCL {nccl}) and driver {driver} (CUDA {driver_cuda}) match here",
             "本机 torch {torch}（CUDA {cuda}，NCCL {nccl}）与驱动 {driver}（CUDA {driver_cuda}）匹配",
-            torch=facts.get("torch"),
-            cuda=facts.get("torch_cuda"),
-            nccl=facts.get("nccl"),
-            driver=facts.get("driver"),
-            driver_cuda=facts.get("driver_cuda") or "?",
+            torch=facts.torch,
+            cuda=facts.torch_cuda,
+            nccl=facts.nccl,
+            driver=facts.driver,
+            driver_cuda=facts.driver_cuda or "?",
         )
     ]
-    capabilities = sorted(set(facts.get("capabilities") or []))
+    capabilities = sorted(set(facts.capabilities))
     if capabilities:
         lines.append(
             i.t(
@@ -71,16 +71,24 @@ def nccl_version_mismatch(i: Inputs) -> Verdict:
     return verdict("ruled_out", lines, source="probe")
 
 
-def _nothing_to_compare(i: Inputs, facts: dict) -> list[str]:
+def _nothing_to_compare(i: Inputs, facts: VersionsFacts) -> list[str]:
     """Why this machine has no GPU versions to compare, or []."""
-    if not facts.get("torch_cuda"):
+    if not facts.torch_cuda:
         return [i.t("this torch is a CPU-only build", "这个 torch 是只支持 CPU 的版本")]
-    if not facts.get("driver"):
+    if not facts.driver:
         return [i.t("no NVIDIA driver found", "没有找到 NVIDIA 驱动")]
     return []
 
 
-def _differences(i: Inputs, records: list[dict]) -> list[str]:
+def _first_per_host(records: list[RankRecord]) -> list[RankRecord]:
+    """The lowest rank's record of each host (a host's ranks share its software)."""
+    first: dict[str | None, RankRecord] = {}
+    for record in sorted(records, key=lambda r: r.rank or 0):
+        first.setdefault(record.host, record)
+    return list(first.values())
+
+
+def _differences(i: Inputs, records: list[RankRecord]) -> list[str]:
     """Versions that differ between ranks (nodes run different software)."""
     lines = []
     for key, label in (
@@ -91,7 +99,7 @@ def _differences(i: Inputs, records: list[dict]) -> list[str]:
     ):
         values = {}
         for record in records:
-            values.setdefault(record["facts"].get(key), record.get("host"))
+            values.setdefault(getattr(record.facts, key), record.host)
         if len(values) > 1:
             lines.append(
                 i.t(
@@ -104,48 +112,48 @@ def _differences(i: Inputs, records: list[dict]) -> list[str]:
     return lines
 
 
-def _version_problems(i: Inputs, facts: dict) -> list[str]:
+def _version_problems(i: Inputs, facts: VersionsFacts) -> list[str]:
     problems = []
-    runtime = version_tuple(facts.get("torch_cuda"))
-    if facts.get("cuda_warning") and "too old" in facts["cuda_warning"]:
+    runtime = version_tuple(facts.torch_cuda)
+    if facts.cuda_warning and "too old" in facts.cuda_warning:
         problems.append(
             i.t(
                 "CUDA initialisation says: {warning}",
                 "CUDA 初始化提示：{warning}",
-                warning=quote(facts["cuda_warning"], 140),
+                warning=quote(facts.cuda_warning, 140),
             )
         )
-    driver_cuda = version_tuple(facts.get("driver_cuda"))
+    driver_cuda = version_tuple(facts.driver_cuda)
     if runtime and driver_cuda and driver_cuda[0] < runtime[0]:
         problems.append(
             i.t(
                 "driver {driver} supports CUDA up to {driver_cuda}, but torch uses the CUDA {runtime} runtime",
                 "驱动 {driver} 最高支持 CUDA {driver_cuda}，而 torch 用的是 CUDA {runtime} 运行时",
-                driver=facts.get("driver") or "?",
-                driver_cuda=facts.get("driver_cuda"),
-                runtime=facts.get("torch_cuda"),
+                driver=facts.driver or "?",
+                driver_cuda=facts.driver_cuda,
+                runtime=facts.torch_cuda,
             )
         )
-    elif runtime and facts.get("driver") and not driver_cuda:
+    elif runtime and facts.driver and not driver_cuda:
         minimum = MIN_DRIVER.get(runtime[0])
-        if minimum and version_tuple(facts["driver"]) < minimum:
+        if minimum and version_tuple(facts.driver) < minimum:
             problems.append(
                 i.t(
                     "driver {driver} is older than {minimum}, the minimum for CUDA {runtime}",
                     "驱动 {driver} 低于 CUDA {runtime} 要求的最低版本 {minimum}",
-                    driver=facts["driver"],
+                    driver=facts.driver,
                     minimum=".".join(map(str, minimum)),
-                    runtime=facts.get("torch_cuda"),
+                    runtime=facts.torch_cuda,
                 )
             )
-    for capability in sorted(set(facts.get("capabilities") or [])):
-        if arch_supported(capability, facts.get("arch_list") or []) is False:
+    for capability in sorted(set(facts.capabilities or [])):
+        if arch_supported(capability, facts.arch_list or []) is False:
             problems.append(
                 i.t(
                     "this torch has no kernels for compute capability {cap} (it has {archs}): 'no kernel image is available'",
                     "这个 torch 没有算力 {cap} 的内核（只有 {archs}）：会报 'no kernel image is available'",
                     cap=capability,
-                    archs=" ".join(facts.get("arch_list") or []),
+                    archs=" ".join(facts.arch_list or []),
                 )
             )
     return problems
