@@ -96,7 +96,10 @@ STRINGS: dict[str, dict[str, str]] = {
     "confidence.high": {"en": "confidence: high", "zh": "把握：高"},
     "confidence.medium": {"en": "confidence: medium", "zh": "把握：中"},
     "confidence.low": {"en": "confidence: low", "zh": "把握：低"},
-    "decide.ask": {"en": "To tell these apart, paste: {items}", "zh": "为了区分这几个原因，请粘贴：{items}"},
+    "decide.ask": {
+        "en": "To tell these apart, paste: {items}",
+        "zh": "为了区分这几个原因，请粘贴：{items}",
+    },
     "decide.join": {"en": "; ", "zh": "；"},
     "why": {"en": "Why it happens", "zh": "原因"},
     "risks": {"en": "What the fix risks", "zh": "修复的风险"},

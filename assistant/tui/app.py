@@ -27,43 +27,33 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from assistant.chat.conversation import Conversation, Turn
-from assistant.chat.export import ExportFailed
 from assistant.pipeline import Observer, Question
 from assistant.tui import services
 from assistant.tui.deps import ChatDeps, chat_deps
+from assistant.tui.history_actions import HistoryActions
 from assistant.tui.keys import LocalizedBindings, bilingual
 from assistant.tui.messages import (
     Answered,
     CauseChosen,
     CauseEntryLoaded,
     CausesRanked,
-    ClearHistory,
-    ConversationChosen,
-    ConversationDeleted,
     CopyFix,
     EngineLog,
-    HistoryChecked,
-    LintDone,
     ModelFailed,
     ModelLoaded,
     Notice,
     ProbeProgress,
     ProbesFailed,
     QuerySubmitted,
-    RebuildDone,
-    Rejudged,
     TurnFailed,
     TypedElsewhere,
 )
 from assistant.tui.present import fix_text, interface_lang, one_line
 from assistant.tui.screens import (
     CauseScreen,
-    ConfirmDialog,
-    ExportChoice,
-    HistoryScreen,
-    PathPrompt,
 )
 from assistant.tui.strings import command_title, tr
+from assistant.tui.tools import ToolActions
 from assistant.tui.turn import TurnView
 from assistant.tui.widgets import ChatInput, StatusBar
 
@@ -82,8 +72,12 @@ COMMANDS = (
 )
 
 
-class ChatApp(LocalizedBindings, App[None]):
-    """The chat. Build it with `make_app`."""
+class ChatApp(LocalizedBindings, ToolActions, HistoryActions, App[None]):
+    """The chat. Build it with `make_app`.
+
+    The palette's tools (tools.ToolActions) and the history
+    (history_actions.HistoryActions) are mixins, each in its own module.
+    """
 
     CSS_PATH = "app.tcss"
     TITLE = "DDP assistant"
@@ -453,245 +447,6 @@ class ChatApp(LocalizedBindings, App[None]):
             )
         yield from super().get_system_commands(screen)
 
-    # doctor
-
-    async def action_doctor(self) -> None:
-        turn = Turn(query="doctor", lang=self.lang, kind="doctor", created=self.deps.now())
-        view = await self.add_turn(turn)
-        view.set_phase("probing")
-        self.run_doctor(view.key, self.lang)
-
-    @work(thread=True, group="doctor", exit_on_error=False)
-    def run_doctor(self, key: int, lang: str) -> None:
-        """Every probe on this machine, every cause judged (Pipeline.doctor)."""
-        try:
-            with self.runs.track() as cancel, self.probe_lock:
-                result = self.deps.pipeline.doctor(lang, self.observer(key), cancel)
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(TurnFailed(key, one_line(exc)))
-        else:
-            self.post_message(Answered(key, result))
-
-    # lint
-
-    def action_lint(self) -> None:
-        self.push_screen(PathPrompt(self.lang), callback=self.lint_path)
-
-    async def lint_path(self, path: str | None) -> None:
-        if not path:
-            return
-        turn = Turn(query=path, lang=self.lang, kind="lint", created=self.deps.now())
-        view = await self.add_turn(turn)
-        view.set_phase("linting")
-        self.lint(view.key, path)
-
-    @work(thread=True, group="lint", exit_on_error=False)
-    def lint(self, key: int, path: str) -> None:
-        """Lint a training script (assistant.lint)."""
-        try:
-            findings = list(self.deps.lint(path))
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(TurnFailed(key, one_line(exc)))
-        else:
-            self.post_message(LintDone(key, findings))
-
-    def on_lint_done(self, message: LintDone) -> None:
-        view = self.views.get(message.turn)
-        if view is None:
-            return
-        view.turn.findings = list(message.findings)
-        view.set_phase("done")
-        self.save()
-        latest = self.latest_answered()
-        if latest is not None:
-            self.rejudge(latest.key, latest.turn.result, self.conversation.findings())
-
-    def latest_answered(self) -> TurnView | None:
-        for view in reversed(self.turn_views):
-            if view.turn.kind == "ask" and view.phase == "done" and view.turn.result:
-                return view
-        return None
-
-    @work(thread=True, group="rejudge", exit_on_error=False)
-    def rejudge(self, key: int, result, findings: list) -> None:
-        """New findings: judge the answer again with the probe runs it already has."""
-        try:
-            judged = self.deps.pipeline.judge(result, list(result.probes), findings)
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(ProbesFailed(key, one_line(exc)))
-        else:
-            self.post_message(Rejudged(key, judged))
-
-    async def on_rejudged(self, message: Rejudged) -> None:
-        view = self.views.get(message.turn)
-        if view is not None:
-            await view.show_result(message.result, self.conversation.findings())
-            view.refresh_view()
-            self.save()
-
-    # rebuild
-
-    def action_rebuild(self) -> None:
-        self.status.set_state(note=tr("rebuild.started", self.lang))
-        self.rebuild_kb()
-
-    @work(group="rebuild", exit_on_error=False)
-    async def rebuild_kb(self) -> None:
-        """Recompile the knowledge base index and reload it."""
-        try:
-            summary = await self.deps.knowledge.rebuild()
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(RebuildDone(error=one_line(exc)))
-        else:
-            self.post_message(RebuildDone(summary=summary))
-
-    def on_rebuild_done(self, message: RebuildDone) -> None:
-        self.status.set_state(note="")
-        if message.error:
-            self.tell(tr("rebuild.failed", self.lang, error=message.error), severity="error")
-            return
-        self.tell(tr("rebuild.done", self.lang, summary=message.summary))
-        if self.model_phase != "ready" and self.deps.knowledge.ready:
-            self.post_message(ModelLoaded())
-
-    # export
-
-    def action_export(self) -> None:
-        if not self.conversation.turns:
-            self.tell(tr("export.empty", self.lang), severity="warning")
-            return
-        text = self.deps.exporter.markdown(self.conversation, self.lang)
-        self.export_to(text, self.deps.export_dir or Path.cwd())
-
-    def export_to(self, text: str, target: Path) -> None:
-        """Write the report; when it cannot be written, offer the other places."""
-        try:
-            path = self.deps.exporter.write(text, target, self.deps.now())
-        except ExportFailed as failed:
-            reason = tr("export.unwritable", self.lang, path=failed.path, reason=failed.reason)
-            home = str(self.deps.exporter.home())
-            self.push_screen(
-                ExportChoice(reason, home, self.lang),
-                callback=lambda choice: self.export_elsewhere(choice, text),
-            )
-            return
-        self.copy_to_clipboard(text)
-        self.last_copied = text
-        self.last_export = path
-        self.tell(tr("export.done", self.lang, path=path))
-
-    def export_elsewhere(self, choice: str | None, text: str) -> None:
-        home = self.deps.exporter.home()
-        if choice == "home":
-            self.export_to(text, home)
-        elif choice == "other":
-            prompt = PathPrompt(self.lang, "export.prompt", placeholder=str(home), value=str(home))
-            self.push_screen(prompt, callback=lambda path: path and self.export_to(text, Path(path)))
-        elif choice == "clipboard":
-            self.copy_to_clipboard(text)
-            self.last_copied = text
-            self.tell(tr("export.copied", self.lang))
-
-    # history
-
-    @work(thread=True, group="history", exit_on_error=False)
-    def check_history(self) -> None:
-        """Open the history file off the UI thread (this also pays sqlite-utils' import)."""
-        try:
-            self.deps.history.list(limit=1)
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(HistoryChecked(one_line(exc)))
-        else:
-            self.post_message(HistoryChecked())
-
-    def on_history_checked(self, message: HistoryChecked) -> None:
-        if message.error and not self.history_error:
-            self.history_error = message.error
-            self.tell(tr("history.unavailable", self.lang, error=message.error))
-
-    def save(self) -> None:
-        """Store the conversation in the history (quietly off when it cannot be opened).
-
-        The first time anything is written, say once what is kept and where.
-        """
-        history = self.deps.history
-        if history is None or self.history_error or not self.conversation.turns:
-            return
-        try:
-            history.save(self.conversation, now=self.deps.now())
-            if history.notice_due():
-                self.tell(tr("history.notice", self.lang, path=history.path), timeout=20)
-                history.mark_notice_shown()
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.history_error = one_line(exc)
-            self.tell(tr("history.unavailable", self.lang, error=self.history_error))
-
-    def history_entries(self) -> list | None:
-        if self.deps.history is None:
-            off = tr("history.off", self.lang) if self.deps.history_off else None
-            self.tell(off or tr("history.unavailable", self.lang, error="-"), severity="warning")
-            return None
-        try:
-            return self.deps.history.list()
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.tell(tr("history.unavailable", self.lang, error=one_line(exc)))
-            return None
-
-    def action_history(self) -> None:
-        entries = self.history_entries()
-        if entries is not None:
-            self.push_screen(HistoryScreen(entries, self.lang, self.deps.format_time))
-
-    async def on_conversation_chosen(self, message: ConversationChosen) -> None:
-        try:
-            conversation = self.deps.history.load(message.conversation_id)
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.tell(one_line(exc), severity="error")
-            return
-        if isinstance(self.screen, HistoryScreen):
-            self.pop_screen()
-        await self.show_conversation(conversation)
-
-    async def on_conversation_deleted(self, message: ConversationDeleted) -> None:
-        try:
-            self.deps.history.delete(message.conversation_id)
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.tell(one_line(exc), severity="error")
-            return
-        if self.conversation.id == message.conversation_id:
-            self.conversation.id = None  # still on screen; saved again as new if it changes
-        self.tell(tr("history.deleted", self.lang))
-        await self.refresh_history_screen()
-
-    async def refresh_history_screen(self) -> None:
-        if isinstance(self.screen, HistoryScreen):
-            entries = self.history_entries()
-            if entries is not None:
-                await self.screen.set_entries(entries)
-
-    def action_clear_history(self) -> None:
-        """Delete every saved conversation, after a confirmation."""
-        entries = self.history_entries()
-        if entries is None:
-            return
-        question = tr("history.confirm_clear", self.lang, count=len(entries))
-        self.push_screen(ConfirmDialog(question, self.lang), callback=self.clear_history)
-
-    def on_clear_history(self, message: ClearHistory) -> None:
-        self.action_clear_history()
-
-    async def clear_history(self, yes: bool | None) -> None:
-        if not yes:
-            return
-        try:
-            self.deps.history.clear()
-        except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.tell(one_line(exc), severity="error")
-            return
-        self.conversation.id = None  # what is on screen is saved again only if it changes
-        self.tell(tr("history.cleared", self.lang))
-        await self.refresh_history_screen()
-
     async def action_new_conversation(self) -> None:
         await self.show_conversation(Conversation(created=self.deps.now()))
         self.tell(tr("new.done", self.lang))
@@ -744,4 +499,3 @@ def run_chat(model: str | None = None, lang: str | None = None, keep_history: bo
         app.run()
     finally:
         app.stop_probes_now()
-

@@ -150,7 +150,10 @@ UI: dict[str, dict[str, str]] = {
         "en": "Report copied to the clipboard (not saved to a file).",
         "zh": "报告已复制到剪贴板（未保存为文件）。",
     },
-    "export.prompt": {"en": "Folder (or .md file) for the report:", "zh": "报告保存到的文件夹（或 .md 文件）："},
+    "export.prompt": {
+        "en": "Folder (or .md file) for the report:",
+        "zh": "报告保存到的文件夹（或 .md 文件）：",
+    },
     "history.notice": {
         "en": (
             "Conversations, pasted logs included, are kept on this machine in {path} "

@@ -8,8 +8,8 @@ import pytest
 import sqlite_utils
 
 from assistant.chat.conversation import Conversation, Turn
-from assistant.errors import UserError
 from assistant.chat.history import MIGRATIONS, History, migrate
+from assistant.errors import UserError
 from assistant.results import CauseResult, ProbeRun, Result, RootError, Verdict
 
 

@@ -277,8 +277,8 @@ async def test_recorded_gpu_facts_confirm_the_cause_with_the_real_verdicts():
     async with app.run_test(size=(120, 40)) as pilot:
         view = await ask(app, pilot, DUPLICATE_GPU_LINE)
         assert runner.calls[0] == probe_names()
-        top = view.turn.result.causes[0]
-        assert (top.id, top.verdict.verdict) == ("duplicate-gpu-per-rank", "confirmed")
+        duplicate = next(c for c in view.turn.result.causes if c.id == "duplicate-gpu-per-rank")
+        assert (duplicate.verdict.verdict, duplicate.verdict.source) == ("confirmed", "probe")
         text = screen_text(app)
         assert "2 ranks on ws-lab-3 but only 1 visible GPU(s)" in text
         assert "✘ devices failed" in text and "✔ launch_env ok" in text

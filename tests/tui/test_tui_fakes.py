@@ -69,7 +69,10 @@ def multi_rank_log(lines: int = 500) -> str:
     return "\n".join(head + body + tail)
 
 
-THREAD_QUESTION = "DDP 一直报错找不到设备，我只有一张卡，init_process_group 之前要不要 set_device？"
+THREAD_QUESTION = (
+    "DDP 一直报错找不到设备，我只有一张卡，用 torchrun 启动两个进程，"
+    "init_process_group 之前要不要先 torch.cuda.set_device？已经卡了两天了"
+)
 
 
 def _answers_duplicate() -> list[AnswerRef]:
@@ -438,6 +441,8 @@ def fake_apply_verdicts(result: Result, runs: list[ProbeRun], findings: list[Fin
 def _judge(cause: CauseResult, runs: dict[str, ProbeRun], findings: list[Finding]) -> Verdict:
     own = [runs[p] for p in cause.probes if p in runs]
     evidence = [f"{f.path}:{f.line}: {f.message}" for f in findings if f.cause_id == cause.id]
+    if evidence:  # the person's own script shows it: that outweighs this machine's facts
+        return Verdict("confirmed", evidence, source="script")
     if any(run.status == "timeout" for run in own):
         names = ", ".join(r.name for r in own if r.status == "timeout")
         return Verdict("inconclusive", [f"probe {names} timed out", *evidence], source="probe")
@@ -460,8 +465,6 @@ def _judge(cause: CauseResult, runs: dict[str, ProbeRun], findings: list[Finding
     if cause.id == "master-endpoint-mismatch" and rendezvous and rendezvous.status == "ok":
         line = "rendezvous on 127.0.0.1:29500 succeeded"
         return Verdict("ruled_out", [line, *evidence], source="probe")
-    if evidence:
-        return Verdict("confirmed", evidence, source="script")
     return Verdict("not_run") if not own else Verdict("inconclusive", [], source="probe")
 
 

@@ -1,9 +1,8 @@
-"""The chat with the real probe runner: torchrun on CPU (gloo), two ranks.
+"""The chat on the real pipeline with the real probe runner: torchrun on CPU (gloo), two ranks.
 
-Slow (a torchrun launch costs seconds). Skipped until assistant.probing.runner
-exists; uses the real verdict functions when assistant.verdicts exists, the
-fakes otherwise. The engine stays a fake so the test does not depend on the
-embedding model.
+Slow (a torchrun launch costs seconds). The real Pipeline and verdicts run;
+the first two tests keep a fake engine so they do not depend on the
+embedding model, the last one uses the real engine too.
 """
 
 from __future__ import annotations
@@ -14,21 +13,15 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_tui_fakes import (
-    FakeEngine,
-    fake_apply_verdicts,
-    fake_doctor,
-    fake_linter,
-    fake_probes_for,
-    screen_text,
-)
+from test_tui_fakes import FakeEngine, fake_deps, screen_text
 from textual import events
 
+from assistant.pipeline import Pipeline
+from assistant.probing import runner as runner_module
+from assistant.probing.registry import probe_names
 from assistant.results import CauseResult
 from assistant.tui.app import make_app
-from assistant.tui.widgets import TurnView
-
-runner_module = pytest.importorskip("assistant.probing.runner")
+from assistant.tui.turn import TurnView
 
 pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 
@@ -38,14 +31,6 @@ FINAL = {"ok", "failed", "timeout", "not_applicable", "error", "interrupted"}
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-def verdict_functions():
-    try:
-        from assistant.verdicts import apply_verdicts, probes_for
-    except ImportError:
-        return fake_apply_verdicts, fake_probes_for
-    return apply_verdicts, probes_for
 
 
 class CpuEngine(FakeEngine):
@@ -71,18 +56,14 @@ class CpuEngine(FakeEngine):
         return result
 
 
-def real_app(mark: str):
-    apply_verdicts, probes_for = verdict_functions()
-    runner = runner_module.ProbeRunner(nproc_per_node=2, timeout=90.0, env={"TUI_TEST_MARK": mark})
-    return make_app(
-        engine=CpuEngine(),
-        runner=runner,
-        linter=fake_linter,
-        apply_verdicts=apply_verdicts,
-        probes_for=probes_for,
-        doctor=fake_doctor,
-        cursor_blink=False,
-    )
+def real_runner(mark: str):
+    return runner_module.ProbeRunner(nproc_per_node=2, timeout=90.0, env={"TUI_TEST_MARK": mark})
+
+
+def real_app(mark: str, engine=None):
+    """The chat on the real Pipeline and runner, through the same factory as run_chat."""
+    deps = fake_deps(engine=engine or CpuEngine(), runner=real_runner(mark), pipeline_type=Pipeline)
+    return make_app(deps)
 
 
 def marked_processes(mark: str) -> list[int]:
@@ -132,7 +113,8 @@ async def test_real_probes_report_progress_and_verdicts(monkeypatch):
         view = app.turn_views[0]
 
         await until(pilot, lambda: view.phase == "done", 180)
-        assert set(view.probe_rows) == {"backend", "rendezvous", "launch_env"}
+        # The pipeline launches every registered probe with the question.
+        assert set(view.probe_rows) == set(probe_names())
         shown_running = {probe for probe, state, row in events_seen if row == "running"}
         assert shown_running == set(view.probe_rows), events_seen
         for probe in view.probe_rows:  # each row went running -> done, in that order
@@ -166,19 +148,8 @@ async def test_quitting_while_real_probes_run_leaves_no_process_behind():
 
 async def test_real_engine_and_runner_answer_a_pasted_log(engine):
     """The whole chain: real retrieval (conftest's engine), real torchrun probes."""
-    apply_verdicts, probes_for = verdict_functions()
     mark = uuid.uuid4().hex
-    app = make_app(
-        engine=engine,
-        runner=runner_module.ProbeRunner(
-            nproc_per_node=2, timeout=90.0, env={"TUI_TEST_MARK": mark}
-        ),
-        linter=fake_linter,
-        apply_verdicts=apply_verdicts,
-        probes_for=probes_for,
-        doctor=fake_doctor,
-        cursor_blink=False,
-    )
+    app = real_app(mark, engine=engine)
     log = (
         "[rank1]: torch.distributed.DistBackendError: NCCL error in: "
         "../torch/csrc/distributed/c10d/NCCLUtils.hpp:317, invalid usage (run with "
@@ -201,4 +172,14 @@ async def test_real_engine_and_runner_answer_a_pasted_log(engine):
         await until(pilot, lambda: view.phase in ("done", "failed"), 240)
         assert view.phase == "done"
         assert all(row.status in FINAL for row in view.probe_rows.values())
+        result = view.turn.result
+        assert result.confidence in ("high", "medium", "low")
+        # Honest words: "tested on this machine" only where a probe decided.
+        text = screen_text(app)
+        for cause in result.causes:
+            if cause.verdict.source != "probe":
+                continue
+            assert "tested on this machine" in text
+        if result.confidence != "high" and result.decide:
+            assert "To tell these apart, paste:" in text
     assert marked_processes(mark) == []

@@ -1,0 +1,136 @@
+"""Say only what is true: where each verdict comes from, stances beside outcomes, confidence.
+
+Pilot tests on the real app and pipeline with the fakes of test_tui_fakes.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_tui import ask, run_command, until
+from test_tui_fakes import (
+    DUPLICATE_GPU_LINE,
+    SURE_MARK,
+    TablePipeline,
+    fake_app,
+    screen_text,
+    widget_text,
+)
+from textual.widgets import Input
+
+from assistant.results import Verdict
+from assistant.tui.screens import CauseScreen, PathPrompt
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def verdict_column(view) -> list[str]:
+    return [widget_text(label).strip() for label in view.query(".cause-verdict")]
+
+
+class ErrorSaysSo(TablePipeline):
+    """Judges the first cause from the error text alone (verdict source "error")."""
+
+    def judge(self, result, runs, findings=()):
+        judged = super().judge(result, runs, findings)
+        judged.causes[0].verdict = Verdict("confirmed", ["the error names it"], source="error")
+        return judged
+
+
+async def test_a_probe_verdict_says_tested_on_this_machine():
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = await ask(app, pilot, DUPLICATE_GPU_LINE)
+        labels = verdict_column(view)
+        assert labels[0].startswith("confirmed · tested on this machine")
+        assert labels[1].startswith("ruled out · tested on this machine")
+
+
+async def test_an_error_verdict_says_the_error_says_so_and_never_tested_here():
+    app = fake_app(pipeline_type=ErrorSaysSo)
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = await ask(app, pilot, DUPLICATE_GPU_LINE)
+        first = verdict_column(view)[0]
+        assert first.startswith("confirmed · the error says so")
+        assert "tested on this machine" not in first and "here" not in first
+
+
+async def test_a_script_verdict_names_the_line_of_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\nparser.add_argument('--local_rank', default=0)\n")
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = await ask(app, pilot, "DDP can't find the device on my 2 GPUs")
+        await run_command(app, pilot, "lint a training")
+        assert isinstance(app.screen, PathPrompt)
+        app.screen.query_one(Input).value = str(script)
+        await pilot.press("enter")
+        await until(
+            pilot,
+            lambda: any("your script, line 2" in label for label in verdict_column(view)),
+        )
+        assert "confirmed · your script, line 2" in " ".join(verdict_column(view))
+
+
+async def test_a_stance_shows_its_question_and_the_machine_outcome_beside_it():
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = await ask(app, pilot, DUPLICATE_GPU_LINE)
+        view.causes.focus()
+        view.causes.index = [c.id for c in view.turn.result.causes].index("set-device-order")
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, CauseScreen) and app.screen.entry)
+        contradicting = widget_text(app.screen.query_one("#answers-contradicting"), width=300)
+        # The community said "partly right" about ITS question; this machine refuted the advice.
+        assert "✘ [partly right] on “DDP 一直报错找不到设备" in contradicting
+        assert "…” · refuted on this machine #a7" in contradicting
+        agreeing = widget_text(app.screen.query_one("#answers-agreeing"), width=300)
+        assert "[right] on “DDP 一直报错找不到设备" in agreeing
+        assert "on this machine #a8" not in agreeing  # nothing was shown about a8 here
+
+
+async def test_a_sure_answer_says_high_confidence_and_asks_nothing():
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = await ask(app, pilot, f"{SURE_MARK} {DUPLICATE_GPU_LINE}")
+        assert view.turn.result.confidence == "high"
+        assert "confidence: high" in widget_text(view.query_one(".turn-status"), width=300)
+        assert not view.query_one(".turn-decide").display
+        assert "To tell these apart" not in screen_text(app)
+
+
+async def test_an_unsure_answer_asks_one_question_and_the_reply_is_a_follow_up():
+    engine_app = fake_app()
+    async with engine_app.run_test(size=(120, 40)) as pilot:
+        app = engine_app
+        view = await ask(app, pilot, "DDP keeps saying it can't find the device")
+        result = view.turn.result
+        assert result.confidence in ("medium", "low") and result.decide
+        assert f"confidence: {result.confidence}" in widget_text(
+            view.query_one(".turn-status"), width=300
+        )
+        decide = widget_text(view.query_one(".turn-decide"), width=400).strip()
+        assert decide.startswith("? To tell these apart, paste: ")
+        assert decide.count("?") == 1  # one short question, not a questionnaire
+        assert result.decide[0] in decide
+
+        await ask(app, pilot, "nvidia-smi shows both processes on GPU 0")
+        engine = app.deps.knowledge.engine
+        query, _, context = engine.asked[-1]
+        assert query == "nvidia-smi shows both processes on GPU 0"
+        assert "Earlier question: DDP keeps saying it can't find the device" in context
+
+
+async def test_a_chinese_answer_asks_in_chinese():
+    app = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        view = await ask(app, pilot, "我只有一张卡，DDP 一直报错找不到设备")
+        decide = widget_text(view.query_one(".turn-decide"), width=400)
+        assert "为了区分这几个原因，请粘贴：" in decide
+        assert "把握：" in widget_text(view.query_one(".turn-status"), width=300)
+        labels = " ".join(verdict_column(view))
+        assert "已在本机测试" in labels and "tested" not in labels
