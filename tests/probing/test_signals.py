@@ -73,8 +73,10 @@ def wait_for_ranks(child: subprocess.Popen, tag: str, nproc: int, seconds: float
         (signal.SIGTERM, ["probe", "versions", "system"]),
         (signal.SIGHUP, ["probe", "versions"]),
         (signal.SIGTERM, ["doctor", "--json"]),
+        # ask runs the probes in a worker thread while it retrieves
+        (signal.SIGHUP, ["ask", "--json", "NCCL error: unhandled system error"]),
     ],
-    ids=["SIGTERM-probe", "SIGHUP-probe", "SIGTERM-doctor"],
+    ids=["SIGTERM-probe", "SIGHUP-probe", "SIGTERM-doctor", "SIGHUP-ask"],
 )
 def test_a_signal_kills_every_process_of_the_launch_and_removes_its_folders(
     hanging_probes, tmp_path, sig, command
@@ -82,7 +84,13 @@ def test_a_signal_kills_every_process_of_the_launch_and_removes_its_folders(
     tag = uuid.uuid4().hex
     temp = tmp_path / "tmp"
     temp.mkdir()
-    env = {**os.environ, "PROBE_TEST_TAG": tag, "TMPDIR": str(temp)}
+    # ask may build its index: into a folder of the test's own
+    env = {
+        **os.environ,
+        "PROBE_TEST_TAG": tag,
+        "TMPDIR": str(temp),
+        "ASSISTANT_BUILD": str(tmp_path / "build"),
+    }
     child = subprocess.Popen(
         [sys.executable, "-c", CLI, *command, "--nproc-per-node", "2"],
         env=env,
