@@ -87,8 +87,8 @@ PROTOCOL_NAMES = {
 
 @pytest.mark.parametrize(
     "path",
-    sorted((PROJECT_ROOT / "assistant" / "probing").glob("*.py")) + sorted(PROBES_DIR.glob("*.py")),
-    ids=lambda p: f"{p.parent.name}/{p.name}",
+    sorted((PROJECT_ROOT / "assistant").rglob("*.py")) + sorted(PROBES_DIR.glob("*.py")),
+    ids=lambda p: p.relative_to(PROJECT_ROOT).as_posix(),
 )
 def test_protocol_names_are_spelled_only_in_the_protocol(path):
     if path.name == "probe_protocol.py":
