@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the tracer builds the traces and imports this module
 
 # A training script is a few thousand lines; past this size the file is
 # something else (a dump, a bundle), and parsing it costs seconds per MiB.
-MAX_SCRIPT_BYTES = 4 * 1024 * 1024
+MAX_SCRIPT_BYTES = 2 * 1024 * 1024
 # Message text for an expression: long or deep ones are shown by their line.
 MAX_SHOWN_CHARS = 60
 MAX_SHOWN_DEPTH = 40
