@@ -151,8 +151,10 @@ def int_literal(expr: ast.expr) -> int | frozenset[int] | None:
     if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub) and is_int(expr.operand):
         return -expr.operand.value
     if isinstance(expr, (ast.List, ast.Tuple, ast.Set)):
-        values = [int_literal(e) if not isinstance(e, (ast.List, ast.Tuple, ast.Set)) else None
-                  for e in expr.elts]
+        values = [
+            int_literal(e) if not isinstance(e, (ast.List, ast.Tuple, ast.Set)) else None
+            for e in expr.elts
+        ]
         if all(isinstance(v, int) for v in values):
             return frozenset(values)
     return None

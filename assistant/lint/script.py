@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from assistant.errors import UserError
 import assistant.lint.checks  # noqa: F401  (importing it registers every check)
+from assistant.errors import UserError
 from assistant.lint.model import parse_script, read_script
 from assistant.lint.registry import CHECKS
 from assistant.lint.tracer import trace_script

@@ -139,7 +139,9 @@ class Tracer:
         if isinstance(stmt, ast.If):
             yield self.expression(stmt.test, where)
             body_side, else_side = rank_branch_sides(stmt.test, self.script)
-            yield self.block(stmt.body, where.with_rank(narrowed(where.rank, stmt, "body", body_side)))
+            yield self.block(
+                stmt.body, where.with_rank(narrowed(where.rank, stmt, "body", body_side))
+            )
             yield self.block(
                 stmt.orelse, where.with_rank(narrowed(where.rank, stmt, "orelse", else_side))
             )

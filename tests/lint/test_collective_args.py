@@ -57,6 +57,7 @@ FLAGGED = {
     "shape_copied_by_zeros_like": (
         "t = torch.zeros(rank + 1)\ndist.all_reduce(torch.zeros_like(t))"
     ),
+    "arange_up_to_the_rank": "dist.all_reduce(torch.arange(rank).float())",
     "size_read_from_a_rank_shaped_tensor": (
         "t = torch.zeros(rank + 1)\nu = torch.ones(t.numel())\ndist.all_reduce(u)"
     ),
@@ -104,6 +105,11 @@ SILENT = {
     "uneven_all_to_all_splits_are_allowed": (
         "splits = [rank + 1] * world_size\n"
         "dist.all_to_all_single(torch.zeros(8), x, output_split_sizes=splits)"
+    ),
+    "arange_window_moves_with_the_rank": (
+        "idx = torch.arange(rank * 4, (rank + 1) * 4)\n"
+        "out = [torch.zeros(4, dtype=torch.long) for _ in range(world_size)]\n"
+        "dist.all_gather(out, idx)"
     ),
     "object_collectives_pickle_any_size": (
         "obj = list(range(rank))\nout = [None] * world_size\ndist.all_gather_object(out, obj)"

@@ -7,7 +7,13 @@ from collections.abc import Iterator
 
 from assistant.lint.model import Script, keyword, short
 from assistant.lint.registry import check
-from assistant.lint.torchapi import COLLECTIVES, TENSOR_FACTORIES, backend_of, init_calls, is_dist_call
+from assistant.lint.torchapi import (
+    COLLECTIVES,
+    TENSOR_FACTORIES,
+    backend_of,
+    init_calls,
+    is_dist_call,
+)
 from assistant.results import Finding
 
 TORCH_FACTORIES = frozenset(f"torch.{name}" for name in TENSOR_FACTORIES)

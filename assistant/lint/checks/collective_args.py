@@ -173,19 +173,42 @@ def record(flow: Flow, node: ast.AST) -> None:
         return
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
     for target in targets:
-        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)):
-            if len(target.elts) == len(value.elts):
-                for each_target, each_value in zip(target.elts, value.elts, strict=True):
-                    bind(flow, each_target, each_value, isinstance(node, ast.AugAssign))
-                continue
-        for each_target in unpacked(target):
-            bind(flow, each_target, value, isinstance(node, ast.AugAssign))
+        for each_target, each_value in assigned_pairs(target, value):
+            bind(flow, each_target, each_value, isinstance(node, ast.AugAssign))
+
+
+def assigned_pairs(target: ast.expr, value: ast.expr) -> list[tuple[ast.expr, ast.expr]]:
+    """`rank, world = get_rank(), get_world_size()` pairs each name with its own value;
+    `a, b = f(rank)` gives both names the whole value."""
+    pairs: list[tuple[ast.expr, ast.expr]] = []
+    pending = [(target, value)]
+    while pending:
+        each_target, each_value = pending.pop()
+        if (
+            isinstance(each_target, (ast.Tuple, ast.List))
+            and isinstance(each_value, (ast.Tuple, ast.List))
+            and len(each_target.elts) == len(each_value.elts)
+            and not any(isinstance(e, ast.Starred) for e in each_target.elts)
+        ):
+            pending.extend(zip(each_target.elts, each_value.elts, strict=True))
+        else:
+            pairs.extend((name, each_value) for name in unpacked(each_target))
+    return pairs
 
 
 def unpacked(target: ast.expr) -> list[ast.expr]:
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return [t for element in target.elts for t in unpacked(element)]
-    return [target.value] if isinstance(target, ast.Starred) else [target]
+    """The names a target binds: `a`, `a, (b, *c)`, `self.x`."""
+    names: list[ast.expr] = []
+    pending = [target]
+    while pending:
+        each = pending.pop()
+        if isinstance(each, (ast.Tuple, ast.List)):
+            pending.extend(each.elts)
+        elif isinstance(each, ast.Starred):
+            pending.append(each.value)
+        else:
+            names.append(each)
+    return names
 
 
 def bind(flow: Flow, target: ast.expr, value: ast.expr, augmented: bool) -> None:
@@ -236,11 +259,11 @@ def collective_finding(flow: Flow, node: ast.Call, guarded: set[int]) -> Iterato
         return
     collective = short(name)
     if id(node) not in guarded:
-        for parameter, argument in tensor_arguments(node, collective):
+        for argument in tensor_arguments(node, collective):
             taint = tensor_taint(flow, argument) or list_taint(flow, argument)
             if taint is not None:
                 yield flow.script.finding(
-                    "collective-mismatch", node, message(collective, parameter, argument, taint)
+                    "collective-mismatch", node, message(collective, argument, taint)
                 )
                 break
     # After the collective its tensors hold the same values on every rank
@@ -251,15 +274,15 @@ def collective_finding(flow: Flow, node: ast.Call, guarded: set[int]) -> Iterato
             flow.rank_values.discard(key)
 
 
-def tensor_arguments(node: ast.Call, collective: str) -> list[tuple[str, ast.expr]]:
-    """(parameter, argument) for the tensors of a collective call that must match."""
+def tensor_arguments(node: ast.Call, collective: str) -> list[ast.expr]:
+    """The tensors (and tensor lists) of a collective call that must match across ranks."""
     parameters = TENSOR_PARAMETERS.get(collective, ())
-    found = list(zip(parameters, node.args, strict=False))
-    found += [(k.arg, k.value) for k in node.keywords if k.arg in parameters]
+    found = list(node.args[: len(parameters)])
+    found += [k.value for k in node.keywords if k.arg in parameters]
     return found
 
 
-def message(collective: str, parameter: str, argument: ast.expr, taint: Taint) -> str:
+def message(collective: str, argument: ast.expr, taint: Taint) -> str:
     shown = source_text(argument)
     made = f"{taint.source}, line {taint.line}"
     if taint.what == "length":
@@ -328,9 +351,7 @@ def tensor_taint(flow: Flow, expr: ast.expr, depth: int = 0) -> Taint | None:
     if key is not None:
         return flow.tensors.get(key)
     if isinstance(expr, ast.BinOp):
-        return tensor_taint(flow, expr.left, depth + 1) or tensor_taint(
-            flow, expr.right, depth + 1
-        )
+        return tensor_taint(flow, expr.left, depth + 1) or tensor_taint(flow, expr.right, depth + 1)
     if isinstance(expr, ast.IfExp):
         return (
             tensor_taint(flow, expr.body, depth + 1)
@@ -347,7 +368,9 @@ def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
     name = flow.script.name_of(call.func)
     factory = short(name) if name.startswith("torch.") and name.count(".") == 1 else ""
     sizes: list[ast.expr] = []
-    if factory in SIZE_FACTORIES:
+    if factory == "arange":
+        sizes = arange_lengths(flow, call)
+    elif factory in SIZE_FACTORIES:
         sizes = [*call.args, *filter(None, [keyword(call, "size")])]
     elif factory == "full":
         sizes = [*call.args[:1], *filter(None, [keyword(call, "size")])]
@@ -379,6 +402,18 @@ def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
     if factory and dtype is not None and is_rank_dtype(flow, dtype):
         return Taint("dtype", call)
     return None
+
+
+def arange_lengths(flow: Flow, call: ast.Call) -> list[ast.expr]:
+    """The arguments of torch.arange that set its length.
+
+    `arange(rank * n, (rank + 1) * n)` has n elements on every rank: when both
+    ends move with the rank, only the step can change the length.
+    """
+    args = list(call.args)
+    if len(args) >= 2 and depends_on_rank(flow, args[0]) and depends_on_rank(flow, args[1]):
+        return args[2:]
+    return args
 
 
 def is_rank_dtype(flow: Flow, expr: ast.expr) -> bool:
@@ -427,9 +462,7 @@ def list_taint(flow: Flow, expr: ast.expr, depth: int = 0) -> Taint | None:
                 return Taint("length", expr)
         return tensor_taint(flow, expr.elt, depth + 1)
     if isinstance(expr, (ast.List, ast.Tuple)):
-        return next(
-            filter(None, (tensor_taint(flow, e, depth + 1) for e in expr.elts)), None
-        )
+        return next(filter(None, (tensor_taint(flow, e, depth + 1) for e in expr.elts)), None)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult):
         for items, count in ((expr.left, expr.right), (expr.right, expr.left)):
             if isinstance(items, (ast.List, ast.ListComp)) and depends_on_rank(flow, count):
