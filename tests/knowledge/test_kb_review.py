@@ -152,3 +152,23 @@ def test_a_missing_default_eval_set_is_one_line(monkeypatch, tmp_path):
         "(this installation lacks the eval set): give a file, e.g. "
         "`assistant kb eval my_queries.jsonl`"
     )
+
+
+def test_a_team_folder_new_in_the_change_compares_against_none(tmp_path):
+    """A pull request that adds the team folder: at the base revision it is empty."""
+    repo = tmp_path / "team-repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "README.md").write_text("our KB\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "docs")
+    git(repo, "commit", "-q", "-m", "before the KB")
+    team = repo / "support" / "kb"
+    shutil.copytree(REPO_KB / "threads", team / "threads")
+    old = layer_at_revision(team, "HEAD", tmp_path / "old")
+    assert sorted(p.name for p in old.iterdir()) == ["causes", "threads"]
+    assert not any(old.rglob("*.yaml"))
+    git(repo, "add", "support")
+    git(repo, "commit", "-q", "-m", "the KB")
+    (team / "threads" / "extra.yaml").write_text("id: extra\n")
+    new = layer_at_revision(team, "HEAD", tmp_path / "new")
+    assert len(list(new.glob("threads/*.yaml"))) == len(list(REPO_KB.glob("threads/*.yaml")))
