@@ -1,6 +1,8 @@
-"""The collective-mismatch check on arguments: every rank calls the collective, but
-the shape, dtype or count of its tensors depends on the rank. Each case is a
-function body; rank, world_size and a few tensors are defined around it."""
+"""The checks of assistant/lint/checks/rank_dependent.py: every rank calls the
+collective, but the shape, dtype or count of its tensors depends on the rank
+(collective-mismatch), or the number of times it is called does (uneven-inputs).
+Each case is a function body; rank, world_size and a few tensors are defined
+around it."""
 
 from __future__ import annotations
 
@@ -117,6 +119,39 @@ SILENT = {
 }
 
 
+UNEVEN_LOOPS = {
+    "range_of_the_rank": "for _ in range(rank + 1):\n    dist.all_reduce(x)",
+    "range_of_a_name_from_the_rank": (
+        "steps = 10 // world_size + (1 if rank < 10 % world_size else 0)\n"
+        "for _ in range(steps):\n    dist.barrier()"
+    ),
+    "list_repeated_by_rank": (
+        "batches = [torch.ones(2)] * (4 if rank == 0 else 2)\n"
+        "for batch in batches:\n    dist.all_reduce(batch)"
+    ),
+    "list_built_for_the_rank": (
+        "losses = [torch.zeros(1) for _ in range(local_rank + 2)]\n"
+        "for loss in losses:\n    dist.all_reduce(loss)"
+    ),
+}
+
+EVEN_LOOPS = {
+    "range_of_the_world_size": "for _ in range(world_size):\n    dist.all_reduce(x)",
+    "loader_with_a_distributed_sampler": (
+        "sampler = DistributedSampler(data, rank=rank)\n"
+        "for batch in DataLoader(data, sampler=sampler):\n    dist.all_reduce(batch)"
+    ),
+    "shard_of_a_dataset": (
+        "shard = data[rank::world_size]\n"
+        "for i in range(len(shard)):\n    dist.all_reduce(torch.zeros(len(shard)))"
+    ),
+    "rank_loop_without_a_collective": ("for i in range(rank):\n    print(i)\ndist.all_reduce(x)"),
+    "collective_guarded_by_rank_inside": (
+        "for i in range(world_size):\n    if i == rank:\n        print(i)\n    dist.barrier()"
+    ),
+}
+
+
 def in_function(body: str) -> str:
     return PRELUDE + textwrap.indent(body, "    ") + "\n"
 
@@ -160,3 +195,23 @@ def test_a_method_follows_attributes_of_self() -> None:
         "        dist.all_reduce(self.buf)\n"
     )
     assert [(f.cause_id, f.line) for f in lint_source(source)] == [("collective-mismatch", 6)]
+
+
+@pytest.mark.parametrize("name", sorted(UNEVEN_LOOPS))
+def test_a_collective_in_a_loop_of_rank_dependent_length_is_uneven_inputs(name: str) -> None:
+    source = in_function(UNEVEN_LOOPS[name])
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("uneven-inputs", len(source.splitlines()))]
+    assert "whose length depends on the rank" in findings[0].message
+
+
+@pytest.mark.parametrize("name", sorted(EVEN_LOOPS))
+def test_loops_every_rank_runs_as_often_are_not_flagged(name: str) -> None:
+    assert lint_source(in_function(EVEN_LOOPS[name])) == []
+
+
+def test_the_origin_of_a_loop_count_is_named() -> None:
+    body = "steps = rank + 3\nfor _ in range(steps):\n    dist.barrier()"
+    message = lint_source(in_function(body))[0].message
+    assert "barrier() runs once per item of range(steps)" in message
+    assert "(steps = rank + 3, line 12)" in message

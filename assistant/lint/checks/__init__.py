@@ -10,25 +10,26 @@ lines it must report.
 - devices: fixed GPUs, set_device order, DDP device_ids on a CPU module;
 - process_group: torch.distributed calls before init_process_group;
 - collective_reach: collectives only some ranks reach (collective-mismatch);
-- collective_args: collectives every rank calls with arguments that differ
-  by rank (collective-mismatch too);
+- rank_dependent: collectives every rank calls, but with tensors whose
+  shape or dtype depends on the rank (collective-mismatch too), or in a
+  loop whose number of iterations does (uneven-inputs);
 - backend: CPU tensors handed to NCCL collectives.
 """
 
 from assistant.lint.checks import (
     backend,
-    collective_args,
     collective_reach,
     devices,
     launch,
     process_group,
+    rank_dependent,
 )
 
 __all__ = [
     "backend",
-    "collective_args",
     "collective_reach",
     "devices",
     "launch",
     "process_group",
+    "rank_dependent",
 ]

@@ -23,3 +23,4 @@ if __name__ == "__main__":
         probe.bind(("127.0.0.1", 0))
         free_port = probe.getsockname()[1]
     mp.spawn(worker, args=(2, free_port), nprocs=2)
+# lint: no findings (the failure happens at run time; nothing in the source shows it)

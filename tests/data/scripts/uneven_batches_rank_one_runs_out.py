@@ -11,7 +11,7 @@ def main():
     batches = [torch.ones(2)] * (4 if rank == 0 else 2)
     print(f"rank {rank} has {len(batches)} batches", flush=True)
     for batch in batches:
-        dist.all_reduce(batch)
+        dist.all_reduce(batch)  # expect: uneven-inputs
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,14 +1,19 @@
-"""Collectives every rank calls, but with a tensor whose shape or dtype depends on the rank.
+"""Collectives every rank calls, but with tensors or a number of calls that depend on the rank.
 
 `t = torch.zeros(rank + 1); dist.all_reduce(t)` is called by every rank, yet
 rank 0 sends one element and rank 1 two: NCCL hangs or reads garbage, gloo
-fails with a size mismatch. The check follows data flow within a function
-(module level counts as one): in source order it notes which names hold a
-rank-dependent value (`n = rank + 1`, `10 if rank == 0 else 5`,
-`int(os.environ["RANK"])`), which hold a tensor whose shape or dtype comes from
-one (`torch.zeros(n)`, `.to(torch.half if rank else torch.float)`) and which a
-list whose length does (`[... for _ in range(rank)]`), then looks at the
-tensor arguments of each collective that no rank test keeps from some ranks.
+fails with a size mismatch (collective-mismatch). `for b in batches:
+dist.all_reduce(b)` over a list whose length depends on the rank runs the
+collective a different number of times on each rank: the ranks with more
+items hang (uneven-inputs).
+
+Both checks follow data flow within a function (module level counts as
+one): in source order it notes which names hold a rank-dependent value
+(`n = rank + 1`, `10 if rank == 0 else 5`, `int(os.environ["RANK"])`), which
+hold a tensor whose shape or dtype comes from one (`torch.zeros(n)`,
+`.to(torch.half if rank else torch.float)`) and which a list whose length
+does (`[... for _ in range(rank)]`), then looks at each collective that no
+rank test keeps from some ranks.
 
 Silence where the rank only places or labels things: a device (`.to(rank)`,
 f"cuda:{local_rank}", device=rank), a seed, a log line, a sampler, a slice of
@@ -112,8 +117,9 @@ MAX_FOLLOWED_DEPTH = 32
 class Taint:
     """Why a tensor or list differs between ranks: what differs, and where it was made."""
 
-    what: str  # "shape", "dtype" or "length"
+    what: str  # "shape", "dtype", "length", or "value" for a number or name
     made_by: ast.expr  # the expression that made it
+    name: str | None = None  # the name it was assigned to, for a value
 
     @property
     def line(self) -> int:
@@ -121,7 +127,9 @@ class Taint:
 
     @property
     def source(self) -> str:
-        return source_text(self.made_by)  # only for a message: unparse is not cheap
+        # Only for a message: unparse is not cheap.
+        text = source_text(self.made_by)
+        return f"{self.name} = {text}" if self.name else text
 
 
 @dataclass
@@ -129,21 +137,82 @@ class Flow:
     """What the names of one function hold so far, walking its statements in order."""
 
     script: Script
-    rank_values: set[str] = field(default_factory=set)  # names of rank-dependent values
+    rank_values: dict[str, Taint] = field(default_factory=dict)  # rank-dependent values
     tensors: dict[str, Taint] = field(default_factory=dict)  # rank-shaped tensors and lists
 
 
 @check("collective-mismatch")
 def check_collective_args_depend_on_rank(script: Script) -> Iterator[Finding]:
     """A collective reached by every rank whose tensors' shape, dtype or count depends on the rank."""
-    guarded = {id(call.node) for trace in script.traces for call in trace if call.rank_path}
+    guarded = rank_guarded_calls(script)
+    for flow, node in flow_walk(script):
+        if isinstance(node, ast.Call) and id(node) not in guarded:
+            yield from collective_finding(flow, node)
+
+
+@check("uneven-inputs")
+def check_collective_count_depends_on_rank(script: Script) -> Iterator[Finding]:
+    """A collective in a loop whose number of iterations depends on the rank."""
+    guarded = rank_guarded_calls(script)
+    for flow, node in flow_walk(script):
+        if not isinstance(node, ast.For):
+            continue
+        trips = trip_count_taint(flow, node.iter)
+        collective = next(
+            (c for c in loop_collectives(flow.script, node) if id(c) not in guarded), None
+        )
+        if trips is None or collective is None:
+            continue
+        shown = source_text(node.iter)
+        origin = f" ({trips.source}, line {trips.line})" if trips.source != shown else ""
+        yield script.finding(
+            "uneven-inputs",
+            collective,
+            f"{short(script.name_of(collective.func))}() runs once per item of {shown}, "
+            f"whose length depends on the rank{origin}: ranks call it a different number "
+            "of times, and the others hang",
+        )
+
+
+def rank_guarded_calls(script: Script) -> set[int]:
+    """ids of calls that some trace reaches under a rank test (the reach check's business)."""
+    return {id(call.node) for trace in script.traces for call in trace if call.rank_path}
+
+
+def flow_walk(script: Script) -> Iterator[tuple[Flow, ast.AST]]:
+    """Each scope's events in order, with what its names hold just before each one."""
     for scope in [script.tree, *script.functions.values()]:
         flow = Flow(script)
         for node in ordered_events(script, scope):
+            yield flow, node
             if isinstance(node, ast.Call):
-                yield from collective_finding(flow, node, guarded)
+                synced(flow, node)
             else:
                 record(flow, node)
+
+
+def trip_count_taint(flow: Flow, items: ast.expr) -> Taint | None:
+    """Why `for _ in items` runs a rank-dependent number of times; None if it does not."""
+    if is_range(flow.script, items) and depends_on_rank(flow, items):
+        # `range(steps)`: where steps came from says more than range(steps) does.
+        keys = (key_of(node) for node in ast.walk(items))
+        origin = next((flow.rank_values[k] for k in keys if k in flow.rank_values), None)
+        if origin is not None:
+            return Taint("length", origin.made_by, origin.name)
+        return Taint("length", items)
+    taint = list_taint(flow, items)
+    return taint if taint is not None and taint.what == "length" else None
+
+
+def loop_collectives(script: Script, loop: ast.For) -> list[ast.Call]:
+    """The torch.distributed collectives in a loop's body, in source order."""
+    calls = [
+        n
+        for stmt in loop.body
+        for n in own_nodes(stmt)
+        if isinstance(n, ast.Call) and is_dist_call(script.name_of(n.func), COLLECTIVES)
+    ]
+    return sorted(calls, key=lambda n: (n.lineno, n.col_offset))
 
 
 def ordered_events(script: Script, scope: ast.AST) -> list[ast.AST]:
@@ -218,13 +287,13 @@ def bind(flow: Flow, target: ast.expr, value: ast.expr, augmented: bool) -> None
         return
     rank_valued = depends_on_rank(flow, value)
     taint = tensor_taint(flow, value) or list_taint(flow, value)
-    if augmented:  # `n += rank` adds to what n held; `t += 1` keeps t's shape
-        rank_valued = rank_valued or key in flow.rank_values
+    if not (augmented and key in flow.rank_values):  # `n += 1` keeps why n depends on it
+        if rank_valued:
+            flow.rank_values[key] = Taint("value", value, key)
+        else:
+            flow.rank_values.pop(key, None)
+    if augmented:  # `t += 1` keeps t's shape
         taint = flow.tensors.get(key) or taint
-    if rank_valued:
-        flow.rank_values.add(key)
-    else:
-        flow.rank_values.discard(key)
     if taint is not None:
         flow.tensors[key] = taint
     else:
@@ -238,7 +307,7 @@ def record_loop(flow: Flow, loop: ast.For) -> None:
     for target in unpacked(loop.target):
         key = key_of(target)
         if key is not None:
-            flow.rank_values.add(key)
+            flow.rank_values[key] = Taint("value", loop.iter, key)
     if not is_range(flow.script, loop.iter):
         return  # `for x in data[rank::world]`: a shard, not a count
     for node in (n for stmt in loop.body for n in own_nodes(stmt)):
@@ -252,26 +321,30 @@ def record_loop(flow: Flow, loop: ast.For) -> None:
                 flow.tensors[key] = Taint("length", loop.iter)
 
 
-def collective_finding(flow: Flow, node: ast.Call, guarded: set[int]) -> Iterator[Finding]:
-    """The finding for a collective with a rank-dependent tensor; then its outputs agree."""
+def collective_finding(flow: Flow, node: ast.Call) -> Iterator[Finding]:
+    """The finding for a collective with a rank-dependent tensor, if it is one."""
     name = flow.script.name_of(node.func)
     if not is_dist_call(name, COLLECTIVES):
         return
     collective = short(name)
-    if id(node) not in guarded:
-        for argument in tensor_arguments(node, collective):
-            taint = tensor_taint(flow, argument) or list_taint(flow, argument)
-            if taint is not None:
-                yield flow.script.finding(
-                    "collective-mismatch", node, message(collective, argument, taint)
-                )
-                break
-    # After the collective its tensors hold the same values on every rank
-    # (`dist.all_reduce(size, op=MAX)`): sizes read from them no longer differ.
+    for argument in tensor_arguments(node, collective):
+        taint = tensor_taint(flow, argument) or list_taint(flow, argument)
+        if taint is not None:
+            yield flow.script.finding(
+                "collective-mismatch", node, message(collective, argument, taint)
+            )
+            return
+
+
+def synced(flow: Flow, node: ast.Call) -> None:
+    """After a collective its tensors hold the same values on every rank
+    (`dist.all_reduce(size, op=MAX)`): sizes read from them no longer differ."""
+    if not is_dist_call(flow.script.name_of(node.func), COLLECTIVES):
+        return
     for argument in [*node.args, *(k.value for k in node.keywords)]:
         key = key_of(argument)
         if key is not None:
-            flow.rank_values.discard(key)
+            flow.rank_values.pop(key, None)
 
 
 def tensor_arguments(node: ast.Call, collective: str) -> list[ast.expr]:
@@ -315,9 +388,10 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
     stack: list[ast.AST] = [expr]
     while stack:
         node = stack.pop()
-        if isinstance(node, (ast.JoinedStr, ast.Lambda, ast.keyword)):
+        if isinstance(node, (ast.JoinedStr, ast.Lambda, ast.keyword, ast.Slice)):
             # f"cuda:{rank}" or a log line is text, never a size; a keyword
-            # (DistributedSampler(rank=rank), device=rank) configures an object.
+            # (DistributedSampler(rank=rank), device=rank) configures an object;
+            # data[rank::world_size] is each rank's shard, of (nearly) equal size.
             continue
         if isinstance(node, ast.Call) and is_placement(flow.script, node):
             stack.append(node.func)  # `batch.to(rank)`: the receiver's value, not the device

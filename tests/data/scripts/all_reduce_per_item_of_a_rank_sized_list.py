@@ -1,0 +1,34 @@
+"""Each rank all-reduces once per local batch, but the number of batches depends on the rank.
+
+Reduced from forum reports of custom sharding without padding: rank 0 gets
+the remainder, runs one more step, and waits in an all_reduce no other rank
+calls (gloo: "Connection closed by peer"; NCCL: the watchdog timeout).
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def shard_sizes(total: int, world_size: int, rank: int) -> int:
+    return total // world_size + (1 if rank < total % world_size else 0)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    world_size = dist.get_world_size()
+    steps = shard_sizes(10, world_size, rank)
+    for _ in range(steps):
+        grad = torch.ones(4)
+        dist.all_reduce(grad)  # expect: uneven-inputs
+    losses = [torch.zeros(1) for _ in range(rank + 2)]
+    for loss in losses:
+        dist.all_reduce(loss)  # expect: uneven-inputs
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
