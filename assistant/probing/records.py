@@ -46,6 +46,10 @@ class RecordWatch:
                 events.append((name, "finished", status_of(mine)[0]))
         return events
 
+    def reread(self) -> None:
+        """Pick up records written since the last update, without events (after a kill)."""
+        self._read()
+
     def of(self, name: str) -> list[dict | None]:
         """A probe's record per rank, None where a rank has written none yet."""
         return [self.records.get((name, rank)) for rank in range(self.nproc)]

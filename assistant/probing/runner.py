@@ -223,6 +223,7 @@ class ProbeRunner:
                 end = self._watch(launch, watch, budgets, control, started)
             finally:  # KeyboardInterrupt, Terminated, a bug: leave nothing running
                 launch.stop()
+        watch.reread()  # what the ranks wrote between the last look and the kill
         end.seconds = time.monotonic() - started
         return LaunchResult(
             list(plan.probes),

@@ -331,7 +331,7 @@ def test_cancel_stops_the_launch_and_leaves_no_process(hanging_probes):
     def on_progress(event):
         if event.probe == "versions" and event.state == "started":
             # a moment later the probe has saved its partial fact and hangs
-            threading.Timer(1.0, cancel.set).start()
+            threading.Timer(3.0, cancel.set).start()
 
     runner = ProbeRunner(timeout=120, env={"PROBE_TEST_TAG": tag})
     started = time.monotonic()
