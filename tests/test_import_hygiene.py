@@ -65,3 +65,31 @@ def test_the_chat_opens_without_torch_or_the_embedding_stack():
         "make_app(chat_deps(engine=services.LazyEngine(), runner=services.LazyRunner()))"
     )
     assert loaded_after(statement, HEAVY) == []
+
+
+# The query path answers on ONNX Runtime with the model's own tokenizer: it
+# must not pay ~6 s for torch and sentence-transformers. Each runs against the
+# session's real index (the `engine` fixture built it and its checked graph).
+QUESTION = "RuntimeError: Default process group has not been initialized"
+MODEL_STACK = ["torch", "sentence_transformers", "transformers"]
+QUERY_PATHS = {
+    "engine": (
+        "from assistant.knowledge.engine import Engine\n"
+        "engine = Engine()\n"
+        f"assert engine.ask({QUESTION!r}).causes[0].id == 'process-group-not-initialized'\n"
+        "assert engine.embedder.backend == 'onnxruntime', engine.embedder.backend\n"
+    ),
+    "chat": (
+        "from assistant.tui import services\n"
+        "engine = services.LazyEngine()\n"
+        "engine.load()\n"
+        f"assert engine.ask({QUESTION!r}).causes\n"
+        "assert engine.ready\n"
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", sorted(QUERY_PATHS))
+def test_the_query_path_leaves_torch_and_sentence_transformers_out(engine, path):
+    assert loaded_after(QUERY_PATHS[path], MODEL_STACK) == []

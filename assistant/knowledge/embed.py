@@ -82,16 +82,18 @@ def model_fingerprint(model_dir: Path) -> str:
     return f"{model_dir.name}:{digest.hexdigest()[:16]}:t{MAX_TOKENS}"
 
 
-def graph_dirs() -> list[Path]:
-    """Where exported graphs are kept, first choice first: the build folder, then the
-    user's cache (for a read-only build folder, e.g. an index built by an admin)."""
-    dirs = [build_dir() / "onnx", user_cache_dir() / "onnx"]
+def graph_dirs(index_dir: Path | None = None) -> list[Path]:
+    """Where exported graphs are kept, first choice first: beside the index, the build
+    folder, then the user's cache (for a read-only build folder, e.g. an index
+    built by an admin)."""
+    dirs = [index_dir / "onnx"] if index_dir is not None else []
+    dirs += [build_dir() / "onnx", user_cache_dir() / "onnx"]
     return list(dict.fromkeys(dirs))
 
 
-def writable_graph_dir() -> Path | None:
-    """The first of graph_dirs() this process can write to, or None."""
-    for folder in graph_dirs():
+def writable_graph_dir(dirs: list[Path]) -> Path | None:
+    """The first of `dirs` this process can write to, or None."""
+    for folder in dirs:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=folder):
@@ -139,7 +141,12 @@ class Embedder:
 
     # -- the graph ----------------------------------------------------------------
 
-    def check_graph(self, recorded: GraphCheck | None = None, log: Log = _no_log) -> GraphCheck:
+    def check_graph(
+        self,
+        recorded: GraphCheck | None = None,
+        log: Log = _no_log,
+        index_dir: Path | None = None,
+    ) -> GraphCheck:
         """For a build: the graph of this model, checked, and used from now on when it passes.
 
         A graph that still reproduces `recorded` (the previous build's check)
@@ -147,25 +154,30 @@ class Embedder:
         graph exported when there is none (announced through `log`) and
         compared with the model on CHECK_TEXTS.
         """
+        dirs = graph_dirs(index_dir)
         with self._lock:
             self._decided = True
             if not self.accelerate:
                 return GraphCheck(False, "ONNX Runtime turned off for this embedder")
-            if recorded is not None and recorded.ok and self._attach_verified(recorded) is None:
-                return recorded
-            check = self._check_existing_graph()
+            if recorded is not None and recorded.ok:
+                if self._attach_verified(recorded, dirs) is None:
+                    return recorded
+            check = self._check_existing_graph(dirs)
             if check is not None and check.ok:
                 return check
-            return self._export_and_check(log, announce="exporting the embedding model to ONNX "
-                                          "for fast queries (once, a few seconds)")
+            announce = "exporting the embedding model to ONNX for fast queries (once, a few seconds)"
+            return self._export_and_check(log, announce, writable_graph_dir(dirs), dirs)
 
-    def use_recorded(self, recorded: GraphCheck | None, log: Log = _no_log) -> None:
+    def use_recorded(
+        self, recorded: GraphCheck | None, log: Log = _no_log, index_dir: Path | None = None
+    ) -> None:
         """For queries: use the graph when it reproduces the index's recorded check.
 
         Otherwise queries use sentence-transformers and `log` gets one line
         saying why; a missing or damaged graph is re-exported once to a
         writable folder, or the line says that it cannot be kept.
         """
+        dirs = graph_dirs(index_dir)
         with self._lock:
             if self._decided:
                 return
@@ -180,13 +192,13 @@ class Embedder:
                 log(f"assistant: no usable ONNX graph for this model ({recorded.detail}); "
                     "queries use sentence-transformers")
                 return
-            problem = self._attach_verified(recorded)
+            problem = self._attach_verified(recorded, dirs)
             if problem is not None:
-                self._recover(problem, log)
+                self._recover(problem, log, dirs)
 
-    def _attach_verified(self, recorded: GraphCheck) -> str | None:
+    def _attach_verified(self, recorded: GraphCheck, dirs: list[Path]) -> str | None:
         """Attach the first graph found that reproduces `recorded`; else what is wrong with it."""
-        found = [folder / self.graph_name for folder in graph_dirs()]
+        found = [folder / self.graph_name for folder in dirs]
         found = [path for path in found if path.is_file()]
         if not found:
             return "missing"
@@ -207,27 +219,28 @@ class Embedder:
             problem = f"damaged (cosine {cosine:.4f} with the model's recorded vectors)"
         return problem
 
-    def _recover(self, problem: str, log: Log) -> None:
+    def _recover(self, problem: str, log: Log, dirs: list[Path]) -> None:
         """The recorded graph is missing or damaged: export it again once, if it can be kept."""
-        target = writable_graph_dir()
+        target = writable_graph_dir(dirs)
         if target is None:
-            places = ", ".join(str(d) for d in graph_dirs())
+            places = ", ".join(str(d) for d in dirs)
             log(f"assistant: the embedding model's ONNX graph is {problem} and cannot be kept "
                 f"(no writable folder: {places}); queries use sentence-transformers")
             return
         if (self.fingerprint, target) in _FAILED_EXPORTS:
             return  # tried, failed and said in this process already
-        check = self._export_and_check(
-            log, announce=f"the embedding model's ONNX graph is {problem}; re-exporting it to "
-            f"{target} (once, a few seconds)", target=target
+        announce = (
+            f"the embedding model's ONNX graph is {problem}; re-exporting it to {target} "
+            "(once, a few seconds)"
         )
+        check = self._export_and_check(log, announce, target, dirs)
         if not check.ok:
             log(f"assistant: the re-exported graph is not used ({check.detail}); "
                 "queries use sentence-transformers")
 
-    def _check_existing_graph(self) -> GraphCheck | None:
+    def _check_existing_graph(self, dirs: list[Path]) -> GraphCheck | None:
         """A graph already on disk (an earlier build), checked against the model; None if none."""
-        for folder in graph_dirs():
+        for folder in dirs:
             path = folder / self.graph_name
             if path.is_file():
                 check = self._check(path)
@@ -235,10 +248,11 @@ class Embedder:
                     return check
         return None
 
-    def _export_and_check(self, log: Log, announce: str, target: Path | None = None) -> GraphCheck:
-        target = target or writable_graph_dir()
+    def _export_and_check(
+        self, log: Log, announce: str, target: Path | None, dirs: list[Path]
+    ) -> GraphCheck:
         if target is None:
-            places = ", ".join(str(d) for d in graph_dirs())
+            places = ", ".join(str(d) for d in dirs)
             return GraphCheck(False, f"no writable folder for the graph ({places})")
         log(f"assistant: {announce}")
         model = self.load()

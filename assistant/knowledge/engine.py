@@ -79,7 +79,9 @@ class Engine:
             index = self._open_or_rebuild()
             # The graph checked at build time, verified without torch; else one line, and
             # sentence-transformers.
-            self.embedder.use_recorded(index.graph_check, log=self.log)
+            self.embedder.use_recorded(
+                index.graph_check, log=self.log, index_dir=self.index_path.parent
+            )
             self._index, self._retriever = index, Retriever(index, self.embedder)
 
     def _open_or_rebuild(self) -> LoadedIndex:

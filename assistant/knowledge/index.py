@@ -192,7 +192,9 @@ def build_index(kb, embedder, path: Path, log=None) -> BuildReport:
     chunks = chunks_from_kb(kb)
     dense = [c for c in chunks if c.dense]
     vectors, earlier_check = _earlier_build(path, embedder.fingerprint)
-    graph = embedder.check_graph(earlier_check, log=log or (lambda message: None))
+    graph = embedder.check_graph(
+        earlier_check, log=log or (lambda message: None), index_dir=path.parent
+    )
     missing = list({c.hash: c for c in dense if c.hash not in vectors}.values())
     if missing:
         fresh = embedder.encode([c.text for c in missing])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -50,3 +51,67 @@ def test_every_command_has_help_with_an_example():
             assert "assistant " in command.help, f"{' '.join(path)} help shows no example"
         result = CliRunner().invoke(main, path + ["--help"])
         assert result.exit_code == 0
+
+
+# The query commands against the session's real index (built by the `engine`
+# fixture, with its checked ONNX graph): the model's own tokenizer, ONNX
+# Runtime, FAISS and SQLite, never torch or sentence-transformers.
+QUERY_HEAVY = ("torch", "sentence_transformers", "transformers", "textual")
+QUESTION = "RuntimeError: Default process group has not been initialized"
+MAX_PEAK_RSS_MIB = 350  # the one-shot ask: ~240 MiB measured; torch alone adds ~400
+
+
+def run_cli(args: list[str], heavy=QUERY_HEAVY) -> subprocess.CompletedProcess:
+    code = PROBE.format(args=args, heavy=heavy)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+def query_commands(tmp_path) -> dict[str, list[str]]:
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text(
+        json.dumps({"id": "a", "query": QUESTION})
+        + "\n"
+        + json.dumps({"id": "b", "query": "多卡训练两个进程都跑到0号卡上了"})
+        + "\n"
+    )
+    return {
+        "ask": ["ask", "--no-probe", "--json", QUESTION],
+        "ask --batch": ["ask", "--no-probe", "--batch", str(batch)],
+        "explain": ["explain", "duplicate-gpu-per-rank", "--json"],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["ask", "ask --batch", "explain"])
+def test_query_commands_answer_without_the_model_stack(engine, tmp_path, command):
+    done = run_cli(query_commands(tmp_path)[command])
+    marker = [line for line in done.stderr.splitlines() if line.startswith("HEAVY=")]
+    assert marker == ["HEAVY="], done.stderr
+    # No fallback and no export notice (a KB edited meanwhile may be rebuilt: that is fine).
+    assert not [line for line in done.stderr.splitlines() if "ONNX" in line], done.stderr
+    if command == "ask":
+        assert json.loads(done.stdout)["causes"][0]["id"] == "process-group-not-initialized"
+    if command == "ask --batch":
+        assert [json.loads(line)["id"] for line in done.stdout.splitlines()] == ["a", "b"]
+
+
+# A wrapper process whose only child is the ask: its RUSAGE_CHILDREN peak is the ask's.
+PEAK_RSS = """
+import resource, subprocess, sys
+done = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024)
+print(done.stderr, file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+def test_a_cold_ask_peaks_under_350_mib(engine):
+    ask = [sys.executable, "-m", "assistant", "ask", "--no-probe", "--json", QUESTION]
+    done = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, *ask], capture_output=True, text=True, timeout=300
+    )
+    returncode, peak_mib = map(int, done.stdout.split())
+    assert returncode == 0, done.stderr
+    assert peak_mib <= MAX_PEAK_RSS_MIB, f"{peak_mib} MiB"

@@ -145,7 +145,7 @@ def test_a_damaged_graph_that_cannot_be_kept_is_said_once(recorded, tmp_path, mo
     (build / "onnx").mkdir(parents=True)
     monkeypatch.setenv("ASSISTANT_BUILD", str(build))
     monkeypatch.setenv("XDG_CACHE_HOME", str(unwritable(tmp_path, "cache")))
-    monkeypatch.setattr(embed, "writable_graph_dir", lambda: None)  # as with a read-only mount
+    monkeypatch.setattr(embed, "writable_graph_dir", lambda dirs: None)  # a read-only mount
     plain = Embedder()
     (build / "onnx" / plain.graph_name).write_bytes(b"not an onnx graph")
     said: list[str] = []
