@@ -155,3 +155,32 @@ def test_ask_with_a_hostile_team_kb_ends_with_one_line_at_once(tmp_path):
     assert lines[-1].startswith("assistant: error: knowledge base is invalid (1 problem(s)")
     assert "catastrophic-backtracking.yaml: signatures.1: invalid regex '(a+)+$'" in lines[-1]
     assert time.monotonic() - started < 60
+
+
+def test_re2_decides_like_re_on_every_labelled_query():
+    """The switch to RE2 changes no signature decision on the eval sets' 300+ queries
+    (RE2's \\w, \\d, \\s, \\b are ASCII-only; no KB signature relies on more)."""
+    import json
+    import re
+
+    from assistant.clean import clean_log
+    from assistant.config import kb_dir
+    from assistant.knowledge.kb import load_kb
+
+    kb = load_kb(kb_dir())
+    linear = {cid: PatternSet.from_patterns(c.signatures) for cid, c in kb.causes.items()}
+    backtracking = {
+        cid: [re.compile(p, re.IGNORECASE) for p in c.signatures] for cid, c in kb.causes.items()
+    }
+    texts = [
+        json.loads(line)["query"]
+        for path in sorted((REPO / "data" / "eval").glob("*.jsonl"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
+    assert len(texts) > 300
+    for text in texts:
+        body = clean_log(text).text
+        for cid, patterns in backtracking.items():
+            expected = [p.pattern for p in patterns if p.search(body)]
+            assert [s.source for s in linear[cid].matching(body)] == expected, (cid, text[:80])
