@@ -99,11 +99,12 @@ def clean_env(tmp: Path) -> dict:
 def test_installed_wheel_finds_its_kb_and_probes(installed, tmp_path):
     env = clean_env(tmp_path)
     lint = run([str(installed / "assistant"), "kb", "lint"], cwd=tmp_path, env=env)
-    assert lint.stdout.startswith("ok: 27 causes")
+    causes = len(list((PROJECT_ROOT / "kb" / "causes").glob("*.yaml")))  # the KB grows
+    assert lint.stdout.startswith(f"ok: {causes} causes")
     stats = json.loads(
         run([str(installed / "assistant"), "kb", "stats", "--json"], cwd=tmp_path, env=env).stdout
     )
-    assert len(stats["causes"]) == 27
+    assert len(stats["causes"]) == causes
     where = run(
         [
             str(installed / "python"),
