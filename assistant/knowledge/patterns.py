@@ -10,10 +10,11 @@ Every signature must pass two rules, here and in `assistant kb lint`:
 
 - RE2 must take it (no lookaround, no backreferences, no possessive
   quantifiers or atomic groups, repeat counts up to 1000);
-- it must not be able to backtrack catastrophically in `re`: no repeat
-  around an unbounded repeat (`(a+)+`, `(\w+\s?)*`, `(a*){20}`), and no
-  unbounded repeat of alternatives that can start alike (`(a|ab)*`), so that
-  the KB stays usable by tools that only have `re`.
+- it must not be able to backtrack exponentially in `re`: no repeat around
+  an unbounded repeat (`(a+)+`, `(\w+\s?)*`, `(a*){20}`), and no unbounded
+  repeat of alternatives that can start alike (`(a|ab)*`). These are the
+  shapes that make a 30-character text take minutes; polynomial shapes
+  (`a.*a.*a.*x`) pass, and are safe only because RE2 runs them.
 
 Fallback policy: when the re2 module cannot be imported, signatures are still
 validated by the same rules (checked statically, so `kb lint` gives the same
