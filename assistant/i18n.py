@@ -24,7 +24,7 @@ _LATIN_WORD = re.compile(r"[A-Za-z]{2,}")
 
 LANGS = ("en", "zh")
 # The question an answer was given to is shown beside its stance, this short.
-QUESTION_CHARS = 60
+QUESTION_CHARS = 48
 
 Table = Mapping[str, Mapping[str, str]]
 
@@ -210,24 +210,40 @@ def community_stance(answer) -> str:
     return "" if answer.stance in ("confirmed_here", "refuted_here") else answer.stance
 
 
-def stance_label(answer, lang: str) -> str:
+def stance_label(answer, lang: str, with_question: bool = True) -> str:
     """'[wrong] on “DDP can't find the device…” · refuted on this machine'.
 
     The stance is about the question the answer was given to, so that
-    question is named; the machine's outcome stands beside it, never over it.
+    question is named (unless the caller shows it on a line of its own:
+    `with_question=False` and `asked_for`); the machine's outcome stands
+    beside the stance, never over it.
     """
     parts = []
     stance = community_stance(answer)
     if stance:
         badge = f"[{t(f'stance.{stance}', lang)}]"
-        question = getattr(answer, "question", "")
-        if question:
-            badge += " " + t("stance.for", lang, question=short(question, QUESTION_CHARS))
-        parts.append(badge)
+        question = asked_for(answer, lang) if with_question else ""
+        parts.append(f"{badge} {question}" if question else badge)
     here = here_outcome(answer)
     if here:
         parts.append(t(f"here.{here}", lang))
     return " · ".join(parts)
+
+
+def asked_for(answer, lang: str) -> str:
+    """'on “<the thread question, shortened>”' ('' when the answer has no question)."""
+    question = getattr(answer, "question", "")
+    return t("stance.for", lang, question=short(question, QUESTION_CHARS)) if question else ""
+
+
+def source_and_evidence(cause, lang: str, findings: Iterable = ()) -> str:
+    """The first evidence line, led by where it comes from ('tested on this machine: ...')."""
+    verdict = cause.verdict
+    where = source_words(verdict.source, lang, script_line(cause.id, findings))
+    first = verdict.evidence[0] if verdict.evidence else ""
+    if where and first:
+        return f"{where}{pick(': ', '：', lang)}{first}"
+    return where or first
 
 
 def decide_question(decide: Iterable[str], lang: str) -> str:

@@ -18,6 +18,7 @@ from textual.widgets import Footer, Input, Label, ListItem, ListView, OptionList
 from textual.widgets.option_list import Option
 
 from assistant.i18n import (
+    asked_for,
     cause_summary,
     cause_title,
     community_stance,
@@ -175,6 +176,9 @@ class CauseScreen(LocalizedBindings, Screen):
             badge = answer_badge(answer, lang)
             name = f" #{answer.answer_id}" if answer.answer_id else ""
             parts.append(badge + Text(name, style="dim"))
+            question = asked_for(answer, lang)
+            if question:
+                parts.append(Text(question, style="dim"))
             parts.append(Text(answer.text.strip()))
             if answer.note:
                 parts.append(Text(answer.note.strip(), style="dim italic"))
@@ -308,7 +312,7 @@ def local_time(stamp: float) -> str:
 
 def answer_badge(answer: AnswerRef, lang: str) -> Text:
     """The community stance (and the question it was given for) with the machine's outcome."""
-    label = stance_label(answer, lang)
+    label = stance_label(answer, lang, with_question=False)
     outcome = here_outcome(answer)
     style = HERE_STYLES.get(outcome) or STANCE_STYLES.get(community_stance(answer), "")
     badge = Text(label, style)

@@ -19,7 +19,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ListItem, ListView, Static
 
 from assistant.chat.conversation import Turn
-from assistant.i18n import cause_summary, cause_title, decide_question, t, verdict_label
+from assistant.i18n import cause_summary, cause_title, decide_question, source_and_evidence, t
 from assistant.results import CauseResult, Finding, ProbeRun, Result
 from assistant.tui.keys import LocalizedBindings, bilingual
 from assistant.tui.messages import CauseChosen, CopyFix, TypedElsewhere
@@ -74,9 +74,11 @@ class CauseItem(ListItem):
         )
         # Doctor results are not ranked by a query: no score to show.
         score = f"  {cause.score:.2f}" if cause.score > 0 else ""
-        label = verdict_label(cause, lang, self.findings)
-        self.query_one(".cause-verdict", Label).update(Text(label + score))
-        detail = cause.verdict.evidence[0] if cause.verdict.evidence else cause_summary(cause, lang)
+        word = t(f"verdict_word.{verdict}", lang)
+        self.query_one(".cause-verdict", Label).update(Text(word + score))
+        # Where the verdict comes from leads its evidence: only a probe's
+        # verdict says "tested on this machine".
+        detail = source_and_evidence(cause, lang, self.findings) or cause_summary(cause, lang)
         self.query_one(".cause-detail", Label).update(Text(detail))
 
 

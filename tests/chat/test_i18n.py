@@ -13,6 +13,7 @@ from assistant.i18n import (
     decide_question,
     entry_text,
     pick,
+    source_and_evidence,
     stance_label,
     t,
     translate,
@@ -115,3 +116,14 @@ def test_no_other_module_of_the_chat_chooses_a_title_by_language():
 def test_t_keeps_working_for_the_cli_renderer():
     assert t("verdict.confirmed", "en") == "confirmed here"  # render.py still reads these
     assert t("score", "zh") == "得分"
+
+
+def test_evidence_is_led_by_where_it_comes_from():
+    probe = cause("confirmed", "probe")
+    probe.verdict.evidence = ["rank 0 and rank 1 both on GPU-3f2a"]
+    assert source_and_evidence(probe, "en") == (
+        "tested on this machine: rank 0 and rank 1 both on GPU-3f2a"
+    )
+    assert source_and_evidence(probe, "zh").startswith("已在本机测试：rank 0")
+    unjudged = cause("not_run")
+    assert source_and_evidence(unjudged, "en") == ""

@@ -177,8 +177,7 @@ async def test_causes_appear_then_probe_verdicts_rerank_them():
         items = list(view.query(CauseItem))
         assert [i.cause.id for i in items] == cause_ids(view)
         text = screen_text(app)
-        assert "confirmed · tested on this machine" in text
-        assert "rank 0 and rank 1 both on GPU-3f2a" in text
+        assert "tested on this machine: rank 0 and rank 1 both on GPU-3f2a" in text
         # One launch of every probe, started with the question (the pipeline's early launch).
         assert runner.calls == [probe_names()]
 
@@ -536,7 +535,7 @@ async def test_history_is_kept_reopened_and_deleted(tmp_path):
         restored = turns(app)[0]
         assert cause_ids(restored)[0] == "duplicate-gpu-per-rank"
         assert restored.probe_rows["devices"].status == "ok"
-        assert "confirmed · tested on this machine" in screen_text(app)
+        assert "tested on this machine: rank 0 and rank 1 both on GPU-3f2a" in screen_text(app)
 
         await pilot.press("ctrl+r")
         await pilot.press("d")  # asks first: nothing is lost on one keystroke

@@ -32,6 +32,10 @@ def verdict_column(view) -> list[str]:
     return [widget_text(label).strip() for label in view.query(".cause-verdict")]
 
 
+def detail_lines(view) -> list[str]:
+    return [widget_text(label, width=300).strip() for label in view.query(".cause-detail")]
+
+
 class ErrorSaysSo(TablePipeline):
     """Judges the first cause from the error text alone (verdict source "error")."""
 
@@ -45,18 +49,20 @@ async def test_a_probe_verdict_says_tested_on_this_machine():
     app = fake_app()
     async with app.run_test(size=(120, 40)) as pilot:
         view = await ask(app, pilot, DUPLICATE_GPU_LINE)
-        labels = verdict_column(view)
-        assert labels[0].startswith("confirmed · tested on this machine")
-        assert labels[1].startswith("ruled out · tested on this machine")
+        assert verdict_column(view)[:2] == ["confirmed  0.74", "ruled out  0.81"]
+        details = detail_lines(view)
+        assert details[0] == "tested on this machine: rank 0 and rank 1 both on GPU-3f2a"
+        assert details[1].startswith("tested on this machine: set_device before")
 
 
 async def test_an_error_verdict_says_the_error_says_so_and_never_tested_here():
     app = fake_app(pipeline_type=ErrorSaysSo)
     async with app.run_test(size=(120, 40)) as pilot:
         view = await ask(app, pilot, DUPLICATE_GPU_LINE)
-        first = verdict_column(view)[0]
-        assert first.startswith("confirmed · the error says so")
-        assert "tested on this machine" not in first and "here" not in first
+        assert verdict_column(view)[0].startswith("confirmed")
+        first = detail_lines(view)[0]
+        assert first == "the error says so: the error names it"
+        assert "machine" not in first and "here" not in first
 
 
 async def test_a_script_verdict_names_the_line_of_the_script(tmp_path):
@@ -71,9 +77,11 @@ async def test_a_script_verdict_names_the_line_of_the_script(tmp_path):
         await pilot.press("enter")
         await until(
             pilot,
-            lambda: any("your script, line 2" in label for label in verdict_column(view)),
+            lambda: any("your script, line 2" in line for line in detail_lines(view)),
         )
-        assert "confirmed · your script, line 2" in " ".join(verdict_column(view))
+        assert "your script, line 2: " in " ".join(detail_lines(view))
+        header = [c for c in view.turn.result.causes if c.verdict.source == "script"][0]
+        assert header.verdict.verdict == "confirmed"
 
 
 async def test_a_stance_shows_its_question_and_the_machine_outcome_beside_it():
@@ -86,11 +94,12 @@ async def test_a_stance_shows_its_question_and_the_machine_outcome_beside_it():
         await until(pilot, lambda: isinstance(app.screen, CauseScreen) and app.screen.entry)
         contradicting = widget_text(app.screen.query_one("#answers-contradicting"), width=300)
         # The community said "partly right" about ITS question; this machine refuted the advice.
-        assert "✘ [partly right] on “DDP 一直报错找不到设备" in contradicting
-        assert "…” · refuted on this machine #a7" in contradicting
+        assert "✘ [partly right] · refuted on this machine #a7\non “DDP 一直报错找不到设备" in (
+            contradicting
+        )
+        assert "init_pro…”" in contradicting  # the question, shortened
         agreeing = widget_text(app.screen.query_one("#answers-agreeing"), width=300)
-        assert "[right] on “DDP 一直报错找不到设备" in agreeing
-        assert "on this machine #a8" not in agreeing  # nothing was shown about a8 here
+        assert "[right] #a8\non “DDP 一直报错找不到设备" in agreeing  # nothing shown here about a8
 
 
 async def test_a_sure_answer_says_high_confidence_and_asks_nothing():
@@ -132,5 +141,6 @@ async def test_a_chinese_answer_asks_in_chinese():
         decide = widget_text(view.query_one(".turn-decide"), width=400)
         assert "为了区分这几个原因，请粘贴：" in decide
         assert "把握：" in widget_text(view.query_one(".turn-status"), width=300)
-        labels = " ".join(verdict_column(view))
-        assert "已在本机测试" in labels and "tested" not in labels
+        details = " ".join(detail_lines(view))
+        assert "已在本机测试：" in details or "已在本机测试:" in details
+        assert "tested" not in details and "confirmed" not in " ".join(verdict_column(view))
