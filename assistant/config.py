@@ -78,8 +78,19 @@ def team_kb_dirs() -> list[Path]:
 
 
 def kb_layers() -> list[Path]:
-    """The whole KB as read by every command: the built-in KB, then the team folders."""
-    return [kb_dir(), *team_kb_dirs()]
+    """The whole KB as read by every command: the built-in KB, then the team folders.
+
+    A folder named twice (or the built-in one named as a team folder) is read
+    once, at its first place: otherwise each of its causes would clash with itself.
+    """
+    layers: list[Path] = []
+    seen: set[Path] = set()
+    for layer in [kb_dir(), *team_kb_dirs()]:
+        key = layer.resolve()
+        if key not in seen:
+            seen.add(key)
+            layers.append(layer)
+    return layers
 
 
 def probes_dir() -> Path:

@@ -237,3 +237,8 @@ def test_an_extension_in_the_same_layer_as_its_cause_is_one_problem(team):
         f"in this same layer ({team / 'causes' / 'acme-shm-quota.yaml'}): edit that file instead"
     )
     assert err.value.problems == [expected]
+
+
+def test_a_folder_named_twice_is_one_layer(team, monkeypatch):
+    monkeypatch.setenv("ASSISTANT_KB_PATH", f"{team}:{config.kb_dir()}:{team}/")
+    assert config.kb_layers() == [config.kb_dir(), team]
