@@ -32,13 +32,17 @@ HANG_AFTER_DEFAULT = 600.0
     help="A hang: no output and no rank leaving a collective for this long.",
 )
 @click.option("--no-probe", is_flag=True, help="Do not run probes after a failure.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON contract plus launch and ranks.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the JSON contract plus launch and ranks."
+)
 @click.option(
     "--log-dir",
     type=click.Path(path_type=Path, file_okay=False),
     help="Keep every rank's output and records here (default: a new folder in your cache).",
 )
-@click.option("--top", type=click.IntRange(1, 50), default=5, show_default=True, help="How many causes.")
+@click.option(
+    "--top", type=click.IntRange(1, 50), default=5, show_default=True, help="How many causes."
+)
 @click.option("--model", metavar="PATH", help="Local sentence-transformers model directory.")
 @team_kb_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -58,7 +62,9 @@ def run(hang_after, no_probe, as_json, log_dir, top, model, command):
     from assistant.watch.session import RunCallbacks, RunOptions, run_and_diagnose
 
     options = RunOptions(hang_after=hang_after, log_dir=log_dir, probe=not no_probe, top=top)
-    callbacks = RunCallbacks(on_output=stream_output(as_json), on_launch=lambda r: announce(r, as_json))
+    callbacks = RunCallbacks(
+        on_output=stream_output(as_json), on_launch=lambda r: announce(r, as_json)
+    )
     from assistant.knowledge.engine import Engine  # loads its index only when asked
 
     try:

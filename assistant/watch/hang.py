@@ -39,7 +39,9 @@ class RankPosition:
     exited_cleanly: bool = False
 
     def place(self) -> str:
-        spot = f"{self.where.short()} in {self.where.function}" if self.where else "an unknown place"
+        spot = (
+            f"{self.where.short()} in {self.where.function}" if self.where else "an unknown place"
+        )
         if self.waiting_in:
             return f"waits in {self.waiting_in} at {spot}"
         return f"is at {spot}, outside any collective"
@@ -107,7 +109,9 @@ def _stragglers(outside, waiting, header) -> HangAnalysis:
         )
         for p in outside
     ]
-    summary = f"{header}: {_ranks(outside)} never reached the collective the others wait in ({others})"
+    summary = (
+        f"{header}: {_ranks(outside)} never reached the collective the others wait in ({others})"
+    )
     return HangAnalysis("collective-timeout", [p.rank for p in outside], summary, findings)
 
 
@@ -129,8 +133,7 @@ def _different_collectives(waiting, header) -> HangAnalysis:
         _finding(
             "collective-mismatch",
             p,
-            f"rank {p.rank} {p.place()}, a collective {_ranks(rest)} never issued "
-            f"({others})",
+            f"rank {p.rank} {p.place()}, a collective {_ranks(rest)} never issued ({others})",
         )
         for p in odd
     ]

@@ -53,11 +53,34 @@ RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "
 # Functions of torch.distributed a rank can block in (the main thread's
 # frames are compared against these names inside torch/distributed/).
 COLLECTIVES = frozenset(
-    """all_reduce all_gather all_gather_into_tensor all_gather_object all_to_all
-    all_to_all_single barrier monitored_barrier broadcast broadcast_object_list
-    gather gather_object reduce reduce_scatter reduce_scatter_tensor scatter
-    scatter_object_list send recv isend irecv batch_isend_irecv wait
-    init_process_group new_group destroy_process_group""".split()
+    [
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "barrier",
+        "monitored_barrier",
+        "broadcast",
+        "broadcast_object_list",
+        "gather",
+        "gather_object",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "scatter",
+        "scatter_object_list",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "wait",
+        "init_process_group",
+        "new_group",
+        "destroy_process_group",
+    ]
 )
 
 
@@ -66,7 +89,7 @@ class _State:
 
     procs: str | None = None
     pid: int = 0
-    record: dict = {}
+    record: dict = {}  # noqa: RUF012 - one instance; replaced whole by install()
     stack_file = None
     progress_fd: int | None = None
     progress: int = 0
@@ -162,8 +185,8 @@ def record_exception(exc: BaseException, thread: str = "MainThread") -> None:
             },
         )
         _note_rank()
-    except Exception:
-        pass  # never let the hook change how the user's program fails
+    except Exception:  # noqa: BLE001, S110 - never change how the user's program fails
+        pass
 
 
 def _excepthook(previous):
@@ -192,12 +215,13 @@ def _note_rank() -> None:
     """Record the rank torch.distributed gave this process, once it has one."""
     if "dist_rank" in STATE.record:
         return
-    dist = sys.modules.get("torch.distributed")
+    if not _dist_initialized():
+        return
+    dist = sys.modules["torch.distributed"]
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            _update_record(dist_rank=dist.get_rank(), world_size=dist.get_world_size())
-    except Exception:
-        pass
+        _update_record(dist_rank=dist.get_rank(), world_size=dist.get_world_size())
+    except (RuntimeError, ValueError, OSError):
+        return  # the group is being torn down; the next sample tries again
 
 
 # --- progress: the main thread leaving a collective ----------------------------
@@ -221,8 +245,8 @@ def _dist_initialized() -> bool:
     dist = sys.modules.get("torch.distributed")
     try:
         return bool(dist is not None and dist.is_available() and dist.is_initialized())
-    except Exception:
-        return False  # torch.distributed half imported
+    except Exception:  # noqa: BLE001 - torch.distributed half imported
+        return False
 
 
 def _stack_signature(frame) -> tuple:
@@ -315,7 +339,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             run_module(module)
             try:
                 patch(module)
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - the import itself succeeded; keep it
                 pass
 
         spec.loader.exec_module = exec_module
@@ -358,7 +382,7 @@ def install(watch_dir: str) -> None:
     }
     _redirect_output()
     if STACK_SIGNAL is not None:
-        STATE.stack_file = open(_path(".stacks"), "ab")
+        STATE.stack_file = open(_path(".stacks"), "ab")  # noqa: SIM115 - open for faulthandler until exit
         faulthandler.register(STACK_SIGNAL, file=STATE.stack_file, all_threads=True)
         STATE.record["stack_signal"] = int(STACK_SIGNAL)
     STATE.progress_fd = os.open(_path(".progress"), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -394,7 +418,7 @@ if __name__ == "sitecustomize":
     if os.environ.get(WATCH_DIR_VAR):
         try:
             install(os.environ[WATCH_DIR_VAR])
-        except Exception as exc:  # the job must run even if watching cannot
+        except Exception as exc:  # noqa: BLE001 - the job must run even if watching cannot
             STATE.procs = None
             sys.__stderr__.write(f"assistant run: cannot watch process {os.getpid()}: {exc}\n")
     chain_user_sitecustomize(os.environ.get(HOOK_DIR_VAR) or os.path.dirname(__file__))

@@ -27,7 +27,7 @@ class OutputTail:
         self.watch_dir = watch_dir
         self.on_output = on_output
         self.offsets: dict[Path, int] = {}
-        self.merged = open(merged, "ab")
+        self.merged = open(merged, "ab")  # noqa: SIM115 - open for the whole watch; close()
         self.last_lines: deque[bytes] = deque(maxlen=TAIL_LINES)
         self.partial = b""
 

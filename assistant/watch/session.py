@@ -10,6 +10,8 @@
     outcome.result      # the pipeline's Result for a failure or a hang (None on success)
     outcome.to_json()   # the `ask` contract plus "launch" and "ranks"
 
+`cancel` (a threading.Event) ends the job from another thread, as Ctrl-C
+would: the outcome then has launch.cancelled and no answer.
 Callbacks run in the calling thread (the chat calls this from a worker):
 on_output(stream, bytes) for every piece of output as the job writes it,
 on_launch(LaunchReport) once the job has ended (the diagnosis follows),
@@ -63,7 +65,11 @@ class RunOutcome:
     def to_json(self) -> dict:
         """The `ask` contract (query null on success) plus `launch` and `ranks`."""
         result = self.result or Result(query=None, root_error=None, causes=[])
-        return {**result.to_json(), "launch": self.launch.launch_json(), "ranks": self.launch.ranks_json()}
+        return {
+            **result.to_json(),
+            "launch": self.launch.launch_json(),
+            "ranks": self.launch.ranks_json(),
+        }
 
 
 @dataclass
@@ -94,7 +100,7 @@ def run_and_diagnose(
     callbacks = callbacks or RunCallbacks()
     launch = watch(
         command,
-        WatchOptions(options.hang_after, options.log_dir, options.cwd, options.env),
+        WatchOptions(options.hang_after, options.log_dir, options.cwd, options.env, cancel),
         callbacks.on_output,
     )
     if callbacks.on_launch is not None:

@@ -62,9 +62,7 @@ def parse_dump(text: str) -> list[ThreadStack]:
             continue
         frame = FRAME_LINE.match(line)
         if frame and threads:
-            threads[-1].frames.append(
-                Frame(frame["file"], int(frame["line"]), frame["function"])
-            )
+            threads[-1].frames.append(Frame(frame["file"], int(frame["line"]), frame["function"]))
     return threads
 
 

@@ -19,13 +19,20 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from assistant.errors import UserError
-from assistant.probing.processes import MarkedProcess, Terminated, send, start_marked
+from assistant.probing.processes import (
+    MarkedProcess,
+    Terminated,
+    send,
+    start_marked,
+    stop_requested,
+)
 from assistant.results import RootError
 from assistant.watch import jobhook
 from assistant.watch.hang import HangAnalysis, RankPosition, analyse
@@ -47,6 +54,8 @@ class WatchOptions:
     log_dir: Path | None = None
     cwd: Path | None = None
     env: dict[str, str] | None = None  # None: this process's environment
+    # Set from another thread (the chat's stop key): the job is ended like a Ctrl-C.
+    cancel: threading.Event | None = None
 
 
 @dataclass
@@ -63,7 +72,9 @@ class RankReport:
     stack: list[Frame] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        error = {"type": self.error["type"], "message": self.error["message"]} if self.error else None
+        error = (
+            {"type": self.error["type"], "message": self.error["message"]} if self.error else None
+        )
         return {
             "rank": self.rank,
             "host": self.host,
@@ -88,11 +99,13 @@ class LaunchReport:
     hang: HangAnalysis | None = None
     seconds: float = 0.0
     quiet_seconds: float | None = None  # how long nothing progressed before a hang was declared
+    cancelled: bool = False  # ended on request (cancel, or a signal seen from a worker thread)
     gpu: list[str] = field(default_factory=list)  # nvidia-smi lines taken at a hang
 
     @property
     def failed(self) -> bool:
-        return self.hung or self.exit_code not in (0, None)
+        """Worth an answer: it hung, or exited non-zero on its own."""
+        return not self.cancelled and (self.hung or self.exit_code not in (0, None))
 
     def launch_json(self) -> dict:
         """The contract's `launch` object."""
@@ -146,7 +159,9 @@ def job_environment(base: dict[str, str], log_dir: Path, hook_dir: Path) -> dict
 def resolve_command(command: list[str], cwd: Path | None) -> list[str]:
     """The command with its program found on PATH; UserError when it cannot run."""
     if not command:
-        raise UserError("no command to run: give it after --, e.g. assistant run -- torchrun train.py")
+        raise UserError(
+            "no command to run: give it after --, e.g. assistant run -- torchrun train.py"
+        )
     program = command[0]
     if os.sep in program:
         path = Path(cwd or ".") / program if not os.path.isabs(program) else Path(program)
@@ -179,14 +194,18 @@ class Watch:
         started = time.monotonic()
         try:
             self._start()
-            hung = self._wait()
-            analysis, positions, gpu = (None, {}, [])
-            if hung:
+            end = self._wait()
+            positions, gpu = {}, []
+            if end == "hung":
                 positions = self._take_stacks()
                 gpu = gpu_snapshot(self.log_dir)
+            if end == "cancelled":
+                self._forward(signal.SIGTERM)
             self.marked.stop()
             self.tail.poll()
-            return self._report(hung, positions, gpu, time.monotonic() - started)
+            report = self._report(end == "hung", positions, gpu, time.monotonic() - started)
+            report.cancelled = end == "cancelled"
+            return report
         except (KeyboardInterrupt, Terminated) as exc:
             self._forward(signal.SIGINT if isinstance(exc, KeyboardInterrupt) else exc.signum)
             exc.log_dir = self.log_dir  # the caller says where the logs are
@@ -203,7 +222,10 @@ class Watch:
             self.hook_dir,
         )
         command = resolve_command(self.command, self.options.cwd)
-        with open(self.log_dir / "launch.out", "ab") as out, open(self.log_dir / "launch.err", "ab") as err:
+        with (
+            open(self.log_dir / "launch.out", "ab") as out,
+            open(self.log_dir / "launch.err", "ab") as err,
+        ):
             try:
                 self.marked = start_marked(
                     command, env=env, cwd=self.options.cwd, stdout=out, stderr=err
@@ -211,17 +233,20 @@ class Watch:
             except OSError as exc:
                 raise UserError(f"cannot run {self.command[0]}: {exc.strerror or exc}") from None
 
-    def _wait(self) -> bool:
-        """Until the launch exits (False) or makes no progress for hang_after seconds (True)."""
+    def _wait(self) -> str:
+        """Until the launch "exited", "hung" (no progress for hang_after s) or was "cancelled"."""
         last_progress = time.monotonic()
+        cancel = self.options.cancel
         while self.marked.poll() is None:
+            if (cancel is not None and cancel.is_set()) or stop_requested():
+                return "cancelled"
             if self.tail.poll() or self._collectives_left():
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress >= self.options.hang_after:
                 self.quiet_seconds = time.monotonic() - last_progress
-                return True
+                return "hung"
             time.sleep(POLL_SECONDS)
-        return False
+        return "exited"
 
     def _collectives_left(self) -> bool:
         """Whether any rank's main thread left a collective since the last look."""
@@ -276,7 +301,9 @@ class Watch:
         code = None if hung else exit_status(self.marked.process.returncode)
         ranks = [self._rank(records, r, stacks, hung) for r in records.ranks]
         ranks += [self._rank(records, r, stacks, hung) for r in records.rankless_workers]
-        report = LaunchReport(self.command, code, hung, self.log_dir, ranks, seconds=seconds, gpu=gpu)
+        report = LaunchReport(
+            self.command, code, hung, self.log_dir, ranks, seconds=seconds, gpu=gpu
+        )
         if hung:
             report.quiet_seconds = self.quiet_seconds
             report.hang = analyse(self._positions(records, ranks, stacks), self.quiet_seconds)
@@ -396,9 +423,13 @@ def gpu_snapshot(log_dir: Path) -> list[str]:
     lines = []
     for query in queries:
         try:
-            done = subprocess.run([smi, *query], capture_output=True, text=True, timeout=10)
+            done = subprocess.run(
+                [smi, *query], capture_output=True, text=True, timeout=10, check=False
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
-        lines += [f"nvidia-smi: {line.strip()}" for line in done.stdout.splitlines() if line.strip()]
+        lines += [
+            f"nvidia-smi: {line.strip()}" for line in done.stdout.splitlines() if line.strip()
+        ]
     (log_dir / "nvidia-smi.txt").write_text("\n".join(lines) + "\n")
     return lines

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -90,7 +89,10 @@ def test_the_commands_own_exit_code_comes_back(tmp_path):
     ("args", "message"),
     [
         ([], "Missing argument"),
-        (["--", "no-such-launcher-xyz", "train.py"], "cannot run no-such-launcher-xyz: not found on PATH"),
+        (
+            ["--", "no-such-launcher-xyz", "train.py"],
+            "cannot run no-such-launcher-xyz: not found on PATH",
+        ),
         (["--", "./missing.sh"], "not an executable file"),
     ],
 )

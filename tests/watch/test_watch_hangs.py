@@ -26,7 +26,9 @@ def run_hang(script, tmp_path, engine, output):
         [*TORCHRUN, str(SCRIPTS / script)],
         options,
         engine,
-        RunCallbacks(on_output=output, on_launch=lambda launch: setattr(output, "ended", time.monotonic())),
+        RunCallbacks(
+            on_output=output, on_launch=lambda launch: setattr(output, "ended", time.monotonic())
+        ),
     )
     assert output.ended - output.last <= HANG_AFTER + SLACK
     assert no_job_left(tmp_path / "logs"), "a process of the job was left behind"
@@ -50,11 +52,15 @@ def test_a_rank_stuck_outside_any_collective_is_the_straggler(tmp_path, engine, 
     assert (ranks[1]["where"]["line"], ranks[1]["where"]["function"]) == (10, "slow_preprocessing")
     assert outcome.launch.hang.odd_ranks == [1]
     assert first_confirmed(outcome).id == "collective-timeout"
-    assert any("rank 1 is the straggler" in line for line in outcome.result.causes[0].verdict.evidence)
+    assert any(
+        "rank 1 is the straggler" in line for line in outcome.result.causes[0].verdict.evidence
+    )
 
 
 def test_a_collective_only_rank_zero_issues_is_a_mismatch(tmp_path, engine, output):
-    outcome, ranks = run_hang("all_reduce_only_on_rank_zero_then_barrier.py", tmp_path, engine, output)
+    outcome, ranks = run_hang(
+        "all_reduce_only_on_rank_zero_then_barrier.py", tmp_path, engine, output
+    )
     assert (ranks[0]["waiting_in"], ranks[0]["where"]["line"]) == ("all_reduce", 14)
     assert (ranks[1]["waiting_in"], ranks[1]["where"]["line"]) == ("barrier", 15)
     assert outcome.launch.hang.odd_ranks == [0]

@@ -127,7 +127,12 @@ def _python_with_hook(hook_dir: Path, extra_path: Path, env_extra: dict) -> str:
     env["PYTHONPATH"] = os.pathsep.join([str(hook_dir), str(extra_path)])
     code = "import sys, threading; print(sys.modules['sitecustomize'].__file__, threading.active_count())"
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout + done.stderr
