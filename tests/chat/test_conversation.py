@@ -136,11 +136,13 @@ def test_a_conversation_survives_a_round_trip_with_every_field():
         text="把set_device放到init_process_group后面",
         lang="zh",
         thread="seed-000",
-        stance="refuted_here",
+        stance="wrong",
         note="the probe decides",
         answer_id="a2",
         advice="set-device-after-init",
         contradicts=["a8"],
+        question="DDP 一直报错找不到设备",
+        here="refuted_here",
     )
     full = CauseResult(
         id="set-device-order",
@@ -154,7 +156,9 @@ def test_a_conversation_survives_a_round_trip_with_every_field():
         probes=["set_device_order"],
         answers=[answer],
         signals={"signature": 1, "dense": 3},
-        verdict=Verdict("confirmed", ["after init fails"], refutes=["set-device-after-init"]),
+        verdict=Verdict(
+            "confirmed", ["after init fails"], refutes=["set-device-after-init"], source="probe"
+        ),
     )
     result = Result(
         query="q",
@@ -164,6 +168,9 @@ def test_a_conversation_survives_a_round_trip_with_every_field():
             ProbeRun("set_device_order", "ok", 3.2, ranks=[{"rank": 0, "ok": True}], detail="d")
         ],
         lang="zh",
+        confidence="medium",
+        decide=["nvidia-smi"],
+        answer_id="ans-1",
     )
     conversation = Conversation(id=7, created=123.0)
     conversation.add(Turn(query="q", lang="zh", result=result, created=124.0))
@@ -188,3 +195,16 @@ def test_text_helpers():
     assert first_line("   ") == ""
     assert shorten("a  b\nc", 10) == "a b c"
     assert shorten("abcdefghijk", 5) == "abcd…"
+
+
+def test_a_reply_to_the_decide_question_carries_the_earlier_question():
+    conversation = Conversation()
+    unsure = answered("DDP keeps saying it can't find the device", causes=[cause("a")])
+    unsure.result.confidence, unsure.result.decide = "low", ["nvidia-smi while the job runs"]
+    conversation.add(unsure)
+    context = conversation.context()
+    assert context == "Earlier question: DDP keeps saying it can't find the device"
+    assert conversation.asked_to_decide() is unsure
+    # A sure answer asks nothing, so the next question stands on its own.
+    unsure.result.confidence, unsure.result.decide = "high", []
+    assert conversation.context() is None and conversation.asked_to_decide() is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from assistant.chat.conversation import Conversation, Turn
 from assistant.chat.export import conversation_markdown, fence, probe_facts
 from assistant.results import CauseResult, Finding, ProbeRun, Result, RootError, Verdict
@@ -142,3 +144,22 @@ def test_probe_facts_are_capped():
     run = ProbeRun("system", "ok", 1.0, ranks=[{f"k{i}": i for i in range(40)}])
     lines = probe_facts(run, limit=5)
     assert lines[:5] == ["k0: 0", "k1: 1", "k2: 2", "k3: 3", "k4: 4"] and lines[5] == "… (+35)"
+
+
+def test_a_report_goes_into_a_folder_or_to_a_named_file(tmp_path):
+    from assistant.chat.export import write_report
+
+    path = write_report("# r\n", tmp_path, now=1_700_000_000.0)
+    assert path.parent == tmp_path and path.name.startswith("ddp-assistant-")
+    assert path.read_text(encoding="utf-8") == "# r\n"
+    named = write_report("# r\n", tmp_path / "crash.md", now=0.0)
+    assert named == tmp_path / "crash.md" and named.is_file()
+
+
+def test_an_unwritable_place_is_one_line_with_the_reason(tmp_path):
+    from assistant.chat.export import ExportFailed, write_report
+
+    with pytest.raises(ExportFailed) as failed:
+        write_report("# r\n", tmp_path / "missing" / "folder", now=0.0)
+    assert failed.value.reason == "No such file or directory"
+    assert "\n" not in str(failed.value) and str(tmp_path / "missing") in str(failed.value)

@@ -135,3 +135,31 @@ def test_migrations_run_once_and_record_the_version(tmp_path):
     assert migrate(db) == len(MIGRATIONS)  # a second run changes nothing
     assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
     assert set(db.table_names()) == {"conversations", "turns", "meta"}
+
+
+def test_the_file_is_private_and_a_new_folder_too(tmp_path):
+    path = tmp_path / "new" / "history.sqlite"
+    History(path).list()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_privacy_notice_is_due_once_and_survives_clearing(history):
+    assert history.notice_due()
+    history.mark_notice_shown()
+    history.mark_notice_shown()  # idempotent
+    assert not history.notice_due()
+    conversation = Conversation()
+    conversation.add(judged_turn())
+    history.save(conversation)
+    assert history.clear() == 1
+    assert history.list() == [] and not history.notice_due()
+    assert History(history.path).list() == []  # cleared on disk, not in a cache
+
+
+def test_cleared_logs_are_gone_from_the_file_itself(history):
+    conversation = Conversation()
+    conversation.add(judged_turn(query="secret-token-4242 in a pasted log"))
+    history.save(conversation)
+    history.clear()
+    assert b"secret-token-4242" not in history.path.read_bytes()

@@ -566,7 +566,7 @@ def _real(module: str, name: str):
         pytest.skip(f"{module}.{name} is not written yet")
 
 
-@pytest.mark.parametrize("method", ["load", "ask", "rebuild", "cause"])
+@pytest.mark.parametrize("method", ["load", "ask", "rebuild", "cause", "signatures"])
 def test_fake_engine_matches_engine(method):
     engine_class = _real("assistant.knowledge.engine", "Engine")
     real = _parameters(getattr(engine_class, method))

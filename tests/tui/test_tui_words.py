@@ -80,8 +80,8 @@ async def test_a_script_verdict_names_the_line_of_the_script(tmp_path):
             lambda: any("your script, line 2" in line for line in detail_lines(view)),
         )
         assert "your script, line 2: " in " ".join(detail_lines(view))
-        header = [c for c in view.turn.result.causes if c.verdict.source == "script"][0]
-        assert header.verdict.verdict == "confirmed"
+        scripted = next(c for c in view.turn.result.causes if c.verdict.source == "script")
+        assert scripted.verdict.verdict == "confirmed"
 
 
 async def test_a_stance_shows_its_question_and_the_machine_outcome_beside_it():
