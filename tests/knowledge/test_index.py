@@ -130,3 +130,43 @@ def test_an_unwritable_build_folder_is_a_clear_error(mini_kb, tmp_path):
     with pytest.raises(UserError, match="cannot write the index .*ASSISTANT_BUILD"):
         engine.build()
     assert blocker.read_text() == "a file where the build folder should be\n"
+
+
+def test_the_index_records_the_graph_check_and_notices_a_model_change(mini_kb, tmp_path):
+    engine = make_engine(mini_kb, tmp_path, [])
+    report = engine.build()
+    assert "queries run on onnxruntime (reproduces the model" in report.summary()
+    loaded = open_index(engine.index_path, content_hash(mini_kb), engine.embedder.fingerprint)
+    assert loaded.graph_check is not None and loaded.graph_check.ok
+    assert loaded.graph_check.texts and loaded.graph_check.dimension == 384
+    with pytest.raises(IndexProblem, match="another embedding model"):
+        open_index(engine.index_path, content_hash(mini_kb), "other-model:0123456789abcdef:t128")
+
+
+def test_a_kb_edit_is_rebuilt_and_answered_without_torch(mini_kb, tmp_path):
+    # The rebuild a query triggers reuses the recorded check (the graph still
+    # reproduces the model's vectors) and embeds the changed text on ONNX Runtime.
+    import json
+    import subprocess
+    import sys
+
+    engine = make_engine(mini_kb, tmp_path, [])
+    engine.build()
+    thread = mini_kb / "threads/mini.yaml"
+    thread.write_text(thread.read_text().replace("gpu 0?", "GPU zero?"))
+    code = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "from assistant.knowledge.engine import Engine\n"
+        "said = []\n"
+        f"engine = Engine(kb_root=Path({str(mini_kb)!r}), index_path=Path({str(engine.index_path)!r}),"
+        " log=said.append, require_contract=False)\n"
+        "top = engine.ask('both processes use GPU zero').causes[0].id\n"
+        "heavy = [m for m in ('torch', 'sentence_transformers') if m in sys.modules]\n"
+        "print(json.dumps([top, engine.embedder.backend, heavy, said]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    top, backend, heavy, said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (top, backend, heavy) == ("duplicate-gpu-per-rank", "onnxruntime", [])
+    assert len(said) == 1 and "rebuilding" in said[0], said
