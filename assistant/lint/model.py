@@ -28,7 +28,11 @@ if TYPE_CHECKING:  # the tracer builds the traces and imports this module
 
 # A training script is a few thousand lines; past this size the file is
 # something else (a dump, a bundle), and parsing it costs seconds per MiB.
-MAX_SCRIPT_BYTES = 2 * 1024 * 1024
+MAX_SCRIPT_BYTES = 1024 * 1024
+# Real code has about 0.13 syntax nodes per character (torch's largest files,
+# transformers' trainer.py); a file of a million tiny expressions is not a
+# training script, and would cost a gigabyte and seconds per check.
+MAX_NODES = 300_000
 # Message text for an expression: long or deep ones are shown by their line.
 MAX_SHOWN_CHARS = 60
 MAX_SHOWN_DEPTH = 40
@@ -143,6 +147,11 @@ def parse_script(source: str, path: str = "<string>") -> Script:
         # `a + a + ... + a` a hundred thousand times: Python's parser gives up.
         raise UserError(f"{path}: nested too deeply for Python's parser; not linted") from None
     nodes = list(ast.walk(tree))
+    if len(nodes) > MAX_NODES:
+        raise UserError(
+            f"{path}: {len(nodes):,} syntax nodes is too many for a training script "
+            f"(lint follows up to {MAX_NODES:,})"
+        )
     return Script(
         path=path,
         tree=tree,

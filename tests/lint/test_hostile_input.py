@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from assistant.cli import main
 from assistant.errors import ExitCode, UserError
 from assistant.lint import lint_script, lint_source
-from assistant.lint.model import MAX_SCRIPT_BYTES, parse_script
+from assistant.lint.model import MAX_NODES, MAX_SCRIPT_BYTES, parse_script
 from assistant.lint.tracer import MAX_TRACED_CALLS_PER_FILE, trace_script
 
 HEADER = "import torch\nimport torch.distributed as dist\n"
@@ -170,6 +170,18 @@ def test_a_file_too_big_for_a_training_script_is_refused(tmp_path: Path) -> None
     with path.open("wb") as out:
         out.truncate(MAX_SCRIPT_BYTES + 1)  # sparse: no need to write it
     assert "too big for a training script" in one_line_error(lambda: lint_script(path))
+
+
+def test_a_file_of_too_many_expressions_is_refused_after_parsing() -> None:
+    source = "x = [" + "1," * MAX_NODES + "]\n"  # under the size limit, over the node limit
+    assert len(source) < MAX_SCRIPT_BYTES
+    assert "syntax nodes is too many" in one_line_error(lambda: lint_source(source))
+
+
+def test_a_symlink_loop_is_a_user_error(tmp_path: Path) -> None:
+    loop = tmp_path / "train.py"
+    loop.symlink_to(loop)
+    assert one_line_error(lambda: lint_script(loop)).startswith(f"{loop}: cannot read")
 
 
 # ---------------------------------------------------------------- through the command line

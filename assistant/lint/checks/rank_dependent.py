@@ -356,14 +356,14 @@ def tensor_arguments(node: ast.Call, collective: str) -> list[ast.expr]:
 
 
 def message(collective: str, argument: ast.expr, taint: Taint) -> str:
-    shown = source_text(argument)
-    made = f"{taint.source}, line {taint.line}"
+    shown, made = source_text(argument), taint.source
     if taint.what == "length":
         what = f"the length of {shown}"
     else:
-        what = f"the {taint.what} of {shown}" if shown != taint.source else f"its {taint.what}"
+        what = f"the {taint.what} of {shown}" if shown != made else f"its {taint.what}"
     return (
-        f"{collective}() is called by every rank, but {what} depends on the rank ({made}): "
+        f"{collective}() is called by every rank, but {what} depends on the rank "
+        f"({made}, line {taint.line}): "
         "every rank must pass the same shapes and dtypes, or it hangs or fails"
     )
 
