@@ -49,7 +49,10 @@ ARGPARSE_ERROR = re.compile(r"^(?P<prog>[\w.\-/]+): error: (?P<message>.+)$")
 # (another rank's output): a Python warning "path.py:12: UserWarning: ...",
 # or any "file:line:" location.
 NEW_RECORD = re.compile(r"^\S+\.pyx?:\d+: |^\S*\w+Warning: |^\S+:\d+:\d*:? ")
-WRAPPERS = {"ChildFailedError", "SignalException"}
+# Launchers' own exceptions that wrap a rank's: torchrun's, and mp.spawn's
+# ("-- Process 0 terminated with the following error:" then the rank's traceback).
+WRAPPERS = {"ChildFailedError", "SignalException", "ProcessRaisedException"}
+SPAWN_PROCESS = re.compile(r"-- Process (\d+) terminated with the following error")
 ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):")
 SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -235,9 +238,20 @@ def find_root_error(
         if aborted:
             return _with_rank(aborted[0][2], summary_rank)
     if exceptions:
-        _, rank, error = exceptions[0]
-        return _with_rank(error, rank if rank is not None else summary_rank)
+        pos, rank, error = exceptions[0]
+        if rank is None:
+            rank = summary_rank if summary_rank is not None else _spawn_process(entries, pos)
+        return _with_rank(error, rank)
     return _exit_signal_error(entries, summary_rank)
+
+
+def _spawn_process(entries: list[tuple[int | None, str]], pos: int) -> int | None:
+    """The mp.spawn process index announced above an exception, if any."""
+    for _, line in reversed(entries[:pos]):
+        match = SPAWN_PROCESS.search(line)
+        if match:
+            return int(match.group(1))
+    return None
 
 
 def _with_rank(error: RootError, rank: int | None) -> RootError:

@@ -157,3 +157,11 @@ def test_a_message_that_spans_lines_still_keeps_them():
     )
     message = clean_log(text).root_error.message
     assert message.endswith("were not used in producing loss.") and "UserWarning" not in message
+
+
+def test_mp_spawn_wrapper_gives_way_to_the_process_own_error():
+    # Real log (data/eval/logs): mp.spawn's ProcessRaisedException wraps process 0's error.
+    log = (LOGS.parents[2] / "data" / "eval" / "logs" / "log-spawn-port-in-use.log").read_text()
+    root = clean_log(log).root_error
+    assert root.type == "torch.distributed.DistNetworkError" and root.rank == 0
+    assert "EADDRINUSE" in root.message
