@@ -1,4 +1,4 @@
-"""diagnose.doctor and run_named, fed with recorded facts (no launch).
+"""Pipeline.doctor and run_named, fed with recorded facts (no launch).
 
 ReplayRunner plays recorded probe runs back through the runner's interface,
 so these tests check how doctor assembles and judges a machine we do not
