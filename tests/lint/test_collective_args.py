@@ -113,6 +113,10 @@ SILENT = {
         "out = [torch.zeros(4, dtype=torch.long) for _ in range(world_size)]\n"
         "dist.all_gather(out, idx)"
     ),
+    "a_peer_rank_is_the_same_on_every_rank": (
+        "dst_rank = world_size - 1\nshard_rank = x.placement.rank()\n"
+        "t = torch.zeros(dst_rank + 1, shard_rank + 1)\ndist.all_reduce(t)"
+    ),
     "object_collectives_pickle_any_size": (
         "obj = list(range(rank))\nout = [None] * world_size\ndist.all_gather_object(out, obj)"
     ),

@@ -26,11 +26,11 @@ which may differ by design. A value that went through a collective
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.model import Script, keyword, own_nodes, short, source_text
-from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
 from assistant.results import Finding
@@ -93,6 +93,12 @@ DTYPES = frozenset(
         "complex64",
         "complex128",
     }
+)
+# Names that hold this process's own rank (not a peer's: src_rank, shard_rank).
+OWN_RANK_NAME = re.compile(
+    r"^(rank|local_?rank|global_?rank|world_?rank|node_?rank|my_?rank|ddp_?rank|"
+    r"proc(ess)?_?rank|l?rank_?(id|idx)|local_rank_id|lrank|grank)$",
+    re.IGNORECASE,
 )
 # Methods whose arguments place a tensor or a module, or seed a generator.
 PLACEMENT_METHODS = frozenset({"to", "cuda", "set_device", "manual_seed", "seed"})
@@ -393,20 +399,38 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             # (DistributedSampler(rank=rank), device=rank) configures an object;
             # data[rank::world_size] is each rank's shard, of (nearly) equal size.
             continue
-        if isinstance(node, ast.Call) and is_placement(flow.script, node):
-            stack.append(node.func)  # `batch.to(rank)`: the receiver's value, not the device
+        if is_own_rank(flow.script, node):
+            return True
+        if isinstance(node, ast.Call):
+            # The receiver and the arguments, not the method's name (`placement.rank()`);
+            # of `batch.to(rank)` the receiver only: the rank there is a device.
+            if isinstance(node.func, ast.Attribute):
+                stack.append(node.func.value)
+            if not is_placement(flow.script, node):
+                stack.extend(node.args)
             continue
         if isinstance(node, ast.Constant) and node.value in RANK_VARIABLES:
             return True  # os.environ["RANK"]
-        if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and is_rank_expr(
-            node, flow.script
-        ):
-            return True
         if isinstance(node, (ast.Name, ast.Attribute)):
             key = key_of(node)
             if key in flow.rank_values or key in flow.tensors:
                 return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
         stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def is_own_rank(script: Script, node: ast.AST) -> bool:
+    """This process's rank: `rank`, `args.local_rank`, `self.global_rank`, `dist.get_rank()`.
+
+    Narrower than the names an `if` tests: `shard_rank`, `src_rank` or
+    `dst_rank` name some process, the same one on every rank.
+    """
+    if isinstance(node, ast.Call):
+        return short(script.name_of(node.func)) in ("get_rank", "get_local_rank")
+    if isinstance(node, ast.Name):
+        return bool(OWN_RANK_NAME.match(node.id))
+    if isinstance(node, ast.Attribute):
+        return bool(OWN_RANK_NAME.match(node.attr))
     return False
 
 
