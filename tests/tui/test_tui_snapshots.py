@@ -9,12 +9,14 @@ change, look at the report and update with `pytest --snapshot-update`.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, multi_rank_log
 from textual import events
 
-from assistant.tui.screens import CauseScreen
+from assistant.tui.deps import MarkdownExporter
+from assistant.tui.screens import CauseScreen, ExportChoice
 
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]
 
@@ -76,3 +78,29 @@ def test_chinese_interface(snap_compare):
         await _ask(pilot, "我只有一张卡，DDP 一直报错找不到设备：" + DUPLICATE_GPU_LINE)
 
     assert snap_compare(fake_app(), terminal_size=(80, 24), run_before=scene)
+
+
+class FixedHomeExporter(MarkdownExporter):
+    """The real exporter with a home folder that is the same on every machine."""
+
+    def home(self) -> Path:
+        return Path("/home/you")
+
+
+def test_export_to_an_unwritable_folder(snap_compare, monkeypatch):
+    # The report's name carries the local time: the same zone everywhere.
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+
+    async def scene(pilot):
+        await _ask(pilot, DUPLICATE_GPU_LINE)
+        await pilot.press("ctrl+s")
+        await _until(pilot, lambda: isinstance(pilot.app.screen, ExportChoice))
+        await pilot.pause()
+
+    app = fake_app(export_dir=Path("/nonexistent/ddp-reports"), exporter=FixedHomeExporter())
+    try:
+        assert snap_compare(app, terminal_size=(80, 24), run_before=scene)
+    finally:
+        monkeypatch.undo()
+        time.tzset()  # later tests see the machine's own zone again
