@@ -30,7 +30,9 @@ relies on the thread that owns a launch: each live launch and tracked
 folder is in a process-wide register, and when signals_raise() exits on an
 interrupt it kills every registered launch and removes every registered
 folder itself. It also sets stop_requested(), which a worker polls to stop
-early; start_marked() refuses to start anything once it is set.
+early; start_marked() refuses to start anything once it is set. Should the
+exception be swallowed on its way up (an `except BaseException`, a C
+callback), a watchdog does the same cleanup after ESCAPE_SECONDS and exits.
 
 Exit codes (assistant.errors.ExitCode): 130 for SIGINT, 128 + signum for
 SIGTERM (143) and SIGHUP (129), as a shell reports a process killed by them.
@@ -57,6 +59,11 @@ from pathlib import Path
 
 MARKER_VAR = "ASSISTANT_LAUNCH_ID"
 KILL_GRACE_SECONDS = 2.0
+# After SIGTERM/SIGHUP, how long the Terminated exception has to reach
+# signals_raise() before a watchdog cleans up and exits by itself: code that
+# swallows every exception (or a C callback that turns it into another
+# error) must not keep a terminated command alive.
+ESCAPE_SECONDS = 5.0
 POLL_SECONDS = 0.05
 # Signals that mean "the person or the system wants this command gone".
 HOSTILE_SIGNALS = tuple(
@@ -282,6 +289,7 @@ class _Register:
         self.folders: set[Path] = set()
         self.stopping = threading.Event()
         self.signum: int | None = None
+        self.handled = threading.Event()  # the interrupt reached signals_raise()
 
     def forget_process(self, marked: MarkedProcess) -> None:
         with self.lock:
@@ -360,6 +368,7 @@ def signals_raise() -> Iterator[None]:
     try:
         yield
     except (KeyboardInterrupt, Terminated):
+        _REGISTER.handled.set()
         for sig in previous:
             signal.signal(sig, signal.SIG_IGN)  # the cleanup runs to its end
         stop_everything()
@@ -374,4 +383,20 @@ def _raise_terminated(signum: int, frame) -> None:
         return  # already stopping
     _REGISTER.signum = signum
     _REGISTER.stopping.set()  # worker threads see it at their next poll
+    watchdog = threading.Thread(
+        target=_exit_unless_handled, args=(signum,), name="assistant-stop", daemon=True
+    )
+    watchdog.start()
     raise Terminated(signum)
+
+
+def _exit_unless_handled(signum: int) -> None:
+    """If Terminated was swallowed on its way up, clean up and exit anyway."""
+    if _REGISTER.handled.wait(ESCAPE_SECONDS):
+        return
+    stop_everything()
+    try:
+        os.write(2, f"assistant: {Terminated(signum)}\n".encode())
+    except OSError:
+        pass  # SIGHUP: the terminal may be gone
+    os._exit(128 + signum)

@@ -201,6 +201,10 @@ class ProbeRunner:
         facts_dir = workdir / "facts"
         facts_dir.mkdir(parents=True)
         budgets = {name: self._budget(PROBES[name]) for name in plan.probes}
+        if control.cancelled():  # stopped before this launch: start nothing
+            return LaunchResult(
+                list(plan.probes), self.nproc_per_node, LaunchEnd("cancelled"), {}, [], budgets
+            )
         log_path = workdir / "launch.log"
         self.launches += 1
         started = time.monotonic()

@@ -161,3 +161,46 @@ def test_a_command_that_cannot_start_is_an_oserror_and_not_registered():
     with pytest.raises(OSError):
         start_marked(["/no/such/program"])
     assert set(processes.registered_markers()) == before
+
+
+# Code that swallows every exception (a library's `except BaseException`, a
+# C callback): the Terminated never reaches signals_raise().
+SWALLOWING = textwrap.dedent(
+    """
+    import sys, time
+    from assistant.probing import processes
+    LAUNCHER = {launcher!r}
+
+    with processes.signals_raise():
+        marked = processes.start_marked([sys.executable, "-c", LAUNCHER])
+        print(marked.marker, flush=True)
+        for _ in range(600):
+            try:
+                time.sleep(0.1)
+            except BaseException:
+                pass
+    print("carried on", flush=True)
+    """
+)
+
+
+def test_a_swallowed_terminated_still_cleans_up_and_exits():
+    child = subprocess.Popen(
+        [sys.executable, "-c", SWALLOWING.format(launcher=LAUNCHER)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        marker = child.stdout.readline().strip()
+        assert wait_for(lambda: len(pids_with_marker(marker)) == 2)
+        started = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 143 and "carried on" not in out
+    assert "terminated by SIGTERM" in err
+    assert processes.ESCAPE_SECONDS <= time.monotonic() - started < processes.ESCAPE_SECONDS + 15
+    assert pids_with_marker(marker) == []

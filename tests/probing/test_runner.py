@@ -374,3 +374,13 @@ def test_ctrl_c_kills_the_launch_and_propagates(hanging_probes):
     assert process.returncode != 0
     assert "KeyboardInterrupt" in stderr
     assert tagged_processes(tag) == []
+
+
+def test_a_run_cancelled_before_it_starts_launches_nothing():
+    cancel = threading.Event()
+    cancel.set()
+    runner = ProbeRunner(nproc_per_node=2)
+    runs = runner.run(["launch_env", "versions"], cancel=cancel)
+    assert [r.status for r in runs] == ["interrupted", "interrupted"]
+    assert runner.launches == 0
+    assert all(len(r.ranks) == 2 for r in runs)

@@ -109,10 +109,11 @@ def test_a_signal_kills_every_process_of_the_launch_and_removes_its_folders(
         if child.poll() is None:
             child.kill()
             child.wait()
-    assert child.returncode == 128 + sig, stderr
+    took = time.monotonic() - started
+    assert child.returncode == 128 + sig, (child.returncode, took, stderr[-3000:])
     assert f"assistant: terminated by {signal.Signals(sig).name}" in stderr
-    assert "Traceback" not in stderr
-    assert time.monotonic() - started < 30
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert took < 30
     assert pids_with_marker(marker) == []
     assert tagged(tag) == []
     assert list(temp.glob("ddp-probes-*")) == []
