@@ -212,7 +212,7 @@ class ProbeRunner:
         with open(log_path, "wb") as log:
             try:
                 launch = processes.start_marked(
-                    self._command(plan),
+                    self._command(plan, workdir / "torchelastic"),
                     env=self._launch_env(facts_dir, plan.variant),
                     cwd=workdir,
                     stdout=log,
@@ -269,7 +269,8 @@ class ProbeRunner:
                 return LaunchEnd("timeout")
             time.sleep(POLL_SECONDS)
 
-    def _command(self, plan: LaunchPlan) -> list[str]:
+    def _command(self, plan: LaunchPlan, log_dir: Path) -> list[str]:
+        """torchrun, on a free port; its logs go into our folder, not a torchelastic_* of /tmp."""
         return [
             self.python,
             "-m",
@@ -279,6 +280,7 @@ class ProbeRunner:
             "--master_addr=127.0.0.1",
             f"--master_port={free_port()}",
             "--max_restarts=0",
+            f"--log_dir={log_dir}",
             str(plan.script),
             *plan.args,
         ]

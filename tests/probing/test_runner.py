@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -384,3 +385,15 @@ def test_a_run_cancelled_before_it_starts_launches_nothing():
     assert [r.status for r in runs] == ["interrupted", "interrupted"]
     assert runner.launches == 0
     assert all(len(r.ranks) == 2 for r in runs)
+
+
+@pytest.mark.slow
+def test_a_launch_leaves_no_temp_folder(tmp_path, monkeypatch):
+    """Neither ours nor torchrun's torchelastic_* log folder stays in the temp dir."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # for torchrun
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # for this process
+    runs = ProbeRunner(nproc_per_node=2).run(["launch_env"])
+    assert runs[0].status == "ok"
+    assert list(temp.iterdir()) == []
