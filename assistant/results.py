@@ -103,6 +103,9 @@ class Verdict:
     refutes: list[str] = field(default_factory=list)
     # None while not judged (not_run); see VerdictSource.
     source: VerdictSource | None = None
+    # Confirmed by what `assistant run` saw in the user's running job (a
+    # hang's stacks): about this failure, so it leads like an error source.
+    from_job: bool = False
 
 
 @dataclass

@@ -33,7 +33,8 @@ def reading_key(cause: CauseResult, best_score: float) -> tuple[int, float]:
     """Sort key of a judged cause: (tier, -(relative score - verdict steps))."""
     relative = cause.score / best_score if best_score > 0 else 1.0
     verdict = cause.verdict
-    tier = 0 if verdict.verdict == "confirmed" and verdict.source in JOB_SOURCES else 1
+    from_job = verdict.source in JOB_SOURCES or verdict.from_job
+    tier = 0 if verdict.verdict == "confirmed" and from_job else 1
     steps = VERDICT_RANK[verdict.verdict] / (len(VERDICT_RANK) - 1)
     return tier, -(relative - VERDICT_MARGIN * steps)
 

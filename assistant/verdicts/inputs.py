@@ -298,8 +298,12 @@ def judge(
     lines = [finding_line(inputs, f) for f in own]
     # What `assistant run` saw in the running job (a hang's stacks) is
     # observed on this machine, like a probe's fact; a lint finding is static.
-    source = "probe" if any(f.source == "probe" for f in own) else "script"
-    return verdict("confirmed", lines + found.evidence, found.refutes, source=source)
+    observed = any(f.source == "probe" for f in own)
+    confirmed = verdict(
+        "confirmed", lines + found.evidence, found.refutes, source="probe" if observed else "script"
+    )
+    confirmed.from_job = observed
+    return confirmed
 
 
 def finding_line(i: Inputs, finding: Finding) -> str:
