@@ -78,7 +78,48 @@ def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -
                 misses.append({"id": item["id"], "want": item["causes"], "got": ranked[:3]})
         report[run] = {key: round(value / len(queries), 4) for key, value in totals.items()}
     report["misses"] = misses
+    report["by_lang"] = top1_by_lang(queries, fused_rankings(per_query))
+    report["confidence"] = confidence_report(engine, queries)
     return report
+
+
+def top1_by_lang(queries: list[dict], rankings: list[list[str]]) -> dict[str, dict]:
+    """Fused top-1 per question language (Chinese must do as well as English)."""
+    from assistant.i18n import detect_lang
+
+    groups: dict[str, list[float]] = {}
+    for item, ranked in zip(queries, rankings):
+        lang = detect_lang(item["query"][:20_000])
+        groups.setdefault(lang, []).append(score_ranking(ranked, item["causes"])["top1"])
+    return {
+        lang: {"queries": len(hits), "top1": round(sum(hits) / len(hits), 4)}
+        for lang, hits in sorted(groups.items())
+    }
+
+
+def confidence_report(engine, queries: list[dict]) -> dict[str, dict]:
+    """Per confidence level, as `ask --no-probe` states it: how many answers, how many right.
+
+    "high" must be right at least 9 times in 10 on reports it has never seen.
+    """
+    from assistant.pipeline import Pipeline, Question
+
+    pipeline = Pipeline(engine=engine)
+    levels: dict[str, list[float]] = {}
+    for item in queries:
+        result = pipeline.ask(Question(item["query"], top=5))
+        ranked = [cause.id for cause in result.causes]
+        levels.setdefault(result.confidence or "none", []).append(
+            score_ranking(ranked, item["causes"])["top1"]
+        )
+    return {
+        level: {
+            "answers": len(hits),
+            "share": round(len(hits) / len(queries), 4),
+            "top1": round(sum(hits) / len(hits), 4),
+        }
+        for level, hits in sorted(levels.items())
+    }
 
 
 def format_report(report: dict) -> str:
@@ -86,6 +127,13 @@ def format_report(report: dict) -> str:
     for run in RUNS:
         m = report[run]
         lines.append(f"{run:10} {m['top1']:6.3f} {m['recall3']:9.3f} {m['mrr']:6.3f}")
+    for lang, row in report.get("by_lang", {}).items():
+        lines.append(f"fused top-1 in {lang}: {row['top1']:.3f} ({row['queries']} queries)")
+    for level, row in report.get("confidence", {}).items():
+        lines.append(
+            f"confidence {level:6} {row['answers']:4d} answers ({row['share']:.0%}), "
+            f"first cause right {row['top1']:.3f}"
+        )
     if report["misses"]:
         lines.append(f"fused misses ({len(report['misses'])}):")
         lines += [f"  {m['id']}: want {m['want']} got {m['got']}" for m in report["misses"]]
