@@ -105,6 +105,7 @@ REAL_SETS = [
     "real_reports_holdout2.jsonl",
     "real_reports_holdout3.jsonl",
     "real_reports_holdout4.jsonl",
+    "real_reports_holdout5.jsonl",
 ]
 
 
