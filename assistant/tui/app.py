@@ -402,6 +402,7 @@ class ChatApp(LocalizedBindings, ToolActions, HistoryActions, App[None]):
         # Exits that bypass action_quit (app.exit(), signals) still must not
         # leave a torchrun process group behind when the thread dies with us.
         self.stop_probes_now()
+        self.deps.pipeline.close()
 
     # -- causes -------------------------------------------------------------------------------
 

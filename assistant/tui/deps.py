@@ -47,6 +47,8 @@ class Asking(Protocol):
         cancel: threading.Event | None = None,
     ) -> Result: ...
 
+    def close(self) -> None: ...
+
 
 class KnowledgeBase(Protocol):
     """Loading and maintaining the knowledge side (assistant.tui.services.Knowledge)."""

@@ -32,6 +32,10 @@ UI: dict[str, dict[str, str]] = {
         "en": "⟦pasted text #{number}: {lines} lines, {size}⟧",
         "zh": "⟦粘贴的文本 #{number}：{lines} 行，{size}⟧",
     },
+    "input.large_paste_one_line": {
+        "en": "⟦pasted text #{number}: one line, {size}⟧",
+        "zh": "⟦粘贴的文本 #{number}：1 行，{size}⟧",
+    },
     "welcome": {
         "en": (
             "Paste the error from your failing job (one line or the whole multi-rank log) "

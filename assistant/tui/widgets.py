@@ -71,11 +71,12 @@ class ChatInput(LocalizedBindings, TextArea):
             return  # TextArea inserts it
         event.prevent_default()
         event.stop()
+        lines = line_count(event.text)
         token = tr(
-            "input.large_paste",
+            "input.large_paste" if lines != 1 else "input.large_paste_one_line",
             self.lang,
             number=len(self.attachments) + 1,
-            lines=f"{line_count(event.text):,}",
+            lines=f"{lines:,}",
             size=human_size(len(event.text)),
         )
         self.attachments[token] = event.text

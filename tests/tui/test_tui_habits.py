@@ -46,6 +46,14 @@ async def test_a_5700_line_paste_is_labelled_with_its_real_line_count(newline):
         assert "5,700 lines" in app.query_one(ChatInput).text
 
 
+async def test_a_huge_one_line_paste_says_one_line():
+    app = fake_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        app.post_message(events.Paste("x" * (LARGE_PASTE_CHARS + 1)))
+        await pilot.pause()
+        assert "one line, 200 KB" in app.query_one(ChatInput).text
+
+
 async def test_the_chinese_palette_finds_a_command_by_its_english_name():
     app = fake_app(lang="zh")
     async with app.run_test(size=(100, 30)) as pilot:
