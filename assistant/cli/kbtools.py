@@ -96,7 +96,9 @@ def kb_new(cause_id, report, out, model):
     click.echo(f"wrote {path}")
     show_root_and_signature(draft)
     show_nearest(nearest)
-    click.echo("next: write every TODO, then `assistant kb lint` and `assistant kb eval --by-cause`")
+    click.echo(
+        "next: write every TODO, then `assistant kb lint` and `assistant kb eval --by-cause`"
+    )
 
 
 def show_root_and_signature(draft) -> None:
@@ -106,7 +108,9 @@ def show_root_and_signature(draft) -> None:
         click.echo(f"signature:  {draft.signature}")
         click.echo(f"  matches:  {draft.matched}")
     else:
-        click.echo("signature:  none proposed (no exception line); write one if the report has an error line")
+        click.echo(
+            "signature:  none proposed (no exception line); write one if the report has an error line"
+        )
 
 
 def nearest_causes(report: str, model: str | None) -> list:
@@ -155,14 +159,18 @@ def kb_import_thread(file, thread_id, out, model):
         extra = f"  advice={answer.advice}" if answer.advice else ""
         extra += f"  contradicts={','.join(answer.contradicts)}" if answer.contradicts else ""
         click.echo(f"  {answer.id} [{answer.lang}] {claims}{extra}")
-    click.echo("next: review claims, advice and contradictions, set each stance, then `assistant kb lint`")
+    click.echo(
+        "next: review claims, advice and contradictions, set each stance, then `assistant kb lint`"
+    )
 
 
 def check_thread_id(thread_id: str) -> None:
     from assistant.knowledge.kb import ID_PATTERN
 
     if not re.match(ID_PATTERN, thread_id):
-        raise UserError(f"invalid thread id {thread_id!r}: use lowercase words joined by '-' (--id)")
+        raise UserError(
+            f"invalid thread id {thread_id!r}: use lowercase words joined by '-' (--id)"
+        )
 
 
 @click.command("site")
@@ -191,4 +199,4 @@ def kb_site(out):
     click.echo(report.summary())
 
 
-__all__ = ["kb_new", "kb_import_thread", "kb_site"]
+__all__ = ["kb_import_thread", "kb_new", "kb_site"]

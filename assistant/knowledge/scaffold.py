@@ -47,10 +47,16 @@ VARIABLE_PARTS = [
     ("bracketed-host", r"(?<=\[)[^\]\s/]+(?=\]:\d)", r"[^\]]+"),
     ("host-port-pair", r"(?<=\()[A-Za-z0-9][\w.-]*(?=, \d+\))", r"[\w.-]+"),
     ("named-host", r"(?<=\b(?:host|node)[ =:])[A-Za-z0-9][\w.-]*", r"[\w.-]+"),
-    ("hex-id", r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{5,}\b", r"[0-9a-f]+"),
+    (
+        "hex-id",
+        r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{5,}\b",
+        r"[0-9a-f]+",
+    ),
     ("number", r"(?<![A-Za-z_])\d+", r"\d+"),
 ]
-_VARIABLE = re.compile("|".join(f"(?P<{name.replace('-', '_')}>{rx})" for name, rx, _ in VARIABLE_PARTS))
+_VARIABLE = re.compile(
+    "|".join(f"(?P<{name.replace('-', '_')}>{rx})" for name, rx, _ in VARIABLE_PARTS)
+)
 _REPLACEMENT = {name.replace("-", "_"): pattern for name, _, pattern in VARIABLE_PARTS}
 _REGEX_SPECIAL = re.compile(r"([.^$*+?{}\[\]\\|()])")
 
@@ -82,7 +88,9 @@ class CauseDraft:
 def check_new_id(cause_id: str) -> str:
     """The id, or a UserError when it is not lowercase words joined by '-'."""
     if not re.match(ID_PATTERN, cause_id or ""):
-        raise UserError(f"invalid id {cause_id!r}: use lowercase words joined by '-', e.g. nccl-bus-clash")
+        raise UserError(
+            f"invalid id {cause_id!r}: use lowercase words joined by '-', e.g. nccl-bus-clash"
+        )
     return cause_id
 
 
@@ -168,7 +176,11 @@ def yaml_field(key: str, value) -> str:
     """One `key: value` entry as YAML (Unicode kept, multi-line text as a block)."""
     return yaml.dump(
         # Never folded: a signature or symptom stays one line, as it was written.
-        {key: value}, Dumper=_Dumper, allow_unicode=True, sort_keys=False, width=1_000_000
+        {key: value},
+        Dumper=_Dumper,
+        allow_unicode=True,
+        sort_keys=False,
+        width=1_000_000,
     ).rstrip("\n")
 
 
@@ -186,13 +198,20 @@ def render_cause_yaml(
         f"# Root error: {found[:200]}".rstrip(),
         "# `assistant kb lint` fails until every TODO below is written.",
         yaml_field("id", cause_id),
-        *(todo_field(key, TODO_TEXT[key]) for key in ("title", "title_zh", "summary", "summary_zh", "why")),
+        *(
+            todo_field(key, TODO_TEXT[key])
+            for key in ("title", "title_zh", "summary", "summary_zh", "why")
+        ),
     ]
     if signature:
-        lines += ["# Proposed from the root error; matches the report. Check it is not too broad.",
-                  yaml_field("signatures", [signature])]
+        lines += [
+            "# Proposed from the root error; matches the report. Check it is not too broad.",
+            yaml_field("signatures", [signature]),
+        ]
     else:
-        lines.append("signatures: []  # TODO: no exception line in the report; add its error line as a regex")
+        lines.append(
+            "signatures: []  # TODO: no exception line in the report; add its error line as a regex"
+        )
     if not has_cjk(symptom):
         lines.append("# TODO: add a symptom in Chinese (kb lint requires one).")
     lines += [

@@ -60,16 +60,51 @@ REMOVE_SET_DEVICE = re.compile(
 )
 # Each gives the order it recommends: device first ("before") or init first ("after").
 ORDER_RULES = [
-    (re.compile(rf"先\s*(?:torch\.cuda\.)?(?:{SET_DEVICE}).{{0,20}}?再.{{0,6}}(?:{INIT})", re.I), "before"),
-    (re.compile(rf"先\s*(?:{INIT}).{{0,20}}?再.{{0,6}}(?:{SET_DEVICE})", re.I), "after"),
-    (re.compile(rf"(?:{SET_DEVICE})\s*(?:放到|放在|移到|挪到)\s*(?:{INIT})\s*(?:后面|之后|后)", re.I), "after"),
-    (re.compile(rf"(?:{SET_DEVICE})\s*(?:放到|放在|移到|挪到)\s*(?:{INIT})\s*(?:前面|之前|前)", re.I), "before"),
-    (re.compile(rf"(?:{INIT})\s*(?:之前|前面|以前)[^。]{{0,12}}(?:{SET_DEVICE})", re.I), "before"),
-    (re.compile(rf"(?:{INIT})\s*(?:之后|后面|以后)[^。]{{0,12}}(?:{SET_DEVICE})", re.I), "after"),
-    (re.compile(r"set_device\b[^.]{0,30}\bbefore\b[^.]{0,20}init_process_group", re.I), "before"),
-    (re.compile(r"set_device\b[^.]{0,30}\bafter\b[^.]{0,20}init_process_group", re.I), "after"),
-    (re.compile(r"init_process_group\b[^.]{0,30}\bbefore\b[^.]{0,20}set_device", re.I), "after"),
-    (re.compile(r"init_process_group\b[^.]{0,30}\bafter\b[^.]{0,20}set_device", re.I), "before"),
+    (
+        re.compile(
+            rf"先\s*(?:torch\.cuda\.)?(?:{SET_DEVICE}).{{0,20}}?再.{{0,6}}(?:{INIT})", re.IGNORECASE
+        ),
+        "before",
+    ),
+    (re.compile(rf"先\s*(?:{INIT}).{{0,20}}?再.{{0,6}}(?:{SET_DEVICE})", re.IGNORECASE), "after"),
+    (
+        re.compile(
+            rf"(?:{SET_DEVICE})\s*(?:放到|放在|移到|挪到)\s*(?:{INIT})\s*(?:后面|之后|后)",
+            re.IGNORECASE,
+        ),
+        "after",
+    ),
+    (
+        re.compile(
+            rf"(?:{SET_DEVICE})\s*(?:放到|放在|移到|挪到)\s*(?:{INIT})\s*(?:前面|之前|前)",
+            re.IGNORECASE,
+        ),
+        "before",
+    ),
+    (
+        re.compile(rf"(?:{INIT})\s*(?:之前|前面|以前)[^。]{{0,12}}(?:{SET_DEVICE})", re.IGNORECASE),
+        "before",
+    ),
+    (
+        re.compile(rf"(?:{INIT})\s*(?:之后|后面|以后)[^。]{{0,12}}(?:{SET_DEVICE})", re.IGNORECASE),
+        "after",
+    ),
+    (
+        re.compile(r"set_device\b[^.]{0,30}\bbefore\b[^.]{0,20}init_process_group", re.IGNORECASE),
+        "before",
+    ),
+    (
+        re.compile(r"set_device\b[^.]{0,30}\bafter\b[^.]{0,20}init_process_group", re.IGNORECASE),
+        "after",
+    ),
+    (
+        re.compile(r"init_process_group\b[^.]{0,30}\bbefore\b[^.]{0,20}set_device", re.IGNORECASE),
+        "after",
+    ),
+    (
+        re.compile(r"init_process_group\b[^.]{0,30}\bafter\b[^.]{0,20}set_device", re.IGNORECASE),
+        "before",
+    ),
 ]
 ADVICE_FOR_ORDER = {"before": "set-device-before-init", "after": "set-device-after-init"}
 # Advice about where set_device goes is a claim about this cause, whatever retrieval says.
@@ -185,7 +220,10 @@ def propose_contradictions(answers: list[AnswerDraft]) -> None:
         answer.contradicts = [
             other.id
             for other in answers
-            if other is not answer and answer.advice and other.advice and other.advice != answer.advice
+            if other is not answer
+            and answer.advice
+            and other.advice
+            and other.advice != answer.advice
         ]
 
 
@@ -218,12 +256,18 @@ def _indented(block: str, prefix: str = "  ") -> str:
 
 
 def render_answer(answer: AnswerDraft) -> str:
-    lines = [f"- id: {answer.id}", _indented(yaml_field("lang", answer.lang)), _indented(yaml_field("text", answer.text))]
+    lines = [
+        f"- id: {answer.id}",
+        _indented(yaml_field("lang", answer.lang)),
+        _indented(yaml_field("text", answer.text)),
+    ]
     if answer.claims:
         lines.append("  claims:  # proposed by retrieval: keep the ones the answer really makes")
         lines += [f"  - {c.cause_id}  # confidence {c.confidence:.2f}" for c in answer.claims]
     else:
-        lines.append("  claims: []  # retrieval found no cause with confidence; add any the answer makes")
+        lines.append(
+            "  claims: []  # retrieval found no cause with confidence; add any the answer makes"
+        )
     lines.append("  stance: unverified")
     if answer.advice:
         lines.append(f"  advice: {answer.advice}  # proposed from the answer's wording")
@@ -233,7 +277,9 @@ def render_answer(answer: AnswerDraft) -> str:
     return "\n".join(lines)
 
 
-def render_thread_yaml(thread_id: str, thread: ParsedThread, answers: list[AnswerDraft], source: str) -> str:
+def render_thread_yaml(
+    thread_id: str, thread: ParsedThread, answers: list[AnswerDraft], source: str
+) -> str:
     """The thread file: the text verbatim, the proposals marked as proposals."""
     header = [
         f"# Imported by `assistant kb import-thread` from {source}; {len(answers)} answers.",
@@ -264,6 +310,10 @@ def draft_thread(text: str, thread_id: str, ranker: CauseRanker, source: str = "
     if not parsed.question:
         raise UserError("the thread is empty: give a text file with the question and its answers")
     if not parsed.answers:
-        raise UserError("the thread has no answers: separate the question and each answer by a blank line")
+        raise UserError(
+            "the thread has no answers: separate the question and each answer by a blank line"
+        )
     answers = draft_answers(parsed, ranker)
-    return ThreadDraft(thread_id, parsed, answers, render_thread_yaml(thread_id, parsed, answers, source))
+    return ThreadDraft(
+        thread_id, parsed, answers, render_thread_yaml(thread_id, parsed, answers, source)
+    )
