@@ -121,7 +121,7 @@ def print_outcome(outcome) -> None:
         console.print(rank_line(rank), markup=False, highlight=False)
     if launch.hang is not None:
         console.print(f"hang: {launch.hang.summary}", markup=False, highlight=False, style="bold")
-    for line in launch.gpu:
+    for line in launch.flight + launch.gpu:
         console.print(line, markup=False, highlight=False)
     if outcome.result is not None:
         from assistant.cli.render import render_result

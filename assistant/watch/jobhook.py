@@ -21,6 +21,8 @@ and then, per process, in WATCH_DIR/procs/:
 - <pid>.progress  a counter that grows each time the main thread is seen
                   leaving a torch.distributed collective (or a backward pass,
                   where DDP's all_reduce runs): "a rank left a collective";
+- <pid>.fr.json   torch's flight recorder (the collectives this rank issued,
+                  NCCL or gloo), dumped when the watcher writes <pid>.fr-request;
 - <pid>.exit      written at a normal interpreter exit.
 
 It then imports the user's own sitecustomize, if any, so it stays invisible.
@@ -289,6 +291,46 @@ def _sample(main_id: int) -> None:
             except OSError:
                 return
         _note_rank()
+        _serve_flight_recorder()
+
+
+# --- the flight recorder, dumped on request ---------------------------------------
+
+# Dump functions of torch's flight recorder, newest name first (2.x releases
+# before the generic one had only the NCCL dump).
+FR_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+FR_KEEP = 20  # the last entries kept per dump: enough to see the collective each rank is at
+FR_KEYS = ("collective_seq_id", "p2p_seq_id", "profiling_name", "state", "process_group", "is_p2p")
+
+
+def _serve_flight_recorder() -> None:
+    """When the watcher asks (a <pid>.fr-request file), write the flight recorder's last entries.
+
+    Runs in the sampling thread: a main thread blocked in a collective has
+    released the GIL, so the dump is taken while the rank still waits.
+    """
+    request = _path(".fr-request")
+    if STATE.procs is None or not os.path.exists(request):
+        return
+    try:
+        os.unlink(request)
+        _write_json(".fr.json", flight_record())
+    except OSError:
+        return
+
+
+def flight_record() -> dict:
+    """The flight recorder's last entries in this process, or why there are none."""
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    dump = next((getattr(c10d, name) for name in FR_DUMPS if hasattr(c10d, name)), None)
+    if dump is None:
+        return {"available": False, "why": "this torch has no flight recorder"}
+    try:
+        entries = json.loads(dump()).get("entries") or []
+    except Exception as exc:  # noqa: BLE001 - any failure of the dump is reported, not raised
+        return {"available": False, "why": f"{type(exc).__name__}: {exc}"}
+    kept = [{key: entry.get(key) for key in FR_KEYS} for entry in entries[-FR_KEEP:]]
+    return {"available": True, "entries": kept}
 
 
 # --- mp.spawn children ---------------------------------------------------------------

@@ -148,6 +148,7 @@ def question_text(launch: LaunchReport) -> str:
     if launch.hang is not None:
         lines = [f"The job hangs: {launch.hang.summary}."]
         lines += [finding.message for finding in launch.hang.findings]
+        lines += launch.flight
         return "\n".join(lines)
     text = launch.root_text.strip()
     if text:

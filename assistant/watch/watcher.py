@@ -35,13 +35,21 @@ from assistant.probing.processes import (
 )
 from assistant.results import RootError
 from assistant.watch import jobhook
+from assistant.watch.flight import LastCollective, compare, last_collective, with_buffer
 from assistant.watch.hang import HangAnalysis, RankPosition, analyse
 from assistant.watch.output import OnOutput, OutputTail
-from assistant.watch.records import JobRecords, ProcessRecord, progress_count, read_records
+from assistant.watch.records import (
+    JobRecords,
+    ProcessRecord,
+    progress_count,
+    read_json,
+    read_records,
+)
 from assistant.watch.stacks import Frame, innermost_user_frame, main_thread, parse_dump, waiting_in
 
 POLL_SECONDS = 0.1
 STACK_WAIT_SECONDS = 3.0  # how long a rank gets to write its stacks after the signal
+FLIGHT_WAIT_SECONDS = 2.0  # how long the ranks' sampling threads get to dump the flight recorder
 FORWARD_GRACE_SECONDS = 5.0  # a forwarded Ctrl-C/SIGTERM before TERM->KILL
 DEFAULT_HANG_AFTER = 600.0
 
@@ -70,6 +78,7 @@ class RankReport:
     where: Frame | None = None
     waiting_in: str | None = None
     stack: list[Frame] = field(default_factory=list)
+    last_collective: LastCollective | None = None  # from the flight recorder, at a hang
 
     def to_json(self) -> dict:
         error = (
@@ -82,6 +91,7 @@ class RankReport:
             "error": error,
             "where": self.where.to_json() if self.where else None,
             "waiting_in": self.waiting_in,
+            "last_collective": self.last_collective.to_json() if self.last_collective else None,
         }
 
 
@@ -101,6 +111,7 @@ class LaunchReport:
     quiet_seconds: float | None = None  # how long nothing progressed before a hang was declared
     cancelled: bool = False  # ended on request (cancel, or a signal seen from a worker thread)
     gpu: list[str] = field(default_factory=list)  # nvidia-smi lines taken at a hang
+    flight: list[str] = field(default_factory=list)  # the flight recorders compared, at a hang
 
     @property
     def failed(self) -> bool:
@@ -148,7 +159,7 @@ def prepare_log_dir(log_dir: Path) -> Path:
 
 def job_environment(base: dict[str, str], log_dir: Path, hook_dir: Path) -> dict[str, str]:
     """The user's environment plus the hook: first on PYTHONPATH, pointed at the log folder."""
-    env = dict(base)
+    env = with_buffer(dict(base))
     existing = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(hook_dir) + (os.pathsep + existing if existing else "")
     env[jobhook.WATCH_DIR_VAR] = str(log_dir)
@@ -195,15 +206,16 @@ class Watch:
         try:
             self._start()
             end = self._wait()
-            positions, gpu = {}, []
+            stacks, flight, gpu = {}, {}, []
             if end == "hung":
-                positions = self._take_stacks()
+                stacks = self._take_stacks()
+                flight = self._flight_records(stacks)
                 gpu = gpu_snapshot(self.log_dir)
             if end == "cancelled":
                 self._forward(signal.SIGTERM)
             self.marked.stop()
             self.tail.poll()
-            report = self._report(end == "hung", positions, gpu, time.monotonic() - started)
+            report = self._report(end == "hung", stacks, flight, gpu, time.monotonic() - started)
             report.cancelled = end == "cancelled"
             return report
         except (KeyboardInterrupt, Terminated) as exc:
@@ -294,15 +306,37 @@ class Watch:
                 stacks[record.pid] = thread.frames
         return stacks
 
+    def _flight_records(self, stacks: dict[int, list[Frame]]) -> dict[int, LastCollective]:
+        """Each live process's last collective, from its flight recorder (pid -> entry)."""
+        procs = Path(jobhook.procs_dir(str(self.log_dir)))
+        for pid in stacks:
+            (procs / f"{pid}.fr-request").touch()
+        deadline = time.monotonic() + FLIGHT_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            if all((procs / f"{pid}.fr.json").exists() for pid in stacks):
+                break
+            time.sleep(POLL_SECONDS)
+        found = {}
+        for pid in stacks:
+            entry = last_collective(read_json(procs / f"{pid}.fr.json"))
+            if entry is not None:
+                found[pid] = entry
+        return found
+
     # -- the report ---------------------------------------------------------------
 
-    def _report(self, hung, stacks, gpu, seconds) -> LaunchReport:
+    def _report(self, hung, stacks, flight, gpu, seconds) -> LaunchReport:
         records = read_records(self.log_dir)
         code = None if hung else exit_status(self.marked.process.returncode)
         ranks = [self._rank(records, r, stacks, hung) for r in records.ranks]
         ranks += [self._rank(records, r, stacks, hung) for r in records.rankless_workers]
+        for rank in ranks:
+            rank.last_collective = flight.get(rank.pid)
         report = LaunchReport(
             self.command, code, hung, self.log_dir, ranks, seconds=seconds, gpu=gpu
+        )
+        report.flight = compare(
+            {r.rank: r.last_collective for r in ranks if r.rank is not None and r.last_collective}
         )
         if hung:
             report.quiet_seconds = self.quiet_seconds

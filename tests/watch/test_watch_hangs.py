@@ -52,6 +52,7 @@ def test_a_rank_stuck_outside_any_collective_is_the_straggler(tmp_path, engine, 
     assert (ranks[1]["where"]["line"], ranks[1]["where"]["function"]) == (10, "slow_preprocessing")
     assert outcome.launch.hang.odd_ranks == [1]
     assert first_confirmed(outcome).id == "collective-timeout"
+    assert "rank(s) 1 never issued collective #1" in outcome.launch.flight[-1]
     assert any(
         "rank 1 is the straggler" in line for line in outcome.result.causes[0].verdict.evidence
     )
@@ -65,6 +66,10 @@ def test_a_collective_only_rank_zero_issues_is_a_mismatch(tmp_path, engine, outp
     assert (ranks[1]["waiting_in"], ranks[1]["where"]["line"]) == ("barrier", 15)
     assert outcome.launch.hang.odd_ranks == [0]
     assert first_confirmed(outcome).id == "collective-mismatch"
+    # torch's flight recorder (on for the job) says the same: collective #1 differs.
+    assert ranks[0]["last_collective"]["op"].endswith("all_reduce")
+    assert ranks[1]["last_collective"]["op"].endswith("barrier")
+    assert any("a mismatch" in line for line in outcome.launch.flight)
 
 
 def test_a_rank_that_runs_out_of_batches_is_uneven_inputs(tmp_path, engine, output):

@@ -172,3 +172,43 @@ def test_a_log_dir_in_use_is_refused(tmp_path):
     with pytest.raises(UserError, match="not empty"):
         prepare_log_dir(tmp_path)
     shutil.rmtree(tmp_path)
+
+
+def test_flight_recorders_compared_show_a_mismatch_and_a_rank_behind():
+    from assistant.watch.flight import LastCollective, compare, last_collective, with_buffer
+
+    dump = {
+        "available": True,
+        "entries": [
+            {
+                "collective_seq_id": 3,
+                "profiling_name": "nccl:all_reduce",
+                "state": "completed",
+                "process_group": ["0", "default_pg"],
+                "is_p2p": False,
+            },
+            {
+                "collective_seq_id": 0,
+                "profiling_name": "nccl:send",
+                "state": "started",
+                "process_group": ["0", "default_pg"],
+                "is_p2p": True,
+            },
+        ],
+    }
+    assert last_collective(dump) == LastCollective(3, "nccl:all_reduce", "completed")
+    assert last_collective({"available": True, "entries": []}).seq == 0
+    assert last_collective({"available": False, "why": "old torch"}) is None
+    lines = compare(
+        {
+            0: LastCollective(4, "nccl:all_reduce", "started"),
+            1: LastCollective(4, "nccl:barrier", "started"),
+            2: LastCollective(3, "nccl:all_reduce", "completed"),
+        }
+    )
+    assert "collective #4 is nccl:all_reduce vs nccl:barrier on different ranks" in lines[3]
+    assert lines[4] == "flight recorder: rank(s) 2 never issued collective #4"
+    assert with_buffer({})["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert with_buffer({"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}) == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "10"
+    }

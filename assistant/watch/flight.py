@@ -1,0 +1,83 @@
+"""torch's flight recorder at a hang: the last collective each rank issued, compared.
+
+The flight recorder numbers every collective a rank issues on a process
+group (collective_seq_id). At a hang, ranks at the same number with
+different operations issued mismatched collectives; a rank at a lower
+number is behind the others. This is what PyTorch's own flight-recorder
+analyser reports, taken here on demand from the live ranks (see jobhook),
+for NCCL and, on recent torch, gloo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# torch reads this (and the older TORCH_NCCL_TRACE_BUFFER_SIZE) when a group
+# is created; `assistant run` sets it for the job unless the user did.
+BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+BUFFER_ENTRIES = "2000"
+
+
+@dataclass(frozen=True)
+class LastCollective:
+    """The last collective a rank issued on the default group, per its flight recorder."""
+
+    seq: int
+    op: str
+    state: str
+
+    def to_json(self) -> dict:
+        return {"seq": self.seq, "op": self.op, "state": self.state}
+
+
+def with_buffer(env: dict[str, str]) -> dict[str, str]:
+    """The job's environment with the flight recorder on (the user's own setting wins)."""
+    if any(env.get(name) for name in BUFFER_VARS):
+        return env
+    return {**env, BUFFER_VARS[0]: BUFFER_ENTRIES}
+
+
+NONE_YET = LastCollective(0, "none", "none")  # a recorder that saw no collective yet
+
+
+def last_collective(record: dict | None) -> LastCollective | None:
+    """The last non-p2p entry of a rank's dump on the default group (id "0").
+
+    None when there is no recorder to read; NONE_YET when it saw no collective.
+    """
+    if not record or not record.get("available"):
+        return None
+    for entry in reversed(record.get("entries") or []):
+        group = entry.get("process_group") or ["0"]
+        if entry.get("is_p2p") or str(group[0]) != "0":
+            continue
+        return LastCollective(
+            int(entry.get("collective_seq_id") or 0),
+            str(entry.get("profiling_name") or "?"),
+            str(entry.get("state") or "?"),
+        )
+    return NONE_YET
+
+
+def compare(last: dict[int, LastCollective]) -> list[str]:
+    """One line per rank, then what the numbers say (mismatch, or who is behind)."""
+    if not last:
+        return []
+    lines = [
+        f"flight recorder: rank {rank} issued collective #{c.seq} {c.op} ({c.state})"
+        if c.seq
+        else f"flight recorder: rank {rank} issued no collective yet"
+        for rank, c in sorted(last.items())
+    ]
+    top = max(c.seq for c in last.values())
+    behind = sorted(rank for rank, c in last.items() if c.seq < top)
+    ops_at_top = {c.op for c in last.values() if c.seq == top}
+    if len(ops_at_top) > 1:
+        lines.append(
+            f"flight recorder: collective #{top} is {' vs '.join(sorted(ops_at_top))} "
+            "on different ranks: a mismatch"
+        )
+    if behind:
+        names = ", ".join(str(rank) for rank in behind)
+        lines.append(f"flight recorder: rank(s) {names} never issued collective #{top}")
+    return lines
