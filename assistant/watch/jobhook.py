@@ -8,9 +8,10 @@ and then, per process, in WATCH_DIR/procs/:
 
 - <pid>.json      who the process is: pid, parent, host, rank variables, its
                   main thread, later the rank torch.distributed gave it;
-- <pid>.out/.err  its stdout and stderr (fd 1 and 2 are redirected here; the
-                  watcher streams them to the terminal unchanged as they grow,
-                  and they survive a SIGKILL of the process);
+- <pid>.out/.err  its stdout and stderr (fd 1 and 2 are redirected here when
+                  they were the launch's own output; the watcher streams them
+                  to the terminal unchanged as they grow, and they survive a
+                  SIGKILL of the process);
 - <pid>.error.json the exception that ended it, as data (type, message,
                   traceback frames), from sys.excepthook, threading.excepthook
                   and mp.spawn's own wrapper (which never reaches excepthook);
@@ -397,11 +398,38 @@ def _after_fork_in_child() -> None:
     STATE.procs = None
 
 
-def _redirect_output() -> None:
+def _redirect_output(watch_dir: str) -> None:
+    """Send fd 1 and 2 to this process's own files, when they were coming to the watcher anyway.
+
+    Output the launcher sent elsewhere (torchrun --redirects/--log-dir, srun's
+    pipes) stays where the user's launch put it.
+    """
     for fd, suffix in ((1, ".out"), (2, ".err")):
+        if not _watched(fd, watch_dir):
+            continue
         target = os.open(_path(suffix), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(target, fd)
         os.close(target)
+
+
+def _watched(fd: int, watch_dir: str) -> bool:
+    """Whether fd is the launch's own output file or a parent's per-process file."""
+    try:
+        mine = os.fstat(fd)
+    except OSError:
+        return False
+    for name in ("launch.out", "launch.err"):
+        try:
+            launch = os.stat(os.path.join(watch_dir, name))
+        except OSError:
+            continue
+        if (launch.st_dev, launch.st_ino) == (mine.st_dev, mine.st_ino):
+            return True
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return os.path.dirname(target) == os.path.realpath(STATE.procs)
 
 
 def install(watch_dir: str) -> None:
@@ -422,7 +450,7 @@ def install(watch_dir: str) -> None:
         "started": time.time(),
         "stack_signal": None,
     }
-    _redirect_output()
+    _redirect_output(watch_dir)
     if STACK_SIGNAL is not None:
         STATE.stack_file = open(_path(".stacks"), "ab")  # noqa: SIM115 - open for faulthandler until exit
         faulthandler.register(STACK_SIGNAL, file=STATE.stack_file, all_threads=True)

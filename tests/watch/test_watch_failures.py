@@ -78,3 +78,12 @@ def test_a_busy_master_port_fails_in_torchrun_and_probes_run_like_the_job(tmp_pa
     assert (first.id, first.verdict.verdict) == ("master-port-in-use", "confirmed")
     probes = outcome.to_json()["probes"]
     assert probes and all(p["status"] in ("ok", "failed", "not_applicable") for p in probes)
+
+
+def test_torchruns_own_redirects_are_kept_and_the_records_still_come(tmp_path, engine, output):
+    theirs = tmp_path / "torchrun-logs"
+    command = [*TORCHRUN, "--redirects", "3", "--log-dir", str(theirs)]
+    outcome = run([*command, str(SCRIPTS / "raises_on_rank_one.py")], tmp_path, engine, output)
+    assert (outcome.result.root_error.type, outcome.result.root_error.rank) == ("ValueError", 1)
+    (rank1_stderr,) = theirs.glob("*/attempt_0/1/stderr.log")
+    assert "ValueError: bad batch shape on rank one" in rank1_stderr.read_text()

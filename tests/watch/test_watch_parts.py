@@ -121,21 +121,20 @@ def test_the_probes_see_the_jobs_device_and_distributed_variables_only():
     assert probe_environment(env) == {k: v for k, v in env.items() if k != "HOME"}
 
 
-def _python_with_hook(hook_dir: Path, extra_path: Path, env_extra: dict) -> str:
+def _python_with_hook(hook_dir: Path, extra_path: Path, env_extra: dict, output=None) -> str:
+    """Run a python with the hook; its output captured, or into `output` (out, err) files."""
     env = {k: v for k, v in os.environ.items() if k != jobhook.WATCH_DIR_VAR}
     env.update(env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(hook_dir), str(extra_path)])
     code = "import sys, threading; print(sys.modules['sitecustomize'].__file__, threading.active_count())"
+    streams = (
+        {"capture_output": True} if output is None else dict(zip(("stdout", "stderr"), output))
+    )
     done = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        [sys.executable, "-c", code], env=env, text=True, timeout=60, check=False, **streams
     )
     assert done.returncode == 0, done.stderr
-    return done.stdout + done.stderr
+    return (done.stdout or "") + (done.stderr or "")
 
 
 def test_the_hook_chains_to_the_users_sitecustomize_and_is_idle_without_a_watch_dir(tmp_path):
@@ -156,13 +155,24 @@ def test_the_hook_records_the_process_and_still_chains(tmp_path):
     user = tmp_path / "user"
     user.mkdir()
     (user / "sitecustomize.py").write_text("import sys; sys.stderr.write('user hook\\n')\n")
-    printed = _python_with_hook(hook_dir, user, {jobhook.WATCH_DIR_VAR: str(log_dir)})
-    assert printed == ""  # the output went to the process's own files
+    with open(log_dir / "launch.out", "w") as out, open(log_dir / "launch.err", "w") as err:
+        _python_with_hook(hook_dir, user, {jobhook.WATCH_DIR_VAR: str(log_dir)}, (out, err))
+    # The launch's own output files stay empty: the process wrote to its own.
+    assert (log_dir / "launch.out").read_text() == (log_dir / "launch.err").read_text() == ""
     procs = log_dir / "procs"
     (out,) = procs.glob("*.out")
     assert "user hook" in out.with_suffix(".err").read_text()
     assert str(user / "sitecustomize.py") in out.read_text()
     assert (procs / f"{out.stem}.json").exists() and (procs / f"{out.stem}.exit").exists()
+
+
+def test_output_the_launcher_sent_elsewhere_stays_there(tmp_path):
+    log_dir = tmp_path / "logs"
+    hook_dir = prepare_log_dir(log_dir)
+    printed = _python_with_hook(hook_dir, tmp_path, {jobhook.WATCH_DIR_VAR: str(log_dir)})
+    assert "sitecustomize.py" in printed  # a pipe of its own (srun, --redirects): untouched
+    assert not list((log_dir / "procs").glob("*.out"))
+    assert len(list((log_dir / "procs").glob("*.json"))) == 1  # recorded all the same
 
 
 def test_a_log_dir_in_use_is_refused(tmp_path):
