@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from assistant.i18n import pick
+
 VerdictValue = Literal["confirmed", "ruled_out", "inconclusive", "not_applicable", "not_run"]
 ProbeStatus = Literal["ok", "failed", "timeout", "not_applicable", "error", "interrupted"]
 # Where a verdict comes from: a probe on this machine, the error text itself,
@@ -201,11 +203,7 @@ class CauseDoc:
 
     def text(self, name: str, lang: str = "en") -> str:
         """A text field in `lang`: the `_zh` variant for Chinese when it exists."""
-        if lang == "zh":
-            translated = getattr(self, f"{name}_zh", "")
-            if translated:
-                return translated
-        return getattr(self, name)
+        return pick(getattr(self, name), getattr(self, f"{name}_zh", ""), lang)
 
 
 @dataclass
@@ -253,11 +251,7 @@ class CauseResult:
 
     def text(self, name: str, lang: str = "en") -> str:
         """title / summary / fix in `lang`: the Chinese text where the KB has one."""
-        if lang == "zh":
-            translated = getattr(self, f"{name}_zh", "")
-            if translated:
-                return translated
-        return getattr(self, name)
+        return pick(getattr(self, name), getattr(self, f"{name}_zh", ""), lang)
 
     def to_json(self, lang: str = "en") -> dict:
         """The contract's `causes[*]` entry (keys and order fixed by DESIGN.md)."""

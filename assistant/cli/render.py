@@ -17,7 +17,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from assistant.i18n import STRINGS, t
+from assistant.i18n import STRINGS, here_outcome, short, source_words, t, verdict_label
 from assistant.results import AnswerRef, CauseResult, ProbeRun, Result
 
 VERDICT_STYLE = {
@@ -47,10 +47,6 @@ STRINGS.update(
             "en": "Machine check: every cause judged by probes on this machine (no question asked)",
             "zh": "本机检查：用本机探针逐一判断每个原因（未提供问题）",
         },
-        "confidence": {"en": "Confidence", "zh": "把握"},
-        "confidence.high": {"en": "high", "zh": "高"},
-        "confidence.medium": {"en": "medium", "zh": "中"},
-        "confidence.low": {"en": "low", "zh": "低"},
         "decide": {
             "en": "To tell the leading causes apart, add",
             "zh": "要区分这几个原因，请补充",
@@ -66,33 +62,8 @@ STRINGS.update(
             "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
         },
         "verdict_col": {"en": "verdict", "zh": "结论"},
-        "judged.confirmed.probe": {"en": "confirmed on this machine", "zh": "本机探针确认"},
-        "judged.confirmed.error": {"en": "the error says so", "zh": "报错本身表明"},
-        "judged.confirmed.script": {"en": "found in your script", "zh": "脚本中发现"},
-        "judged.ruled_out.probe": {"en": "ruled out on this machine", "zh": "本机探针排除"},
-        "judged.ruled_out.error": {"en": "ruled out by the error", "zh": "报错可排除"},
-        "judged.ruled_out.script": {"en": "ruled out by your script", "zh": "脚本可排除"},
-        "judged.inconclusive": {"en": "inconclusive", "zh": "无法判断"},
-        "judged.not_applicable": {"en": "not applicable here", "zh": "本机不适用"},
-        "judged.not_run": {"en": "not checked", "zh": "未检查"},
-        "evidence.probe": {"en": "Tested on this machine", "zh": "本机探针结果"},
-        "evidence.error": {"en": "From the error text", "zh": "来自报错文本"},
-        "evidence.script": {"en": "From your script", "zh": "来自你的脚本"},
-        "evidence.none": {"en": "Evidence", "zh": "证据"},
-        "here.confirmed_here": {"en": "confirmed on this machine", "zh": "本机证实"},
-        "here.refuted_here": {"en": "refuted on this machine", "zh": "本机否定"},
     }
 )
-
-
-def verdict_words(cause: CauseResult, lang: str) -> str:
-    """A verdict with its source, in words a person cannot misread."""
-    verdict, source = cause.verdict.verdict, cause.verdict.source
-    if verdict in ("confirmed", "ruled_out") and source:
-        return t(f"judged.{verdict}.{source}", lang)
-    if verdict in ("confirmed", "ruled_out"):
-        return t(f"verdict.{verdict}", lang)
-    return t(f"judged.{verdict}", lang)
 
 
 def render_result(result: Result, console: Console, full: bool = False) -> None:
@@ -124,11 +95,11 @@ def render_machine_check(result: Result, console: Console) -> None:
     table = Table(expand=False, show_edge=False)
     table.add_column("id", no_wrap=True)
     table.add_column(t("verdict_col", lang), no_wrap=True)
-    table.add_column(t("evidence.none", lang), overflow="fold")
+    table.add_column(t("evidence", lang), overflow="fold")
     for cause in judged:
         table.add_row(
             cause.id,
-            Text(verdict_words(cause, lang), style=VERDICT_STYLE[cause.verdict.verdict]),
+            Text(verdict_label(cause, lang), style=VERDICT_STYLE[cause.verdict.verdict]),
             "; ".join(cause.verdict.evidence) or "-",
         )
     console.print(table)
@@ -149,8 +120,7 @@ def _heading(result: Result, lang: str) -> Text:
 
 def _confidence(result: Result, lang: str) -> Text:
     level = result.confidence or "low"
-    text = Text(f"{t('confidence', lang)}: ", style="bold")
-    text.append(t(f"confidence.{level}", lang), style=CONFIDENCE_STYLE[level])
+    text = Text(t(f"confidence.{level}", lang), style=CONFIDENCE_STYLE[level])
     if result.decide:
         text.append(f"\n{t('decide', lang)}:", style="bold")
         for item in result.decide:
@@ -168,7 +138,7 @@ def _cause_table(causes: list[CauseResult], lang: str) -> Table:
         table.add_row(
             str(position),
             cause.id,
-            Text(verdict_words(cause, lang), style=VERDICT_STYLE[cause.verdict.verdict]),
+            Text(verdict_label(cause, lang), style=VERDICT_STYLE[cause.verdict.verdict]),
             f"{cause.score:.2f}",
         )
     return table
@@ -178,8 +148,8 @@ def _cause_panel(position: int, cause: CauseResult, lang: str, full: bool) -> Pa
     parts: list = [Text(f"{position}. {cause.text('title', lang)}", style="bold")]
     parts.append(Text(cause.text("summary", lang)))
     if cause.verdict.evidence:
-        header = t(f"evidence.{cause.verdict.source or 'none'}", lang)
-        parts.append(Text(f"\n{header}:", style="bold"))
+        header = source_words(cause.verdict.source, lang) or t("evidence", lang)
+        parts.append(Text(f"\n{header[:1].upper()}{header[1:]}:", style="bold"))
         for line in cause.verdict.evidence:
             parts.append(Text(f"  • {line}", style=VERDICT_STYLE[cause.verdict.verdict]))
     answers = cause.answers if full else cause.answers[:SHORT_ANSWERS]
@@ -196,16 +166,17 @@ def _cause_panel(position: int, cause: CauseResult, lang: str, full: bool) -> Pa
 
 def answer_lines(answer: AnswerRef, lang: str) -> list[Text]:
     """A community answer: its stance, what this machine showed, the question it answered."""
-    preview = _shorten(answer.text, ANSWER_PREVIEW)
+    preview = short(answer.text, ANSWER_PREVIEW)
     line = Text("  ")
     line.append(f"[{t('stance.' + answer.stance, lang)}]", style=STANCE_STYLE.get(answer.stance))
-    if answer.here:
-        line.append(f" [{t('here.' + answer.here, lang)}]", style=HERE_STYLE[answer.here])
+    here = here_outcome(answer)
+    if here:
+        line.append(f" · {t('here.' + here, lang)}", style=HERE_STYLE[here])
     line.append(f" {preview}")
     line.append(f"  ({answer.thread}#{answer.answer_id})", style="dim")
     lines = [line]
     if answer.question and answer.stance != "right":
-        asked = _shorten(answer.question, QUESTION_PREVIEW)
+        asked = short(answer.question, QUESTION_PREVIEW)
         lines.append(Text(f"      {t('given_to', lang)}: {asked}", style="dim"))
     if answer.note:
         lines.append(Text(f"      {answer.note}", style="italic dim"))
@@ -214,11 +185,6 @@ def answer_lines(answer: AnswerRef, lang: str) -> list[Text]:
             Text(f"      ↔ {t('contradicts', lang)} {', '.join(answer.contradicts)}", "magenta")
         )
     return lines
-
-
-def _shorten(text: str, limit: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def probe_seconds(seconds: float) -> str:
