@@ -47,12 +47,15 @@ VARIABLE_PARTS = [
     ("bracketed-host", r"(?<=\[)[^\]\s/]+(?=\]:\d)", r"[^\]]+"),
     ("host-port-pair", r"(?<=\()[A-Za-z0-9][\w.-]*(?=, \d+\))", r"[\w.-]+"),
     ("named-host", r"(?<=\b(?:host|node)[ =:])[A-Za-z0-9][\w.-]*", r"[\w.-]+"),
+    ("hex-address", r"\b0x[0-9a-fA-F]+\b", r"0x[0-9a-f]+"),
+    # bus ids, uuids: hex digits with at least one letter and one digit
     (
         "hex-id",
-        r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{5,}\b",
+        r"\b(?=[0-9a-fA-F]*\d)(?=[0-9a-fA-F]*[a-fA-F])[0-9a-fA-F]{5,}\b",
         r"[0-9a-f]+",
     ),
-    ("number", r"(?<![A-Za-z_])\d+", r"\d+"),
+    # a count or id, not a digit inside a name (c10d, sm_80); "10000ms" still counts
+    ("number", r"(?<![A-Za-z_\d])\d+", r"\d+"),
 ]
 _VARIABLE = re.compile(
     "|".join(f"(?P<{name.replace('-', '_')}>{rx})" for name, rx, _ in VARIABLE_PARTS)
