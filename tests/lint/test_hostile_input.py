@@ -204,9 +204,12 @@ def test_cli_lint_of_hostile_input_is_one_line_and_exit_2(tmp_path: Path, name: 
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("what", ["missing", "directory"])
+@pytest.mark.parametrize("what", ["missing", "directory", "too big"])
 def test_cli_lint_of_no_script_is_one_line_and_exit_2(tmp_path: Path, what: str) -> None:
-    path = tmp_path / "train.py" if what == "missing" else tmp_path
+    path = tmp_path / "train.py" if what != "directory" else tmp_path
+    if what == "too big":
+        with path.open("wb") as out:
+            out.truncate(MAX_SCRIPT_BYTES + 1)
     result = CliRunner().invoke(main, ["lint", str(path)])
     assert result.exit_code == ExitCode.USAGE
     assert len(result.stderr.strip().splitlines()) == 1
@@ -230,3 +233,11 @@ def test_cli_ask_with_a_hostile_script_is_one_line_and_exit_2(tmp_path: Path) ->
     assert result.exit_code == ExitCode.USAGE
     assert "nested too deeply" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_chat_lints_through_the_same_function_and_gets_one_line(tmp_path: Path) -> None:
+    # The chat's worker shows any exception as one line; it must be the UserError.
+    from assistant.tui import services
+
+    path = write(tmp_path, long_sum())
+    assert "nested too deeply" in one_line_error(lambda: services.lint_script(str(path)))
