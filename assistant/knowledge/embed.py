@@ -21,6 +21,7 @@ import hashlib
 import os
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,6 +45,9 @@ DEVICE = "cpu"
 # Tokens embedded per text. The first 128 tokens of an error or a KB paragraph
 # carry what matters, and they cost half of MiniLM's 256 on a small CPU.
 MAX_TOKENS = 128
+# Single texts whose vectors are kept: a chat follow-up re-embeds the earlier
+# turns as context, and `kb eval` asks every query twice (signals, confidence).
+RECENT_QUERIES = 256
 
 # (model fingerprint, folder) of graph exports that failed in this process: a
 # second Embedder of the same model (a new engine in the chat, a test) does not
@@ -118,6 +122,7 @@ class Embedder:
         self._model = None  # the SentenceTransformer, loaded only when needed
         self._fast: OnnxEncoder | None = None
         self._decided = False  # whether the graph was tried: once per Embedder
+        self._recent: OrderedDict = OrderedDict()  # text -> its vector (one row)
         self._lock = threading.RLock()
 
     # -- the sentence-transformers model -----------------------------------------
@@ -214,7 +219,7 @@ class Embedder:
                 problem = f"damaged ({type(exc).__name__})"
                 continue
             if cosine >= MIN_COSINE:
-                self._fast = encoder
+                self._use(encoder)
                 return None
             problem = f"damaged (cosine {cosine:.4f} with the model's recorded vectors)"
         return problem
@@ -277,8 +282,12 @@ class Embedder:
             return GraphCheck(False, str(exc))
         except Exception as exc:  # noqa: BLE001 - wrong inputs or shapes: not this model's graph
             return GraphCheck(False, f"the graph cannot run: {type(exc).__name__}")
-        self._fast = encoder if check.ok else None
+        self._use(encoder if check.ok else None)
         return check
+
+    def _use(self, encoder: OnnxEncoder | None) -> None:
+        self._fast = encoder
+        self._recent.clear()  # vectors of the other backend: equal, but not from this one
 
     def _tokenizer_settings(self) -> TokenizerSettings:
         return TokenizerSettings.of_model(self.model_dir, MAX_TOKENS)
@@ -295,7 +304,9 @@ class Embedder:
         import numpy as np
 
         with self._lock:
-            if len(texts) <= batch_size:  # a query: one batch, nothing to order
+            if len(texts) == 1:
+                return self._encode_one(texts[0]).copy()
+            if len(texts) <= batch_size:  # one batch, nothing to order
                 return self._encode(texts, batch_size)
             order = self._longest_first(texts)
             vectors = None
@@ -306,6 +317,18 @@ class Embedder:
                     vectors = np.empty((len(texts), batch.shape[1]), dtype=np.float32)
                 vectors[picked] = batch
             return vectors
+
+    def _encode_one(self, text: str):
+        """A query's vector, from the recent ones when it was embedded lately."""
+        vector = self._recent.get(text)
+        if vector is None:
+            vector = self._encode([text], 1)
+            self._recent[text] = vector
+            if len(self._recent) > RECENT_QUERIES:
+                self._recent.popitem(last=False)
+        else:
+            self._recent.move_to_end(text)
+        return vector
 
     def _encode(self, texts: list[str], batch_size: int):
         import numpy as np

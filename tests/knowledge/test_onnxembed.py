@@ -217,3 +217,16 @@ def test_the_recorded_check_round_trips_and_bad_records_are_none(recorded):
     assert again == recorded
     assert GraphCheck.from_json("") is None and GraphCheck.from_json("{not json") is None
     assert len(CHECK_TEXTS) > len(recorded.texts)  # the long text is checked at build only
+
+
+def test_a_repeated_query_is_embedded_once(fast, monkeypatch):
+    calls: list[list[str]] = []
+    real = OnnxEncoder.encode
+    monkeypatch.setattr(
+        OnnxEncoder, "encode", lambda self, texts: calls.append(texts) or real(self, texts)
+    )
+    text = "a question asked twice: why does my DDP job hang at barrier?"
+    first, again = fast.encode([text]), fast.encode([text])
+    assert np.array_equal(first, again) and calls == [[text]]
+    again[0, 0] += 1  # callers may change what they get
+    assert np.array_equal(fast.encode([text]), first)
