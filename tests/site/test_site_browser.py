@@ -13,7 +13,7 @@ import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import HOSTILE_ID, HOSTILE_TITLE, REPO_KB, make_hostile_team
+from kbsite_hostile import HOSTILE_ID, HOSTILE_TITLE, REPO_KB, make_hostile_team
 
 from assistant.knowledge.kb import load_kb
 from assistant.site.build import build_site

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import HOSTILE_ID, HOSTILE_THREAD_ID, REPO_KB
+from kbsite_hostile import HOSTILE_ID, HOSTILE_THREAD_ID, REPO_KB
 
 from assistant.cli import main
 from assistant.knowledge.kb import load_kb
