@@ -64,6 +64,24 @@ LAUNCHER_VARS = (
 )
 LAUNCHER_PREFIXES = ("TORCHELASTIC_", "PET_")  # PET_* are torchrun's option defaults
 
+# --- multi-node: what each node was told, handed to probes/nodes.py -------------
+
+# The nodes probe is not part of PROBE_ORDER: it needs every node of a job in
+# one c10d rendezvous (`assistant doctor --nnodes N ...`), never the
+# single-machine batch launch.
+NODES_PROBE = "nodes"
+NODE_RANK_ENV = "PROBE_NODE_RANK"  # the node rank this node was given (--node-rank)
+NNODES_ENV = "PROBE_NNODES"  # how many nodes this node was told the job has
+NPROC_TOLD_ENV = "PROBE_NPROC_PER_NODE"  # ranks per node this node was told
+MASTER_ADDR_TOLD_ENV = "PROBE_MASTER_ADDR"  # the job's master endpoint, as told
+MASTER_PORT_TOLD_ENV = "PROBE_MASTER_PORT"
+RDZV_ENDPOINT_ENV = "PROBE_RDZV_ENDPOINT"  # HOST:PORT of the c10d rendezvous store
+# Seconds a node waits for the others' facts at each exchange step.
+EXCHANGE_TIMEOUT_ENV = "PROBE_EXCHANGE_TIMEOUT"
+DEFAULT_EXCHANGE_TIMEOUT = 20.0
+# The keys the nodes exchange their facts under, in the rendezvous store.
+NODES_KEY_PREFIX = "ddp-assistant/nodes"
+
 # --- the probes -----------------------------------------------------------------
 
 # The order of one batch launch (run_probes.py): probes that touch no process
@@ -456,6 +474,65 @@ class SetDeviceOrderFacts(Facts):
     variants: dict[str, VariantRun] = field(default_factory=dict, metadata={"parse": _variant_runs})
 
 
+@dataclass
+class NodeCollective(Facts):
+    """One backend's cross-node all_reduce as one node saw it.
+
+    result: ok | wrong_result | failed | skipped; gbps is the algorithm
+    bandwidth (bytes reduced / seconds, in GB/s) of the timed rounds.
+    """
+
+    result: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    seconds: float | None = None
+    megabytes: float | None = None
+    gbps: float | None = None
+
+
+@dataclass
+class NodeFacts(Facts):
+    """What one node of a multi-node job reported about itself and its peers."""
+
+    node_rank: int | None = None  # as told (--node-rank); None when not given
+    group_rank: int | None = None  # the rank torchrun's rendezvous gave it
+    hostname: str | None = None
+    # boot id + network namespace: nodes with the same one share a network
+    # stack, so loopback between them works (two agents on one machine).
+    network_id: str | None = None
+    hostname_addresses: list = field(default_factory=list)
+    hostname_error: str | None = None
+    hostname_loopback: bool | None = None
+    interfaces: list = field(default_factory=list)  # as _probekit.interfaces()
+    env: dict = field(default_factory=dict)  # GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
+    gloo_selected: list | None = None
+    nccl_selected: list = field(default_factory=list)
+    versions: dict = field(default_factory=dict)  # torch, torch_cuda, nccl, driver, ...
+    gpus: int = 0
+    told: dict = field(default_factory=dict)  # nnodes, nproc_per_node, world_size, master_*
+    master: dict = field(default_factory=dict)  # resolved, resolve_error, loopback, connect
+    worker_store: dict = field(default_factory=dict)  # the MASTER_ADDR:PORT torchrun gave
+    listen_port: int | None = None
+    # peer group rank (as a string) -> {address: "ok" | "refused" | "timeout" | error}
+    reach: dict = field(default_factory=dict)
+    gloo: NodeCollective | None = field(default=None, metadata=_one(NodeCollective))
+    nccl: NodeCollective | None = field(default=None, metadata=_one(NodeCollective))
+
+
+@dataclass
+class NodesFacts(Facts):
+    """nodes: every node's facts, as each node gathered them over the rendezvous."""
+
+    node_rank: int | None = None  # this node's, as told
+    expected_nnodes: int | None = None
+    group_world_size: int | None = None  # nodes that completed the rendezvous
+    rendezvous: str | None = None  # HOST:PORT
+    nodes: list[NodeFacts] = field(default_factory=list, metadata=_many(NodeFacts))
+    missing: list = field(default_factory=list)  # node ranks told but never joined
+    # group ranks that joined the rendezvous but whose facts never arrived
+    silent: list = field(default_factory=list)
+
+
 FACTS_TYPES: dict[str, type[Facts]] = {
     "launch_env": LaunchEnvFacts,
     "devices": DevicesFacts,
@@ -464,6 +541,7 @@ FACTS_TYPES: dict[str, type[Facts]] = {
     "rendezvous": RendezvousFacts,
     "set_device_order": SetDeviceOrderFacts,
     "backend": BackendFacts,
+    NODES_PROBE: NodesFacts,
 }
 
 

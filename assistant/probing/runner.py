@@ -294,6 +294,10 @@ class ProbeRunner:
         env.update(self.env)
         return env
 
+    def probe_env(self, facts_dir: Path) -> dict[str, str]:
+        """The environment a probe launch gets (multinode.py starts its own launch)."""
+        return self._launch_env(facts_dir, None)
+
     def _launch_env(self, facts_dir: Path, variant: str | None) -> dict[str, str]:
         """The user's environment, with torchrun's own variables handed over as PROBE_USER_*."""
         env = self._user_env()

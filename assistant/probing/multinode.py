@@ -1,0 +1,341 @@
+"""`assistant doctor` across nodes: the nodes probe through torchrun's own rendezvous.
+
+Every node runs the doctor with the same arguments as the training job;
+each starts one torchrun launch of probes/nodes.py with one process:
+
+    python -m torch.distributed.run --nnodes 1:N --nproc-per-node 1
+        --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ddp-assistant-doctor
+        --rdzv-conf join_timeout=T+15,last_call_timeout=T,read_timeout=T+15 probes/nodes.py
+
+`--nnodes 1:N` is what makes a missing node visible: torchrun ends the
+rendezvous when all N have joined, or T seconds after the first did (its
+last call), and the nodes that came then name the node ranks that did not.
+A node that cannot reach the endpoint, or comes after the round closed,
+gets torchrun's own error after T seconds. A deadline (T plus the probe's
+budget) and the marked process-group kill (processes.py) end anything left.
+
+    plan = NodesPlan.from_options(nnodes=2, node_rank=0, master_addr="node-1",
+                                  master_port=29500, join_timeout=60)
+    runner = NodesRunner(ProbeRunner(), plan)   # .run(names) as ProbeRunner's
+    run = runner.run_nodes()                    # the "nodes" ProbeRun alone
+
+Standard library only (plus assistant.results / errors / config).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from assistant.config import probes_dir
+from assistant.errors import UserError
+from assistant.probing import processes
+from assistant.probing.protocol import (
+    EXCHANGE_TIMEOUT_ENV,
+    MASTER_ADDR_TOLD_ENV,
+    MASTER_PORT_TOLD_ENV,
+    NNODES_ENV,
+    NODE_RANK_ENV,
+    NODES_PROBE,
+    NPROC_TOLD_ENV,
+    RDZV_ENDPOINT_ENV,
+)
+from assistant.probing.records import log_tail
+from assistant.probing.runner import ProbeRunner, ProgressEvent
+from assistant.results import ProbeRun
+
+DEFAULT_PORT = 29500  # torchrun's default master port
+DEFAULT_JOIN_TIMEOUT = 60.0
+RDZV_ID = "ddp-assistant-doctor"
+# After the rendezvous: interpreter start, facts, three exchange steps and
+# the collectives, each bounded inside the probe; this is the outer bound.
+AFTER_JOIN_SECONDS = 150.0
+EXCHANGE_SECONDS = 20.0
+JOIN_MARGIN_SECONDS = 15.0
+POLL_SECONDS = 0.1
+# torchrun's rendezvous errors, as its log names them.
+RDZV_ERRORS = re.compile(r"(Rendezvous\w*Error|DistStoreError|TimeoutError)[:(].*")
+
+
+@dataclass(frozen=True)
+class NodesPlan:
+    """What every node of the job was told: node count, this node's rank, the endpoint."""
+
+    nnodes: int
+    node_rank: int
+    rdzv_host: str
+    rdzv_port: int
+    master_addr: str
+    master_port: int
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT
+    nproc_per_node: int | None = None  # ranks per node the job uses (None: the runner's)
+    source: str = "options"  # "options" | "slurm"
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.rdzv_host}]" if ":" in self.rdzv_host else self.rdzv_host
+        return f"{host}:{self.rdzv_port}"
+
+    @classmethod
+    def from_options(
+        cls,
+        nnodes: int | None,
+        node_rank: int | None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        rdzv_endpoint: str | None = None,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        nproc_per_node: int | None = None,
+        source: str = "options",
+    ) -> NodesPlan:
+        """The plan from doctor's options; a UserError names what is missing or wrong."""
+        if nnodes is None or nnodes < 1:
+            raise UserError("--nnodes must be a positive number of nodes")
+        if node_rank is None:
+            raise UserError("--node-rank is needed with --nnodes (0 to nnodes-1)")
+        if not 0 <= node_rank < nnodes:
+            raise UserError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+        if join_timeout <= 0:
+            raise UserError("--join-timeout must be a positive number of seconds")
+        if rdzv_endpoint:
+            host, port = parse_endpoint(rdzv_endpoint)
+        elif master_addr:
+            host, port = master_addr, master_port or DEFAULT_PORT
+        else:
+            raise UserError("give --master-addr (and --master-port) or --rdzv-endpoint HOST:PORT")
+        if not 0 < port < 65536:
+            raise UserError(f"port {port} is not a TCP port")
+        return cls(
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_host=host,
+            rdzv_port=port,
+            master_addr=master_addr or host,
+            master_port=master_port or port,
+            join_timeout=float(join_timeout),
+            nproc_per_node=nproc_per_node,
+            source=source,
+        )
+
+    @classmethod
+    def from_slurm(
+        cls,
+        env: Mapping[str, str],
+        master_addr: str | None = None,
+        master_port: int | None = None,
+        join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+        nproc_per_node: int | None = None,
+    ) -> NodesPlan:
+        """The plan from srun's SLURM_* variables (one doctor per node).
+
+        The master is --master-addr, else MASTER_ADDR, else the first host
+        of the job's node list, as Slurm launch scripts usually pick it.
+        """
+        nnodes = _int(env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES"))
+        node_rank = _int(env.get("SLURM_NODEID"))
+        if nnodes is None or node_rank is None:
+            raise UserError(
+                "--slurm needs SLURM_NNODES and SLURM_NODEID: run it under srun, "
+                "e.g. srun --ntasks-per-node=1 assistant doctor --slurm"
+            )
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        addr = master_addr or env.get("MASTER_ADDR") or first_host(nodelist)
+        if not addr:
+            raise UserError("--slurm found no node list (SLURM_JOB_NODELIST) and no MASTER_ADDR")
+        port = master_port or _int(env.get("MASTER_PORT")) or DEFAULT_PORT
+        return cls.from_options(
+            nnodes, node_rank, addr, port, None, join_timeout, nproc_per_node, source="slurm"
+        )
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """HOST:PORT (or [IPv6]:PORT) -> (host, port); no port means torchrun's 29500."""
+    match = re.fullmatch(
+        r"\[(?P<v6>[^\]]+)\](?::(?P<p6>\d+))?|(?P<host>[^:\s]+)(?::(?P<port>\d+))?", text.strip()
+    )
+    if not match:
+        raise UserError(f"--rdzv-endpoint {text!r} is not HOST:PORT")
+    host = match.group("v6") or match.group("host")
+    port = match.group("p6") or match.group("port")
+    return host, int(port) if port else DEFAULT_PORT
+
+
+def first_host(nodelist: str) -> str | None:
+    """The first host of a Slurm node list: 'gpu[03-05,9],cpu1' -> 'gpu03'."""
+    first = re.match(r"\s*([^,\[]*)(\[([^\]]*)\])?([^,]*)", nodelist)
+    if not first or not (first.group(1) or first.group(3)):
+        return None
+    prefix, ranges, suffix = first.group(1), first.group(3), first.group(4)
+    if ranges is None:
+        return prefix + suffix
+    start = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{start}{suffix}"
+
+
+class NodesRunner:
+    """Runs the nodes probe across the job's nodes, then this node's own probes.
+
+    Has ProbeRunner's run(names, on_progress, cancel), so Pipeline.doctor
+    uses it unchanged: the runs it returns are this node's probes plus one
+    "nodes" run whose record holds every node's facts. local=False runs
+    only the nodes probe.
+    """
+
+    def __init__(self, runner: ProbeRunner, plan: NodesPlan, local: bool = True):
+        self.runner = runner
+        self.plan = plan
+        self.local = local
+
+    def run(
+        self,
+        names: list[str],
+        on_progress: Callable[[ProgressEvent], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[ProbeRun]:
+        nodes = self.run_nodes(on_progress, cancel)
+        stopped = (cancel is not None and cancel.is_set()) or processes.stop_requested()
+        local = self.runner.run(names, on_progress, cancel) if self.local and not stopped else []
+        return local + [nodes]
+
+    def run_nodes(
+        self,
+        on_progress: Callable[[ProgressEvent], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> ProbeRun:
+        """One torchrun launch of probes/nodes.py on this node; its outcome as a ProbeRun."""
+        began = time.monotonic()
+        _report(on_progress, ProgressEvent(NODES_PROBE, "started", 0.0))
+        with processes.tracked_folder("ddp-nodes-") as workdir:
+            run = self._launch(workdir, cancel)
+        _report(
+            on_progress,
+            ProgressEvent(NODES_PROBE, "finished", time.monotonic() - began, run.status),
+        )
+        return run
+
+    def _launch(self, workdir: Path, cancel: threading.Event | None) -> ProbeRun:
+        facts_dir = workdir / "facts"
+        facts_dir.mkdir()
+        log_path = workdir / "launch.log"
+        started = time.monotonic()
+        with open(log_path, "wb") as log:
+            try:
+                launch = processes.start_marked(
+                    self.command(workdir / "torchelastic"),
+                    env=self.environment(facts_dir),
+                    cwd=workdir,
+                    stdout=log,
+                    stderr=log,
+                )
+            except OSError as exc:
+                return ProbeRun(NODES_PROBE, "error", 0.0, [], f"cannot start torchrun: {exc}")
+            try:
+                ending = self._wait(launch, started, cancel)
+            finally:
+                launch.stop()
+        seconds = time.monotonic() - started
+        return nodes_run(ending, _record(facts_dir), log_tail(log_path), seconds, self.plan)
+
+    def _wait(self, launch, started: float, cancel: threading.Event | None) -> str:
+        """ "exit", "timeout" or "cancelled": how the launch ended."""
+        deadline = started + self.plan.join_timeout + JOIN_MARGIN_SECONDS + AFTER_JOIN_SECONDS
+        while launch.poll() is None:
+            if (cancel is not None and cancel.is_set()) or processes.stop_requested():
+                return "cancelled"
+            if time.monotonic() > deadline:
+                return "timeout"
+            time.sleep(POLL_SECONDS)
+        return "exit"
+
+    def command(self, log_dir: Path) -> list[str]:
+        """The torchrun line: one process, the c10d rendezvous, elastic 1..N nodes."""
+        # last_call_timeout is the join timeout proper: how long the first node
+        # waits for the rest. join_timeout must outlast it, or torchrun fails
+        # the lone node instead of starting it with the nodes that came.
+        last_call = f"{self.plan.join_timeout:g}"
+        join = f"{self.plan.join_timeout + JOIN_MARGIN_SECONDS:g}"
+        return [
+            self.runner.python,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes=1:{self.plan.nnodes}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.plan.endpoint}",
+            f"--rdzv-id={RDZV_ID}",
+            f"--rdzv-conf=join_timeout={join},last_call_timeout={last_call},read_timeout={join}",
+            "--max-restarts=0",
+            f"--log-dir={log_dir}",
+            str(probes_dir() / f"{NODES_PROBE}.py"),
+        ]
+
+    def environment(self, facts_dir: Path) -> dict[str, str]:
+        """The probes' environment plus what this node was told."""
+        env = self.runner.probe_env(facts_dir)
+        env.update(
+            {
+                NODE_RANK_ENV: str(self.plan.node_rank),
+                NNODES_ENV: str(self.plan.nnodes),
+                NPROC_TOLD_ENV: str(self.plan.nproc_per_node or self.runner.nproc_per_node),
+                MASTER_ADDR_TOLD_ENV: self.plan.master_addr,
+                MASTER_PORT_TOLD_ENV: str(self.plan.master_port),
+                RDZV_ENDPOINT_ENV: self.plan.endpoint,
+                EXCHANGE_TIMEOUT_ENV: f"{EXCHANGE_SECONDS:g}",
+            }
+        )
+        return env
+
+
+def nodes_run(
+    ending: str, record: dict | None, tail: list[str], seconds: float, plan: NodesPlan
+) -> ProbeRun:
+    """The launch's outcome as the "nodes" ProbeRun (pure: tests feed it recorded pieces)."""
+    ranks = [record] if record else []
+    if record and record.get("status") in ("ok", "failed"):
+        detail = "; ".join(record.get("problems") or []) or record.get("summary") or ""
+        return ProbeRun(NODES_PROBE, record["status"], seconds, ranks, detail)
+    if ending == "cancelled":
+        return ProbeRun(NODES_PROBE, "interrupted", seconds, ranks, "stopped")
+    if ending == "timeout":
+        limit = plan.join_timeout + JOIN_MARGIN_SECONDS + AFTER_JOIN_SECONDS
+        return ProbeRun(NODES_PROBE, "timeout", seconds, ranks, f"no answer within {limit:g} s")
+    if record and record.get("status") == "error":
+        return ProbeRun(NODES_PROBE, "error", seconds, ranks, record.get("reason") or "")
+    return ProbeRun(NODES_PROBE, "error", seconds, ranks, join_failure(tail, plan))
+
+
+def join_failure(tail: list[str], plan: NodesPlan) -> str:
+    """Why torchrun ended before the probe wrote anything, in one line."""
+    found = next((m.group(0) for line in reversed(tail) if (m := RDZV_ERRORS.search(line))), None)
+    reason = found or (tail[-1] if tail else "torchrun ended without output")
+    return (
+        f"node {plan.node_rank} could not join the rendezvous at {plan.endpoint} "
+        f"within {plan.join_timeout:g} s: {reason[:300]}"
+    )
+
+
+def _record(facts_dir: Path) -> dict | None:
+    """This node's nodes-probe record (one process per node, so one file)."""
+    for path in sorted(facts_dir.glob(f"{NODES_PROBE}.rank*.json")):
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _report(callback, event: ProgressEvent) -> None:
+    if callback is not None:
+        callback(event)
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
