@@ -1,0 +1,155 @@
+"""A bilingual term bridge: Chinese words of the DDP domain -> the English the KB uses.
+
+The embedding model is English-only and most KB text is English, so a
+Chinese question ("多卡训练卡住了") shares few tokens and little meaning
+with the cause that answers it ("hangs with several GPUs"). The bridge
+lists how people say DDP things in Chinese and the English words for them;
+a query is expanded with the English words of the Chinese terms it holds,
+for the lexical and the dense signal alike.
+
+The list is data, kept with the KB (`kb/bridge.yaml`) so that a maintainer
+edits it in a pull request like a cause; a team layer may add its own
+`bridge.yaml` (later layers add to and override earlier ones).
+
+Terms are found by greedy longest match over each run of Chinese text, so
+"卡住" (hang) wins over "卡" inside it and "显存不足" (OOM) over "显存".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from assistant.errors import UserError
+
+BRIDGE_FILE = "bridge.yaml"
+MAX_TERM_CHARS = 8  # a longer key would be a phrase from one report, not a term
+_CJK_RUN = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]+")
+_CJK_ONLY = re.compile(r"^[\u3400-\u9fff\uf900-\ufaff]+$")
+_LATIN = re.compile(r"[A-Za-z]")
+
+
+@dataclass(frozen=True)
+class Bridge:
+    """Chinese term -> English words, with the longest key length for matching."""
+
+    terms: dict[str, tuple[str, ...]]
+
+    @property
+    def longest(self) -> int:
+        return max((len(key) for key in self.terms), default=0)
+
+    def found(self, text: str) -> list[str]:
+        """The bridge's Chinese terms in `text`, in order, longest match first."""
+        longest = self.longest
+        hits: list[str] = []
+        for run in _CJK_RUN.findall(text):
+            start = 0
+            while start < len(run):
+                for size in range(min(longest, len(run) - start), 0, -1):
+                    if run[start : start + size] in self.terms:
+                        hits.append(run[start : start + size])
+                        start += size
+                        break
+                else:
+                    start += 1
+        return hits
+
+    def english(self, text: str) -> list[str]:
+        """The English words for the Chinese terms in `text`, each once, in order."""
+        words = (word for term in self.found(text) for word in self.terms[term])
+        return list(dict.fromkeys(words))
+
+    def expand(self, text: str) -> str:
+        """`text` followed by the English of its Chinese terms (unchanged when none)."""
+        words = self.english(text)
+        return f"{text}\n{' '.join(words)}" if words else text
+
+
+EMPTY = Bridge({})
+
+
+def parse_bridge(data: object, source: str) -> dict[str, tuple[str, ...]]:
+    """Validate one bridge file's content; a UserError names the first problem."""
+    if not isinstance(data, dict) or set(data) != {"terms"} or not isinstance(data["terms"], dict):
+        raise UserError(f"{source}: expected one key, `terms`, mapping Chinese terms to English")
+    terms: dict[str, tuple[str, ...]] = {}
+    for key, value in data["terms"].items():
+        where = f"{source}: term {key!r}"
+        if not isinstance(key, str) or not _CJK_ONLY.match(key):
+            raise UserError(f"{where}: a key must be Chinese characters only")
+        if len(key) > MAX_TERM_CHARS:
+            raise UserError(f"{where}: longer than {MAX_TERM_CHARS} characters; bridge terms, not phrases")
+        words = [value] if isinstance(value, str) else value
+        if not isinstance(words, list) or not words:
+            raise UserError(f"{where}: give the English as a string or a non-empty list")
+        for word in words:
+            if not isinstance(word, str) or not _LATIN.search(word) or _CJK_RUN.search(word):
+                raise UserError(f"{where}: {word!r} is not English text")
+        if len(set(words)) != len(words):
+            raise UserError(f"{where}: an English word is listed twice")
+        terms[key] = tuple(w.strip() for w in words)
+    return terms
+
+
+def read_bridge_file(path: Path) -> dict[str, tuple[str, ...]]:
+    """One layer's bridge file, validated (an absent file is an empty bridge)."""
+    import yaml
+
+    if not path.is_file():
+        return {}
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read the term bridge: {exc}") from None
+    except yaml.YAMLError as exc:  # its text spans lines; one line names the place
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or "parse error"
+        raise UserError(f"{where}: the term bridge is not valid YAML ({problem})") from None
+    return parse_bridge(data, str(path))
+
+
+def _unique_key_loader():
+    """A SafeLoader that refuses a key given twice (YAML would keep the last one silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice", key_node.start_mark
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
+def load_bridge(layers: Path | Sequence[Path]) -> Bridge:
+    """The bridge of a KB: every layer's `bridge.yaml`, later layers overriding."""
+    roots = [layers] if isinstance(layers, (str, Path)) else list(layers)
+    return _load_cached(tuple(_stamp(Path(root) / BRIDGE_FILE) for root in roots))
+
+
+def _stamp(path: Path) -> tuple[str, float]:
+    """A file and its modification time: an edited bridge is read again."""
+    try:
+        return str(path), path.stat().st_mtime
+    except OSError:
+        return str(path), 0.0
+
+
+@lru_cache(maxsize=8)
+def _load_cached(stamps: tuple[tuple[str, float], ...]) -> Bridge:
+    merged: dict[str, tuple[str, ...]] = {}
+    for path, _ in stamps:
+        merged.update(read_bridge_file(Path(path)))
+    return Bridge(merged)
+

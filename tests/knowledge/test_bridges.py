@@ -1,0 +1,76 @@
+"""The Chinese -> English term bridge: its file, its matching, and what it does to retrieval."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from assistant.clean import clean_log
+from assistant.errors import UserError
+from assistant.knowledge.bridges import BRIDGE_FILE, Bridge, load_bridge, read_bridge_file
+from assistant.knowledge.textsearch import search_tokens
+
+REPO = Path(__file__).resolve().parents[2]
+BAD = Path(__file__).resolve().parents[1] / "data" / "bridge"
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Bridge:
+    return Bridge(read_bridge_file(REPO / "kb" / BRIDGE_FILE))
+
+
+def test_the_shipped_bridge_is_valid_and_covers_the_domain(shipped):
+    assert len(shipped.terms) >= 60
+    for term in ("显存", "卡住", "端口", "超时", "进程组", "初始化", "通信", "节点", "网卡", "共享内存"):
+        assert term in shipped.terms, term
+
+
+def test_every_bridge_word_is_a_word_the_index_holds(shipped, engine):
+    """A bridge entry none of whose English the KB uses cannot help the lexical signal."""
+    vocabulary = engine._retriever.index.token_df
+    useless = [
+        term
+        for term, english in shipped.terms.items()
+        if not any(token in vocabulary for word in english for token in search_tokens(word))
+    ]
+    assert not useless
+
+
+@pytest.mark.parametrize("bad", sorted(p.name for p in BAD.glob("*.yaml")))
+def test_each_broken_bridge_file_is_refused_in_one_line(bad):
+    with pytest.raises(UserError) as caught:
+        read_bridge_file(BAD / bad)
+    assert "\n" not in str(caught.value) and bad in str(caught.value)
+
+
+def test_the_longest_term_wins_where_terms_overlap():
+    bridge = Bridge({"卡住": ("hang",), "显存": ("GPU memory",), "显存不足": ("OOM",), "号卡": ("GPU",)})
+    assert bridge.found("训练到一半卡住了，0号卡显存不足") == ["卡住", "号卡", "显存不足"]
+    assert bridge.english("显存不足，显存不足") == ["OOM"]
+
+
+def test_expand_adds_english_only_when_a_term_is_found():
+    bridge = Bridge({"端口": ("port",), "超时": ("timeout", "timed out")})
+    assert bridge.expand("端口连接超时") == "端口连接超时\nport timeout timed out"
+    assert bridge.expand("NCCL error: unhandled system error") == "NCCL error: unhandled system error"
+
+
+def test_later_layers_add_terms_and_override_earlier_ones(tmp_path):
+    base, team = tmp_path / "base", tmp_path / "team"
+    base.mkdir(), team.mkdir()
+    (base / BRIDGE_FILE).write_text("terms:\n  显卡: GPU\n  端口: port\n", encoding="utf-8")
+    (team / BRIDGE_FILE).write_text("terms:\n  显卡: [graphics card]\n  集群: cluster\n", encoding="utf-8")
+    bridge = load_bridge([base, team, tmp_path / "no-such-layer"])
+    assert bridge.terms == {"显卡": ("graphics card",), "端口": ("port",), "集群": ("cluster",)}
+
+
+def test_an_edited_bridge_file_is_read_again(tmp_path):
+    path = tmp_path / BRIDGE_FILE
+    path.write_text("terms:\n  显卡: GPU\n", encoding="utf-8")
+    assert load_bridge(tmp_path).terms == {"显卡": ("GPU",)}
+    path.write_text("terms:\n  显卡: GPU\n  端口: port\n", encoding="utf-8")
+    import os
+
+    os.utime(path, (1, 1))  # a new stamp even within the file system's time resolution
+    assert load_bridge(tmp_path).terms == {"显卡": ("GPU",), "端口": ("port",)}
