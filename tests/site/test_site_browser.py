@@ -11,6 +11,8 @@ import functools
 import shutil
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from kbsite_hostile import HOSTILE_ID, HOSTILE_TITLE, REPO_KB, make_hostile_team
@@ -30,6 +32,12 @@ CHROMIUM_FLAGS = [
     "--disable-dev-shm-usage",
 ]
 WAIT_S = 10
+
+
+class Served(NamedTuple):
+    url: str  # the site's root, served on 127.0.0.1
+    kb: object
+    out: Path  # the folder, for file:// pages
 
 
 def chromium_paths() -> tuple[str, str]:
@@ -55,7 +63,7 @@ def served_site(tmp_path_factory):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/", kb
+    yield Served(f"http://127.0.0.1:{server.server_address[1]}/", kb, out)
     server.shutdown()
     server.server_close()
 
@@ -103,7 +111,7 @@ def search(driver, text: str):
 def test_index_renders_every_cause(browser, served_site):
     from selenium.webdriver.common.by import By
 
-    url, kb = served_site
+    url, kb, _ = served_site
     browser.get(url + "index.html")
     assert browser.find_element(By.TAG_NAME, "h1").text == "DDP failure knowledge base"
     assert len(browser.find_elements(By.CSS_SELECTOR, "#cause-list > li")) == len(kb.causes)
@@ -113,7 +121,7 @@ def test_index_renders_every_cause(browser, served_site):
 def test_search_then_follow_the_link(browser, served_site):
     from selenium.webdriver.common.by import By
 
-    url, kb = served_site
+    url, kb, _ = served_site
     browser.get(url + "index.html")
     links = search(browser, "duplicate gpu")
     assert links[0].get_attribute("href") == url + "causes/duplicate-gpu-per-rank.html"
@@ -129,7 +137,7 @@ def test_search_then_follow_the_link(browser, served_site):
 def test_chinese_search_and_language_switch(browser, served_site):
     from selenium.webdriver.common.by import By
 
-    url, kb = served_site
+    url, kb, _ = served_site
     browser.get(url + "zh/index.html")
     links = search(browser, "找不到设备")
     assert all("/zh/" in link.get_attribute("href") for link in links)
@@ -143,7 +151,7 @@ def test_search_is_empty_for_nonsense_and_enter_opens_the_first(browser, served_
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
 
-    url, _ = served_site
+    url, _, _ = served_site
     browser.get(url + "threads/seed-000-ddp-cant-find-device.html")
     box = browser.find_element(By.ID, "search")
     box.send_keys("zzqxv-no-such-text")
@@ -158,7 +166,7 @@ def test_search_is_empty_for_nonsense_and_enter_opens_the_first(browser, served_
 def test_kb_text_with_script_stays_text(browser, served_site):
     from selenium.webdriver.common.by import By
 
-    url, _ = served_site
+    url, _, _ = served_site
     for page in (f"causes/{HOSTILE_ID}.html", f"zh/causes/{HOSTILE_ID}.html"):
         browser.get(url + page)
         assert browser.execute_script("return window.kbSitePwned") is None
@@ -169,3 +177,11 @@ def test_kb_text_with_script_stays_text(browser, served_site):
     assert any(HOSTILE_TITLE == link.text for link in links)
     assert browser.execute_script("return window.kbSitePwned") is None
     assert not browser.find_elements(By.CSS_SELECTOR, "main img, main iframe, #results script")
+
+
+def test_search_works_opened_from_disk(browser, served_site):
+    """No server at all: the index is a script, so file:// pages search too."""
+    out = served_site.out
+    browser.get((out / "causes" / "set-device-order.html").as_uri())
+    links = search(browser, "duplicate gpu")
+    assert links[0].get_attribute("href") == (out / "causes/duplicate-gpu-per-rank.html").as_uri()
