@@ -37,6 +37,9 @@ Submodules:
 - network: the rendezvous (master port, master endpoint);
 - versions: NCCL, driver, CUDA and GPU architecture versions;
 - system: shared memory, network interfaces, the OOM killer;
+- nodes: across the nodes of a multi-node job (`doctor --nnodes`): versions,
+  interfaces, host names, the master endpoint, sizes; it extends the judges
+  of those causes (and imports their areas first);
 - apply: apply_verdicts (pure; the reading order within a score margin,
   the answers under each cause) and probes_for.
 
@@ -49,7 +52,7 @@ assistant.knowledge.patterns).
 
 from __future__ import annotations
 
-from assistant.verdicts import backend, devices, launch, network, system, versions
+from assistant.verdicts import backend, devices, launch, network, nodes, system, versions
 from assistant.verdicts.apply import (
     VERDICT_MARGIN,
     apply_verdicts,
@@ -78,6 +81,7 @@ __all__ = [
     "judges",
     "launch",
     "network",
+    "nodes",
     "probes_for",
     "reading_order",
     "shown_answers",

@@ -1,0 +1,529 @@
+"""Cross-node verdicts: what the nodes of a multi-node job show about each other.
+
+The facts are the "nodes" run (`assistant doctor --nnodes N ...`, see
+assistant/probing/multinode.py and probes/nodes.py): one record whose
+NodesFacts lists every node that joined the rendezvous, each with its
+versions, host name, interfaces, what it was told, and which of the other
+nodes' addresses it reached.
+
+findings() is a pure function of those facts: every problem and every
+reassuring fact, each about one node (or the job), per cause. The causes
+below keep their single-machine verdict functions; with a nodes run present
+their judge is extended (extend_judge): a cross-node problem confirms the
+cause and names the node, otherwise the machine's own verdict stands with
+the cross-node facts added, and a cause the nodes cleared is ruled out.
+node_verdicts() gives each node its own verdicts for `doctor --json`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from assistant.probing.protocol import NODES_PROBE, NodeFacts, NodesFacts
+from assistant.results import ProbeRun, Verdict
+
+# The areas whose judges are extended here register them on import.
+from assistant.verdicts import launch, network, system, versions  # noqa: F401
+from assistant.verdicts.inputs import JUDGES, Inputs, Judge, verdict
+
+CROSS_NODE_CAUSES = (
+    "nccl-version-mismatch",
+    "network-interface",
+    "master-endpoint-mismatch",
+    "master-port-in-use",
+    "world-size-mismatch",
+)
+VERSION_KEYS = (("torch", "torch"), ("torch_cuda", "CUDA"), ("nccl", "NCCL"), ("driver", "driver"))
+IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+Say = Callable[..., str]  # Inputs.t: (en, zh, **values) -> one line in the user's language
+
+
+@dataclass(frozen=True)
+class NodeFinding:
+    """One cross-node fact about a cause: a problem or a reassurance, about one node.
+
+    node_rank None: about the job as a whole.
+    """
+
+    cause_id: str
+    node_rank: int | None
+    problem: bool
+    text: str
+
+
+def gathered(runs: dict[str, ProbeRun]) -> NodesFacts | None:
+    """The nodes run's facts, or None when no nodes probe ran to an answer."""
+    run = runs.get(NODES_PROBE)
+    if run is None or run.status not in ("ok", "failed") or not run.ranks:
+        return None
+    return NodesFacts.from_dict(run.ranks[0].get("facts"))
+
+
+def findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    """Every cross-node finding, per cause (pure)."""
+    return (
+        version_findings(facts, say)
+        + interface_findings(facts, say)
+        + master_findings(facts, say)
+        + size_findings(facts, say)
+    )
+
+
+# --- naming nodes -----------------------------------------------------------------
+
+
+def label(node: NodeFacts) -> str:
+    return f"node {node.node_rank} ({node.hostname or '?'})"
+
+
+def separate_machines(facts: NodesFacts) -> bool:
+    """Whether the nodes have network stacks of their own (loopback does not join them)."""
+    ids = {node.network_id for node in facts.nodes}
+    return len(ids) > 1 or None in ids
+
+
+def odd_ones(values: dict[int, object]) -> list[int]:
+    """Node ranks whose value differs from the most common one (ties: from the lowest rank's)."""
+    counts = Counter(values.values())
+    if len(counts) < 2:
+        return []
+    top = max(counts.values())
+    lowest = min(values)
+    usual = values[lowest] if counts[values[lowest]] == top else counts.most_common(1)[0][0]
+    return sorted(rank for rank, value in values.items() if value != usual)
+
+
+# --- versions -----------------------------------------------------------------------
+
+
+def version_findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    found = []
+    by_rank = {node.node_rank: node for node in facts.nodes}
+    for key, name in VERSION_KEYS:
+        values = {node.node_rank: node.versions.get(key) for node in facts.nodes}
+        for rank in odd_ones(values):
+            others = ", ".join(
+                f"{label(by_rank[r])}: {values[r]}" for r in sorted(values) if r != rank
+            )
+            text = say(
+                "{node} has {name} {value}, unlike {others}",
+                "{node} 的 {name} 是 {value}，与其他节点不同（{others}）",
+                node=label(by_rank[rank]),
+                name=name,
+                value=values[rank],
+                others=others,
+            )
+            found.append(NodeFinding("nccl-version-mismatch", rank, True, text))
+    if not found and len(facts.nodes) > 1:
+        versions = facts.nodes[0].versions
+        text = say(
+            "torch {torch}, CUDA {cuda}, NCCL {nccl}, driver {driver} on all {n} nodes",
+            "全部 {n} 个节点都是 torch {torch}、CUDA {cuda}、NCCL {nccl}、驱动 {driver}",
+            torch=versions.get("torch"),
+            cuda=versions.get("torch_cuda"),
+            nccl=versions.get("nccl"),
+            driver=versions.get("driver"),
+            n=len(facts.nodes),
+        )
+        found.append(NodeFinding("nccl-version-mismatch", None, False, text))
+    return found
+
+
+# --- interfaces and host names -------------------------------------------------------------
+
+
+def addresses_of(node: NodeFacts, names: list[str]) -> list[str]:
+    return [nic["ipv4"] for nic in node.interfaces if nic.get("name") in names and nic.get("ipv4")]
+
+
+def reached_from(facts: NodesFacts, node: NodeFacts, addresses: list[str]) -> dict[int, list]:
+    """Per other node: what its connections to these addresses of `node` gave."""
+    results = {}
+    for peer in facts.nodes:
+        if peer.group_rank == node.group_rank:
+            continue
+        tried = (peer.reach or {}).get(str(node.group_rank)) or {}
+        results[peer.node_rank] = [tried.get(address) for address in addresses if address in tried]
+    return results
+
+
+def unreached_by(facts: NodesFacts, node: NodeFacts, addresses: list[str]) -> list[str]:
+    """Labels of the peers that reached none of these addresses (and tried some)."""
+    by_rank = {peer.node_rank: peer for peer in facts.nodes}
+    return [
+        f"{label(by_rank[rank])}: {', '.join(str(r) for r in results)}"
+        for rank, results in reached_from(facts, node, addresses).items()
+        if results and "ok" not in results
+    ]
+
+
+def interface_findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    found = []
+    for node in facts.nodes:
+        found += _ifname_findings(facts, node, say)
+        found += _hostname_findings(facts, node, say)
+    found += _collective_findings(facts, say)
+    return found
+
+
+def _ifname_findings(facts: NodesFacts, node: NodeFacts, say: Say) -> list[NodeFinding]:
+    found = []
+    have = ", ".join(nic.get("name", "?") for nic in node.interfaces) or "-"
+    for var in IFNAME_VARS:
+        value = node.env.get(var)
+        if not value:
+            continue
+        selected = node.gloo_selected if var.startswith("GLOO") else node.nccl_selected
+        if not selected:
+            text = say(
+                "{node}: {var}={value} names no interface there (it has {have})",
+                "{node}：{var}={value} 在该节点上没有对应网卡（现有 {have}）",
+                node=label(node),
+                var=var,
+                value=value,
+                have=have,
+            )
+            found.append(NodeFinding("network-interface", node.node_rank, True, text))
+            continue
+        addresses = addresses_of(node, selected)
+        missed = unreached_by(facts, node, addresses)
+        values = {"node": label(node), "var": var, "value": value, "ips": ", ".join(addresses)}
+        if missed:
+            text = say(
+                "{node}: {var}={value} ({ips}) is not reachable from {peers}",
+                "{node}：{var}={value}（{ips}）从 {peers} 连不上",
+                peers="; ".join(missed),
+                **values,
+            )
+            found.append(NodeFinding("network-interface", node.node_rank, True, text))
+        elif addresses:
+            text = say(
+                "{node}: {var}={value} ({ips}) is reached by the other nodes",
+                "{node}：{var}={value}（{ips}）其他节点都能连上",
+                **values,
+            )
+            found.append(NodeFinding("network-interface", node.node_rank, False, text))
+    return found
+
+
+def _hostname_findings(facts: NodesFacts, node: NodeFacts, say: Say) -> list[NodeFinding]:
+    """gloo binds to the host name's address unless GLOO_SOCKET_IFNAME says otherwise."""
+    if node.env.get("GLOO_SOCKET_IFNAME"):
+        return []
+    values = {"node": label(node), "host": node.hostname}
+    if node.hostname_error:
+        text = say(
+            "{node}: its host name {host} does not resolve: {error}",
+            "{node}：主机名 {host} 解析失败：{error}",
+            error=node.hostname_error,
+            **values,
+        )
+        return [NodeFinding("network-interface", node.node_rank, True, text)]
+    addresses = [a for a in node.hostname_addresses if ":" not in a]
+    values["ips"] = ", ".join(node.hostname_addresses) or "-"
+    if node.hostname_loopback and separate_machines(facts):
+        text = say(
+            "{node}: its host name {host} resolves to {ips} (loopback): gloo binds there and the "
+            "other nodes cannot connect; set GLOO_SOCKET_IFNAME or fix /etc/hosts",
+            "{node}：主机名 {host} 解析为 {ips}（回环地址）：gloo 会绑定在这里，其他节点连不上；"
+            "请设置 GLOO_SOCKET_IFNAME 或修改 /etc/hosts",
+            **values,
+        )
+        return [NodeFinding("network-interface", node.node_rank, True, text)]
+    missed = unreached_by(facts, node, addresses)
+    if missed:
+        text = say(
+            "{node}: its host name {host} resolves to {ips}, which {peers} cannot reach",
+            "{node}：主机名 {host} 解析为 {ips}，{peers} 连不上",
+            peers="; ".join(missed),
+            **values,
+        )
+        return [NodeFinding("network-interface", node.node_rank, True, text)]
+    if len(facts.nodes) < 2:
+        return []
+    text = say(
+        "{node}: its host name {host} resolves to {ips}, reached by the other nodes",
+        "{node}：主机名 {host} 解析为 {ips}，其他节点都能连上",
+        **values,
+    )
+    return [NodeFinding("network-interface", node.node_rank, False, text)]
+
+
+def _collective_findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    """A cross-node all_reduce that failed names the node; one that worked, its bandwidth."""
+    found = []
+    first = facts.nodes[0] if facts.nodes else None
+    if first is not None and first.gloo is not None and first.gloo.result == "skipped":
+        text = say(
+            "no all_reduce across the nodes was tried: {reason}",
+            "没有尝试跨节点 all_reduce：{reason}",
+            reason=first.gloo.reason or "-",
+        )
+        found.append(NodeFinding("network-interface", None, False, text))
+    for node in facts.nodes:
+        for backend, outcome in (("gloo", node.gloo), ("NCCL", node.nccl)):
+            if outcome is None:
+                continue
+            if outcome.result in ("failed", "wrong_result"):
+                text = say(
+                    "{node}: the {backend} all_reduce across the nodes {result}: {error}",
+                    "{node}：跨节点 {backend} all_reduce {result}：{error}",
+                    node=label(node),
+                    backend=backend,
+                    result=outcome.result.replace("_", " "),
+                    error=outcome.error or "-",
+                )
+                found.append(NodeFinding("network-interface", node.node_rank, True, text))
+            elif outcome.result == "ok":
+                text = say(
+                    "{node}: {backend} all_reduce of {mb} MB across {n} nodes at {gbps} GB/s",
+                    "{node}：跨 {n} 个节点的 {backend} all_reduce（{mb} MB）带宽 {gbps} GB/s",
+                    node=label(node),
+                    backend=backend,
+                    mb=outcome.megabytes,
+                    n=len(facts.nodes),
+                    gbps=outcome.gbps,
+                )
+                found.append(NodeFinding("network-interface", node.node_rank, False, text))
+    return found
+
+
+# --- the master endpoint -------------------------------------------------------------------
+
+
+def master_findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    found = []
+    by_rank = {node.node_rank: node for node in facts.nodes}
+    endpoints = {
+        node.node_rank: f"{node.told.get('master_addr')}:{node.told.get('master_port')}"
+        for node in facts.nodes
+    }
+    for rank in odd_ones(endpoints):
+        text = say(
+            "{node} was told the master is {mine}, the others {theirs}",
+            "{node} 拿到的 master 是 {mine}，其他节点是 {theirs}",
+            node=label(by_rank[rank]),
+            mine=endpoints[rank],
+            theirs=", ".join(sorted({v for r, v in endpoints.items() if r != rank})),
+        )
+        found.append(NodeFinding("master-endpoint-mismatch", rank, True, text))
+    for node in facts.nodes:
+        found += _master_reach(facts, node, say)
+    if len(facts.nodes) > 1 and not any(f.problem for f in found):
+        answered = all((node.master or {}).get("connect") == "ok" for node in facts.nodes)
+        if answered:
+            master = facts.nodes[0].master
+            text = say(
+                "the master {addr}:{port} resolves and answers from all {n} nodes",
+                "master {addr}:{port} 在全部 {n} 个节点上都能解析并连通",
+                addr=master.get("addr"),
+                port=master.get("port"),
+                n=len(facts.nodes),
+            )
+            found.append(NodeFinding("master-endpoint-mismatch", None, False, text))
+            port = say(
+                "port {port} on {addr} served the rendezvous for every node",
+                "{addr} 的端口 {port} 为每个节点提供了 rendezvous",
+                addr=master.get("addr"),
+                port=master.get("port"),
+            )
+            found.append(NodeFinding("master-port-in-use", None, False, port))
+    return found
+
+
+def _master_reach(facts: NodesFacts, node: NodeFacts, say: Say) -> list[NodeFinding]:
+    master = node.master or {}
+    values = {"node": label(node), "addr": master.get("addr"), "port": master.get("port")}
+    problem = None
+    if master.get("resolve_error"):
+        problem = say(
+            "{node}: the master {addr} does not resolve there: {error}",
+            "{node}：在该节点解析不了 master {addr}：{error}",
+            error=master["resolve_error"],
+            **values,
+        )
+    elif master.get("loopback") and separate_machines(facts):
+        problem = say(
+            "{node}: the master {addr} resolves to {ips} (loopback) there, not to the master node",
+            "{node}：master {addr} 在该节点解析为 {ips}（回环地址），不是 master 节点",
+            ips=", ".join(master.get("resolved") or []),
+            **values,
+        )
+    elif master.get("connect") not in (None, "ok"):
+        problem = say(
+            "{node}: the master {addr}:{port} does not answer from there: {result}",
+            "{node}：从该节点连不上 master {addr}:{port}：{result}",
+            result=master["connect"],
+            **values,
+        )
+    store = node.worker_store or {}
+    found = (
+        [NodeFinding("master-endpoint-mismatch", node.node_rank, True, problem)] if problem else []
+    )
+    if store and store.get("connect") != "ok":
+        text = say(
+            "{node}: the store torchrun gives the ranks ({addr}:{port}, the first node's address "
+            "as torchrun sees it) does not answer from there: {result}",
+            "{node}：torchrun 交给各 rank 的 store（{addr}:{port}）从该节点连不上：{result}",
+            node=label(node),
+            addr=store.get("addr"),
+            port=store.get("port"),
+            result=store.get("connect"),
+        )
+        found.append(NodeFinding("master-endpoint-mismatch", node.node_rank, True, text))
+    return found
+
+
+# --- sizes: nodes, ranks per node, world size, who joined ------------------------------------
+
+
+def size_findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    found = [_missing(facts, rank, say) for rank in facts.missing]
+    if facts.silent:
+        text = say(
+            "{n} node(s) joined the rendezvous but never sent their facts",
+            "{n} 个节点加入了 rendezvous 但没有发来信息",
+            n=len(facts.silent),
+        )
+        found.append(NodeFinding("world-size-mismatch", None, True, text))
+    claimed = Counter(node.node_rank for node in facts.nodes)
+    for rank, count in sorted(claimed.items(), key=lambda item: str(item[0])):
+        if count > 1:
+            hosts = ", ".join(n.hostname or "?" for n in facts.nodes if n.node_rank == rank)
+            text = say(
+                "node rank {rank} is claimed by {count} nodes ({hosts})",
+                "有 {count} 个节点都用 node rank {rank}（{hosts}）",
+                rank=rank,
+                count=count,
+                hosts=hosts,
+            )
+            found.append(NodeFinding("world-size-mismatch", rank, True, text))
+    found += _told_sizes(facts, say)
+    return found
+
+
+def _missing(facts: NodesFacts, rank: int, say: Say) -> NodeFinding:
+    text = say(
+        "node rank {rank} never joined the rendezvous at {endpoint}: the job would wait for it",
+        "node rank {rank} 一直没有加入 {endpoint} 的 rendezvous：训练会一直等它",
+        rank=rank,
+        endpoint=facts.rendezvous or "?",
+    )
+    return NodeFinding("world-size-mismatch", rank, True, text)
+
+
+def _told_sizes(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    found = []
+    by_rank = {node.node_rank: node for node in facts.nodes}
+    nnodes = {node.node_rank: node.told.get("nnodes") for node in facts.nodes}
+    for rank in odd_ones(nnodes):
+        text = say(
+            "{node} was told nnodes={mine}, the others {theirs}",
+            "{node} 拿到的 nnodes={mine}，其他节点是 {theirs}",
+            node=label(by_rank[rank]),
+            mine=nnodes[rank],
+            theirs=", ".join(sorted({str(v) for r, v in nnodes.items() if r != rank})),
+        )
+        found.append(NodeFinding("world-size-mismatch", rank, True, text))
+    nprocs = [node.told.get("nproc_per_node") or 0 for node in facts.nodes]
+    expected = facts.expected_nnodes or len(facts.nodes)
+    # Nodes that did not come are counted with the ranks per node of those that did.
+    world = sum(nprocs) + (expected - len(facts.nodes)) * (max(nprocs) if nprocs else 0)
+    for node in facts.nodes:
+        told_world = node.told.get("world_size")
+        if told_world is not None and told_world != world:
+            text = say(
+                "{node} has WORLD_SIZE={told}, but {n} nodes x ranks per node ({nprocs}) make {world}",
+                "{node} 的 WORLD_SIZE={told}，但 {n} 个节点 x 每节点 rank 数（{nprocs}）等于 {world}",
+                node=label(node),
+                told=told_world,
+                n=expected,
+                nprocs="+".join(str(p) for p in nprocs),
+                world=world,
+            )
+            found.append(NodeFinding("world-size-mismatch", node.node_rank, True, text))
+    if not any(f.problem for f in found) and not facts.missing and len(facts.nodes) > 1:
+        text = say(
+            "{n} nodes agree: nnodes {n}, {nprocs} ranks per node, world size {world}",
+            "{n} 个节点一致：nnodes {n}，每节点 {nprocs} 个 rank，world size {world}",
+            n=len(facts.nodes),
+            nprocs="+".join(str(p) for p in nprocs),
+            world=world,
+        )
+        found.append(NodeFinding("world-size-mismatch", None, False, text))
+    return found
+
+
+# --- verdicts ------------------------------------------------------------------------------
+
+
+def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
+    """The verdict on a cause with the nodes' facts: their problems first, else the machine's."""
+    facts = gathered(i.runs)
+    if facts is None:
+        return single(i)
+    found = [f for f in findings(facts, i.t) if f.cause_id == cause_id]
+    problems = [f.text for f in found if f.problem]
+    notes = [f.text for f in found if not f.problem]
+    if problems:
+        return verdict("confirmed", problems + notes, source="probe")
+    local = single(i) if len(i.runs) > 1 else None  # this node's own probes ran too
+    if local is not None and local.verdict in ("confirmed", "inconclusive"):
+        return verdict(local.verdict, local.evidence + notes, local.refutes, source=local.source)
+    if len(facts.nodes) < 2:  # nobody to compare with: the missing nodes are the news
+        alone = i.t(
+            "only {nodes} joined: nothing to compare across nodes",
+            "只有 {nodes} 加入：没有可比较的节点",
+            nodes=", ".join(label(node) for node in facts.nodes) or "-",
+        )
+        return verdict("inconclusive", notes + [alone], source="probe")
+    if notes:
+        return verdict("ruled_out", notes, source="probe")
+    return local if local is not None else verdict("inconclusive", notes, source="probe")
+
+
+def extend_judge(cause_id: str) -> None:
+    """Layer the cross-node judgement over the cause's registered single-machine judge."""
+    single = JUDGES[cause_id]
+
+    def decide(i: Inputs) -> Verdict:
+        return cross_node_verdict(i, cause_id, single)
+
+    decide.__doc__ = f"{cause_id} across nodes, over {single.__name__}."
+    JUDGES[cause_id] = decide
+
+
+def node_verdicts(facts: NodesFacts, say: Say) -> dict[int | None, list[dict]]:
+    """Per node rank (missing ones too): each cross-node cause's verdict about that node.
+
+    confirmed: a problem about this node; inconclusive: a problem about the
+    job that names no node; not_run: a node that never joined, on what only
+    its facts could show; else ruled_out, with what was checked.
+    """
+    found = findings(facts, say)
+    ranks = [node.node_rank for node in facts.nodes] + list(facts.missing)
+    result: dict[int | None, list[dict]] = {}
+    for rank in ranks:
+        entries = []
+        for cause_id in CROSS_NODE_CAUSES:
+            own = [f for f in found if f.cause_id == cause_id and f.node_rank == rank]
+            job = [f for f in found if f.cause_id == cause_id and f.node_rank is None]
+            problems = [f.text for f in own if f.problem]
+            if problems:
+                value, evidence = "confirmed", problems
+            elif any(f.problem for f in job):
+                value, evidence = "inconclusive", [f.text for f in job if f.problem]
+            elif rank in facts.missing:
+                value, evidence = "not_run", []
+            else:
+                value, evidence = "ruled_out", [f.text for f in own + job]
+            entries.append({"id": cause_id, "verdict": value, "evidence": evidence})
+        result[rank] = entries
+    return result
+
+
+for _cause in CROSS_NODE_CAUSES:
+    extend_judge(_cause)
