@@ -286,22 +286,59 @@ def _batch_item(batch: Path, number: int, line: str) -> tuple:
 @click.option("--lang", type=click.Choice(["en", "zh"]), default="en", show_default=True)
 @team_kb_option
 @with_probe_options
-def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout):
-    """Run every probe on this machine and judge every cause.
+@click.option("--nnodes", type=click.IntRange(1, 4096), help="Nodes of the job (multi-node check).")
+@click.option("--node-rank", type=click.IntRange(0, 4095), help="This node's rank, 0..nnodes-1.")
+@click.option("--master-addr", metavar="HOST", help="The job's master address.")
+@click.option("--master-port", type=click.IntRange(1, 65535), help="The job's master port (29500).")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="The job's c10d rendezvous endpoint.")
+@click.option("--slurm", is_flag=True, help="Nodes and this node's rank from SLURM_* (under srun).")
+@click.option(
+    "--join-timeout",
+    type=click.FloatRange(1, 3600),
+    default=60.0,
+    show_default=True,
+    help="Seconds the nodes wait for each other before naming the missing ones.",
+)
+@click.option("--nodes-only", is_flag=True, help="Multi-node: skip this node's own probes.")
+def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout, **nodes):
+    """Run every probe on this machine and judge every cause; with --nnodes, across nodes.
+
+    Multi-node: run it on every node with the job's own arguments; the nodes
+    meet in torchrun's c10d rendezvous, exchange their facts, and each
+    prints them side by side with the cross-node verdicts.
 
     \b
     assistant doctor
     assistant doctor --json --nproc-per-node 2
+    assistant doctor --nnodes 2 --node-rank 0 --master-addr node-1 --master-port 29500
+    srun --ntasks-per-node=1 assistant doctor --slurm
     """
-    pipeline = _pipeline(None, _runner(python_path, nproc_per_node, probe_timeout))
+    import os
+
+    from assistant.probing.multinode import NodesRunner, plan_from_options
+    from assistant.verdicts.nodes import nodes_problem, nodes_report
+
+    nodes_only = nodes.pop("nodes_only")
+    plan = plan_from_options(os.environ, nproc_per_node=nproc_per_node, **nodes)
+    runner = _runner(python_path, nproc_per_node, probe_timeout)
+    if plan is not None:
+        runner = NodesRunner(runner, plan, local=not nodes_only)
+    pipeline = _pipeline(None, runner)
     with probe_status(not as_json) as observer:
         result = pipeline.doctor(lang=lang, observer=observer)
+    report = nodes_report(result.probes, lang)
     if as_json:
-        click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
+        payload = result.to_json()
+        if report is not None:
+            payload["nodes"] = report
+        click.echo(json.dumps(payload, ensure_ascii=False, indent=2))
     else:
         from assistant.cli.render import render_machine_check
 
         render_machine_check(result, _console())
+    problem = nodes_problem(result.probes)
+    if problem:
+        raise UserError(problem, ExitCode.FAILED)
 
 
 @main.command()

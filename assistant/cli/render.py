@@ -103,8 +103,67 @@ def render_machine_check(result: Result, console: Console) -> None:
             "; ".join(cause.verdict.evidence) or "-",
         )
     console.print(table)
+    nodes = _nodes_table(result.probes, lang)
+    if nodes is not None:
+        console.print(nodes)
     if result.probes:
         console.print(_probe_table(result.probes, lang))
+
+
+# Rows of the side-by-side table of `doctor --nnodes`: (label, value of a nodes_report entry).
+NODE_ROWS = (
+    ("host", lambda n: n.get("hostname")),
+    ("addresses", lambda n: ", ".join(n.get("addresses") or [])),
+    ("host name ->", lambda n: ", ".join(n.get("hostname_addresses") or [])),
+    ("torch", lambda n: n["versions"].get("torch")),
+    ("CUDA", lambda n: n["versions"].get("torch_cuda")),
+    ("NCCL", lambda n: n["versions"].get("nccl")),
+    ("driver", lambda n: n["versions"].get("driver")),
+    ("GPUs", lambda n: n.get("gpus")),
+    ("*_SOCKET_IFNAME", lambda n: ", ".join(f"{k}={v}" for k, v in n["interfaces"].items())),
+    ("nnodes x nproc", lambda n: f"{n['told'].get('nnodes')} x {n['told'].get('nproc_per_node')}"),
+    ("master", lambda n: f"{n['told'].get('master_addr')}:{n['told'].get('master_port')}"),
+    ("gloo all_reduce", lambda n: _collective(n["collectives"].get("gloo"))),
+    ("NCCL all_reduce", lambda n: _collective(n["collectives"].get("nccl"))),
+)
+
+
+def _nodes_table(probes: list[ProbeRun], lang: str) -> Table | None:
+    """`doctor --nnodes`: every node's facts side by side, a column per node rank."""
+    from assistant.verdicts.nodes import nodes_report
+
+    report = nodes_report(probes, lang)
+    if not report:
+        return None
+    table = Table(title="nodes", title_justify="left", expand=False, show_edge=False)
+    table.add_column("", no_wrap=True)
+    for entry in report:
+        table.add_column(f"node {entry['node_rank']}", overflow="fold")
+    for name, value in NODE_ROWS:
+        table.add_row(name, *(_node_cell(entry, value) for entry in report))
+    table.add_row(
+        "problems",
+        *(
+            Text(", ".join(v["id"] for v in e["verdicts"] if v["verdict"] == "confirmed") or "-")
+            for e in report
+        ),
+    )
+    return table
+
+
+def _node_cell(entry: dict, value) -> str:
+    if not entry.get("joined"):
+        return "never joined"
+    shown = value(entry)
+    return "-" if shown in (None, "") else str(shown)
+
+
+def _collective(outcome: dict | None) -> str:
+    if not outcome:
+        return "-"
+    if outcome.get("result") == "ok":
+        return f"ok, {outcome.get('gbps')} GB/s"
+    return f"{outcome.get('result')}: {outcome.get('reason') or outcome.get('error') or '-'}"
 
 
 def _heading(result: Result, lang: str) -> Text:

@@ -339,3 +339,41 @@ def _int(text: str | None) -> int | None:
         return int(text) if text else None
     except ValueError:
         return None
+
+
+def plan_from_options(
+    env: Mapping[str, str],
+    *,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    rdzv_endpoint: str | None = None,
+    slurm: bool = False,
+    join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+    nproc_per_node: int | None = None,
+) -> NodesPlan | None:
+    """doctor's options -> a NodesPlan, or None for the single-machine doctor."""
+    if slurm:
+        if nnodes is not None or node_rank is not None or rdzv_endpoint:
+            raise UserError(
+                "--slurm reads the node count and rank from SLURM_*: drop --nnodes, --node-rank and --rdzv-endpoint"
+            )
+        return NodesPlan.from_slurm(env, master_addr, master_port, join_timeout, nproc_per_node)
+    if nnodes is None:
+        given = [
+            name
+            for name, value in (
+                ("--node-rank", node_rank),
+                ("--master-addr", master_addr),
+                ("--master-port", master_port),
+                ("--rdzv-endpoint", rdzv_endpoint),
+            )
+            if value is not None
+        ]
+        if given:
+            raise UserError(f"{', '.join(given)} need --nnodes (or --slurm)")
+        return None
+    return NodesPlan.from_options(
+        nnodes, node_rank, master_addr, master_port, rdzv_endpoint, join_timeout, nproc_per_node
+    )

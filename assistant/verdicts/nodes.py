@@ -527,3 +527,60 @@ def node_verdicts(facts: NodesFacts, say: Say) -> dict[int | None, list[dict]]:
 
 for _cause in CROSS_NODE_CAUSES:
     extend_judge(_cause)
+
+
+# --- the report: `doctor --json`'s "nodes" and the side-by-side table ------------------------
+
+
+def nodes_report(runs: list[ProbeRun], lang: str = "en") -> list[dict] | None:
+    """Per node, its facts and its verdicts (`doctor --json`'s "nodes"); None without a nodes run.
+
+    Nodes that never joined are listed too, with "joined": false. A node
+    that could not join itself has no facts: an empty list.
+    """
+    by_name = {run.name: run for run in runs}
+    if NODES_PROBE not in by_name:
+        return None
+    facts = gathered(by_name)
+    if facts is None:
+        return []
+    say = Inputs(by_name, None, lang=lang).t
+    verdicts = node_verdicts(facts, say)
+    report = [_node_entry(node, verdicts.get(node.node_rank, [])) for node in facts.nodes]
+    report += [
+        {"node_rank": rank, "joined": False, "verdicts": verdicts.get(rank, [])}
+        for rank in facts.missing
+    ]
+    return sorted(report, key=lambda entry: (entry["node_rank"] is None, entry["node_rank"] or 0))
+
+
+def _node_entry(node: NodeFacts, verdicts: list[dict]) -> dict:
+    return {
+        "node_rank": node.node_rank,
+        "joined": True,
+        "hostname": node.hostname,
+        "addresses": [nic["ipv4"] for nic in node.interfaces if nic.get("ipv4")],
+        "hostname_addresses": list(node.hostname_addresses),
+        "interfaces": {var: node.env.get(var) for var in IFNAME_VARS if node.env.get(var)},
+        "versions": dict(node.versions),
+        "gpus": node.gpus,
+        "told": dict(node.told),
+        "collectives": {
+            "gloo": node.gloo.to_dict() if node.gloo else None,
+            "nccl": node.nccl.to_dict() if node.nccl else None,
+        },
+        "verdicts": verdicts,
+    }
+
+
+def nodes_problem(runs: list[ProbeRun]) -> str | None:
+    """Why the multi-node check did not reach every node (for a non-zero exit), or None."""
+    run = next((run for run in runs if run.name == NODES_PROBE), None)
+    if run is None:
+        return None
+    facts = gathered({NODES_PROBE: run})
+    if facts is None:
+        return f"the nodes check ended with {run.status}: {run.detail or '-'}"
+    if facts.missing or facts.silent:
+        return run.detail or "not every node joined"
+    return None
