@@ -35,6 +35,7 @@ from assistant.knowledge.onnxembed import (
     TokenizerSettings,
     check_against_model,
     export_graph,
+    runtime_missing,
     verify,
 )
 
@@ -164,6 +165,9 @@ class Embedder:
             self._decided = True
             if not self.accelerate:
                 return GraphCheck(False, "ONNX Runtime turned off for this embedder")
+            missing = runtime_missing()
+            if missing is not None:  # an export could never be used: do not pay for it
+                return GraphCheck(False, f"{missing} is not installed")
             if recorded is not None and recorded.ok:
                 if self._attach_verified(recorded, dirs) is None:
                     return recorded

@@ -149,6 +149,16 @@ class OnnxEncoder:
         return text.lower() if self.settings.lowercase else text
 
 
+def runtime_missing() -> str | None:
+    """Which package the fast path lacks ("onnxruntime", "tokenizers"), or None."""
+    try:
+        import onnxruntime  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as exc:
+        return exc.name or "onnxruntime"
+    return None
+
+
 def default_threads() -> int:
     try:
         cpus = len(os.sched_getaffinity(0))

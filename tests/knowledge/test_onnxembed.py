@@ -230,3 +230,15 @@ def test_a_repeated_query_is_embedded_once(fast, monkeypatch):
     assert np.array_equal(first, again) and calls == [[text]]
     again[0, 0] += 1  # callers may change what they get
     assert np.array_equal(fast.encode([text]), first)
+
+
+def test_without_onnxruntime_a_build_records_why_and_exports_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASSISTANT_BUILD", str(tmp_path / "build"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails
+    said: list[str] = []
+    plain = Embedder()
+    check = plain.check_graph(None, log=said.append)
+    assert (check.ok, check.detail, said) == (False, "onnxruntime is not installed", [])
+    assert plain.backend == "sentence-transformers"
+    assert not (tmp_path / "build").exists() and not (tmp_path / "cache").exists()
