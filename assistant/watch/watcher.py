@@ -194,6 +194,7 @@ class Watch:
     def __init__(self, command: list[str], options: WatchOptions, on_output: OnOutput | None):
         self.command = list(command)
         self.options = options
+        self.program = resolve_command(self.command, options.cwd)  # before any folder is made
         self.log_dir = Path(options.log_dir or default_log_dir()).resolve()
         self.hook_dir = prepare_log_dir(self.log_dir)
         self.tail = OutputTail(self.log_dir, on_output, self.log_dir / "output.log")
@@ -233,14 +234,13 @@ class Watch:
             self.log_dir,
             self.hook_dir,
         )
-        command = resolve_command(self.command, self.options.cwd)
         with (
             open(self.log_dir / "launch.out", "ab") as out,
             open(self.log_dir / "launch.err", "ab") as err,
         ):
             try:
                 self.marked = start_marked(
-                    command, env=env, cwd=self.options.cwd, stdout=out, stderr=err
+                    self.program, env=env, cwd=self.options.cwd, stdout=out, stderr=err
                 )
             except OSError as exc:
                 raise UserError(f"cannot run {self.command[0]}: {exc.strerror or exc}") from None
@@ -254,11 +254,18 @@ class Watch:
                 return "cancelled"
             if self.tail.poll() or self._collectives_left():
                 last_progress = time.monotonic()
-            elif time.monotonic() - last_progress >= self.options.hang_after:
+            elif (
+                time.monotonic() - last_progress >= self.options.hang_after
+                and self._started_python()
+            ):
                 self.quiet_seconds = time.monotonic() - last_progress
                 return "hung"
             time.sleep(POLL_SECONDS)
         return "exited"
+
+    def _started_python(self) -> bool:
+        """Whether a Python process of the job is up (srun may wait silently for nodes first)."""
+        return any(Path(jobhook.procs_dir(str(self.log_dir))).glob("*.json"))
 
     def _collectives_left(self) -> bool:
         """Whether any rank's main thread left a collective since the last look."""
