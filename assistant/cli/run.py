@@ -133,7 +133,9 @@ def print_outcome(outcome) -> None:
 def rank_line(rank) -> str:
     """`rank 1 (host, exit 1): ValueError: ... at train.py:12 in main`."""
     who = "process" if rank.rank is None else f"rank {rank.rank}"
-    code = "running" if rank.exit_code is None else f"exit {rank.exit_code}"
+    code = "exit code unknown" if rank.exit_code is None else f"exit {rank.exit_code}"
+    if rank.stack:
+        code = "stack taken, then ended"
     parts = [f"{who} ({rank.host}, {code})"]
     if rank.error:
         parts.append(f"{rank.error['type']}: {_first_line(rank.error['message'])}")
