@@ -293,6 +293,9 @@ def _batch_item(batch: Path, number: int, line: str) -> tuple:
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="The job's c10d rendezvous endpoint.")
 @click.option("--slurm", is_flag=True, help="Nodes and this node's rank from SLURM_* (under srun).")
 @click.option(
+    "--local-addr", metavar="HOST", help="torchrun's --local-addr, if the job passes one."
+)
+@click.option(
     "--join-timeout",
     type=click.FloatRange(1, 3600),
     default=60.0,

@@ -24,12 +24,14 @@ Standard library only (plus assistant.results / errors / config).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from assistant.config import probes_dir
@@ -75,6 +77,9 @@ class NodesPlan:
     join_timeout: float = DEFAULT_JOIN_TIMEOUT
     nproc_per_node: int | None = None  # ranks per node the job uses (None: the runner's)
     source: str = "options"  # "options" | "slurm"
+    # torchrun's --local-addr, as the job passes it: the address the first
+    # node gives the ranks for their store (default: its host name).
+    local_addr: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -92,6 +97,7 @@ class NodesPlan:
         join_timeout: float = DEFAULT_JOIN_TIMEOUT,
         nproc_per_node: int | None = None,
         source: str = "options",
+        local_addr: str | None = None,
     ) -> NodesPlan:
         """The plan from doctor's options; a UserError names what is missing or wrong."""
         if nnodes is None or nnodes < 1:
@@ -120,6 +126,7 @@ class NodesPlan:
             join_timeout=float(join_timeout),
             nproc_per_node=nproc_per_node,
             source=source,
+            local_addr=local_addr,
         )
 
     @classmethod
@@ -268,9 +275,11 @@ class NodesRunner:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.plan.endpoint}",
             f"--rdzv-id={RDZV_ID}",
-            f"--rdzv-conf=join_timeout={join},last_call_timeout={last_call},read_timeout={join}",
+            f"--rdzv-conf=join_timeout={join},last_call_timeout={last_call},read_timeout={join}"
+            + (",is_host=true" if hosts_endpoint(self.plan.rdzv_host) else ""),
             "--max-restarts=0",
             f"--log-dir={log_dir}",
+            *([f"--local-addr={self.plan.local_addr}"] if self.plan.local_addr else []),
             str(probes_dir() / f"{NODES_PROBE}.py"),
         ]
 
@@ -307,6 +316,32 @@ def nodes_run(
     if record and record.get("status") == "error":
         return ProbeRun(NODES_PROBE, "error", seconds, ranks, record.get("reason") or "")
     return ProbeRun(NODES_PROBE, "error", seconds, ranks, join_failure(tail, plan))
+
+
+def hosts_endpoint(host: str) -> bool:
+    """Whether the endpoint is an address of this node other than loopback.
+
+    torchrun decides who serves the rendezvous store by comparing the
+    endpoint with this host's name; an address on a second interface (or in
+    a network namespace) does not match it, and then no node serves the
+    store. Loopback is left to torchrun: two agents on one machine must
+    settle it between them (the second falls back to a client), which
+    is_host=true would forbid.
+    """
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, address in infos:
+        if ipaddress.ip_address(address[0]).is_loopback:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((address[0], 0))  # only an address of this host can be bound
+            except OSError:
+                continue
+            return True
+    return False
 
 
 def join_failure(tail: list[str], plan: NodesPlan) -> str:
@@ -352,6 +387,7 @@ def plan_from_options(
     slurm: bool = False,
     join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     nproc_per_node: int | None = None,
+    local_addr: str | None = None,
 ) -> NodesPlan | None:
     """doctor's options -> a NodesPlan, or None for the single-machine doctor."""
     if slurm:
@@ -359,7 +395,8 @@ def plan_from_options(
             raise UserError(
                 "--slurm reads the node count and rank from SLURM_*: drop --nnodes, --node-rank and --rdzv-endpoint"
             )
-        return NodesPlan.from_slurm(env, master_addr, master_port, join_timeout, nproc_per_node)
+        plan = NodesPlan.from_slurm(env, master_addr, master_port, join_timeout, nproc_per_node)
+        return replace(plan, local_addr=local_addr)
     if nnodes is None:
         given = [
             name
@@ -375,5 +412,12 @@ def plan_from_options(
             raise UserError(f"{', '.join(given)} need --nnodes (or --slurm)")
         return None
     return NodesPlan.from_options(
-        nnodes, node_rank, master_addr, master_port, rdzv_endpoint, join_timeout, nproc_per_node
+        nnodes,
+        node_rank,
+        master_addr,
+        master_port,
+        rdzv_endpoint,
+        join_timeout,
+        nproc_per_node,
+        local_addr=local_addr,
     )

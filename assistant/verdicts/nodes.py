@@ -26,7 +26,7 @@ from assistant.results import ProbeRun, Verdict
 
 # The areas whose judges are extended here register them on import.
 from assistant.verdicts import launch, network, system, versions  # noqa: F401
-from assistant.verdicts.inputs import JUDGES, Inputs, Judge, verdict
+from assistant.verdicts.inputs import JUDGES, Inputs, Judge, not_run, verdict
 
 CROSS_NODE_CAUSES = (
     "nccl-version-mismatch",
@@ -365,9 +365,11 @@ def _master_reach(facts: NodesFacts, node: NodeFacts, say: Say) -> list[NodeFind
     )
     if store and store.get("connect") != "ok":
         text = say(
-            "{node}: the store torchrun gives the ranks ({addr}:{port}, the first node's address "
-            "as torchrun sees it) does not answer from there: {result}",
-            "{node}：torchrun 交给各 rank 的 store（{addr}:{port}）从该节点连不上：{result}",
+            "{node}: the store torchrun gives the ranks ({addr}:{port}) does not answer from "
+            "there: {result}; torchrun names it by the first node's host name, so fix that name "
+            "or pass torchrun --local-addr with an address the other nodes reach",
+            "{node}：torchrun 交给各 rank 的 store（{addr}:{port}）从该节点连不上：{result}；"
+            "torchrun 用第一个节点的主机名指向它，请修正主机名或给 torchrun 加 --local-addr",
             node=label(node),
             addr=store.get("addr"),
             port=store.get("port"),
@@ -482,7 +484,7 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
         return verdict("inconclusive", notes + [alone], source="probe")
     if notes:
         return verdict("ruled_out", notes, source="probe")
-    return local if local is not None else verdict("inconclusive", notes, source="probe")
+    return local if local is not None else not_run()
 
 
 def extend_judge(cause_id: str) -> None:
