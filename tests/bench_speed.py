@@ -114,7 +114,11 @@ def queries(questions_only: bool = False) -> list[str]:
     return [item["query"] for item in items]
 
 
-WARM_UP = ["NCCL error: unhandled system error", "为什么训练卡住了", "DDP hangs after the first epoch"]
+WARM_UP = [
+    "NCCL error: unhandled system error",
+    "为什么训练卡住了",
+    "DDP hangs after the first epoch",
+]
 
 
 def warm_median(engine, texts: list[str]) -> float:
@@ -217,9 +221,7 @@ def warm_figures(figures: dict, build: Path) -> None:
     synthetic._retriever = Retriever(synthetic._index, engine.embedder)
     figures["synthetic_chunks"] = float(synthetic._index.faiss_index.ntotal)
     figures["warm_median_100k_ms"] = warm_median(synthetic, texts)
-    figures["warm_median_100k_questions_ms"] = warm_median(
-        synthetic, queries(questions_only=True)
-    )
+    figures["warm_median_100k_questions_ms"] = warm_median(synthetic, queries(questions_only=True))
 
 
 TARGETS = {

@@ -168,13 +168,15 @@ class Embedder:
             missing = runtime_missing()
             if missing is not None:  # an export could never be used: do not pay for it
                 return GraphCheck(False, f"{missing} is not installed")
-            if recorded is not None and recorded.ok:
-                if self._attach_verified(recorded, dirs) is None:
-                    return recorded
+            reusable = recorded is not None and recorded.ok
+            if reusable and self._attach_verified(recorded, dirs) is None:
+                return recorded
             check = self._check_existing_graph(dirs)
             if check is not None and check.ok:
                 return check
-            announce = "exporting the embedding model to ONNX for fast queries (once, a few seconds)"
+            announce = (
+                "exporting the embedding model to ONNX for fast queries (once, a few seconds)"
+            )
             return self._export_and_check(log, announce, writable_graph_dir(dirs), dirs)
 
     def use_recorded(
@@ -194,12 +196,16 @@ class Embedder:
             if not self.accelerate:
                 return
             if recorded is None:
-                log("assistant: the index records no ONNX check; queries use sentence-transformers "
-                    "(run `assistant kb build`)")
+                log(
+                    "assistant: the index records no ONNX check; queries use sentence-transformers "
+                    "(run `assistant kb build`)"
+                )
                 return
             if not recorded.ok:
-                log(f"assistant: no usable ONNX graph for this model ({recorded.detail}); "
-                    "queries use sentence-transformers")
+                log(
+                    f"assistant: no usable ONNX graph for this model ({recorded.detail}); "
+                    "queries use sentence-transformers"
+                )
                 return
             problem = self._attach_verified(recorded, dirs)
             if problem is not None:
@@ -233,8 +239,10 @@ class Embedder:
         target = writable_graph_dir(dirs)
         if target is None:
             places = ", ".join(str(d) for d in dirs)
-            log(f"assistant: the embedding model's ONNX graph is {problem} and cannot be kept "
-                f"(no writable folder: {places}); queries use sentence-transformers")
+            log(
+                f"assistant: the embedding model's ONNX graph is {problem} and cannot be kept "
+                f"(no writable folder: {places}); queries use sentence-transformers"
+            )
             return
         if (self.fingerprint, target) in _FAILED_EXPORTS:
             return  # tried, failed and said in this process already
@@ -244,8 +252,10 @@ class Embedder:
         )
         check = self._export_and_check(log, announce, target, dirs)
         if not check.ok:
-            log(f"assistant: the re-exported graph is not used ({check.detail}); "
-                "queries use sentence-transformers")
+            log(
+                f"assistant: the re-exported graph is not used ({check.detail}); "
+                "queries use sentence-transformers"
+            )
 
     def _check_existing_graph(self, dirs: list[Path]) -> GraphCheck | None:
         """A graph already on disk (an earlier build), checked against the model; None if none."""

@@ -19,10 +19,16 @@ from assistant import config
 from assistant.clean import clean_log
 from assistant.errors import ExitCode, UserError
 from assistant.i18n import detect_lang
-from assistant.knowledge.index import BuildReport, IndexProblem, LoadedIndex, build_index, open_index
 from assistant.knowledge.files import content_hash
-from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
+from assistant.knowledge.index import (
+    BuildReport,
+    IndexProblem,
+    LoadedIndex,
+    build_index,
+    open_index,
+)
 from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
+from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
 MAX_ANSWERS_PER_CAUSE = 6
 STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}

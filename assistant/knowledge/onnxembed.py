@@ -117,7 +117,9 @@ class OnnxEncoder:
                 str(graph), options, providers=["CPUExecutionProvider"]
             )
         except Exception as exc:  # noqa: BLE001 - ORT raises its own types for bad files
-            raise GraphUnusable(f"ONNX Runtime cannot load {graph.name}: {_first_line(exc)}") from None
+            raise GraphUnusable(
+                f"ONNX Runtime cannot load {graph.name}: {_first_line(exc)}"
+            ) from None
         return cls(session, tokenizer, settings)
 
     def tokenize(self, texts: list[str]):

@@ -127,7 +127,7 @@ def test_a_query_process_verifies_the_graph_without_torch(engine, recorded, tmp_
     import subprocess
 
     done = subprocess.run(
-        [sys.executable, "-c", statement], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", statement], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines() == ["onnxruntime 1.0 []"]
