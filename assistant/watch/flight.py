@@ -25,9 +25,22 @@ class LastCollective:
     seq: int
     op: str
     state: str
+    retired: bool = False
 
     def to_json(self) -> dict:
         return {"seq": self.seq, "op": self.op, "state": self.state}
+
+    def pending(self) -> str | None:
+        """The NCCL collective still in flight ("all_reduce"), else None.
+
+        NCCL collectives are asynchronous: the Python call returns at once
+        and the rank blocks later (in .item(), a synchronize, the next
+        step), so its stack shows no collective; its recorder does. gloo's
+        entries are not tracked to completion, so only NCCL's count here.
+        """
+        if not self.op.startswith("nccl:") or self.state == "completed" or self.retired:
+            return None
+        return self.op.split(":", 1)[1]
 
 
 def with_buffer(env: dict[str, str]) -> dict[str, str]:
@@ -55,6 +68,7 @@ def last_collective(record: dict | None) -> LastCollective | None:
             int(entry.get("collective_seq_id") or 0),
             str(entry.get("profiling_name") or "?"),
             str(entry.get("state") or "?"),
+            bool(entry.get("retired")),
         )
     return NONE_YET
 

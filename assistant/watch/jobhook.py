@@ -301,7 +301,15 @@ def _sample(main_id: int) -> None:
 # before the generic one had only the NCCL dump).
 FR_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
 FR_KEEP = 20  # the last entries kept per dump: enough to see the collective each rank is at
-FR_KEYS = ("collective_seq_id", "p2p_seq_id", "profiling_name", "state", "process_group", "is_p2p")
+FR_KEYS = (
+    "collective_seq_id",
+    "p2p_seq_id",
+    "profiling_name",
+    "state",
+    "retired",
+    "process_group",
+    "is_p2p",
+)
 
 
 def _serve_flight_recorder() -> None:

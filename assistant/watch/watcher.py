@@ -339,6 +339,8 @@ class Watch:
         ranks += [self._rank(records, r, stacks, hung) for r in records.rankless_workers]
         for rank in ranks:
             rank.last_collective = flight.get(rank.pid)
+            if rank.waiting_in is None and rank.last_collective is not None:
+                rank.waiting_in = rank.last_collective.pending()
         report = LaunchReport(
             self.command, code, hung, self.log_dir, ranks, seconds=seconds, gpu=gpu
         )

@@ -222,3 +222,36 @@ def test_flight_recorders_compared_show_a_mismatch_and_a_rank_behind():
     assert with_buffer({"TORCH_NCCL_TRACE_BUFFER_SIZE": "10"}) == {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "10"
     }
+
+
+def test_an_nccl_collective_in_flight_is_where_a_rank_waits_though_its_stack_moved_on():
+    from assistant.watch.flight import last_collective
+
+    def dump(state, retired):
+        entry = {
+            "collective_seq_id": 7,
+            "profiling_name": "nccl:all_reduce",
+            "state": state,
+            "retired": retired,
+            "process_group": ["0", "default_pg"],
+            "is_p2p": False,
+        }
+        return {"available": True, "entries": [entry]}
+
+    assert last_collective(dump("started", False)).pending() == "all_reduce"
+    assert last_collective(dump("scheduled", False)).pending() == "all_reduce"
+    assert last_collective(dump("completed", True)).pending() is None
+    gloo = {
+        "available": True,
+        "entries": [
+            {
+                "collective_seq_id": 1,
+                "profiling_name": "gloo:barrier",
+                "state": "scheduled",
+                "retired": True,
+                "process_group": ["0", ""],
+                "is_p2p": False,
+            }
+        ],
+    }
+    assert last_collective(gloo).pending() is None  # gloo entries never reach "completed"
