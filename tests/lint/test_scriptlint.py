@@ -75,6 +75,10 @@ def test_checks_live_one_area_per_module_under_checks() -> None:
     assert len(modules) >= 5
 
 
+def test_every_check_says_what_it_reports() -> None:
+    assert all((check.run.__doc__ or "").strip() for check in CHECKS)
+
+
 def test_findings_carry_path_and_sorted_lines() -> None:
     path = SCRIPTS / "barrier_only_on_rank_zero.py"
     findings = lint_script(path)
