@@ -1,0 +1,202 @@
+"""Cross-node verdicts from recorded multi-node facts (tests/fixtures/facts/nodes_*.json).
+
+The nodes_* files were recorded on this project's CPU machine: two doctor
+agents over 127.0.0.1, and two agents in network namespaces joined by a veth
+pair. Scenarios no machine here can produce (another NCCL on one node, a
+host name that is loopback on a real second machine, a wrong WORLD_SIZE)
+are those recorded facts with one value changed, each named in its test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from assistant.cli.render import render_machine_check
+from assistant.knowledge.catalog import contract_causes
+from assistant.probing.recorded import load_runs
+from assistant.results import ProbeRun, Result
+from assistant.verdicts import JUDGES, Inputs, apply_verdicts, judge
+from assistant.verdicts import system as system_verdicts
+from assistant.verdicts.nodes import (
+    CROSS_NODE_CAUSES,
+    gathered,
+    node_verdicts,
+    nodes_problem,
+    nodes_report,
+    odd_ones,
+)
+
+FACTS = Path(__file__).resolve().parent.parent / "fixtures" / "facts"
+
+
+def runs_of(name: str) -> dict[str, ProbeRun]:
+    return {run.name: run for run in load_runs(FACTS / f"{name}.json")}
+
+
+def verdicts(runs: dict[str, ProbeRun]) -> dict[str, object]:
+    return {cause: judge(cause, runs, None, [], signatures={}) for cause in CROSS_NODE_CAUSES}
+
+
+def changed(name: str, change) -> dict[str, ProbeRun]:
+    """A recorded nodes run with change(facts) applied to its gathered facts."""
+    run = runs_of(name)["nodes"]
+    record = copy.deepcopy(run.ranks[0])
+    change(record["facts"])
+    return {"nodes": ProbeRun("nodes", run.status, run.seconds, [record], run.detail)}
+
+
+def per_node(runs) -> dict:
+    facts = gathered(runs)
+    return {
+        rank: {entry["id"]: entry["verdict"] for entry in entries}
+        for rank, entries in node_verdicts(facts, Inputs(runs, None).t).items()
+    }
+
+
+def test_healthy_nodes_confirm_nothing():
+    found = verdicts(runs_of("nodes_healthy_2"))
+    assert {v.verdict for v in found.values()} == {"ruled_out"}
+    assert any(
+        "gloo all_reduce" in line and "GB/s" in line for line in found["network-interface"].evidence
+    )
+    assert "2 nodes agree" in found["world-size-mismatch"].evidence[0]
+
+
+def test_bogus_gloo_ifname_is_confirmed_for_that_node_only():
+    runs = runs_of("nodes_bogus_ifname")
+    found = verdicts(runs)["network-interface"]
+    assert found.verdict == "confirmed" and found.source == "probe"
+    assert (
+        found.evidence[0].startswith("node 1 (")
+        and "GLOO_SOCKET_IFNAME=bogus0" in found.evidence[0]
+    )
+    nodes = per_node(runs)
+    assert nodes[1]["network-interface"] == "confirmed"
+    assert nodes[0]["network-interface"] == "ruled_out"
+
+
+def test_missing_node_is_named_and_the_rest_is_not_guessed():
+    runs = runs_of("nodes_missing_1")
+    found = verdicts(runs)
+    assert found["world-size-mismatch"].verdict == "confirmed"
+    assert "node rank 1 never joined" in found["world-size-mismatch"].evidence[0]
+    assert found["nccl-version-mismatch"].verdict == "inconclusive"
+    assert "nothing to compare" in found["nccl-version-mismatch"].evidence[-1]
+    nodes = per_node(runs)
+    assert nodes[1]["world-size-mismatch"] == "confirmed"
+    assert nodes[1]["nccl-version-mismatch"] == "not_run"
+    assert "never joined" in nodes_problem(list(runs.values()))
+
+
+def test_interface_unreachable_across_namespaces_names_node_and_interface():
+    found = verdicts(runs_of("nodes_netns_lo_unreachable"))["network-interface"]
+    assert found.verdict == "confirmed"
+    assert found.evidence[0].startswith("node 1 (")
+    assert "GLOO_SOCKET_IFNAME=lo (127.0.0.1) is not reachable from node 0" in found.evidence[0]
+    # node 0's interface on the veth pair was reached, and gloo ran over it
+    assert any("GLOO_SOCKET_IFNAME=ddpa0 (10.77.0.1) is reached" in line for line in found.evidence)
+
+
+def test_ranks_store_named_by_an_unreachable_host_name():
+    runs = runs_of("nodes_netns_store_unreachable")
+    found = verdicts(runs)
+    assert found["master-endpoint-mismatch"].verdict == "confirmed"
+    assert "--local-addr" in found["master-endpoint-mismatch"].evidence[0]
+    # separate network stacks: a loopback host name is a problem on each node
+    assert found["network-interface"].verdict == "confirmed"
+    assert per_node(runs)[1]["master-endpoint-mismatch"] == "confirmed"
+
+
+def test_another_nccl_on_one_node_names_that_node():
+    def other_nccl(facts):
+        facts["nodes"][1]["versions"]["nccl"] = "2.21.5"
+
+    found = verdicts(changed("nodes_healthy_2", other_nccl))["nccl-version-mismatch"]
+    assert found.verdict == "confirmed"
+    assert found.evidence[0].startswith("node 1 (") and "NCCL 2.21.5" in found.evidence[0]
+
+
+def test_loopback_host_name_matters_only_between_machines():
+    def second_machine(facts):
+        facts["nodes"][1]["network_id"] = "another-boot/4026531992"
+
+    healthy = verdicts(runs_of("nodes_healthy_2"))["network-interface"]
+    assert healthy.verdict == "ruled_out"  # one machine: loopback joins the two agents
+    apart = verdicts(changed("nodes_healthy_2", second_machine))
+    assert apart["network-interface"].verdict == "confirmed"
+    assert "(loopback)" in apart["network-interface"].evidence[0]
+    assert apart["master-endpoint-mismatch"].verdict == "confirmed"  # master 127.0.0.1 too
+
+
+def test_world_size_told_against_nodes_and_duplicate_node_ranks():
+    def wrong_world(facts):
+        facts["nodes"][0]["told"]["world_size"] = 8
+
+    line = verdicts(changed("nodes_healthy_2", wrong_world))["world-size-mismatch"].evidence[0]
+    assert line.startswith("node 0 (") and "WORLD_SIZE=8" in line and "make 4" in line
+
+    def same_rank(facts):
+        facts["nodes"][1]["node_rank"] = 0
+
+    line = verdicts(changed("nodes_healthy_2", same_rank))["world-size-mismatch"].evidence[0]
+    assert "node rank 0 is claimed by 2 nodes" in line
+
+
+def test_different_master_told_names_the_odd_node():
+    def other_master(facts):
+        for node in facts["nodes"]:
+            node["told"]["master_port"] = 29500
+        facts["nodes"].append(copy.deepcopy(facts["nodes"][1]))
+        facts["nodes"][2].update(node_rank=2, group_rank=2)
+        facts["nodes"][2]["told"]["master_port"] = 29501
+
+    found = verdicts(changed("nodes_healthy_2", other_master))["master-endpoint-mismatch"]
+    assert found.verdict == "confirmed" and found.evidence[0].startswith("node 2 (")
+
+
+def test_odd_ones_prefers_the_majority_then_the_lowest_rank():
+    assert odd_ones({0: "a", 1: "a", 2: "b"}) == [2]
+    assert odd_ones({0: "a", 1: "b"}) == [1]
+    assert odd_ones({0: "a", 1: "a"}) == []
+
+
+def test_single_machine_judges_are_unchanged_without_a_nodes_run():
+    runs = runs_of("cpu_2ranks")
+    assert "nodes" not in runs
+    inputs = Inputs(runs, None, signatures={})
+    assert JUDGES["network-interface"](inputs) == system_verdicts.network_interface(inputs)
+
+
+def test_nodes_json_lists_every_node_with_its_verdicts():
+    report = nodes_report(list(runs_of("nodes_missing_1").values()))
+    assert [entry["node_rank"] for entry in report] == [0, 1]
+    joined, missing = report
+    for key in ("hostname", "addresses", "versions", "verdicts", "collectives", "told"):
+        assert key in joined
+    assert joined["versions"]["torch"].startswith("2.")
+    assert missing["joined"] is False
+    assert {v["id"] for v in missing["verdicts"]} == set(CROSS_NODE_CAUSES)
+    json.dumps(report)
+    assert nodes_report(list(runs_of("cpu_2ranks").values())) is None
+
+
+def test_a_node_that_could_not_join_has_no_facts_but_a_reason():
+    run = ProbeRun("nodes", "error", 24.0, [], "node 1 could not join the rendezvous at h:1")
+    assert nodes_report([run]) == []
+    assert "could not join" in nodes_problem([run])
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_doctor_shows_the_nodes_side_by_side(lang):
+    runs = list(runs_of("nodes_missing_1").values())
+    result = apply_verdicts(Result(None, None, contract_causes(), lang=lang), runs, [], {})
+    console = Console(width=160, record=True)
+    render_machine_check(result, console)
+    text = console.export_text()
+    assert "node 0" in text and "node 1" in text and "never joined" in text
+    assert "world-size-mismatch" in text
