@@ -12,7 +12,7 @@ edits it in a pull request like a cause; a team layer may add its own
 `bridge.yaml` (later layers add to and override earlier ones).
 
 Terms are found by greedy longest match over each run of Chinese text, so
-"卡住" (hang) wins over "卡" inside it and "显存不足" (OOM) over "显存".
+"卡住" (hang) wins over "卡" inside it and "显存不足" (CUDA out of memory) over "显存".
 """
 
 from __future__ import annotations

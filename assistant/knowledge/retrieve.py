@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from assistant.clean import CleanLog
+from assistant import config
+from assistant.knowledge.bridges import Bridge, load_bridge
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.patterns import PatternSet
 from assistant.knowledge.textsearch import fts_query
@@ -43,9 +45,11 @@ class RankedCause:
 class Retriever:
     """Ranks the causes of one loaded index for a cleaned query."""
 
-    def __init__(self, index: LoadedIndex, embedder):
+    def __init__(self, index: LoadedIndex, embedder, bridge: Bridge | None = None):
         self.index = index
         self.embedder = embedder
+        # Chinese questions also search with the English of their DDP terms (bridges.py).
+        self.bridge = bridge if bridge is not None else load_bridge(config.kb_layers())
         # Linear-time matching (patterns.py): no KB signature can make a query slow.
         self.signatures = {
             cid: PatternSet.from_patterns(data.get("signatures", []), skip_invalid=True)
@@ -134,14 +138,17 @@ class Retriever:
         matched the root error (see `needs_dense`).
         """
         query = clean.focus or clean.text[:2000]
+        # The English of its Chinese terms: the KB and the model are mostly English.
+        # Appended, so it reaches the model only when the question is short.
+        bridged = self.bridge.expand(query)
         per_signal: dict[str, dict[str, float]] = {}
         if "signature" in signals:
             per_signal["signature"] = self.signature_scores(clean)
         if "lexical" in signals:
-            lexical_text = f"{query}\n{context}" if context else query
+            lexical_text = f"{bridged}\n{context}" if context else bridged
             per_signal["lexical"] = self.lexical_scores(lexical_text)
         if "dense" in signals and (not shortcut or needs_dense(per_signal)):
-            per_signal["dense"] = self.dense_scores(query, context)
+            per_signal["dense"] = self.dense_scores(bridged, context)
         return per_signal
 
 
