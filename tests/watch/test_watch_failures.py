@@ -25,6 +25,7 @@ def test_an_exception_on_one_rank_is_the_root_error_from_its_own_record(tmp_path
     assert launch.exit_code == 1 and not launch.hung
     assert "rank 1 ready" in output.text("stdout")  # streamed as the job wrote it
     assert "ValueError: bad batch shape on rank one" in output.text("stderr")
+    assert "sitecustomize" not in output.text()
     assert (outcome.result.root_error.type, outcome.result.root_error.rank) == ("ValueError", 1)
     rank1 = outcome.to_json()["ranks"][1]
     assert rank1["error"] == {"type": "ValueError", "message": "bad batch shape on rank one"}
@@ -62,6 +63,8 @@ def test_mp_spawn_childrens_exceptions_are_recorded(tmp_path, engine, output):
     root = outcome.result.root_error
     assert (root.type, root.message, root.rank) == ("RuntimeError", "loss is NaN on rank one", 1)
     assert [r["rank"] for r in outcome.to_json()["ranks"]] == [0, 1]
+    # The hook stays out of the tracebacks the user reads.
+    assert "Traceback" in output.text() and "sitecustomize" not in output.text()
 
 
 def test_a_busy_master_port_fails_in_torchrun_and_probes_run_like_the_job(tmp_path, engine, output):
