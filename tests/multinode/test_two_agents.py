@@ -1,0 +1,74 @@
+"""Two real doctor agents on this machine over 127.0.0.1, through torchrun's c10d rendezvous.
+
+Each agent is `python -m assistant doctor --json --nodes-only --nnodes 2
+--node-rank R --master-addr 127.0.0.1 --master-port P`, a process of its
+own, as on two nodes. No fakes: real torchrun, real store, real gloo.
+"""
+
+from __future__ import annotations
+
+import pytest
+from multinode_agents import confirmed, start_agent
+
+from assistant.probing.machine import free_port
+
+pytestmark = pytest.mark.slow
+JOIN = 30  # --join-timeout of the tests where both nodes come
+
+
+def pair_args(join: float = JOIN) -> list[str]:
+    port = str(free_port())
+    return ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+            "--join-timeout", str(join), "--nproc-per-node", "2"]  # fmt: skip
+
+
+def test_two_healthy_nodes_confirm_nothing_and_reduce_across_nodes():
+    args = pair_args()
+    agents = [start_agent(0, args), start_agent(1, args)]
+    for agent in agents:
+        agent.finish()
+    for agent in agents:
+        assert agent.code == 0, agent.stderr[-2000:]
+        assert confirmed(agent) == []
+        nodes = agent.nodes()
+        assert sorted(nodes) == [0, 1]
+        for node in nodes.values():
+            assert node["joined"] and node["hostname"]
+            assert node["versions"]["torch"].startswith("2.")
+            assert node["told"]["nnodes"] == 2 and node["told"]["nproc_per_node"] == 2
+            gloo = node["collectives"]["gloo"]
+            assert gloo["result"] == "ok" and gloo["gbps"] > 0
+        assert agent.cause("world-size-mismatch")["verdict"] == "ruled_out"
+        assert {p["name"] for p in agent.result["probes"]} == {"nodes"}
+
+
+def test_a_bogus_gloo_ifname_is_confirmed_for_that_node():
+    args = pair_args()
+    agents = [start_agent(0, args), start_agent(1, args, env={"GLOO_SOCKET_IFNAME": "bogus0"})]
+    for agent in agents:
+        agent.finish()
+    for agent in agents:  # both nodes say it, about node 1
+        assert agent.code == 0, agent.stderr[-2000:]
+        cause = agent.cause("network-interface")
+        assert cause["verdict"] == "confirmed"
+        assert cause["evidence"][0].startswith("node 1 (")
+        assert "GLOO_SOCKET_IFNAME=bogus0" in cause["evidence"][0]
+        verdicts = {
+            n: {v["id"]: v["verdict"] for v in e["verdicts"]} for n, e in agent.nodes().items()
+        }
+        assert verdicts[1]["network-interface"] == "confirmed"
+        assert verdicts[0]["network-interface"] == "ruled_out"
+        assert agent.nodes()[0]["collectives"]["gloo"]["result"] == "skipped"
+
+
+def test_a_missing_node_is_named_within_the_join_timeout():
+    join = 8
+    agent = start_agent(0, pair_args(join)).finish()
+    assert agent.code == 1  # a check failed
+    assert "never joined" in agent.stderr and "Traceback" not in agent.stderr
+    nodes = agent.nodes()
+    assert nodes[1]["joined"] is False and nodes[0]["joined"] is True
+    cause = agent.cause("world-size-mismatch")
+    assert cause["verdict"] == "confirmed" and "node rank 1 never joined" in cause["evidence"][0]
+    # the join timeout, torchrun's start and the probe: well under the outer deadline
+    assert agent.seconds < join + 90
