@@ -53,7 +53,8 @@ MIN_SENTENCE_CHARS = 8
 CLAIM_MIN_SCORE = 0.35
 MAX_CLAIMS = 8
 
-SET_DEVICE = r"(?:torch\.cuda\.)?set_device|设(?:置)?设备|设device|device"
+# Not a bare "device": "删掉 device_ids 参数" is not about set_device.
+SET_DEVICE = r"(?:torch\.cuda\.)?set_device|设(?:置)?设备|设device"
 INIT = r"(?:dist\.)?init_process_group|初始化(?:进程组)?|init"
 REMOVE_SET_DEVICE = re.compile(
     rf"(?:去掉|删掉|删除|移除|不需要(?:手动)?调?|别手动设|不用(?:手动)?调?)[^。，,]{{0,12}}(?:{SET_DEVICE})"
@@ -93,11 +94,15 @@ ORDER_RULES = [
         "after",
     ),
     (
-        re.compile(r"set_device\b[^.]{0,30}\bbefore\b[^.]{0,20}init_process_group", re.IGNORECASE),
+        re.compile(
+            r"set_device\b[^。\n]{0,60}?\bbefore\b[^.]{0,20}init_process_group", re.IGNORECASE
+        ),
         "before",
     ),
     (
-        re.compile(r"set_device\b[^.]{0,30}\bafter\b[^.]{0,20}init_process_group", re.IGNORECASE),
+        re.compile(
+            r"set_device\b[^。\n]{0,60}?\bafter\b[^.]{0,20}init_process_group", re.IGNORECASE
+        ),
         "after",
     ),
     (
