@@ -41,7 +41,7 @@ def make_ranker(model: str | None):
 
 
 def existing_cause_file(cause_id: str) -> Path | None:
-    """The file already defining `cause_id` in any layer (a readable KB only)."""
+    """The file already defining `cause_id` in any configured layer, if one does."""
     from assistant.config import kb_layers
 
     for layer in kb_layers():
