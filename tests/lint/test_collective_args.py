@@ -60,6 +60,9 @@ FLAGGED = {
         "t = torch.zeros(rank + 1)\ndist.all_reduce(torch.zeros_like(t))"
     ),
     "arange_up_to_the_rank": "dist.all_reduce(torch.arange(rank).float())",
+    "size_chosen_in_a_rank_branch": (
+        "if rank == 0:\n    n = 10\nelse:\n    n = 5\nt = torch.zeros(n)\ndist.all_reduce(t)"
+    ),
     "size_read_from_a_rank_shaped_tensor": (
         "t = torch.zeros(rank + 1)\nu = torch.ones(t.numel())\ndist.all_reduce(u)"
     ),
@@ -116,6 +119,18 @@ SILENT = {
     "a_peer_rank_is_the_same_on_every_rank": (
         "dst_rank = world_size - 1\nshard_rank = x.placement.rank()\n"
         "t = torch.zeros(dst_rank + 1, shard_rank + 1)\ndist.all_reduce(t)"
+    ),
+    "broadcast_source_and_receivers_make_their_own_tensor": (
+        "if rank == 0:\n    t = torch.tensor([1.0, 2.0])\nelse:\n    t = torch.empty(2)\n"
+        "dist.broadcast(t, 0)"
+    ),
+    "the_single_process_branch_is_not_a_rank_choice": (
+        "if local_rank == -1:\n    n_gpu = 4\nelse:\n    n_gpu = 1\n"
+        "dist.all_reduce(torch.zeros(n_gpu))"
+    ),
+    "a_size_chosen_by_rank_then_broadcast": (
+        "if rank == 0:\n    n = 10\nelse:\n    n = 0\nsize = torch.tensor([n])\n"
+        "dist.broadcast(size, 0)\nbuf = torch.empty(int(size.item()))\ndist.broadcast(buf, 0)"
     ),
     "object_collectives_pickle_any_size": (
         "obj = list(range(rank))\nout = [None] * world_size\ndist.all_gather_object(out, obj)"
@@ -219,3 +234,9 @@ def test_the_origin_of_a_loop_count_is_named() -> None:
     message = lint_source(in_function(body))[0].message
     assert "barrier() runs once per item of range(steps)" in message
     assert "(steps = rank + 3, line 12)" in message
+
+
+def test_a_size_chosen_by_a_rank_test_names_the_test() -> None:
+    body = "if rank == 0:\n    n = 10\nelse:\n    n = 5\ndist.all_reduce(torch.ones(n))"
+    message = lint_source(in_function(body))[0].message
+    assert "(torch.ones(n), with n = 5 under `if rank == 0`, line 16)" in message

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.ranks import NO_RANKS, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
 from assistant.results import Finding
@@ -126,6 +127,8 @@ class Taint:
     what: str  # "shape", "dtype", "length", or "value" for a number or name
     made_by: ast.expr  # the expression that made it
     name: str | None = None  # the name it was assigned to, for a value
+    branch: ast.If | None = None  # the rank test that chose it, for a value
+    via: Taint | None = None  # the rank-dependent name it was made from (`n` of zeros(n))
 
     @property
     def line(self) -> int:
@@ -135,7 +138,10 @@ class Taint:
     def source(self) -> str:
         # Only for a message: unparse is not cheap.
         text = source_text(self.made_by)
-        return f"{self.name} = {text}" if self.name else text
+        text = f"{self.name} = {text}" if self.name else text
+        if self.branch is not None:
+            text += f" under `if {source_text(self.branch.test)}`"
+        return f"{text}, with {self.via.source}" if self.via is not None else text
 
 
 @dataclass
@@ -145,6 +151,8 @@ class Flow:
     script: Script
     rank_values: dict[str, Taint] = field(default_factory=dict)  # rank-dependent values
     tensors: dict[str, Taint] = field(default_factory=dict)  # rank-shaped tensors and lists
+    # id of an assignment inside a branch only some ranks take -> that branch's `if`
+    chosen_by_rank: dict[int, ast.If] = field(default_factory=dict)
 
 
 @check("collective-mismatch")
@@ -222,12 +230,13 @@ def loop_collectives(script: Script, loop: ast.For) -> list[ast.Call]:
 
 
 def ordered_events(script: Script, scope: ast.AST) -> list[ast.AST]:
-    """Assignments, loops and calls of a scope in the order they take effect.
+    """Assignments, loops, `if`s and calls of a scope in the order they take effect.
 
     An assignment takes effect at its end (after the calls in its value);
-    a loop at its start, where its target and the lists it appends to change.
+    a loop at its start, where its target and the lists it appends to change;
+    an `if` at its start, where its branches' assignments become rank choices.
     """
-    kinds = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.Call)
+    kinds = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.If, ast.Call)
     events = [node for node in script.scope_nodes(scope) if isinstance(node, kinds)]
 
     def position(node: ast.AST) -> tuple[int, int]:
@@ -243,13 +252,32 @@ def record(flow: Flow, node: ast.AST) -> None:
     if isinstance(node, ast.For):
         record_loop(flow, node)
         return
+    if isinstance(node, ast.If):
+        record_branches(flow, node)
+        return
     value = node.value
     if value is None:  # `x: int` without a value
         return
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    branch = flow.chosen_by_rank.get(id(node))
     for target in targets:
         for each_target, each_value in assigned_pairs(target, value):
-            bind(flow, each_target, each_value, isinstance(node, ast.AugAssign))
+            bind(flow, each_target, each_value, isinstance(node, ast.AugAssign), branch)
+
+
+def record_branches(flow: Flow, test_if: ast.If) -> None:
+    """`if rank == 0: n = 10 else: n = 5`: the literals assigned in either branch are rank choices.
+
+    Not `if local_rank == -1:`, which every rank of a distributed run decides alike.
+    """
+    if not depends_on_rank(flow, test_if.test):
+        return
+    if NO_RANKS in rank_branch_sides(test_if.test, flow.script):
+        return
+    for stmt in [*test_if.body, *test_if.orelse]:
+        for node in [stmt, *own_nodes(stmt)]:
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                flow.chosen_by_rank.setdefault(id(node), test_if)
 
 
 def assigned_pairs(target: ast.expr, value: ast.expr) -> list[tuple[ast.expr, ast.expr]]:
@@ -286,16 +314,25 @@ def unpacked(target: ast.expr) -> list[ast.expr]:
     return names
 
 
-def bind(flow: Flow, target: ast.expr, value: ast.expr, augmented: bool) -> None:
-    """`target = value` (or `target += value`): what the name holds from now on."""
+def bind(
+    flow: Flow, target: ast.expr, value: ast.expr, augmented: bool, branch: ast.If | None
+) -> None:
+    """`target = value` (or `target += value`): what the name holds from now on.
+
+    `branch` is the rank test whose branch the assignment is in, if any: a
+    literal chosen there (`n = 5`) differs between ranks. Anything else
+    chosen there (`t = torch.empty(n)` on the ranks that receive a broadcast)
+    may well match what the other branch makes, so it is not a choice.
+    """
     key = key_of(target)
     if key is None:
         return
     rank_valued = depends_on_rank(flow, value)
+    choice = branch if branch is not None and is_literal(value) else None
     taint = tensor_taint(flow, value) or list_taint(flow, value)
     if not (augmented and key in flow.rank_values):  # `n += 1` keeps why n depends on it
-        if rank_valued:
-            flow.rank_values[key] = Taint("value", value, key)
+        if rank_valued or choice is not None:
+            flow.rank_values[key] = Taint("value", value, key, choice)
         else:
             flow.rank_values.pop(key, None)
     if augmented:  # `t += 1` keeps t's shape
@@ -304,6 +341,12 @@ def bind(flow: Flow, target: ast.expr, value: ast.expr, augmented: bool) -> None
         flow.tensors[key] = taint
     else:
         flow.tensors.pop(key, None)
+
+
+def is_literal(value: ast.expr) -> bool:
+    """`5`, `-1`, `(10, 4)`, `"nccl"`: a value written out in the source."""
+    allowed = (ast.Constant, ast.UnaryOp, ast.Tuple, ast.List, ast.unaryop, ast.expr_context)
+    return all(isinstance(node, allowed) for node in ast.walk(value))
 
 
 def record_loop(flow: Flow, loop: ast.For) -> None:
@@ -495,7 +538,7 @@ def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
             return Taint("dtype", call)
         return None
     if any(depends_on_rank(flow, size) for size in sizes):
-        return Taint("shape", call)
+        return Taint("shape", call, via=named_origin(flow, sizes))
     dtype = keyword(call, "dtype")
     if factory and dtype is not None and is_rank_dtype(flow, dtype):
         return Taint("dtype", call)
@@ -512,6 +555,18 @@ def arange_lengths(flow: Flow, call: ast.Call) -> list[ast.expr]:
     if len(args) >= 2 and depends_on_rank(flow, args[0]) and depends_on_rank(flow, args[1]):
         return args[2:]
     return args
+
+
+def named_origin(flow: Flow, exprs: list[ast.expr]) -> Taint | None:
+    """Where the first rank-dependent name among `exprs` got its value (`rows = 2 * rank`)."""
+    for expr in exprs:
+        for node in ast.walk(expr):
+            if is_own_rank(flow.script, node):
+                return None  # `rank` needs no explanation
+            origin = flow.rank_values.get(key_of(node) or "")
+            if origin is not None:
+                return origin
+    return None
 
 
 def is_rank_dtype(flow: Flow, expr: ast.expr) -> bool:
