@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import socket
 import threading
@@ -206,8 +207,15 @@ class NodesRunner:
     ) -> list[ProbeRun]:
         nodes = self.run_nodes(on_progress, cancel)
         stopped = (cancel is not None and cancel.is_set()) or processes.stop_requested()
-        local = self.runner.run(names, on_progress, cancel) if self.local and not stopped else []
-        return local + [nodes]
+        if not self.local or stopped:
+            return [nodes]
+        # This node's rendezvous probe checks the master the job was told,
+        # unless the person exported one of their own.
+        told = {"MASTER_ADDR": self.plan.master_addr, "MASTER_PORT": str(self.plan.master_port)}
+        for key, value in told.items():
+            if key not in self.runner.env and key not in os.environ:
+                self.runner.env[key] = value
+        return self.runner.run(names, on_progress, cancel) + [nodes]
 
     def run_nodes(
         self,

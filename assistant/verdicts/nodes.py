@@ -475,6 +475,8 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
     local = single(i) if len(i.runs) > 1 else None  # this node's own probes ran too
     if local is not None and local.verdict in ("confirmed", "inconclusive"):
         return verdict(local.verdict, local.evidence + notes, local.refutes, source=local.source)
+    if local is not None and len(facts.nodes) < 2 and not facts.missing:
+        return local  # a one-node job: this machine's own verdict is the whole story
     if len(facts.nodes) < 2:  # nobody to compare with: the missing nodes are the news
         alone = i.t(
             "only {nodes} joined: nothing to compare across nodes",

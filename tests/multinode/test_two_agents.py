@@ -72,3 +72,28 @@ def test_a_missing_node_is_named_within_the_join_timeout():
     assert cause["verdict"] == "confirmed" and "node rank 1 never joined" in cause["evidence"][0]
     # the join timeout, torchrun's start and the probe: well under the outer deadline
     assert agent.seconds < join + 90
+
+
+def test_one_node_job_runs_this_nodes_probes_too():
+    """Without --nodes-only the node's own probes run after the nodes check, as in doctor."""
+    import json
+    import subprocess
+    import sys
+
+    from multinode_agents import AGENT_LIMIT, REPO
+
+    args = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), "--join-timeout", "10"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "assistant", "doctor", "--json", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=AGENT_LIMIT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    probes = {p["name"] for p in result["probes"]}
+    assert {"nodes", "devices", "versions", "system", "rendezvous"} <= probes
+    assert [n["node_rank"] for n in result["nodes"]] == [0]
