@@ -41,11 +41,9 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
-import traceback
 
 WATCH_DIR_VAR = "ASSISTANT_WATCH_DIR"
 HOOK_DIR_VAR = "ASSISTANT_WATCH_HOOK"
@@ -138,6 +136,8 @@ def type_name(exc_type) -> str:
 
 
 def _frames(tb) -> list[dict]:
+    import traceback  # only when something raised: every process of the job starts faster
+
     return [
         {"file": f.filename, "line": f.lineno, "function": f.name}
         for f in traceback.extract_tb(tb)
@@ -173,6 +173,8 @@ def record_exception(exc: BaseException, thread: str = "MainThread") -> None:
     """Write this process's exception record (the first one wins: it is the root)."""
     if STATE.procs is None or os.path.exists(_path(".error.json")):
         return
+    import traceback
+
     try:
         _write_json(
             ".error.json",
@@ -450,7 +452,7 @@ def install(watch_dir: str) -> None:
     STATE.record = {
         "pid": STATE.pid,
         "ppid": os.getppid(),
-        "host": socket.gethostname(),
+        "host": os.uname().nodename,  # socket.gethostname(), without importing socket
         "argv": list(getattr(sys, "orig_argv", sys.argv)),
         "executable": sys.executable,
         "env": {name: os.environ[name] for name in RANK_VARS if name in os.environ},
