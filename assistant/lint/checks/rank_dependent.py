@@ -1,8 +1,9 @@
 """Collectives every rank calls, but with tensors or a number of calls that depend on the rank.
 
 `t = torch.zeros(rank + 1); dist.all_reduce(t)` is called by every rank, yet
-rank 0 sends one element and rank 1 two: NCCL hangs or reads garbage, gloo
-fails with a size mismatch (collective-mismatch). `for b in batches:
+rank 0 sends one element and rank 1 two: gloo waits until its timeout
+("Timed out waiting ...ms for send operation"), NCCL hangs or reads past the
+buffer (collective-mismatch). `for b in batches:
 dist.all_reduce(b)` over a list whose length depends on the rank runs the
 collective a different number of times on each rank: the ranks with more
 items hang (uneven-inputs).

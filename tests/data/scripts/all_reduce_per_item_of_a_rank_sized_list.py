@@ -1,8 +1,9 @@
 """Each rank all-reduces once per local batch, but the number of batches depends on the rank.
 
-Reduced from forum reports of custom sharding without padding: rank 0 gets
-the remainder, runs one more step, and waits in an all_reduce no other rank
-calls (gloo: "Connection closed by peer"; NCCL: the watchdog timeout).
+Reduced from forum reports of custom sharding without padding: with 11 examples
+on 2 ranks, rank 0 gets 6 steps and rank 1 five, so rank 0 waits in an
+all_reduce no other rank calls (a hang until the process group's timeout, or
+"Connection closed by peer" once rank 1 exits).
 """
 
 import os
@@ -19,7 +20,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = int(os.environ["RANK"])
     world_size = dist.get_world_size()
-    steps = shard_sizes(10, world_size, rank)
+    steps = shard_sizes(11, world_size, rank)
     for _ in range(steps):
         grad = torch.ones(4)
         dist.all_reduce(grad)  # expect: uneven-inputs

@@ -1,8 +1,9 @@
 """Every rank calls the collective, but each passes a tensor of its own shape or dtype.
 
-Rank 0 reduces one element and rank 1 two: gloo fails with a size mismatch,
-NCCL hangs or reads past the buffer. The sizes come from the rank directly,
-through a name, from RANK in the environment, or as the length of a list.
+Rank 0 reduces one element and rank 1 two: on gloo (torch 2.13, 2 CPU ranks) both
+wait until "Timed out waiting 20000ms for send operation to complete"; NCCL hangs
+or reads past the buffer. The sizes come from the rank directly, through a name,
+from RANK in the environment, or as the length of a list.
 """
 
 import os
