@@ -144,6 +144,10 @@ UNEVEN_LOOPS = {
         "steps = 10 // world_size + (1 if rank < 10 % world_size else 0)\n"
         "for _ in range(steps):\n    dist.barrier()"
     ),
+    "steps_chosen_in_a_rank_branch": (
+        "if rank == 0:\n    steps = 6\nelse:\n    steps = 5\n"
+        "for _ in range(steps):\n    dist.all_reduce(x)"
+    ),
     "list_repeated_by_rank": (
         "batches = [torch.ones(2)] * (4 if rank == 0 else 2)\n"
         "for batch in batches:\n    dist.all_reduce(batch)"

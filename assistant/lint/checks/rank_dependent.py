@@ -173,10 +173,12 @@ def check_collective_count_depends_on_rank(script: Script) -> Iterator[Finding]:
         if not isinstance(node, ast.For):
             continue
         trips = trip_count_taint(flow, node.iter)
+        if trips is None:
+            continue
         collective = next(
             (c for c in loop_collectives(flow.script, node) if id(c) not in guarded), None
         )
-        if trips is None or collective is None:
+        if collective is None:
             continue
         shown = source_text(node.iter)
         origin = f" ({trips.source}, line {trips.line})" if trips.source != shown else ""
@@ -213,7 +215,7 @@ def trip_count_taint(flow: Flow, items: ast.expr) -> Taint | None:
         keys = (key_of(node) for node in ast.walk(items))
         origin = next((flow.rank_values[k] for k in keys if k in flow.rank_values), None)
         if origin is not None:
-            return Taint("length", origin.made_by, origin.name)
+            return Taint("length", origin.made_by, origin.name, origin.branch)
         return Taint("length", items)
     taint = list_taint(flow, items)
     return taint if taint is not None and taint.what == "length" else None
