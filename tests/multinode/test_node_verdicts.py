@@ -1,6 +1,6 @@
-"""Cross-node verdicts from recorded multi-node facts (tests/fixtures/facts/nodes_*.json).
+"""Cross-node verdicts from recorded multi-node facts (tests/fixtures/facts/nodes/*.json).
 
-The nodes_* files were recorded on this project's CPU machine: two doctor
+These files were recorded on this project's CPU machine: two doctor
 agents over 127.0.0.1, and two agents in network namespaces joined by a veth
 pair. Scenarios no machine here can produce (another NCCL on one node, a
 host name that is loopback on a real second machine, a wrong WORLD_SIZE)
@@ -31,11 +31,11 @@ from assistant.verdicts.nodes import (
     odd_ones,
 )
 
-FACTS = Path(__file__).resolve().parent.parent / "fixtures" / "facts"
+FACTS = Path(__file__).resolve().parent.parent / "fixtures" / "facts" / "nodes"
 
 
-def runs_of(name: str) -> dict[str, ProbeRun]:
-    return {run.name: run for run in load_runs(FACTS / f"{name}.json")}
+def runs_of(name: str, folder: Path = FACTS) -> dict[str, ProbeRun]:
+    return {run.name: run for run in load_runs(folder / f"{name}.json")}
 
 
 def verdicts(runs: dict[str, ProbeRun]) -> dict[str, object]:
@@ -59,7 +59,7 @@ def per_node(runs) -> dict:
 
 
 def test_healthy_nodes_confirm_nothing():
-    found = verdicts(runs_of("nodes_healthy_2"))
+    found = verdicts(runs_of("healthy_2"))
     assert {v.verdict for v in found.values()} == {"ruled_out"}
     assert any(
         "gloo all_reduce" in line and "GB/s" in line for line in found["network-interface"].evidence
@@ -68,7 +68,7 @@ def test_healthy_nodes_confirm_nothing():
 
 
 def test_bogus_gloo_ifname_is_confirmed_for_that_node_only():
-    runs = runs_of("nodes_bogus_ifname")
+    runs = runs_of("bogus_ifname")
     found = verdicts(runs)["network-interface"]
     assert found.verdict == "confirmed" and found.source == "probe"
     assert (
@@ -81,7 +81,7 @@ def test_bogus_gloo_ifname_is_confirmed_for_that_node_only():
 
 
 def test_missing_node_is_named_and_the_rest_is_not_guessed():
-    runs = runs_of("nodes_missing_1")
+    runs = runs_of("missing_1")
     found = verdicts(runs)
     assert found["world-size-mismatch"].verdict == "confirmed"
     assert "node rank 1 never joined" in found["world-size-mismatch"].evidence[0]
@@ -94,7 +94,7 @@ def test_missing_node_is_named_and_the_rest_is_not_guessed():
 
 
 def test_interface_unreachable_across_namespaces_names_node_and_interface():
-    found = verdicts(runs_of("nodes_netns_lo_unreachable"))["network-interface"]
+    found = verdicts(runs_of("netns_lo_unreachable"))["network-interface"]
     assert found.verdict == "confirmed"
     assert found.evidence[0].startswith("node 1 (")
     assert "GLOO_SOCKET_IFNAME=lo (127.0.0.1) is not reachable from node 0" in found.evidence[0]
@@ -103,7 +103,7 @@ def test_interface_unreachable_across_namespaces_names_node_and_interface():
 
 
 def test_ranks_store_named_by_an_unreachable_host_name():
-    runs = runs_of("nodes_netns_store_unreachable")
+    runs = runs_of("netns_store_unreachable")
     found = verdicts(runs)
     assert found["master-endpoint-mismatch"].verdict == "confirmed"
     assert "--local-addr" in found["master-endpoint-mismatch"].evidence[0]
@@ -116,7 +116,7 @@ def test_another_nccl_on_one_node_names_that_node():
     def other_nccl(facts):
         facts["nodes"][1]["versions"]["nccl"] = "2.21.5"
 
-    found = verdicts(changed("nodes_healthy_2", other_nccl))["nccl-version-mismatch"]
+    found = verdicts(changed("healthy_2", other_nccl))["nccl-version-mismatch"]
     assert found.verdict == "confirmed"
     assert found.evidence[0].startswith("node 1 (") and "NCCL 2.21.5" in found.evidence[0]
 
@@ -125,9 +125,9 @@ def test_loopback_host_name_matters_only_between_machines():
     def second_machine(facts):
         facts["nodes"][1]["network_id"] = "another-boot/4026531992"
 
-    healthy = verdicts(runs_of("nodes_healthy_2"))["network-interface"]
+    healthy = verdicts(runs_of("healthy_2"))["network-interface"]
     assert healthy.verdict == "ruled_out"  # one machine: loopback joins the two agents
-    apart = verdicts(changed("nodes_healthy_2", second_machine))
+    apart = verdicts(changed("healthy_2", second_machine))
     assert apart["network-interface"].verdict == "confirmed"
     assert "(loopback)" in apart["network-interface"].evidence[0]
     assert apart["master-endpoint-mismatch"].verdict == "confirmed"  # master 127.0.0.1 too
@@ -137,13 +137,13 @@ def test_world_size_told_against_nodes_and_duplicate_node_ranks():
     def wrong_world(facts):
         facts["nodes"][0]["told"]["world_size"] = 8
 
-    line = verdicts(changed("nodes_healthy_2", wrong_world))["world-size-mismatch"].evidence[0]
+    line = verdicts(changed("healthy_2", wrong_world))["world-size-mismatch"].evidence[0]
     assert line.startswith("node 0 (") and "WORLD_SIZE=8" in line and "make 4" in line
 
     def same_rank(facts):
         facts["nodes"][1]["node_rank"] = 0
 
-    line = verdicts(changed("nodes_healthy_2", same_rank))["world-size-mismatch"].evidence[0]
+    line = verdicts(changed("healthy_2", same_rank))["world-size-mismatch"].evidence[0]
     assert "node rank 0 is claimed by 2 nodes" in line
 
 
@@ -155,7 +155,7 @@ def test_different_master_told_names_the_odd_node():
         facts["nodes"][2].update(node_rank=2, group_rank=2)
         facts["nodes"][2]["told"]["master_port"] = 29501
 
-    found = verdicts(changed("nodes_healthy_2", other_master))["master-endpoint-mismatch"]
+    found = verdicts(changed("healthy_2", other_master))["master-endpoint-mismatch"]
     assert found.verdict == "confirmed" and found.evidence[0].startswith("node 2 (")
 
 
@@ -166,14 +166,14 @@ def test_odd_ones_prefers_the_majority_then_the_lowest_rank():
 
 
 def test_single_machine_judges_are_unchanged_without_a_nodes_run():
-    runs = runs_of("cpu_2ranks")
+    runs = runs_of("cpu_2ranks", FACTS.parent)
     assert "nodes" not in runs
     inputs = Inputs(runs, None, signatures={})
     assert JUDGES["network-interface"](inputs) == system_verdicts.network_interface(inputs)
 
 
 def test_nodes_json_lists_every_node_with_its_verdicts():
-    report = nodes_report(list(runs_of("nodes_missing_1").values()))
+    report = nodes_report(list(runs_of("missing_1").values()))
     assert [entry["node_rank"] for entry in report] == [0, 1]
     joined, missing = report
     for key in ("hostname", "addresses", "versions", "verdicts", "collectives", "told"):
@@ -182,7 +182,7 @@ def test_nodes_json_lists_every_node_with_its_verdicts():
     assert missing["joined"] is False
     assert {v["id"] for v in missing["verdicts"]} == set(CROSS_NODE_CAUSES)
     json.dumps(report)
-    assert nodes_report(list(runs_of("cpu_2ranks").values())) is None
+    assert nodes_report(list(runs_of("cpu_2ranks", FACTS.parent).values())) is None
 
 
 def test_a_node_that_could_not_join_has_no_facts_but_a_reason():
@@ -193,7 +193,7 @@ def test_a_node_that_could_not_join_has_no_facts_but_a_reason():
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_doctor_shows_the_nodes_side_by_side(lang):
-    runs = list(runs_of("nodes_missing_1").values())
+    runs = list(runs_of("missing_1").values())
     result = apply_verdicts(Result(None, None, contract_causes(), lang=lang), runs, [], {})
     console = Console(width=160, record=True)
     render_machine_check(result, console)

@@ -23,6 +23,9 @@ from assistant.probing.registry import PROBES
 PROBES_DIR = PROJECT_ROOT / "probes"
 SCRIPTS = sorted(PROBES_DIR.glob("*.py"))
 ALLOWED = set(sys.stdlib_module_names) | {"torch", "_probekit", "probe_protocol", "__future__"}
+# A probe may reuse a sibling probe (nodes.py reads versions.py, system.py): each is held
+# to this same rule here, and probes/ travels to a node as one folder.
+ALLOWED |= {path.stem for path in SCRIPTS}
 
 
 def imported_modules(path: Path) -> set[str]:
