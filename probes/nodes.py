@@ -3,13 +3,14 @@
 Run on every node with the same arguments (standard library and torch only;
 copy the probes/ folder to each node), one process per node:
 
-    PROBE_NNODES=2 PROBE_NODE_RANK=0 \\
+    PROBE_NNODES=2 PROBE_NODE_RANK=0 PROBE_RDZV_ENDPOINT=node-1:29500 \\
     python -m torch.distributed.run --nnodes 1:2 --nproc-per-node 1 \\
         --rdzv-backend c10d --rdzv-endpoint node-1:29500 \\
-        --rdzv-conf join_timeout=60,last_call_timeout=60 probes/nodes.py
+        --rdzv-conf join_timeout=75,last_call_timeout=60 probes/nodes.py
 
 torchrun's c10d rendezvous gathers the nodes (`--nnodes 1:N`: it ends
-after last_call_timeout with whoever came, so a node that never joins is
+after last_call_timeout with whoever came (join_timeout must be longer),
+so a node that never joins is
 named by the others instead of hanging them). Each node then writes its
 facts (host name and what it resolves to, interfaces, the interface
 GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME select, torch / CUDA / NCCL / driver
@@ -191,10 +192,15 @@ def _worker_store() -> dict:
 
 
 def _rendezvous_store():
-    """A client of the c10d rendezvous store every joined node has reached already."""
+    """A client of the c10d rendezvous store every joined node has reached already.
+
+    Started by hand without PROBE_RDZV_ENDPOINT: the ranks' own store
+    (MASTER_ADDR:MASTER_PORT), which serves when every node reaches it.
+    """
     import torch.distributed as dist
 
-    endpoint = os.environ.get(RDZV_ENDPOINT_ENV) or ""
+    ranks_store = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+    endpoint = os.environ.get(RDZV_ENDPOINT_ENV) or ranks_store
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise RuntimeError(f"{RDZV_ENDPOINT_ENV}={endpoint!r} is not HOST:PORT")
