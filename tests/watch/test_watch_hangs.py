@@ -58,6 +58,16 @@ def test_a_rank_stuck_outside_any_collective_is_the_straggler(tmp_path, engine, 
     )
 
 
+def test_a_busy_rank_outside_any_collective_is_a_straggler_too(tmp_path, engine, output):
+    # Its stack keeps moving; only leaving a collective counts as progress after init.
+    outcome, ranks = run_hang("rank_one_busy_loop_outside_collective.py", tmp_path, engine, output)
+    assert (ranks[0]["waiting_in"], ranks[0]["where"]["line"]) == ("all_reduce", 21)
+    assert ranks[1]["waiting_in"] is None and ranks[1]["where"]["line"] in (10, 11)
+    assert ranks[1]["where"]["function"] == "endless_augmentation"
+    assert outcome.launch.hang.odd_ranks == [1]
+    assert first_confirmed(outcome).id == "collective-timeout"
+
+
 def test_a_collective_only_rank_zero_issues_is_a_mismatch(tmp_path, engine, output):
     outcome, ranks = run_hang(
         "all_reduce_only_on_rank_zero_then_barrier.py", tmp_path, engine, output
