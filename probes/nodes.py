@@ -9,9 +9,8 @@ copy the probes/ folder to each node), one process per node:
         --rdzv-conf join_timeout=75,last_call_timeout=60 probes/nodes.py
 
 torchrun's c10d rendezvous gathers the nodes (`--nnodes 1:N`: it ends
-after last_call_timeout with whoever came (join_timeout must be longer),
-so a node that never joins is
-named by the others instead of hanging them). Each node then writes its
+after last_call_timeout with whoever came; join_timeout must be longer),
+so a node that never joins is named by the others instead of hanging them. Each node then writes its
 facts (host name and what it resolves to, interfaces, the interface
 GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME select, torch / CUDA / NCCL / driver
 versions, what it was told: nnodes, nproc per node, the master endpoint)

@@ -321,8 +321,10 @@ def nodes_run(
     if ending == "timeout":
         limit = plan.join_timeout + JOIN_MARGIN_SECONDS + AFTER_JOIN_SECONDS
         return ProbeRun(NODES_PROBE, "timeout", seconds, ranks, f"no answer within {limit:g} s")
-    if record and record.get("status") == "error":
-        return ProbeRun(NODES_PROBE, "error", seconds, ranks, record.get("reason") or "")
+    if record:  # the probe started (so the node joined) but ended without its answer
+        reason = record.get("reason") or (tail[-1] if tail else "")
+        detail = f"the nodes probe ended while {record.get('status')}: {reason}"[:400]
+        return ProbeRun(NODES_PROBE, "error", seconds, ranks, detail)
     return ProbeRun(NODES_PROBE, "error", seconds, ranks, join_failure(tail, plan))
 
 

@@ -130,3 +130,24 @@ def test_doctor_refuses_bad_node_options_in_one_line(args, words, monkeypatch):
     assert result.exit_code == 2
     assert words in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_launch_outcomes_become_the_nodes_run():
+    from assistant.probing.multinode import nodes_run
+
+    plan = NodesPlan.from_options(2, 1, "head", 29500, join_timeout=10)
+    error = "RendezvousConnectionError: The connection to the C10d store has failed."
+    tail = [f"torch.distributed.elastic.rendezvous.api.{error}"]
+    failed = nodes_run("exit", None, tail, 25.0, plan)
+    assert failed.status == "error"
+    assert failed.detail.startswith(
+        "node 1 could not join the rendezvous at head:29500 within 10 s"
+    )
+    assert "RendezvousConnectionError" in failed.detail
+    answered = {"status": "failed", "problems": ["node rank(s) 0 never joined"], "facts": {}}
+    assert nodes_run("exit", answered, [], 20.0, plan).detail == "node rank(s) 0 never joined"
+    assert nodes_run("timeout", None, [], 175.0, plan).status == "timeout"
+    assert nodes_run("cancelled", None, [], 1.0, plan).status == "interrupted"
+    running = {"status": "running", "reason": "", "facts": {}}
+    cut = nodes_run("exit", running, ["Killed"], 30.0, plan)
+    assert cut.status == "error" and cut.ranks == [running] and "while running" in cut.detail
