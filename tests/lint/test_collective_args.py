@@ -148,6 +148,9 @@ UNEVEN_LOOPS = {
         "if rank == 0:\n    steps = 6\nelse:\n    steps = 5\n"
         "for _ in range(steps):\n    dist.all_reduce(x)"
     ),
+    "while_over_a_rank_dependent_bound": (
+        "step = 0\nlimit = 3 + rank\nwhile step < limit:\n    step += 1\n    dist.all_reduce(x)"
+    ),
     "list_repeated_by_rank": (
         "batches = [torch.ones(2)] * (4 if rank == 0 else 2)\n"
         "for batch in batches:\n    dist.all_reduce(batch)"
@@ -167,6 +170,10 @@ EVEN_LOOPS = {
     "shard_of_a_dataset": (
         "shard = data[rank::world_size]\n"
         "for i in range(len(shard)):\n    dist.all_reduce(torch.zeros(len(shard)))"
+    ),
+    "while_until_a_flag_every_rank_agreed_on": (
+        "done = torch.tensor([0])\nwhile not done.item():\n    dist.all_reduce(x)\n"
+        "    done = torch.tensor([int(rank == 0)])\n    dist.all_reduce(done, op=dist.ReduceOp.MAX)"
     ),
     "rank_loop_without_a_collective": ("for i in range(rank):\n    print(i)\ndist.all_reduce(x)"),
     "collective_guarded_by_rank_inside": (
@@ -225,7 +232,7 @@ def test_a_collective_in_a_loop_of_rank_dependent_length_is_uneven_inputs(name: 
     source = in_function(UNEVEN_LOOPS[name])
     findings = lint_source(source)
     assert [(f.cause_id, f.line) for f in findings] == [("uneven-inputs", len(source.splitlines()))]
-    assert "whose length depends on the rank" in findings[0].message
+    assert "whose count depends on the rank" in findings[0].message
 
 
 @pytest.mark.parametrize("name", sorted(EVEN_LOOPS))
@@ -236,7 +243,7 @@ def test_loops_every_rank_runs_as_often_are_not_flagged(name: str) -> None:
 def test_the_origin_of_a_loop_count_is_named() -> None:
     body = "steps = rank + 3\nfor _ in range(steps):\n    dist.barrier()"
     message = lint_source(in_function(body))[0].message
-    assert "barrier() runs once per item of range(steps)" in message
+    assert "barrier() runs once per item of range(steps), whose count" in message
     assert "(steps = rank + 3, line 12)" in message
 
 

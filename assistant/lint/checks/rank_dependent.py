@@ -170,9 +170,16 @@ def check_collective_count_depends_on_rank(script: Script) -> Iterator[Finding]:
     """A collective in a loop whose number of iterations depends on the rank."""
     guarded = rank_guarded_calls(script)
     for flow, node in flow_walk(script):
-        if not isinstance(node, ast.For):
+        if isinstance(node, ast.For):
+            trips, shown = (
+                trip_count_taint(flow, node.iter),
+                f"per item of {source_text(node.iter)}",
+            )
+        elif isinstance(node, ast.While) and depends_on_rank(flow, node.test):
+            trips = named_origin(flow, [node.test]) or Taint("length", node.test)
+            shown = f"per pass of `while {source_text(node.test)}`"
+        else:
             continue
-        trips = trip_count_taint(flow, node.iter)
         if trips is None:
             continue
         collective = next(
@@ -180,14 +187,13 @@ def check_collective_count_depends_on_rank(script: Script) -> Iterator[Finding]:
         )
         if collective is None:
             continue
-        shown = source_text(node.iter)
-        origin = f" ({trips.source}, line {trips.line})" if trips.source != shown else ""
+        origin = f" ({trips.source}, line {trips.line})" if trips.source not in shown else ""
         yield script.finding(
             "uneven-inputs",
             collective,
-            f"{short(script.name_of(collective.func))}() runs once per item of {shown}, "
-            f"whose length depends on the rank{origin}: ranks call it a different number "
-            "of times, and the others hang",
+            f"{short(script.name_of(collective.func))}() runs once {shown}, whose count "
+            f"depends on the rank{origin}: ranks call it a different number of times, "
+            "and the others hang",
         )
 
 
@@ -221,7 +227,7 @@ def trip_count_taint(flow: Flow, items: ast.expr) -> Taint | None:
     return taint if taint is not None and taint.what == "length" else None
 
 
-def loop_collectives(script: Script, loop: ast.For) -> list[ast.Call]:
+def loop_collectives(script: Script, loop: ast.For | ast.While) -> list[ast.Call]:
     """The torch.distributed collectives in a loop's body, in source order."""
     calls = [
         n
@@ -236,10 +242,11 @@ def ordered_events(script: Script, scope: ast.AST) -> list[ast.AST]:
     """Assignments, loops, `if`s and calls of a scope in the order they take effect.
 
     An assignment takes effect at its end (after the calls in its value);
-    a loop at its start, where its target and the lists it appends to change;
+    a loop at its start, where its target and the lists it appends to change
+    (a `while` binds nothing; the uneven-inputs check reads its test there);
     an `if` at its start, where its branches' assignments become rank choices.
     """
-    kinds = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.If, ast.Call)
+    kinds = (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.While, ast.If, ast.Call)
     events = [node for node in script.scope_nodes(scope) if isinstance(node, kinds)]
 
     def position(node: ast.AST) -> tuple[int, int]:
@@ -258,6 +265,8 @@ def record(flow: Flow, node: ast.AST) -> None:
     if isinstance(node, ast.If):
         record_branches(flow, node)
         return
+    if isinstance(node, ast.While):
+        return  # its test is read where the loop is judged; it binds nothing
     value = node.value
     if value is None:  # `x: int` without a value
         return
