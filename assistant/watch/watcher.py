@@ -79,6 +79,7 @@ class RankReport:
     waiting_in: str | None = None
     stack: list[Frame] = field(default_factory=list)
     last_collective: LastCollective | None = None  # from the flight recorder, at a hang
+    local_rank: int | None = None
 
     def to_json(self) -> dict:
         error = (
@@ -86,6 +87,7 @@ class RankReport:
         )
         return {
             "rank": self.rank,
+            "local_rank": self.local_rank,
             "host": self.host,
             "exit_code": self.exit_code,
             "error": error,
@@ -363,6 +365,7 @@ class Watch:
         where = innermost_user_frame(frames) if frames else error_frame(record.error)
         return RankReport(
             rank=record.rank,
+            local_rank=record.local_rank,
             host=record.host,
             pid=record.pid,
             exit_code=None if hung and record.pid in stacks else records.exit_code(record),

@@ -30,6 +30,7 @@ def test_an_exception_on_one_rank_is_the_root_error_from_its_own_record(tmp_path
     rank1 = outcome.to_json()["ranks"][1]
     assert rank1["error"] == {"type": "ValueError", "message": "bad batch shape on rank one"}
     assert rank1["exit_code"] == 1 and rank1["where"]["line"] == 12
+    assert (rank1["rank"], rank1["local_rank"]) == (1, 1)
     payload = outcome.to_json()
     assert payload["launch"]["exit_code"] == 1 and payload["launch"]["hung"] is False
     assert payload["causes"] and "root_error" in payload  # the ask contract, plus launch and ranks
