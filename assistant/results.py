@@ -23,7 +23,7 @@ Confidence = Literal["high", "medium", "low"]
 # answer's community stance (never written over it).
 HereOutcome = Literal["", "confirmed_here", "refuted_here"]
 
-# The order a person reads (DESIGN.md): confirmed, inconclusive, not run,
+# The order a person reads (README, the --json contract): confirmed, inconclusive, not run,
 # not applicable, ruled out, each within a score margin (verdicts/apply.py).
 VERDICT_RANK = {
     "confirmed": 0,
@@ -254,7 +254,7 @@ class CauseResult:
         return pick(getattr(self, name), getattr(self, f"{name}_zh", ""), lang)
 
     def to_json(self, lang: str = "en") -> dict:
-        """The contract's `causes[*]` entry (keys and order fixed by DESIGN.md)."""
+        """The contract's `causes[*]` entry (keys and order fixed by the contract in README)."""
         fix = self.text("fix", lang)
         fix = fix if not self.fix_code else f"{fix}\n\n{self.fix_code}".strip()
         return {
@@ -286,7 +286,7 @@ class Result:
     answer_id: str = ""
 
     def to_json(self) -> dict:
-        """The contract of DESIGN.md; keys are only ever added."""
+        """The --json contract (README); keys are only ever added."""
         payload = {
             "query": echo(self.query),
             "root_error": self.root_error.to_json() if self.root_error else None,
