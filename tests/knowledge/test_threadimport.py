@@ -24,8 +24,9 @@ from assistant.knowledge.threadimport import draft_thread, parse_thread, propose
 REPO = Path(__file__).resolve().parents[2]
 SEED_THREAD = REPO / "kb/threads/seed-000-ddp-cant-find-device.yaml"
 SEED_TEXT_COPY = Path("/work/shared/seeds/000_0d95b9825ebdd6ac.txt")
-# Measured with the seed thread left out of the index: claims P 0.64, R 0.59, F1 0.62.
-CLAIMS_F1_FLOOR = 0.55
+# Measured with the seed thread left out of the index: claims P 0.67, R 0.52, F1 0.58
+# (all 48 KB threads, each held out: P 0.59, R 0.67, F1 0.63). Retrieval changes move it.
+CLAIMS_F1_FLOOR = 0.5
 
 
 def seed_text() -> str:
