@@ -52,14 +52,18 @@ class Agent:
 
 
 def start_agent(
-    node_rank: int,
+    rank: int,
     args: list[str],
     env: dict[str, str] | None = None,
     netns: str | None = None,
+    node_rank: bool = True,
 ) -> Agent:
-    """`assistant doctor --json --nodes-only ARGS --node-rank R`, in a network namespace if given."""
-    command = [sys.executable, "-m", "assistant", "doctor", "--json", "--nodes-only"]
-    command += [*args, "--node-rank", str(node_rank)]
+    """`assistant doctor --json --nodes-only ARGS --node-rank R`, in a network namespace if given.
+
+    node_rank=False leaves --node-rank out (--slurm reads it from SLURM_NODEID).
+    """
+    command = [sys.executable, "-m", "assistant", "doctor", "--json", "--nodes-only", *args]
+    command += ["--node-rank", str(rank)] if node_rank else []
     if netns:
         command = ["ip", "netns", "exec", netns, *command]
     full_env = {**os.environ, **(env or {})}
@@ -71,7 +75,7 @@ def start_agent(
         stderr=subprocess.PIPE,
         text=True,
     )
-    return Agent(node_rank, process, time.monotonic())
+    return Agent(rank, process, time.monotonic())
 
 
 def confirmed(agent: Agent) -> list[str]:

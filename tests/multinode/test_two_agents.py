@@ -63,7 +63,9 @@ def test_a_bogus_gloo_ifname_is_confirmed_for_that_node():
 
 def test_a_missing_node_is_named_within_the_join_timeout():
     join = 8
-    agent = start_agent(0, pair_args(join)).finish()
+    endpoint = f"127.0.0.1:{free_port()}"  # the --rdzv-endpoint form of the same thing
+    args = ["--nnodes", "2", "--rdzv-endpoint", endpoint, "--join-timeout", str(join)]
+    agent = start_agent(0, args).finish()
     assert agent.code == 1  # a check failed
     assert "never joined" in agent.stderr and "Traceback" not in agent.stderr
     nodes = agent.nodes()
@@ -97,3 +99,21 @@ def test_one_node_job_runs_this_nodes_probes_too():
     probes = {p["name"] for p in result["probes"]}
     assert {"nodes", "devices", "versions", "system", "rendezvous"} <= probes
     assert [n["node_rank"] for n in result["nodes"]] == [0]
+
+
+def test_slurm_form_under_srun_variables():
+    """What `srun --ntasks-per-node=1 assistant doctor --slurm` gives each node."""
+    port = str(free_port())
+    agents = []
+    for rank in (0, 1):
+        env = {"SLURM_NNODES": "2", "SLURM_NODEID": str(rank), "SLURM_JOB_NODELIST": "localhost",
+               "MASTER_PORT": port}  # fmt: skip
+        command = ["--slurm", "--join-timeout", str(JOIN)]
+        agents.append(start_agent(rank, command, env=env, node_rank=False))
+    for agent in agents:
+        agent.finish()
+    for agent in agents:
+        assert agent.code == 0, agent.stderr[-2000:]
+        nodes = agent.nodes()
+        assert sorted(nodes) == [0, 1]
+        assert {n["told"]["master_addr"] for n in nodes.values()} == {"localhost"}
