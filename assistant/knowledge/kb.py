@@ -45,7 +45,14 @@ class Strict(BaseModel):
 def _non_empty(value: str) -> str:
     if not value.strip():
         raise ValueError("must not be empty")
+    _not_todo(value)
     return value
+
+
+def _not_todo(value: str) -> None:
+    """A scaffolded section (`assistant kb new`) must be written before the KB builds."""
+    if value.strip().startswith("TODO"):  # the marker, in capitals; ids are lowercase
+        raise ValueError("still TODO: write it")
 
 
 def _safe_signature(pattern: str) -> str:
@@ -66,6 +73,8 @@ def _known_probe(name: str) -> str:
 def _no_empty_entries(values: list[str]) -> list[str]:
     if any(not v.strip() for v in values):
         raise ValueError("must not contain empty entries")
+    for value in values:
+        _not_todo(value)
     return values
 
 

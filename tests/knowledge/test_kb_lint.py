@@ -24,6 +24,7 @@ EXPECTED = {
     "the linear engine (RE2) cannot take it",
     "causes/unknown-probe.yaml": "probes.1: unknown probe crystal_ball",
     "causes/empty-field.yaml": "fix: must not be empty",
+    "causes/todo-left-in-fix.yaml": "fix: still TODO: write it",
     "causes/no-chinese-symptom.yaml": "symptoms: needs at least one symptom in Chinese",
     "causes/duplicate-id.yaml": "id: duplicate id 'duplicate-gpu-per-rank' (also in causes/"
     "duplicate-gpu-per-rank.yaml); to add to it, write `extends: duplicate-gpu-per-rank`",
