@@ -97,7 +97,16 @@ class Engine:
         except IndexProblem as problem:
             self.log(f"assistant: {problem}; rebuilding the index")
         self.build()
-        return open_index(self.index_path, kb_hash, self.embedder.fingerprint)
+        # The KB may change while it is being built (an editor saving, a helper
+        # process building too): open what was built for the KB as it is now.
+        try:
+            return open_index(self.index_path, content_hash(self.kb_root), self.embedder.fingerprint)
+        except IndexProblem as problem:
+            raise UserError(
+                f"the knowledge base changed while its index was being built ({problem}); "
+                "run the command again",
+                ExitCode.FAILED,
+            ) from None
 
     def build(self) -> BuildReport:
         """Validate the KB and compile it into the index file."""
