@@ -122,8 +122,9 @@ WARM_UP = [
 
 
 def warm_median(engine, texts: list[str]) -> float:
-    for text in WARM_UP:  # not among `texts`: every timed query embeds afresh
+    for text in WARM_UP:  # not among `texts`
         engine.ask(text)
+    engine.embedder.forget_recent()  # every timed query embeds afresh
     times = []
     for text in texts:
         started = time.perf_counter()
@@ -138,6 +139,7 @@ def embed_median(engine, texts: list[str]) -> float:
     from assistant.knowledge.retrieve import DENSE_TEXT_LIMIT
 
     focus = [clean_log(text).focus[:DENSE_TEXT_LIMIT] for text in texts]
+    engine.embedder.forget_recent()
     times = []
     for text in focus:
         started = time.perf_counter()

@@ -301,7 +301,12 @@ class Embedder:
 
     def _use(self, encoder: OnnxEncoder | None) -> None:
         self._fast = encoder
-        self._recent.clear()  # vectors of the other backend: equal, but not from this one
+        self.forget_recent()  # vectors of the other backend: equal, but not from this one
+
+    def forget_recent(self) -> None:
+        """Drop the kept query vectors (a benchmark times real embeddings)."""
+        with self._lock:
+            self._recent.clear()
 
     def _tokenizer_settings(self) -> TokenizerSettings:
         return TokenizerSettings.of_model(self.model_dir, MAX_TOKENS)
