@@ -31,6 +31,7 @@ from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
 from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
 MAX_ANSWERS_PER_CAUSE = 6
+REBUILD_ATTEMPTS = 2  # a KB saved during a build gets one more build
 STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}
 # Answers judged (partly) right lead, unverified follow, wrong ones come last.
 STANCE_GROUP = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
@@ -96,17 +97,24 @@ class Engine:
             return open_index(self.index_path, kb_hash, self.embedder.fingerprint)
         except IndexProblem as problem:
             self.log(f"assistant: {problem}; rebuilding the index")
-        self.build()
-        # The KB may change while it is being built (an editor saving, a helper
-        # process building too): open what was built for the KB as it is now.
-        try:
-            return open_index(self.index_path, content_hash(self.kb_root), self.embedder.fingerprint)
-        except IndexProblem as problem:
-            raise UserError(
-                f"the knowledge base changed while its index was being built ({problem}); "
-                "run the command again",
-                ExitCode.FAILED,
-            ) from None
+        # The KB may change while it is being built (an editor saving, another
+        # process building too): open what was built for the KB as it is now,
+        # building once more if it moved on meanwhile.
+        for attempt in range(REBUILD_ATTEMPTS):
+            self.build()
+            try:
+                return open_index(
+                    self.index_path, content_hash(self.kb_root), self.embedder.fingerprint
+                )
+            except IndexProblem as problem:
+                if attempt + 1 == REBUILD_ATTEMPTS:
+                    raise UserError(
+                        f"the knowledge base keeps changing while its index is built ({problem});"
+                        " run the command again once it is saved",
+                        ExitCode.FAILED,
+                    ) from None
+                self.log("assistant: the knowledge base changed during the build; building again")
+        raise AssertionError("unreachable")
 
     def build(self) -> BuildReport:
         """Validate the KB and compile it into the index file."""
