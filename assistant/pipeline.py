@@ -41,6 +41,8 @@ class Retrieval(Protocol):
 
     def signatures(self) -> dict[str, list[str]]: ...
 
+    def cause(self, cause_id: str) -> dict: ...
+
 
 class AnswerLog(Protocol):
     """Where answers are kept for `assistant feedback` (assistant.feedback.FeedbackStore)."""
@@ -131,12 +133,35 @@ class Pipeline:
             raise
         if question.root_error is not None:
             ranked = replace(ranked, root_error=question.root_error)
+        ranked = self._with_finding_causes(ranked, question.findings)
         observer.causes(ranked)
         if self._probing(question):
             runs = self._finish_probes(ranked, question, early, observer, cancel)
         else:
             runs = list(question.known_runs)
         return self._keep(self.judge(ranked, runs, question.findings))
+
+    def _with_finding_causes(self, ranked: Result, findings: Sequence[Finding]) -> Result:
+        """Every cause a finding names joins the answer, even if the text did not rank it.
+
+        Retrieval ranks causes from the words; a script finding (lint) or what
+        `assistant run` saw in the job proves a cause the words may not name.
+        Such a cause joins with the best score, to be judged like the others.
+        """
+        present = {cause.id for cause in ranked.causes}
+        missing = [f.cause_id for f in findings if f.cause_id not in present]
+        if not missing:
+            return ranked
+        from assistant.results import CauseResult
+
+        best = max((cause.score for cause in ranked.causes), default=1.0)
+        added = []
+        for cause_id in dict.fromkeys(missing):
+            try:
+                added.append(CauseResult.from_kb(self.engine.cause(cause_id), best))
+            except UserError:
+                continue  # an id this KB does not have (a team KB without it)
+        return replace(ranked, causes=list(ranked.causes) + added)
 
     def _keep(self, result: Result) -> Result:
         """The final answer, with the handle users give `assistant feedback`."""

@@ -170,3 +170,13 @@ def test_an_unsure_answer_says_what_would_decide_in_the_users_language(engine):
     assert result.decide and all(any("\u4e00" <= ch <= "\u9fff" for ch in d) for d in result.decide)
     english = Pipeline(engine=engine).ask("my DDP training just hangs, no error at all")
     assert english.decide and not any("\u4e00" <= ch <= "\u9fff" for d in english.decide for ch in d)
+
+
+def test_a_cause_a_finding_proves_joins_the_answer_and_leads(engine):
+    # The words say "timeout"; lint found a collective only rank 0 reaches.
+    finding = Finding("collective-mismatch", 12, "all_reduce only on rank 0", "train.py")
+    text = "my DDP job hangs at the end of the first epoch and then the watchdog times out"
+    result = Pipeline(engine=engine).ask(Question(text, top=2, findings=[finding]))
+    first = result.causes[0]
+    assert first.id == "collective-mismatch"
+    assert (first.verdict.verdict, first.verdict.source) == ("confirmed", "script")

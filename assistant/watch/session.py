@@ -29,10 +29,10 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from assistant.results import CauseResult, Finding, Result
+from assistant.results import Finding, Result
 from assistant.watch.launch import interpreter_of, nproc_of, probe_environment, script_of
 from assistant.watch.output import OnOutput
 from assistant.watch.watcher import DEFAULT_HANG_AFTER, LaunchReport, WatchOptions, watch
@@ -137,7 +137,6 @@ def diagnose(
     )
     try:
         result = pipeline.ask(question, Observer(on_probe=callbacks.on_probe), cancel)
-        result = with_finding_causes(result, findings, engine, pipeline)
     finally:
         pipeline.close()
     return RunOutcome(launch, result, findings)
@@ -185,28 +184,3 @@ def probe_runner(launch: LaunchReport, options: RunOptions):
         env=probe_environment(environ),
     )
 
-
-def with_finding_causes(result: Result, findings: list[Finding], engine, pipeline) -> Result:
-    """Make sure every cause a finding names is in the answer, judged.
-
-    Retrieval ranks causes from the text; a hang's stacks or the script may
-    prove a cause the text did not rank. Such a cause joins the answer with
-    the first cause's score, and the whole answer is judged again.
-    """
-    present = {cause.id for cause in result.causes}
-    missing = [f.cause_id for f in findings if f.cause_id not in present]
-    if not missing or not hasattr(engine, "cause"):
-        return result
-    from assistant.errors import UserError
-
-    best = max((c.score for c in result.causes), default=1.0)
-    added = []
-    for cause_id in dict.fromkeys(missing):
-        try:
-            added.append(CauseResult.from_kb(engine.cause(cause_id), best))
-        except UserError:
-            continue  # a cause id this KB does not have (a team KB without it)
-    if not added:
-        return result
-    widened = replace(result, causes=list(result.causes) + added)
-    return pipeline.judge(widened, result.probes, findings)
