@@ -531,6 +531,9 @@ class NodesFacts(Facts):
     missing: list = field(default_factory=list)  # node ranks told but never joined
     # group ranks that joined the rendezvous but whose facts never arrived
     silent: list = field(default_factory=list)
+    # Written by the runner when this node never got through the rendezvous:
+    join_error: str | None = None  # torchrun's reason, in one line
+    endpoint_busy_before: bool | None = None  # the endpoint's port here, before the doctor
 
 
 FACTS_TYPES: dict[str, type[Facts]] = {

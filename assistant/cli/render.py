@@ -144,7 +144,10 @@ def _nodes_table(probes: list[ProbeRun], lang: str) -> Table | None:
     table.add_row(
         "problems",
         *(
-            Text(", ".join(v["id"] for v in e["verdicts"] if v["verdict"] == "confirmed") or "-")
+            Text(
+                ", ".join(v["id"] for v in e.get("verdicts", []) if v["verdict"] == "confirmed")
+                or "-"
+            )
             for e in report
         ),
     )
@@ -153,7 +156,7 @@ def _nodes_table(probes: list[ProbeRun], lang: str) -> Table | None:
 
 def _node_cell(entry: dict, value) -> str:
     if not entry.get("joined"):
-        return "never joined"
+        return "could not join" if entry.get("error") else "never joined"
     shown = value(entry)
     return "-" if shown in (None, "") else str(shown)
 

@@ -47,6 +47,8 @@ from assistant.probing.protocol import (
     NODES_PROBE,
     NPROC_TOLD_ENV,
     RDZV_ENDPOINT_ENV,
+    NodesFacts,
+    new_record,
 )
 from assistant.probing.records import log_tail
 from assistant.probing.runner import ProbeRunner, ProgressEvent
@@ -58,6 +60,8 @@ RDZV_ID = "ddp-assistant-doctor"
 # After the rendezvous: interpreter start, facts, three exchange steps and
 # the collectives, each bounded inside the probe; this is the outer bound.
 AFTER_JOIN_SECONDS = 150.0
+# torchrun's start before it joins (interpreter, torch import) on a busy machine.
+START_SECONDS = 45.0
 EXCHANGE_SECONDS = 20.0
 JOIN_MARGIN_SECONDS = 15.0
 POLL_SECONDS = 0.1
@@ -237,6 +241,7 @@ class NodesRunner:
         facts_dir = workdir / "facts"
         facts_dir.mkdir()
         log_path = workdir / "launch.log"
+        busy = endpoint_busy(self.plan)  # before our own store could take it
         started = time.monotonic()
         with open(log_path, "wb") as log:
             try:
@@ -250,18 +255,31 @@ class NodesRunner:
             except OSError as exc:
                 return ProbeRun(NODES_PROBE, "error", 0.0, [], f"cannot start torchrun: {exc}")
             try:
-                ending = self._wait(launch, started, cancel)
+                ending = self._wait(launch, started, cancel, facts_dir)
             finally:
                 launch.stop()
         seconds = time.monotonic() - started
-        return nodes_run(ending, _record(facts_dir), log_tail(log_path), seconds, self.plan)
+        tail = log_tail(log_path)
+        record = _record(facts_dir)
+        if record is None and ending != "cancelled":  # never got through the rendezvous
+            record = join_record(self.plan, join_failure(tail, self.plan, ending), busy)
+        return nodes_run(ending, record, tail, seconds, self.plan)
 
-    def _wait(self, launch, started: float, cancel: threading.Event | None) -> str:
-        """ "exit", "timeout" or "cancelled": how the launch ended."""
-        deadline = started + self.plan.join_timeout + JOIN_MARGIN_SECONDS + AFTER_JOIN_SECONDS
+    def _wait(self, launch, started: float, cancel, facts_dir: Path) -> str:
+        """ "exit", "timeout" or "cancelled": how the launch ended.
+
+        Two deadlines: the rendezvous (the join timeout, torchrun's margin
+        and its start) until the probe's first record appears, then the
+        probe's own AFTER_JOIN_SECONDS. A stranger on the endpoint's port
+        can hold torchrun in its store handshake far longer than that.
+        """
+        deadline = started + self.plan.join_timeout + JOIN_MARGIN_SECONDS + START_SECONDS
+        joined = False
         while launch.poll() is None:
             if (cancel is not None and cancel.is_set()) or processes.stop_requested():
                 return "cancelled"
+            if not joined and any(facts_dir.glob(f"{NODES_PROBE}.rank*.json")):
+                joined, deadline = True, time.monotonic() + AFTER_JOIN_SECONDS
             if time.monotonic() > deadline:
                 return "timeout"
             time.sleep(POLL_SECONDS)
@@ -319,13 +337,58 @@ def nodes_run(
     if ending == "cancelled":
         return ProbeRun(NODES_PROBE, "interrupted", seconds, ranks, "stopped")
     if ending == "timeout":
-        limit = plan.join_timeout + JOIN_MARGIN_SECONDS + AFTER_JOIN_SECONDS
-        return ProbeRun(NODES_PROBE, "timeout", seconds, ranks, f"no answer within {limit:g} s")
+        detail = (record or {}).get("reason") or f"no answer within {seconds:.0f} s"
+        return ProbeRun(NODES_PROBE, "timeout", seconds, ranks, detail)
+    if record and (record.get("facts") or {}).get("join_error"):
+        return ProbeRun(NODES_PROBE, "error", seconds, ranks, record["facts"]["join_error"])
     if record:  # the probe started (so the node joined) but ended without its answer
         reason = record.get("reason") or (tail[-1] if tail else "")
         detail = f"the nodes probe ended while {record.get('status')}: {reason}"[:400]
         return ProbeRun(NODES_PROBE, "error", seconds, ranks, detail)
     return ProbeRun(NODES_PROBE, "error", seconds, ranks, join_failure(tail, plan))
+
+
+def join_record(plan: NodesPlan, reason: str, busy: bool | None) -> dict:
+    """The runner's record for a node that never got through the rendezvous.
+
+    Written by the runner (the protocol's record, as for a rank that wrote
+    none): what this node was told, why it could not join, and whether the
+    endpoint's port on this node was taken before the doctor started.
+    """
+    facts = NodesFacts(
+        node_rank=plan.node_rank,
+        expected_nnodes=plan.nnodes,
+        rendezvous=plan.endpoint,
+        join_error=reason,
+        endpoint_busy_before=busy,
+    )
+    return new_record(
+        NODES_PROBE, "error", rank=plan.node_rank, reason=reason, facts=facts.to_dict()
+    )
+
+
+def endpoint_busy(plan: NodesPlan) -> bool | None:
+    """Whether the endpoint's port is taken on this node (None: the endpoint is elsewhere).
+
+    Bound with SO_REUSEADDR as TCPStore binds, so only a live listener counts.
+    """
+    here = plan.rdzv_host == "localhost" or _loopback(plan.rdzv_host)
+    if not here and not hosts_endpoint(plan.rdzv_host):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", plan.rdzv_port))
+        except OSError:
+            return True
+    return False
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def hosts_endpoint(host: str) -> bool:
@@ -354,9 +417,11 @@ def hosts_endpoint(host: str) -> bool:
     return False
 
 
-def join_failure(tail: list[str], plan: NodesPlan) -> str:
+def join_failure(tail: list[str], plan: NodesPlan, ending: str = "exit") -> str:
     """Why torchrun ended before the probe wrote anything, in one line."""
     found = next((m.group(0) for line in reversed(tail) if (m := RDZV_ERRORS.search(line))), None)
+    if found is None and ending == "timeout":
+        found = "torchrun was still waiting in the rendezvous; it was stopped"
     reason = found or (tail[-1] if tail else "torchrun ended without output")
     return (
         f"node {plan.node_rank} could not join the rendezvous at {plan.endpoint} "

@@ -466,7 +466,8 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
     """The verdict on a cause with the nodes' facts: their problems first, else the machine's."""
     facts = gathered(i.runs)
     if facts is None:
-        return single(i)
+        failed = failed_join(i.runs)
+        return join_verdict(i, cause_id, failed, single) if failed else single(i)
     found = [f for f in findings(facts, i.t) if f.cause_id == cause_id]
     problems = [f.text for f in found if f.problem]
     notes = [f.text for f in found if not f.problem]
@@ -487,6 +488,42 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
     if notes:
         return verdict("ruled_out", notes, source="probe")
     return local if local is not None else not_run()
+
+
+def failed_join(runs: dict[str, ProbeRun]) -> NodesFacts | None:
+    """The runner's facts of a node that never got through the rendezvous, else None."""
+    run = runs.get(NODES_PROBE)
+    if run is None or not run.ranks:
+        return None
+    facts = NodesFacts.from_dict(run.ranks[0].get("facts"))
+    return facts if facts.join_error else None
+
+
+def join_verdict(i: Inputs, cause_id: str, facts: NodesFacts, single: Judge) -> Verdict:
+    """This node could not join: a port taken beforehand decides master-port-in-use;
+    for the endpoint itself the failure is evidence, not a verdict (the others may
+    simply not have started)."""
+    values = {"node": facts.node_rank, "endpoint": facts.rendezvous, "error": facts.join_error}
+    if cause_id == "master-port-in-use" and facts.endpoint_busy_before:
+        line = i.t(
+            "port {port} was already in use on node {node} before the doctor started, and the "
+            "node could not join the rendezvous there: {error}",
+            "doctor 启动前 node {node} 上的端口 {port} 就已被占用，该节点无法在那里加入 rendezvous：{error}",
+            port=facts.rendezvous.rsplit(":", 1)[-1] if facts.rendezvous else "?",
+            **values,
+        )
+        return verdict("confirmed", [line], source="probe")
+    if cause_id == "master-endpoint-mismatch":
+        line = i.t(
+            "node {node} could not join the rendezvous at {endpoint}: {error}",
+            "node {node} 无法加入 {endpoint} 的 rendezvous：{error}",
+            **values,
+        )
+        local = single(i) if len(i.runs) > 1 else None
+        if local is not None and local.verdict == "confirmed":
+            return verdict("confirmed", local.evidence + [line], local.refutes, source=local.source)
+        return verdict("inconclusive", [line], source="probe")
+    return single(i)
 
 
 def extend_judge(cause_id: str) -> None:
@@ -540,14 +577,17 @@ def nodes_report(runs: list[ProbeRun], lang: str = "en") -> list[dict] | None:
     """Per node, its facts and its verdicts (`doctor --json`'s "nodes"); None without a nodes run.
 
     Nodes that never joined are listed too, with "joined": false. A node
-    that could not join itself has no facts: an empty list.
+    that could not join itself lists only itself, with torchrun's "error".
     """
     by_name = {run.name: run for run in runs}
     if NODES_PROBE not in by_name:
         return None
     facts = gathered(by_name)
     if facts is None:
-        return []
+        failed = failed_join(by_name)
+        if failed is None:
+            return []
+        return [{"node_rank": failed.node_rank, "joined": False, "error": failed.join_error}]
     say = Inputs(by_name, None, lang=lang).t
     verdicts = node_verdicts(facts, say)
     report = [_node_entry(node, verdicts.get(node.node_rank, [])) for node in facts.nodes]
@@ -584,7 +624,7 @@ def nodes_problem(runs: list[ProbeRun]) -> str | None:
         return None
     facts = gathered({NODES_PROBE: run})
     if facts is None:
-        return f"the nodes check ended with {run.status}: {run.detail or '-'}"
+        return run.detail or f"the nodes check ended with {run.status}"
     if facts.missing or facts.silent:
         return run.detail or "not every node joined"
     return None

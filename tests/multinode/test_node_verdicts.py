@@ -187,7 +187,7 @@ def test_nodes_json_lists_every_node_with_its_verdicts():
 
 def test_a_node_that_could_not_join_has_no_facts_but_a_reason():
     run = ProbeRun("nodes", "error", 24.0, [], "node 1 could not join the rendezvous at h:1")
-    assert nodes_report([run]) == []
+    assert nodes_report([run]) == []  # no record at all: nothing to list
     assert "could not join" in nodes_problem([run])
 
 

@@ -117,3 +117,26 @@ def test_slurm_form_under_srun_variables():
         nodes = agent.nodes()
         assert sorted(nodes) == [0, 1]
         assert {n["told"]["master_addr"] for n in nodes.values()} == {"localhost"}
+
+
+def test_a_stranger_on_the_endpoint_port_is_named_and_nothing_hangs():
+    """A plain listener (an old job, another service) holds the port this node would serve."""
+    import socket
+
+    join = 5
+    with socket.socket() as stranger:
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        stranger.bind(("0.0.0.0", 0))
+        stranger.listen(8)
+        port = str(stranger.getsockname()[1])
+        args = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+                "--join-timeout", str(join)]  # fmt: skip
+        agent = start_agent(0, args).finish()
+    assert agent.code == 1 and "Traceback" not in agent.stderr
+    assert agent.nodes()[0]["joined"] is False and agent.nodes()[0]["error"]
+    cause = agent.cause("master-port-in-use")
+    assert cause["verdict"] == "confirmed"
+    assert f"port {port} was already in use on node 0" in cause["evidence"][0]
+    assert agent.cause("master-endpoint-mismatch")["verdict"] == "inconclusive"
+    # torchrun would wait in the stranger's handshake for minutes: the join deadline ends it
+    assert agent.seconds < join + 15 + 45 + 30
