@@ -49,6 +49,7 @@ from assistant.tui.messages import (
     TypedElsewhere,
 )
 from assistant.tui.present import fix_text, interface_lang, one_line
+from assistant.tui.run_actions import RunActions
 from assistant.tui.screens import (
     CauseScreen,
 )
@@ -61,6 +62,7 @@ QUIT_WAIT_SECONDS = 10.0  # the runner kills its process groups well within this
 TICK_SECONDS = 0.5
 # Palette commands: (string key, action name).
 COMMANDS = (
+    ("cmd.run", "run_command"),
     ("cmd.doctor", "doctor"),
     ("cmd.lint", "lint"),
     ("cmd.rebuild", "rebuild"),
@@ -72,11 +74,12 @@ COMMANDS = (
 )
 
 
-class ChatApp(LocalizedBindings, ToolActions, HistoryActions, App[None]):
+class ChatApp(LocalizedBindings, ToolActions, RunActions, HistoryActions, App[None]):
     """The chat. Build it with `make_app`.
 
-    The palette's tools (tools.ToolActions) and the history
-    (history_actions.HistoryActions) are mixins, each in its own module.
+    The palette's tools (tools.ToolActions), the watched launch and feedback
+    (run_actions.RunActions) and the history (history_actions.HistoryActions)
+    are mixins, each in its own module.
     """
 
     CSS_PATH = "app.tcss"
@@ -478,7 +481,8 @@ def make_app(deps: ChatDeps) -> ChatApp:
 def run_chat(model: str | None = None, lang: str | None = None, keep_history: bool = True) -> None:
     """Open the chat with the real engine, probe runner and (unless asked not to) history."""
     from assistant.chat.history import History, history_enabled
-    from assistant.config import history_path
+    from assistant.config import feedback_path, history_path
+    from assistant.feedback import FeedbackStore
 
     app: ChatApp | None = None
 
@@ -493,6 +497,7 @@ def run_chat(model: str | None = None, lang: str | None = None, keep_history: bo
         runner=services.LazyRunner(),
         history=History(history_path()) if keep else None,
         history_off=not keep,
+        answers=FeedbackStore(feedback_path()) if keep else None,  # ids for feedback
         lang=lang,
     )
     app = make_app(deps)

@@ -96,6 +96,22 @@ class Exporter(Protocol):
     def home(self) -> Path: ...
 
 
+class Launching(Protocol):
+    """Runs a launch command and answers for it (assistant.tui.services.Launcher)."""
+
+    def run(self, command: list[str], callbacks: Any, cancel: threading.Event) -> Any:
+        """A RunOutcome; `callbacks` is an assistant.watch.RunCallbacks."""
+        ...
+
+
+class AnswerStore(Protocol):
+    """Answers kept for feedback (assistant.feedback.FeedbackStore)."""
+
+    def remember(self, query: str, cause_ids: list[str]) -> str: ...
+
+    def record(self, handle: str, cause_id: str, verdict: str, note: str = "") -> None: ...
+
+
 Linter = Callable[[str], list[Finding]]
 
 
@@ -129,6 +145,8 @@ class ChatDeps:
     pipeline: Asking
     knowledge: KnowledgeBase
     lint: Linter
+    launcher: Launching
+    answers: AnswerStore | None = None  # None: answers are not kept (no feedback)
     exporter: Exporter = field(default_factory=MarkdownExporter)
     history: HistoryStore | None = None
     history_off: bool = False  # the person asked to keep nothing (--no-history)
@@ -149,6 +167,9 @@ def chat_deps(
     history_off: bool = False,
     lint: Linter | None = None,
     exporter: Exporter | None = None,
+    answers: AnswerStore | None = None,
+    launcher: Launching | None = None,
+    run_probe: bool = True,
     pipeline_type: Callable[..., Asking] = Pipeline,
     **options: Any,
 ) -> ChatDeps:
@@ -158,15 +179,22 @@ def chat_deps(
         .rebuild(), .cause(id) (assistant.knowledge.engine.Engine or a fake);
         every call is made on one engine thread (services.Knowledge).
     runner: .run(names, on_progress, cancel) (assistant.probing.runner.ProbeRunner).
+    answers: keeps every answer under an answer_id for feedback (a
+        FeedbackStore; None when history is off: no ids, no feedback).
+    launcher: runs "Run a launch command" (default: services.Launcher over
+        the same engine thread; run_probe=False skips its probes).
     pipeline_type: builds the flow from (engine=, runner=); tests may pass a
         Pipeline subclass.
     options: the remaining ChatDeps fields (lang, top, clock, now, ...).
     """
     knowledge = services.Knowledge(engine)
+    keeping = {"answers": answers} if answers is not None else {}
     return ChatDeps(
-        pipeline=pipeline_type(engine=knowledge, runner=runner),
+        pipeline=pipeline_type(engine=knowledge, runner=runner, **keeping),
         knowledge=knowledge,
         lint=lint or services.lint_script,
+        launcher=launcher or services.Launcher(knowledge, probe=run_probe),
+        answers=answers,
         exporter=exporter or MarkdownExporter(),
         history=history,
         history_off=history_off,

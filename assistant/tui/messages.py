@@ -166,3 +166,45 @@ class ConversationDeleted(Message):
     """A saved conversation was deleted in the history screen."""
 
     conversation_id: int
+
+
+@dataclass
+class RunOutput(Message):
+    """The watched job of turn `turn` wrote `data` on `stream` ("stdout" | "stderr")."""
+
+    turn: int
+    stream: str
+    data: bytes
+
+
+@dataclass
+class RunEnded(Message):
+    """The watched job of turn `turn` ended (`launch`: its LaunchReport); the diagnosis follows."""
+
+    turn: int
+    launch: object
+
+
+@dataclass
+class RunDiagnosed(Message):
+    """The watched launch of turn `turn` and its answer (`outcome`: a RunOutcome)."""
+
+    turn: int
+    outcome: object
+
+
+@dataclass
+class CauseFeedback(Message):
+    """The person said cause `cause` fixed it or is wrong (`verdict`: "fixed" | "wrong")."""
+
+    cause: CauseResult
+    verdict: str
+
+
+@dataclass
+class FeedbackGiven(Message):
+    """Feedback on cause `cause_id` of the answer `answer_id` ("" when it was not kept)."""
+
+    answer_id: str
+    cause_id: str
+    verdict: str

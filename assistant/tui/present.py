@@ -154,3 +154,54 @@ def fix_text(cause: CauseResult, entry: dict | None = None) -> str:
     """What 'copy the fix' copies: the fix code, else the fix prose."""
     code = (entry or {}).get("fix_code") or cause.fix_code
     return (code or (entry or {}).get("fix") or cause.fix or "").strip()
+
+
+# -- a watched launch (the palette's "Run a launch command") -------------------------
+
+OUTPUT_LINES = 12  # lines of the job's output a run turn keeps on screen
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07")
+
+
+class OutputTail:
+    """The last `limit` lines of a job's output, fed as the bytes arrive.
+
+    A job may print for hours: only the tail is kept, and a line split
+    across two writes is joined before it counts.
+    """
+
+    def __init__(self, limit: int = OUTPUT_LINES):
+        self.limit = limit
+        self.lines: list[str] = []
+        self.partial = ""
+        self.total = 0  # complete lines seen, kept or not
+
+    def feed(self, data: bytes) -> None:
+        text = self.partial + _ANSI.sub("", data.decode("utf-8", "replace"))
+        # A terminal's bare \r (progress bars) ends a line too.
+        pieces = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+        self.partial = pieces.pop()
+        self.total += len(pieces)
+        self.lines = (self.lines + pieces)[-self.limit :]
+
+    def shown(self) -> list[str]:
+        """The kept lines, the unfinished last one included."""
+        tail = self.lines + ([self.partial] if self.partial else [])
+        return tail[-self.limit :]
+
+
+def rank_line(rank) -> str:
+    """One rank of a watched launch: who, how it ended, its error, where it stands.
+
+    `rank 1 (host, exit 1): ValueError: boom at train.py:12 in main`
+    """
+    who = "process" if rank.rank is None else f"rank {rank.rank}"
+    code = "exit code unknown" if rank.exit_code is None else f"exit {rank.exit_code}"
+    parts = []
+    if rank.error:
+        parts.append(f"{rank.error['type']}: {shorten(first_line(rank.error['message']), 120)}")
+    if rank.waiting_in:
+        parts.append(f"waits in {rank.waiting_in}")
+    if rank.where:
+        parts.append(f"at {rank.where.file}:{rank.where.line} in {rank.where.function}")
+    head = f"{who} ({rank.host}, {code})"
+    return f"{head}: {' '.join(parts)}" if parts else head

@@ -324,7 +324,10 @@ def answer_badge(answer: AnswerRef, lang: str) -> Text:
 
 
 class PathPrompt(LocalizedBindings, ModalScreen[str | None]):
-    """Ask for a path (a script to lint, a folder for the report); dismisses with it or None."""
+    """Ask for a path (a script to lint, a folder for the report) or a command line.
+
+    Dismisses with the text typed, or None.
+    """
 
     BINDINGS: ClassVar[list[BindingType]] = [
         *bilingual("escape", "cancel", "key.cancel", "prompt.cancel")
@@ -336,19 +339,23 @@ class PathPrompt(LocalizedBindings, ModalScreen[str | None]):
         prompt_key: str = "lint.prompt",
         placeholder: str = "train.py",
         value: str = "",
+        hint_key: str = "lint.prompt_hint",
+        empty_key: str = "lint.empty_path",
     ):
         super().__init__(id="path-prompt")
         self.lang = lang
         self.prompt_key = prompt_key
         self.placeholder = placeholder
         self.value = value
+        self.hint_key = hint_key
+        self.empty_key = empty_key
 
     def compose(self) -> ComposeResult:
         with Vertical(id="prompt-box"):
             yield Label(tr(self.prompt_key, self.lang))
             yield Input(value=self.value, placeholder=self.placeholder, id="path-input")
             yield Label("", id="prompt-error")
-            yield Label(tr("lint.prompt_hint", self.lang), id="prompt-hint")
+            yield Label(tr(self.hint_key, self.lang), id="prompt-hint")
 
     def on_mount(self) -> None:
         self.query_one(Input).focus()
@@ -357,7 +364,7 @@ class PathPrompt(LocalizedBindings, ModalScreen[str | None]):
         event.stop()
         path = event.value.strip()
         if not path:
-            self.query_one("#prompt-error", Label).update(tr("lint.empty_path", self.lang))
+            self.query_one("#prompt-error", Label).update(tr(self.empty_key, self.lang))
             return
         self.dismiss(path)
 

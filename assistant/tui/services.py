@@ -168,6 +168,10 @@ class Knowledge:
     def signatures(self) -> dict[str, list[str]]:
         return self.thread.submit(self.engine.signatures).result()
 
+    def cause(self, cause_id: str) -> dict:
+        """A cause's KB entry, for a worker (the pipeline adds causes a finding proves)."""
+        return self.thread.submit(self.engine.cause, cause_id).result()
+
     async def load(self) -> None:
         await self.thread.call(self.engine.load)
 
@@ -177,6 +181,26 @@ class Knowledge:
     async def entry(self, cause_id: str) -> dict:
         """The full KB entry of a cause (for the detail screen)."""
         return await self.thread.call(self.engine.cause, cause_id)
+
+
+class Launcher:
+    """Runs a person's launch command and answers for it (assistant.watch.run_and_diagnose).
+
+    The answer comes from `engine` (the chat's Knowledge, so engine calls stay
+    on the one engine thread); `probe=False` skips the probes after a failure.
+    assistant.watch is imported on the first run, not when the chat opens.
+    """
+
+    def __init__(self, engine: Any, hang_after: float = 600.0, probe: bool = True):
+        self.engine = engine
+        self.hang_after = hang_after
+        self.probe = probe
+
+    def run(self, command: list[str], callbacks: Any, cancel: threading.Event):
+        """The RunOutcome of `command` (blocks: call it from a worker thread)."""
+        watch = importlib.import_module("assistant.watch")
+        options = watch.RunOptions(hang_after=self.hang_after, probe=self.probe)
+        return watch.run_and_diagnose(command, options, self.engine, callbacks, cancel)
 
 
 class ProbeRuns:

@@ -233,6 +233,49 @@ UI: dict[str, dict[str, str]] = {
     "key.export": {"en": "Export", "zh": "导出"},
     "key.open": {"en": "Open cause", "zh": "查看原因"},
     "key.copy_fix": {"en": "Copy fix", "zh": "复制修复"},
+    "key.fixed": {"en": "Fixed it", "zh": "已解决"},
+    "key.wrong": {"en": "Wrong cause", "zh": "原因不对"},
+    "cmd.run": {"en": "Run a launch command", "zh": "运行启动命令"},
+    "cmd.run.help": {
+        "en": "Run your torchrun (or python) command, watch it, and get the answer if it fails",
+        "zh": "运行你的 torchrun（或 python）命令并观察；失败或卡住时给出诊断",
+    },
+    "run.prompt": {
+        "en": "Launch command to run and watch (never through a shell):",
+        "zh": "要运行并观察的启动命令（不经过 shell）：",
+    },
+    "run.prompt_hint": {"en": "Enter runs · Esc cancels", "zh": "回车运行 · Esc 取消"},
+    "run.empty": {"en": "Type a command first.", "zh": "请先输入命令。"},
+    "run.running": {
+        "en": "The job is running… {seconds} (a new run or quitting stops it)",
+        "zh": "任务运行中… {seconds}（新的运行或退出会停止它）",
+    },
+    "run.hung": {"en": "The job hung: {summary}", "zh": "任务卡住了：{summary}"},
+    "run.finished": {
+        "en": "The job exited with code {code} after {seconds}: nothing to diagnose.",
+        "zh": "任务在 {seconds} 后以退出码 {code} 结束：无需诊断。",
+    },
+    "run.cancelled": {
+        "en": "The job was stopped after {seconds}.",
+        "zh": "任务在 {seconds} 后被停止。",
+    },
+    "feedback.fixed": {
+        "en": "Thanks: {cause} fixed it (answer {answer}), kept for the KB's maintainers.",
+        "zh": "谢谢：已记录 {cause} 解决了问题（回答 {answer}），供知识库维护者参考。",
+    },
+    "feedback.wrong": {
+        "en": "Thanks: {cause} noted as the wrong cause (answer {answer}).",
+        "zh": "谢谢：已记录 {cause} 不是原因（回答 {answer}）。",
+    },
+    "feedback.off": {
+        "en": "History is off for this session: answers are not kept, so there is no feedback.",
+        "zh": "本次会话未开启历史记录：不保存回答，因此无法反馈。",
+    },
+    "feedback.not_kept": {
+        "en": "This answer was not kept (it is not finished yet, or came from before).",
+        "zh": "这个回答没有被保存（尚未完成，或来自之前的记录）。",
+    },
+    "feedback.failed": {"en": "Feedback not kept: {error}", "zh": "反馈未保存：{error}"},
     "key.reopen": {"en": "Open", "zh": "打开"},
     "key.back": {"en": "Back", "zh": "返回"},
     "key.delete": {"en": "Delete", "zh": "删除"},

@@ -8,7 +8,7 @@ the English interface must not show Chinese evidence under English titles.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from rich.text import Text
@@ -22,10 +22,17 @@ from assistant.chat.conversation import Turn
 from assistant.i18n import cause_summary, cause_title, decide_question, source_and_evidence, t
 from assistant.results import CauseResult, Finding, ProbeRun, Result
 from assistant.tui.keys import LocalizedBindings, bilingual
-from assistant.tui.messages import CauseChosen, CopyFix, TypedElsewhere
+from assistant.tui.messages import (
+    CauseChosen,
+    CauseFeedback,
+    CopyFix,
+    FeedbackGiven,
+    TypedElsewhere,
+)
 from assistant.tui.present import (
     PROBE_MARKS,
     VERDICT_MARKS,
+    OutputTail,
     middle_cut,
     query_preview,
     seconds,
@@ -47,6 +54,18 @@ class ProbeRow:
     elapsed: float = 0.0
     status: str = ""
     reused: bool = False
+
+
+@dataclass
+class JobState:
+    """A watched launch of a run turn: its output's tail, its ranks, how it ended."""
+
+    started: float  # app clock when it started
+    output: OutputTail = field(default_factory=OutputTail)
+    ranks: list[str] = field(default_factory=list)  # one line per rank, once it ended
+    seconds: float | None = None  # how long it ran, once it ended
+    note: str = ""  # how it ended when there is no answer (exit 0, stopped)
+    succeeded: bool = False
 
 
 class CauseItem(ListItem):
@@ -92,6 +111,8 @@ class CauseList(LocalizedBindings, ListView):
     BINDINGS: ClassVar[list[BindingType]] = [
         *bilingual("enter", "select_cursor", "key.open", "causes.open"),
         *bilingual("c", "copy_fix", "key.copy_fix", "causes.copy_fix"),
+        *bilingual("f", "feedback('fixed')", "key.fixed", "causes.fixed"),
+        *bilingual("w", "feedback('wrong')", "key.wrong", "causes.wrong"),
         *bilingual("escape", "app.focus_input", "key.input", "causes.input", show=False),
     ]
 
@@ -104,6 +125,12 @@ class CauseList(LocalizedBindings, ListView):
         cause = self.highlighted_cause
         if cause is not None:
             self.post_message(CopyFix(cause))
+
+    def action_feedback(self, verdict: str) -> None:
+        """f: this cause fixed it; w: this cause is wrong (kept for support teams)."""
+        cause = self.highlighted_cause
+        if cause is not None:
+            self.post_message(CauseFeedback(cause, verdict))
 
     def on_key(self, event: events.Key) -> None:
         if event.is_printable and event.character and event.key not in self.app.active_bindings:
@@ -120,11 +147,13 @@ class TurnView(Vertical):
         self.key = key  # unique for the app's lifetime; messages name turns by it
         self.turn = turn
         self.clock = clock
-        self.phase = "searching"  # waiting_model | searching | linting | probing | done | failed
+        # waiting_model | job | searching | linting | probing | done | failed
+        self.phase = "searching"
         self.preview = query_preview(turn.query)  # once: the query may be a 10 MB log
         self.error = ""
         self.probe_rows: dict[str, ProbeRow] = {}
         self.findings: list[Finding] = []  # the conversation's script findings (for "line N")
+        self.job: JobState | None = None  # set for a run turn (a watched launch)
 
     @property
     def lang(self) -> str:
@@ -135,6 +164,8 @@ class TurnView(Vertical):
         # A pasted log is summed up on one line; a typed question may wrap.
         yield Static(classes="turn-query -log" if self.preview[1] else "turn-query")
         yield Static(classes="turn-status")
+        yield Static(classes="turn-output")
+        yield Static(classes="turn-ranks")
         yield Static(classes="turn-root")
         yield CauseList(classes="turn-causes")
         yield Static(classes="turn-probes")
@@ -184,8 +215,32 @@ class TurnView(Vertical):
             )
         self.refresh_view()
 
+    def start_job(self) -> None:
+        """This turn watches a launch: its output streams in until it ends."""
+        self.job = JobState(started=self.clock())
+        self.set_phase("job")
+
+    def job_output(self, data: bytes) -> None:
+        if self.job is not None:
+            self.job.output.feed(data)
+            self.refresh_view()
+
+    def job_ended(self, ranks: list[str], seconds: float, diagnosing: bool) -> None:
+        """The launch ended; `diagnosing`: it failed or hung and its answer is coming."""
+        if self.job is not None:
+            self.job.ranks, self.job.seconds = ranks, seconds
+        self.set_phase("searching" if diagnosing else self.phase)
+
+    def job_note(self, note: str, succeeded: bool) -> None:
+        """How a launch with no answer ended (it succeeded, or it was stopped)."""
+        if self.job is not None:
+            self.job.note, self.job.succeeded = note, succeeded
+        self.set_phase("done")
+
     def probe_event(self, probe: str, state: str, elapsed: float, status: str | None) -> None:
         """A runner progress event; `elapsed` counts from the start of the run."""
+        if self.job is not None and self.phase == "searching":
+            self.phase = "probing"  # a run's diagnosis reports no ranking before its probes
         row = self.probe_rows.setdefault(probe, ProbeRow(probe))
         if state == "started":
             row.state, row.started, row.started_at_run = "running", self.clock(), elapsed
@@ -225,7 +280,8 @@ class TurnView(Vertical):
 
     @property
     def running(self) -> bool:
-        return any(row.state == "running" for row in self.probe_rows.values())
+        """Something with an elapsed time is running (a probe, a watched job)."""
+        return self.phase == "job" or any(row.state == "running" for row in self.probe_rows.values())
 
     @property
     def decide_text(self) -> str:
@@ -244,6 +300,7 @@ class TurnView(Vertical):
             return
         self.query_one(".turn-query", Static).update(self._query_text())
         self.query_one(".turn-status", Static).update(self._status_text())
+        self._refresh_job()
         root = self.turn.root_error
         root_widget = self.query_one(".turn-root", Static)
         root_widget.display = root is not None
@@ -268,6 +325,20 @@ class TurnView(Vertical):
         if question:
             decide.update(Text("? " + question, style="bold"))
 
+    def _refresh_job(self) -> None:
+        """The watched job's output tail and, once it ended, its ranks."""
+        job = self.job
+        output = self.query_one(".turn-output", Static)
+        ranks = self.query_one(".turn-ranks", Static)
+        output.display = job is not None and bool(job.output.shown())
+        ranks.display = job is not None and bool(job.ranks)
+        if job is None:
+            return
+        if output.display:
+            output.update(Text("\n".join(job.output.shown()), style="dim"))
+        if ranks.display:
+            ranks.update(Text("\n".join(job.ranks)))
+
     def _query_text(self) -> Text:
         turn, lang = self.turn, self.lang
         if turn.kind == "doctor":
@@ -285,6 +356,9 @@ class TurnView(Vertical):
         lang = self.lang
         if self.phase == "failed":
             return Text(tr("turn.error", lang, error=self.error), style="red")
+        if self.phase == "job" and self.job is not None:
+            took = seconds(max(self.clock() - self.job.started, 0.0))
+            return Text(tr("run.running", lang, seconds=took), style="yellow")
         if self.phase in ("waiting_model", "searching", "linting"):
             return Text(tr(f"turn.{self.phase}", lang), style="yellow")
         result = self.turn.result
@@ -301,6 +375,8 @@ class TurnView(Vertical):
                 text.append("  " + t(f"confidence.{result.confidence}", lang), style="bold")
             if not self.probe_rows and self.turn.kind == "ask" and not self.error:
                 text.append("  " + tr("turn.no_probes", lang), style="dim")
+        elif self.job is not None and self.job.note:
+            text = Text(self.job.note, style="green" if self.job.succeeded else "yellow")
         else:
             text = Text()
         if self.error:
@@ -340,6 +416,12 @@ class TurnView(Vertical):
         return text
 
     # -- messages up ----------------------------------------------------------------
+
+    def on_cause_feedback(self, message: CauseFeedback) -> None:
+        # The list knows the cause; this turn knows the answer it belongs to.
+        message.stop()
+        handle = self.turn.result.answer_id if self.turn.result else ""
+        self.post_message(FeedbackGiven(handle, message.cause.id, message.verdict))
 
     def on_list_view_selected(self, event: ListView.Selected) -> None:
         event.stop()

@@ -85,6 +85,8 @@ def test_run_chat_builds_the_chat_without_history_when_asked(
     app_module.run_chat(keep_history=keep)
     deps = seen["deps"]
     assert (deps.history is not None) is kept and deps.history_off is (not kept)
+    # Answers are kept for feedback exactly when the history is (no answer_id otherwise).
+    assert (deps.answers is not None) is kept
     assert list(tmp_path.iterdir()) == []  # nothing written before the first question
 
 
