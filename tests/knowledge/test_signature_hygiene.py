@@ -101,11 +101,6 @@ NAMED = [
     ("KeyError: 'MASTER_ADDR'", "launched-without-torchrun"),
     ("KeyError: 'MASTER_PORT'", "launched-without-torchrun"),
     (
-        "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
-        "ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details)",
-        "shm-too-small",
-    ),
-    (
         "[E socket.cpp:793] [c10d] The client socket has timed out after 1800s while trying "
         "to connect to (127.0.0.1, 48391).",
         "master-endpoint-mismatch",
@@ -127,6 +122,9 @@ def test_the_error_wording_is_named_by_its_cause(kb, text, cause_id):
 # Generic lines every failing (or healthy) run can print: a cause whose signature
 # caught them would be pulled to the top of unrelated reports.
 GENERIC = [
+    # ncclSystemError: shm-too-small and network-interface alike; the probes decide.
+    "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+    "ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details)",
     "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, unhandled cuda error "
     "(run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5 ncclUnhandledCudaError",
     "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
