@@ -267,6 +267,14 @@ UI: dict[str, dict[str, str]] = {
         "en": "Thanks: {cause} noted as the wrong cause (answer {answer}).",
         "zh": "谢谢：已记录 {cause} 不是原因（回答 {answer}）。",
     },
+    "feedback.confirm_fixed": {
+        "en": "Press f again to record that {cause} fixed it.",
+        "zh": "再按一次 f，记录 {cause} 解决了问题。",
+    },
+    "feedback.confirm_wrong": {
+        "en": "Press w again to record that {cause} is the wrong cause.",
+        "zh": "再按一次 w，记录 {cause} 不是原因。",
+    },
     "feedback.off": {
         "en": "History is off for this session: answers are not kept, so there is no feedback.",
         "zh": "本次会话未开启历史记录：不保存回答，因此无法反馈。",

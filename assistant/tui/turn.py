@@ -27,6 +27,7 @@ from assistant.tui.messages import (
     CauseFeedback,
     CopyFix,
     FeedbackGiven,
+    Notice,
     TypedElsewhere,
 )
 from assistant.tui.present import (
@@ -104,6 +105,9 @@ class CauseItem(ListItem):
 class CauseList(LocalizedBindings, ListView):
     """The causes of one turn, best first; Enter opens one, c copies its fix.
 
+    f / w say "this cause fixed it" / "wrong cause", pressed twice (a word
+    typed into the list must not leave feedback), and only on an answer that
+    was kept (`answer_id`); otherwise the keys are free.
     Printable keys that are not bound here go to the input: a person who
     starts typing a follow-up while the list has focus loses nothing.
     """
@@ -115,6 +119,14 @@ class CauseList(LocalizedBindings, ListView):
         *bilingual("w", "feedback('wrong')", "key.wrong", "causes.wrong"),
         *bilingual("escape", "app.focus_input", "key.input", "causes.input", show=False),
     ]
+
+    answer_id = ""  # set by the turn: the kept answer these causes belong to
+    armed: tuple[str, str] | None = None  # (cause id, verdict) pressed once
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "in_lang" and str(parameters[1]).startswith("feedback") and not self.answer_id:
+            return False  # nothing kept to give feedback on: f and w type into the input
+        return super().check_action(action, parameters)
 
     @property
     def highlighted_cause(self) -> CauseResult | None:
@@ -129,10 +141,19 @@ class CauseList(LocalizedBindings, ListView):
     def action_feedback(self, verdict: str) -> None:
         """f: this cause fixed it; w: this cause is wrong (kept for support teams)."""
         cause = self.highlighted_cause
-        if cause is not None:
-            self.post_message(CauseFeedback(cause, verdict))
+        if cause is None:
+            return
+        if self.armed != (cause.id, verdict):
+            self.armed = (cause.id, verdict)
+            lang = getattr(self.app, "lang", "en")
+            self.post_message(Notice(tr(f"feedback.confirm_{verdict}", lang, cause=cause.id)))
+            return
+        self.armed = None
+        self.post_message(CauseFeedback(cause, verdict))
 
     def on_key(self, event: events.Key) -> None:
+        if event.key not in ("f", "w"):
+            self.armed = None  # the second press must follow the first
         if event.is_printable and event.character and event.key not in self.app.active_bindings:
             event.stop()
             event.prevent_default()
@@ -200,6 +221,7 @@ class TurnView(Vertical):
             causes.highlighted_cause.id if causes.has_focus and causes.highlighted_cause else None
         )
         await causes.clear()
+        causes.answer_id, causes.armed = result.answer_id, None
         items = [CauseItem(n, c, self.lang, self.findings) for n, c in enumerate(result.causes, 1)]
         await causes.extend(items)
         ids = [c.id for c in result.causes]

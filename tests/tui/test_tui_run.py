@@ -245,6 +245,9 @@ async def test_a_cause_key_records_feedback_in_the_answers_log(tmp_path, key, ve
         handle = view.turn.result.answer_id
         first = view.turn.result.causes[0].id
         assert handle
+        await pilot.press(key)  # once: asks to press again, records nothing
+        await pilot.pause()
+        assert f"Press {key} again" in app.notices[-1] and answers.summary() == []
         await pilot.press(key)
         await until(pilot, lambda: bool(answers.summary()))
         await until(pilot, lambda: handle in app.notices[-1])
@@ -274,12 +277,23 @@ async def test_the_feedback_keys_are_in_the_footer_in_both_languages(tmp_path):
         assert {"已解决", "原因不对"} <= footer_words(app, "zh")
 
 
-async def test_with_history_off_answers_have_no_id_and_feedback_says_why(tmp_path):
-    app = fake_app(history_off=True)
+async def test_a_word_typed_into_the_list_leaves_no_feedback(tmp_path):
+    answers = FeedbackStore(tmp_path / "feedback.sqlite")
+    app = fake_app(answers=answers)
+    async with app.run_test(size=(110, 40)) as pilot:
+        await answered_with_causes_focused(app, pilot)
+        await pilot.press("w", "h", "y")
+        await pilot.pause()
+    assert answers.summary() == []
+
+
+async def test_with_history_off_answers_have_no_id_and_the_keys_type_into_the_input(tmp_path):
+    app = fake_app(history_off=True)  # as run_chat builds it: no answers store
     async with app.run_test(size=(110, 40)) as pilot:
         view = await answered_with_causes_focused(app, pilot)
-        assert view.turn.result.answer_id == ""
-        await pilot.press("f")
+        assert view.turn.result.answer_id == "" and app.deps.answers is None
+        assert "Fixed it" not in footer_words(app, "en")
+        await pilot.press("f", "w")
         await pilot.pause()
-        assert "History is off" in app.notices[-1]
+        assert app.chat_input.text == "fw" and not app.notices
     assert list(tmp_path.iterdir()) == []
