@@ -474,7 +474,12 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
     if problems:
         return verdict("confirmed", problems + notes, source="probe")
     local = single(i) if len(i.runs) > 1 else None  # this node's own probes ran too
-    if local is not None and local.verdict in ("confirmed", "inconclusive"):
+    if local is not None and local.verdict == "inconclusive" and settled_across(facts, cause_id):
+        # e.g. "the master refuses connections now": it answered every node in the
+        # rendezvous. The machine's hedge is left out: ruled_out beside it would read
+        # as a contradiction, and the nodes' connections are the stronger fact.
+        return verdict("ruled_out", notes, source="probe")
+    if local is not None and local.verdict in ("confirmed", "inconclusive", "not_applicable"):
         return verdict(local.verdict, local.evidence + notes, local.refutes, source=local.source)
     if local is not None and len(facts.nodes) < 2 and not facts.missing:
         return local  # a one-node job: this machine's own verdict is the whole story
@@ -488,6 +493,18 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
     if notes:
         return verdict("ruled_out", notes, source="probe")
     return local if local is not None else not_run()
+
+
+# Causes the nodes check tests directly (connections between the nodes, to the
+# master, over the named interfaces): with every node there and no problem, a
+# machine's own hedge ("refuses connections now", "loopback host name") is settled.
+SETTLED_ACROSS = ("network-interface", "master-endpoint-mismatch", "master-port-in-use")
+
+
+def settled_across(facts: NodesFacts, cause_id: str) -> bool:
+    """Whether every node joined and the nodes' own connections decide this cause."""
+    complete = not facts.missing and not facts.silent and len(facts.nodes) > 1
+    return complete and cause_id in SETTLED_ACROSS
 
 
 def failed_join(runs: dict[str, ProbeRun]) -> NodesFacts | None:

@@ -200,3 +200,20 @@ def test_doctor_shows_the_nodes_side_by_side(lang):
     text = console.export_text()
     assert "node 0" in text and "node 1" in text and "never joined" in text
     assert "world-size-mismatch" in text
+
+
+def test_this_nodes_own_probes_and_the_nodes_check_together():
+    """doctor --nnodes without --nodes-only: the machine's hedges that the nodes settled."""
+    runs = runs_of("cpu_2ranks", FACTS.parent) | runs_of("healthy_2")
+    alone = runs_of("cpu_2ranks", FACTS.parent)
+    inputs = {"signatures": {}}
+    # one machine: a loopback host name is a doubt; two nodes reached each other: settled
+    assert judge("network-interface", alone, None, [], **inputs).verdict == "inconclusive"
+    settled = judge("network-interface", runs, None, [], **inputs)
+    assert settled.verdict == "ruled_out"
+    assert not any("cannot connect" in line for line in settled.evidence)
+    # a CPU-only build stays not applicable, with the nodes' versions beside it
+    versions = judge("nccl-version-mismatch", runs, None, [], **inputs)
+    assert versions.verdict == "not_applicable" and "on all 2 nodes" in versions.evidence[-1]
+    # the script may still fix a world size: the machine's hedge stays
+    assert judge("world-size-mismatch", runs, None, [], **inputs).verdict == "inconclusive"
