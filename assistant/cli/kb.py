@@ -41,14 +41,24 @@ def kb_lint():
     from assistant.config import kb_layers
     from assistant.knowledge.kb import KBError, load_kb
 
+    from assistant.knowledge.bridges import BRIDGE_FILE, read_bridge_file
+
     layers = kb_layers()
+    problems = []
     try:
         kb = load_kb(layers)
     except KBError as exc:
-        for problem in exc.problems:
+        problems = list(exc.problems)
+    for layer in layers:  # each layer's term bridge, checked before it reaches a query
+        try:
+            read_bridge_file(Path(layer) / BRIDGE_FILE)
+        except UserError as exc:
+            problems.append(str(exc))
+    if problems:
+        for problem in problems:
             click.echo(problem, err=True)
         where = " + ".join(str(layer) for layer in layers)
-        click.echo(f"{len(exc.problems)} problem(s) in {where}", err=True)
+        click.echo(f"{len(problems)} problem(s) in {where}", err=True)
         sys.exit(int(ExitCode.FAILED))
     answers = sum(len(t.answers) for t in kb.threads)
     extended = f", {len(kb.extended_by)} extended" if kb.extended_by else ""

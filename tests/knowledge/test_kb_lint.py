@@ -150,3 +150,13 @@ def test_kb_stats_json_shape():
     assert row["source"] == str(kb_dir()) and row["extended_by"] == []
     assert stats["totals"]["causes"] == len(stats["causes"]) >= 27
     assert stats["totals"]["causes_without_answers"] == []
+
+
+def test_a_team_layers_broken_term_bridge_is_one_lint_problem(tmp_path):
+    team = tmp_path / "team"
+    (team / "causes").mkdir(parents=True)
+    shutil.copy(BAD.parent / "bridge" / "key_twice.yaml", team / "bridge.yaml")
+    result = lint("--kb", str(team))
+    assert result.exit_code == 1
+    problems = result.stderr.splitlines()[:-1]
+    assert len(problems) == 1 and str(team / "bridge.yaml") in problems[0], result.stderr
