@@ -114,6 +114,7 @@ class RunActions:
         lines = [rank_line(rank) for rank in launch.ranks]
         if launch.hang is not None:
             lines.insert(0, tr("run.hung", view.lang, summary=launch.hang.summary))
+        lines.append(tr("run.logs", view.lang, path=launch.log_dir))
         view.job_ended(lines, launch.seconds, diagnosing=launch.failed)
 
     async def on_run_diagnosed(self, message: RunDiagnosed) -> None:
@@ -150,7 +151,9 @@ class RunActions:
         try:
             self.deps.answers.record(answer_id, cause_id, verdict)
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
-            self.post_message(Notice(tr("feedback.failed", self.lang, error=one_line(exc)), "error"))
+            self.post_message(
+                Notice(tr("feedback.failed", self.lang, error=one_line(exc)), "error")
+            )
         else:
             key = f"feedback.{verdict}"
             self.post_message(Notice(tr(key, self.lang, cause=cause_id, answer=answer_id)))

@@ -250,6 +250,7 @@ UI: dict[str, dict[str, str]] = {
         "en": "The job is running… {seconds} (a new run or quitting stops it)",
         "zh": "任务运行中… {seconds}（新的运行或退出会停止它）",
     },
+    "run.logs": {"en": "logs: {path}", "zh": "日志：{path}"},
     "run.hung": {"en": "The job hung: {summary}", "zh": "任务卡住了：{summary}"},
     "run.finished": {
         "en": "The job exited with code {code} after {seconds}: nothing to diagnose.",

@@ -303,7 +303,9 @@ class TurnView(Vertical):
     @property
     def running(self) -> bool:
         """Something with an elapsed time is running (a probe, a watched job)."""
-        return self.phase == "job" or any(row.state == "running" for row in self.probe_rows.values())
+        return self.phase == "job" or any(
+            row.state == "running" for row in self.probe_rows.values()
+        )
 
     @property
     def decide_text(self) -> str:

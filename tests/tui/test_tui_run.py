@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import sys
@@ -22,11 +23,12 @@ from textual.widgets import Input, Static
 
 from assistant.feedback import FeedbackStore
 from assistant.results import Result, RootError
-from assistant.tui.present import OutputTail, rank_line
+from assistant.tui.present import OUTPUT_LINES, OutputTail, rank_line
 from assistant.tui.run_actions import split_command
 from assistant.tui.screens import PathPrompt
 from assistant.tui.turn import CauseList
 from assistant.watch import RunCallbacks, RunOutcome
+from assistant.watch.jobhook import WATCH_DIR_VAR
 from assistant.watch.stacks import Frame
 from assistant.watch.watcher import LaunchReport, RankReport
 
@@ -80,8 +82,9 @@ class FakeLauncher:
             return RunOutcome(launch, None)
         launch = failed_launch(command)
         callbacks.on_launch(launch)
-        result = Result(query="ValueError: bad batch", root_error=launch.root_error,
-                        causes=sample_causes())
+        result = Result(
+            query="ValueError: bad batch", root_error=launch.root_error, causes=sample_causes()
+        )
         return RunOutcome(launch, result)
 
 
@@ -99,7 +102,11 @@ def part(view, name: str) -> str:
 
 def test_split_command_never_needs_a_shell():
     assert split_command("torchrun --nproc_per_node=2 'my train.py' --lr 1e-3") == [
-        "torchrun", "--nproc_per_node=2", "my train.py", "--lr", "1e-3"
+        "torchrun",
+        "--nproc_per_node=2",
+        "my train.py",
+        "--lr",
+        "1e-3",
     ]
     with pytest.raises(Exception, match="cannot read the command"):
         split_command("python 'unclosed")
@@ -117,8 +124,7 @@ def test_the_output_tail_is_bounded_and_joins_split_lines():
 def test_a_rank_line_says_who_failed_and_where():
     line = rank_line(failed_launch(["x"]).ranks[1])
     assert line == (
-        "rank 1 (node-a, exit 1): ValueError: bad batch shape on rank one "
-        "at /w/train.py:12 in main"
+        "rank 1 (node-a, exit 1): ValueError: bad batch shape on rank one at /w/train.py:12 in main"
     )
     assert "waits in barrier at /w/train.py:30" in rank_line(failed_launch(["x"]).ranks[0])
 
@@ -139,7 +145,8 @@ async def test_a_run_streams_its_output_then_answers_with_the_ranks(tmp_path):
         assert "at /w/train.py:12 in main" in ranks and "waits in barrier" in ranks
         assert view.turn.query == "$ torchrun --nproc_per_node=2 train.py"
         assert [c.id for c in view.turn.result.causes][:2] == [
-            "set-device-order", "duplicate-gpu-per-rank"
+            "set-device-order",
+            "duplicate-gpu-per-rank",
         ]
         # The run's answer is kept like a question's, so its causes take feedback.
         assert len(view.turn.result.answer_id) == 12
@@ -194,6 +201,39 @@ async def test_a_real_failing_command_shows_its_output_and_its_answer():
         assert app.runs.count == 0
 
 
+def job_pids(log_dir: str) -> list[int]:
+    """Processes still running with the watched job's environment (the watcher marks it)."""
+    wanted = f"{WATCH_DIR_VAR}={Path(log_dir).resolve()}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and wanted in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+async def test_a_real_two_rank_torchrun_names_the_rank_that_failed():
+    script = Path(__file__).resolve().parent.parent / "data" / "scripts" / "raises_on_rank_one.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)]
+    app = fake_app(run_probe=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await start_run(app, pilot, shlex.join(command))
+        view = app.turn_views[-1]
+        await until(pilot, lambda: view.phase in ("done", "failed"), timeout=240)
+        assert view.phase == "done", view.error
+        # torchrun's failure banner is longer than the kept tail: only its end shows.
+        assert view.job.output.total > len(view.job.output.shown()) == OUTPUT_LINES
+        assert "elastic" in part(view, "output")
+        ranks = part(view, "ranks")
+        assert "rank 1 (" in ranks and "ValueError: bad batch shape on rank one" in ranks
+        assert "raises_on_rank_one.py:" in ranks  # where rank 1 raised
+        assert view.turn.root_error.rank == 1 and view.turn.result.causes
+        log_dir = ranks.split("logs: ")[1].split()[0]
+    assert job_pids(log_dir) == []
+
+
 async def test_quitting_ends_a_real_job_and_leaves_no_process():
     command = [
         sys.executable,
@@ -209,7 +249,7 @@ async def test_quitting_ends_a_real_job_and_leaves_no_process():
         await pilot.press("ctrl+q")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and alive(pid):
-        time.sleep(0.1)
+        await asyncio.sleep(0.1)
     assert not alive(pid)
 
 
