@@ -168,6 +168,10 @@ class Embedder:
             missing = runtime_missing()
             if missing is not None:  # an export could never be used: do not pay for it
                 return GraphCheck(False, f"{missing} is not installed")
+            try:
+                self._tokenizer_settings()  # no tokenizer.json: the same, no export
+            except GraphUnusable as exc:
+                return GraphCheck(False, str(exc))
             reusable = recorded is not None and recorded.ok
             if reusable and self._attach_verified(recorded, dirs) is None:
                 return recorded

@@ -242,3 +242,17 @@ def test_without_onnxruntime_a_build_records_why_and_exports_nothing(tmp_path, m
     assert (check.ok, check.detail, said) == (False, "onnxruntime is not installed", [])
     assert plain.backend == "sentence-transformers"
     assert not (tmp_path / "build").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_model_without_tokenizer_json_records_why_and_exports_nothing(tmp_path, monkeypatch):
+    model_dir = tmp_path / "no-tokenizer-json"
+    source = Embedder(accelerate=False).model_dir
+    shutil.copytree(
+        source, model_dir, ignore=shutil.ignore_patterns("*.safetensors", "tokenizer.json")
+    )
+    monkeypatch.setenv("ASSISTANT_BUILD", str(tmp_path / "build"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    said: list[str] = []
+    check = Embedder(str(model_dir)).check_graph(None, log=said.append)
+    assert not check.ok and "no tokenizer.json" in check.detail and said == []
+    assert not (tmp_path / "build").exists()
