@@ -337,3 +337,14 @@ async def test_with_history_off_answers_have_no_id_and_the_keys_type_into_the_in
         await pilot.pause()
         assert app.chat_input.text == "fw" and not app.notices
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_command_that_cannot_start_fails_its_turn_in_one_line():
+    app = fake_app(run_probe=False)
+    async with app.run_test(size=(110, 40)) as pilot:
+        await start_run(app, pilot, "no-such-launcher-anywhere --nproc_per_node=2 train.py")
+        view = app.turn_views[-1]
+        await until(pilot, lambda: view.phase in ("done", "failed"), timeout=60)
+        assert view.phase == "failed" and "\n" not in view.error
+        assert "no-such-launcher-anywhere" in view.error and "Traceback" not in view.error
+        assert app.runs.count == 0
