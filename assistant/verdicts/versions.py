@@ -21,8 +21,9 @@ from assistant.verdicts.inputs import (
 
 @judges("nccl-version-mismatch")
 def nccl_version_mismatch(i: Inputs) -> Verdict:
-    # The KB's signatures for this cause include NCCL's generic "unhandled
-    # cuda error": the error text alone only points here, the versions decide.
+    # The KB's signatures for this cause name specific failures (no kernel image
+    # for this GPU, an incompatible compute capability, an old driver); even
+    # then the error only points here and the versions probe decides.
     records = i.typed("versions")
     said = []
     if i.error_names("nccl-version-mismatch"):
