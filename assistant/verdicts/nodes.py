@@ -366,10 +366,10 @@ def _master_reach(facts: NodesFacts, node: NodeFacts, say: Say) -> list[NodeFind
     if store and store.get("connect") != "ok":
         text = say(
             "{node}: the store torchrun gives the ranks ({addr}:{port}) does not answer from "
-            "there: {result}; torchrun names it by the first node's host name, so fix that name "
-            "or pass torchrun --local-addr with an address the other nodes reach",
+            "there: {result}; torchrun names it by the host name of the node it ranked first, "
+            "so fix that name or pass torchrun --local-addr with an address the others reach",
             "{node}：torchrun 交给各 rank 的 store（{addr}:{port}）从该节点连不上：{result}；"
-            "torchrun 用第一个节点的主机名指向它，请修正主机名或给 torchrun 加 --local-addr",
+            "torchrun 用排在第一的节点的主机名指向它，请修正主机名或给 torchrun 加 --local-addr",
             node=label(node),
             addr=store.get("addr"),
             port=store.get("port"),
