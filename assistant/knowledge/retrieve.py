@@ -1,9 +1,11 @@
-"""Retrieval: three signals, each ranking causes, fused by reciprocal rank.
+"""Retrieval: four signals, each ranking causes, fused by reciprocal rank.
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
            and a match in the root error counts three times
 lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk
 dense      sentence-transformers + FAISS over the same chunks
+classifier a ridge classifier over the same query vector, fitted on the KB's
+           embedded chunks as labelled examples (classifier.py)
 
 Each signal scores chunks; a cause takes the best score of its chunks
 (weighted by chunk kind), so the ranking is over causes, not text pieces.
@@ -16,12 +18,16 @@ from dataclasses import dataclass, field
 from assistant.clean import CleanLog
 from assistant import config
 from assistant.knowledge.bridges import Bridge, load_bridge
+from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.patterns import PatternSet
 from assistant.knowledge.textsearch import fts_query
 
-SIGNALS = ("signature", "lexical", "dense")
-SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0}
+SIGNALS = ("signature", "lexical", "dense", "classifier")
+# The classifier weighs less than dense: it generalises over phrasings but is
+# sure of itself on texts far from every example (0.5..1.5 tried on the tuning sets).
+SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0, "classifier": 0.75}
+EMBEDDED_SIGNALS = ("dense", "classifier")  # both need the query embedding
 RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 CHUNK_HITS = 80
 DENSE_FLOOR = 0.2  # cosine below this is noise for MiniLM
@@ -55,6 +61,7 @@ class Retriever:
             cid: PatternSet.from_patterns(data.get("signatures", []), skip_invalid=True)
             for cid, data in index.causes.items()
         }
+        self.classifier = CauseClassifier.from_index(index.db, set(index.causes))
 
     # -- the three signals -------------------------------------------------
 
@@ -91,11 +98,15 @@ class Retriever:
         ).fetchall()
         return self._by_cause((rowid, -score) for rowid, score in rows)
 
-    def dense_scores(self, text: str, context: str | None = None) -> dict[str, float]:
+    def query_vector(self, text: str, context: str | None = None):
+        """The query's embedding (1 x dimension), pulled towards earlier turns' context."""
         vector = self.embedder.encode([text[:DENSE_TEXT_LIMIT]])
         if context:
             vector = vector + CONTEXT_WEIGHT * self.embedder.encode([context[:DENSE_TEXT_LIMIT]])
             vector /= float((vector**2).sum()) ** 0.5
+        return vector
+
+    def dense_scores(self, vector) -> dict[str, float]:
         sims, ids = self.index.faiss_index.search(vector, CHUNK_HITS)
         hits = ((int(i), float(s)) for i, s in zip(ids[0], sims[0]) if i >= 0 and s >= DENSE_FLOOR)
         return self._by_cause(hits)
@@ -134,8 +145,8 @@ class Retriever:
     ) -> dict[str, dict[str, float]]:
         """Each signal's cause scores, before fusion.
 
-        With `shortcut`, the dense signal is skipped when a signature already
-        matched the root error (see `needs_dense`).
+        With `shortcut`, the embedded signals (dense, classifier) are skipped
+        when a signature already matched the root error (see `needs_dense`).
         """
         query = clean.focus or clean.text[:2000]
         # The English of its Chinese terms: the KB and the model are mostly English.
@@ -147,8 +158,15 @@ class Retriever:
         if "lexical" in signals:
             lexical_text = f"{bridged}\n{context}" if context else bridged
             per_signal["lexical"] = self.lexical_scores(lexical_text)
-        if "dense" in signals and (not shortcut or needs_dense(per_signal)):
-            per_signal["dense"] = self.dense_scores(bridged, context)
+        wanted = [name for name in EMBEDDED_SIGNALS if name in signals]
+        if wanted and (not shortcut or needs_dense(per_signal)):
+            vector = self.query_vector(bridged, context)  # embedded once for both
+            if "dense" in wanted:
+                per_signal["dense"] = self.dense_scores(vector)
+            if "classifier" in wanted:
+                per_signal["classifier"] = (
+                    self.classifier.scores(vector) if self.classifier else {}
+                )
         return per_signal
 
 
@@ -169,7 +187,9 @@ def needs_dense(per_signal: dict[str, dict[str, float]]) -> bool:
 def with_shortcut(per_signal: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """The signals the product fuses, given all three were computed."""
     if "signature" in per_signal and not needs_dense(per_signal):
-        return {name: scores for name, scores in per_signal.items() if name != "dense"}
+        return {
+            name: scores for name, scores in per_signal.items() if name not in EMBEDDED_SIGNALS
+        }
     return per_signal
 
 
