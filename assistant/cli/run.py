@@ -118,7 +118,7 @@ def print_outcome(outcome) -> None:
     console = Console(soft_wrap=False)
     console.rule("assistant run")
     for rank in launch.ranks:
-        console.print(rank_line(rank), markup=False, highlight=False)
+        console.print(rank.summary(), markup=False, highlight=False)
     if launch.hang is not None:
         console.print(f"hang: {launch.hang.summary}", markup=False, highlight=False, style="bold")
     for line in launch.flight + launch.gpu:
@@ -128,27 +128,6 @@ def print_outcome(outcome) -> None:
 
         render_result(outcome.result, console)
     console.print(f"logs: {launch.log_dir}", markup=False, highlight=False)
-
-
-def rank_line(rank) -> str:
-    """`rank 1 (host, exit 1): ValueError: ... at train.py:12 in main`."""
-    who = "process" if rank.rank is None else f"rank {rank.rank}"
-    code = "exit code unknown" if rank.exit_code is None else f"exit {rank.exit_code}"
-    if rank.stack:
-        code = "stack taken, then ended"
-    parts = [f"{who} ({rank.host}, {code})"]
-    if rank.error:
-        parts.append(f"{rank.error['type']}: {_first_line(rank.error['message'])}")
-    if rank.waiting_in:
-        parts.append(f"waits in {rank.waiting_in}")
-    if rank.where:
-        parts.append(f"at {rank.where.file}:{rank.where.line} in {rank.where.function}")
-    return " ".join(parts[:1]) + ": " + " ".join(parts[1:]) if len(parts) > 1 else parts[0]
-
-
-def _first_line(text: str, limit: int = 160) -> str:
-    line = (text.strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _note_logs_on_stop(exc: BaseException) -> None:

@@ -187,21 +187,3 @@ class OutputTail:
         """The kept lines, the unfinished last one included."""
         tail = self.lines + ([self.partial] if self.partial else [])
         return tail[-self.limit :]
-
-
-def rank_line(rank) -> str:
-    """One rank of a watched launch: who, how it ended, its error, where it stands.
-
-    `rank 1 (host, exit 1): ValueError: boom at train.py:12 in main`
-    """
-    who = "process" if rank.rank is None else f"rank {rank.rank}"
-    code = "exit code unknown" if rank.exit_code is None else f"exit {rank.exit_code}"
-    parts = []
-    if rank.error:
-        parts.append(f"{rank.error['type']}: {shorten(first_line(rank.error['message']), 120)}")
-    if rank.waiting_in:
-        parts.append(f"waits in {rank.waiting_in}")
-    if rank.where:
-        parts.append(f"at {rank.where.file}:{rank.where.line} in {rank.where.function}")
-    head = f"{who} ({rank.host}, {code})"
-    return f"{head}: {' '.join(parts)}" if parts else head

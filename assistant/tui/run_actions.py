@@ -24,7 +24,7 @@ from assistant.tui.messages import (
     RunOutput,
     TurnFailed,
 )
-from assistant.tui.present import one_line, rank_line, seconds
+from assistant.tui.present import one_line, seconds
 from assistant.tui.screens import PathPrompt
 from assistant.tui.strings import tr
 
@@ -111,7 +111,7 @@ class RunActions:
         if view is None:
             return
         launch = message.launch
-        lines = [rank_line(rank) for rank in launch.ranks]
+        lines = [rank.summary() for rank in launch.ranks]
         if launch.hang is not None:
             lines.insert(0, tr("run.hung", view.lang, summary=launch.hang.summary))
         lines.append(tr("run.logs", view.lang, path=launch.log_dir))

@@ -81,6 +81,25 @@ class RankReport:
     last_collective: LastCollective | None = None  # from the flight recorder, at a hang
     local_rank: int | None = None
 
+    def summary(self, message_chars: int = 120) -> str:
+        """One line for people: `rank 1 (host, exit 1): ValueError: boom at train.py:12 in main`."""
+        who = "process" if self.rank is None else f"rank {self.rank}"
+        code = "exit code unknown" if self.exit_code is None else f"exit {self.exit_code}"
+        if self.stack:
+            code = "stack taken, then ended"
+        parts = []
+        if self.error:
+            message = (self.error["message"].strip().splitlines() or [""])[0]
+            if len(message) > message_chars:
+                message = message[: message_chars - 1] + "…"
+            parts.append(f"{self.error['type']}: {message}")
+        if self.waiting_in:
+            parts.append(f"waits in {self.waiting_in}")
+        if self.where:
+            parts.append(f"at {self.where.file}:{self.where.line} in {self.where.function}")
+        head = f"{who} ({self.host}, {code})"
+        return f"{head}: {' '.join(parts)}" if parts else head
+
     def to_json(self) -> dict:
         error = (
             {"type": self.error["type"], "message": self.error["message"]} if self.error else None

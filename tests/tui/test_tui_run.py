@@ -23,7 +23,7 @@ from textual.widgets import Input, Static
 
 from assistant.feedback import FeedbackStore
 from assistant.results import Result, RootError
-from assistant.tui.present import OUTPUT_LINES, OutputTail, rank_line
+from assistant.tui.present import OUTPUT_LINES, OutputTail
 from assistant.tui.run_actions import split_command
 from assistant.tui.screens import PathPrompt
 from assistant.tui.turn import CauseList
@@ -122,11 +122,11 @@ def test_the_output_tail_is_bounded_and_joins_split_lines():
 
 
 def test_a_rank_line_says_who_failed_and_where():
-    line = rank_line(failed_launch(["x"]).ranks[1])
+    line = failed_launch(["x"]).ranks[1].summary()
     assert line == (
         "rank 1 (node-a, exit 1): ValueError: bad batch shape on rank one at /w/train.py:12 in main"
     )
-    assert "waits in barrier at /w/train.py:30" in rank_line(failed_launch(["x"]).ranks[0])
+    assert "waits in barrier at /w/train.py:30" in failed_launch(["x"]).ranks[0].summary()
 
 
 async def test_a_run_streams_its_output_then_answers_with_the_ranks(tmp_path):
