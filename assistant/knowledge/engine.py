@@ -19,6 +19,7 @@ from assistant import config
 from assistant.clean import clean_log
 from assistant.errors import ExitCode, UserError
 from assistant.i18n import detect_lang
+from assistant.knowledge.bridges import load_bridge
 from assistant.knowledge.files import content_hash
 from assistant.knowledge.index import (
     BuildReport,
@@ -48,7 +49,7 @@ class Engine:
     def __init__(
         self,
         model: str | None = None,
-        kb_root: Path | None = None,
+        kb_root: Path | list[Path] | None = None,
         index_path: Path | None = None,
         log: Callable[[str], None] | None = None,
         require_contract: bool = True,
@@ -89,7 +90,8 @@ class Engine:
             self.embedder.use_recorded(
                 index.graph_check, log=self.log, index_dir=self.index_path.parent
             )
-            self._index, self._retriever = index, Retriever(index, self.embedder)
+            bridge = load_bridge(self.kb_root)  # this engine's KB layers, not the global ones
+            self._index, self._retriever = index, Retriever(index, self.embedder, bridge)
 
     def _open_or_rebuild(self) -> LoadedIndex:
         kb_hash = content_hash(self.kb_root)
