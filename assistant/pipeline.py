@@ -197,9 +197,14 @@ class Pipeline:
         if self.runner is None:
             raise UserError("doctor needs the probe runner")
         observer = observer or Observer()
+        from assistant.verdicts.nodes import nodes_problem, nodes_report
+
         runs = self.runner.run(probe_names(), on_progress=observer.probe, cancel=cancel)
         blank = Result(query=None, root_error=None, causes=contract_causes(), lang=lang)
-        return apply_verdicts(blank, runs, [], kb_signatures())
+        judged = apply_verdicts(blank, runs, [], kb_signatures())
+        return replace(
+            judged, nodes=nodes_report(runs, lang), nodes_problem=nodes_problem(runs) or ""
+        )
 
     def run_named(
         self,

@@ -284,6 +284,10 @@ class Result:
     decide: list[str] = field(default_factory=list)
     # The handle `assistant feedback` takes ("this fixed it", "wrong cause").
     answer_id: str = ""
+    # Multi-node doctor: per node, its facts and verdicts (None on one machine),
+    # and why not every node could be checked ("" when they all were).
+    nodes: list[dict] | None = None
+    nodes_problem: str = ""
 
     def to_json(self) -> dict:
         """The --json contract (README); keys are only ever added."""
@@ -298,6 +302,8 @@ class Result:
         }
         if self.query is not None and len(self.query) > QUERY_ECHO_CHARS:
             payload["query_chars"] = len(self.query)
+        if self.nodes is not None:
+            payload["nodes"] = self.nodes
         return payload
 
 

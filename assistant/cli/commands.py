@@ -319,7 +319,6 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout, **nodes):
     import os
 
     from assistant.probing.multinode import NodesRunner, plan_from_options
-    from assistant.verdicts.nodes import nodes_problem, nodes_report
 
     nodes_only = nodes.pop("nodes_only")
     plan = plan_from_options(os.environ, nproc_per_node=nproc_per_node, **nodes)
@@ -329,19 +328,14 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout, **nodes):
     pipeline = _pipeline(None, runner)
     with probe_status(not as_json) as observer:
         result = pipeline.doctor(lang=lang, observer=observer)
-    report = nodes_report(result.probes, lang)
     if as_json:
-        payload = result.to_json()
-        if report is not None:
-            payload["nodes"] = report
-        click.echo(json.dumps(payload, ensure_ascii=False, indent=2))
+        click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
     else:
         from assistant.cli.render import render_machine_check
 
         render_machine_check(result, _console())
-    problem = nodes_problem(result.probes)
-    if problem:
-        raise UserError(problem, ExitCode.FAILED)
+    if result.nodes_problem:
+        raise UserError(result.nodes_problem, ExitCode.FAILED)
 
 
 @main.command()

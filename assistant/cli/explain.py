@@ -96,7 +96,7 @@ def print_document(doc, answers, lang: str, console) -> None:
 
     console.print(Text(f"{doc.text('title', lang)}  [{doc.id}]", style="bold"))
     console.print(doc.text("summary", lang))
-    section = lambda key: console.print(Text(f"\n{t(key, lang)}", style="bold"))  # noqa: E731
+    section = lambda key: console.print(Text(f"\n{t(key, lang)}", style="bold"))
     section("why")
     console.print(Markdown(doc.text("why", lang)))
     section("explain.error_text")

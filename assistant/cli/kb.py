@@ -39,9 +39,8 @@ def kb_lint():
     assistant kb lint --kb ../team-kb
     """
     from assistant.config import kb_layers
-    from assistant.knowledge.kb import KBError, load_kb
-
     from assistant.knowledge.bridges import BRIDGE_FILE, read_bridge_file
+    from assistant.knowledge.kb import KBError, load_kb
 
     layers = kb_layers()
     problems = []

@@ -103,7 +103,7 @@ def render_machine_check(result: Result, console: Console) -> None:
             "; ".join(cause.verdict.evidence) or "-",
         )
     console.print(table)
-    nodes = _nodes_table(result.probes, lang)
+    nodes = _nodes_table(result.nodes)
     if nodes is not None:
         console.print(nodes)
     if result.probes:
@@ -128,11 +128,8 @@ NODE_ROWS = (
 )
 
 
-def _nodes_table(probes: list[ProbeRun], lang: str) -> Table | None:
+def _nodes_table(report: list[dict] | None) -> Table | None:
     """`doctor --nnodes`: every node's facts side by side, a column per node rank."""
-    from assistant.verdicts.nodes import nodes_report
-
-    report = nodes_report(probes, lang)
     if not report:
         return None
     table = Table(title="nodes", title_justify="left", expand=False, show_edge=False)

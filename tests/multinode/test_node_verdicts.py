@@ -17,10 +17,10 @@ import pytest
 from rich.console import Console
 
 from assistant.cli.render import render_machine_check
-from assistant.knowledge.catalog import contract_causes
+from assistant.pipeline import Pipeline
 from assistant.probing.recorded import load_runs
-from assistant.results import ProbeRun, Result
-from assistant.verdicts import JUDGES, Inputs, apply_verdicts, judge
+from assistant.results import ProbeRun
+from assistant.verdicts import JUDGES, Inputs, judge
 from assistant.verdicts import system as system_verdicts
 from assistant.verdicts.nodes import (
     CROSS_NODE_CAUSES,
@@ -194,7 +194,13 @@ def test_a_node_that_could_not_join_has_no_facts_but_a_reason():
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_doctor_shows_the_nodes_side_by_side(lang):
     runs = list(runs_of("missing_1").values())
-    result = apply_verdicts(Result(None, None, contract_causes(), lang=lang), runs, [], {})
+
+    class Recorded:  # the runner of a doctor, answering with the recorded runs
+        def run(self, names, on_progress=None, cancel=None):
+            return runs
+
+    result = Pipeline(runner=Recorded()).doctor(lang=lang)
+    assert result.nodes_problem and "never joined" in result.nodes_problem
     console = Console(width=160, record=True)
     render_machine_check(result, console)
     text = console.export_text()
