@@ -1,11 +1,11 @@
-"""Retrieval: four signals, each ranking causes, fused by reciprocal rank.
+"""Retrieval: three signals, each ranking causes, fused by reciprocal rank.
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
            and a match in the root error counts three times
 lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk
-dense      sentence-transformers + FAISS over the same chunks
-classifier a ridge classifier over the same query vector, fitted on the KB's
-           embedded chunks as labelled examples (classifier.py)
+dense      sentence-transformers + FAISS over the same chunks, plus (for a
+           question or report without a root error) a ridge classifier over
+           the same query vector, fitted on the KB's chunks (classifier.py)
 
 Each signal scores chunks; a cause takes the best score of its chunks
 (weighted by chunk kind), so the ranking is over causes, not text pieces.
@@ -24,14 +24,8 @@ from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.patterns import PatternSet
 from assistant.knowledge.textsearch import fts_query
 
-SIGNALS = ("signature", "lexical", "dense", "classifier")
-# The classifier weighs less than dense: it generalises over phrasings but is
-# sure of itself on texts far from every example (0.5..1.5 tried on the tuning sets).
-# Signature at 3 (was 2 with three signals): dense and classifier read the same
-# embedding, and together they must not outvote an exact KB match in the log's
-# body (3/4 > (1 + 1 + 0.75)/4). 2..4 measured the same on every eval set.
-SIGNAL_WEIGHTS = {"signature": 3.0, "lexical": 1.0, "dense": 1.0, "classifier": 0.75}
-EMBEDDED_SIGNALS = ("dense", "classifier")  # both need the query embedding
+SIGNALS = ("signature", "lexical", "dense")
+SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0}
 RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 CHUNK_HITS = 80
 DENSE_FLOOR = 0.2  # cosine below this is noise for MiniLM
@@ -41,6 +35,12 @@ LARGE_INDEX = 20_000  # chunks
 LEXICAL_TERMS_SMALL, LEXICAL_TERMS_LARGE = 24, 16
 COMMON_TERM_SHARE = 0.02  # on a large index, a term in more chunks than this is noise
 DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it
+# How much the classifier's cause score adds to the nearest chunk's cosine in
+# the dense signal (0.5..3 tried on the tuning sets, data/eval/README.md).
+# Folded into dense rather than fused as a fourth signal: it reads the same
+# embedding, and a fourth vote would both outweigh exact signatures and move
+# the 0..1 fused scale that confidence levels and thread import rest on.
+CLASSIFIER_WEIGHT = 0.5
 
 
 @dataclass
@@ -104,30 +104,34 @@ class Retriever:
         ).fetchall()
         return self._by_cause((rowid, -score) for rowid, score in rows)
 
-    def query_vector(self, text: str, context: str | None = None):
-        """The query's embedding (1 x dimension), pulled towards earlier turns' context."""
+    def dense_scores(
+        self, text: str, context: str | None = None, clean: CleanLog | None = None
+    ) -> dict[str, float]:
+        """Nearest chunks per cause, plus the KB classifier's vote when `clean` allows it."""
         vector = self.embedder.encode([text[:DENSE_TEXT_LIMIT]])
         if context:
             vector = vector + CONTEXT_WEIGHT * self.embedder.encode([context[:DENSE_TEXT_LIMIT]])
             vector /= float((vector**2).sum()) ** 0.5
-        return vector
-
-    def dense_scores(self, vector) -> dict[str, float]:
         sims, ids = self.index.faiss_index.search(vector, CHUNK_HITS)
         hits = ((int(i), float(s)) for i, s in zip(ids[0], sims[0]) if i >= 0 and s >= DENSE_FLOOR)
-        return self._by_cause(hits)
+        scores = self._by_cause(hits)
+        if clean is not None and self.classifier_applies(clean):
+            for cid, value in self.classifier.scores(vector).items():
+                scores[cid] = scores.get(cid, 0.0) + CLASSIFIER_WEIGHT * value
+        return scores
 
-    def classifier_scores(self, vector, query: str) -> dict[str, float]:
-        """The KB-trained classifier's causes; none for a Chinese question.
+    def classifier_applies(self, clean: CleanLog) -> bool:
+        """Whether the classifier may vote: on English prose without a root error.
 
-        The classifier learned from English examples through an English
-        embedding model: on Chinese questions it extrapolates, and on the
-        tuning set's Chinese questions it cost 7 points of top-1 (0.935 ->
-        0.871) while changing nothing on the tuning sets' Chinese real reports.
+        It learned from the KB's symptoms and questions, through an English
+        model. A log with a root error belongs to the signatures (on a gloo
+        "Connection closed by peer" log it pushed network-interface up); on
+        Chinese questions it extrapolates (queries.jsonl zh top-1 0.935 ->
+        0.871 when it voted there).
         """
-        if self.classifier is None or detect_lang(query[:2000]) == "zh":
-            return {}
-        return self.classifier.scores(vector)
+        if self.classifier is None or clean.root_error is not None:
+            return False
+        return detect_lang((clean.focus or clean.text)[:2000]) != "zh"
 
     def _by_cause(self, hits) -> dict[str, float]:
         """Best weighted chunk score per cause."""
@@ -163,8 +167,8 @@ class Retriever:
     ) -> dict[str, dict[str, float]]:
         """Each signal's cause scores, before fusion.
 
-        With `shortcut`, the embedded signals (dense, classifier) are skipped
-        when a signature already matched the root error (see `needs_dense`).
+        With `shortcut`, the dense signal is skipped when a signature already
+        matched the root error (see `needs_dense`).
         """
         query = clean.focus or clean.text[:2000]
         # The English of its Chinese terms: the KB and the model are mostly English.
@@ -176,13 +180,8 @@ class Retriever:
         if "lexical" in signals:
             lexical_text = f"{bridged}\n{context}" if context else bridged
             per_signal["lexical"] = self.lexical_scores(lexical_text)
-        wanted = [name for name in EMBEDDED_SIGNALS if name in signals]
-        if wanted and (not shortcut or needs_dense(per_signal)):
-            vector = self.query_vector(bridged, context)  # embedded once for both
-            if "dense" in wanted:
-                per_signal["dense"] = self.dense_scores(vector)
-            if "classifier" in wanted:
-                per_signal["classifier"] = self.classifier_scores(vector, query)
+        if "dense" in signals and (not shortcut or needs_dense(per_signal)):
+            per_signal["dense"] = self.dense_scores(bridged, context, clean)
         return per_signal
 
 
@@ -203,9 +202,7 @@ def needs_dense(per_signal: dict[str, dict[str, float]]) -> bool:
 def with_shortcut(per_signal: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """The signals the product fuses, given all three were computed."""
     if "signature" in per_signal and not needs_dense(per_signal):
-        return {
-            name: scores for name, scores in per_signal.items() if name not in EMBEDDED_SIGNALS
-        }
+        return {name: scores for name, scores in per_signal.items() if name != "dense"}
     return per_signal
 
 

@@ -48,15 +48,24 @@ def test_too_few_causes_give_no_classifier():
 
 
 @pytest.mark.slow
-def test_the_real_index_classifier_ranks_an_unsignatured_symptom(engine):
+def test_the_classifier_adds_to_the_dense_signal_of_an_english_symptom(engine):
     retriever = engine._retriever
     assert retriever.classifier is not None and len(retriever.classifier.causes) >= 40
-    question = clean_log("GPU 0 holds much more memory than the others and shows extra processes")
-    scores = retriever.signal_scores(question)
-    assert scores["classifier"] and set(scores["classifier"]) <= set(engine.cause_ids())
+    text = "GPU 0 holds much more memory than the others and shows extra processes"
+    question = clean_log(text)
+    assert retriever.classifier_applies(question)
+    plain = retriever.dense_scores(text)
+    voted = retriever.dense_scores(text, clean=question)
+    assert set(plain) <= set(voted) <= set(engine.cause_ids())
+    assert any(voted[cid] > plain.get(cid, 0.0) for cid in voted)
 
 
 @pytest.mark.slow
-def test_a_chinese_question_gets_no_classifier_vote(engine):
-    scores = engine._retriever.signal_scores(clean_log("多卡训练两个进程都跑到0号卡上了"))
-    assert scores["dense"] and scores["classifier"] == {}
+def test_no_classifier_vote_on_chinese_or_on_a_log_with_a_root_error(engine):
+    retriever = engine._retriever
+    assert not retriever.classifier_applies(clean_log("多卡训练两个进程都跑到0号卡上了"))
+    log = clean_log(
+        "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+        "RuntimeError: Connection closed by peer [127.0.0.1]:58803"
+    )
+    assert log.root_error is not None and not retriever.classifier_applies(log)
