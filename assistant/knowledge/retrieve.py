@@ -14,6 +14,7 @@ Each signal scores chunks; a cause takes the best score of its chunks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from assistant.clean import CleanLog
 from assistant import config
@@ -65,9 +66,15 @@ class Retriever:
             cid: PatternSet.from_patterns(data.get("signatures", []), skip_invalid=True)
             for cid, data in index.causes.items()
         }
-        # A synthetic index (benchmarks) may have no database: no classifier then.
-        db = getattr(index, "db", None)
-        self.classifier = CauseClassifier.from_index(db, set(index.causes)) if db else None
+
+    @cached_property
+    def classifier(self) -> CauseClassifier | None:
+        """Fitted on first use (tens of ms): an exact-signature query never waits for it.
+
+        A synthetic index (benchmarks) may have no database: no classifier then.
+        """
+        db = getattr(self.index, "db", None)
+        return CauseClassifier.from_index(db, set(self.index.causes)) if db else None
 
     # -- the three signals -------------------------------------------------
 
