@@ -151,8 +151,7 @@ class FeedbackStore:
         cases = self.confirmed_cases()
         try:
             with open(out, "x", encoding="utf-8") as handle:  # never overwrites
-                for case in cases:
-                    handle.write(json.dumps(case, ensure_ascii=False) + "\n")
+                handle.writelines(json.dumps(case, ensure_ascii=False) + "\n" for case in cases)
         except FileExistsError:
             raise UserError(f"{out} exists; choose a new file (nothing is overwritten)") from None
         except OSError as exc:

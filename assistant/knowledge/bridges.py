@@ -102,7 +102,7 @@ def read_bridge_file(path: Path) -> dict[str, tuple[str, ...]]:
     if not path.is_file():
         return {}
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())  # noqa: S506 - a SafeLoader
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: cannot read the term bridge: {exc}") from None
     except yaml.YAMLError as exc:  # its text spans lines; one line names the place

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from assistant.clean import CleanLog
 from assistant import config
+from assistant.clean import CleanLog
 from assistant.i18n import detect_lang
 from assistant.knowledge.bridges import Bridge, load_bridge
 from assistant.knowledge.classifier import CauseClassifier

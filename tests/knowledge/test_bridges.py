@@ -117,7 +117,12 @@ def test_chinese_questions_are_answered_as_well_as_english_ones(engine):
     Measured with the bridge: en 0.941, zh 0.935 (without it zh was 0.839).
     """
     from assistant.config import eval_dir
-    from assistant.knowledge.evaluate import all_signal_scores, fused_rankings, load_queries, top1_by_lang
+    from assistant.knowledge.evaluate import (
+        all_signal_scores,
+        fused_rankings,
+        load_queries,
+        top1_by_lang,
+    )
 
     queries = load_queries(eval_dir() / "queries.jsonl")
     by_lang = top1_by_lang(queries, fused_rankings(all_signal_scores(engine, queries)))
