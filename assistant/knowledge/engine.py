@@ -103,20 +103,20 @@ class Engine:
         # process building too): open what was built for the KB as it is now,
         # building once more if it moved on meanwhile.
         for attempt in range(REBUILD_ATTEMPTS):
+            if attempt:
+                self.log("assistant: the knowledge base changed during the build; building again")
             self.build()
             try:
                 return open_index(
                     self.index_path, content_hash(self.kb_root), self.embedder.fingerprint
                 )
-            except IndexProblem as problem:
-                if attempt + 1 == REBUILD_ATTEMPTS:
-                    raise UserError(
-                        f"the knowledge base keeps changing while its index is built ({problem});"
-                        " run the command again once it is saved",
-                        ExitCode.FAILED,
-                    ) from None
-                self.log("assistant: the knowledge base changed during the build; building again")
-        raise AssertionError("unreachable")
+            except IndexProblem as exc:
+                problem = exc
+        raise UserError(
+            f"the knowledge base keeps changing while its index is built ({problem});"
+            " run the command again once it is saved",
+            ExitCode.FAILED,
+        ) from None
 
     def build(self) -> BuildReport:
         """Validate the KB and compile it into the index file."""
