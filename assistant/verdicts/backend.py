@@ -288,17 +288,12 @@ def collective_mismatch(i: Inputs) -> Verdict:
     return not_run()
 
 
-@judges("uneven-inputs")
-def uneven_inputs(i: Inputs) -> Verdict:
-    if i.error_names("uneven-inputs"):
-        line = i.t(
-            "the error shows a peer that left while others still waited, as when one rank finishes its data early",
-            "报错显示某个对端已经退出而其他 rank 还在等待，就像某个 rank 提前跑完了数据",
-        )
-        return verdict("inconclusive", [line], source="error")
-    return not_run()
-
-
+JUDGES["uneven-inputs"] = by_error(
+    "uneven-inputs",
+    "the error shows a peer that left while others still waited, as when one rank finishes its data early",
+    "报错显示某个对端已经退出而其他 rank 还在等待，就像某个 rank 提前跑完了数据",
+    "inconclusive",
+)
 JUDGES["unused-parameters"] = by_error(
     "unused-parameters",
     "the error is DDP's message for parameters without a gradient: {error}",
