@@ -25,7 +25,8 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,16 +87,22 @@ class History:
         self.path = Path(path)
         self._lock = threading.Lock()  # one writer at a time within this process
 
-    def _db(self) -> sqlite_utils.Database:
+    @contextmanager
+    def _open(self) -> Iterator[sqlite_utils.Database]:
+        """The file, migrated, under this process's lock; closed on the way out."""
         import sqlite_utils
 
-        try:
-            make_private(self.path)
-            db = sqlite_utils.Database(self.path)
-            migrate(db)
-        except (OSError, sqlite3.DatabaseError) as exc:
-            raise UserError(f"cannot open the chat history {self.path}: {exc}") from None
-        return db
+        with self._lock:
+            try:
+                make_private(self.path)
+                db = sqlite_utils.Database(self.path)
+                migrate(db)
+            except (OSError, sqlite3.DatabaseError) as exc:
+                raise UserError(f"cannot open the chat history {self.path}: {exc}") from None
+            try:
+                yield db
+            finally:
+                db.close()
 
     # -- the one-time privacy notice ------------------------------------------------
 
@@ -103,36 +110,23 @@ class History:
 
     def notice_due(self) -> bool:
         """Whether the person has not yet been told what this file keeps."""
-        with self._lock:
-            db = self._db()
-            try:
-                return not db["meta"].count_where("key = ?", [self.NOTICE_KEY])
-            finally:
-                db.close()
+        with self._open() as db:
+            return not db["meta"].count_where("key = ?", [self.NOTICE_KEY])
 
     def mark_notice_shown(self) -> None:
         """Remember (in the file) that the notice was shown."""
-        with self._lock:
-            db = self._db()
-            try:
-                with db.conn:
-                    db["meta"].upsert({"key": self.NOTICE_KEY, "value": "1"}, pk="key")
-            finally:
-                db.close()
+        with self._open() as db, db.conn:
+            db["meta"].upsert({"key": self.NOTICE_KEY, "value": "1"}, pk="key")
 
     def clear(self) -> int:
         """Delete every saved conversation (the notice stays remembered); returns how many."""
-        with self._lock:
-            db = self._db()
-            try:
-                with db.conn:
-                    count = db["conversations"].count
-                    db.execute("DELETE FROM turns")
-                    db.execute("DELETE FROM conversations")
-                # Deleted rows linger in free pages until the file is rewritten.
-                db.execute("VACUUM")
-            finally:
-                db.close()
+        with self._open() as db:
+            with db.conn:
+                count = db["conversations"].count
+                db.execute("DELETE FROM turns")
+                db.execute("DELETE FROM conversations")
+            # Deleted rows linger in free pages until the file is rewritten.
+            db.execute("VACUUM")
         return count
 
     def save(self, conversation: Conversation, now: float | None = None) -> int:
@@ -143,19 +137,14 @@ class History:
         each time its probes report.
         """
         stamp = time.time() if now is None else now
-        with self._lock:
-            db = self._db()
-            try:
-                with db.conn:
-                    conversation.id = self._save_row(db, conversation, stamp)
-                    for position, turn in enumerate(conversation.turns):
-                        self._save_turn(db, conversation.id, position, turn)
-                    db.execute(
-                        "DELETE FROM turns WHERE conversation_id = ? AND position >= ?",
-                        [conversation.id, len(conversation.turns)],
-                    )
-            finally:
-                db.close()
+        with self._open() as db, db.conn:
+            conversation.id = self._save_row(db, conversation, stamp)
+            for position, turn in enumerate(conversation.turns):
+                self._save_turn(db, conversation.id, position, turn)
+            db.execute(
+                "DELETE FROM turns WHERE conversation_id = ? AND position >= ?",
+                [conversation.id, len(conversation.turns)],
+            )
         return conversation.id
 
     def _save_row(self, db: sqlite_utils.Database, conversation: Conversation, stamp: float) -> int:
@@ -198,36 +187,28 @@ class History:
 
     def list(self, limit: int = 200) -> list[ConversationSummary]:
         """Saved conversations, most recently updated first."""
-        with self._lock:
-            db = self._db()
-            try:
-                rows = db.execute(
-                    """
-                    SELECT c.id, c.title, c.created, c.updated,
-                           (SELECT COUNT(*) FROM turns t WHERE t.conversation_id = c.id)
-                    FROM conversations c ORDER BY c.updated DESC, c.id DESC LIMIT ?
-                    """,
-                    [limit],
-                ).fetchall()
-            finally:
-                db.close()
+        with self._open() as db:
+            rows = db.execute(
+                """
+                SELECT c.id, c.title, c.created, c.updated,
+                       (SELECT COUNT(*) FROM turns t WHERE t.conversation_id = c.id)
+                FROM conversations c ORDER BY c.updated DESC, c.id DESC LIMIT ?
+                """,
+                [limit],
+            ).fetchall()
         return [ConversationSummary(*row) for row in rows]
 
     def load(self, conversation_id: int) -> Conversation:
         """The saved conversation `conversation_id`; UserError when there is none."""
-        with self._lock:
-            db = self._db()
-            try:
-                rows = list(db["conversations"].rows_where("id = ?", [conversation_id]))
-                if not rows:
-                    raise UserError(f"no saved conversation #{conversation_id}")
-                turns = list(
-                    db["turns"].rows_where(
-                        "conversation_id = ?", [conversation_id], order_by="position"
-                    )
+        with self._open() as db:
+            rows = list(db["conversations"].rows_where("id = ?", [conversation_id]))
+            if not rows:
+                raise UserError(f"no saved conversation #{conversation_id}")
+            turns = list(
+                db["turns"].rows_where(
+                    "conversation_id = ?", [conversation_id], order_by="position"
                 )
-            finally:
-                db.close()
+            )
         return Conversation(
             turns=[_turn_from_row(row) for row in turns],
             id=conversation_id,
@@ -236,14 +217,9 @@ class History:
 
     def delete(self, conversation_id: int) -> None:
         """Remove a conversation and its turns; UserError when there is none."""
-        with self._lock:
-            db = self._db()
-            try:
-                with db.conn:
-                    db.execute("DELETE FROM turns WHERE conversation_id = ?", [conversation_id])
-                    cursor = db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
-            finally:
-                db.close()
+        with self._open() as db, db.conn:
+            db.execute("DELETE FROM turns WHERE conversation_id = ?", [conversation_id])
+            cursor = db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
         if cursor.rowcount == 0:
             raise UserError(f"no saved conversation #{conversation_id}")
 
