@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -257,12 +256,12 @@ class HistoryScreen(LocalizedBindings, Screen):
         self,
         entries: list[ConversationSummary],
         lang: str,
-        format_time: Callable[[float], str] | None = None,
+        format_time: Callable[[float], str],
     ):
         super().__init__(id="history-screen")
         self.entries = entries
         self.lang = lang
-        self.format_time = format_time or local_time
+        self.format_time = format_time  # ChatDeps.format_time
 
     def compose(self) -> ComposeResult:
         yield Static(tr("history.title", self.lang), id="history-title")
@@ -303,11 +302,6 @@ class HistoryScreen(LocalizedBindings, Screen):
     def action_clear(self) -> None:
         if self.entries:
             self.post_message(ClearHistory())
-
-
-def local_time(stamp: float) -> str:
-    """A timestamp as the person's local 'YYYY-MM-DD HH:MM'."""
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp))
 
 
 def answer_badge(answer: AnswerRef, lang: str) -> Text:
