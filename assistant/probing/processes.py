@@ -96,14 +96,19 @@ def has_proc() -> bool:
 
 
 def pids_with_marker(marker: str) -> list[int]:
-    """Live processes whose environment carries MARKER_VAR=marker.
+    """Live processes whose environment carries MARKER_VAR=marker."""
+    return pids_with_env(MARKER_VAR, marker)
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """Live processes whose environment carries name=value.
 
     Zombies have an empty environment in /proc, so they are not listed;
     neither are other users' processes (their environ is unreadable).
     """
     if not has_proc():
         return []
-    wanted = f"{MARKER_VAR}={marker}".encode()
+    wanted = f"{name}={value}".encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from assistant.probing.processes import pids_with_env
 from assistant.watch.jobhook import WATCH_DIR_VAR
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "data" / "scripts"
@@ -18,18 +18,7 @@ TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node=2"]
 
 def job_pids(log_dir: Path) -> list[int]:
     """Live processes (not zombies) of the job watched into log_dir, found by its environment."""
-    wanted = f"{WATCH_DIR_VAR}={Path(log_dir).resolve()}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/environ", "rb") as environ:
-                if wanted in environ.read().split(b"\0"):
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return pids_with_env(WATCH_DIR_VAR, str(Path(log_dir).resolve()))
 
 
 def no_job_left(log_dir: Path, seconds: float = 5.0) -> bool:
