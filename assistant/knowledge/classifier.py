@@ -18,10 +18,11 @@ holdout, holdout2, holdout3; data/eval/README.md) fused top-1 moved
 
 from __future__ import annotations
 
-import json
 import sqlite3
 
 import numpy as np
+
+from assistant.knowledge.index import LoadedIndex, stored_vectors
 
 RIDGE = 3.0  # chosen on the tuning sets among 0.1/0.3/1/3; larger is smoother
 PRIMARY_STRENGTH = 1.0  # a chunk is an example only of the causes it speaks for fully
@@ -36,9 +37,9 @@ class CauseClassifier:
         self.causes = causes
 
     @classmethod
-    def from_index(cls, db: sqlite3.Connection, known: set[str]) -> CauseClassifier | None:
+    def from_index(cls, index: LoadedIndex) -> CauseClassifier | None:
         """Fit on the index's embedded chunks; None when there are too few to learn from."""
-        vectors, labels = labelled_vectors(db, known)
+        vectors, labels = labelled_vectors(index)
         causes = sorted(set(labels))
         if len(causes) < 2:
             return None
@@ -59,18 +60,17 @@ class CauseClassifier:
         return {self.causes[i]: float(values[i]) for i in best}
 
 
-def labelled_vectors(db: sqlite3.Connection, known: set[str]) -> tuple[list, list[str]]:
-    """(vector, cause) for every embedded chunk and each cause it fully speaks for."""
+def labelled_vectors(index: LoadedIndex) -> tuple[list, list[str]]:
+    """(vector, cause) for every embedded chunk and each cause of the index it fully speaks for."""
     vectors, labels = [], []
     try:
-        rows = db.execute("select causes, embedding from chunks where embedding is not null")
-        for causes_json, blob in rows:
+        for chunk_id, blob in stored_vectors(index.db):
             vector = np.frombuffer(blob, dtype=np.float32)
-            for cause, strength in json.loads(causes_json).items():
-                if strength >= PRIMARY_STRENGTH and cause in known:
+            for cause, strength in index.chunk_causes[chunk_id].items():
+                if strength >= PRIMARY_STRENGTH and cause in index.causes:
                     vectors.append(vector)
                     labels.append(cause)
-    except (sqlite3.Error, ValueError):  # an index without stored vectors: no classifier
+    except (sqlite3.Error, ValueError):  # unreadable stored vectors: no classifier
         return [], []
     if vectors and len({len(v) for v in vectors}) != 1:
         return [], []

@@ -364,6 +364,11 @@ def open_index(path: Path, kb_hash: str | None, fingerprint: str | None) -> Load
         raise IndexProblem(f"index is damaged ({type(exc).__name__}: {exc})") from None
 
 
+def stored_vectors(db: sqlite3.Connection):
+    """(chunk id, embedding bytes) of every chunk that has an embedding, in chunk order."""
+    return db.execute("select id, embedding from chunks where embedding is not null order by id")
+
+
 def _load(db: sqlite3.Connection, path: Path, meta: dict) -> LoadedIndex:
     import faiss
     import numpy as np

@@ -69,12 +69,8 @@ class Retriever:
 
     @cached_property
     def classifier(self) -> CauseClassifier | None:
-        """Fitted on first use (tens of ms): an exact-signature query never waits for it.
-
-        A synthetic index (benchmarks) may have no database: no classifier then.
-        """
-        db = getattr(self.index, "db", None)
-        return CauseClassifier.from_index(db, set(self.index.causes)) if db else None
+        """Fitted on first use (tens of ms): an exact-signature query never waits for it."""
+        return CauseClassifier.from_index(self.index)
 
     # -- the three signals -------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,15 +13,22 @@ from assistant.clean import clean_log
 from assistant.knowledge.classifier import CauseClassifier
 
 
-def chunk_db(rows: list[tuple[dict, np.ndarray]]) -> sqlite3.Connection:
+def chunk_index(rows: list[tuple[dict, np.ndarray]], causes: set[str]) -> SimpleNamespace:
+    """What the classifier reads of a LoadedIndex: its causes, chunks' causes, stored vectors."""
     db = sqlite3.connect(":memory:")
     db.execute("create table chunks (id integer primary key, causes text, embedding blob)")
-    for causes, vector in rows:
+    for chunk_id, (chunk_causes, vector) in enumerate(rows):
         db.execute(
-            "insert into chunks (causes, embedding) values (?, ?)",
-            (json.dumps(causes), None if vector is None else vector.astype(np.float32).tobytes()),
+            "insert into chunks (id, causes, embedding) values (?, ?, ?)",
+            (
+                chunk_id,
+                json.dumps(chunk_causes),
+                None if vector is None else vector.astype(np.float32).tobytes(),
+            ),
         )
-    return db
+    return SimpleNamespace(
+        db=db, causes={cid: {} for cid in causes}, chunk_causes=[c for c, _ in rows]
+    )
 
 
 def test_it_learns_which_cause_each_region_of_the_space_belongs_to():
@@ -34,7 +42,7 @@ def test_it_learns_which_cause_each_region_of_the_space_belongs_to():
     rows.append(({"hang": 0.5}, centres["port"]))  # a weak link is not an example
     rows.append(({"unknown": 1.0}, centres["oom"]))  # neither is a cause the KB lacks
     rows.append(({"oom": 1.0}, None))  # nor a chunk without a vector
-    classifier = CauseClassifier.from_index(chunk_db(rows), {"oom", "hang", "port"})
+    classifier = CauseClassifier.from_index(chunk_index(rows, {"oom", "hang", "port"}))
     assert classifier.causes == ["hang", "oom", "port"]
     for cause, centre in centres.items():
         scores = classifier.scores(centre)
@@ -43,8 +51,8 @@ def test_it_learns_which_cause_each_region_of_the_space_belongs_to():
 
 def test_too_few_causes_give_no_classifier():
     rows = [({"oom": 1.0}, np.ones(4))]
-    assert CauseClassifier.from_index(chunk_db(rows), {"oom"}) is None
-    assert CauseClassifier.from_index(chunk_db([]), {"oom"}) is None
+    assert CauseClassifier.from_index(chunk_index(rows, {"oom"})) is None
+    assert CauseClassifier.from_index(chunk_index([], {"oom"})) is None
 
 
 @pytest.mark.slow
