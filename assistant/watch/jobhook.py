@@ -53,6 +53,8 @@ SAMPLE_SECONDS = 0.2
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID")
 # Functions of torch.distributed a rank can block in (the main thread's
 # frames are compared against these names inside torch/distributed/).
+# A superset of assistant.lint.torchapi.COLLECTIVES, copied because this
+# file cannot import the package (tests/watch/test_watch_parts.py checks it).
 COLLECTIVES = frozenset(
     [
         "all_reduce",

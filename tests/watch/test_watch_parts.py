@@ -137,6 +137,15 @@ def _python_with_hook(hook_dir: Path, extra_path: Path, env_extra: dict, output=
     return (done.stdout or "") + (done.stderr or "")
 
 
+def test_the_hook_knows_every_collective_the_lint_rules_know():
+    # The hook runs in the user's job as a standalone sitecustomize, so it
+    # keeps its own copy of the names; it may add places a rank blocks in
+    # (send, wait, init_process_group...) but must not miss a collective.
+    from assistant.lint.torchapi import COLLECTIVES
+
+    assert COLLECTIVES <= jobhook.COLLECTIVES, sorted(COLLECTIVES - jobhook.COLLECTIVES)
+
+
 def test_the_hook_chains_to_the_users_sitecustomize_and_is_idle_without_a_watch_dir(tmp_path):
     hook_dir = prepare_log_dir(tmp_path / "logs")
     user = tmp_path / "user"
