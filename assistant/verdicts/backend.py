@@ -22,14 +22,11 @@ from assistant.verdicts.inputs import (
 
 @judges("nccl-not-available")
 def nccl_not_available(i: Inputs) -> Verdict:
-    said = []
-    if i.error_names("nccl-not-available"):
-        said.append(
-            i.error_line(
-                "the error says this torch has no NCCL: {error}",
-                "报错说这个 torch 没有 NCCL：{error}",
-            )
-        )
+    said = i.error_says(
+        "nccl-not-available",
+        "the error says this torch has no NCCL: {error}",
+        "报错说这个 torch 没有 NCCL：{error}",
+    )
     records = i.facts("backend")
     if not records:
         if said:
@@ -128,14 +125,11 @@ def nccl_with_cpu_tensors(i: Inputs) -> Verdict:
 def p2p_hang(i: Inputs) -> Verdict:
     # The KB's p2p signatures include NCCL's INFO line "via P2P/IPC", printed
     # by healthy runs too: the error's words only keep the cause open.
-    said = []
-    if i.error_names("p2p-hang"):
-        said.append(
-            i.error_line(
-                "the error shows NCCL peer-to-peer traffic or settings: {error}",
-                "报错里有 NCCL 点对点传输的内容：{error}",
-            )
-        )
+    said = i.error_says(
+        "p2p-hang",
+        "the error shows NCCL peer-to-peer traffic or settings: {error}",
+        "报错里有 NCCL 点对点传输的内容：{error}",
+    )
     return kept_open(said, _p2p_here(i))
 
 

@@ -193,14 +193,11 @@ def duplicate_gpu_per_rank(i: Inputs) -> Verdict:
 
 @judges("hardcoded-device")
 def hardcoded_device(i: Inputs) -> Verdict:
-    evidence = []
-    if i.error_names("hardcoded-device"):
-        evidence.append(
-            i.error_line(
-                "the error says tensors sit on different GPUs: {error}",
-                "报错说张量分在不同的 GPU 上：{error}",
-            )
-        )
+    evidence = i.error_says(
+        "hardcoded-device",
+        "the error says tensors sit on different GPUs: {error}",
+        "报错说张量分在不同的 GPU 上：{error}",
+    )
     none_here = no_gpu(i)
     if none_here and not evidence and not i.error_names("duplicate-gpu-per-rank"):
         return none_here
@@ -269,14 +266,11 @@ def world_size_exceeds_devices(i: Inputs) -> Verdict:
 @judges("cuda-visible-devices-mismatch")
 def cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
-    said = []
-    if i.error_names("cuda-visible-devices-mismatch"):
-        said.append(
-            i.error_line(
-                "the error is CUDA's when the visible devices change after CUDA started: {error}",
-                "报错是 CUDA 启动后可见设备又被改变时给出的：{error}",
-            )
-        )
+    said = i.error_says(
+        "cuda-visible-devices-mismatch",
+        "the error is CUDA's when the visible devices change after CUDA started: {error}",
+        "报错是 CUDA 启动后可见设备又被改变时给出的：{error}",
+    )
     if not records:
         if said:
             return verdict("confirmed", said, source="error")
@@ -384,7 +378,7 @@ def _visible_devices_ok(i: Inputs, value: str | None, records: list[dict]) -> st
 @judges("no-cuda-visible")
 def no_cuda_visible(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
-    said = [i.error_line()] if i.error_names("no-cuda-visible") else []
+    said = i.error_says("no-cuda-visible")
     if not records:
         if said:
             return verdict("confirmed", said, source="error")
@@ -522,14 +516,11 @@ def advice_outcomes(runs: dict[str, ProbeRun]) -> tuple[set[str], set[str]]:
 
 @judges("set-device-order")
 def set_device_order(i: Inputs) -> Verdict:
-    said = []
-    if i.error_names("set-device-order"):
-        said.append(
-            i.error_line(
-                "the error says the ranks' CUDA devices were not set before the process group: {error}",
-                "报错说建立进程组之前没有设定各 rank 的 CUDA 设备：{error}",
-            )
-        )
+    said = i.error_says(
+        "set-device-order",
+        "the error says the ranks' CUDA devices were not set before the process group: {error}",
+        "报错说建立进程组之前没有设定各 rank 的 CUDA 设备：{error}",
+    )
     return kept_open(said, _set_device_order_here(i))
 
 

@@ -107,6 +107,12 @@ class Inputs:
         """
         return self.t(en, zh, error=self.quoted_error())
 
+    def error_says(
+        self, cause_id: str, en: str = "the error says: {error}", zh: str = "报错：{error}"
+    ) -> list[str]:
+        """[error_line(en, zh)] when the error text names this cause, else []."""
+        return [self.error_line(en, zh)] if self.error_names(cause_id) else []
+
     def records(self, probe: str) -> list[dict] | None:
         """The per-rank records of a probe that ran to an answer, else None."""
         run = self.runs.get(probe)

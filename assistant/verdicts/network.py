@@ -79,9 +79,7 @@ def master_port_in_use(i: Inputs) -> Verdict:
 @judges("master-endpoint-mismatch")
 def master_endpoint_mismatch(i: Inputs) -> Verdict:
     records = i.facts("rendezvous")
-    evidence = []
-    if i.error_names("master-endpoint-mismatch"):
-        evidence.append(i.error_line())
+    evidence = i.error_says("master-endpoint-mismatch")
     if not records:
         return undecided(i, ("rendezvous",), evidence)
     endpoints = {(r["facts"].get("addr"), r["facts"].get("port")) for r in records}

@@ -56,9 +56,7 @@ def shm_too_small(i: Inputs) -> Verdict:
 @judges("network-interface")
 def network_interface(i: Inputs) -> Verdict:
     records = i.facts("system")
-    evidence = []
-    if i.error_names("network-interface"):
-        evidence.append(i.error_line())
+    evidence = i.error_says("network-interface")
     if not records:
         if evidence:
             return verdict("confirmed", evidence, source="error")

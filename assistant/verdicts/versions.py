@@ -25,14 +25,11 @@ def nccl_version_mismatch(i: Inputs) -> Verdict:
     # for this GPU, an incompatible compute capability, an old driver); even
     # then the error only points here and the versions probe decides.
     records = i.typed("versions")
-    said = []
-    if i.error_names("nccl-version-mismatch"):
-        said.append(
-            i.error_line(
-                "the error is one a driver, CUDA or NCCL version mismatch gives: {error}",
-                "报错是驱动、CUDA 或 NCCL 版本不匹配时常见的：{error}",
-            )
-        )
+    said = i.error_says(
+        "nccl-version-mismatch",
+        "the error is one a driver, CUDA or NCCL version mismatch gives: {error}",
+        "报错是驱动、CUDA 或 NCCL 版本不匹配时常见的：{error}",
+    )
     if not records:
         return undecided(i, ("versions",), said)
     problems = _differences(i, records)
