@@ -72,7 +72,7 @@ def analyse(positions: list[RankPosition], quiet_seconds: float) -> HangAnalysis
         return _left_early(gone, waiting, header)
     if waiting:
         return _stuck_collective(waiting, header)
-    places = "; ".join(f"rank {p.rank} {p.place()}" for p in live) or "no rank is alive"
+    places = _places(live) or "no rank is alive"
     return HangAnalysis(
         None, [], f"{header}, and no rank is inside a torch.distributed call: {places}"
     )
@@ -94,13 +94,17 @@ def _finding(cause_id: str, position: RankPosition, message: str) -> Finding:
     )
 
 
+def _places(positions: list[RankPosition]) -> str:
+    return "; ".join(f"rank {p.rank} {p.place()}" for p in positions)
+
+
 def _ranks(positions: list[RankPosition]) -> str:
     numbers = [str(p.rank) for p in positions]
     return ("rank " if len(numbers) == 1 else "ranks ") + ", ".join(numbers)
 
 
 def _stragglers(outside, waiting, header) -> HangAnalysis:
-    others = "; ".join(f"rank {p.rank} {p.place()}" for p in waiting)
+    others = _places(waiting)
     findings = [
         _finding(
             "collective-timeout",
@@ -128,7 +132,7 @@ def _different_collectives(waiting, header) -> HangAnalysis:
     odd_spot = min(groups, key=lambda spot: (len(groups[spot]), spot[2] or 0))
     odd = groups[odd_spot]
     rest = [p for p in waiting if p not in odd]
-    others = "; ".join(f"rank {p.rank} {p.place()}" for p in rest)
+    others = _places(rest)
     findings = [
         _finding(
             "collective-mismatch",
@@ -159,7 +163,7 @@ def _ran_out_of_batches(groups) -> tuple[list, list] | None:
 
 
 def _uneven(in_loop, past_loop, header) -> HangAnalysis:
-    loop_ranks = "; ".join(f"rank {p.rank} {p.place()}" for p in in_loop)
+    loop_ranks = _places(in_loop)
     findings = [
         _finding(
             "uneven-inputs",
@@ -174,7 +178,7 @@ def _uneven(in_loop, past_loop, header) -> HangAnalysis:
 
 
 def _left_early(gone, waiting, header) -> HangAnalysis:
-    others = "; ".join(f"rank {p.rank} {p.place()}" for p in waiting)
+    others = _places(waiting)
     clean = [p for p in gone if p.exited_cleanly]
     cause = "uneven-inputs" if clean else "collective-timeout"
     how = "finished and left" if clean else "died"
