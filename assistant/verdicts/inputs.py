@@ -18,7 +18,6 @@ from assistant.verdicts.signatures import Signatures, compiled, kb_signatures, p
 
 USABLE = ("ok", "failed", "not_applicable")
 TROUBLE = ("timeout", "error", "interrupted")
-MIB_PER_GIB = 1024
 
 # Advice tags of kb threads, and the set_device_order variant that tests each.
 ADVICE_VARIANTS = {
