@@ -346,13 +346,6 @@ def stop_everything(grace: float = KILL_GRACE_SECONDS) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def reset_stop_request() -> None:
-    """Allow starts again (after a stop was handled and the command goes on, e.g. tests)."""
-    with _REGISTER.lock:
-        _REGISTER.stopping.clear()
-        _REGISTER.signum = None
-
-
 @contextmanager
 def signals_raise() -> Iterator[None]:
     """SIGTERM/SIGHUP raise Terminated in the main thread; any interrupt cleans up.
