@@ -27,6 +27,7 @@ from assistant.results import ProbeRun, Verdict
 # The areas whose judges are extended here register them on import.
 from assistant.verdicts import launch, network, system, versions  # noqa: F401
 from assistant.verdicts.inputs import JUDGES, Inputs, Judge, not_run, verdict
+from assistant.verdicts.versions import VERSION_KEYS
 
 CROSS_NODE_CAUSES = (
     "nccl-version-mismatch",
@@ -35,7 +36,6 @@ CROSS_NODE_CAUSES = (
     "master-port-in-use",
     "world-size-mismatch",
 )
-VERSION_KEYS = (("torch", "torch"), ("torch_cuda", "CUDA"), ("nccl", "NCCL"), ("driver", "driver"))
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 Say = Callable[..., str]  # Inputs.t: (en, zh, **values) -> one line in the user's language

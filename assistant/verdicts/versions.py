@@ -16,6 +16,9 @@ from assistant.verdicts.inputs import (
     version_tuple,
 )
 
+# The versions compared between ranks and nodes: (VersionsFacts field, name shown).
+VERSION_KEYS = (("torch", "torch"), ("torch_cuda", "CUDA"), ("nccl", "NCCL"), ("driver", "driver"))
+
 # --- versions -------------------------------------------------------------------
 
 
@@ -89,12 +92,7 @@ def _first_per_host(records: list[RankRecord]) -> list[RankRecord]:
 def _differences(i: Inputs, records: list[RankRecord]) -> list[str]:
     """Versions that differ between ranks (nodes run different software)."""
     lines = []
-    for key, label in (
-        ("torch", "torch"),
-        ("torch_cuda", "CUDA"),
-        ("nccl", "NCCL"),
-        ("driver", "driver"),
-    ):
+    for key, label in VERSION_KEYS:
         values = {}
         for record in records:
             values.setdefault(getattr(record.facts, key), record.host)
