@@ -81,10 +81,6 @@ class Script:
                 methods.setdefault(qualified.split(".")[1], []).append(qualified)
         return methods
 
-    def calls(self) -> Iterator[tuple[ast.Call, str]]:
-        """Every call in the file with its resolved name, in source order."""
-        return iter(self.call_names)
-
     def name_of(self, expr: ast.expr) -> str:
         """The dotted name of `expr` with its first part resolved through imports."""
         parts: list[str] = []

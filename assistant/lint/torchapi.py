@@ -72,7 +72,7 @@ def is_ddp(name: str) -> bool:
 
 def init_calls(script: Script) -> list[ast.Call]:
     """Every init_process_group call of the file, in source order."""
-    return [node for node, name in script.calls() if is_init(name)]
+    return [node for node, name in script.call_names if is_init(name)]
 
 
 def backend_of(call: ast.Call) -> str | None:
@@ -100,7 +100,7 @@ def is_method(node: ast.Call, attr: str) -> bool:
 
 def uses_cuda(script: Script) -> bool:
     """`.cuda(...)`, a "cuda..." device string, or an f"cuda:{...}" string."""
-    if any(is_method(node, "cuda") for node, _name in script.calls()):
+    if any(is_method(node, "cuda") for node, _name in script.call_names):
         return True
     return any(s == "cuda" or s.startswith("cuda:") for s in script.string_constants)
 
@@ -108,7 +108,7 @@ def uses_cuda(script: Script) -> bool:
 def local_rank_arguments(script: Script) -> list[tuple[ast.Call, set[str]]]:
     """parser.add_argument calls for the local rank, with the flags they accept."""
     found = []
-    for node, name in script.calls():
+    for node, name in script.call_names:
         if short(name) != "add_argument":
             continue
         flags = {a.value for a in node.args if isinstance(a, ast.Constant)}

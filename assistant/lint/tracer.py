@@ -66,7 +66,7 @@ class Shared:
 
     def __init__(self, script: Script, calls: int = MAX_TRACED_CALLS_PER_FILE):
         self.calls_left = calls
-        self.names = {id(node): name for node, name in script.calls()}
+        self.names = {id(node): name for node, name in script.call_names}
         self.expression_calls: dict[int, list[ast.Call]] = {}
 
     def calls_in(self, node: ast.AST) -> list[ast.Call]:

@@ -31,8 +31,8 @@ CURRENT_DEVICE = (
 @check("hardcoded-device")
 def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     """A fixed GPU ("cuda:0", device_ids=[0]) instead of the rank's own device."""
-    has_set_device = any(is_set_device(name) for _node, name in script.calls())
-    for node, name in script.calls():
+    has_set_device = any(is_set_device(name) for _node, name in script.call_names)
+    for node, name in script.call_names:
         yield from fixed_cuda_strings(script, node)
         if not has_set_device:
             yield from current_device_uses(script, node, name)
@@ -108,7 +108,7 @@ def check_set_device_order(script: Script) -> Iterator[Finding]:
     inits = init_calls(script)
     if not inits:
         return
-    set_devices = [node for node, name in script.calls() if is_set_device(name)]
+    set_devices = [node for node, name in script.call_names if is_set_device(name)]
     if not set_devices:
         yield from missing_set_device(script, inits[0])
         return
@@ -165,7 +165,7 @@ def needs_rank_device(name: str) -> bool:
 def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
     """DDP(module, device_ids=...) on a module that was never moved to a device."""
     moved = moved_expressions(script)
-    for node, name in script.calls():
+    for node, name in script.call_names:
         if not is_ddp(name) or not node.args:
             continue
         ids = keyword(node, "device_ids")

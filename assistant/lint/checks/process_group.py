@@ -53,7 +53,7 @@ def needs_group(call: TracedCall, protected: set[int]) -> bool:
 def calls_behind_is_initialized(script: Script) -> set[int]:
     """ids of calls under `if dist.is_initialized()` or `dist.is_initialized() and ...`."""
     protected: set[int] = set()
-    if "is_initialized" not in {short(name) for _node, name in script.calls()}:
+    if "is_initialized" not in {short(name) for _node, name in script.call_names}:
         return protected
     # `a and (b or c)`: the outer BoolOp covers the inner one; walking both is quadratic.
     inner = {
@@ -81,7 +81,7 @@ def calls_behind_is_initialized(script: Script) -> set[int]:
 
 def calls_external_setup(script: Script) -> bool:
     """A call to an imported, non-torch function that may set up distributed."""
-    for node, name in script.calls():
+    for node, name in script.call_names:
         root = node.func
         while isinstance(root, ast.Attribute):
             root = root.value
