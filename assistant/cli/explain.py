@@ -12,7 +12,7 @@ import os
 import click
 
 from assistant.cli.options import team_kb_option
-from assistant.errors import ExitCode, UserError
+from assistant.errors import UserError
 from assistant.i18n import STRINGS, t
 
 STRINGS.update(
@@ -50,12 +50,9 @@ def explain(cause_id, lang, as_json):
     assistant explain set-device-order --lang zh
     """
     from assistant.config import kb_layers
-    from assistant.knowledge.kb import KBError, load_kb
+    from assistant.knowledge.kb import load_valid_kb
 
-    try:
-        knowledge = load_kb(kb_layers(), require_contract=False)
-    except KBError as exc:
-        raise UserError(f"knowledge base is invalid: {exc.problems[0]}", ExitCode.FAILED) from None
+    knowledge = load_valid_kb(kb_layers(), require_contract=False)
     cause = knowledge.causes.get(cause_id)
     if cause is None:
         raise UserError(unknown_cause(cause_id, list(knowledge.causes)))

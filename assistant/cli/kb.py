@@ -90,13 +90,10 @@ def kb_stats(as_json):
     assistant kb stats --kb ../team-kb
     """
     from assistant.config import kb_layers
-    from assistant.knowledge.kb import KBError, load_kb
+    from assistant.knowledge.kb import load_valid_kb
     from assistant.knowledge.stats import kb_stats as compute
 
-    try:
-        stats = compute(load_kb(kb_layers()))
-    except KBError as exc:
-        raise UserError(f"knowledge base is invalid: {exc.problems[0]}", ExitCode.FAILED) from None
+    stats = compute(load_valid_kb(kb_layers()))
     if as_json:
         click.echo(json.dumps(stats, ensure_ascii=False, indent=2))
         return

@@ -9,7 +9,7 @@ import click
 
 from assistant.cli.commands import model_option
 from assistant.cli.options import team_kb_option
-from assistant.errors import ExitCode, UserError
+from assistant.errors import UserError
 
 NEAREST = 3  # existing causes shown beside a new one ("is this one of these?")
 
@@ -184,18 +184,10 @@ def kb_site(out):
     assistant kb site public/ --kb ../team-kb
     """
     from assistant.config import kb_layers
-    from assistant.knowledge.kb import KBError, load_kb
+    from assistant.knowledge.kb import load_valid_kb
     from assistant.site.build import build_site
 
-    try:
-        kb = load_kb(kb_layers())
-    except KBError as exc:
-        raise UserError(
-            f"knowledge base is invalid ({len(exc.problems)} problem(s), first: {exc.problems[0]}); "
-            "run `assistant kb lint`",
-            ExitCode.FAILED,
-        ) from None
-    report = build_site(kb, out)
+    report = build_site(load_valid_kb(kb_layers()), out)
     click.echo(report.summary())
 
 

@@ -120,16 +120,9 @@ class Engine:
 
     def build(self) -> BuildReport:
         """Validate the KB and compile it into the index file."""
-        from assistant.knowledge.kb import KBError, load_kb
+        from assistant.knowledge.kb import load_valid_kb
 
-        try:
-            kb = load_kb(self.kb_root, require_contract=self.require_contract)
-        except KBError as exc:
-            raise UserError(
-                f"knowledge base is invalid ({len(exc.problems)} problem(s), first: "
-                f"{exc.problems[0]}); run `assistant kb lint`",
-                ExitCode.FAILED,
-            ) from None
+        kb = load_valid_kb(self.kb_root, require_contract=self.require_contract)
         try:
             return build_index(kb, self.embedder, self.index_path, log=self.log)
         except OSError as exc:  # an unwritable or missing build folder, a full disk

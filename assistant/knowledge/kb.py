@@ -30,6 +30,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
 from assistant.config import contract_ids
+from assistant.errors import ExitCode, UserError
 from assistant.i18n import has_cjk
 from assistant.knowledge.files import Layers, as_layers, content_hash
 from assistant.knowledge.patterns import PatternError, compile_signature
@@ -407,6 +408,18 @@ def load_kb(layers: Layers, require_contract: bool = True) -> KnowledgeBase:
         loader.sources,
         loader.extended_by,
     )
+
+
+def load_valid_kb(layers: Layers, require_contract: bool = True) -> KnowledgeBase:
+    """`load_kb` for a command: an invalid KB is a UserError (exit 1) pointing to `kb lint`."""
+    try:
+        return load_kb(layers, require_contract=require_contract)
+    except KBError as exc:
+        raise UserError(
+            f"knowledge base is invalid ({len(exc.problems)} problem(s), first: "
+            f"{exc.problems[0]}); run `assistant kb lint`",
+            ExitCode.FAILED,
+        ) from None
 
 
 def _thread_problems(name: str, thread: Thread, known_causes: set[str]) -> list[str]:
