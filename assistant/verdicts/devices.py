@@ -158,12 +158,15 @@ def no_gpu(i: Inputs) -> Verdict | None:
     """not_applicable when the devices probe found no CUDA at all."""
     records = i.records("devices")
     if records and all(r["status"] == "not_applicable" for r in records):
-        return verdict(
-            "not_applicable",
-            [i.t("no CUDA device visible", "看不到任何 CUDA 设备")],
-            source="probe",
-        )
+        return no_cuda_here(i)
     return None
+
+
+def no_cuda_here(i: Inputs) -> Verdict:
+    """not_applicable: a GPU probe found no CUDA device (said in the user's language)."""
+    return verdict(
+        "not_applicable", [i.t("no CUDA device visible", "看不到任何 CUDA 设备")], source="probe"
+    )
 
 
 @judges("duplicate-gpu-per-rank")
@@ -530,12 +533,7 @@ def _set_device_order_here(i: Inputs) -> Verdict:
     if run is None:
         return not_run()
     if run.status == "not_applicable":
-        # The probe's own reason is English; say it in the user's language.
-        return verdict(
-            "not_applicable",
-            [i.t("no CUDA device visible", "看不到任何 CUDA 设备")],
-            source="probe",
-        )
+        return no_cuda_here(i)  # the probe's own reason is English
     outcomes = variant_outcomes(i.runs)
     if not outcomes:
         return undecided(i, ("set_device_order",), [])
