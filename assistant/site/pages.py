@@ -18,9 +18,10 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
-from assistant.i18n import pick
+from assistant.i18n import pick, translate
 from assistant.knowledge.kb import Cause, KnowledgeBase, Thread, ThreadAnswer
 
+# The site's own words; the rest (fix, answers, stance.*, ...) are the shared i18n.STRINGS.
 WORDS = {
     "site": {"en": "DDP failure knowledge base", "zh": "DDP 故障知识库"},
     "other_lang": {"en": "中文", "zh": "English"},
@@ -30,11 +31,8 @@ WORDS = {
     "why": {"en": "Why it happens", "zh": "原因说明"},
     "signatures": {"en": "Error signatures", "zh": "错误特征"},
     "symptoms": {"en": "How people report it", "zh": "常见描述"},
-    "fix": {"en": "Fix", "zh": "修复方法"},
     "risks": {"en": "Risks of the fix", "zh": "修复的风险"},
     "probes": {"en": "Probes that test it", "zh": "检测它的探针"},
-    "references": {"en": "References", "zh": "参考资料"},
-    "answers": {"en": "What the community said", "zh": "社区回答"},
     "no_answers": {
         "en": "No community answer claims this cause yet.",
         "zh": "还没有社区回答提到这个原因。",
@@ -42,13 +40,8 @@ WORDS = {
     "question": {"en": "Question", "zh": "问题"},
     "claims": {"en": "claims", "zh": "认为原因是"},
     "advice": {"en": "advice", "zh": "建议"},
-    "contradicts": {"en": "contradicts", "zh": "与之矛盾"},
     "in_thread": {"en": "in thread", "zh": "出自讨论"},
     "source": {"en": "source", "zh": "来源"},
-    "stance.right": {"en": "right", "zh": "正确"},
-    "stance.partly_right": {"en": "partly right", "zh": "部分正确"},
-    "stance.wrong": {"en": "wrong", "zh": "错误"},
-    "stance.unverified": {"en": "unverified", "zh": "未验证"},
 }
 _FORMATTER = HtmlFormatter(cssclass="highlight")
 _INLINE_CODE = re.compile(r"`([^`\n]+)`")
@@ -56,7 +49,7 @@ _THREAD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
 
 
 def word(key: str, lang: str) -> str:
-    return WORDS[key][lang]
+    return translate(WORDS, key, lang)
 
 
 def esc(text: str) -> str:
