@@ -218,9 +218,11 @@ class Watch:
         self.program = resolve_command(self.command, options.cwd)  # before any folder is made
         self.log_dir = Path(options.log_dir or default_log_dir()).resolve()
         self.hook_dir = prepare_log_dir(self.log_dir)
+        self.procs = Path(jobhook.procs_dir(str(self.log_dir)))
         self.tail = OutputTail(self.log_dir, on_output, self.log_dir / "output.log")
         self.progress: dict[Path, int] = {}
         self.marked: MarkedProcess | None = None
+        self.quiet_seconds: float | None = None  # set when a hang is declared
 
     def run(self) -> LaunchReport:
         """Run to the end (exit or hang); an interrupt is forwarded, then re-raised."""
@@ -286,12 +288,12 @@ class Watch:
 
     def _started_python(self) -> bool:
         """Whether a Python process of the job is up (srun may wait silently for nodes first)."""
-        return any(Path(jobhook.procs_dir(str(self.log_dir))).glob("*.json"))
+        return any(self.procs.glob("*.json"))
 
     def _collectives_left(self) -> bool:
         """Whether any rank's main thread left a collective since the last look."""
         moved = False
-        for path in Path(jobhook.procs_dir(str(self.log_dir))).glob("*.progress"):
+        for path in self.procs.glob("*.progress"):
             count = progress_count(path)
             if count != self.progress.get(path, 0):
                 self.progress[path] = count
@@ -336,7 +338,7 @@ class Watch:
 
     def _flight_records(self, stacks: dict[int, list[Frame]]) -> dict[int, LastCollective]:
         """Each live process's last collective, from its flight recorder (pid -> entry)."""
-        procs = Path(jobhook.procs_dir(str(self.log_dir)))
+        procs = self.procs
         for pid in stacks:
             (procs / f"{pid}.fr-request").touch()
         deadline = time.monotonic() + FLIGHT_WAIT_SECONDS
