@@ -544,7 +544,6 @@ def call_taint(flow: Flow, call: ast.Call, depth: int) -> Taint | None:
         kept = tensor_taint(flow, call.func.value, depth + 1)
         if kept is not None:
             return kept
-        sizes = []
         dtypes = [*call.args, *filter(None, [keyword(call, "dtype")])]
         if any(is_rank_dtype(flow, d) for d in dtypes):
             return Taint("dtype", call)
