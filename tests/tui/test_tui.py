@@ -34,11 +34,6 @@ from assistant.tui.widgets import LARGE_PASTE_CHARS, ChatInput
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def until(pilot, predicate, timeout: float = 10.0) -> None:
     """Let the app run until `predicate()` holds (workers post from other threads)."""
     deadline = time.monotonic() + timeout

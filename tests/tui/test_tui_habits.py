@@ -15,11 +15,6 @@ from assistant.tui.widgets import LARGE_PASTE_CHARS, ChatInput
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_text_typed_while_the_causes_have_focus_goes_to_the_input():
     app = fake_app()
     async with app.run_test(size=(100, 30)) as pilot:

@@ -15,11 +15,6 @@ from assistant.tui.screens import ConfirmDialog, HistoryScreen
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 

@@ -28,11 +28,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.anyio]
 FINAL = {"ok", "failed", "timeout", "not_applicable", "error", "interrupted"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class CpuEngine(FakeEngine):
     """Causes whose probes run on a CPU-only machine."""
 

@@ -35,11 +35,6 @@ from assistant.watch.watcher import LaunchReport, RankReport
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def failed_launch(command: list[str]) -> LaunchReport:
     """What the watcher reports for a 2-rank job whose rank 1 raised."""
     ranks = [

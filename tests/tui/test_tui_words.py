@@ -23,11 +23,6 @@ from assistant.tui.screens import CauseScreen, PathPrompt
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def verdict_column(view) -> list[str]:
     return [widget_text(label).strip() for label in view.query(".cause-verdict")]
 
