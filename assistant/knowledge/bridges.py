@@ -18,12 +18,12 @@ Terms are found by greedy longest match over each run of Chinese text, so
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 from assistant.errors import UserError
+from assistant.knowledge.files import Layers, as_layers
 
 BRIDGE_FILE = "bridge.yaml"
 MAX_TERM_CHARS = 8  # a longer key would be a phrase from one report, not a term
@@ -132,10 +132,9 @@ def _unique_key_loader():
     return UniqueKeyLoader
 
 
-def load_bridge(layers: Path | Sequence[Path]) -> Bridge:
+def load_bridge(layers: Layers) -> Bridge:
     """The bridge of a KB: every layer's `bridge.yaml`, later layers overriding."""
-    roots = [layers] if isinstance(layers, (str, Path)) else list(layers)
-    return _load_cached(tuple(_stamp(Path(root) / BRIDGE_FILE) for root in roots))
+    return _load_cached(tuple(_stamp(root / BRIDGE_FILE) for root in as_layers(layers)))
 
 
 def _stamp(path: Path) -> tuple[str, float]:
