@@ -1,7 +1,7 @@
 """`assistant kb import-thread`: a forum thread in plain text becomes a KB thread file.
 
     thread = parse_thread(text)                 # question + answers, one per author voice
-    draft = draft_thread(thread, "my-thread", ranker=engine)
+    draft = draft_thread(text, "my-thread", ranker=engine)  # parses, then proposes
     write_new_file(folder / "threads" / "my-thread.yaml", draft.yaml)
 
 The text is the question, then the answers, separated by blank lines (as in
