@@ -32,7 +32,7 @@ from pathlib import Path
 
 from assistant.config import probes_dir
 from assistant.probing import processes
-from assistant.probing.machine import free_port, physical_gpu_count, visible_gpu_count
+from assistant.probing.machine import free_port, visible_gpu_count
 from assistant.probing.outcomes import LaunchEnd, LaunchResult, batch_runs, merge_variants
 from assistant.probing.protocol import (
     BATCH_SCRIPT,
@@ -53,19 +53,11 @@ __all__ = [
     "LaunchPlan",
     "ProbeRunner",
     "ProgressEvent",
-    "free_port",
-    "launch_processes",
-    "physical_gpu_count",
     "visible_gpu_count",
 ]
 
 POLL_SECONDS = 0.05
 KILL_GRACE_SECONDS = processes.KILL_GRACE_SECONDS
-
-
-def launch_processes(launch_id: str) -> list[int]:
-    """Live processes of the launch whose marker is launch_id (see processes.py)."""
-    return processes.pids_with_marker(launch_id)
 
 
 @dataclass

@@ -209,19 +209,13 @@ def test_registry_variants_match_the_probe_script():
 # --- real launches ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def healthy():
     """One doctor run on this machine, shared by the tests below."""
     tag = new_tag()
     # The user's MASTER_PORT: a port nothing holds, so the run is healthy even
     # while another job on this machine uses the default 29500.
-    runner = ProbeRunner(env={"PROBE_TEST_TAG": tag, "MASTER_PORT": str(_free_port())})
+    runner = ProbeRunner(env={"PROBE_TEST_TAG": tag, "MASTER_PORT": str(machine.free_port())})
     events = []
     started = time.monotonic()
     result = Pipeline(runner=runner).doctor(observer=Observer(on_probe=events.append))
@@ -287,7 +281,7 @@ def test_a_held_port_29500_confirms_master_port_in_use():
     try:
         holder.bind(("0.0.0.0", 29500))
     except OSError:  # another job holds 29500 right now: hold a port of our own instead
-        port = _free_port()
+        port = machine.free_port()
         holder.bind(("0.0.0.0", port))
         env["MASTER_PORT"] = str(port)
     holder.listen(1)
