@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from assistant.i18n import short
 from assistant.results import (
     AnswerRef,
     CauseResult,
@@ -110,7 +111,7 @@ class Conversation:
         else:
             asks = [t for t in self.turns if t.kind == "ask"] or self.turns
             text = first_line(asks[0].query) if asks else ""
-        return shorten(text, TITLE_CHARS)
+        return short(text, TITLE_CHARS)
 
     def root_error(self, before: int | None = None) -> RootError | None:
         """The first root error of the conversation (of turns before index `before`)."""
@@ -137,13 +138,13 @@ class Conversation:
         parts = []
         asked = self.asked_to_decide(before)
         if asked is not None:
-            parts.append(f"Earlier question: {shorten(asked.query, CONTEXT_QUESTION_CHARS)}")
+            parts.append(f"Earlier question: {short(asked.query, CONTEXT_QUESTION_CHARS)}")
         root = self.root_error(before)
         if root is not None:
             where = f" (rank {root.rank})" if root.rank is not None else ""
             parts.append(
                 f"Earlier root error: {root.type}: "
-                f"{shorten(root.message, CONTEXT_ERROR_CHARS)}{where}."
+                f"{short(root.message, CONTEXT_ERROR_CHARS)}{where}."
             )
         confirmed = self.confirmed(before)
         if confirmed:
@@ -208,12 +209,6 @@ def first_line(text: str) -> str:
         if line.strip():
             return line.strip()
     return ""
-
-
-def shorten(text: str, limit: int) -> str:
-    """`text` on one line, cut to `limit` characters with an ellipsis."""
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
 
 
 # -- full-fidelity (de)serialization of results --------------------------------

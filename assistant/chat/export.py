@@ -19,8 +19,8 @@ import os
 import time
 from pathlib import Path
 
-from assistant.chat.conversation import Conversation, first_line, shorten
-from assistant.i18n import cause_title, t, verdict_label
+from assistant.chat.conversation import Conversation, first_line
+from assistant.i18n import cause_title, short, t, verdict_label
 from assistant.results import CauseResult, ProbeRun, Result
 
 MAX_FACTS_PER_PROBE = 24
@@ -139,7 +139,7 @@ def _environment_section(conversation: Conversation, lang: str) -> str:
         return f"{head}\n\n{_s('no_probes', lang)}"
     lines = []
     for run in runs:
-        detail = f": {shorten(run.detail, FACT_VALUE_CHARS)}" if run.detail else ""
+        detail = f": {short(run.detail, FACT_VALUE_CHARS)}" if run.detail else ""
         lines.append(f"- **{run.name}**: {run.status}, {run.seconds:.1f} s{detail}")
         lines.extend(f"  - {fact}" for fact in probe_facts(run))
     return f"{head}\n\n" + "\n".join(lines)
@@ -182,9 +182,9 @@ def _flatten(facts: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict) and value:
             flat.update(_flatten(value, f"{name}."))
         elif isinstance(value, (list, tuple)):
-            flat[name] = shorten(", ".join(str(v) for v in value) or "[]", FACT_VALUE_CHARS)
+            flat[name] = short(", ".join(str(v) for v in value) or "[]", FACT_VALUE_CHARS)
         else:
-            flat[name] = shorten(str(value), FACT_VALUE_CHARS)
+            flat[name] = short(str(value), FACT_VALUE_CHARS)
     return flat
 
 
@@ -204,7 +204,7 @@ def _questions_section(conversation: Conversation, lang: str) -> str:
     for number, turn in enumerate(asks, 1):
         count = len(turn.query.splitlines())
         more = f" ({count} {_s('lines', lang)})" if count > 1 else ""
-        lines.append(f"{number}. {_cell(shorten(first_line(turn.query), 120))}{more}")
+        lines.append(f"{number}. {_cell(short(first_line(turn.query), 120))}{more}")
     return f"## {_s('questions', lang)}\n\n" + "\n".join(lines)
 
 

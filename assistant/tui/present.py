@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from assistant.chat.conversation import first_line, shorten
-from assistant.i18n import community_stance, detect_lang, here_outcome
+from assistant.chat.conversation import first_line
+from assistant.i18n import community_stance, detect_lang, here_outcome, short
 from assistant.results import AnswerRef, CauseResult
 
 VERDICT_MARKS = {
@@ -54,7 +54,7 @@ def interface_lang(text: str, current: str) -> str:
 
 def query_preview(text: str, width: int = 200) -> tuple[str, int]:
     """(first non-blank line cut to `width`, how many more non-blank lines follow)."""
-    head = shorten(first_line(text), width)
+    head = short(first_line(text), width)
     count = 0
     for line in text.splitlines():
         if line.strip():

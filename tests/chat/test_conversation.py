@@ -8,8 +8,8 @@ from assistant.chat.conversation import (
     first_line,
     result_from_dict,
     result_to_dict,
-    shorten,
 )
+from assistant.i18n import short
 from assistant.results import (
     AnswerRef,
     CauseResult,
@@ -193,8 +193,8 @@ def test_result_from_dict_ignores_keys_it_does_not_know():
 def test_text_helpers():
     assert first_line("\n  \n  hello \nworld") == "hello"
     assert first_line("   ") == ""
-    assert shorten("a  b\nc", 10) == "a b c"
-    assert shorten("abcdefghijk", 5) == "abcd…"
+    assert short("a  b\nc", 10) == "a b c"
+    assert short("abcdefghijk", 5) == "abcd…"
 
 
 def test_a_reply_to_the_decide_question_carries_the_earlier_question():
