@@ -25,14 +25,12 @@ def _endpoint_record(i: Inputs) -> dict | None:
 
 @judges("master-port-in-use")
 def master_port_in_use(i: Inputs) -> Verdict:
-    evidence = []
-    said = i.error_names("master-port-in-use")
-    if said:
-        evidence.append(
-            i.error_line(
-                "the error reports the port in use: {error}", "报错说端口已被占用：{error}"
-            )
-        )
+    said = i.error_says(
+        "master-port-in-use",
+        "the error reports the port in use: {error}",
+        "报错说端口已被占用：{error}",
+    )
+    evidence = list(said)
     record = _endpoint_record(i)
     if record is None:
         if said:

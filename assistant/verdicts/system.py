@@ -21,19 +21,16 @@ from assistant.verdicts.inputs import (
 @judges("shm-too-small")
 def shm_too_small(i: Inputs) -> Verdict:
     records = i.facts("system")
-    said = i.error_names("shm-too-small")
-    evidence = []
-    if said:
-        evidence.append(
-            i.error_line("the error points at shared memory: {error}", "报错指向共享内存：{error}")
-        )
+    said = i.error_says(
+        "shm-too-small", "the error points at shared memory: {error}", "报错指向共享内存：{error}"
+    )
     if not records:
-        return undecided(i, ("system",), evidence)
+        return undecided(i, ("system",), said)
     shm = records[0]["facts"].get("shm")
     if not shm:
         return verdict(
             "not_applicable",
-            [i.t("no /dev/shm on this system", "本系统没有 /dev/shm")] + evidence,
+            [i.t("no /dev/shm on this system", "本系统没有 /dev/shm")] + said,
             source="probe",
         )
     size = i.t(
@@ -47,10 +44,10 @@ def shm_too_small(i: Inputs) -> Verdict:
             "NCCL and DataLoader workers need more: run the container with --shm-size=16g or --ipc=host",
             "NCCL 和 DataLoader worker 需要更多：用 --shm-size=16g 或 --ipc=host 启动容器",
         )
-        return verdict("confirmed", [size, fix] + evidence, source="probe")
+        return verdict("confirmed", [size, fix] + said, source="probe")
     if shm["total_mib"] < SHM_DOUBT_MIB:
-        return verdict("confirmed" if said else "inconclusive", [size] + evidence, source="probe")
-    return verdict("inconclusive" if said else "ruled_out", [size] + evidence, source="probe")
+        return verdict("confirmed" if said else "inconclusive", [size] + said, source="probe")
+    return verdict("inconclusive" if said else "ruled_out", [size] + said, source="probe")
 
 
 @judges("network-interface")
