@@ -344,6 +344,8 @@ def by_error(cause_id: str, en: str, zh: str, value: str = "confirmed") -> Judge
 
     The cause's own KB signatures decide whether the error names it; the
     templates start with "the error" / "报错" and may quote it as {error}.
+    `value` is the verdict then: "inconclusive" for an error that only
+    points at the cause (uneven-inputs).
     """
 
     def decide(i: Inputs) -> Verdict:
