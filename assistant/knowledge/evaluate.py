@@ -64,13 +64,14 @@ def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -
     misses = []
     if per_query is None:
         per_query = all_signal_scores(engine, queries)
+    fused = fused_rankings(per_query)  # exactly what `ask` fuses
     for run, signals in RUNS.items():
         totals = {"top1": 0.0, "recall3": 0.0, "mrr": 0.0}
-        for item, per_signal in zip(queries, per_query):
-            chosen = {s: per_signal[s] for s in signals}
-            if run == "fused":
-                chosen = with_shortcut(chosen)  # exactly what `ask` fuses
-            ranked = [r.id for r in fuse(chosen)]
+        if run == "fused":
+            rankings = fused
+        else:
+            rankings = [[r.id for r in fuse({s: p[s] for s in signals})] for p in per_query]
+        for item, ranked in zip(queries, rankings):
             scores = score_ranking(ranked, item["causes"])
             for key in totals:
                 totals[key] += scores[key]
@@ -78,7 +79,7 @@ def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -
                 misses.append({"id": item["id"], "want": item["causes"], "got": ranked[:3]})
         report[run] = {key: round(value / len(queries), 4) for key, value in totals.items()}
     report["misses"] = misses
-    report["by_lang"] = top1_by_lang(queries, fused_rankings(per_query))
+    report["by_lang"] = top1_by_lang(queries, fused)
     report["confidence"] = confidence_report(engine, queries)
     return report
 
