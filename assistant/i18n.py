@@ -64,13 +64,6 @@ STRINGS: dict[str, dict[str, str]] = {
     "contradicts": {"en": "contradicts", "zh": "与之矛盾"},
     "probes": {"en": "Probes", "zh": "探针"},
     "score": {"en": "score", "zh": "得分"},
-    # Kept for the CLI renderer until it moves to verdict_label (which says
-    # where the verdict comes from instead of a blanket "here").
-    "verdict.confirmed": {"en": "confirmed here", "zh": "本机确认"},
-    "verdict.ruled_out": {"en": "ruled out here", "zh": "本机已排除"},
-    "verdict.inconclusive": {"en": "inconclusive", "zh": "无法判断"},
-    "verdict.not_applicable": {"en": "not applicable", "zh": "不适用"},
-    "verdict.not_run": {"en": "not probed", "zh": "未探测"},
     # The verdict alone; verdict_label adds its source.
     "verdict_word.confirmed": {"en": "confirmed", "zh": "已确认"},
     "verdict_word.ruled_out": {"en": "ruled out", "zh": "已排除"},
@@ -87,8 +80,6 @@ STRINGS: dict[str, dict[str, str]] = {
     "stance.partly_right": {"en": "partly right", "zh": "部分正确"},
     "stance.wrong": {"en": "wrong", "zh": "错误"},
     "stance.unverified": {"en": "unverified", "zh": "未验证"},
-    "stance.refuted_here": {"en": "contradicted by this machine", "zh": "被本机结果否定"},
-    "stance.confirmed_here": {"en": "confirmed by this machine", "zh": "被本机结果证实"},
     # What this machine showed about an answer's advice (AnswerRef.here).
     "here.refuted_here": {"en": "refuted on this machine", "zh": "本机测试否定"},
     "here.confirmed_here": {"en": "confirmed on this machine", "zh": "本机测试证实"},

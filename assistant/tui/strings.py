@@ -15,7 +15,6 @@ UI: dict[str, dict[str, str]] = {
     "model.loading": {"en": "loading the model… {seconds}s", "zh": "正在加载模型… {seconds}秒"},
     "model.ready": {"en": "model ready", "zh": "模型已就绪"},
     "model.failed": {"en": "model failed: {error}", "zh": "模型加载失败：{error}"},
-    "model.log": {"en": "{message}", "zh": "{message}"},
     "input.placeholder": {
         "en": "Paste an error or a whole log, or ask a question. Enter sends.",
         "zh": "粘贴报错或整段日志，或直接提问。回车发送。",
@@ -141,7 +140,6 @@ UI: dict[str, dict[str, str]] = {
         "zh": "对话已导出到 {path}，并已复制到剪贴板。",
     },
     "export.empty": {"en": "Nothing to export yet.", "zh": "还没有可导出的内容。"},
-    "export.failed": {"en": "Export failed: {error}", "zh": "导出失败：{error}"},
     "new.done": {"en": "New conversation.", "zh": "新对话。"},
     "export.unwritable": {
         "en": "Cannot write the report to {path}: {reason}. Save it elsewhere:",
@@ -188,7 +186,6 @@ UI: dict[str, dict[str, str]] = {
         "zh": "删除全部已保存的对话（包括粘贴的日志）",
     },
     "key.clear": {"en": "Clear all", "zh": "全部清空"},
-    "key.choose": {"en": "Choose", "zh": "选择"},
     "key.yes": {"en": "Delete", "zh": "删除"},
     "key.no": {"en": "Keep", "zh": "保留"},
     "busy.quit": {"en": "Stopping probes…", "zh": "正在停止探针…"},

@@ -114,7 +114,7 @@ def test_no_other_module_of_the_chat_chooses_a_title_by_language():
 
 
 def test_t_keeps_working_for_the_cli_renderer():
-    assert t("verdict.confirmed", "en") == "confirmed here"  # render.py still reads these
+    assert t("evidence", "en") == "Evidence"  # render.py reads the shared words through t
     assert t("score", "zh") == "得分"
 
 

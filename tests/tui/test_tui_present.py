@@ -129,5 +129,5 @@ def test_every_interface_string_exists_in_both_languages_with_the_same_fields():
         fields_zh = {part.split("}")[0] for part in entry["zh"].split("{")[1:]}
         assert fields_en == fields_zh, key
     assert tr("turn.done", "zh", confirmed=1, ruled_out=2, other=0).startswith("确认 1 个")
-    assert tr("verdict.confirmed", "zh") == "本机确认"  # shared strings come from i18n
+    assert tr("verdict_word.confirmed", "zh") == "已确认"  # shared strings come from i18n
     assert tr("no.such.key") == "no.such.key"
