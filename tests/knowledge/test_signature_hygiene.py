@@ -85,8 +85,10 @@ NAMED = [
         "nccl-version-mismatch",
     ),
     (
-        "UserWarning: NVIDIA GeForce RTX 4090 with CUDA capability sm_89 is not compatible "
-        "with the current PyTorch installation.",
+        (
+            "UserWarning: NVIDIA GeForce RTX 4090 with CUDA capability sm_89 is not compatible "
+            "with the current PyTorch installation."
+        ),
         "nccl-version-mismatch",
     ),
     (
@@ -101,15 +103,20 @@ NAMED = [
     ("KeyError: 'MASTER_ADDR'", "launched-without-torchrun"),
     ("KeyError: 'MASTER_PORT'", "launched-without-torchrun"),
     (
-        "[E socket.cpp:793] [c10d] The client socket has timed out after 1800s while trying "
-        "to connect to (127.0.0.1, 48391).",
+        (
+            "[E socket.cpp:793] [c10d] The client socket has timed out after 1800s while trying "
+            "to connect to (127.0.0.1, 48391)."
+        ),
         "master-endpoint-mismatch",
     ),
     (
         "The client socket has timed out after 600000ms while trying to connect to (172.17.0.9, 46229).",
         "master-endpoint-mismatch",
     ),
-    ("os.environ['NCCL_P2P_DISABLE'] made no difference; with NCCL_P2P_DISABLE=1 it works", "p2p-hang"),
+    (
+        "os.environ['NCCL_P2P_DISABLE'] made no difference; with NCCL_P2P_DISABLE=1 it works",
+        "p2p-hang",
+    ),
     ("export NCCL_SOCKET_IFNAME=eno1 on both nodes", "network-interface"),
 ]
 
@@ -123,14 +130,22 @@ def test_the_error_wording_is_named_by_its_cause(kb, text, cause_id):
 # caught them would be pulled to the top of unrelated reports.
 GENERIC = [
     # ncclSystemError: shm-too-small and network-interface alike; the probes decide.
-    "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
-    "ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details)",
-    "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, unhandled cuda error "
-    "(run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5 ncclUnhandledCudaError",
-    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
-    "peer [127.0.0.1]:4331. This is typically caused by a remote worker crashing.",
-    "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [10.0.0.2]:29501: "
-    "Connection reset by peer",
+    (
+        "torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+        "ProcessGroupNCCL.cpp:1970, unhandled system error (run with NCCL_DEBUG=INFO for details)"
+    ),
+    (
+        "NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, unhandled cuda error "
+        "(run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5 ncclUnhandledCudaError"
+    ),
+    (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+        "peer [127.0.0.1]:4331. This is typically caused by a remote worker crashing."
+    ),
+    (
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:598] Read error [10.0.0.2]:29501: "
+        "Connection reset by peer"
+    ),
 ]
 
 
