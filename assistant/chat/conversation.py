@@ -56,12 +56,6 @@ class Turn:
         """The root exception found in the query, if any."""
         return self.result.root_error if self.result else None
 
-    def verdict_summary(self) -> list[tuple[str, str]]:
-        """(cause id, verdict) pairs, best first."""
-        if self.result is None:
-            return []
-        return [(cause.id, cause.verdict.verdict) for cause in self.result.causes]
-
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict that `Turn.from_dict` reads back."""
         return {
