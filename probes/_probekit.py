@@ -91,10 +91,11 @@ class Rank:
         return all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int | None = None) -> int | None:
+    """The variable as an integer; default when it is unset, empty or not a number."""
     try:
-        return int(os.environ.get(name, default))
-    except ValueError:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
         return default
 
 

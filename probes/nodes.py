@@ -43,6 +43,7 @@ import versions
 from _probekit import (
     connect,
     cuda_status,
+    env_int,
     interfaces,
     is_loopback,
     main,
@@ -74,9 +75,9 @@ POLL_SECONDS = 0.1
 
 def collect(ctx) -> dict:
     """Every node's facts, gathered through the rendezvous store."""
-    told_nnodes = _env_int(NNODES_ENV)
-    group_rank = _env_int("GROUP_RANK") or 0
-    joined = _env_int("GROUP_WORLD_SIZE") or 1
+    told_nnodes = env_int(NNODES_ENV)
+    group_rank = env_int("GROUP_RANK") or 0
+    joined = env_int("GROUP_WORLD_SIZE") or 1
     exchange = Exchange(_rendezvous_store(), group_rank, joined, _exchange_timeout())
     listener = Listener()
     me = this_node(ctx, group_rank, listener.port)
@@ -119,16 +120,16 @@ def this_node(ctx, group_rank: int, listen_port: int) -> dict:
         if os.environ.get(name)
     }
     told = {
-        "nnodes": _env_int(NNODES_ENV),
-        "nproc_per_node": _env_int(NPROC_TOLD_ENV),
+        "nnodes": env_int(NNODES_ENV),
+        "nproc_per_node": env_int(NPROC_TOLD_ENV),
         "world_size": _int_or_none(user_env("WORLD_SIZE")),
         "master_addr": os.environ.get(MASTER_ADDR_TOLD_ENV),
-        "master_port": _env_int(MASTER_PORT_TOLD_ENV),
+        "master_port": env_int(MASTER_PORT_TOLD_ENV),
     }
     version_facts = versions.collect(ctx)
     return {
         # Not told (a bare torchrun start): the rendezvous's order stands in.
-        "node_rank": _env_int(NODE_RANK_ENV) if _env_int(NODE_RANK_ENV) is not None else group_rank,
+        "node_rank": env_int(NODE_RANK_ENV, group_rank),
         "group_rank": group_rank,
         "hostname": hostname,
         "network_id": network_id(),
@@ -181,7 +182,7 @@ def master_check(addr: str | None, port: int | None) -> dict:
 
 def _worker_store() -> dict:
     """The store torchrun gave the workers (MASTER_ADDR:MASTER_PORT): env:// needs it."""
-    addr, port = os.environ.get("MASTER_ADDR"), _env_int("MASTER_PORT")
+    addr, port = os.environ.get("MASTER_ADDR"), env_int("MASTER_PORT")
     if not addr or not port:
         return {}
     return {"addr": addr, "port": port, "connect": connect(addr, port, CONNECT_SECONDS)}
@@ -430,10 +431,6 @@ def _exchange_timeout() -> float:
         return float(os.environ.get(EXCHANGE_TIMEOUT_ENV, DEFAULT_EXCHANGE_TIMEOUT))
     except ValueError:
         return DEFAULT_EXCHANGE_TIMEOUT
-
-
-def _env_int(name: str) -> int | None:
-    return _int_or_none(os.environ.get(name))
 
 
 def _int_or_none(text: str | None) -> int | None:
