@@ -242,13 +242,3 @@ def progress_count(path: Path) -> int:
             return int(source.read(20).strip() or 0)
     except (OSError, ValueError):
         return 0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
