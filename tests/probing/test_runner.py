@@ -29,6 +29,7 @@ from assistant.config import PROJECT_ROOT
 from assistant.pipeline import Observer, Pipeline
 from assistant.probing import machine, outcomes
 from assistant.probing import runner as runner_module
+from assistant.probing.processes import pids_with_env
 from assistant.probing.recorded import load_runs, save_runs
 from assistant.probing.registry import PROBES, probe_names
 from assistant.probing.runner import ProbeRunner, visible_gpu_count
@@ -40,17 +41,7 @@ PROBES_DIR = PROJECT_ROOT / "probes"
 
 def tagged_processes(tag: str) -> list[int]:
     """Live processes whose environment carries PROBE_TEST_TAG=tag (zombies excluded)."""
-    marker = f"PROBE_TEST_TAG={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if marker in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
+    return pids_with_env("PROBE_TEST_TAG", tag)
 
 
 def new_tag() -> str:
