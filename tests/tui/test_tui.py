@@ -16,9 +16,15 @@ from test_tui_fakes import (
     FakeRunner,
     FixedClock,
     RecordedRunner,
+    ask,
+    done,
     fake_app,
     multi_rank_log,
+    paste_and_send,
+    run_command,
     screen_text,
+    turns,
+    until,
     widget_text,
 )
 from textual import events
@@ -32,41 +38,6 @@ from assistant.tui.turn import CauseItem, CauseList, TurnView
 from assistant.tui.widgets import LARGE_PASTE_CHARS, ChatInput
 
 pytestmark = pytest.mark.anyio
-
-
-async def until(pilot, predicate, timeout: float = 10.0) -> None:
-    """Let the app run until `predicate()` holds (workers post from other threads)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
-        await pilot.pause(0.02)
-
-
-def turns(app) -> list[TurnView]:
-    return app.turn_views
-
-
-def done(app, count: int = 1):
-    def check() -> bool:
-        """turns answered and judged"""
-        views = turns(app)
-        return len(views) >= count and all(v.phase in ("done", "failed") for v in views[:count])
-
-    return check
-
-
-async def paste_and_send(app, pilot, text: str) -> None:
-    app.post_message(events.Paste(text))
-    await pilot.pause()
-    await pilot.press("enter")
-
-
-async def ask(app, pilot, text: str) -> TurnView:
-    count = len(turns(app))
-    await paste_and_send(app, pilot, text)
-    await until(pilot, done(app, count + 1))
-    return turns(app)[count]
 
 
 def cause_ids(view: TurnView) -> list[str]:
@@ -398,15 +369,6 @@ async def test_the_interface_follows_the_language_of_the_question_and_the_bindin
 
 
 # -- command palette ----------------------------------------------------------------------
-
-
-async def run_command(app, pilot, words: str) -> None:
-    await pilot.press("ctrl+p")
-    await pilot.pause()
-    await pilot.press(*words)
-    await pilot.pause(0.3)
-    await pilot.press("enter")
-    await pilot.pause()
 
 
 async def test_palette_runs_doctor():

@@ -1,6 +1,7 @@
 """Fakes for the chat's dependencies, with the exact signatures of the real ones.
 
-The Pilot and snapshot tests import these. The flow itself is the real
+The Pilot and snapshot tests import these, and the helpers at the end that
+drive the app (until, ask, run_command). The flow itself is the real
 assistant.pipeline.Pipeline; only its verdict step is table-driven here
 (TablePipeline), so the tests do not depend on how the verdict functions
 read facts; the tests that pass `pipeline_type=Pipeline` use the real
@@ -19,8 +20,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+from textual import events
 
 from assistant.confidence import assess
 from assistant.errors import UserError
@@ -36,6 +39,9 @@ from assistant.results import (
     RootError,
     Verdict,
 )
+
+if TYPE_CHECKING:
+    from assistant.tui.turn import TurnView
 
 THREAD = "seed-000-ddp-cant-find-device"
 DUPLICATE_GPU_LINE = (
@@ -639,3 +645,51 @@ def widget_text(widget, width: int = 200) -> str:
     console = Console(width=width, file=io.StringIO(), record=True, legacy_windows=False)
     console.print(widget.content)
     return console.export_text(styles=False)
+
+
+# -- driving the app under Pilot --------------------------------------------------------
+
+
+async def until(pilot, predicate, timeout: float = 10.0) -> None:
+    """Let the app run until `predicate()` holds (workers post from other threads)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {predicate.__doc__ or predicate}")
+        await pilot.pause(0.02)
+
+
+def turns(app) -> list[TurnView]:
+    """The app's turn views, oldest first."""
+    return app.turn_views
+
+
+def done(app, count: int = 1):
+    def check() -> bool:
+        """turns answered and judged"""
+        views = turns(app)
+        return len(views) >= count and all(v.phase in ("done", "failed") for v in views[:count])
+
+    return check
+
+
+async def paste_and_send(app, pilot, text: str) -> None:
+    app.post_message(events.Paste(text))
+    await pilot.pause()
+    await pilot.press("enter")
+
+
+async def ask(app, pilot, text: str) -> TurnView:
+    count = len(turns(app))
+    await paste_and_send(app, pilot, text)
+    await until(pilot, done(app, count + 1))
+    return turns(app)[count]
+
+
+async def run_command(app, pilot, words: str) -> None:
+    await pilot.press("ctrl+p")
+    await pilot.pause()
+    await pilot.press(*words)
+    await pilot.pause(0.3)
+    await pilot.press("enter")
+    await pilot.pause()

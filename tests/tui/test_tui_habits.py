@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from test_tui import ask, paste_and_send, run_command, turns, until
-from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, screen_text, widget_text
+from test_tui_fakes import (
+    DUPLICATE_GPU_LINE,
+    ask,
+    fake_app,
+    paste_and_send,
+    run_command,
+    screen_text,
+    turns,
+    until,
+    widget_text,
+)
 from textual import events
 from textual.widgets import Input, OptionList
 

@@ -6,8 +6,7 @@ import stat
 
 import pytest
 from click.testing import CliRunner
-from test_tui import ask, run_command, until
-from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app
+from test_tui_fakes import DUPLICATE_GPU_LINE, ask, fake_app, run_command, until
 
 from assistant.chat.history import History, history_enabled
 from assistant.tui.screens import ConfirmDialog, HistoryScreen

@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_tui_fakes import FakeEngine, fake_deps, screen_text
+from test_tui_fakes import FakeEngine, fake_deps, screen_text, until
 from textual import events
 
 from assistant.pipeline import Pipeline
@@ -76,13 +76,6 @@ def marked_processes(mark: str) -> list[int]:
         if needle in environ and state != "Z":
             found.append(int(entry.name))
     return found
-
-
-async def until(pilot, predicate, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s"
-        await pilot.pause(0.05)
 
 
 async def test_real_probes_report_progress_and_verdicts(monkeypatch):

@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tui import ask, run_command, until
 from test_tui_fakes import (
     DUPLICATE_GPU_LINE,
+    ask,
     fake_app,
+    run_command,
     sample_causes,
     screen_text,
+    until,
     widget_text,
 )
 from textual.widgets import Input, Static

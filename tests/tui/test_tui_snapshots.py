@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, multi_rank_log
+from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, multi_rank_log, until
 from textual import events
 
 from assistant.tui.deps import MarkdownExporter
@@ -21,17 +21,10 @@ from assistant.tui.screens import CauseScreen, ExportChoice
 SIZES = [pytest.param((80, 24), id="80x24"), pytest.param((120, 40), id="120x40")]
 
 
-async def _until(pilot, predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "the scene did not settle"
-        await pilot.pause(0.02)
-
-
 async def _settled(pilot) -> None:
     app = pilot.app
-    await _until(pilot, lambda: app.model_phase == "ready")
-    await _until(pilot, lambda: all(v.phase == "done" for v in app.turn_views))
+    await until(pilot, lambda: app.model_phase == "ready")
+    await until(pilot, lambda: all(v.phase == "done" for v in app.turn_views))
     await pilot.pause()
 
 
@@ -39,7 +32,7 @@ async def _ask(pilot, text: str) -> None:
     pilot.app.post_message(events.Paste(text))
     await pilot.pause()
     await pilot.press("enter")
-    await _until(pilot, lambda: pilot.app.turn_views)
+    await until(pilot, lambda: pilot.app.turn_views)
     await _settled(pilot)
 
 
@@ -66,8 +59,8 @@ def test_cause_detail(snap_compare, size):
         view = pilot.app.turn_views[0]
         view.causes.focus()
         await pilot.press("down", "enter")  # set-device-order: an answer refuted here
-        await _until(pilot, lambda: isinstance(pilot.app.screen, CauseScreen))
-        await _until(pilot, lambda: pilot.app.screen.entry is not None)
+        await until(pilot, lambda: isinstance(pilot.app.screen, CauseScreen))
+        await until(pilot, lambda: pilot.app.screen.entry is not None)
         await pilot.pause()
 
     assert snap_compare(fake_app(), terminal_size=size, run_before=scene)
@@ -95,7 +88,7 @@ def test_export_to_an_unwritable_folder(snap_compare, monkeypatch):
     async def scene(pilot):
         await _ask(pilot, DUPLICATE_GPU_LINE)
         await pilot.press("ctrl+s")
-        await _until(pilot, lambda: isinstance(pilot.app.screen, ExportChoice))
+        await until(pilot, lambda: isinstance(pilot.app.screen, ExportChoice))
         await pilot.pause()
 
     app = fake_app(export_dir=Path("/nonexistent/ddp-reports"), exporter=FixedHomeExporter())

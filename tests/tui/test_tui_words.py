@@ -6,13 +6,15 @@ Pilot tests on the real app and pipeline with the fakes of test_tui_fakes.
 from __future__ import annotations
 
 import pytest
-from test_tui import ask, run_command, until
 from test_tui_fakes import (
     DUPLICATE_GPU_LINE,
     SURE_MARK,
     TablePipeline,
+    ask,
     fake_app,
+    run_command,
     screen_text,
+    until,
     widget_text,
 )
 from textual.widgets import Input
