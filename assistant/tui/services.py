@@ -187,19 +187,19 @@ class Launcher:
     """Runs a person's launch command and answers for it (assistant.watch.run_and_diagnose).
 
     The answer comes from `engine` (the chat's Knowledge, so engine calls stay
-    on the one engine thread); `probe=False` skips the probes after a failure.
+    on the one engine thread) with `assistant run`'s defaults (watch.RunOptions);
+    `probe=False` skips the probes after a failure.
     assistant.watch is imported on the first run, not when the chat opens.
     """
 
-    def __init__(self, engine: Any, hang_after: float = 600.0, probe: bool = True):
+    def __init__(self, engine: Any, probe: bool = True):
         self.engine = engine
-        self.hang_after = hang_after
         self.probe = probe
 
     def run(self, command: list[str], callbacks: Any, cancel: threading.Event):
         """The RunOutcome of `command` (blocks: call it from a worker thread)."""
         watch = importlib.import_module("assistant.watch")
-        options = watch.RunOptions(hang_after=self.hang_after, probe=self.probe)
+        options = watch.RunOptions(probe=self.probe)
         return watch.run_and_diagnose(command, options, self.engine, callbacks, cancel)
 
 
