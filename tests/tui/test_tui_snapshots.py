@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, multi_rank_log, until
-from textual import events
+from test_tui_fakes import DUPLICATE_GPU_LINE, fake_app, multi_rank_log, paste_and_send, until
 
 from assistant.tui.deps import MarkdownExporter
 from assistant.tui.screens import CauseScreen, ExportChoice
@@ -29,9 +28,7 @@ async def _settled(pilot) -> None:
 
 
 async def _ask(pilot, text: str) -> None:
-    pilot.app.post_message(events.Paste(text))
-    await pilot.pause()
-    await pilot.press("enter")
+    await paste_and_send(pilot.app, pilot, text)
     await until(pilot, lambda: pilot.app.turn_views)
     await _settled(pilot)
 
