@@ -15,7 +15,6 @@ bare, ask with probes <= 1.2x bare.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 
 from assistant.pipeline import Pipeline
+from assistant.probing.machine import free_port
 from assistant.probing.runner import ProbeRunner
 
 BARE = """\
@@ -38,12 +38,6 @@ dist.destroy_process_group()
 TARGET = 1.5
 ASK_TARGET = 1.2
 ERROR = "RuntimeError: Default process group has not been initialized"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def time_bare(script: Path) -> float:

@@ -200,15 +200,9 @@ async def test_a_real_failing_command_shows_its_output_and_its_answer():
 
 def job_pids(log_dir: str) -> list[int]:
     """Processes still running with the watched job's environment (the watcher marks it)."""
-    wanted = f"{WATCH_DIR_VAR}={Path(log_dir).resolve()}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and wanted in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return [pid for pid in found if alive(pid)]
+    from assistant.probing.processes import pids_with_env
+
+    return [pid for pid in pids_with_env(WATCH_DIR_VAR, str(Path(log_dir).resolve())) if alive(pid)]
 
 
 async def test_a_real_two_rank_torchrun_names_the_rank_that_failed():
