@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from conftest import SCRIPTS, TORCHRUN, no_job_left
+from watch_helpers import SCRIPTS, TORCHRUN, no_job_left
 
 from assistant.watch.session import RunCallbacks, RunOptions, run_and_diagnose
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from conftest import PYTHON, SCRIPTS, TORCHRUN, job_pids, no_job_left
+from watch_helpers import PYTHON, SCRIPTS, TORCHRUN, job_pids, no_job_left
 
 from assistant.cli import main
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from conftest import PYTHON, SCRIPTS, TORCHRUN, no_job_left
+from watch_helpers import PYTHON, SCRIPTS, TORCHRUN, no_job_left
 
 from assistant.watch.session import RunCallbacks, RunOptions, run_and_diagnose
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import SCRIPTS, TORCHRUN, no_job_left
+from watch_helpers import SCRIPTS, TORCHRUN, no_job_left
 
 from assistant.watch.session import RunCallbacks, RunOptions, run_and_diagnose
 
