@@ -7,7 +7,7 @@ Nothing here imports torch, faiss or Textual.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 from assistant.i18n import pick
@@ -206,6 +206,15 @@ class CauseDoc:
         return pick(getattr(self, name), getattr(self, f"{name}_zh", ""), lang)
 
 
+# The names CauseResult.from_doc copies from a document.
+DOC_FIELDS = frozenset(each.name for each in fields(CauseDoc))
+
+
+def as_mutable(value):
+    """A document's tuple as the list a CauseResult holds (its probes); other values as they are."""
+    return list(value) if isinstance(value, tuple) else value
+
+
 @dataclass
 class CauseResult:
     """One candidate cause, as ranked for a query."""
@@ -234,20 +243,27 @@ class CauseResult:
         signals: dict[str, int] | None = None,
     ) -> CauseResult:
         """From a KB cause entry (as a dict), before any verdict."""
-        return cls(
-            id=entry["id"],
-            title=entry["title"],
-            title_zh=entry["title_zh"],
-            summary=entry["summary"],
-            summary_zh=entry["summary_zh"],
-            fix=entry["fix"],
-            fix_zh=entry.get("fix_zh", ""),
-            fix_code=entry["fix_code"],
-            score=score,
-            probes=list(entry["probes"]),
-            answers=list(answers or []),
-            signals=dict(signals or {}),
-        )
+        return cls.from_doc(CauseDoc.from_kb(entry), score, answers, signals)
+
+    @classmethod
+    def from_doc(
+        cls,
+        doc: CauseDoc,
+        score: float,
+        answers: list[AnswerRef] | None = None,
+        signals: dict[str, int] | None = None,
+    ) -> CauseResult:
+        """From a cause's document, before any verdict.
+
+        Every field the two share is copied by name, so a KB field is mapped
+        once (CauseDoc.from_kb): declaring it here as well carries it along.
+        """
+        shared = {
+            each.name: as_mutable(getattr(doc, each.name))
+            for each in fields(cls)
+            if each.name in DOC_FIELDS
+        }
+        return cls(**shared, score=score, answers=list(answers or []), signals=dict(signals or {}))
 
     def text(self, name: str, lang: str = "en") -> str:
         """title / summary / fix in `lang`: the Chinese text where the KB has one."""
