@@ -72,10 +72,31 @@ EVIDENCE = {
         "`assistant doctor` run on the failing machine",
         "在出错的机器上运行 `assistant doctor`",
     ),
+    "environment": (
+        re.compile(r"PyTorch version:|collect_env|Is CUDA available"),
+        "the output of `python -m torch.utils.collect_env` (OS, torch, CUDA and NCCL versions)",
+        "`python -m torch.utils.collect_env` 的输出（系统、torch、CUDA、NCCL 版本）",
+    ),
+    "topology": (
+        re.compile(r"nvidia-smi topo|\bGPU0\s+GPU1\b"),
+        "`nvidia-smi topo -m` (how the GPUs are connected: NVLink, PCIe switch, CPU)",
+        "`nvidia-smi topo -m` 的输出（GPU 之间的连接：NVLink、PCIe、CPU）",
+    ),
+    "gpu_health": (
+        re.compile(r"\bXid\b|ECC", re.IGNORECASE),
+        "`dmesg | grep -i xid` and `nvidia-smi -q -d ECC` on the failing machine",
+        "出错机器上 `dmesg | grep -i xid` 和 `nvidia-smi -q -d ECC` 的输出",
+    ),
+    "file_limits": (
+        re.compile(r"ulimit"),
+        "`ulimit -n` and the DataLoader's num_workers",
+        "`ulimit -n` 的值和 DataLoader 的 num_workers",
+    ),
 }
 
-# Which evidence tells each cause apart from its neighbours; causes not listed
-# (new ones from a team KB) fall back to DEFAULT_DECIDERS.
+# Which evidence tells each cause apart from its neighbours (every cause of the
+# built-in KB has an entry: tests/test_confidence.py); causes a team KB adds
+# fall back to DEFAULT_DECIDERS.
 DECIDERS = {
     "launched-without-torchrun": ("launch", "traceback"),
     "local-rank-not-from-env": ("script", "nvidia_smi"),
@@ -103,7 +124,25 @@ DECIDERS = {
     "collective-timeout": ("run", "nccl_debug"),
     "oom-killed": ("memory", "traceback"),
     "cuda-out-of-memory": ("nvidia_smi", "traceback"),
-    "p2p-hang": ("nccl_debug", "nvidia_smi"),
+    "p2p-hang": ("nccl_debug", "topology"),
+    "checkpoint-map-location": ("script", "nvidia_smi"),
+    "checkpoint-written-by-every-rank": ("script", "traceback"),
+    "cuda-init-before-fork": ("script", "traceback"),
+    "ddp-broadcast-buffers-inplace": ("traceback", "script"),
+    "ddp-reentrant-checkpoint": ("traceback", "script"),
+    "fabric-manager-not-running": ("environment", "topology"),
+    "find-unused-parameters-unneeded": ("script", "traceback"),
+    "gpu-exclusive-mode": ("nvidia_smi", "doctor"),
+    "gpu-hardware-fault": ("gpu_health", "nvidia_smi"),
+    "infiniband-error": ("nccl_debug", "nodes"),
+    "process-group-not-destroyed": ("script", "traceback"),
+    "sampler-set-epoch": ("script", "launch"),
+    "slurm-without-torchrun": ("launch", "nodes"),
+    "spawn-pickle-error": ("traceback", "script"),
+    "state-dict-module-prefix": ("traceback", "script"),
+    "syncbn-without-process-group": ("launch", "traceback"),
+    "too-many-open-files": ("file_limits", "traceback"),
+    "windows-libuv": ("environment", "launch"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 

@@ -1,0 +1,65 @@
+"""What an unsure answer asks for: every cause knows which evidence splits it from its neighbours."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from assistant.confidence import DECIDERS, EVIDENCE, assess, what_would_decide
+from assistant.results import CauseResult, Result
+
+ROOT = Path(__file__).resolve().parents[1]
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+
+def kb_cause_ids() -> set[str]:
+    return {path.stem for path in (ROOT / "kb" / "causes").glob("*.yaml")}
+
+
+def test_every_built_in_cause_has_its_own_deciders():
+    # A cause without an entry would fall back to "traceback + launch", which
+    # says nothing about, say, a GPU's Xid errors or a file-descriptor limit.
+    assert kb_cause_ids() <= set(DECIDERS)
+    assert set(DECIDERS) <= kb_cause_ids(), "an entry for a cause the KB no longer has"
+
+
+def test_every_decider_is_a_piece_of_evidence_in_both_languages():
+    kinds = {kind for kinds in DECIDERS.values() for kind in kinds}
+    assert kinds <= set(EVIDENCE)
+    for kind, (_, english, chinese) in EVIDENCE.items():
+        assert english and not CJK.search(english), kind
+        assert CJK.search(chinese), kind
+
+
+def unsure(*ids: str, query: str = "training fails", lang: str = "en") -> Result:
+    causes = [CauseResult(id=cid, title=cid, score=0.5 - 0.05 * n) for n, cid in enumerate(ids)]
+    return Result(query=query, root_error=None, causes=causes, lang=lang)
+
+
+def test_the_first_causes_own_evidence_is_asked_for():
+    decide = what_would_decide(unsure("too-many-open-files", "spawn-pickle-error"))
+    assert any("ulimit -n" in line for line in decide)
+    hardware = what_would_decide(unsure("gpu-hardware-fault", "cuda-out-of-memory"))
+    assert any("xid" in line for line in hardware)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "GPU0 GPU1 CPU Affinity\nGPU0 X SYS\nGPU1 SYS X\ntraining hangs at the first all_reduce",
+        "training hangs, here is nvidia-smi topo -m: all SYS",
+    ],
+)
+def test_evidence_already_in_the_question_is_not_asked_again(query):
+    decide = what_would_decide(unsure("p2p-hang", "collective-timeout", query=query))
+    assert not any("topo -m" in line for line in decide)
+    assert any("NCCL_DEBUG=INFO" in line for line in decide)
+
+
+def test_a_chinese_question_is_asked_in_chinese():
+    result = assess(unsure("windows-libuv", "nccl-not-available", lang="zh", query="windows 上报错"))
+    assert result.confidence == "low" and result.decide
+    assert all(CJK.search(line) for line in result.decide)
+    assert any("collect_env" in line for line in result.decide)
