@@ -63,7 +63,9 @@ def run(hang_after, no_probe, as_json, log_dir, top, model, command):
 
     options = RunOptions(hang_after=hang_after, log_dir=log_dir, probe=not no_probe, top=top)
     callbacks = RunCallbacks(
-        on_output=stream_output(as_json), on_launch=lambda r: announce(r, as_json)
+        on_output=stream_output(as_json),
+        on_launch=lambda r: announce(r, as_json),
+        on_start=announce_start,
     )
     from assistant.knowledge.engine import Engine  # loads its index only when asked
 
@@ -88,6 +90,13 @@ def stream_output(as_json: bool):
         target.flush()
 
     return write
+
+
+def announce_start(start) -> None:
+    """Where this run's logs go, before its output; one line more if old logs could not go."""
+    click.echo(f"assistant run: logs in {start.log_dir}", err=True)
+    if start.pruned.problem:
+        click.echo(f"assistant run: {start.pruned.problem}", err=True)
 
 
 def announce(launch, as_json: bool) -> None:

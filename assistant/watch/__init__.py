@@ -10,6 +10,7 @@ Headless: no Textual, no rich, no torch in this process. The pieces:
   and naming the rank that hangs;
 - launch: the script, interpreter, ranks per node and environment of the
   command, so that lint and probes see what the job saw;
+- retention: old run folders in the cache pruned when a run starts;
 - session: run_and_diagnose(), the one call a front end makes.
 
 A front end (the chat) does:
@@ -26,5 +27,6 @@ A front end (the chat) does:
 """
 
 from assistant.watch.session import RunCallbacks, RunOptions, RunOutcome, run_and_diagnose
+from assistant.watch.watcher import RunStart
 
-__all__ = ["RunCallbacks", "RunOptions", "RunOutcome", "run_and_diagnose"]
+__all__ = ["RunCallbacks", "RunOptions", "RunOutcome", "RunStart", "run_and_diagnose"]

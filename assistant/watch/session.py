@@ -13,9 +13,11 @@
 `cancel` (a threading.Event) ends the job from another thread, as Ctrl-C
 would: the outcome then has launch.cancelled and no answer.
 Callbacks run in the calling thread (the chat calls this from a worker):
-on_output(stream, bytes) for every piece of output as the job writes it,
-on_launch(LaunchReport) once the job has ended (the diagnosis follows),
-on_probe(event) for each probe, on_result(RunOutcome) at the end.
+on_start(RunStart) once the log folder is ready, before the job starts
+(where the logs go, what pruning old run folders did), on_output(stream,
+bytes) for every piece of output as the job writes it, on_launch(LaunchReport)
+once the job has ended (the diagnosis follows), on_probe(event) for each
+probe, on_result(RunOutcome) at the end.
 
 After a failure the question is the root error's own traceback (from the
 ranks' records), the root error is passed as known, the script named in the
@@ -35,7 +37,13 @@ from pathlib import Path
 from assistant.results import Finding, Result
 from assistant.watch.launch import interpreter_of, nproc_of, probe_environment, script_of
 from assistant.watch.output import OnOutput
-from assistant.watch.watcher import DEFAULT_HANG_AFTER, LaunchReport, WatchOptions, watch
+from assistant.watch.watcher import (
+    DEFAULT_HANG_AFTER,
+    LaunchReport,
+    RunStart,
+    WatchOptions,
+    watch,
+)
 
 # A probe launch for `run` gets this long; the user's job already showed its start-up cost.
 PROBE_TIMEOUT = 60.0
@@ -80,6 +88,7 @@ class RunCallbacks:
     on_launch: Callable[[LaunchReport], None] | None = None
     on_probe: Callable[[object], None] | None = None
     on_result: Callable[[RunOutcome], None] | None = None
+    on_start: Callable[[RunStart], None] | None = None
 
 
 def run_and_diagnose(
@@ -100,7 +109,14 @@ def run_and_diagnose(
     callbacks = callbacks or RunCallbacks()
     launch = watch(
         command,
-        WatchOptions(options.hang_after, options.log_dir, options.cwd, options.env, cancel),
+        WatchOptions(
+            options.hang_after,
+            options.log_dir,
+            options.cwd,
+            options.env,
+            cancel,
+            on_start=callbacks.on_start,
+        ),
         callbacks.on_output,
     )
     if callbacks.on_launch is not None:
@@ -183,4 +199,3 @@ def probe_runner(launch: LaunchReport, options: RunOptions):
         timeout=options.probe_timeout,
         env=probe_environment(environ),
     )
-

@@ -22,6 +22,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ from assistant.watch.records import (
     read_json,
     read_records,
 )
+from assistant.watch.retention import Pruned, lock_run_folder, prune_old_runs, runs_dir
 from assistant.watch.stacks import Frame, innermost_user_frame, main_thread, parse_dump, waiting_in
 
 POLL_SECONDS = 0.1
@@ -52,6 +54,14 @@ STACK_WAIT_SECONDS = 3.0  # how long a rank gets to write its stacks after the s
 FLIGHT_WAIT_SECONDS = 2.0  # how long the ranks' sampling threads get to dump the flight recorder
 FORWARD_GRACE_SECONDS = 5.0  # a forwarded Ctrl-C/SIGTERM before TERM->KILL
 DEFAULT_HANG_AFTER = 600.0
+
+
+@dataclass
+class RunStart:
+    """A launch about to start: where its logs go, and what pruning old logs did."""
+
+    log_dir: Path
+    pruned: Pruned
 
 
 @dataclass
@@ -64,6 +74,8 @@ class WatchOptions:
     env: dict[str, str] | None = None  # None: this process's environment
     # Set from another thread (the chat's stop key): the job is ended like a Ctrl-C.
     cancel: threading.Event | None = None
+    # Called once the log folder is ready, before the job starts (to say where its logs go).
+    on_start: Callable[[RunStart], None] | None = None
 
 
 @dataclass
@@ -156,11 +168,9 @@ class LaunchReport:
 
 
 def default_log_dir() -> Path:
-    """A fresh folder under the user's cache for one run's logs."""
-    from assistant.config import user_cache_dir
-
+    """A fresh folder under the user's cache for one run's logs (retention prunes old ones)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return user_cache_dir() / "runs" / f"{stamp}-{uuid.uuid4().hex[:6]}"
+    return runs_dir() / f"{stamp}-{uuid.uuid4().hex[:6]}"
 
 
 def prepare_log_dir(log_dir: Path) -> Path:
@@ -218,6 +228,10 @@ class Watch:
         self.program = resolve_command(self.command, options.cwd)  # before any folder is made
         self.log_dir = Path(options.log_dir or default_log_dir()).resolve()
         self.hook_dir = prepare_log_dir(self.log_dir)
+        # Held while the job is watched: a run starting meanwhile does not prune this folder.
+        self.lock = lock_run_folder(self.log_dir)
+        # Only runs that write into the cache prune it; a --log-dir is the person's to manage.
+        self.pruned = Pruned() if options.log_dir else prune_old_runs(spare=self.log_dir)
         self.procs = Path(jobhook.procs_dir(str(self.log_dir)))
         self.tail = OutputTail(self.log_dir, on_output, self.log_dir / "output.log")
         self.progress: dict[Path, int] = {}
@@ -228,6 +242,8 @@ class Watch:
         """Run to the end (exit or hang); an interrupt is forwarded, then re-raised."""
         started = time.monotonic()
         try:
+            if self.options.on_start is not None:
+                self.options.on_start(RunStart(self.log_dir, self.pruned))
             self._start()
             end = self._wait()
             stacks, flight, gpu = {}, {}, []
@@ -250,6 +266,8 @@ class Watch:
             if self.marked is not None:
                 self.marked.stop()
             self.tail.close()
+            if self.lock is not None:
+                self.lock.release()
 
     def _start(self) -> None:
         env = job_environment(
