@@ -13,19 +13,24 @@ import click
 
 from assistant.cli.options import team_kb_option
 from assistant.errors import UserError
-from assistant.i18n import STRINGS, t
+from assistant.i18n import translate
 
-STRINGS.update(
-    {
-        "explain.error_text": {"en": "The error, as it appears", "zh": "报错原文（匹配规则）"},
-        "explain.symptoms": {"en": "How people report it", "zh": "用户的描述"},
-        "explain.probes": {"en": "Probes that decide it here", "zh": "可在本机判断的探针"},
-        "explain.no_probe": {
-            "en": "none: only the error text or your script can decide it",
-            "zh": "无：只能由报错文本或你的脚本判断",
-        },
-    }
-)
+# The document's own section names; the shared ones (why, fix, risks, answers,
+# references) are i18n.STRINGS, which `word` falls back to.
+EXPLAIN_WORDS: dict[str, dict[str, str]] = {
+    "explain.error_text": {"en": "The error, as it appears", "zh": "报错原文（匹配规则）"},
+    "explain.symptoms": {"en": "How people report it", "zh": "用户的描述"},
+    "explain.probes": {"en": "Probes that decide it here", "zh": "可在本机判断的探针"},
+    "explain.no_probe": {
+        "en": "none: only the error text or your script can decide it",
+        "zh": "无：只能由报错文本或你的脚本判断",
+    },
+}
+
+
+def word(key: str, lang: str) -> str:
+    """A section name of the document in `lang`: this module's own, else a shared one."""
+    return translate(EXPLAIN_WORDS, key, lang)
 
 
 def user_lang() -> str:
@@ -93,7 +98,7 @@ def print_document(doc, answers, lang: str, console) -> None:
 
     console.print(Text(f"{doc.text('title', lang)}  [{doc.id}]", style="bold"))
     console.print(doc.text("summary", lang))
-    section = lambda key: console.print(Text(f"\n{t(key, lang)}", style="bold"))
+    section = lambda key: console.print(Text(f"\n{word(key, lang)}", style="bold"))
     section("why")
     console.print(Markdown(doc.text("why", lang)))
     section("explain.error_text")
@@ -112,7 +117,7 @@ def print_document(doc, answers, lang: str, console) -> None:
         question = PROBES[name].question if name in PROBES else ""
         console.print(f"  • {name}: {question}")
     if not doc.probes:
-        console.print(f"  {t('explain.no_probe', lang)}")
+        console.print(f"  {word('explain.no_probe', lang)}")
     if answers:
         section("answers")
         for answer in answers:

@@ -17,7 +17,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from assistant.i18n import STRINGS, here_outcome, short, source_words, t, verdict_label
+from assistant.i18n import here_outcome, short, source_words, translate, verdict_label
 from assistant.results import AnswerRef, CauseResult, ProbeRun, Result
 
 VERDICT_STYLE = {
@@ -40,30 +40,33 @@ QUESTION_PREVIEW = 70
 SHORT_ANSWERS = 3  # answers under the first cause in the default view
 ERROR_PREVIEW = 400
 
-# The CLI's own words, through the one localisation helper (assistant.i18n).
-STRINGS.update(
-    {
-        "machine_check": {
-            "en": "Machine check: every cause judged by probes on this machine (no question asked)",
-            "zh": "本机检查：用本机探针逐一判断每个原因（未提供问题）",
-        },
-        "decide": {
-            "en": "To tell the leading causes apart, add",
-            "zh": "要区分这几个原因，请补充",
-        },
-        "more_causes": {"en": "Other candidates", "zh": "其他可能"},
-        "full_hint": {
-            "en": "--full shows every cause in full; `assistant explain ID` one cause's document",
-            "zh": "--full 显示全部原因的详情；`assistant explain ID` 查看单个原因的文档",
-        },
-        "given_to": {"en": "said to", "zh": "针对的问题"},
-        "feedback_hint": {
-            "en": "answer {id}: tell us what fixed it: assistant feedback {id} --cause ID --fixed",
-            "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
-        },
-        "verdict_col": {"en": "verdict", "zh": "结论"},
-    }
-)
+# The terminal's own words; the shared ones (fix, evidence, stance.*, ...) are
+# i18n.STRINGS, which `word` falls back to.
+CLI_WORDS: dict[str, dict[str, str]] = {
+    "machine_check": {
+        "en": "Machine check: every cause judged by probes on this machine (no question asked)",
+        "zh": "本机检查：用本机探针逐一判断每个原因（未提供问题）",
+    },
+    "decide": {
+        "en": "To tell the leading causes apart, add",
+        "zh": "要区分这几个原因，请补充",
+    },
+    "full_hint": {
+        "en": "--full shows every cause in full; `assistant explain ID` one cause's document",
+        "zh": "--full 显示全部原因的详情；`assistant explain ID` 查看单个原因的文档",
+    },
+    "given_to": {"en": "said to", "zh": "针对的问题"},
+    "feedback_hint": {
+        "en": "answer {id}: tell us what fixed it: assistant feedback {id} --cause ID --fixed",
+        "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
+    },
+    "verdict_col": {"en": "verdict", "zh": "结论"},
+}
+
+
+def word(key: str, lang: str, **values: object) -> str:
+    """A word of the terminal output in `lang`: this module's own, else a shared one."""
+    return translate(CLI_WORDS, key, lang, **values)
 
 
 def render_result(result: Result, console: Console, full: bool = False) -> None:
@@ -71,7 +74,7 @@ def render_result(result: Result, console: Console, full: bool = False) -> None:
     lang = result.lang
     console.print(_heading(result, lang))
     if not result.causes:
-        console.print(Text(t("no_causes", lang), style="yellow"))
+        console.print(Text(word("no_causes", lang), style="yellow"))
         return
     if result.confidence:
         console.print(_confidence(result, lang))
@@ -80,22 +83,22 @@ def render_result(result: Result, console: Console, full: bool = False) -> None:
     for position, cause in enumerate(shown, start=1):
         console.print(_cause_panel(position, cause, lang, full))
     if not full and len(result.causes) > 1:
-        console.print(Text(t("full_hint", lang), style="dim"))
+        console.print(Text(word("full_hint", lang), style="dim"))
     if result.probes:
         console.print(_probe_table(result.probes, lang))
     if result.answer_id:
-        console.print(Text(t("feedback_hint", lang).format(id=result.answer_id), style="dim"))
+        console.print(Text(word("feedback_hint", lang, id=result.answer_id), style="dim"))
 
 
 def render_machine_check(result: Result, console: Console) -> None:
     """`assistant doctor`: every judged cause with its evidence, no retrieval scores."""
     lang = result.lang
-    console.print(Text(t("machine_check", lang), style="bold"))
+    console.print(Text(word("machine_check", lang), style="bold"))
     judged = [c for c in result.causes if c.verdict.verdict != "not_run"]
     table = Table(expand=False, show_edge=False)
     table.add_column("id", no_wrap=True)
-    table.add_column(t("verdict_col", lang), no_wrap=True)
-    table.add_column(t("evidence", lang), overflow="fold")
+    table.add_column(word("verdict_col", lang), no_wrap=True)
+    table.add_column(word("evidence", lang), overflow="fold")
     for cause in judged:
         table.add_row(
             cause.id,
@@ -169,9 +172,9 @@ def _collective(outcome: dict | None) -> str:
 def _heading(result: Result, lang: str) -> Text:
     error = result.root_error
     if error is None:
-        return Text(t("no_root_error", lang), style="dim")
+        return Text(word("no_root_error", lang), style="dim")
     rank = f" (rank {error.rank})" if error.rank is not None else ""
-    text = Text(f"{t('root_error', lang)}{rank}: ", style="bold")
+    text = Text(f"{word('root_error', lang)}{rank}: ", style="bold")
     text.append(f"{error.type}: ", style="bold red")
     text.append(error.message[:ERROR_PREVIEW])
     return text
@@ -179,20 +182,20 @@ def _heading(result: Result, lang: str) -> Text:
 
 def _confidence(result: Result, lang: str) -> Text:
     level = result.confidence or "low"
-    text = Text(t(f"confidence.{level}", lang), style=CONFIDENCE_STYLE[level])
+    text = Text(word(f"confidence.{level}", lang), style=CONFIDENCE_STYLE[level])
     if result.decide:
-        text.append(f"\n{t('decide', lang)}:", style="bold")
+        text.append(f"\n{word('decide', lang)}:", style="bold")
         for item in result.decide:
             text.append(f"\n  • {item}")
     return text
 
 
 def _cause_table(causes: list[CauseResult], lang: str) -> Table:
-    table = Table(title=t("causes", lang), title_justify="left", expand=False, show_edge=False)
+    table = Table(title=word("causes", lang), title_justify="left", expand=False, show_edge=False)
     table.add_column("#", justify="right", no_wrap=True)
     table.add_column("id", no_wrap=True)  # ids are handles people type: never cut
-    table.add_column(t("verdict_col", lang), no_wrap=True)
-    table.add_column(t("score", lang), justify="right", no_wrap=True)
+    table.add_column(word("verdict_col", lang), no_wrap=True)
+    table.add_column(word("score", lang), justify="right", no_wrap=True)
     for position, cause in enumerate(causes, start=1):
         table.add_row(
             str(position),
@@ -207,16 +210,16 @@ def _cause_panel(position: int, cause: CauseResult, lang: str, full: bool) -> Pa
     parts: list = [Text(f"{position}. {cause.text('title', lang)}", style="bold")]
     parts.append(Text(cause.text("summary", lang)))
     if cause.verdict.evidence:
-        header = source_words(cause.verdict.source, lang) or t("evidence", lang)
+        header = source_words(cause.verdict.source, lang) or word("evidence", lang)
         parts.append(Text(f"\n{header[:1].upper()}{header[1:]}:", style="bold"))
         for line in cause.verdict.evidence:
             parts.append(Text(f"  • {line}", style=VERDICT_STYLE[cause.verdict.verdict]))
     answers = cause.answers if full else cause.answers[:SHORT_ANSWERS]
     if answers:
-        parts.append(Text(f"\n{t('answers', lang)}:", style="bold"))
+        parts.append(Text(f"\n{word('answers', lang)}:", style="bold"))
         for answer in answers:
             parts.extend(answer_lines(answer, lang))
-    parts.append(Text(f"\n{t('fix', lang)}:", style="bold"))
+    parts.append(Text(f"\n{word('fix', lang)}:", style="bold"))
     parts.append(Text(cause.text("fix", lang).strip()))
     if cause.fix_code:
         parts.append(Syntax(cause.fix_code.rstrip(), "python", theme="ansi_dark", word_wrap=True))
@@ -227,21 +230,21 @@ def answer_lines(answer: AnswerRef, lang: str) -> list[Text]:
     """A community answer: its stance, what this machine showed, the question it answered."""
     preview = short(answer.text, ANSWER_PREVIEW)
     line = Text("  ")
-    line.append(f"[{t('stance.' + answer.stance, lang)}]", style=STANCE_STYLE.get(answer.stance))
+    line.append(f"[{word('stance.' + answer.stance, lang)}]", style=STANCE_STYLE.get(answer.stance))
     here = here_outcome(answer)
     if here:
-        line.append(f" · {t('here.' + here, lang)}", style=HERE_STYLE[here])
+        line.append(f" · {word('here.' + here, lang)}", style=HERE_STYLE[here])
     line.append(f" {preview}")
     line.append(f"  ({answer.thread}#{answer.answer_id})", style="dim")
     lines = [line]
     if answer.question and answer.stance != "right":
         asked = short(answer.question, QUESTION_PREVIEW)
-        lines.append(Text(f"      {t('given_to', lang)}: {asked}", style="dim"))
+        lines.append(Text(f"      {word('given_to', lang)}: {asked}", style="dim"))
     if answer.note:
         lines.append(Text(f"      {answer.note}", style="italic dim"))
     if answer.contradicts:
         lines.append(
-            Text(f"      ↔ {t('contradicts', lang)} {', '.join(answer.contradicts)}", "magenta")
+            Text(f"      ↔ {word('contradicts', lang)} {', '.join(answer.contradicts)}", "magenta")
         )
     return lines
 
@@ -252,7 +255,7 @@ def probe_seconds(seconds: float) -> str:
 
 
 def _probe_table(probes: list[ProbeRun], lang: str) -> Table:
-    table = Table(title=t("probes", lang), title_justify="left", show_edge=False)
+    table = Table(title=word("probes", lang), title_justify="left", show_edge=False)
     table.add_column("probe", no_wrap=True)
     table.add_column("status", no_wrap=True)
     table.add_column("time", justify="right", no_wrap=True)

@@ -1,0 +1,77 @@
+"""The terminal's words: render.py and explain.py keep their own tables, looked up through
+i18n.translate (falling back to the shared STRINGS), and importing them changes nothing shared."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from assistant.cli import main
+from assistant.cli.explain import EXPLAIN_WORDS
+from assistant.cli.render import CLI_WORDS, answer_lines
+from assistant.i18n import STRINGS
+from assistant.results import AnswerRef
+
+PACKAGE = Path(__file__).resolve().parents[2] / "assistant"
+OWN_TABLES = {"render": CLI_WORDS, "explain": EXPLAIN_WORDS}
+
+
+def test_importing_the_terminal_modules_leaves_the_shared_table_as_it_was():
+    code = (
+        "import copy, assistant.i18n as i18n\n"
+        "before = copy.deepcopy(i18n.STRINGS)\n"
+        "import assistant.cli, assistant.cli.render, assistant.cli.explain\n"
+        "print(before == i18n.STRINGS)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout.strip() == "True", done.stderr
+
+
+def test_no_module_writes_into_the_shared_table():
+    writes = re.compile(r"\bSTRINGS\s*(\.\s*(update|setdefault|pop)\b|\[[^\]]*\]\s*=)")
+    offenders = [
+        path.relative_to(PACKAGE)
+        for path in PACKAGE.rglob("*.py")
+        if writes.search(path.read_text(encoding="utf-8"))
+    ]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("module", sorted(OWN_TABLES))
+def test_each_own_word_has_both_languages_and_shadows_no_shared_one(module):
+    table = OWN_TABLES[module]
+    assert table and all(set(entry) == {"en", "zh"} for entry in table.values())
+    assert not set(table) & set(STRINGS), "a shared word redefined here would differ by front end"
+
+
+@pytest.mark.parametrize(
+    ("lang", "own", "shared"),
+    [
+        ("en", ["The error, as it appears", "Probes that decide it here"], ["Why it happens"]),
+        ("zh", ["报错原文（匹配规则）", "可在本机判断的探针"], ["原因", "修复的风险"]),
+    ],
+)
+def test_explain_names_its_sections_in_the_chosen_language(lang, own, shared):
+    result = CliRunner().invoke(main, ["explain", "set-device-order", "--lang", lang])
+    assert result.exit_code == 0, result.output
+    for heading in own + shared:
+        assert f"\n{heading}\n" in result.output, heading
+
+
+@pytest.mark.parametrize(("lang", "said_to"), [("en", "said to: "), ("zh", "针对的问题: ")])
+def test_an_answer_names_the_question_it_was_given_to_in_the_language(lang, said_to):
+    answer = AnswerRef("Call set_device first.", "en", "t1", "wrong", question="Why a hang?")
+    console = Console(width=100, record=True)
+    for line in answer_lines(answer, lang):
+        console.print(line)
+    text = console.export_text()
+    assert f"{said_to}Why a hang?" in text
+    assert ("[wrong]" if lang == "en" else "[错误]") in text
