@@ -109,7 +109,7 @@ def kb_stats(as_json):
 
 
 @kb.command("eval")
-@click.argument("file", required=False, type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("files", nargs=-1, type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--floor", type=float, help="Exit 1 when fused top-1 is below this fraction.")
 @click.option("--by-cause", is_flag=True, help="Recall per cause, and which cause is taken for it.")
 @click.option(
@@ -121,18 +121,22 @@ def kb_stats(as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @model_option
 @team_kb_option
-def kb_eval(file, floor, by_cause, revision, as_json, model):
+def kb_eval(files, floor, by_cause, revision, as_json, model):
     """Top-1, recall@3 and MRR on labelled queries, fused and per signal.
+
+    Several files are pooled (the figures cover them all) and each one's own
+    fused figures are listed too.
 
     \b
     assistant kb eval                      # data/eval/queries.jsonl
     assistant kb eval my_queries.jsonl --floor 0.6
+    assistant kb eval data/eval/real_reports*.jsonl   # pooled, and per file
     assistant kb eval --by-cause           # which causes are missed, and for what
     assistant kb eval --compare main       # what this change fixes and breaks
     """
     from assistant.knowledge import evaluate as ev
 
-    queries = ev.load_queries(file or default_queries())
+    queries = ev.load_query_sets(list(files) or [default_queries()])
     engine = make_engine(model)
     per_query = ev.all_signal_scores(engine, queries)  # the working tree's, computed once
     rankings = ev.fused_rankings(per_query)
@@ -146,6 +150,9 @@ def kb_eval(file, floor, by_cause, revision, as_json, model):
         report = ev.evaluate(engine, queries, per_query)
         top1 = report["fused"]["top1"]
         text = ev.format_report(report)
+    if len(files) > 1:
+        report["by_set"] = ev.by_set(queries, rankings)
+        text += "\n" + ev.format_by_set(report["by_set"])
     if by_cause:
         rows = ev.by_cause(queries, rankings)
         report["by_cause"] = rows

@@ -37,6 +37,51 @@ def load_queries(path: Path) -> list[dict]:
     return queries
 
 
+def load_query_sets(paths: list[Path]) -> list[dict]:
+    """Several labelled files pooled into one list, each query tagged with its file's name.
+
+    Pooled figures over all real-report sets are what a generality claim rests
+    on; a query id may appear only once across them, or a report would count twice.
+    """
+    pooled: list[dict] = []
+    seen: dict[str, Path] = {}
+    for path in paths:
+        for item in load_queries(path):
+            if item["id"] in seen:
+                raise UserError(f"{path}: query id {item['id']!r} is also in {seen[item['id']]}")
+            seen[item["id"]] = path
+            pooled.append({**item, "set": path.stem})
+    return pooled
+
+
+def by_set(queries: list[dict], rankings: list[list[str]]) -> dict[str, dict]:
+    """Fused top-1 / recall@3 / MRR of each file in a pooled evaluation, in the given order."""
+    sums: dict[str, dict[str, float]] = {}
+    for item, ranked in zip(queries, rankings):
+        row = sums.setdefault(
+            item.get("set", ""), {"queries": 0, "top1": 0.0, "recall3": 0.0, "mrr": 0.0}
+        )
+        row["queries"] += 1
+        for key, value in score_ranking(ranked, item["causes"]).items():
+            row[key] += value
+    return {
+        name: {
+            "queries": row["queries"],
+            **{k: round(row[k] / row["queries"], 4) for k in ("top1", "recall3", "mrr")},
+        }
+        for name, row in sums.items()
+    }
+
+
+def format_by_set(rows: dict[str, dict]) -> str:
+    lines = [f"{'set':34} {'queries':>7} {'top1':>6} {'recall@3':>9} {'MRR':>6}"]
+    for name, row in rows.items():
+        lines.append(
+            f"{name:34} {row['queries']:7d} {row['top1']:6.3f} {row['recall3']:9.3f} {row['mrr']:6.3f}"
+        )
+    return "\n".join(lines)
+
+
 def score_ranking(ranked: list[str], relevant: list[str]) -> dict[str, float]:
     """top1: the first result is relevant; recall3: a relevant one in the top 3; rr: 1/rank."""
     wanted = set(relevant)

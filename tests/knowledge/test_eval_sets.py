@@ -1,0 +1,61 @@
+"""`assistant kb eval` over several files: pooled figures, and each file's own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from assistant.cli import main
+from assistant.knowledge.evaluate import by_set
+
+DUPLICATE = "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
+PORT = "RuntimeError: The server socket has failed to listen on any local network address. port: 29500, useIpv6: 0, code: -98, name: [::]:29500, message: address already in use"
+
+
+def write(path: Path, *items: tuple[str, str, str]) -> Path:
+    lines = [json.dumps({"id": i, "query": q, "causes": [c]}) for i, q, c in items]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_by_set_scores_each_file_in_order():
+    queries = [
+        {"id": "a", "causes": ["x"], "set": "one"},
+        {"id": "b", "causes": ["y"], "set": "one"},
+        {"id": "c", "causes": ["z"], "set": "two"},
+    ]
+    rows = by_set(queries, [["x"], ["q", "y"], ["q", "r", "s", "z"]])
+    assert list(rows) == ["one", "two"]
+    assert rows["one"] == {"queries": 2, "top1": 0.5, "recall3": 1.0, "mrr": 0.75}
+    assert rows["two"] == {"queries": 1, "top1": 0.0, "recall3": 0.0, "mrr": 0.25}
+
+
+def test_several_files_are_pooled_and_listed(private_engine, tmp_path):
+    right = write(tmp_path / "right.jsonl", ("dup", DUPLICATE, "duplicate-gpu-per-rank"))
+    wrong = write(tmp_path / "wrong.jsonl", ("port", PORT, "shm-too-small"))
+    result = CliRunner().invoke(main, ["kb", "eval", str(right), str(wrong), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["queries"] == 2 and report["fused"]["top1"] == 0.5
+    assert report["by_set"]["right"]["top1"] == 1.0
+    assert report["by_set"]["wrong"]["top1"] == 0.0
+    text = CliRunner().invoke(main, ["kb", "eval", str(right), str(wrong)]).stdout
+    assert "\nright " in text and "\nwrong " in text
+
+
+def test_one_file_keeps_its_report_without_a_per_set_table(private_engine, tmp_path):
+    only = write(tmp_path / "only.jsonl", ("dup", DUPLICATE, "duplicate-gpu-per-rank"))
+    report = json.loads(CliRunner().invoke(main, ["kb", "eval", str(only), "--json"]).stdout)
+    assert "by_set" not in report and report["queries"] == 1
+
+
+def test_a_report_in_two_files_is_one_line_error(tmp_path):
+    first = write(tmp_path / "a.jsonl", ("same", DUPLICATE, "duplicate-gpu-per-rank"))
+    second = write(tmp_path / "b.jsonl", ("same", PORT, "master-port-in-use"))
+    result = CliRunner().invoke(main, ["kb", "eval", str(first), str(second)])
+    assert result.exit_code == 2
+    assert (
+        result.stderr.strip() == f"assistant: error: {second}: query id 'same' is also in {first}"
+    )
