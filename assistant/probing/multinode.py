@@ -51,7 +51,7 @@ from assistant.probing.protocol import (
     new_record,
 )
 from assistant.probing.records import log_tail
-from assistant.probing.runner import ProbeRunner, ProgressEvent
+from assistant.probing.runner import ProbeRunner, ProgressEvent, launch_temp
 from assistant.results import ProbeRun
 
 DEFAULT_PORT = 29500  # torchrun's default master port
@@ -247,7 +247,7 @@ class NodesRunner:
             try:
                 launch = processes.start_marked(
                     self.command(workdir / "torchelastic"),
-                    env=self.environment(facts_dir),
+                    env=self.environment(facts_dir, launch_temp(workdir)),
                     cwd=workdir,
                     stdout=log,
                     stderr=log,
@@ -309,9 +309,9 @@ class NodesRunner:
             str(probes_dir() / f"{NODES_PROBE}.py"),
         ]
 
-    def environment(self, facts_dir: Path) -> dict[str, str]:
-        """The probes' environment plus what this node was told."""
-        env = self.runner.probe_env(facts_dir)
+    def environment(self, facts_dir: Path, temp: Path) -> dict[str, str]:
+        """The probes' environment (TMPDIR `temp`) plus what this node was told."""
+        env = self.runner.probe_env(facts_dir, temp)
         env.update(
             {
                 NODE_RANK_ENV: str(self.plan.node_rank),

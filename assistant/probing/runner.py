@@ -6,7 +6,9 @@ start. Only set_device_order needs more: each of its variants gets a launch
 of its own, and only when the first launch found CUDA and NCCL.
 
 Every launch is `<python> -m torch.distributed.run` without a shell, on a
-free port, in its own session, under a deadline. Each probe also has a
+free port, in its own session, under a deadline, with a TMPDIR of its own
+inside its temporary folder: what torch, gloo or a probe leaves in a temp
+folder goes with the launch, on a signal too. Each probe also has a
 budget from the moment it starts; when a probe overruns it, or on cancel,
 Ctrl-C, SIGTERM or SIGHUP, every process of the launch is killed. The facts
 a hung probe wrote before it hung are kept; probes that had not started yet
@@ -53,6 +55,7 @@ __all__ = [
     "LaunchPlan",
     "ProbeRunner",
     "ProgressEvent",
+    "launch_temp",
     "visible_gpu_count",
 ]
 
@@ -205,7 +208,7 @@ class ProbeRunner:
             try:
                 launch = processes.start_marked(
                     self._command(plan, workdir / "torchelastic"),
-                    env=self._launch_env(facts_dir, plan.variant),
+                    env=self._launch_env(facts_dir, plan.variant, launch_temp(workdir)),
                     cwd=workdir,
                     stdout=log,
                     stderr=log,
@@ -286,11 +289,14 @@ class ProbeRunner:
         env.update(self.env)
         return env
 
-    def probe_env(self, facts_dir: Path) -> dict[str, str]:
-        """The environment a probe launch gets (multinode.py starts its own launch)."""
-        return self._launch_env(facts_dir, None)
+    def probe_env(self, facts_dir: Path, temp: Path) -> dict[str, str]:
+        """The environment a probe launch gets (multinode.py starts its own launch).
 
-    def _launch_env(self, facts_dir: Path, variant: str | None) -> dict[str, str]:
+        temp: the launch's own TMPDIR (launch_temp of its folder).
+        """
+        return self._launch_env(facts_dir, None, temp)
+
+    def _launch_env(self, facts_dir: Path, variant: str | None, temp: Path) -> dict[str, str]:
         """The user's environment, with torchrun's own variables handed over as PROBE_USER_*."""
         env = self._user_env()
         for key in list(env):
@@ -304,11 +310,24 @@ class ProbeRunner:
                 FACTS_DIR_ENV: str(facts_dir),
                 NPROC_SOURCE_ENV: self.nproc_source,
                 "PYTHONUNBUFFERED": "1",
+                "TMPDIR": str(temp),
             }
         )
         if variant:
             env[VARIANT_ENV] = variant
         return env
+
+
+def launch_temp(workdir: Path) -> Path:
+    """A launch's own TMPDIR, inside its tracked folder, so it is removed with it.
+
+    torchrun's default log folder (torchelastic_*), gloo's and torch's temp
+    files, anything a probe makes with tempfile: none may outlive the launch,
+    not even one ended by SIGKILL after a signal to us.
+    """
+    temp = workdir / "tmp"
+    temp.mkdir(exist_ok=True)
+    return temp
 
 
 class _Control:

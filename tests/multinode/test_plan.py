@@ -101,7 +101,7 @@ def test_torchrun_line_is_elastic_with_the_join_timeout_as_last_call(tmp_path):
     conf = next(arg for arg in command if arg.startswith("--rdzv-conf="))
     assert "last_call_timeout=42" in conf and "join_timeout=57" in conf
     assert "is_host" not in conf  # 10.9.9.9 is no address of this machine
-    env = runner.environment(tmp_path)
+    env = runner.environment(tmp_path, tmp_path / "tmp")
     assert (env[NODE_RANK_ENV], env[NNODES_ENV], env[RDZV_ENDPOINT_ENV]) == (
         "1",
         "3",

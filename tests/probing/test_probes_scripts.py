@@ -111,6 +111,7 @@ def test_a_probe_runs_on_its_own_under_torchrun(tmp_path):
             "torch.distributed.run",
             "--nproc_per_node=2",
             f"--master_port={port}",
+            f"--log_dir={tmp_path / 'torchelastic'}",  # not a torchelastic_* left in /tmp
             str(PROBES_DIR / "devices.py"),
             "--out",
             str(tmp_path),

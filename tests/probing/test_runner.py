@@ -83,7 +83,7 @@ def test_launch_env_hands_over_the_users_launcher_variables():
             "PYTHONSAFEPATH": "1",
         },
     )
-    env = runner._launch_env(Path("/tmp/facts"), None)
+    env = runner._launch_env(Path("/tmp/facts"), None, Path("/tmp/launch-tmp"))
     assert "MASTER_PORT" not in env and env["PROBE_USER_MASTER_PORT"] == "29999"
     assert "RANK" not in env and env["PROBE_USER_RANK"] == "3"
     assert "PET_NNODES" not in env and env["PROBE_USER_PET_NNODES"] == "2"
@@ -91,6 +91,7 @@ def test_launch_env_hands_over_the_users_launcher_variables():
     assert "PYTHONSAFEPATH" not in env
     assert env["PROBE_FACTS_DIR"] == "/tmp/facts" and "PROBE_VARIANT" not in env
     assert env["PROBE_NPROC_SOURCE"] == "user" and env["PROBE_RUNNER"] == "1"
+    assert env["TMPDIR"] == "/tmp/launch-tmp"  # the launch's own, removed with it
 
 
 def test_nproc_defaults_to_two_without_gpus(monkeypatch):
