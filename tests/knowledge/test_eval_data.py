@@ -107,6 +107,7 @@ REAL_SETS = [
     "real_reports_holdout4.jsonl",
     "real_reports_holdout5.jsonl",
     "real_reports_holdout7.jsonl",
+    "real_reports_holdout8.jsonl",
 ]
 
 
