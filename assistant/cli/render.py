@@ -61,6 +61,26 @@ CLI_WORDS: dict[str, dict[str, str]] = {
         "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
     },
     "verdict_col": {"en": "verdict", "zh": "结论"},
+    # The side-by-side table of `doctor --nnodes` (NODE_ROWS); names of programs,
+    # libraries and variables read the same in both languages.
+    "node.title": {"en": "nodes", "zh": "节点"},
+    "node.column": {"en": "node {rank}", "zh": "节点 {rank}"},
+    "node.host": {"en": "host", "zh": "主机"},
+    "node.addresses": {"en": "addresses", "zh": "地址"},
+    "node.resolves": {"en": "host name ->", "zh": "主机名解析为"},
+    "node.torch": {"en": "torch", "zh": "torch"},
+    "node.cuda": {"en": "CUDA", "zh": "CUDA"},
+    "node.nccl": {"en": "NCCL", "zh": "NCCL"},
+    "node.driver": {"en": "driver", "zh": "驱动"},
+    "node.gpus": {"en": "GPUs", "zh": "GPU"},
+    "node.ifname": {"en": "*_SOCKET_IFNAME", "zh": "*_SOCKET_IFNAME"},
+    "node.layout": {"en": "nnodes x nproc", "zh": "节点数 x 每节点进程数"},
+    "node.master": {"en": "master", "zh": "主节点"},
+    "node.gloo": {"en": "gloo all_reduce", "zh": "gloo all_reduce"},
+    "node.nccl_all_reduce": {"en": "NCCL all_reduce", "zh": "NCCL all_reduce"},
+    "node.problems": {"en": "problems", "zh": "问题"},
+    "node.could_not_join": {"en": "could not join", "zh": "无法加入"},
+    "node.never_joined": {"en": "never joined", "zh": "未加入"},
 }
 
 
@@ -106,43 +126,46 @@ def render_machine_check(result: Result, console: Console) -> None:
             "; ".join(cause.verdict.evidence) or "-",
         )
     console.print(table)
-    nodes = _nodes_table(result.nodes)
+    nodes = _nodes_table(result.nodes, lang)
     if nodes is not None:
         console.print(nodes)
     if result.probes:
         console.print(_probe_table(result.probes, lang))
 
 
-# Rows of the side-by-side table of `doctor --nnodes`: (label, value of a nodes_report entry).
+# Rows of the side-by-side table of `doctor --nnodes`: (word key of its label, value of a
+# nodes_report entry).
 NODE_ROWS = (
-    ("host", lambda n: n.get("hostname")),
-    ("addresses", lambda n: ", ".join(n.get("addresses") or [])),
-    ("host name ->", lambda n: ", ".join(n.get("hostname_addresses") or [])),
-    ("torch", lambda n: n["versions"].get("torch")),
-    ("CUDA", lambda n: n["versions"].get("torch_cuda")),
-    ("NCCL", lambda n: n["versions"].get("nccl")),
-    ("driver", lambda n: n["versions"].get("driver")),
-    ("GPUs", lambda n: n.get("gpus")),
-    ("*_SOCKET_IFNAME", lambda n: ", ".join(f"{k}={v}" for k, v in n["interfaces"].items())),
-    ("nnodes x nproc", lambda n: f"{n['told'].get('nnodes')} x {n['told'].get('nproc_per_node')}"),
-    ("master", lambda n: f"{n['told'].get('master_addr')}:{n['told'].get('master_port')}"),
-    ("gloo all_reduce", lambda n: _collective(n["collectives"].get("gloo"))),
-    ("NCCL all_reduce", lambda n: _collective(n["collectives"].get("nccl"))),
+    ("node.host", lambda n: n.get("hostname")),
+    ("node.addresses", lambda n: ", ".join(n.get("addresses") or [])),
+    ("node.resolves", lambda n: ", ".join(n.get("hostname_addresses") or [])),
+    ("node.torch", lambda n: n["versions"].get("torch")),
+    ("node.cuda", lambda n: n["versions"].get("torch_cuda")),
+    ("node.nccl", lambda n: n["versions"].get("nccl")),
+    ("node.driver", lambda n: n["versions"].get("driver")),
+    ("node.gpus", lambda n: n.get("gpus")),
+    ("node.ifname", lambda n: ", ".join(f"{k}={v}" for k, v in n["interfaces"].items())),
+    ("node.layout", lambda n: f"{n['told'].get('nnodes')} x {n['told'].get('nproc_per_node')}"),
+    ("node.master", lambda n: f"{n['told'].get('master_addr')}:{n['told'].get('master_port')}"),
+    ("node.gloo", lambda n: _collective(n["collectives"].get("gloo"))),
+    ("node.nccl_all_reduce", lambda n: _collective(n["collectives"].get("nccl"))),
 )
 
 
-def _nodes_table(report: list[dict] | None) -> Table | None:
+def _nodes_table(report: list[dict] | None, lang: str) -> Table | None:
     """`doctor --nnodes`: every node's facts side by side, a column per node rank."""
     if not report:
         return None
-    table = Table(title="nodes", title_justify="left", expand=False, show_edge=False)
+    table = Table(
+        title=word("node.title", lang), title_justify="left", expand=False, show_edge=False
+    )
     table.add_column("", no_wrap=True)
     for entry in report:
-        table.add_column(f"node {entry['node_rank']}", overflow="fold")
-    for name, value in NODE_ROWS:
-        table.add_row(name, *(_node_cell(entry, value) for entry in report))
+        table.add_column(word("node.column", lang, rank=entry["node_rank"]), overflow="fold")
+    for key, value in NODE_ROWS:
+        table.add_row(word(key, lang), *(_node_cell(entry, value, lang) for entry in report))
     table.add_row(
-        "problems",
+        word("node.problems", lang),
         *(
             Text(
                 ", ".join(v["id"] for v in e.get("verdicts", []) if v["verdict"] == "confirmed")
@@ -154,9 +177,9 @@ def _nodes_table(report: list[dict] | None) -> Table | None:
     return table
 
 
-def _node_cell(entry: dict, value) -> str:
+def _node_cell(entry: dict, value, lang: str) -> str:
     if not entry.get("joined"):
-        return "could not join" if entry.get("error") else "never joined"
+        return word("node.could_not_join" if entry.get("error") else "node.never_joined", lang)
     shown = value(entry)
     return "-" if shown in (None, "") else str(shown)
 
