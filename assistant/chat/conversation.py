@@ -37,6 +37,51 @@ CONTEXT_ERROR_CHARS = 300
 # A reply to "to tell these apart, paste: ..." carries the question it answers.
 CONTEXT_QUESTION_CHARS = 600
 TITLE_CHARS = 80
+# What a run turn keeps of its job for the history: the chat shows 12 output
+# lines and a line per rank; a job of 1,000 ranks or 10 kB lines must not
+# make the history file grow with it.
+JOB_OUTPUT_LINES = 50
+JOB_RANK_LINES = 100
+JOB_LINE_CHARS = 500
+
+
+@dataclass
+class JobRecord:
+    """What a run turn showed of its watched launch, kept so a reloaded turn shows it again."""
+
+    output: list[str] = field(default_factory=list)  # the output's last lines
+    ranks: list[str] = field(default_factory=list)  # one line per rank, the logs line last
+    seconds: float | None = None  # how long the job ran
+    note: str = ""  # how it ended when there is no answer (exit 0, stopped)
+    succeeded: bool = False
+
+    @classmethod
+    def kept(
+        cls,
+        output: list[str],
+        ranks: list[str],
+        seconds: float | None = None,
+        note: str = "",
+        succeeded: bool = False,
+    ) -> JobRecord:
+        """The record, bounded (JOB_OUTPUT_LINES, JOB_RANK_LINES, JOB_LINE_CHARS)."""
+        tail = [cut_line(line) for line in output[-JOB_OUTPUT_LINES:]]
+        return cls(tail, bounded_lines(ranks, JOB_RANK_LINES), seconds, cut_line(note), succeeded)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobRecord:
+        """Rebuild a record written by `to_dict`, bounded again (the file may be edited)."""
+        seconds = data.get("seconds")
+        return cls.kept(
+            [str(line) for line in data.get("output") or []],
+            [str(line) for line in data.get("ranks") or []],
+            float(seconds) if seconds is not None else None,
+            str(data.get("note") or ""),
+            bool(data.get("succeeded")),
+        )
 
 
 @dataclass
@@ -50,6 +95,7 @@ class Turn:
     error: str = ""  # one line when the turn failed (retrieval error, bad path...)
     findings: list[Finding] = field(default_factory=list)  # of a "lint" turn
     created: float = 0.0  # seconds since the epoch
+    job: JobRecord | None = None  # of a run turn: what its watched launch showed
 
     @property
     def root_error(self) -> RootError | None:
@@ -66,12 +112,13 @@ class Turn:
             "error": self.error,
             "findings": [f.to_json() for f in self.findings],
             "created": self.created,
+            "job": self.job.to_dict() if self.job else None,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Turn:
         """Rebuild a turn saved with `to_dict`."""
-        result = data.get("result")
+        result, job = data.get("result"), data.get("job")
         return cls(
             query=data.get("query", ""),
             lang=data.get("lang", "en"),
@@ -80,6 +127,7 @@ class Turn:
             error=data.get("error", ""),
             findings=[_build(Finding, f) for f in data.get("findings") or []],
             created=float(data.get("created") or 0.0),
+            job=JobRecord.from_dict(job) if job else None,
         )
 
 
@@ -203,6 +251,19 @@ def first_line(text: str) -> str:
         if line.strip():
             return line.strip()
     return ""
+
+
+def cut_line(line: str, limit: int = JOB_LINE_CHARS) -> str:
+    """`line` cut to `limit` characters with an ellipsis (its indentation kept)."""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def bounded_lines(lines: list[str], limit: int) -> list[str]:
+    """At most `limit` lines, each cut: the first ones, a count of those left out, the last."""
+    if len(lines) <= limit:
+        return [cut_line(line) for line in lines]
+    head = [cut_line(line) for line in lines[: limit - 2]]
+    return [*head, f"… {len(lines) - limit + 1} more", cut_line(lines[-1])]
 
 
 # -- full-fidelity (de)serialization of results --------------------------------

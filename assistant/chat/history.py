@@ -65,7 +65,17 @@ def _migration_2(db: sqlite_utils.Database) -> None:
     db["meta"].create({"key": str, "value": str}, pk="key")
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migration_1, _migration_2]
+def _migration_3(db: sqlite_utils.Database) -> None:
+    # A run turn's job as it was shown: output tail, rank lines, how it ended
+    # (JSON of assistant.chat.conversation.JobRecord, bounded there).
+    db["turns"].add_column("job", str)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
+    _migration_1,
+    _migration_2,
+    _migration_3,
+]
 """Schema steps; step n (1-based) brings `user_version` from n-1 to n. Append only."""
 
 
@@ -133,7 +143,7 @@ class History:
         """Store the conversation and its turns; sets and returns `conversation.id`.
 
         A turn's query is written once: later saves update only what changes
-        (result, error, findings), so a 10 MB pasted log is not rewritten
+        (result, error, findings, a run's job), so a 10 MB pasted log is not rewritten
         each time its probes report.
         """
         stamp = time.time() if now is None else now
@@ -166,11 +176,11 @@ class History:
         db.execute(
             """
             INSERT INTO turns (conversation_id, position, kind, lang, query, result, error,
-                               findings, created)
-            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+                               findings, created, job)
+            VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
             ON CONFLICT (conversation_id, position) DO UPDATE SET
                 kind = excluded.kind, lang = excluded.lang, result = excluded.result,
-                error = excluded.error, findings = excluded.findings
+                error = excluded.error, findings = excluded.findings, job = excluded.job
             """,
             [
                 conversation_id,
@@ -182,6 +192,7 @@ class History:
                 turn.error,
                 json.dumps(data["findings"], ensure_ascii=False),
                 turn.created,
+                json.dumps(data["job"], ensure_ascii=False) if turn.job else None,
             ],
         )
 
@@ -268,5 +279,6 @@ def _turn_from_row(row: dict) -> Turn:
             "error": row["error"] or "",
             "findings": json.loads(row["findings"]) if row["findings"] else [],
             "created": row["created"] or 0.0,
+            "job": json.loads(row["job"]) if row.get("job") else None,
         }
     )

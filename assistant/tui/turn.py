@@ -18,7 +18,7 @@ from textual.binding import BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Label, ListItem, ListView, Static
 
-from assistant.chat.conversation import Turn
+from assistant.chat.conversation import JobRecord, Turn
 from assistant.i18n import cause_summary, cause_title, decide_question, source_and_evidence, t
 from assistant.results import CauseResult, Finding, ProbeRun, Result
 from assistant.tui.keys import LocalizedBindings, bilingual
@@ -67,6 +67,18 @@ class JobState:
     seconds: float | None = None  # how long it ran, once it ended
     note: str = ""  # how it ended when there is no answer (exit 0, stopped)
     succeeded: bool = False
+
+    def record(self) -> JobRecord:
+        """What the history keeps of it (bounded there)."""
+        output = self.output.shown()
+        return JobRecord.kept(output, self.ranks, self.seconds, self.note, self.succeeded)
+
+    @classmethod
+    def restored(cls, record: JobRecord) -> JobState:
+        """The job of a turn loaded from the history, as it ended."""
+        output = OutputTail()
+        output.lines = list(record.output)
+        return cls(0.0, output, list(record.ranks), record.seconds, record.note, record.succeeded)
 
 
 class CauseItem(ListItem):
@@ -251,12 +263,14 @@ class TurnView(Vertical):
         """The launch ended; `diagnosing`: it failed or hung and its answer is coming."""
         if self.job is not None:
             self.job.ranks, self.job.seconds = ranks, seconds
+            self.turn.job = self.job.record()
         self.set_phase("searching" if diagnosing else self.phase)
 
     def job_note(self, note: str, succeeded: bool) -> None:
         """How a launch with no answer ended (it succeeded, or it was stopped)."""
         if self.job is not None:
             self.job.note, self.job.succeeded = note, succeeded
+            self.turn.job = self.job.record()
         self.set_phase("done")
 
     def probe_event(self, probe: str, state: str, elapsed: float, status: str | None) -> None:
@@ -289,6 +303,8 @@ class TurnView(Vertical):
     async def restore(self, findings: list[Finding]) -> None:
         """Show a turn loaded from the history as it ended."""
         turn = self.turn
+        if turn.job is not None:
+            self.job = JobState.restored(turn.job)
         if turn.result is not None:
             await self.show_result(turn.result, findings)
             for run in turn.result.probes:

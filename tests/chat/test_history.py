@@ -7,7 +7,14 @@ import sqlite3
 import pytest
 import sqlite_utils
 
-from assistant.chat.conversation import Conversation, Turn
+from assistant.chat.conversation import (
+    JOB_LINE_CHARS,
+    JOB_OUTPUT_LINES,
+    JOB_RANK_LINES,
+    Conversation,
+    JobRecord,
+    Turn,
+)
 from assistant.chat.history import MIGRATIONS, History, migrate
 from assistant.errors import UserError
 from assistant.results import CauseResult, ProbeRun, Result, RootError, Verdict
@@ -163,3 +170,64 @@ def test_cleared_logs_are_gone_from_the_file_itself(history):
     history.save(conversation)
     history.clear()
     assert b"secret-token-4242" not in history.path.read_bytes()
+
+
+def run_turn(output: list[str], ranks: list[str]) -> Turn:
+    """A chat run turn as it ended: its job's output tail and rank lines, then its answer."""
+    turn = judged_turn(query="$ torchrun --nproc_per_node=2 train.py")
+    turn.job = JobRecord.kept(output, ranks, seconds=12.5)
+    return turn
+
+
+def test_a_run_turn_keeps_its_jobs_output_and_rank_lines(history):
+    ranks = [
+        "rank 0 (node-a, exit -15): waits in barrier at /w/train.py:30 in main",
+        "rank 1 (node-a, exit 1): ValueError: bad batch at /w/train.py:12 in main",
+        "logs: /home/me/.cache/ddp-assistant/runs/20261130-150000-abc123",
+    ]
+    conversation = Conversation(created=5.0)
+    conversation.add(run_turn(["step 1", "  File train.py, line 12", "ValueError: bad"], ranks))
+    finished = Turn(query="$ python train.py")
+    finished.job = JobRecord.kept(["trained"], [], 3.0, "The job finished: exit 0", True)
+    conversation.add(finished)
+    history.save(conversation)
+
+    loaded = History(history.path).load(conversation.id)
+    assert loaded == conversation
+    assert loaded.turns[0].job.output[1] == "  File train.py, line 12"  # indentation kept
+    assert loaded.turns[0].job.ranks == ranks and loaded.turns[0].job.seconds == 12.5
+    assert loaded.turns[1].job.note == "The job finished: exit 0" and loaded.turns[1].job.succeeded
+
+
+def test_a_jobs_record_is_bounded_however_much_it_printed(history):
+    output = [f"line {n} " + "x" * 20_000 for n in range(5_000)]
+    ranks = [f"rank {n} (node, exit 1): RuntimeError" for n in range(1_024)] + ["logs: /r"]
+    conversation = Conversation()
+    conversation.add(run_turn(output, ranks))
+    history.save(conversation)
+
+    job = history.load(conversation.id).turns[0].job
+    assert len(job.output) == JOB_OUTPUT_LINES and job.output[-1].startswith("line 4999 ")
+    assert max(len(line) for line in job.output) == JOB_LINE_CHARS
+    assert len(job.ranks) == JOB_RANK_LINES and job.ranks[0].startswith("rank 0 ")
+    assert job.ranks[-2] == f"… {len(ranks) - JOB_RANK_LINES + 1} more"
+    assert job.ranks[-1] == "logs: /r"  # where the logs are is never cut away
+    assert history.path.stat().st_size < 500_000
+
+
+def test_a_file_of_the_previous_schema_gains_the_job_and_keeps_its_turns(tmp_path):
+    path = tmp_path / "history.sqlite"
+    db = sqlite_utils.Database(path)
+    for step in MIGRATIONS[:2]:  # the file as the previous version left it
+        step(db)
+    db.execute("PRAGMA user_version = 2")
+    db["conversations"].insert({"id": 1, "title": "old", "created": 1.0, "updated": 1.0})
+    db["turns"].insert({"conversation_id": 1, "position": 0, "kind": "ask", "query": "old q"})
+    db.close()
+
+    history = History(path)
+    conversation = history.load(1)
+    assert conversation.turns[0].query == "old q" and conversation.turns[0].job is None
+    conversation.turns[0].job = JobRecord.kept(["out"], ["rank 0 (h, exit 0)"])
+    history.save(conversation)
+    assert history.load(1).turns[0].job.output == ["out"]
