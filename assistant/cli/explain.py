@@ -61,15 +61,13 @@ def explain(cause_id, lang, as_json):
     cause = knowledge.causes.get(cause_id)
     if cause is None:
         raise UserError(unknown_cause(cause_id, list(knowledge.causes)))
-    from assistant.results import AnswerRef, CauseDoc
+    from assistant.knowledge.catalog import claiming_answers
+    from assistant.results import CauseDoc
 
     doc = CauseDoc.from_kb(cause.model_dump())
-    answers = [
-        AnswerRef.from_kb(answer.model_dump(), thread.id, thread.question)
-        for thread in knowledge.threads
-        for answer in thread.answers
-        if cause_id in answer.claims
-    ]
+    # All of them, in the KB's order: this is the cause's reference page, not a ranking.
+    threads = [thread.model_dump() for thread in knowledge.threads]
+    answers = claiming_answers(threads, cause_id, order="kb")
     lang = lang or user_lang()
     if as_json:
         payload = {**doc.__dict__, "answers": [a.to_json() | {"note": a.note} for a in answers]}

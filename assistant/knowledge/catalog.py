@@ -1,17 +1,29 @@
-"""The KB as a catalogue of causes, for flows with no question (`doctor`).
+"""The KB as a catalogue: its causes for flows with no question (`doctor`), and the
+community answers that claim a cause, for every flow that lists them.
 
 doctor judges every contract cause against the probe facts. The KB is read
 only for titles, fixes, signatures and the community advice the probes can
 settle; when it cannot be loaded (being edited, or pydantic missing on a bare
 GPU node) the cause ids stand in for titles and no signature is known.
+
+`claiming_answers` is the one list of a cause's answers: best first under a
+ranked cause (`ask`, the chat), in the KB's order in `assistant explain`, and
+only those with an advice tag in doctor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from functools import lru_cache
+from typing import Literal
 
 from assistant.config import contract_ids, kb_layers
 from assistant.results import AnswerRef, CauseResult
+
+# Best first: answers judged (partly) right lead, unverified follow, wrong ones come
+# last; within a group the reader's language, then the finer stance, then the shorter.
+STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}
+STANCE_GROUP = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
 
 
 def contract_causes() -> list[CauseResult]:
@@ -19,14 +31,16 @@ def contract_causes() -> list[CauseResult]:
     knowledge = load_quietly()
     if knowledge is None:
         return [CauseResult(id=cause_id, title=cause_id, score=0.0) for cause_id in contract_ids()]
-    answers = advice_answers(knowledge)
+    threads = [thread.model_dump() for thread in knowledge.threads]
     causes = []
     for cause_id in contract_ids():
         cause = knowledge.causes.get(cause_id)
         if cause is None:
             causes.append(CauseResult(id=cause_id, title=cause_id, score=0.0))
             continue
-        causes.append(CauseResult.from_kb(cause.model_dump(), 0.0, answers.get(cause_id, [])))
+        # Only advice a probe can settle, which is what doctor reports on.
+        answers = claiming_answers(threads, cause_id, advice_only=True)
+        causes.append(CauseResult.from_kb(cause.model_dump(), 0.0, answers))
     return causes
 
 
@@ -55,18 +69,43 @@ def _load_layers(layers: tuple):
         return None
 
 
-def advice_answers(knowledge) -> dict[str, list[AnswerRef]]:
-    """Community answers carrying an advice tag, under each cause they claim.
+def claiming_answers(
+    threads: Iterable[Mapping],
+    cause_id: str,
+    *,
+    order: Literal["kb", "best"] = "kb",
+    lang: str = "en",
+    advice_only: bool = False,
+    limit: int | None = None,
+) -> list[AnswerRef]:
+    """The community answers that claim `cause_id`, from KB threads as dicts (a
+    model_dump, or the index's JSON), each with its thread's id and question.
 
-    Only these can be settled by a probe, which is what doctor reports on.
+    order "kb": thread by thread, answer by answer, as the KB files give them.
+    order "best": the best first for a reader of `lang` (best_first).
+    advice_only: only answers with an advice tag, the ones a probe can settle.
+    limit: at most this many, after ordering.
     """
-    answers: dict[str, list[AnswerRef]] = {}
-    for thread in knowledge.threads:
-        for answer in thread.answers:
-            if not answer.advice:
-                continue
-            for cause_id in answer.claims:
-                answers.setdefault(cause_id, []).append(
-                    AnswerRef.from_kb(answer.model_dump(), thread.id, thread.question)
-                )
-    return answers
+    answers = [
+        AnswerRef.from_kb(answer, thread["id"], thread.get("question", ""))
+        for thread in threads
+        for answer in thread["answers"]
+        if cause_id in answer["claims"] and (answer.get("advice") or not advice_only)
+    ]
+    if order == "best":
+        answers = best_first(answers, lang)
+    return answers[:limit]
+
+
+def best_first(answers: list[AnswerRef], lang: str) -> list[AnswerRef]:
+    """Stance before language: an answer its own thread judged wrong must not lead
+    just because it is in the reader's language. Ties keep the KB's order."""
+    return sorted(
+        answers,
+        key=lambda a: (
+            STANCE_GROUP.get(a.stance, 1),
+            a.lang != lang,
+            STANCE_ORDER.get(a.stance, 9),
+            len(a.text),
+        ),
+    )

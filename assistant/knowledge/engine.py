@@ -20,6 +20,7 @@ from assistant.clean import clean_log
 from assistant.errors import ExitCode, UserError
 from assistant.i18n import detect_lang
 from assistant.knowledge.bridges import load_bridge
+from assistant.knowledge.catalog import claiming_answers
 from assistant.knowledge.files import content_hash
 from assistant.knowledge.index import (
     BuildReport,
@@ -33,9 +34,6 @@ from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
 MAX_ANSWERS_PER_CAUSE = 6
 REBUILD_ATTEMPTS = 2  # a KB saved during a build gets one more build
-STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}
-# Answers judged (partly) right lead, unverified follow, wrong ones come last.
-STANCE_GROUP = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
 MAX_TOP = 50
 
 
@@ -205,23 +203,8 @@ class Engine:
         return {cid: list(data.get("signatures", [])) for cid, data in self._index.causes.items()}
 
     def _answers_for(self, cause_id: str, lang: str) -> list[AnswerRef]:
-        """Community answers that claim this cause: the best first, then the user's language.
-
-        Stance comes before language: an answer its own thread judged wrong
-        must not lead just because it is in the user's language.
-        """
-        answers = [
-            AnswerRef.from_kb(a, thread["id"], thread.get("question", ""))
-            for thread in self._index.threads.values()
-            for a in thread["answers"]
-            if cause_id in a["claims"]
-        ]
-        answers.sort(
-            key=lambda a: (
-                STANCE_GROUP.get(a.stance, 1),
-                a.lang != lang,
-                STANCE_ORDER.get(a.stance, 9),
-                len(a.text),
-            )
+        """Community answers that claim this cause, the best first for the user's language."""
+        threads = self._index.threads.values()
+        return claiming_answers(
+            threads, cause_id, order="best", lang=lang, limit=MAX_ANSWERS_PER_CAUSE
         )
-        return answers[:MAX_ANSWERS_PER_CAUSE]
