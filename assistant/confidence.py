@@ -136,6 +136,7 @@ DECIDERS = {
     "gpu-hardware-fault": ("gpu_health", "nvidia_smi"),
     "infiniband-error": ("nccl_debug", "nodes"),
     "process-group-not-destroyed": ("script", "traceback"),
+    "missing-distributed-sampler": ("script", "launch"),
     "sampler-set-epoch": ("script", "launch"),
     "slurm-without-torchrun": ("launch", "nodes"),
     "spawn-pickle-error": ("traceback", "script"),
