@@ -1,8 +1,9 @@
 """The registry of checks: `@check("cause-id")` on a function of a module in checks/.
 
 A check reads a `Script` (the parsed file and its traces) and yields
-`Finding`s for the one contract cause id (data/causes.yaml) it is registered
-under; several checks may share a cause id. `assistant.lint.checks` imports
+`Finding`s for the contract cause id (data/causes.yaml) it is registered
+under, or one of the ids when a single walk of the script serves several;
+several checks may share a cause id. `assistant.lint.checks` imports
 every area module, which registers its checks here.
 """
 
@@ -19,9 +20,9 @@ Check = Callable[[Script], Iterator[Finding]]
 
 @dataclass(frozen=True)
 class RegisteredCheck:
-    """A check and the cause id of every finding it yields."""
+    """A check and the cause ids its findings carry (one, for most checks)."""
 
-    cause_id: str
+    cause_ids: tuple[str, ...]
     run: Check
 
     @property
@@ -33,11 +34,11 @@ CHECKS: list[RegisteredCheck] = []
 """Every registered check, in the order their modules register them."""
 
 
-def check(cause_id: str) -> Callable[[Check], Check]:
-    """Register a check whose findings carry `cause_id`."""
+def check(*cause_ids: str) -> Callable[[Check], Check]:
+    """Register a check whose findings carry one of `cause_ids`."""
 
     def register(function: Check) -> Check:
-        CHECKS.append(RegisteredCheck(cause_id, function))
+        CHECKS.append(RegisteredCheck(cause_ids, function))
         return function
 
     return register

@@ -251,3 +251,25 @@ def test_a_size_chosen_by_a_rank_test_names_the_test() -> None:
     body = "if rank == 0:\n    n = 10\nelse:\n    n = 5\ndist.all_reduce(torch.ones(n))"
     message = lint_source(in_function(body))[0].message
     assert "(torch.ones(n), with n = 5 under `if rank == 0`, line 16)" in message
+
+
+def test_one_walk_of_the_data_flow_yields_both_kinds_of_finding(monkeypatch) -> None:
+    from assistant.lint.checks import rank_dependent
+
+    walked = []
+    walk = rank_dependent.flow_walk
+    monkeypatch.setattr(
+        rank_dependent, "flow_walk", lambda script: walked.append(1) or walk(script)
+    )
+    body = (
+        "t = torch.zeros(rank + 1)\ndist.all_reduce(t)\n"
+        "for batch in [torch.ones(2)] * (4 if rank == 0 else 2):\n    dist.all_reduce(batch)"
+    )
+    source = in_function(body)
+    last = len(source.splitlines())
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [
+        ("collective-mismatch", last - 2),
+        ("uneven-inputs", last),
+    ]
+    assert walked == [1]  # both cause ids from one walk of the script's data flow

@@ -8,10 +8,10 @@ dist.all_reduce(b)` over a list whose length depends on the rank runs the
 collective a different number of times on each rank: the ranks with more
 items hang (uneven-inputs).
 
-Both checks follow data flow within a function (module level counts as
-one): in source order it notes which names hold a rank-dependent value
-(`n = rank + 1`, `10 if rank == 0 else 5`, `int(os.environ["RANK"])`), which
-hold a tensor whose shape or dtype comes from one (`torch.zeros(n)`,
+One check finds both, in one walk of the data flow within each function
+(module level counts as one): in source order it notes which names hold a
+rank-dependent value (`n = rank + 1`, `10 if rank == 0 else 5`,
+`int(os.environ["RANK"])`), which hold a tensor whose shape or dtype comes from one (`torch.zeros(n)`,
 `.to(torch.half if rank else torch.float)`) and which a list whose length
 does (`[... for _ in range(rank)]`), then looks at each collective that no
 rank test keeps from some ranks.
@@ -156,45 +156,47 @@ class Flow:
     chosen_by_rank: dict[int, ast.If] = field(default_factory=dict)
 
 
-@check("collective-mismatch")
-def check_collective_args_depend_on_rank(script: Script) -> Iterator[Finding]:
-    """A collective reached by every rank whose tensors' shape, dtype or count depends on the rank."""
+@check("collective-mismatch", "uneven-inputs")
+def check_collectives_that_depend_on_rank(script: Script) -> Iterator[Finding]:
+    """A collective reached by every rank whose tensors' shape, dtype or count depends on the
+    rank (collective-mismatch), or in a loop whose number of iterations does (uneven-inputs).
+
+    One walk of the data flow serves both: each reads what the names hold at its event.
+    """
     guarded = rank_guarded_calls(script)
     for flow, node in flow_walk(script):
-        if isinstance(node, ast.Call) and id(node) not in guarded:
-            yield from collective_finding(flow, node)
+        if isinstance(node, ast.Call):
+            if id(node) not in guarded:
+                yield from collective_finding(flow, node)
+        elif isinstance(node, (ast.For, ast.While)):
+            yield from loop_finding(flow, node, guarded)
 
 
-@check("uneven-inputs")
-def check_collective_count_depends_on_rank(script: Script) -> Iterator[Finding]:
-    """A collective in a loop whose number of iterations depends on the rank."""
-    guarded = rank_guarded_calls(script)
-    for flow, node in flow_walk(script):
-        if isinstance(node, ast.For):
-            trips, shown = (
-                trip_count_taint(flow, node.iter),
-                f"per item of {source_text(node.iter)}",
-            )
-        elif isinstance(node, ast.While) and depends_on_rank(flow, node.test):
-            trips = named_origin(flow, [node.test]) or Taint("length", node.test)
-            shown = f"per pass of `while {source_text(node.test)}`"
-        else:
-            continue
-        if trips is None:
-            continue
-        collective = next(
-            (c for c in loop_collectives(flow.script, node) if id(c) not in guarded), None
-        )
-        if collective is None:
-            continue
-        origin = f" ({trips.source}, line {trips.line})" if trips.source not in shown else ""
-        yield script.finding(
-            "uneven-inputs",
-            collective,
-            f"{short(script.name_of(collective.func))}() runs once {shown}, whose count "
-            f"depends on the rank{origin}: ranks call it a different number of times, "
-            "and the others hang",
-        )
+def loop_finding(flow: Flow, loop: ast.For | ast.While, guarded: set[int]) -> Iterator[Finding]:
+    """uneven-inputs for the first unguarded collective of a loop whose trip count depends on
+    the rank, if it is one."""
+    if isinstance(loop, ast.For):
+        trips = trip_count_taint(flow, loop.iter)
+        shown = f"per item of {source_text(loop.iter)}"
+    elif depends_on_rank(flow, loop.test):
+        trips = named_origin(flow, [loop.test]) or Taint("length", loop.test)
+        shown = f"per pass of `while {source_text(loop.test)}`"
+    else:
+        return
+    if trips is None:
+        return
+    script = flow.script
+    collective = next((c for c in loop_collectives(script, loop) if id(c) not in guarded), None)
+    if collective is None:
+        return
+    origin = f" ({trips.source}, line {trips.line})" if trips.source not in shown else ""
+    yield script.finding(
+        "uneven-inputs",
+        collective,
+        f"{short(script.name_of(collective.func))}() runs once {shown}, whose count "
+        f"depends on the rank{origin}: ranks call it a different number of times, "
+        "and the others hang",
+    )
 
 
 def rank_guarded_calls(script: Script) -> set[int]:
