@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The tests never write into the user's own cache (`assistant run` logs and their
+# pruning, re-exported graphs): every session gets a cache of its own, removed at exit.
+TEST_CACHE = tempfile.mkdtemp(prefix="ddp-assistant-test-cache-")
+os.environ["XDG_CACHE_HOME"] = TEST_CACHE
+atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
