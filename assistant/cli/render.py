@@ -61,6 +61,18 @@ CLI_WORDS: dict[str, dict[str, str]] = {
         "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
     },
     "verdict_col": {"en": "verdict", "zh": "结论"},
+    "id_col": {"en": "id", "zh": "id"},  # ids are handles people type: the same in both
+    # The probe table: its columns, and each probe status (results.ProbeStatus).
+    "probe.name": {"en": "probe", "zh": "探针"},
+    "probe.status": {"en": "status", "zh": "状态"},
+    "probe.time": {"en": "time", "zh": "耗时"},
+    "probe.detail": {"en": "detail", "zh": "详情"},
+    "probe.ok": {"en": "ok", "zh": "完成"},
+    "probe.failed": {"en": "failed", "zh": "失败"},
+    "probe.timeout": {"en": "timeout", "zh": "超时"},
+    "probe.not_applicable": {"en": "not applicable", "zh": "不适用"},
+    "probe.error": {"en": "error", "zh": "出错"},
+    "probe.interrupted": {"en": "interrupted", "zh": "已中断"},
     # The side-by-side table of `doctor --nnodes` (NODE_ROWS); names of programs,
     # libraries and variables read the same in both languages.
     "node.title": {"en": "nodes", "zh": "节点"},
@@ -116,7 +128,7 @@ def render_machine_check(result: Result, console: Console) -> None:
     console.print(Text(word("machine_check", lang), style="bold"))
     judged = [c for c in result.causes if c.verdict.verdict != "not_run"]
     table = Table(expand=False, show_edge=False)
-    table.add_column("id", no_wrap=True)
+    table.add_column(word("id_col", lang), no_wrap=True)
     table.add_column(word("verdict_col", lang), no_wrap=True)
     table.add_column(word("evidence", lang), overflow="fold")
     for cause in judged:
@@ -216,7 +228,7 @@ def _confidence(result: Result, lang: str) -> Text:
 def _cause_table(causes: list[CauseResult], lang: str) -> Table:
     table = Table(title=word("causes", lang), title_justify="left", expand=False, show_edge=False)
     table.add_column("#", justify="right", no_wrap=True)
-    table.add_column("id", no_wrap=True)  # ids are handles people type: never cut
+    table.add_column(word("id_col", lang), no_wrap=True)  # ids are handles people type: never cut
     table.add_column(word("verdict_col", lang), no_wrap=True)
     table.add_column(word("score", lang), justify="right", no_wrap=True)
     for position, cause in enumerate(causes, start=1):
@@ -279,13 +291,12 @@ def probe_seconds(seconds: float) -> str:
 
 def _probe_table(probes: list[ProbeRun], lang: str) -> Table:
     table = Table(title=word("probes", lang), title_justify="left", show_edge=False)
-    table.add_column("probe", no_wrap=True)
-    table.add_column("status", no_wrap=True)
-    table.add_column("time", justify="right", no_wrap=True)
-    table.add_column("detail", overflow="fold")
+    table.add_column(word("probe.name", lang), no_wrap=True)
+    table.add_column(word("probe.status", lang), no_wrap=True)
+    table.add_column(word("probe.time", lang), justify="right", no_wrap=True)
+    table.add_column(word("probe.detail", lang), overflow="fold")
     for run in probes:
         style = {"ok": "green", "timeout": "yellow", "not_applicable": "dim"}.get(run.status, "red")
-        table.add_row(
-            run.name, Text(run.status, style=style), probe_seconds(run.seconds), run.detail[:80]
-        )
+        status = Text(word(f"probe.{run.status}", lang), style=style)
+        table.add_row(run.name, status, probe_seconds(run.seconds), run.detail[:80])
     return table

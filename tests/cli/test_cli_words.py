@@ -75,3 +75,33 @@ def test_an_answer_names_the_question_it_was_given_to_in_the_language(lang, said
     text = console.export_text()
     assert f"{said_to}Why a hang?" in text
     assert ("[wrong]" if lang == "en" else "[错误]") in text
+
+
+@pytest.mark.parametrize(
+    ("lang", "headers", "statuses"),
+    [
+        ("en", ["probe", "status", "time", "detail"], ["ok", "timeout", "not applicable"]),
+        ("zh", ["探针", "状态", "耗时", "详情"], ["完成", "超时", "不适用"]),
+    ],
+)
+def test_the_probe_table_speaks_the_questions_language(lang, headers, statuses):
+    from typing import get_args
+
+    from assistant.cli.render import render_result
+    from assistant.results import CauseResult, ProbeRun, ProbeStatus, Result
+
+    for status in get_args(ProbeStatus):  # every status has words in both languages
+        assert set(CLI_WORDS[f"probe.{status}"]) == {"en", "zh"}
+    probes = [
+        ProbeRun("cuda_visibility", "ok", 0.02),
+        ProbeRun("port_bind", "timeout", 3.0),
+        ProbeRun("nccl_init", "not_applicable", 0.0),
+    ]
+    result = Result(
+        query="q", root_error=None, causes=[CauseResult("x", "X", 0.5)], probes=probes, lang=lang
+    )
+    console = Console(record=True, width=120)
+    render_result(result, console)
+    text = console.export_text()
+    for word in headers + statuses:
+        assert word in text
