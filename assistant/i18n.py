@@ -104,6 +104,7 @@ STRINGS: dict[str, dict[str, str]] = {
     "report.no_probes": {"en": "No probe has run yet.", "zh": "还没有运行探针。"},
     "report.findings": {"en": "Training script findings", "zh": "训练脚本检查结果"},
     "report.questions": {"en": "Questions asked", "zh": "提出的问题"},
+    "report.launches": {"en": "Launches watched", "zh": "监视过的启动"},
     "report.lines": {"en": "lines", "zh": "行"},
     "report.no_result": {"en": "No answer yet.", "zh": "还没有答案。"},
     "report.rank": {"en": "rank", "zh": "rank"},

@@ -74,6 +74,7 @@ def conversation_markdown(conversation: Conversation, lang: str = "en") -> str:
         _fix_section(result, lang),
         _environment_section(conversation, lang),
         _findings_section(conversation, lang),
+        _launches_section(conversation, lang),
         _questions_section(conversation, lang),
     ]
     return "\n\n".join(s for s in sections if s).rstrip() + "\n"
@@ -194,6 +195,29 @@ def _findings_section(conversation: Conversation, lang: str) -> str:
         return ""
     lines = [f"- {f.path or '?'}:{f.line} `{f.cause_id}`: {f.message}" for f in findings]
     return f"## {_s('findings', lang)}\n\n" + "\n".join(lines)
+
+
+def _launches_section(conversation: Conversation, lang: str) -> str:
+    """Each launch watched by `run` from the chat: its command, every rank, the output's end.
+
+    A maintainer reading the report needs which rank failed where, not only the
+    verdicts the answer drew from it.
+    """
+    parts = []
+    for turn in conversation.turns:
+        if turn.job is None:
+            continue
+        ran = f" ({turn.job.seconds:.1f} s)" if turn.job.seconds is not None else ""
+        parts.append(f"### `{_cell(short(first_line(turn.query), 200))}`{ran}")
+        if turn.job.note:
+            parts.append(turn.job.note)
+        if turn.job.ranks:
+            parts.append("\n".join(f"- {line}" for line in turn.job.ranks))
+        if turn.job.output:
+            parts.append(fence("\n".join(turn.job.output), "text"))
+    if not parts:
+        return ""
+    return "\n\n".join([f"## {_s('launches', lang)}", *parts])
 
 
 def _questions_section(conversation: Conversation, lang: str) -> str:

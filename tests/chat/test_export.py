@@ -163,3 +163,26 @@ def test_an_unwritable_place_is_one_line_with_the_reason(tmp_path):
         write_report("# r\n", tmp_path / "missing" / "folder", now=0.0)
     assert failed.value.reason == "No such file or directory"
     assert "\n" not in str(failed.value) and str(tmp_path / "missing") in str(failed.value)
+
+
+def test_a_watched_launch_is_in_the_report_with_its_ranks_and_output():
+    from assistant.chat.conversation import JobRecord
+
+    conv = conversation()
+    job = JobRecord.kept(
+        output=["step 1", "[rank1]: ValueError: bad batch", "```"],
+        ranks=["rank 0: waiting in all_reduce at train.py:40", "rank 1: ValueError at train.py:31"],
+        seconds=4.25,
+        note="exit 1",
+    )
+    conv.add(Turn(query="$ torchrun --nproc_per_node=2 train.py", job=job))
+    text = conversation_markdown(conv, lang="zh")
+    section = text.split("## 监视过的启动", 1)[1]
+    assert "### `$ torchrun --nproc_per_node=2 train.py` (4.2 s)" in section
+    assert "- rank 1: ValueError at train.py:31" in section and "exit 1" in section
+    # The output's own backticks cannot close its fence.
+    assert "````text\nstep 1\n[rank1]: ValueError: bad batch\n```\n````" in section
+
+
+def test_a_conversation_without_launches_has_no_launch_section():
+    assert "Launches watched" not in conversation_markdown(conversation(), lang="en")
