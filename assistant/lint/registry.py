@@ -1,8 +1,8 @@
 """The registry of checks: `@check("cause-id")` on a function of a module in checks/.
 
 A check reads a `Script` (the parsed file and its traces) and yields
-`Finding`s for the contract cause id (data/causes.yaml) it is registered
-under, or one of the ids when a single walk of the script serves several;
+`Finding`s for the cause id (data/causes.yaml, or a KB cause in kb/causes/)
+it is registered under, or one of the ids when a single walk of the script serves several;
 several checks may share a cause id. `assistant.lint.checks` imports
 every area module, which registers its checks here.
 """

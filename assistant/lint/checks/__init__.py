@@ -13,12 +13,16 @@ lines it must report.
 - rank_dependent: collectives every rank calls, but with tensors whose
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
-- backend: CPU tensors handed to NCCL collectives.
+- backend: CPU tensors handed to NCCL collectives;
+- data: a DataLoader with no DistributedSampler in a DDP script
+  (missing-distributed-sampler), a DistributedSampler whose set_epoch is
+  never called in the epoch loop (sampler-set-epoch).
 """
 
 from assistant.lint.checks import (
     backend,
     collective_reach,
+    data,
     devices,
     launch,
     process_group,
@@ -28,6 +32,7 @@ from assistant.lint.checks import (
 __all__ = [
     "backend",
     "collective_reach",
+    "data",
     "devices",
     "launch",
     "process_group",

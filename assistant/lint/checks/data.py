@@ -1,0 +1,506 @@
+"""Data-loading checks: a DataLoader every rank reads in full, a sampler never told the epoch.
+
+Both mistakes are silent (no error, only wasted or repeated work), so both
+checks stay quiet whenever the script may handle it some other way: a
+sampler of its own, a dataset sharded by rank, an IterableDataset, Lightning
+or Accelerate building the sampler, or a loader only rank 0 reads.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
+from assistant.lint.registry import check
+from assistant.lint.torchapi import init_calls, is_ddp
+from assistant.lint.tracer import same_file_callees
+from assistant.results import Finding
+
+# DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...): a fourth
+# positional argument is a sampler given by position.
+SAMPLER_POSITION = 3
+# Frameworks that give every loader they build or prepare a distributed sampler
+# (Lightning's Trainer), or that shard the stream themselves (webdataset).
+SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
+# `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
+PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
+ITERABLE_BASES = frozenset({"IterableDataset", "IterDataPipe"})
+# How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...).
+ORIGIN_DEPTH = 3
+# A name assigned hundreds of times is not a dataset being built; stop following there.
+MAX_ORIGINS = 64
+
+
+@check("missing-distributed-sampler")
+def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
+    """A DataLoader with no sampler in a DDP script that has no DistributedSampler."""
+    data = DataFlow(script)
+    if not data.is_distributed or data.mentions_distributed_sampler or data.uses_framework:
+        return
+    for node in data.loader_calls:
+        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        if dataset is None or has_sampler(node) or data.prepared(node):
+            continue
+        if data.may_be_iterable(dataset) or data.sharded_by_rank(dataset):
+            continue
+        if data.rank_zero_only(node):
+            continue
+        shown = source_text(dataset)
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            f"DataLoader over {shown} has no sampler and the script has no DistributedSampler: "
+            "every rank iterates the whole dataset, so N ranks do N times the work with no "
+            f"speedup; pass sampler=DistributedSampler({shown})",
+        )
+
+
+@check("sampler-set-epoch")
+def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
+    """A shuffling DistributedSampler whose set_epoch is never called in an epoch loop."""
+    data = DataFlow(script)
+    if data.calls_set_epoch:
+        return
+    for sampler in data.sampler_calls:
+        if shuffle_off(sampler):
+            continue
+        loop = data.epoch_loop_over(data.loaders_of(sampler), near=sampler)
+        if loop is None:
+            continue
+        yield script.finding(
+            "sampler-set-epoch",
+            sampler,
+            f"DistributedSampler shuffles with a seed of its epoch, but set_epoch is never "
+            f"called while the loop on line {loop.lineno} runs the epochs, so every epoch "
+            "sees the same order: call sampler.set_epoch(epoch) at the start of each epoch",
+        )
+
+
+def has_sampler(loader: ast.Call) -> bool:
+    """sampler= / batch_sampler= given (not None), by position, or maybe through */**."""
+    for given in loader.keywords:
+        if given.arg is None:  # **options may carry one
+            return True
+        if given.arg in ("sampler", "batch_sampler") and not is_none(given.value):
+            return True
+    return len(loader.args) > SAMPLER_POSITION or any(
+        isinstance(arg, ast.Starred) for arg in loader.args
+    )
+
+
+def is_none(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Constant) and expr.value is None
+
+
+def shuffle_off(sampler: ast.Call) -> bool:
+    """DistributedSampler(..., shuffle=False): the epoch does not change its order."""
+    value = keyword(sampler, "shuffle")
+    return isinstance(value, ast.Constant) and value.value is False
+
+
+@dataclass
+class DataFlow:
+    """What both checks ask of a script: its loaders, samplers, and where names come from."""
+
+    script: Script
+    rank_zero_reads: dict[str, bool | None] = field(default_factory=dict)
+    statement_calls: dict[int, list[ast.Call]] = field(default_factory=dict)
+    returns: dict[int, tuple[set[int], set[str]]] = field(default_factory=dict)
+
+    @cached_property
+    def parents(self) -> dict[int, ast.AST]:
+        return {
+            id(child): node for node in self.script.nodes for child in ast.iter_child_nodes(node)
+        }
+
+    @cached_property
+    def is_distributed(self) -> bool:
+        """The script starts a process group or wraps a model in DDP."""
+        return bool(init_calls(self.script)) or any(
+            is_ddp(name) for _node, name in self.script.call_names
+        )
+
+    @cached_property
+    def mentions_distributed_sampler(self) -> bool:
+        """Any name with "distributed" and "sampler" in it: torch's, or the script's own."""
+        for node in self.script.nodes:
+            if isinstance(node, ast.Name):
+                word = node.id
+            elif isinstance(node, ast.Attribute):
+                word = node.attr
+            elif isinstance(node, (ast.alias, ast.ClassDef)):
+                word = node.name
+            else:
+                continue
+            if "distributed" in word.lower() and "sampler" in word.lower():
+                return True
+        return False
+
+    @cached_property
+    def uses_framework(self) -> bool:
+        return any(
+            full.split(".")[0] in SAMPLER_FRAMEWORKS for full in self.script.aliases.values()
+        )
+
+    @cached_property
+    def calls_set_epoch(self) -> bool:
+        """Any `.set_epoch(...)`: on the sampler, `loader.sampler`, or a wrapper of either."""
+        return any(
+            short(name) == "set_epoch" or is_attr_call(node, "set_epoch")
+            for node, name in self.script.call_names
+        )
+
+    @cached_property
+    def loader_calls(self) -> list[ast.Call]:
+        return [
+            node
+            for node, name in self.script.call_names
+            if short(name) == "DataLoader" and name.startswith("torch.")
+        ]
+
+    @cached_property
+    def sampler_calls(self) -> list[ast.Call]:
+        return [
+            node
+            for node, name in self.script.call_names
+            if short(name) == "DistributedSampler" and name.startswith("torch.")
+        ]
+
+    @cached_property
+    def assignments(self) -> dict[str, list[ast.expr]]:
+        """Name (or `self.` attribute name) -> every value assigned to it in the file."""
+        values: dict[str, list[ast.expr]] = {}
+        for node in self.script.nodes:
+            if isinstance(node, ast.Assign):
+                pairs = [(t, node.value) for t in node.targets]
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                pairs = [(node.target, node.value)]
+            else:
+                continue
+            for target, value in pairs:
+                for name in bound_names(target):
+                    values.setdefault(name, []).append(value)
+        return values
+
+    @cached_property
+    def reads(self) -> dict[str, list[ast.AST]]:
+        """Name (or `self.` attribute name) -> every node that reads it."""
+        found: dict[str, list[ast.AST]] = {}
+        for node in self.script.nodes:
+            name = read_name(node)
+            if name is not None and isinstance(getattr(node, "ctx", None), ast.Load):
+                found.setdefault(name, []).append(node)
+        return found
+
+    @cached_property
+    def handed_to_preparers(self) -> tuple[set[int], set[str]]:
+        """Expressions passed to `accelerator.prepare(...)` and the like: ids, and names read."""
+        ids: set[int] = set()
+        names: set[str] = set()
+        for node, _name in self.script.call_names:
+            func = node.func
+            if not (isinstance(func, ast.Attribute) and func.attr in PREPARERS):
+                continue
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                ids.add(id(arg))
+                name = read_name(arg)
+                if name is not None:
+                    names.add(name)
+        return ids, names
+
+    @cached_property
+    def rank_paths(self) -> dict[int, list[RankPath]]:
+        """Each traced call's rank branches, once per trace that reaches it."""
+        paths: dict[int, list[RankPath]] = {}
+        for trace in self.script.traces:
+            for call in trace:
+                paths.setdefault(id(call.node), []).append(call.rank_path)
+        return paths
+
+    @cached_property
+    def iterable_classes(self) -> set[str]:
+        """Classes of this file that are IterableDatasets, directly or through one another."""
+        classes = [n for n in self.script.tree.body if isinstance(n, ast.ClassDef)]
+        found: set[str] = set()
+        changed = True
+        while changed:
+            changed = False
+            for cls in classes:
+                bases = {short(self.script.name_of(base)) for base in cls.bases}
+                if cls.name not in found and bases & (ITERABLE_BASES | found):
+                    found.add(cls.name)
+                    changed = True
+        return found
+
+    # -------------------------------------------------------------- where a value comes from
+
+    def origin(self, expr: ast.expr) -> list[ast.expr]:
+        """`expr` and the values assigned to the names in it, a few assignments back."""
+        found: dict[int, ast.expr] = {id(expr): expr}
+        frontier = [expr]
+        for _ in range(ORIGIN_DEPTH):
+            assigned = [
+                value
+                for current in frontier
+                for node in ast.walk(current)
+                for value in self.assignments.get(read_name(node) or "", [])
+            ]
+            frontier = [v for v in assigned if id(v) not in found][:MAX_ORIGINS]
+            found.update((id(v), v) for v in frontier)
+            if len(found) > MAX_ORIGINS:
+                break
+        return list(found.values())
+
+    def may_be_iterable(self, dataset: ast.expr) -> bool:
+        """An instance of an IterableDataset class of this file, or a stream (streaming=True)."""
+        for value in self.origin(dataset):
+            for node in ast.walk(value):
+                if not isinstance(node, ast.Call):
+                    continue
+                if keyword(node, "streaming") is not None:
+                    return True
+                if isinstance(node.func, ast.Name) and node.func.id in self.iterable_classes:
+                    return True
+                for callee in same_file_callees(self.script, node.func, None):
+                    if callee.split(".")[0] in self.iterable_classes:
+                        return True
+                    if self.returns_iterable(callee):
+                        return True
+        return False
+
+    def returns_iterable(self, function: str) -> bool:
+        """A same-file function that builds one of the file's IterableDatasets."""
+        body = self.script.functions.get(function)
+        return body is not None and any(
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in self.iterable_classes
+            for node in ast.walk(body)
+        )
+
+    def sharded_by_rank(self, dataset: ast.expr) -> bool:
+        """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`."""
+        return any(
+            is_rank_expr(node, self.script)
+            for value in self.origin(dataset)
+            for node in ast.walk(value)
+            if isinstance(node, ast.expr)
+        )
+
+    def prepared(self, loader: ast.Call) -> bool:
+        """Handed to `accelerator.prepare(...)` / `fabric.setup_dataloaders(...)`."""
+        ids, names = self.handed_to_preparers
+        return id(loader) in ids or bool(names & set(self.names_bound_to(loader)))
+
+    def names_bound_to(self, call: ast.Call) -> list[str]:
+        """The names a call's value is assigned to (`x = call`, `self.x = call`)."""
+        parent = self.parents.get(id(call))
+        if isinstance(parent, ast.Assign) and parent.value is call:
+            return [n for target in parent.targets for n in bound_names(target)]
+        if isinstance(parent, (ast.AnnAssign, ast.NamedExpr)) and parent.value is call:
+            return bound_names(parent.target)
+        return []
+
+    # -------------------------------------------------------------- who runs a loader
+
+    def rank_zero_only(self, loader: ast.Call) -> bool:
+        """Built only on rank 0, or every use of it is on rank 0 only (an evaluation loader)."""
+        if self.only_some_ranks(loader):
+            return True
+        verdicts = [self.read_on_rank_zero(name) for name in self.names_bound_to(loader)]
+        known = [v for v in verdicts if v is not None]
+        return bool(known) and all(known)
+
+    def read_on_rank_zero(self, name: str) -> bool | None:
+        """Whether every statement that reads `name` runs on rank 0 only; None if none tells."""
+        if name not in self.rank_zero_reads:
+            verdicts = [self.use_on_rank_zero(use) for use in self.reads.get(name, [])]
+            known = [v for v in verdicts if v is not None]
+            self.rank_zero_reads[name] = all(known) if known else None
+        return self.rank_zero_reads[name]
+
+    def only_some_ranks(self, call: ast.Call) -> bool:
+        """Every traced path to this call is behind a rank-0 (or single-process) branch."""
+        paths = self.rank_paths.get(id(call), [])
+        return bool(paths) and all(
+            any(branch.side in (RANK_ZERO, NO_RANKS) for branch in path) for path in paths
+        )
+
+    def use_on_rank_zero(self, use: ast.AST) -> bool | None:
+        """Whether the statement using a loader runs on rank 0 only; None if no call tells."""
+        statement = self.enclosing_statement_with_calls(use)
+        if statement is None:
+            return None
+        traced = [c for c in self.calls_of(statement) if id(c) in self.rank_paths]
+        if not traced:
+            return None
+        return all(self.only_some_ranks(c) for c in traced)
+
+    def calls_of(self, statement: ast.stmt) -> list[ast.Call]:
+        if id(statement) not in self.statement_calls:
+            self.statement_calls[id(statement)] = [
+                n for n in ast.walk(statement) if isinstance(n, ast.Call)
+            ]
+        return self.statement_calls[id(statement)]
+
+    def enclosing_statement_with_calls(self, node: ast.AST) -> ast.stmt | None:
+        current: ast.AST | None = node
+        while current is not None:
+            if isinstance(current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                return None
+            if isinstance(current, ast.stmt) and self.calls_of(current):
+                return current
+            current = self.parents.get(id(current))
+        return None
+
+    # -------------------------------------------------------------- samplers and epochs
+
+    def loaders_of(self, sampler: ast.Call) -> set[str]:
+        """Names of the loaders a DistributedSampler feeds (by the names they are bound to)."""
+        keys = [id(sampler), *self.names_bound_to(sampler)]
+        return {name for key in keys for name in self.loaders_by_sampler.get(key, ())}
+
+    @cached_property
+    def loaders_by_sampler(self) -> dict[int | str, set[str]]:
+        """A loader's sampler (the call's id, or the name it is read from) -> the loader's names."""
+        found: dict[int | str, set[str]] = {}
+        for loader in self.loader_calls:
+            given = keyword(loader, "sampler")
+            if given is None and len(loader.args) > SAMPLER_POSITION:
+                given = loader.args[SAMPLER_POSITION]
+            if given is None:
+                continue
+            names = {*self.names_bound_to(loader), *self.names_of_returned(loader)}
+            found.setdefault(id(given), set()).update(names)
+            if read_name(given) is not None:
+                found.setdefault(read_name(given), set()).update(names)
+        return found
+
+    def names_of_returned(self, call: ast.Call) -> list[str]:
+        """`return DataLoader(...)` or `return loader, sampler` in f: the names f() is bound to."""
+        function = self.enclosing_function(call)
+        if function is None:
+            return []
+        ids, names = self.returned_by(function)
+        if id(call) not in ids and not names & set(self.names_bound_to(call)):
+            return []
+        return [
+            name
+            for caller in self.callers.get(id(function), [])
+            for name in self.names_bound_to(caller)
+        ]
+
+    def returned_by(self, function: ast.AST) -> tuple[set[int], set[str]]:
+        """What a function's `return` statements hand back: node ids, and names read."""
+        if id(function) not in self.returns:
+            values = [
+                node.value
+                for node in ast.walk(function)
+                if isinstance(node, ast.Return) and node.value is not None
+            ]
+            inner = [n for value in values for n in ast.walk(value)]
+            self.returns[id(function)] = (
+                {id(n) for n in inner},
+                {name for name in map(read_name, inner) if name},
+            )
+        return self.returns[id(function)]
+
+    @cached_property
+    def callers(self) -> dict[int, list[ast.Call]]:
+        """id of a same-file function -> the calls that run it."""
+        found: dict[int, list[ast.Call]] = {}
+        for node, _name in self.script.call_names:
+            for callee in same_file_callees(self.script, node.func, None):
+                found.setdefault(id(self.script.functions[callee]), []).append(node)
+        return found
+
+    def home(self, node: ast.AST) -> ast.AST | None:
+        """The class a node's method belongs to, else its function; None at module level."""
+        function = self.enclosing_function(node)
+        if function is None:
+            return None
+        owner = self.parents.get(id(function))
+        return owner if isinstance(owner, ast.ClassDef) else function
+
+    def enclosing_function(self, node: ast.AST) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+        current = self.parents.get(id(node))
+        while current is not None and not isinstance(
+            current, (ast.FunctionDef, ast.AsyncFunctionDef)
+        ):
+            current = self.parents.get(id(current))
+        return current
+
+    def epoch_loop_over(self, loaders: set[str], near: ast.AST) -> ast.For | ast.While | None:
+        """An outer loop whose body walks one of `loaders` (or hands it to a function).
+
+        Loaders are matched by name, and two functions may both call theirs
+        `loader`: loops of the sampler's own class or function are tried first.
+        """
+        home = self.home(near)
+        candidates = [loop for name in loaders for loop in self.loops_walking.get(name, [])]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda loop: (self.home(loop) is not home, loop.lineno))
+
+    @cached_property
+    def loops_walking(self) -> dict[str, list[ast.For | ast.While]]:
+        """Name -> the loops whose body walks it, themselves or in a function they call."""
+        found: dict[str, list[ast.For | ast.While]] = {}
+        for loop in (n for n in self.script.nodes if isinstance(n, (ast.For, ast.While))):
+            walked, callees = self.walked_in(loop.body)
+            for callee in callees:
+                walked |= self.function_walks[callee]
+            for name in walked:
+                found.setdefault(name, []).append(loop)
+        return found
+
+    @cached_property
+    def function_walks(self) -> dict[str, set[str]]:
+        """Same-file function -> the names its body walks (`for batch in self.loader:`)."""
+        return {
+            name: self.walked_in(function.body)[0]
+            for name, function in self.script.functions.items()
+        }
+
+    def walked_in(self, body: list[ast.stmt]) -> tuple[set[str], set[str]]:
+        """Names a `for` in `body` iterates or a call there is handed; the functions called."""
+        walked: set[str] = set()
+        callees: set[str] = set()
+        for stmt in body:
+            for node in ast.walk(stmt):
+                if isinstance(node, (ast.For, ast.AsyncFor)):
+                    walked.update(n for n in map(read_name, ast.walk(node.iter)) if n)
+                elif isinstance(node, ast.Call):
+                    passed = [*node.args, *(k.value for k in node.keywords)]
+                    walked.update(n for n in map(read_name, passed) if n)
+                    callees.update(same_file_callees(self.script, node.func, None))
+        return walked, callees
+
+
+def bound_names(target: ast.expr) -> list[str]:
+    """Names a target binds: `x`, `self.x` (as "x"), each name of a tuple."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for element in target.elts for n in bound_names(element)]
+    name = read_name(target)
+    return [name] if name is not None else []
+
+
+def read_name(node: ast.AST) -> str | None:
+    """`x` -> "x", `self.x` -> "x"; None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
+        return node.attr
+    return None
+
+
+def is_attr_call(node: ast.Call, attr: str) -> bool:
+    return isinstance(node.func, ast.Attribute) and node.func.attr == attr

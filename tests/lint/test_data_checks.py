@@ -1,0 +1,315 @@
+"""The checks of assistant/lint/checks/data.py: a DataLoader with no
+DistributedSampler in a DDP script (missing-distributed-sampler), and a
+shuffling DistributedSampler whose set_epoch is never called while the
+script loops over epochs (sampler-set-epoch). Both mistakes are silent, so
+the cases where a script handles the data some other way must stay clean."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from assistant.cli import main
+from assistant.errors import ExitCode
+from assistant.lint import lint_source
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+DATA_CAUSES = {"missing-distributed-sampler", "sampler-set-epoch"}
+
+DDP_PRELUDE = """\
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
+
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+model = DDP(torch.nn.Linear(4, 1))
+data = TensorDataset(torch.randn(64, 4))
+"""
+
+SAMPLER_PRELUDE = """\
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+dist.init_process_group("gloo")
+model = DDP(torch.nn.Linear(4, 1))
+data = TensorDataset(torch.randn(64, 4))
+"""
+
+
+def findings(prelude: str, body: str) -> list[tuple[str, int]]:
+    """(cause id, line in `body`) of the data checks' findings."""
+    offset = prelude.count("\n")
+    source = prelude + textwrap.dedent(body)
+    return [(f.cause_id, f.line - offset) for f in lint_source(source) if f.cause_id in DATA_CAUSES]
+
+
+# ---------------------------------------------------------------- missing-distributed-sampler
+
+NO_SAMPLER_FLAGGED = {
+    "shuffled_train_loader": ("loader = DataLoader(data, batch_size=8, shuffle=True)", 1),
+    "sampler_given_as_none": ("loader = DataLoader(data, batch_size=8, sampler=None)", 1),
+    "dataset_by_keyword": ("loader = DataLoader(dataset=data, batch_size=8)", 1),
+    "loader_built_in_a_function": (
+        "def make_loader(ds):\n    return DataLoader(ds, batch_size=8)\nloader = make_loader(data)",
+        2,
+    ),
+    "evaluated_on_every_rank": (
+        "val = DataLoader(data, batch_size=8)\nfor (x,) in val:\n    model(x)",
+        1,
+    ),
+    "subclass_of_a_map_dataset": (
+        (
+            "class Squares(torch.utils.data.Dataset):\n"
+            "    def __len__(self):\n        return 10\n"
+            "    def __getitem__(self, i):\n        return i * i\n"
+            "loader = DataLoader(Squares(), batch_size=2)"
+        ),
+        6,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_SAMPLER_FLAGGED))
+def test_a_loader_every_rank_reads_in_full_is_reported(case: str) -> None:
+    body, line = NO_SAMPLER_FLAGGED[case]
+    assert findings(DDP_PRELUDE, body) == [("missing-distributed-sampler", line)]
+
+
+NO_SAMPLER_CLEAN = {
+    "sampler_given": "loader = DataLoader(data, sampler=torch.utils.data.RandomSampler(data))",
+    "batch_sampler_given": "loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])",
+    "sampler_by_position": "loader = DataLoader(data, 8, False, my_sampler)",
+    "options_splatted": "loader = DataLoader(data, **loader_options)",
+    "built_on_rank_zero": "if rank == 0:\n    loader = DataLoader(data, batch_size=8)",
+    "built_after_an_early_return": (
+        "def report():\n    if dist.get_rank() != 0:\n        return\n"
+        "    for (x,) in DataLoader(data, batch_size=8):\n        print(model.module(x))\n"
+        "report()"
+    ),
+    "only_rank_zero_reads_it": (
+        "test_loader = DataLoader(data, batch_size=8)\n"
+        "def evaluate(loader):\n    for (x,) in loader:\n        model.module(x)\n"
+        "if rank == 0:\n    evaluate(test_loader)"
+    ),
+    "subset_cut_by_rank": (
+        "mine = Subset(data, range(rank, len(data), world_size))\n"
+        "loader = DataLoader(mine, batch_size=8)"
+    ),
+    "iterable_dataset_of_the_script": (
+        "class Stream(IterableDataset):\n"
+        "    def __iter__(self):\n        yield from range(dist.get_rank(), 100, 2)\n"
+        "class Tokens(Stream):\n    pass\n"
+        "def open_stream():\n    return Tokens()\n"
+        "stream = open_stream()\n"
+        "loader = DataLoader(stream, batch_size=8)\n"
+        "direct = DataLoader(Stream(), batch_size=8)"
+    ),
+    "streaming_dataset": (
+        "import datasets\n"
+        "stream = datasets.load_dataset('c4', split='train', streaming=True)\n"
+        "loader = DataLoader(stream, batch_size=8)"
+    ),
+    "accelerate_prepares_it": (
+        "from accelerate import Accelerator\n"
+        "accelerator = Accelerator()\n"
+        "loader = DataLoader(data, batch_size=8, shuffle=True)\n"
+        "model, loader = accelerator.prepare(model, loader)"
+    ),
+    "distributed_sampler_elsewhere_in_the_script": (
+        "from torch.utils.data.distributed import DistributedSampler\n"
+        "train = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "extra = DataLoader(data, batch_size=8)"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NO_SAMPLER_CLEAN))
+def test_a_loader_the_script_splits_otherwise_is_not_reported(case: str) -> None:
+    assert findings(DDP_PRELUDE, NO_SAMPLER_CLEAN[case]) == []
+
+
+def test_a_lightning_module_gets_its_sampler_from_the_trainer() -> None:
+    source = (
+        "import lightning as L\nimport torch\nimport torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "class Model(L.LightningModule):\n"
+        "    def train_dataloader(self):\n"
+        "        return DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)\n"
+        "dist.init_process_group('gloo')\n"
+        "L.Trainer(strategy='ddp', devices=2).fit(Model())\n"
+    )
+    assert lint_source(source) == []
+
+
+def test_a_script_that_is_not_distributed_is_not_reported() -> None:
+    source = (
+        "import torch\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2, shuffle=True)\n"
+        "for epoch in range(2):\n    for batch in loader:\n        pass\n"
+    )
+    assert lint_source(source) == []
+
+
+def test_the_message_names_the_dataset_and_the_fix() -> None:
+    (finding,) = [
+        f
+        for f in lint_source(DDP_PRELUDE + "loader = DataLoader(data, batch_size=8)\n")
+        if f.cause_id == "missing-distributed-sampler"
+    ]
+    assert "DataLoader over data has no sampler" in finding.message
+    assert "every rank iterates the whole dataset" in finding.message
+    assert finding.message.endswith("pass sampler=DistributedSampler(data)")
+    assert "\n" not in finding.message
+
+
+# ---------------------------------------------------------------- sampler-set-epoch
+
+SET_EPOCH_FLAGGED = {
+    "loop_over_the_loader": (
+        (
+            "sampler = DistributedSampler(data, shuffle=True)\n"
+            "loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+            "for epoch in range(3):\n    for (x,) in loader:\n        model(x)"
+        ),
+        1,
+    ),
+    "loader_handed_to_an_epoch_function": (
+        (
+            "def train_one_epoch(loader):\n    for (x,) in loader:\n        model(x)\n"
+            "sampler = DistributedSampler(data)\n"
+            "loader = DataLoader(data, sampler=sampler)\n"
+            "for epoch in range(3):\n    train_one_epoch(loader)"
+        ),
+        4,
+    ),
+    "while_loop_over_steps": (
+        (
+            "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+            "step = 0\n"
+            "while step < 100:\n    for (x,) in loader:\n        step += 1"
+        ),
+        1,
+    ),
+    "loader_returned_by_a_builder": (
+        (
+            "def build():\n"
+            "    sampler = DistributedSampler(data)\n"
+            "    return DataLoader(data, batch_size=8, sampler=sampler)\n"
+            "train_loader = build()\n"
+            "for epoch in range(3):\n    for (x,) in train_loader:\n        model(x)"
+        ),
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SET_EPOCH_FLAGGED))
+def test_a_sampler_never_told_the_epoch_is_reported(case: str) -> None:
+    body, line = SET_EPOCH_FLAGGED[case]
+    assert findings(SAMPLER_PRELUDE, body) == [("sampler-set-epoch", line)]
+
+
+SET_EPOCH_CLEAN = {
+    "set_epoch_called": (
+        "sampler = DistributedSampler(data)\nloader = DataLoader(data, sampler=sampler)\n"
+        "for epoch in range(3):\n    sampler.set_epoch(epoch)\n    for (x,) in loader:\n"
+        "        model(x)"
+    ),
+    "set_epoch_through_the_loader": (
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "for epoch in range(3):\n    loader.sampler.set_epoch(epoch)\n"
+        "    for (x,) in loader:\n        model(x)"
+    ),
+    "no_shuffle": (
+        "sampler = DistributedSampler(data, shuffle=False)\n"
+        "loader = DataLoader(data, sampler=sampler)\n"
+        "for epoch in range(3):\n    for (x,) in loader:\n        model(x)"
+    ),
+    "one_pass_only": (
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "for (x,) in loader:\n    model(x)"
+    ),
+    "epoch_loop_over_another_loader": (
+        "once = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "other = DataLoader(data, batch_size=8)\n"
+        "for epoch in range(3):\n    for (x,) in other:\n        model(x)\n"
+        "for (x,) in once:\n    model(x)"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SET_EPOCH_CLEAN))
+def test_a_sampler_that_needs_no_epoch_or_gets_one_is_not_reported(case: str) -> None:
+    assert findings(SAMPLER_PRELUDE, SET_EPOCH_CLEAN[case]) == []
+
+
+def test_the_loop_named_is_the_one_of_the_samplers_own_class() -> None:
+    # Both the class and main call their loader `loader`; each sampler gets its own loop.
+    body = (
+        "class Trainer:\n"
+        "    def __init__(self):\n"
+        "        self.sampler = DistributedSampler(data)\n"
+        "        self.loader = DataLoader(data, sampler=self.sampler)\n"
+        "    def epoch(self):\n"
+        "        for (x,) in self.loader:\n            model(x)\n"
+        "    def fit(self):\n"
+        "        for epoch in range(3):\n            self.epoch()\n"
+        "sampler = DistributedSampler(data)\n"
+        "loader = DataLoader(data, sampler=sampler)\n"
+        "for epoch in range(3):\n    for (x,) in loader:\n        model(x)\n"
+    )
+    found = [f for f in lint_source(SAMPLER_PRELUDE + body) if f.cause_id == "sampler-set-epoch"]
+    offset = SAMPLER_PRELUDE.count("\n")
+    assert [(f.line - offset) for f in found] == [3, 11]
+    assert "the loop on line" in found[0].message
+    assert f"line {offset + 9} runs the epochs" in found[0].message
+    assert f"line {offset + 13} runs the epochs" in found[1].message
+
+
+# ---------------------------------------------------------------- the fixtures, end to end
+
+
+def test_cli_lint_reports_the_loaders_without_a_sampler() -> None:
+    path = SCRIPTS / "dataloader_without_distributed_sampler.py"
+    result = CliRunner().invoke(main, ["lint", str(path)])
+    assert result.exit_code == ExitCode.FAILED
+    assert f"{path}:21: [missing-distributed-sampler]" in result.stdout
+    assert f"{path}:22: [missing-distributed-sampler]" in result.stdout
+    assert result.stdout.strip().endswith("2 finding(s)")
+
+
+def test_cli_lint_reports_the_sampler_never_told_the_epoch() -> None:
+    path = SCRIPTS / "sampler_set_epoch_never_called.py"
+    result = CliRunner().invoke(main, ["lint", str(path)])
+    assert result.exit_code == ExitCode.FAILED
+    assert f"{path}:18: [sampler-set-epoch]" in result.stdout
+    assert "the loop on line 34 runs the epochs" in result.stdout
+    assert result.stdout.strip().endswith("1 finding(s)")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["correct_dataloader_with_distributed_sampler.py", "correct_iterable_dataset_split_by_rank.py"],
+)
+def test_cli_lint_of_the_fixed_scripts_is_clean(name: str) -> None:
+    result = CliRunner().invoke(main, ["lint", str(SCRIPTS / name)])
+    assert result.exit_code == ExitCode.OK, result.output
+    assert result.stdout.strip().endswith("0 finding(s)")
+
+
+def test_cli_lint_json_carries_cause_line_and_message() -> None:
+    path = SCRIPTS / "sampler_set_epoch_never_called.py"
+    result = CliRunner().invoke(main, ["lint", "--json", str(path)])
+    assert result.exit_code == ExitCode.FAILED
+    (finding,) = json.loads(result.stdout)
+    assert (finding["cause_id"], finding["line"]) == ("sampler-set-epoch", 18)
+    assert "set_epoch is never called" in finding["message"]
