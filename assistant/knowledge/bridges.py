@@ -30,6 +30,9 @@ MAX_TERM_CHARS = 8  # a longer key would be a phrase from one report, not a term
 _CJK_RUN = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]+")
 _CJK_ONLY = re.compile(r"^[\u3400-\u9fff\uf900-\ufaff]+$")
 _LATIN = re.compile(r"[A-Za-z]")
+# A number before 卡 (card): "0卡" / "1号卡" name a GPU, "8卡" / "8张卡" count them.
+# Digits are not Chinese characters, so no bridge key can hold them.
+_NUMBERED_CARD = re.compile(r"(?<![A-Za-z\d.])(\d{1,3})\s*(号|张|块)?卡")
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,9 @@ class Bridge:
 
     def english(self, text: str) -> list[str]:
         """The English words for the Chinese terms in `text`, each once, in order."""
-        words = (word for term in self.found(text) for word in self.terms[term])
+        words = [word for term in self.found(text) for word in self.terms[term]]
+        if self.terms:  # an empty bridge (a team KB without one) adds nothing
+            words += numbered_cards(text)
         return list(dict.fromkeys(words))
 
     def expand(self, text: str) -> str:
@@ -70,6 +75,22 @@ class Bridge:
 
 
 EMPTY = Bridge({})
+
+
+def numbered_cards(text: str) -> list[str]:
+    """English for numbered cards: "0卡" and "1号卡" -> "GPU 0", "GPU 1"; "8卡", "两张卡" stay counts.
+
+    GPU 0 is the one people name most ("0卡显存占用高": extra memory on GPU 0),
+    and index 0 is never a count.
+    """
+    words = []
+    for number, kind in _NUMBERED_CARD.findall(text):
+        index = int(number)
+        if kind == "号" or (not kind and index == 0):
+            words.append(f"GPU {index}")
+        else:
+            words.append(f"{index} GPUs")
+    return words
 
 
 def parse_bridge(data: object, source: str) -> dict[str, tuple[str, ...]]:
@@ -82,7 +103,9 @@ def parse_bridge(data: object, source: str) -> dict[str, tuple[str, ...]]:
         if not isinstance(key, str) or not _CJK_ONLY.match(key):
             raise UserError(f"{where}: a key must be Chinese characters only")
         if len(key) > MAX_TERM_CHARS:
-            raise UserError(f"{where}: longer than {MAX_TERM_CHARS} characters; bridge terms, not phrases")
+            raise UserError(
+                f"{where}: longer than {MAX_TERM_CHARS} characters; bridge terms, not phrases"
+            )
         words = [value] if isinstance(value, str) else value
         if not isinstance(words, list) or not words:
             raise UserError(f"{where}: give the English as a string or a non-empty list")
@@ -151,4 +174,3 @@ def _load_cached(stamps: tuple[tuple[str, float], ...]) -> Bridge:
     for path, _ in stamps:
         merged.update(read_bridge_file(Path(path)))
     return Bridge(merged)
-

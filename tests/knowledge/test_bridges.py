@@ -22,7 +22,18 @@ def shipped() -> Bridge:
 
 def test_the_shipped_bridge_is_valid_and_covers_the_domain(shipped):
     assert len(shipped.terms) >= 60
-    for term in ("显存", "卡住", "端口", "超时", "进程组", "初始化", "通信", "节点", "网卡", "共享内存"):
+    for term in (
+        "显存",
+        "卡住",
+        "端口",
+        "超时",
+        "进程组",
+        "初始化",
+        "通信",
+        "节点",
+        "网卡",
+        "共享内存",
+    ):
         assert term in shipped.terms, term
 
 
@@ -45,22 +56,47 @@ def test_each_broken_bridge_file_is_refused_in_one_line(bad):
 
 
 def test_the_longest_term_wins_where_terms_overlap():
-    bridge = Bridge({"卡住": ("hang",), "显存": ("GPU memory",), "显存不足": ("OOM",), "号卡": ("GPU",)})
+    bridge = Bridge(
+        {"卡住": ("hang",), "显存": ("GPU memory",), "显存不足": ("OOM",), "号卡": ("GPU",)}
+    )
     assert bridge.found("训练到一半卡住了，0号卡显存不足") == ["卡住", "号卡", "显存不足"]
     assert bridge.english("显存不足，显存不足") == ["OOM"]
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("0卡显存占用率过高", ["GPU 0"]),
+        ("1号卡上有其他进程", ["GPU 1"]),
+        ("单机8卡训练", ["8 GPUs"]),
+        ("用了 2 张卡", ["2 GPUs"]),
+        ("V100卡和A100卡都试过，torch 2.0卡住", []),  # model names and versions are not cards
+    ],
+)
+def test_numbered_cards_become_gpus_or_counts(text, words):
+    bridge = Bridge({"端口": ("port",)})
+    assert [w for w in bridge.english(text) if w != "port"] == words
+
+
+def test_an_empty_bridge_adds_nothing_even_for_numbered_cards():
+    assert Bridge({}).expand("0卡显存高") == "0卡显存高"
 
 
 def test_expand_adds_english_only_when_a_term_is_found():
     bridge = Bridge({"端口": ("port",), "超时": ("timeout", "timed out")})
     assert bridge.expand("端口连接超时") == "端口连接超时\nport timeout timed out"
-    assert bridge.expand("NCCL error: unhandled system error") == "NCCL error: unhandled system error"
+    assert (
+        bridge.expand("NCCL error: unhandled system error") == "NCCL error: unhandled system error"
+    )
 
 
 def test_later_layers_add_terms_and_override_earlier_ones(tmp_path):
     base, team = tmp_path / "base", tmp_path / "team"
     base.mkdir(), team.mkdir()
     (base / BRIDGE_FILE).write_text("terms:\n  显卡: GPU\n  端口: port\n", encoding="utf-8")
-    (team / BRIDGE_FILE).write_text("terms:\n  显卡: [graphics card]\n  集群: cluster\n", encoding="utf-8")
+    (team / BRIDGE_FILE).write_text(
+        "terms:\n  显卡: [graphics card]\n  集群: cluster\n", encoding="utf-8"
+    )
     bridge = load_bridge([base, team, tmp_path / "no-such-layer"])
     assert bridge.terms == {"显卡": ("graphics card",), "端口": ("port",), "集群": ("cluster",)}
 
@@ -107,7 +143,9 @@ def test_a_chinese_question_finds_its_cause_through_the_bridge(retrievers, quest
 def test_an_english_log_is_searched_exactly_as_without_the_bridge(retrievers):
     with_bridge, without = retrievers
     log = clean_log("RuntimeError: NCCL error: unhandled system error, NCCL version 2.18.1")
-    assert with_bridge.signal_scores(log, shortcut=False) == without.signal_scores(log, shortcut=False)
+    assert with_bridge.signal_scores(log, shortcut=False) == without.signal_scores(
+        log, shortcut=False
+    )
 
 
 @pytest.mark.slow
