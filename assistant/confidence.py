@@ -146,6 +146,9 @@ DECIDERS = {
     "windows-libuv": ("environment", "launch"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
+# torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
+# that a rank's Python raised: without that rank's traceback no cause can be told.
+LAUNCHER_SUMMARY = re.compile(r"exitcode\s*:\s*1\b|ChildFailedError|ProcessExitedException")
 
 
 def assess(result: Result) -> Result:
@@ -200,6 +203,9 @@ def what_would_decide(result: Result) -> list[str]:
             counts[kind] = counts.get(kind, 0) + 1
     missing = [kind for kind in order if not already_given(kind, query)]
     missing.sort(key=lambda kind: counts[kind])  # stable: first-cause evidence first
+    if LAUNCHER_SUMMARY.search(query[:200_000]) and not already_given("traceback", query):
+        # The summary hides the error itself: nothing splits the causes without it.
+        missing = ["traceback", *(kind for kind in missing if kind != "traceback")]
     zh = result.lang == "zh"
     return [EVIDENCE[kind][2 if zh else 1] for kind in missing[:MAX_DECIDE]]
 

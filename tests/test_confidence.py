@@ -59,7 +59,23 @@ def test_evidence_already_in_the_question_is_not_asked_again(query):
 
 
 def test_a_chinese_question_is_asked_in_chinese():
-    result = assess(unsure("windows-libuv", "nccl-not-available", lang="zh", query="windows 上报错"))
+    result = assess(
+        unsure("windows-libuv", "nccl-not-available", lang="zh", query="windows 上报错")
+    )
     assert result.confidence == "low" and result.decide
     assert all(CJK.search(line) for line in result.decide)
     assert any("collect_env" in line for line in result.decide)
+
+
+def test_a_launcher_summary_alone_asks_for_the_failing_ranks_traceback_first():
+    summary = (
+        "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: 1) "
+        "local_rank: 0 (pid: 1234) of binary: /usr/bin/python3"
+    )
+    decide = what_would_decide(unsure("master-endpoint-mismatch", "oom-killed", query=summary))
+    assert decide[0] == EVIDENCE["traceback"][1] and len(decide) <= 3
+    with_traceback = summary + "\nTraceback (most recent call last):\n  File 'train.py'"
+    later = what_would_decide(
+        unsure("master-endpoint-mismatch", "oom-killed", query=with_traceback)
+    )
+    assert EVIDENCE["traceback"][1] not in later
