@@ -56,6 +56,18 @@ SPAWN_PROCESS = re.compile(r"-- Process (\d+) terminated with the following erro
 ROOT_CAUSE_RANK = re.compile(r"Root Cause \(first observed failure\):")
 SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
+# Other ways launchers and people give a rank's exit status when nothing else
+# is known: DeepSpeed's "exits with return code = -9", "exit code 137", and in
+# Chinese "返回值是-9", "错误码 -9", "退出码：-9".
+EXIT_STATUS = re.compile(
+    r"exits? with return(?: code)?\s*=?\s*(-?\d+)"
+    r"|\b(?:exit|return)(?:ed)? (?:code|status)\s*[:=]?\s*(-?\d+)"
+    r"|(?:返回|退出|错误)(?:值|码|代码|错误码)\s*(?:是|为|:|：)?\s*(-?\d+)",
+    re.IGNORECASE,
+)
+# Signals that end a rank without a word, by number: the exit status is minus the
+# number (Python's subprocess), or 128 plus it (a shell).
+SIGNAL_NAMES = {6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 SIGNAL_LINE = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID")
 SALIENT = re.compile(
     r"error|exception|fail|timed? ?out|warn|nccl|gloo|cuda|hang|killed|signal|refused|unable|"
@@ -218,7 +230,27 @@ def _signal_error(entries: list[tuple[int | None, str]], rank: int | None) -> Ro
         match = EXITCODE.search(line)
         if match and match.group(1) not in ("0", "1"):
             return RootError("ChildFailedError", f"exitcode: {match.group(1)}", rank)
+    for _, line in entries:
+        match = EXIT_STATUS.search(line)
+        if match:
+            found = _exit_status_error(int(next(g for g in match.groups() if g)), line, rank)
+            if found is not None:
+                return found
     return None
+
+
+def _exit_status_error(code: int, line: str, rank: int | None) -> RootError | None:
+    """A rank's exit status in another launcher's (or a person's) words, torchrun-style.
+
+    Written as torchrun writes it ("exitcode: -9") so that one KB signature
+    matches every wording; 0 and 1 say nothing about the cause.
+    """
+    if code - 128 in SIGNAL_NAMES:  # a shell reports SIGKILL as 137 = 128 + 9
+        code = 128 - code
+    if code in (0, 1):
+        return None
+    name = SIGNAL_NAMES.get(-code, "ChildFailedError")
+    return RootError(name, f"exitcode: {code} ({line.strip()[:200]})", rank)
 
 
 def find_root_error(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from assistant.clean import clean_log, strip_line
 
 LOGS = Path(__file__).parent / "data" / "logs"
@@ -165,3 +167,38 @@ def test_mp_spawn_wrapper_gives_way_to_the_process_own_error():
     root = clean_log(log).root_error
     assert root.type == "torch.distributed.DistNetworkError" and root.rank == 0
     assert "EADDRINUSE" in root.message
+
+
+@pytest.mark.parametrize(
+    ("text", "signal", "code"),
+    [
+        (
+            "[launch.py:324:sigkill_handler] ['python', 'train.py'] exits with return code = -9",
+            "SIGKILL",
+            -9,
+        ),
+        ("[Error][launch.py:324:sigkill_handler]exits with return -7", "SIGBUS", -7),
+        ("用deepspeed方式返回错误码-9 啥意思", "SIGKILL", -9),
+        ("训练报错，返回值是-9，请问如何处理", "SIGKILL", -9),
+        ("多卡训练退出码：-11", "SIGSEGV", -11),
+        ("the container ended with exit code 137", "SIGKILL", -9),
+        ("worker exited with exit status 2", "ChildFailedError", 2),
+    ],
+)
+def test_an_exit_status_in_any_wording_is_the_root_error_as_torchrun_writes_it(text, signal, code):
+    root = clean_log(text).root_error
+    assert root.type == signal
+    assert root.message.startswith(f"exitcode: {code} (")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Process finished with exit code 0",
+        "the script exited with exit status 1",
+        "RuntimeError: boom\nexits with return code = -9",  # a real exception wins
+    ],
+)
+def test_an_exit_status_that_says_nothing_is_no_root_error(text):
+    root = clean_log(text).root_error
+    assert root is None or root.type == "RuntimeError"
