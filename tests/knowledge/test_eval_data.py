@@ -108,6 +108,7 @@ REAL_SETS = [
     "real_reports_holdout5.jsonl",
     "real_reports_holdout7.jsonl",
     "real_reports_holdout8.jsonl",
+    "real_reports_holdout9.jsonl",
 ]
 
 
