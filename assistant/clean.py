@@ -58,10 +58,11 @@ SUMMARY_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 # Other ways launchers and people give a rank's exit status when nothing else
 # is known: DeepSpeed's "exits with return code = -9", "exit code 137", and in
-# Chinese "返回值是-9", "错误码 -9", "退出码：-9".
+# Chinese "返回值是-9", "错误码 -9", "退出码：-9". No \b: in "退出return code" the
+# Chinese character before "return" is a word character to `re`.
 EXIT_STATUS = re.compile(
     r"exits? with return(?: code)?\s*=?\s*(-?\d+)"
-    r"|\b(?:exit|return)(?:ed)? (?:code|status)\s*[:=]?\s*(-?\d+)"
+    r"|(?<![a-z])(?:exit|return)(?:ed)? (?:code|status)\s*[:=]?\s*(-?\d+)"
     r"|(?:返回|退出|错误)(?:值|码|代码|错误码)\s*(?:是|为|:|：)?\s*(-?\d+)",
     re.IGNORECASE,
 )

@@ -181,6 +181,7 @@ def test_mp_spawn_wrapper_gives_way_to_the_process_own_error():
         ("用deepspeed方式返回错误码-9 啥意思", "SIGKILL", -9),
         ("训练报错，返回值是-9，请问如何处理", "SIGKILL", -9),
         ("多卡训练退出码：-11", "SIGSEGV", -11),
+        ("运行 run_lora.sh 退出return code=-7", "SIGBUS", -7),  # no word boundary after 出
         ("the container ended with exit code 137", "SIGKILL", -9),
         ("worker exited with exit status 2", "ChildFailedError", 2),
     ],
