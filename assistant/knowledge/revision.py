@@ -21,6 +21,7 @@ from assistant.knowledge.evaluate import all_signal_scores, compare_rankings, fu
 from assistant.knowledge.files import as_layers
 
 KB_FOLDERS = ("causes", "threads")
+KB_FILES = ("bridge.yaml",)  # a layer's term bridge ranks Chinese questions too
 GIT_TIMEOUT = 60  # seconds; archiving a KB folder takes well under one
 
 
@@ -42,7 +43,7 @@ def _git_text(folder: Path, *args: str) -> str | None:
 
 
 def layer_at_revision(layer: Path, revision: str, dest: Path) -> Path:
-    """Write `layer` (causes/ and threads/) as it was at `revision` into `dest`; return dest.
+    """Write `layer` (causes/, threads/, bridge.yaml) as it was at `revision` into `dest`.
 
     A folder missing at that revision (a team layer the change adds) comes
     out empty: the comparison is then against the KB without it.
@@ -56,7 +57,7 @@ def layer_at_revision(layer: Path, revision: str, dest: Path) -> Path:
         raise UserError(f"--compare: unknown revision {revision!r} in {top}")
     present = [
         f"{prefix}{name}"
-        for name in KB_FOLDERS
+        for name in (*KB_FOLDERS, *KB_FILES)
         if _git_text(Path(top), "ls-tree", "--name-only", commit, "--", f"{prefix}{name}")
     ]
     unpacked = dest.parent / f"{dest.name}-archive"
@@ -74,6 +75,9 @@ def layer_at_revision(layer: Path, revision: str, dest: Path) -> Path:
             shutil.copytree(source / name, target)
         else:
             target.mkdir(parents=True, exist_ok=True)
+    for name in KB_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
     return dest
 
 

@@ -98,6 +98,9 @@ def test_a_layer_at_a_revision_comes_from_git_not_the_working_tree(kb_repo, tmp_
     shm = (old / "causes" / "shm-too-small.yaml").read_text(encoding="utf-8")
     assert ODD_SIGNATURE in port and ODD_SIGNATURE not in shm
     assert len(list((old / "threads").glob("*.yaml"))) == len(list(REPO_KB.glob("threads/*")))
+    # The term bridge is part of the layer: without it Chinese questions rank differently,
+    # and an unchanged KB would seem to fix and break queries.
+    assert (old / "bridge.yaml").read_bytes() == (REPO_KB / "bridge.yaml").read_bytes()
     assert git(kb_repo, "status", "--porcelain") == (
         " M kb/causes/master-port-in-use.yaml\n M kb/causes/shm-too-small.yaml\n"
     )
