@@ -99,17 +99,10 @@ def test_every_broken_script_is_launched_by_a_run() -> None:
     assert not orphans
 
 
-REAL_SETS = [
-    "real_reports.jsonl",
-    "real_reports_holdout.jsonl",
-    "real_reports_holdout2.jsonl",
-    "real_reports_holdout3.jsonl",
-    "real_reports_holdout4.jsonl",
-    "real_reports_holdout5.jsonl",
-    "real_reports_holdout7.jsonl",
-    "real_reports_holdout8.jsonl",
-    "real_reports_holdout9.jsonl",
-]
+# Every file of real user reports; the small ones (a handful of reports for
+# new causes, a set cut short) are checked like the others except for size.
+REAL_SETS = sorted(path.name for path in (ROOT / "data" / "eval").glob("real_reports*.jsonl"))
+SMALL_SETS = {"real_reports_holdout6_small.jsonl", "real_reports_new_causes.jsonl"}
 
 
 def kb_cause_ids() -> set[str]:
@@ -124,7 +117,7 @@ def test_real_reports_are_well_formed_and_cite_their_threads(name: str) -> None:
     # Real reports may be labelled with causes beyond the contract, as long as
     # the KB documents them (a label the KB cannot produce would be a dead miss).
     known = set(contract_ids()) | kb_cause_ids()
-    assert len(reports) >= 35
+    assert len(reports) >= (3 if name in SMALL_SETS else 35)
     assert len({r["id"] for r in reports}) == len(reports)
     for report in reports:
         assert set(report) == {"id", "query", "causes", "source", "url"}, report["id"]
@@ -143,3 +136,23 @@ def test_the_real_report_sets_share_no_thread() -> None:
     for name in REAL_SETS:
         assert not seen & urls(name), name
         seen |= urls(name)
+
+
+# The sets measured once as held out. The earlier ones (real_reports, holdout,
+# holdout2, holdout3) were tuned on and holdout3 chose the new causes, so the KB's
+# threads cite some of their threads by design (data/eval/README.md).
+MEASURED_HELD_OUT = [name for name in REAL_SETS if re.search(r"holdout([4-9]|\d\d)", name)]
+
+
+def test_no_held_out_thread_is_cited_by_the_kb() -> None:
+    """A thread the KB cites was read while writing it: its report would measure recall, not
+    generality."""
+    assert len(MEASURED_HELD_OUT) >= 6
+    kb_text = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "kb").rglob("*.yaml"))
+    cited = set(re.findall(r"https://github\.com/[^\s'\"#)]+", kb_text))
+    for name in MEASURED_HELD_OUT:
+        path = ROOT / "data" / "eval" / name
+        urls = {
+            json.loads(line)["url"].rstrip("/") for line in path.read_text().splitlines() if line
+        }
+        assert not urls & {url.rstrip("/") for url in cited}, name
