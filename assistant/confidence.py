@@ -144,6 +144,7 @@ DECIDERS = {
     "syncbn-without-process-group": ("launch", "traceback"),
     "too-many-open-files": ("file_limits", "traceback"),
     "windows-libuv": ("environment", "launch"),
+    "batch-too-small-per-gpu": ("traceback", "script"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
