@@ -144,6 +144,7 @@ DECIDERS = {
     "syncbn-without-process-group": ("launch", "traceback"),
     "too-many-open-files": ("file_limits", "traceback"),
     "windows-libuv": ("environment", "launch"),
+    "launcher-not-found": ("launch", "environment"),
     "batch-too-small-per-gpu": ("traceback", "script"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
