@@ -145,6 +145,7 @@ DECIDERS = {
     "too-many-open-files": ("file_limits", "traceback"),
     "windows-libuv": ("environment", "launch"),
     "launcher-not-found": ("launch", "environment"),
+    "library-version-mismatch": ("environment", "traceback"),
     "batch-too-small-per-gpu": ("traceback", "script"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
