@@ -147,6 +147,7 @@ DECIDERS = {
     "launcher-not-found": ("launch", "environment"),
     "library-version-mismatch": ("environment", "traceback"),
     "batch-too-small-per-gpu": ("traceback", "script"),
+    "device-map-with-ddp": ("script", "launch"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
