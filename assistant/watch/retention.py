@@ -1,6 +1,6 @@
 """Old run log folders are pruned when a run starts, so the cache does not grow forever.
 
-    pruned = prune_runs(runs_dir(), retention_from_env())   # never raises
+    pruned = prune_old_runs(spare=log_dir)   # never raises
     pruned.removed, pruned.problem
 
 A folder under runs/ stays while it is one of the newest `keep`
@@ -59,16 +59,15 @@ class SettingError(ValueError):
     """A retention variable that is not a number pruning can use."""
 
 
-def retention_from_env(environ: dict[str, str] | None = None) -> Retention:
+def retention_from_env() -> Retention:
     """The retention the environment asks for; SettingError for a value that is not a number."""
-    env = os.environ if environ is None else environ
-    keep = _setting(env, KEEP_VAR, DEFAULT_KEEP, int, "a whole number")
-    age = _setting(env, MAX_AGE_VAR, DEFAULT_MAX_AGE_DAYS, float, "a number of days")
+    keep = _setting(KEEP_VAR, DEFAULT_KEEP, int, "a whole number")
+    age = _setting(MAX_AGE_VAR, DEFAULT_MAX_AGE_DAYS, float, "a number of days")
     return Retention(keep=keep, max_age_days=age)
 
 
-def _setting(env, name: str, default, kind: type, what: str):
-    text = env.get(name, "").strip()
+def _setting(name: str, default, kind: type, what: str):
+    text = os.environ.get(name, "").strip()
     if not text:
         return default
     try:
@@ -139,15 +138,13 @@ def prune_old_runs(spare: Path | None = None) -> Pruned:
         return Pruned(problem=f"old run logs were not pruned: {exc}")
 
 
-def prune_runs(
-    runs: Path, retention: Retention, spare: Path | None = None, now: float | None = None
-) -> Pruned:
+def prune_runs(runs: Path, retention: Retention, spare: Path | None = None) -> Pruned:
     """Remove the run folders under `runs` that the retention lets go; never raises.
 
     `spare`: a folder never removed (the run starting now).
     """
     pruned = Pruned()
-    now = time.time() if now is None else now
+    now = time.time()
     spare = spare.resolve() if spare is not None else None
     try:
         runs = runs.resolve()  # a runs/ that is itself a symlink is the person's choice
