@@ -17,11 +17,12 @@ import tempfile
 from pathlib import Path
 
 from assistant.errors import UserError
+from assistant.knowledge.bridges import BRIDGE_FILE
 from assistant.knowledge.evaluate import all_signal_scores, compare_rankings, fused_rankings
 from assistant.knowledge.files import as_layers
 
 KB_FOLDERS = ("causes", "threads")
-KB_FILES = ("bridge.yaml",)  # a layer's term bridge ranks Chinese questions too
+KB_FILES = (BRIDGE_FILE,)  # a layer's term bridge ranks Chinese questions too
 GIT_TIMEOUT = 60  # seconds; archiving a KB folder takes well under one
 
 
