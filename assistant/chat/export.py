@@ -208,7 +208,7 @@ def _launches_section(conversation: Conversation, lang: str) -> str:
         if turn.job is None:
             continue
         ran = f" ({turn.job.seconds:.1f} s)" if turn.job.seconds is not None else ""
-        parts.append(f"### `{_cell(short(first_line(turn.query), 200))}`{ran}")
+        parts.append(f"### {code_span(short(first_line(turn.query), 200))}{ran}")
         if turn.job.note:
             parts.append(turn.job.note)
         if turn.job.ranks:
@@ -234,9 +234,23 @@ def _questions_section(conversation: Conversation, lang: str) -> str:
 
 def fence(text: str, info: str = "") -> str:
     """`text` in a fenced code block whose fence no line of `text` can close."""
-    longest = max((len(run) for run in _backtick_runs(text)), default=0)
-    marks = "`" * max(3, longest + 1)
+    marks = "`" * max(3, _longest_backticks(text) + 1)
     return f"{marks}{info}\n{text}\n{marks}"
+
+
+def code_span(text: str) -> str:
+    """One line of `text` as inline code that none of its backticks can close.
+
+    Inside a code span a backslash is literal, so nothing is escaped (a `|`
+    of the command stays a `|`).
+    """
+    marks = "`" * (_longest_backticks(text) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{marks}{pad}{text}{pad}{marks}"
+
+
+def _longest_backticks(text: str) -> int:
+    return max((len(run) for run in _backtick_runs(text)), default=0)
 
 
 def _backtick_runs(text: str) -> list[str]:

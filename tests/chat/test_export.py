@@ -186,3 +186,15 @@ def test_a_watched_launch_is_in_the_report_with_its_ranks_and_output():
 
 def test_a_conversation_without_launches_has_no_launch_section():
     assert "Launches watched" not in conversation_markdown(conversation(), lang="en")
+
+
+def test_a_launch_heading_keeps_the_commands_pipes_and_backticks():
+    from assistant.chat.conversation import JobRecord
+
+    conv = conversation()
+    query = "$ python -c 'print(\"a|b\")' `x`"
+    conv.add(Turn(query=query, job=JobRecord.kept(["a|b"], [], seconds=1.0)))
+    text = conversation_markdown(conv, lang="en")
+    # A backslash is literal inside a code span: the pipe is not escaped; the
+    # command's own backtick cannot close the span (nor touch its delimiters).
+    assert f"### `` {query} `` (1.0 s)" in text
