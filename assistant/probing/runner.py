@@ -321,9 +321,9 @@ class ProbeRunner:
 def launch_temp(workdir: Path) -> Path:
     """A launch's own TMPDIR, inside its tracked folder, so it is removed with it.
 
-    torchrun's default log folder (torchelastic_*), gloo's and torch's temp
-    files, anything a probe makes with tempfile: none may outlive the launch,
-    not even one ended by SIGKILL after a signal to us.
+    gloo's and torch's temp files, anything a probe makes with tempfile: none
+    may outlive the launch, not even one ended by SIGKILL after a signal to
+    us (torchrun's own log folder is already inside: the launch's --log_dir).
     """
     temp = workdir / "tmp"
     temp.mkdir(exist_ok=True)
