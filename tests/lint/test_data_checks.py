@@ -104,6 +104,11 @@ NO_SAMPLER_CLEAN = {
         "mine = Subset(data, range(rank, len(data), world_size))\n"
         "loader = DataLoader(mine, batch_size=8)"
     ),
+    "indices_cut_by_rank_two_assignments_back": (
+        "indices = list(range(len(data)))[rank::world_size]\n"
+        "mine = Subset(data, indices)\n"
+        "loader = DataLoader(mine, batch_size=8)"
+    ),
     "iterable_dataset_of_the_script": (
         "class Stream(IterableDataset):\n"
         "    def __iter__(self):\n        yield from range(dist.get_rank(), 100, 2)\n"
@@ -227,6 +232,17 @@ SET_EPOCH_CLEAN = {
     "set_epoch_through_the_loader": (
         "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
         "for epoch in range(3):\n    loader.sampler.set_epoch(epoch)\n"
+        "    for (x,) in loader:\n        model(x)"
+    ),
+    "set_epoch_on_a_sampler_a_call_returns": (
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "for epoch in range(3):\n    sampler_of(loader).set_epoch(epoch)\n"
+        "    for (x,) in loader:\n        model(x)"
+    ),
+    "set_epoch_by_a_helper_function": (
+        "from helpers import set_epoch\n"
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "for epoch in range(3):\n    set_epoch(loader, epoch)\n"
         "    for (x,) in loader:\n        model(x)"
     ),
     "no_shuffle": (
