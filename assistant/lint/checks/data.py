@@ -16,7 +16,7 @@ from functools import cached_property
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
-from assistant.lint.torchapi import init_calls, is_ddp
+from assistant.lint.torchapi import init_calls, is_ddp, is_method
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -150,7 +150,7 @@ class DataFlow:
     def calls_set_epoch(self) -> bool:
         """Any `.set_epoch(...)`: on the sampler, `loader.sampler`, or a wrapper of either."""
         return any(
-            short(name) == "set_epoch" or is_attr_call(node, "set_epoch")
+            short(name) == "set_epoch" or is_method(node, "set_epoch")
             for node, name in self.script.call_names
         )
 
@@ -500,7 +500,3 @@ def read_name(node: ast.AST) -> str | None:
     ):
         return node.attr
     return None
-
-
-def is_attr_call(node: ast.Call, attr: str) -> bool:
-    return isinstance(node.func, ast.Attribute) and node.func.attr == attr
