@@ -56,20 +56,14 @@ def load_query_sets(paths: list[Path]) -> list[dict]:
 
 def by_set(queries: list[dict], rankings: list[list[str]]) -> dict[str, dict]:
     """Fused top-1 / recall@3 / MRR of each file in a pooled evaluation, in the given order."""
-    sums: dict[str, dict[str, float]] = {}
+    groups: dict[str, tuple[list[dict], list[list[str]]]] = {}
     for item, ranked in zip(queries, rankings):
-        row = sums.setdefault(
-            item.get("set", ""), {"queries": 0, "top1": 0.0, "recall3": 0.0, "mrr": 0.0}
-        )
-        row["queries"] += 1
-        for key, value in score_ranking(ranked, item["causes"]).items():
-            row[key] += value
+        items, ranks = groups.setdefault(item.get("set", ""), ([], []))
+        items.append(item)
+        ranks.append(ranked)
     return {
-        name: {
-            "queries": row["queries"],
-            **{k: round(row[k] / row["queries"], 4) for k in ("top1", "recall3", "mrr")},
-        }
-        for name, row in sums.items()
+        name: {"queries": len(items), **mean_scores(items, ranks)}
+        for name, (items, ranks) in groups.items()
     }
 
 
@@ -93,6 +87,15 @@ def score_ranking(ranked: list[str], relevant: list[str]) -> dict[str, float]:
     }
 
 
+def mean_scores(queries: list[dict], rankings: list[list[str]]) -> dict[str, float]:
+    """score_ranking's top1 / recall3 / mrr averaged over the queries, to 4 places."""
+    totals = {"top1": 0.0, "recall3": 0.0, "mrr": 0.0}
+    for item, ranked in zip(queries, rankings):
+        for key, value in score_ranking(ranked, item["causes"]).items():
+            totals[key] += value
+    return {key: round(value / len(queries), 4) for key, value in totals.items()}
+
+
 def all_signal_scores(engine, queries: list[dict]) -> list[dict]:
     """Every signal's cause scores per query (computed once, fused per run)."""
     return [engine.signal_scores(item["query"]) for item in queries]
@@ -106,24 +109,20 @@ def fused_rankings(per_query: list[dict]) -> list[list[str]]:
 def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -> dict:
     """Metrics per run (fused and each signal), plus the misses of the fused run."""
     report: dict = {"queries": len(queries)}
-    misses = []
     if per_query is None:
         per_query = all_signal_scores(engine, queries)
     fused = fused_rankings(per_query)  # exactly what `ask` fuses
     for run, signals in RUNS.items():
-        totals = {"top1": 0.0, "recall3": 0.0, "mrr": 0.0}
         if run == "fused":
             rankings = fused
         else:
             rankings = [[r.id for r in fuse({s: p[s] for s in signals})] for p in per_query]
-        for item, ranked in zip(queries, rankings):
-            scores = score_ranking(ranked, item["causes"])
-            for key in totals:
-                totals[key] += scores[key]
-            if run == "fused" and not scores["top1"]:
-                misses.append({"id": item["id"], "want": item["causes"], "got": ranked[:3]})
-        report[run] = {key: round(value / len(queries), 4) for key, value in totals.items()}
-    report["misses"] = misses
+        report[run] = mean_scores(queries, rankings)
+    report["misses"] = [
+        {"id": item["id"], "want": item["causes"], "got": ranked[:3]}
+        for item, ranked in zip(queries, fused)
+        if not score_ranking(ranked, item["causes"])["top1"]
+    ]
     report["by_lang"] = top1_by_lang(queries, fused)
     report["confidence"] = confidence_report(engine, queries)
     return report
@@ -224,23 +223,18 @@ def format_by_cause(rows: list[dict]) -> str:
 def compare_rankings(queries: list[dict], before: list[list[str]], after: list[list[str]]) -> dict:
     """Query by query, top-1 before and after a KB change: fixed, broken, unchanged."""
     report: dict = {"queries": len(queries), "fixed": [], "broken": [], "unchanged": 0}
-    totals = {"before": dict.fromkeys(("top1", "recall3", "mrr"), 0.0), "after": {}}
-    totals["after"] = dict(totals["before"])
     for item, old, new in zip(queries, before, after):
-        old_scores = score_ranking(old, item["causes"])
-        new_scores = score_ranking(new, item["causes"])
-        for side, scores in (("before", old_scores), ("after", new_scores)):
-            for key in totals[side]:
-                totals[side][key] += scores[key]
+        was = score_ranking(old, item["causes"])["top1"]
+        now = score_ranking(new, item["causes"])["top1"]
         entry = {"id": item["id"], "want": item["causes"], "before": old[:3], "after": new[:3]}
-        if new_scores["top1"] > old_scores["top1"]:
+        if now > was:
             report["fixed"].append(entry)
-        elif new_scores["top1"] < old_scores["top1"]:
+        elif now < was:
             report["broken"].append(entry)
         else:
             report["unchanged"] += 1
-    for side, sums in totals.items():
-        report[side] = {key: round(value / len(queries), 4) for key, value in sums.items()}
+    report["before"] = mean_scores(queries, before)
+    report["after"] = mean_scores(queries, after)
     return report
 
 
