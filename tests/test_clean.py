@@ -193,13 +193,12 @@ def test_an_exit_status_in_any_wording_is_the_root_error_as_torchrun_writes_it(t
 
 
 @pytest.mark.parametrize(
-    "text",
-    [
-        "Process finished with exit code 0",
-        "the script exited with exit status 1",
-        "RuntimeError: boom\nexits with return code = -9",  # a real exception wins
-    ],
+    "text", ["Process finished with exit code 0", "the script exited with exit status 1"]
 )
 def test_an_exit_status_that_says_nothing_is_no_root_error(text):
-    root = clean_log(text).root_error
-    assert root is None or root.type == "RuntimeError"
+    assert clean_log(text).root_error is None
+
+
+def test_a_real_exception_wins_over_an_exit_status():
+    root = clean_log("RuntimeError: boom\nexits with return code = -9").root_error
+    assert root.type == "RuntimeError" and root.message.startswith("boom")
