@@ -268,19 +268,25 @@ class DataFlow:
                 for callee in same_file_callees(self.script, node.func, None):
                     if callee.split(".")[0] in self.iterable_classes:
                         return True
-                    if self.returns_iterable(callee):
+                    if callee in self.iterable_builders:
                         return True
         return False
 
-    def returns_iterable(self, function: str) -> bool:
-        """A same-file function that builds one of the file's IterableDatasets."""
-        body = self.script.functions.get(function)
-        return body is not None and any(
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id in self.iterable_classes
-            for node in ast.walk(body)
-        )
+    @cached_property
+    def iterable_builders(self) -> set[str]:
+        """Same-file functions that build one of the file's IterableDatasets (each walked once)."""
+        if not self.iterable_classes:
+            return set()
+        return {
+            name
+            for name, function in self.script.functions.items()
+            if any(
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in self.iterable_classes
+                for node in ast.walk(function)
+            )
+        }
 
     def sharded_by_rank(self, dataset: ast.expr) -> bool:
         """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`."""
