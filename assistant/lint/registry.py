@@ -2,9 +2,10 @@
 
 A check reads a `Script` (the parsed file and its traces) and yields
 `Finding`s for the cause id (data/causes.yaml, or a KB cause in kb/causes/)
-it is registered under, or one of the ids when a single walk of the script serves several;
-several checks may share a cause id. `assistant.lint.checks` imports
-every area module, which registers its checks here.
+it is registered under, or for one of its ids when a single walk of the
+script serves several; several checks may share a cause id.
+`assistant.lint.checks` imports every area module, which registers its
+checks here.
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ items hang (uneven-inputs).
 One check finds both, in one walk of the data flow within each function
 (module level counts as one): in source order it notes which names hold a
 rank-dependent value (`n = rank + 1`, `10 if rank == 0 else 5`,
-`int(os.environ["RANK"])`), which hold a tensor whose shape or dtype comes from one (`torch.zeros(n)`,
-`.to(torch.half if rank else torch.float)`) and which a list whose length
-does (`[... for _ in range(rank)]`), then looks at each collective that no
-rank test keeps from some ranks.
+`int(os.environ["RANK"])`), which hold a tensor whose shape or dtype comes
+from one (`torch.zeros(n)`, `.to(torch.half if rank else torch.float)`) and
+which a list whose length does (`[... for _ in range(rank)]`), then looks at
+each collective that no rank test keeps from some ranks.
 
 Silence where the rank only places or labels things: a device (`.to(rank)`,
 f"cuda:{local_rank}", device=rank), a seed, a log line, a sampler, a slice of
