@@ -24,6 +24,7 @@ from assistant.results import CauseResult, Result
 CLEAR_MARGIN = 0.25
 MEDIUM_MARGIN = 0.1
 MAX_DECIDE = 3
+SEARCHED_CHARS = 200_000  # how much of a question is searched for evidence already given
 
 # Pieces of evidence a person can add, and how to recognise them in a question.
 EVIDENCE = {
@@ -197,7 +198,7 @@ def what_would_decide(result: Result) -> list[str]:
     comes first; evidence the question already contains is not asked for.
     """
     leading = result.causes[:3]
-    query = result.query or ""
+    query = (result.query or "")[:SEARCHED_CHARS]
     counts: dict[str, int] = {}
     order: list[str] = []
     for cause in leading:
@@ -207,7 +208,7 @@ def what_would_decide(result: Result) -> list[str]:
             counts[kind] = counts.get(kind, 0) + 1
     missing = [kind for kind in order if not already_given(kind, query)]
     missing.sort(key=lambda kind: counts[kind])  # stable: first-cause evidence first
-    if LAUNCHER_SUMMARY.search(query[:200_000]) and not already_given("traceback", query):
+    if LAUNCHER_SUMMARY.search(query) and not already_given("traceback", query):
         # The summary hides the error itself: nothing splits the causes without it.
         missing = ["traceback", *(kind for kind in missing if kind != "traceback")]
     zh = result.lang == "zh"
@@ -215,5 +216,6 @@ def what_would_decide(result: Result) -> list[str]:
 
 
 def already_given(kind: str, query: str) -> bool:
+    """The question (cut to SEARCHED_CHARS by the caller) already shows this evidence."""
     pattern = EVIDENCE[kind][0]
-    return bool(pattern and pattern.search(query[:200_000]))
+    return bool(pattern and pattern.search(query))
