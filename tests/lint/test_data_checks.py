@@ -254,6 +254,10 @@ SET_EPOCH_CLEAN = {
         "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
         "for (x,) in loader:\n    model(x)"
     ),
+    "one_pass_that_also_measures_the_loader": (
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "for i, (x,) in enumerate(loader):\n    model(x)\n    print(i, len(loader))"
+    ),
     "epoch_loop_over_another_loader": (
         "once = DataLoader(data, sampler=DistributedSampler(data))\n"
         "other = DataLoader(data, batch_size=8)\n"

@@ -454,12 +454,17 @@ class DataFlow:
 
     @cached_property
     def loops_walking(self) -> dict[str, list[ast.For | ast.While]]:
-        """Name -> the loops whose body walks it, themselves or in a function they call."""
+        """Name -> the loops whose body walks it, themselves or in a function they call.
+
+        Not a loop over the name itself: `for x in loader: ... len(loader)` is one pass.
+        """
         found: dict[str, list[ast.For | ast.While]] = {}
         for loop in (n for n in self.script.nodes if isinstance(n, (ast.For, ast.While))):
             walked, callees = self.walked_in(loop.body)
             for callee in callees:
                 walked |= self.function_walks[callee]
+            if isinstance(loop, ast.For):
+                walked -= {n for n in map(read_name, ast.walk(loop.iter)) if n}
             for name in walked:
                 found.setdefault(name, []).append(loop)
         return found
