@@ -84,7 +84,7 @@ EVIDENCE = {
         "`nvidia-smi topo -m` 的输出（GPU 之间的连接：NVLink、PCIe、CPU）",
     ),
     "gpu_health": (
-        re.compile(r"\bXid\b|ECC", re.IGNORECASE),
+        re.compile(r"\b(?:Xid|ECC)\b", re.IGNORECASE),  # not the "ecc" of "seccomp"
         "`dmesg | grep -i xid` and `nvidia-smi -q -d ECC` on the failing machine",
         "出错机器上 `dmesg | grep -i xid` 和 `nvidia-smi -q -d ECC` 的输出",
     ),

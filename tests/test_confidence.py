@@ -43,6 +43,23 @@ def test_the_first_causes_own_evidence_is_asked_for():
     assert any("ulimit -n" in line for line in decide)
     hardware = what_would_decide(unsure("gpu-hardware-fault", "cuda-out-of-memory"))
     assert any("xid" in line for line in hardware)
+    # "ecc" inside a word (docker's seccomp) is not the GPU's ECC report
+    docker = what_would_decide(
+        unsure(
+            "gpu-hardware-fault",
+            "cuda-out-of-memory",
+            query="run with --security-opt seccomp=unconfined",
+        )
+    )
+    assert any("xid" in line for line in docker)
+    given = what_would_decide(
+        unsure(
+            "gpu-hardware-fault",
+            "cuda-out-of-memory",
+            query="NVRM: Xid 79, GPU has fallen off the bus",
+        )
+    )
+    assert not any("xid" in line for line in given)
 
 
 @pytest.mark.parametrize(
