@@ -257,20 +257,28 @@ class DataFlow:
 
     def may_be_iterable(self, dataset: ast.expr) -> bool:
         """An instance of an IterableDataset class of this file, or a stream (streaming=True)."""
-        for value in self.origin(dataset):
-            for node in ast.walk(value):
-                if not isinstance(node, ast.Call):
-                    continue
-                if keyword(node, "streaming") is not None:
-                    return True
-                if isinstance(node.func, ast.Name) and node.func.id in self.iterable_classes:
-                    return True
-                for callee in same_file_callees(self.script, node.func, None):
-                    if callee.split(".")[0] in self.iterable_classes:
-                        return True
-                    if callee in self.iterable_builders:
-                        return True
-        return False
+        return any(
+            isinstance(node, ast.Call) and self.builds_iterable(node)
+            for value in self.origin(dataset)
+            for node in ast.walk(value)
+        )
+
+    def builds_iterable(self, call: ast.Call) -> bool:
+        """`load_dataset(..., streaming=True)`, `Stream()` of an IterableDataset class of the
+        file, or a same-file function that builds one."""
+        if keyword(call, "streaming") is not None or self.constructs_iterable_class(call):
+            return True
+        return any(
+            callee.split(".")[0] in self.iterable_classes or callee in self.iterable_builders
+            for callee in same_file_callees(self.script, call.func, None)
+        )
+
+    def constructs_iterable_class(self, node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in self.iterable_classes
+        )
 
     @cached_property
     def iterable_builders(self) -> set[str]:
@@ -280,12 +288,7 @@ class DataFlow:
         return {
             name
             for name, function in self.script.functions.items()
-            if any(
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Name)
-                and node.func.id in self.iterable_classes
-                for node in ast.walk(function)
-            )
+            if any(map(self.constructs_iterable_class, ast.walk(function)))
         }
 
     def sharded_by_rank(self, dataset: ast.expr) -> bool:
