@@ -107,9 +107,12 @@ class DataFlow:
     """What both checks ask of a script: its loaders, samplers, and where names come from."""
 
     script: Script
-    rank_zero_reads: dict[str, bool | None] = field(default_factory=dict)
-    statement_calls: dict[int, list[ast.Call]] = field(default_factory=dict)
-    returns: dict[int, tuple[set[int], set[str]]] = field(default_factory=dict)
+    # Answers worked out once: read_on_rank_zero, calls_of and returned_by fill them.
+    rank_zero_reads: dict[str, bool | None] = field(default_factory=dict, init=False, repr=False)
+    statement_calls: dict[int, list[ast.Call]] = field(default_factory=dict, init=False, repr=False)
+    returns: dict[int, tuple[set[int], set[str]]] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @cached_property
     def parents(self) -> dict[int, ast.AST]:
