@@ -149,6 +149,8 @@ DECIDERS = {
     "library-version-mismatch": ("environment", "traceback"),
     "batch-too-small-per-gpu": ("traceback", "script"),
     "device-map-with-ddp": ("script", "launch"),
+    # where the ranks wait (file_baton.wait in the stack) tells it from a collective hang
+    "extension-build-lock": ("run", "traceback"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
