@@ -230,7 +230,9 @@ def _signal_error(entries: list[tuple[int | None, str]], rank: int | None) -> Ro
     for _, line in entries:
         match = EXITCODE.search(line)
         if match and match.group(1) not in ("0", "1"):
-            return RootError("ChildFailedError", f"exitcode: {match.group(1)}", rank)
+            # Named like the other wordings' (SIGKILL for -9), so one error reads one way.
+            name = SIGNAL_NAMES.get(-int(match.group(1)), "ChildFailedError")
+            return RootError(name, f"exitcode: {match.group(1)}", rank)
     for _, line in entries:
         match = EXIT_STATUS.search(line)
         if match:

@@ -202,3 +202,11 @@ def test_an_exit_status_that_says_nothing_is_no_root_error(text):
 def test_a_real_exception_wins_over_an_exit_status():
     root = clean_log("RuntimeError: boom\nexits with return code = -9").root_error
     assert root.type == "RuntimeError" and root.message.startswith("boom")
+
+
+def test_torchruns_own_exitcode_line_is_named_like_the_other_wordings():
+    log = "ERROR:torch.distributed.elastic.multiprocessing.api:failed (exitcode: -9) local_rank: 0 (pid: 77) of binary: /usr/bin/python"
+    root = clean_log(log).root_error
+    assert (root.type, root.message) == ("SIGKILL", "exitcode: -9")
+    argparse_exit = clean_log(log.replace("-9", "2")).root_error
+    assert (argparse_exit.type, argparse_exit.message) == ("ChildFailedError", "exitcode: 2")
