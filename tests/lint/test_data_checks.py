@@ -6,6 +6,7 @@ the cases where a script handles the data some other way must stay clean."""
 
 from __future__ import annotations
 
+import ast
 import json
 import textwrap
 from pathlib import Path
@@ -333,3 +334,29 @@ def test_cli_lint_json_carries_cause_line_and_message() -> None:
     (finding,) = json.loads(result.stdout)
     assert (finding["cause_id"], finding["line"]) == ("sampler-set-epoch", 18)
     assert "set_epoch is never called" in finding["message"]
+
+
+def test_deeply_nested_loops_are_walked_once_for_the_epoch_loop(monkeypatch) -> None:
+    # Each node counts once, for the innermost loop around it, not once per loop around it:
+    # 60 nested loops over a body of 300 calls stay linear in the file.
+    from assistant.lint.checks import data as checks
+
+    looked_at = []
+    walks_of = checks.DataFlow.walks_of
+    monkeypatch.setattr(
+        checks.DataFlow, "walks_of", lambda self, node: looked_at.append(1) or walks_of(self, node)
+    )
+    loops = "".join(" " * i + f"for e{i} in range(2):\n" for i in range(60))
+    body = "".join(" " * 61 + f"model(x + {i})\n" for i in range(300))
+    source = (
+        SAMPLER_PRELUDE
+        + "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        + loops
+        + " " * 60
+        + "for (x,) in loader:\n"
+        + body
+    )
+    offset = SAMPLER_PRELUDE.count("\n")
+    found = [(f.cause_id, f.line - offset) for f in lint_source(source)]
+    assert found == [("sampler-set-epoch", 1)]
+    assert len(looked_at) <= len(list(ast.walk(ast.parse(source))))

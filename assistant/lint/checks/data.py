@@ -463,39 +463,66 @@ class DataFlow:
         """Name -> the loops whose body walks it, themselves or in a function they call.
 
         Not a loop over the name itself: `for x in loader: ... len(loader)` is one pass.
+        One walk of the file: a node counts for the innermost loop whose body holds it,
+        and a loop's names for the loops around it, so nested loops are not walked again
+        for each loop around them.
         """
+        walked: dict[int, set[str]] = {}
+        callees: dict[int, set[str]] = {}
+        outer: dict[int, ast.For | ast.While | None] = {}
+        loops: list[ast.For | ast.While] = []  # each found after the loops around it
+        stack: list[tuple[ast.AST, ast.For | ast.While | None]] = [(self.script.tree, None)]
+        while stack:
+            node, owner = stack.pop()
+            if owner is not None:
+                names, called = self.walks_of(node)
+                walked[id(owner)] |= names
+                callees[id(owner)] |= called
+            if not isinstance(node, (ast.For, ast.While)):
+                stack.extend((child, owner) for child in ast.iter_child_nodes(node))
+                continue
+            loops.append(node)
+            outer[id(node)], walked[id(node)], callees[id(node)] = owner, set(), set()
+            body = {id(stmt) for stmt in node.body}
+            stack.extend(
+                (child, node if id(child) in body else owner)
+                for child in ast.iter_child_nodes(node)
+            )
+        for loop in reversed(loops):
+            around = outer[id(loop)]
+            if around is not None:
+                walked[id(around)] |= walked[id(loop)]
+                callees[id(around)] |= callees[id(loop)]
         found: dict[str, list[ast.For | ast.While]] = {}
         for loop in (n for n in self.script.nodes if isinstance(n, (ast.For, ast.While))):
-            walked, callees = self.walked_in(loop.body)
-            for callee in callees:
-                walked |= self.function_walks[callee]
+            names = set(walked[id(loop)])
+            for callee in callees[id(loop)]:
+                names |= self.function_walks[callee]
             if isinstance(loop, ast.For):
-                walked -= {n for n in map(read_name, ast.walk(loop.iter)) if n}
-            for name in walked:
+                names -= {n for n in map(read_name, ast.walk(loop.iter)) if n}
+            for name in names:
                 found.setdefault(name, []).append(loop)
         return found
 
     @cached_property
     def function_walks(self) -> dict[str, set[str]]:
         """Same-file function -> the names its body walks (`for batch in self.loader:`)."""
-        return {
-            name: self.walked_in(function.body)[0]
-            for name, function in self.script.functions.items()
-        }
+        found: dict[str, set[str]] = {}
+        for name, function in self.script.functions.items():
+            found[name] = set()
+            for node in (n for stmt in function.body for n in ast.walk(stmt)):
+                found[name] |= self.walks_of(node)[0]
+        return found
 
-    def walked_in(self, body: list[ast.stmt]) -> tuple[set[str], set[str]]:
-        """Names a `for` in `body` iterates or a call there is handed; the functions called."""
-        walked: set[str] = set()
-        callees: set[str] = set()
-        for stmt in body:
-            for node in ast.walk(stmt):
-                if isinstance(node, (ast.For, ast.AsyncFor)):
-                    walked.update(n for n in map(read_name, ast.walk(node.iter)) if n)
-                elif isinstance(node, ast.Call):
-                    passed = [*node.args, *(k.value for k in node.keywords)]
-                    walked.update(n for n in map(read_name, passed) if n)
-                    callees.update(same_file_callees(self.script, node.func, None))
-        return walked, callees
+    def walks_of(self, node: ast.AST) -> tuple[set[str], set[str]]:
+        """Names a `for` iterates or a call is handed; the same-file functions a call runs."""
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            return {n for n in map(read_name, ast.walk(node.iter)) if n}, set()
+        if isinstance(node, ast.Call):
+            passed = [*node.args, *(k.value for k in node.keywords)]
+            called = same_file_callees(self.script, node.func, None)
+            return {n for n in map(read_name, passed) if n}, set(called)
+        return set(), set()
 
 
 def bound_names(target: ast.expr) -> list[str]:
