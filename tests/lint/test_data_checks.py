@@ -360,3 +360,20 @@ def test_deeply_nested_loops_are_walked_once_for_the_epoch_loop(monkeypatch) -> 
     found = [(f.cause_id, f.line - offset) for f in lint_source(source)]
     assert found == [("sampler-set-epoch", 1)]
     assert len(looked_at) <= len(list(ast.walk(ast.parse(source))))
+
+
+def test_many_reads_in_one_statement_judge_it_once(monkeypatch) -> None:
+    # 300 reads of the loader inside one loop on rank 0: the loop is judged once, not per read.
+    from assistant.lint.checks import data as checks
+
+    judged = []
+    judge = checks.DataFlow.statement_on_rank_zero
+    monkeypatch.setattr(
+        checks.DataFlow,
+        "statement_on_rank_zero",
+        lambda self, statement: judged.append(statement) or judge(self, statement),
+    )
+    reads = "        last = loader\n        model(x)\n" * 300
+    body = "loader = DataLoader(data, batch_size=8)\nif rank == 0:\n    for (x,) in data:\n" + reads
+    assert findings(DDP_PRELUDE, body) == []
+    assert len(judged) == 1

@@ -330,7 +330,13 @@ class DataFlow:
     def read_on_rank_zero(self, name: str) -> bool | None:
         """Whether every statement that reads `name` runs on rank 0 only; None if none tells."""
         if name not in self.rank_zero_reads:
-            verdicts = [self.use_on_rank_zero(use) for use in self.reads.get(name, [])]
+            # Reads in one statement share its verdict: each statement is judged once.
+            statements = {
+                id(statement): statement
+                for statement in map(self.enclosing_statement_with_calls, self.reads.get(name, []))
+                if statement is not None
+            }
+            verdicts = [self.statement_on_rank_zero(s) for s in statements.values()]
             known = [v for v in verdicts if v is not None]
             self.rank_zero_reads[name] = all(known) if known else None
         return self.rank_zero_reads[name]
@@ -342,11 +348,8 @@ class DataFlow:
             any(branch.side in (RANK_ZERO, NO_RANKS) for branch in path) for path in paths
         )
 
-    def use_on_rank_zero(self, use: ast.AST) -> bool | None:
-        """Whether the statement using a loader runs on rank 0 only; None if no call tells."""
-        statement = self.enclosing_statement_with_calls(use)
-        if statement is None:
-            return None
+    def statement_on_rank_zero(self, statement: ast.stmt) -> bool | None:
+        """Whether a statement using a loader runs on rank 0 only; None if no call tells."""
         traced = [c for c in self.calls_of(statement) if id(c) in self.rank_paths]
         if not traced:
             return None
