@@ -377,3 +377,22 @@ def test_many_reads_in_one_statement_judge_it_once(monkeypatch) -> None:
     body = "loader = DataLoader(data, batch_size=8)\nif rank == 0:\n    for (x,) in data:\n" + reads
     assert findings(DDP_PRELUDE, body) == []
     assert len(judged) == 1
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        "for (x,) in loader:\n            model(x)",  # the inner loop walks it itself
+        "train_step()",  # or calls a function that does
+    ],
+)
+def test_the_epoch_loop_is_found_around_a_loop_that_walks_the_loader(inner: str) -> None:
+    body = (
+        "def train_step():\n    for (x,) in loader:\n        model(x)\n"
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        f"for epoch in range(3):\n    for repeat in range(2):\n        {inner}\n"
+    )
+    found = [f for f in lint_source(SAMPLER_PRELUDE + body) if f.cause_id == "sampler-set-epoch"]
+    offset = SAMPLER_PRELUDE.count("\n")
+    assert [f.line - offset for f in found] == [4]
+    assert f"the loop on line {offset + 5} runs the epochs" in found[0].message
