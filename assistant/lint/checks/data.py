@@ -9,9 +9,10 @@ or Accelerate building the sampler, or a loader only rank 0 reads.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from functools import cached_property
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from functools import cached_property, wraps
+from typing import TypeVar
 
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
@@ -102,17 +103,32 @@ def shuffle_off(sampler: ast.Call) -> bool:
     return isinstance(value, ast.Constant) and value.value is False
 
 
+Key = TypeVar("Key", bound=Hashable)
+Answer = TypeVar("Answer")
+
+
+def memoized(method: Callable[[DataFlow, Key], Answer]) -> Callable[[DataFlow, Key], Answer]:
+    """A DataFlow method of one node (or name), worked out once per script.
+
+    AST nodes hash by identity, so a node is its own key.
+    """
+    memo_name = f"_memo_{method.__name__}"
+
+    @wraps(method)
+    def once(self: DataFlow, key: Key) -> Answer:
+        memo = self.__dict__.setdefault(memo_name, {})
+        if key not in memo:
+            memo[key] = method(self, key)
+        return memo[key]
+
+    return once
+
+
 @dataclass
 class DataFlow:
     """What both checks ask of a script: its loaders, samplers, and where names come from."""
 
     script: Script
-    # Answers worked out once: read_on_rank_zero, calls_of and returned_by fill them.
-    rank_zero_reads: dict[str, bool | None] = field(default_factory=dict, init=False, repr=False)
-    statement_calls: dict[int, list[ast.Call]] = field(default_factory=dict, init=False, repr=False)
-    returns: dict[int, tuple[set[int], set[str]]] = field(
-        default_factory=dict, init=False, repr=False
-    )
 
     @cached_property
     def parents(self) -> dict[int, ast.AST]:
@@ -249,8 +265,8 @@ class DataFlow:
             assigned = [
                 value
                 for current in frontier
-                for node in ast.walk(current)
-                for value in self.assignments.get(read_name(node) or "", [])
+                for name in self.assigned_names_in(current)
+                for value in self.assignments[name]
             ]
             frontier = [v for v in assigned if id(v) not in found][:MAX_ORIGINS]
             found.update((id(v), v) for v in frontier)
@@ -258,13 +274,18 @@ class DataFlow:
                 break
         return list(found.values())
 
+    @memoized
+    def assigned_names_in(self, value: ast.expr) -> list[str]:
+        """The names read in `value` (in walk order) that the file assigns to."""
+        return [name for name in map(read_name, ast.walk(value)) if name in self.assignments]
+
     def may_be_iterable(self, dataset: ast.expr) -> bool:
         """An instance of an IterableDataset class of this file, or a stream (streaming=True)."""
-        return any(
-            isinstance(node, ast.Call) and self.builds_iterable(node)
-            for value in self.origin(dataset)
-            for node in ast.walk(value)
-        )
+        return any(map(self.value_builds_iterable, self.origin(dataset)))
+
+    @memoized
+    def value_builds_iterable(self, value: ast.expr) -> bool:
+        return any(isinstance(n, ast.Call) and self.builds_iterable(n) for n in ast.walk(value))
 
     def builds_iterable(self, call: ast.Call) -> bool:
         """`load_dataset(..., streaming=True)`, `Stream()` of an IterableDataset class of the
@@ -296,11 +317,12 @@ class DataFlow:
 
     def sharded_by_rank(self, dataset: ast.expr) -> bool:
         """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`."""
+        return any(map(self.value_reads_rank, self.origin(dataset)))
+
+    @memoized
+    def value_reads_rank(self, value: ast.expr) -> bool:
         return any(
-            is_rank_expr(node, self.script)
-            for value in self.origin(dataset)
-            for node in ast.walk(value)
-            if isinstance(node, ast.expr)
+            isinstance(n, ast.expr) and is_rank_expr(n, self.script) for n in ast.walk(value)
         )
 
     def prepared(self, loader: ast.Call) -> bool:
@@ -327,19 +349,18 @@ class DataFlow:
         known = [v for v in verdicts if v is not None]
         return bool(known) and all(known)
 
+    @memoized
     def read_on_rank_zero(self, name: str) -> bool | None:
         """Whether every statement that reads `name` runs on rank 0 only; None if none tells."""
-        if name not in self.rank_zero_reads:
-            # Reads in one statement share its verdict: each statement is judged once.
-            statements = {
-                id(statement): statement
-                for statement in map(self.enclosing_statement_with_calls, self.reads.get(name, []))
-                if statement is not None
-            }
-            verdicts = [self.statement_on_rank_zero(s) for s in statements.values()]
-            known = [v for v in verdicts if v is not None]
-            self.rank_zero_reads[name] = all(known) if known else None
-        return self.rank_zero_reads[name]
+        # Reads in one statement share its verdict: each statement is judged once.
+        statements = {
+            id(statement): statement
+            for statement in map(self.enclosing_statement_with_calls, self.reads.get(name, []))
+            if statement is not None
+        }
+        verdicts = [self.statement_on_rank_zero(s) for s in statements.values()]
+        known = [v for v in verdicts if v is not None]
+        return all(known) if known else None
 
     def only_some_ranks(self, call: ast.Call) -> bool:
         """Every traced path to this call is behind a rank-0 (or single-process) branch."""
@@ -355,12 +376,9 @@ class DataFlow:
             return None
         return all(self.only_some_ranks(c) for c in traced)
 
+    @memoized
     def calls_of(self, statement: ast.stmt) -> list[ast.Call]:
-        if id(statement) not in self.statement_calls:
-            self.statement_calls[id(statement)] = [
-                n for n in ast.walk(statement) if isinstance(n, ast.Call)
-            ]
-        return self.statement_calls[id(statement)]
+        return [n for n in ast.walk(statement) if isinstance(n, ast.Call)]
 
     def enclosing_statement_with_calls(self, node: ast.AST) -> ast.stmt | None:
         current: ast.AST | None = node
@@ -409,20 +427,16 @@ class DataFlow:
             for name in self.names_bound_to(caller)
         ]
 
+    @memoized
     def returned_by(self, function: ast.AST) -> tuple[set[int], set[str]]:
         """What a function's `return` statements hand back: node ids, and names read."""
-        if id(function) not in self.returns:
-            values = [
-                node.value
-                for node in ast.walk(function)
-                if isinstance(node, ast.Return) and node.value is not None
-            ]
-            inner = [n for value in values for n in ast.walk(value)]
-            self.returns[id(function)] = (
-                {id(n) for n in inner},
-                {name for name in map(read_name, inner) if name},
-            )
-        return self.returns[id(function)]
+        values = [
+            node.value
+            for node in ast.walk(function)
+            if isinstance(node, ast.Return) and node.value is not None
+        ]
+        inner = [n for value in values for n in ast.walk(value)]
+        return {id(n) for n in inner}, {name for name in map(read_name, inner) if name}
 
     @cached_property
     def callers(self) -> dict[int, list[ast.Call]]:
