@@ -396,3 +396,18 @@ def test_the_epoch_loop_is_found_around_a_loop_that_walks_the_loader(inner: str)
     offset = SAMPLER_PRELUDE.count("\n")
     assert [f.line - offset for f in found] == [4]
     assert f"the loop on line {offset + 5} runs the epochs" in found[0].message
+
+
+def test_a_value_many_loaders_read_is_looked_into_once(monkeypatch) -> None:
+    # 100 loaders over one dataset built by 51 calls: each call is asked once, not per loader.
+    from assistant.lint.checks import data as checks
+
+    asked = []
+    builds = checks.DataFlow.builds_iterable
+    monkeypatch.setattr(
+        checks.DataFlow, "builds_iterable", lambda self, call: asked.append(1) or builds(self, call)
+    )
+    value = "f(" + ", ".join(f"g({i})" for i in range(50)) + ")"
+    body = f"shared = {value}\n" + "DataLoader(shared, batch_size=8)\n" * 100
+    assert len(findings(DDP_PRELUDE, body)) == 100
+    assert len(asked) <= 51
