@@ -12,6 +12,7 @@ import ast
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, wraps
+from itertools import islice
 from typing import TypeVar
 
 from assistant.lint.model import Script, keyword, short, source_text
@@ -262,13 +263,15 @@ class DataFlow:
         found: dict[int, ast.expr] = {id(expr): expr}
         frontier = [expr]
         for _ in range(ORIGIN_DEPTH):
-            assigned = [
+            assigned = (
                 value
                 for current in frontier
                 for name in self.assigned_names_in(current)
                 for value in self.assignments[name]
-            ]
-            frontier = [v for v in assigned if id(v) not in found][:MAX_ORIGINS]
+                if id(value) not in found
+            )
+            # The first few only: a name assigned thousands of times is not a dataset's.
+            frontier = list(islice(assigned, MAX_ORIGINS))
             found.update((id(v), v) for v in frontier)
             if len(found) > MAX_ORIGINS:
                 break
