@@ -411,3 +411,19 @@ def test_a_value_many_loaders_read_is_looked_into_once(monkeypatch) -> None:
     body = f"shared = {value}\n" + "DataLoader(shared, batch_size=8)\n" * 100
     assert len(findings(DDP_PRELUDE, body)) == 100
     assert len(asked) <= 51
+
+
+def test_many_samplers_and_epoch_loops_place_each_once(monkeypatch) -> None:
+    # 200 samplers fed to `loader`, 200 loops walking it: each node's class or function
+    # is looked up once, not once per sampler and loop.
+    from assistant.lint.checks import data as checks
+
+    placed = []
+    home = checks.DataFlow.home
+    monkeypatch.setattr(
+        checks.DataFlow, "home", lambda self, node: placed.append(1) or home(self, node)
+    )
+    samplers = "s = DistributedSampler(data)\nloader = DataLoader(data, sampler=s)\n" * 200
+    loops = "for e in range(2):\n    f(loader)\n" * 200
+    assert len(findings(SAMPLER_PRELUDE, samplers + loops)) == 200
+    assert len(placed) <= 400

@@ -473,10 +473,25 @@ class DataFlow:
         `loader`: loops of the sampler's own class or function are tried first.
         """
         home = self.home(near)
-        candidates = [loop for name in loaders for loop in self.loops_walking.get(name, [])]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda loop: (self.home(loop) is not home, loop.lineno))
+        firsts = [self.first_loops[name] for name in loaders if name in self.first_loops]
+        at_home = [by_home[home] for _first, by_home in firsts if home in by_home]
+        return min(at_home or [first for first, _by_home in firsts], key=line_of, default=None)
+
+    @cached_property
+    def first_loops(
+        self,
+    ) -> dict[str, tuple[ast.For | ast.While, dict[ast.AST | None, ast.For | ast.While]]]:
+        """Name -> the first loop that walks it, and the first in each class or function."""
+        homes = {
+            id(loop): self.home(loop) for loops in self.loops_walking.values() for loop in loops
+        }
+        found = {}
+        for name, loops in self.loops_walking.items():
+            by_home: dict[ast.AST | None, ast.For | ast.While] = {}
+            for loop in sorted(loops, key=line_of):
+                by_home.setdefault(homes[id(loop)], loop)
+            found[name] = (min(loops, key=line_of), by_home)
+        return found
 
     @cached_property
     def loops_walking(self) -> dict[str, list[ast.For | ast.While]]:
@@ -543,6 +558,10 @@ class DataFlow:
             called = same_file_callees(self.script, node.func, None)
             return {n for n in map(read_name, passed) if n}, set(called)
         return set(), set()
+
+
+def line_of(node: ast.stmt) -> int:
+    return node.lineno
 
 
 def bound_names(target: ast.expr) -> list[str]:
