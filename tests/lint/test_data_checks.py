@@ -427,3 +427,24 @@ def test_many_samplers_and_epoch_loops_place_each_once(monkeypatch) -> None:
     loops = "for e in range(2):\n    f(loader)\n" * 200
     assert len(findings(SAMPLER_PRELUDE, samplers + loops)) == 200
     assert len(placed) <= 400
+
+
+def test_loaders_a_builder_returns_look_up_its_callers_once(monkeypatch) -> None:
+    # 100 loaders returned by one builder that 100 statements call: its callers' names
+    # are looked up once for the builder, not once per loader.
+    from assistant.lint.checks import data as checks
+
+    looked_up = []
+    bound = checks.DataFlow.names_bound_to
+    monkeypatch.setattr(
+        checks.DataFlow,
+        "names_bound_to",
+        lambda self, call: looked_up.append(1) or bound(self, call),
+    )
+    loaders = "DataLoader(data, sampler=sampler),\n" * 100
+    body = (
+        "sampler = DistributedSampler(data)\n"
+        f"def build():\n    return (\n{loaders})\n" + "loader = build()\n" * 100
+    ) + "for epoch in range(3):\n    for (x,) in loader:\n        model(x)\n"
+    assert findings(SAMPLER_PRELUDE, body) == [("sampler-set-epoch", 1)]
+    assert len(looked_up) <= 1000

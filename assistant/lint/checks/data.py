@@ -416,19 +416,24 @@ class DataFlow:
                 found.setdefault(read_name(given), set()).update(names)
         return found
 
-    def names_of_returned(self, call: ast.Call) -> list[str]:
+    def names_of_returned(self, call: ast.Call) -> set[str]:
         """`return DataLoader(...)` or `return loader, sampler` in f: the names f() is bound to."""
         function = self.enclosing_function(call)
         if function is None:
-            return []
+            return set()
         ids, names = self.returned_by(function)
         if id(call) not in ids and not names & set(self.names_bound_to(call)):
-            return []
-        return [
+            return set()
+        return self.names_of_calls_to(function)
+
+    @memoized
+    def names_of_calls_to(self, function: ast.AST) -> set[str]:
+        """The names that the calls of a same-file function are bound to (`loader = build()`)."""
+        return {
             name
             for caller in self.callers.get(id(function), [])
             for name in self.names_bound_to(caller)
-        ]
+        }
 
     @memoized
     def returned_by(self, function: ast.AST) -> tuple[set[int], set[str]]:
