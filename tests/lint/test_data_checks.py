@@ -448,3 +448,21 @@ def test_loaders_a_builder_returns_look_up_its_callers_once(monkeypatch) -> None
     ) + "for epoch in range(3):\n    for (x,) in loader:\n        model(x)\n"
     assert findings(SAMPLER_PRELUDE, body) == [("sampler-set-epoch", 1)]
     assert len(looked_up) <= 1000
+
+
+def test_a_statement_many_loaders_are_read_in_is_judged_once(monkeypatch) -> None:
+    # 50 loaders read in one loop of 50 calls on rank 0: the loop's calls are placed once.
+    from assistant.lint.checks import data as checks
+
+    placed = []
+    only_some = checks.DataFlow.only_some_ranks
+    monkeypatch.setattr(
+        checks.DataFlow,
+        "only_some_ranks",
+        lambda self, call: placed.append(1) or only_some(self, call),
+    )
+    loaders = "".join(f"loader{i} = DataLoader(data, batch_size=8)\n" for i in range(50))
+    reads = "".join(f"        last = loader{i}\n        model(x)\n" for i in range(50))
+    body = loaders + "if rank == 0:\n    for (x,) in data:\n" + reads
+    assert findings(DDP_PRELUDE, body) == []
+    assert len(placed) <= 200

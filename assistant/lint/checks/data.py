@@ -372,6 +372,7 @@ class DataFlow:
             any(branch.side in (RANK_ZERO, NO_RANKS) for branch in path) for path in paths
         )
 
+    @memoized
     def statement_on_rank_zero(self, statement: ast.stmt) -> bool | None:
         """Whether a statement using a loader runs on rank 0 only; None if no call tells."""
         traced = [c for c in self.calls_of(statement) if id(c) in self.rank_paths]
