@@ -169,7 +169,9 @@ def test_an_unsure_answer_says_what_would_decide_in_the_users_language(engine):
     assert result.confidence in ("medium", "low")
     assert result.decide and all(any("\u4e00" <= ch <= "\u9fff" for ch in d) for d in result.decide)
     english = Pipeline(engine=engine).ask("my DDP training just hangs, no error at all")
-    assert english.decide and not any("\u4e00" <= ch <= "\u9fff" for d in english.decide for ch in d)
+    assert english.decide and not any(
+        "\u4e00" <= ch <= "\u9fff" for d in english.decide for ch in d
+    )
 
 
 def test_a_cause_a_finding_proves_joins_the_answer_and_leads(engine):

@@ -73,7 +73,7 @@ def test_no_classifier_vote_on_chinese_or_on_a_log_with_a_root_error(engine):
     retriever = engine._retriever
     assert not retriever.classifier_applies(clean_log("多卡训练两个进程都跑到0号卡上了"))
     log = clean_log(
-        "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+        'Traceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
         "RuntimeError: Connection closed by peer [127.0.0.1]:58803"
     )
     assert log.root_error is not None and not retriever.classifier_applies(log)
