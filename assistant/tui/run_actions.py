@@ -81,6 +81,7 @@ class RunActions:
         from assistant.watch import RunCallbacks  # not imported before the first run
 
         callbacks = RunCallbacks(
+            on_start=self.tell_pruning_problem,
             on_output=lambda stream, data: self.post_message(RunOutput(key, stream, data)),
             on_launch=lambda launch: self.post_message(RunEnded(key, launch)),
             on_probe=self.observer(key).on_probe,
@@ -92,6 +93,12 @@ class RunActions:
             self.post_message(TurnFailed(key, one_line(exc)))
         else:
             self.post_message(RunDiagnosed(key, outcome))
+
+    def tell_pruning_problem(self, start) -> None:
+        """Old run logs that could not be pruned (or a bad retention setting): one notice,
+        as `assistant run` prints one line; the run goes on either way."""
+        if start.pruned.problem:
+            self.post_message(Notice(start.pruned.problem, "warning"))
 
     def keep_answer(self, outcome):
         """Give the run's answer an answer_id, as the chat's own answers get (for feedback)."""

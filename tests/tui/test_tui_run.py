@@ -339,3 +339,39 @@ async def test_a_command_that_cannot_start_fails_its_turn_in_one_line():
         assert view.phase == "failed" and "\n" not in view.error
         assert "no-such-launcher-anywhere" in view.error and "Traceback" not in view.error
         assert app.runs.count == 0
+
+
+class PruningLauncher(FakeLauncher):
+    """A launcher whose run starts as the real one does: with what pruning old logs did."""
+
+    def __init__(self, problem: str | None):
+        super().__init__()
+        self.problem = problem
+
+    def run(self, command: list[str], callbacks: RunCallbacks, cancel: threading.Event):
+        from assistant.watch import RunStart
+        from assistant.watch.retention import Pruned
+
+        pruned = Pruned(removed=[Path("/tmp/old-run")], problem=self.problem)
+        callbacks.on_start(RunStart(Path("/tmp/logs"), pruned))
+        return super().run(command, callbacks, cancel)
+
+
+async def test_a_run_whose_old_logs_could_not_be_pruned_says_so_and_goes_on():
+    problem = "old run logs were not pruned: ASSISTANT_RUNS_KEEP must be a whole number"
+    app = fake_app(launcher=PruningLauncher(problem))
+    async with app.run_test(size=(110, 40)) as pilot:
+        await start_run(app, pilot, "torchrun --nproc_per_node=2 train.py")
+        view = app.turn_views[-1]
+        await until(pilot, lambda: view.phase == "done")
+        assert any("ASSISTANT_RUNS_KEEP must be a whole number" in n for n in app.notices)
+        assert view.turn.result is not None  # the run was answered all the same
+
+
+async def test_a_run_with_nothing_to_say_about_pruning_adds_no_notice():
+    app = fake_app(launcher=PruningLauncher(None))
+    async with app.run_test(size=(110, 40)) as pilot:
+        await start_run(app, pilot, "torchrun --nproc_per_node=2 train.py")
+        view = app.turn_views[-1]
+        await until(pilot, lambda: view.phase == "done")
+        assert app.notices == []
