@@ -31,10 +31,22 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-def hanging_probes(tmp_path, monkeypatch):
+def probes_with_versions(tmp_path, monkeypatch):
+    """Make a copy of probes/ whose versions probe is `source`, used by every launch (env)."""
+
+    def make(source: str):
+        folder = tmp_path / "probes"
+        shutil.copytree(
+            PROJECT_ROOT / "probes", folder, ignore=shutil.ignore_patterns("__pycache__")
+        )
+        (folder / "versions.py").write_text(textwrap.dedent(source))
+        monkeypatch.setenv("ASSISTANT_PROBES", str(folder))
+        return folder
+
+    return make
+
+
+@pytest.fixture
+def hanging_probes(probes_with_versions):
     """A copy of probes/ whose versions probe hangs after saving a partial fact."""
-    folder = tmp_path / "probes"
-    shutil.copytree(PROJECT_ROOT / "probes", folder, ignore=shutil.ignore_patterns("__pycache__"))
-    (folder / "versions.py").write_text(textwrap.dedent(HANGING_VERSIONS))
-    monkeypatch.setenv("ASSISTANT_PROBES", str(folder))
-    return folder
+    return probes_with_versions(HANGING_VERSIONS)

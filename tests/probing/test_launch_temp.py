@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
 import tempfile
-import textwrap
 
 import pytest
 
-from assistant.config import PROJECT_ROOT
 from assistant.probing.runner import ProbeRunner
 
 pytestmark = pytest.mark.slow
@@ -37,12 +34,8 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-def littering_probes(tmp_path, monkeypatch):
-    folder = tmp_path / "probes"
-    shutil.copytree(PROJECT_ROOT / "probes", folder, ignore=shutil.ignore_patterns("__pycache__"))
-    (folder / "versions.py").write_text(textwrap.dedent(LITTERING_VERSIONS))
-    monkeypatch.setenv("ASSISTANT_PROBES", str(folder))
-    return folder
+def littering_probes(probes_with_versions):
+    return probes_with_versions(LITTERING_VERSIONS)
 
 
 @pytest.fixture
