@@ -156,6 +156,15 @@ DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
 # that a rank's Python raised: without that rank's traceback no cause can be told.
 LAUNCHER_SUMMARY = re.compile(r"exitcode\s*:\s*1\b|ChildFailedError|ProcessExitedException")
+# A job that stops without an error: whatever the leading causes, where each
+# rank waits (its Python stack) is what tells a collective hang from a lock,
+# a data stall or a P2P freeze, and `assistant run` records exactly that.
+HANG_WORDS = re.compile(
+    r"\b(?:hang|hangs|hanging|hung|stuck|freez\w*|froze|frozen|deadlock\w*|"
+    r"waits? forever|no (?:output|progress)|nothing happens|does not (?:start|progress))\b"
+    r"|卡住|卡死|卡在|卡着|不动|没反应|无响应|没有反应|停住|一直等|挂起|假死",
+    re.IGNORECASE,
+)
 
 
 def assess(result: Result) -> Result:
@@ -213,6 +222,8 @@ def what_would_decide(result: Result) -> list[str]:
     if LAUNCHER_SUMMARY.search(query) and not already_given("traceback", query):
         # The summary hides the error itself: nothing splits the causes without it.
         missing = ["traceback", *(kind for kind in missing if kind != "traceback")]
+    elif describes_a_hang(query):
+        missing = ["run", *(kind for kind in missing if kind != "run")]
     zh = result.lang == "zh"
     return [EVIDENCE[kind][2 if zh else 1] for kind in missing[:MAX_DECIDE]]
 
@@ -221,3 +232,8 @@ def already_given(kind: str, query: str) -> bool:
     """The question (cut to SEARCHED_CHARS by the caller) already shows this evidence."""
     pattern = EVIDENCE[kind][0]
     return bool(pattern and pattern.search(query))
+
+
+def describes_a_hang(query: str) -> bool:
+    """The question reports a stop without an error (no traceback shown)."""
+    return bool(HANG_WORDS.search(query)) and not already_given("traceback", query)

@@ -96,3 +96,27 @@ def test_a_launcher_summary_alone_asks_for_the_failing_ranks_traceback_first():
         unsure("master-endpoint-mismatch", "oom-killed", query=with_traceback)
     )
     assert EVIDENCE["traceback"][1] not in later
+
+
+@pytest.mark.parametrize(
+    ("query", "lang"),
+    [
+        ("Training stuck on initializing ddp with 4 GPUs; works on one GPU", "en"),
+        ("DDP hangs after the first epoch, no error", "en"),
+        ("单机多卡训练卡在第一个 epoch 不动，也没有报错", "zh"),
+    ],
+)
+def test_a_hang_without_an_error_asks_where_each_rank_waits_first(query, lang):
+    # Whatever the leading causes, the ranks' stacks under `assistant run` tell them apart.
+    decide = what_would_decide(unsure("p2p-hang", "world-size-mismatch", query=query, lang=lang))
+    assert decide[0] == EVIDENCE["run"][2 if lang == "zh" else 1]
+
+
+def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
+    query = "it hangs, then after Ctrl+C:\nTraceback (most recent call last):\n  File 'train.py'"
+    decide = what_would_decide(unsure("p2p-hang", "world-size-mismatch", query=query))
+    assert decide[0] != EVIDENCE["run"][1]
+    # words that merely contain a hang word are no hang
+    assert not what_would_decide(unsure("p2p-hang", query="the changelog says"))[0].startswith(
+        "where each rank waits"
+    )
