@@ -33,6 +33,9 @@ _LATIN = re.compile(r"[A-Za-z]")
 # A number before 卡 (card): "0卡" / "1号卡" name a GPU, "8卡" / "8张卡" count them.
 # Digits are not Chinese characters, so no bridge key can hold them.
 _NUMBERED_CARD = re.compile(r"(?<![A-Za-z\d.])(\d{1,3})\s*(号|张|块)?卡")
+# An ordinal card: "第一张卡" / "第二块显卡" is GPU 0 / GPU 1 (people count from one).
+_ORDINAL_CARD = re.compile(r"第\s*([一二三四五六七八]|[1-8])\s*(?:张|块|个)?\s*(?:显卡|卡|GPU)")
+_ORDINALS = {c: n for n, c in enumerate("一二三四五六七八", start=1)}
 
 
 @dataclass(frozen=True)
@@ -80,10 +83,15 @@ EMPTY = Bridge({})
 def numbered_cards(text: str) -> list[str]:
     """English for numbered cards: "0卡" and "1号卡" -> "GPU 0", "GPU 1"; "8卡", "两张卡" stay counts.
 
+    An ordinal names a card counted from one: "第一张显卡" is GPU 0.
+
     GPU 0 is the one people name most ("0卡显存占用高": extra memory on GPU 0),
     and index 0 is never a count.
     """
     words = []
+    for ordinal in _ORDINAL_CARD.findall(text):
+        position = _ORDINALS.get(ordinal) or int(ordinal)
+        words.append(f"GPU {position - 1}")
     for number, kind in _NUMBERED_CARD.findall(text):
         index = int(number)
         if kind == "号" or (not kind and index == 0):

@@ -71,6 +71,10 @@ def test_the_longest_term_wins_where_terms_overlap():
         ("单机8卡训练", ["8 GPUs"]),
         ("用了 2 张卡", ["2 GPUs"]),
         ("V100卡和A100卡都试过，torch 2.0卡住", []),  # model names and versions are not cards
+        ("第一张显卡的内存占用比其他的大", ["GPU 0"]),  # ordinals count from one
+        ("第二块卡利用率为0", ["GPU 1"]),
+        ("第1个GPU显存满了", ["GPU 0"]),
+        ("第一次训练就卡住", []),  # the first time, not the first card
     ],
 )
 def test_numbered_cards_become_gpus_or_counts(text, words):
