@@ -120,3 +120,19 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
     assert not what_would_decide(unsure("p2p-hang", query="the changelog says"))[0].startswith(
         "where each rank waits"
     )
+
+
+@pytest.mark.parametrize(
+    ("lead", "signals", "level"),
+    [
+        (0.3, {"lexical": 1, "dense": 1}, "high"),  # two searches agree, clear lead
+        (0.15, {"lexical": 1, "dense": 1}, "medium"),  # they agree, the lead is small
+        (0.3, {"lexical": 1, "dense": 2}, "low"),  # one search alone
+        (0.3, {"signature": 1, "lexical": 4}, "high"),  # an exact signature
+    ],
+)
+def test_levels_rest_on_agreement_and_lead(lead, signals, level):
+    first = CauseResult(id="p2p-hang", title="p2p-hang", score=0.6, signals=signals)
+    second = CauseResult(id="collective-timeout", title="collective-timeout", score=0.6 - lead)
+    result = Result(query="training hangs", root_error=None, causes=[first, second], lang="en")
+    assert assess(result).confidence == level
