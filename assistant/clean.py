@@ -229,31 +229,35 @@ def _signal_error(entries: list[tuple[int | None, str]], rank: int | None) -> Ro
             return RootError(match.group(2), f"exitcode: -{match.group(1)} ({line.strip()})", rank)
     for _, line in entries:
         match = EXITCODE.search(line)
-        if match and match.group(1) not in ("0", "1"):
-            # Named like the other wordings' (SIGKILL for -9), so one error reads one way.
-            name = SIGNAL_NAMES.get(-int(match.group(1)), "ChildFailedError")
-            return RootError(name, f"exitcode: {match.group(1)}", rank)
+        if match:
+            # torchrun's own line is already in its words: no need to quote it.
+            found = _exit_status_error(int(match.group(1)), rank)
+            if found is not None:
+                return found
     for _, line in entries:
         match = EXIT_STATUS.search(line)
         if match:
-            found = _exit_status_error(int(next(g for g in match.groups() if g)), line, rank)
+            code = int(next(g for g in match.groups() if g))
+            found = _exit_status_error(code, rank, quoted=line)
             if found is not None:
                 return found
     return None
 
 
-def _exit_status_error(code: int, line: str, rank: int | None) -> RootError | None:
-    """A rank's exit status in another launcher's (or a person's) words, torchrun-style.
+def _exit_status_error(code: int, rank: int | None, quoted: str = "") -> RootError | None:
+    """A rank's exit status as torchrun writes it ("exitcode: -9"), named by its signal.
 
-    Written as torchrun writes it ("exitcode: -9") so that one KB signature
-    matches every wording; 0 and 1 say nothing about the cause.
+    One wording, whatever launcher or person gave it, so that one KB signature
+    matches them all; the original line is quoted after it. 0 and 1 say
+    nothing about the cause.
     """
     if code - 128 in SIGNAL_NAMES:  # a shell reports SIGKILL as 137 = 128 + 9
         code = 128 - code
     if code in (0, 1):
         return None
     name = SIGNAL_NAMES.get(-code, "ChildFailedError")
-    return RootError(name, f"exitcode: {code} ({line.strip()[:200]})", rank)
+    message = f"exitcode: {code} ({quoted.strip()[:200]})" if quoted else f"exitcode: {code}"
+    return RootError(name, message, rank)
 
 
 def find_root_error(
