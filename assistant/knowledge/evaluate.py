@@ -45,13 +45,21 @@ def load_query_sets(paths: list[Path]) -> list[dict]:
     """
     pooled: list[dict] = []
     seen: dict[str, Path] = {}
+    names = set_names(paths)
     for path in paths:
         for item in load_queries(path):
             if item["id"] in seen:
                 raise UserError(f"{path}: query id {item['id']!r} is also in {seen[item['id']]}")
             seen[item["id"]] = path
-            pooled.append({**item, "set": path.stem})
+            pooled.append({**item, "set": names[path]})
     return pooled
+
+
+def set_names(paths: list[Path]) -> dict[Path, str]:
+    """Each file's name in the per-set table: its stem, or its path where stems repeat
+    (a.jsonl in two folders must not merge into one row)."""
+    stems = [path.stem for path in paths]
+    return {path: path.stem if stems.count(path.stem) == 1 else str(path) for path in paths}
 
 
 def by_set(queries: list[dict], rankings: list[list[str]]) -> dict[str, dict]:

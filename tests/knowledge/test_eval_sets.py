@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from assistant.cli import main
-from assistant.knowledge.evaluate import by_set
+from assistant.knowledge.evaluate import by_set, load_query_sets
 
 DUPLICATE = "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
 PORT = "RuntimeError: The server socket has failed to listen on any local network address. port: 29500, useIpv6: 0, code: -98, name: [::]:29500, message: address already in use"
@@ -43,6 +43,15 @@ def test_several_files_are_pooled_and_listed(private_engine, tmp_path):
     assert report["by_set"]["wrong"]["top1"] == 0.0
     text = CliRunner().invoke(main, ["kb", "eval", str(right), str(wrong)]).stdout
     assert "\nright " in text and "\nwrong " in text
+
+
+def test_files_of_one_name_in_two_folders_stay_two_rows(tmp_path):
+    (tmp_path / "team").mkdir()
+    ours = write(tmp_path / "reports.jsonl", ("dup", DUPLICATE, "duplicate-gpu-per-rank"))
+    theirs = write(tmp_path / "team" / "reports.jsonl", ("port", PORT, "master-port-in-use"))
+    queries = load_query_sets([ours, theirs])
+    assert [item["set"] for item in queries] == [str(ours), str(theirs)]
+    assert len(by_set(queries, [["duplicate-gpu-per-rank"], ["x"]])) == 2
 
 
 def test_one_file_keeps_its_report_without_a_per_set_table(private_engine, tmp_path):
