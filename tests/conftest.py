@@ -19,6 +19,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEST_CACHE = tempfile.mkdtemp(prefix="ddp-assistant-test-cache-")
 os.environ["XDG_CACHE_HOME"] = TEST_CACHE
 atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
+# Nor into the machine's /tmp: torchrun makes a torchelastic_* log folder (and
+# error-file pickles) in the TMPDIR of whatever launches it, and the tests launch
+# it often. tempfile's own default is already fixed above, so pytest's folders
+# stay where they were; only the launched processes see this one.
+TEST_TMP = tempfile.mkdtemp(prefix="ddp-assistant-test-tmp-")
+os.environ["TMPDIR"] = TEST_TMP
+atexit.register(shutil.rmtree, TEST_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
