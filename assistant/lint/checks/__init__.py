@@ -16,7 +16,9 @@ lines it must report.
 - backend: CPU tensors handed to NCCL collectives;
 - data: a DataLoader with no DistributedSampler in a DDP script
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
-  never called in the epoch loop (sampler-set-epoch).
+  never called in the epoch loop (sampler-set-epoch);
+- wrapper: the model's own methods and fields read through the DDP /
+  DataParallel wrapper instead of `.module` (ddp-wrapper-attribute).
 """
 
 from assistant.lint.checks import (
@@ -27,6 +29,7 @@ from assistant.lint.checks import (
     launch,
     process_group,
     rank_dependent,
+    wrapper,
 )
 
 __all__ = [
@@ -37,4 +40,5 @@ __all__ = [
     "launch",
     "process_group",
     "rank_dependent",
+    "wrapper",
 ]

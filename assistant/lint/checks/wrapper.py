@@ -1,0 +1,228 @@
+"""The model's own attributes read through the DDP wrapper (ddp-wrapper-attribute).
+
+`model = DistributedDataParallel(model)` rebinds the name to a wrapper that is
+an nn.Module of its own: it has the Module API, DDP's few attributes and the
+wrapped model as `.module`, nothing else. `model.generate(...)`,
+`model.config`, `model.loss_fn(...)` then raise AttributeError on every rank
+(the same for nn.DataParallel). FSDP is left alone: it forwards unknown
+attributes to the wrapped module.
+
+Quiet where the script may know better: an attribute the script sets on the
+wrapper itself, one it looks up by name (`hasattr(model, "generate")`,
+`getattr(model, "config", None)`), and a name rebound to something else
+before the read.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from assistant.lint.model import Script, short
+from assistant.lint.registry import check
+from assistant.results import Finding
+
+# nn.Module's public API (torch 2.x): what every wrapper has.
+MODULE_API = frozenset(
+    {
+        "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init",
+        "children", "compile", "cpu", "cuda", "double", "dump_patches", "eval",
+        "extra_repr", "float", "forward", "get_buffer", "get_extra_state",
+        "get_parameter", "get_submodule", "half", "ipu", "load_state_dict", "modules",
+        "mtia", "named_buffers", "named_children", "named_modules", "named_parameters",
+        "parameters", "register_backward_hook", "register_buffer", "register_forward_hook",
+        "register_forward_pre_hook", "register_full_backward_hook",
+        "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
+        "register_load_state_dict_pre_hook", "register_module", "register_parameter",
+        "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
+        "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty",
+        "train", "training", "type", "xpu", "zero_grad",
+    }
+)  # fmt: skip
+# DistributedDataParallel's own, class and instance (torch 1.x and 2.x).
+DDP_API = frozenset(
+    {
+        "module", "no_sync", "join", "join_device", "join_hook", "join_process_group",
+        "register_comm_hook", "gather", "scatter", "to_kwargs", "will_sync_module_buffers",
+        "batched_grad_copy", "broadcast_bucket_size", "broadcast_buffers", "bucket_bytes_cap",
+        "bucket_bytes_cap_default", "bucket_bytes_cap_list", "device", "device_ids",
+        "device_type", "dim", "find_unused_parameters", "forward_sync_buffers",
+        "gradient_as_bucket_view", "is_multi_device_module", "logger", "mixed_precision",
+        "modules_buffers", "named_module_buffers", "output_device", "parameters_to_ignore",
+        "process_group", "reducer", "require_backward_grad_sync", "require_forward_param_sync",
+        "skip_all_reduce_unused_params", "static_graph", "use_side_stream_for_tensor_copies",
+        "ddp_uneven_inputs_config", "gradient_predivide_factor", "sync_bn",
+    }
+)  # fmt: skip
+DATA_PARALLEL_API = frozenset(
+    {"module", "device_ids", "output_device", "dim", "src_device_obj", "gather", "scatter",
+     "replicate", "parallel_apply"}
+)  # fmt: skip
+WRAPPERS = {
+    "DistributedDataParallel": MODULE_API | DDP_API,
+    "DataParallel": MODULE_API | DATA_PARALLEL_API,
+}
+
+
+@dataclass
+class Bindings:
+    """Where one name is bound in a scope, in line order, and to a wrapper or not."""
+
+    lines: list[int] = field(default_factory=list)
+    wrappers: list[str | None] = field(default_factory=list)  # the wrapper's class, or None
+
+    def add(self, line: int, wrapper: str | None) -> None:
+        at = bisect.bisect_right(self.lines, line)
+        self.lines.insert(at, line)
+        self.wrappers.insert(at, wrapper)
+
+    def wrapper_at(self, line: int) -> str | None:
+        """The wrapper the name holds when `line` runs (the last binding above it)."""
+        at = bisect.bisect_left(self.lines, line) - 1
+        return self.wrappers[at] if at >= 0 else None
+
+
+@check("ddp-wrapper-attribute")
+def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
+    """`model.generate()` after `model = DDP(model)`: the wrapper has no such attribute."""
+    if not any(short(name) in WRAPPERS for _node, name in script.call_names):
+        return
+    guarded = attributes_probed(script)
+    for scope in [script.tree, *script.functions.values()]:
+        yield from wrapper_reads(script, script.scope_nodes(scope), guarded)
+    for cls in (node for node in script.tree.body if isinstance(node, ast.ClassDef)):
+        yield from wrapper_fields(script, cls, guarded)
+
+
+def wrapper_reads(
+    script: Script, nodes: list[ast.AST], guarded: frozenset[str]
+) -> Iterator[Finding]:
+    bindings: dict[str, Bindings] = {}
+    set_on: set[tuple[str, str]] = set()  # (name, attribute) the script assigns itself
+    reads: list[ast.Attribute] = []
+    for node in nodes:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            wrapper = wrapper_of(script, node.value)
+            for target in targets:
+                for name in bound_names(target):
+                    bindings.setdefault(name, Bindings()).add(node.lineno, wrapper)
+        elif isinstance(
+            node, (ast.AugAssign, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.NamedExpr)
+        ):
+            for target in loop_targets(node):
+                for name in bound_names(target):
+                    bindings.setdefault(name, Bindings()).add(node.lineno, None)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if isinstance(node.ctx, ast.Load):
+                reads.append(node)
+            else:
+                set_on.add((node.value.id, node.attr))
+    for node in reads:
+        name, attribute = node.value.id, node.attr
+        if name not in bindings or attribute.startswith("_") or attribute in guarded:
+            continue
+        wrapper = bindings[name].wrapper_at(node.lineno)
+        if wrapper is None or attribute in WRAPPERS[wrapper] or (name, attribute) in set_on:
+            continue
+        yield script.finding(
+            "ddp-wrapper-attribute",
+            node,
+            f"{name}.{attribute}: {name} is the {wrapper} wrapper here, which has no "
+            f"attribute {attribute!r} (AttributeError on every rank); use "
+            f"{name}.module.{attribute}, or keep a name for the unwrapped model",
+        )
+
+
+def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -> Iterator[Finding]:
+    """`self.model.generate()` in a class whose every `self.model = ...` is a wrapper.
+
+    Methods run in an order the file does not show, so a field is judged only
+    when nothing but a wrapper is ever assigned to it.
+    """
+    methods = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    nodes = [node for method in methods for node in script.scope_nodes(method)]
+    kinds: dict[str, set[str | None]] = {}
+    set_on: set[tuple[str, str]] = set()
+    for node in nodes:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if field := self_field(target):
+                    kinds.setdefault(field, set()).add(wrapper_of(script, node.value))
+        elif (
+            isinstance(node, ast.Attribute)
+            and not isinstance(node.ctx, ast.Load)
+            and (field := self_field(node.value))
+        ):
+            set_on.add((field, node.attr))
+    wrapped = {f: next(iter(k)) for f, k in kinds.items() if len(k) == 1 and None not in k}
+    for node in nodes:
+        if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
+            continue
+        field = self_field(node.value)
+        if field not in wrapped or node.attr.startswith("_") or node.attr in guarded:
+            continue
+        wrapper = wrapped[field]
+        if node.attr in WRAPPERS[wrapper] or (field, node.attr) in set_on:
+            continue
+        yield script.finding(
+            "ddp-wrapper-attribute",
+            node,
+            f"self.{field}.{node.attr}: self.{field} is only ever the {wrapper} wrapper, which "
+            f"has no attribute {node.attr!r} (AttributeError on every rank); use "
+            f"self.{field}.module.{node.attr}",
+        )
+
+
+def self_field(expr: ast.expr) -> str | None:
+    """ "model" for `self.model`."""
+    if (
+        isinstance(expr, ast.Attribute)
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id == "self"
+    ):
+        return expr.attr
+    return None
+
+
+def attributes_probed(script: Script) -> frozenset[str]:
+    """Attribute names the script looks up by string: `hasattr(model, "generate")`,
+    `getattr(model, "config", None)`; such a script handles the wrapper itself."""
+    return frozenset(
+        node.args[1].value
+        for node, name in script.call_names
+        if name in ("hasattr", "getattr", "setattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    )
+
+
+def wrapper_of(script: Script, value: ast.expr) -> str | None:
+    """The wrapper class `value` constructs (DDP(...), nn.DataParallel(...)), if any."""
+    if isinstance(value, ast.Call):
+        wrapper = short(script.name_of(value.func))
+        if wrapper in WRAPPERS:
+            return wrapper
+    return None
+
+
+def bound_names(target: ast.expr) -> list[str]:
+    """Plain names an assignment target binds (`a`, `a, b`), not attributes or items."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for element in target.elts for n in bound_names(element)]
+    if isinstance(target, ast.Starred):
+        return bound_names(target.value)
+    return []
+
+
+def loop_targets(node: ast.AST) -> list[ast.expr]:
+    """What a for loop, a with statement, `x += ...` or `(x := ...)` binds."""
+    if isinstance(node, (ast.With, ast.AsyncWith)):
+        return [item.optional_vars for item in node.items if item.optional_vars is not None]
+    return [node.target]

@@ -1,0 +1,200 @@
+"""ddp-wrapper-attribute: the model's own attributes read through the DDP / DataParallel wrapper."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from assistant.lint import lint_source
+from assistant.lint.checks.wrapper import DATA_PARALLEL_API, DDP_API, MODULE_API
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "ddp_wrapper_custom_method.py"
+FIXED = SCRIPTS / "correct_ddp_wrapper_module_method.py"
+
+HEADER = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+"""
+
+
+def findings(body: str) -> list[tuple[int, str]]:
+    source = HEADER + textwrap.dedent(body)
+    return [
+        (f.line - HEADER.count("\n"), f.message)
+        for f in lint_source(source)
+        if f.cause_id == "ddp-wrapper-attribute"
+    ]
+
+
+def torchrun(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            f"--log_dir={tmp_path / 'torchelastic'}",
+            str(script),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(tmp_path):
+    broken = torchrun(BROKEN, tmp_path / "broken")
+    assert broken.returncode != 0
+    assert "'DistributedDataParallel' object has no attribute 'generate'" in broken.stderr
+    fixed = torchrun(FIXED, tmp_path / "fixed")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("again torch.Size([1, 8])") == 2
+
+
+def test_the_model_api_and_the_wrappers_own_are_not_reported():
+    found = findings(
+        """
+        def main():
+            model = DDP(nn.Linear(2, 2))
+            model.train()
+            model.zero_grad()
+            with model.no_sync():
+                model(torch.ones(1, 2)).sum().backward()
+            torch.save(model.module.state_dict(), "m.pt")
+            print(model.device_ids, model.state_dict().keys())
+        """
+    )
+    assert found == []
+
+
+def test_a_dataparallel_wrapper_is_read_the_same_way():
+    found = findings(
+        """
+        class Net(nn.Module):
+            def forward(self, x):
+                return x
+            def encode(self, x):
+                return x
+
+        model = nn.DataParallel(Net())
+        model.encode(torch.ones(2))
+        """
+    )
+    assert [line for line, _ in found] == [9]
+    assert "DataParallel wrapper" in found[0][1] and "model.module.encode" in found[0][1]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # rebound to the wrapped model before the read
+        """
+        model = DDP(net)
+        model = model.module
+        model.generate()
+        """,
+        # the script sets the attribute on the wrapper itself
+        """
+        model = DDP(net)
+        model.config = net.config
+        print(model.config)
+        """,
+        # it asks first
+        """
+        model = DDP(net)
+        if hasattr(model, "generate"):
+            model.generate()
+        """,
+        # read before the wrapping
+        """
+        model = net
+        model.generate()
+        model = DDP(model)
+        """,
+        # a parameter: what the caller passes is not known here
+        """
+        def evaluate(model):
+            return model.generate()
+        """,
+    ],
+)
+def test_what_the_script_may_handle_itself_is_not_reported(body):
+    assert findings(body) == []
+
+
+def test_a_trainer_field_that_is_only_ever_the_wrapper_is_reported():
+    found = findings(
+        """
+        class Trainer:
+            def __init__(self, net):
+                self.model = DDP(net)
+
+            def sample(self):
+                return self.model.generate(torch.ones(1, 2))
+
+            def save(self):
+                torch.save(self.model.module.state_dict(), "m.pt")
+        """
+    )
+    assert [line for line, _ in found] == [7]
+    assert "self.model.generate" in found[0][1]
+
+
+def test_a_trainer_field_also_given_the_bare_model_is_not_judged():
+    found = findings(
+        """
+        class Trainer:
+            def __init__(self, net, distributed):
+                self.model = net
+
+            def wrap(self):
+                self.model = DDP(self.model)
+
+            def sample(self):
+                return self.model.generate(torch.ones(1, 2))
+        """
+    )
+    assert found == []
+
+
+def test_the_lists_cover_the_installed_torchs_wrappers():
+    # Reading a real attribute would be a false finding: every public attribute of
+    # nn.Module, DistributedDataParallel and DataParallel must be in the lists.
+    public = {name for name in dir(nn.parallel.DistributedDataParallel) if name[0] != "_"}
+    assert public <= MODULE_API | DDP_API
+    assert {name for name in dir(nn.Module) if name[0] != "_"} <= MODULE_API
+    dp_public = {name for name in dir(nn.DataParallel) if name[0] != "_"}
+    assert dp_public <= MODULE_API | DATA_PARALLEL_API
+    model = nn.DataParallel(nn.Linear(2, 2))
+    assert {name for name in vars(model) if name[0] != "_"} <= MODULE_API | DATA_PARALLEL_API
+    assert torch.__version__
+
+
+def test_every_read_of_a_big_script_is_judged_against_its_own_binding():
+    # 20,000 reads and 200 rebindings of one name: each read looks up the binding above
+    # it (a bisect over the name's binding lines), nothing walks the script again.
+    lines = ["model = DDP(net)"]
+    for i in range(20_000):
+        lines.append(f"model.generate_{i % 50}()")
+        if i % 100 == 99:
+            lines.append("model = model.module" if i % 200 == 99 else "model = DDP(net)")
+    found = findings("\n".join(lines))
+    assert len(found) == 10_000  # the reads while `model` is the wrapper, half of them
