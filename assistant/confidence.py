@@ -155,6 +155,12 @@ DECIDERS = {
     "device-map-with-ddp": ("script", "launch"),
     # where the ranks wait (file_baton.wait in the stack) tells it from a collective hang
     "extension-build-lock": ("run", "traceback"),
+    # the wrapper's type in the traceback and where the script wraps tell it from a
+    # "module." prefix in a checkpoint (state-dict-module-prefix)
+    "ddp-wrapper-attribute": ("traceback", "script"),
+    # NCCL_DEBUG=INFO tells a broken transport ("inconsistent 0 params") from models
+    # that really differ
+    "model-differs-across-ranks": ("script", "nccl_debug"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
