@@ -303,3 +303,13 @@ JUDGES["process-group-not-initialized"] = by_error(
     "the error says a torch.distributed call ran before init_process_group: {error}",
     "报错说在 init_process_group 之前就调用了 torch.distributed：{error}",
 )
+JUDGES["ddp-wrapper-attribute"] = by_error(
+    "ddp-wrapper-attribute",
+    "the error is the DDP / DataParallel wrapper lacking an attribute of the model it wraps: {error}",
+    "报错是 DDP / DataParallel 包装器上没有被包装模型的属性：{error}",
+)
+JUDGES["model-differs-across-ranks"] = by_error(
+    "model-differs-across-ranks",
+    "the error is DDP's check that every rank built the same model: {error}",
+    "报错是 DDP 检查各个 rank 的模型是否相同时发现了不同：{error}",
+)
