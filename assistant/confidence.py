@@ -161,6 +161,10 @@ DECIDERS = {
     # NCCL_DEBUG=INFO tells a broken transport ("inconsistent 0 params") from models
     # that really differ
     "model-differs-across-ranks": ("script", "nccl_debug"),
+    # learning rate, per-GPU batch and schedule are in the script; N is in the launch
+    "effective-batch-size-changed": ("script", "launch"),
+    # a notebook cell or notebook_launcher vs a script under torchrun
+    "interactive-launch": ("launch", "traceback"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says

@@ -313,3 +313,8 @@ JUDGES["model-differs-across-ranks"] = by_error(
     "the error is DDP's check that every rank built the same model: {error}",
     "报错是 DDP 检查各个 rank 的模型是否相同时发现了不同：{error}",
 )
+JUDGES["interactive-launch"] = by_error(
+    "interactive-launch",
+    "the error is a launcher refusing, or failing, to start ranks from an interactive session: {error}",
+    "报错是启动器拒绝或无法在交互式会话里启动多个 rank：{error}",
+)
