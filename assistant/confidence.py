@@ -165,6 +165,11 @@ DECIDERS = {
     "effective-batch-size-changed": ("script", "launch"),
     # a notebook cell or notebook_launcher vs a script under torchrun
     "interactive-launch": ("launch", "traceback"),
+    # a failing dataset.map / index-file load in the traceback, not a watchdog timeout;
+    # node-local caches on several nodes
+    "dataset-cache-race": ("traceback", "nodes"),
+    # whether metrics are reduced and which sampler the validation loader has
+    "metrics-not-reduced": ("script", "launch"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says

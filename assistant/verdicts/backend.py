@@ -318,3 +318,9 @@ JUDGES["interactive-launch"] = by_error(
     "the error is a launcher refusing, or failing, to start ranks from an interactive session: {error}",
     "报错是启动器拒绝或无法在交互式会话里启动多个 rank：{error}",
 )
+JUDGES["dataset-cache-race"] = by_error(
+    "dataset-cache-race",
+    "the error is a dataset cache file that is missing or cut short while ranks build or read it: {error}",
+    "报错是各个 rank 生成或读取数据集缓存时，缓存文件不存在或不完整：{error}",
+    "inconclusive",  # a cache cut short by a full disk or an old crash reads the same
+)
