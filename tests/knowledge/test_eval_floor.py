@@ -41,6 +41,9 @@ REAL_FLOORS = {
     # 24 reports of the four causes added for coverage, found while writing them
     # (not held out): each new cause must keep answering its own reports.
     "real_reports_new_causes.jsonl": {"top1": 0.85, "recall3": 0.92, "mrr": 0.90},
+    # 36 reports of the six causes added in session 5 (and two "inconsistent 0 params"
+    # counter-examples), found while writing them, not held out: 0.806/0.944/0.870.
+    "real_reports_new_causes2.jsonl": {"top1": 0.75, "recall3": 0.88, "mrr": 0.82},
 }
 
 
