@@ -64,7 +64,10 @@ def some_rank_runs(path: RankPath) -> bool:
 
 
 def is_rank_expr(expr: ast.expr, script: Script) -> bool:
-    """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`."""
+    """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`, `os.environ["RANK"]`."""
+    variable = environment_variable(expr, script)
+    if variable is not None:
+        return bool(RANK_NAME.search(variable))
     if isinstance(expr, ast.Call):
         return short(script.name_of(expr.func)) in ("get_rank", "get_local_rank")
     if isinstance(expr, ast.Name):
@@ -72,6 +75,21 @@ def is_rank_expr(expr: ast.expr, script: Script) -> bool:
     if isinstance(expr, ast.Attribute):
         return bool(RANK_NAME.search(expr.attr))
     return False
+
+
+def environment_variable(expr: ast.expr, script: Script) -> str | None:
+    """The variable `os.environ["X"]`, `os.environ.get("X", ...)` or `os.getenv("X")` reads.
+
+    torchrun hands each process its rank as RANK and LOCAL_RANK, so these are ranks too.
+    """
+    if isinstance(expr, ast.Subscript) and script.name_of(expr.value) == "os.environ":
+        key = expr.slice
+    elif isinstance(expr, ast.Call) and expr.args:
+        reader = script.name_of(expr.func)
+        key = expr.args[0] if reader in ("os.environ.get", "os.getenv") else None
+    else:
+        return None
+    return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None
 
 
 def rank_branch_sides(

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import socket
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -66,6 +70,22 @@ NO_SAMPLER_FLAGGED = {
     "evaluated_on_every_rank": (
         "val = DataLoader(data, batch_size=8)\nfor (x,) in val:\n    model(x)",
         1,
+    ),
+    "cut_by_the_world_size_of_the_environment": (
+        (
+            "import os\n"
+            "part = Subset(data, range(int(os.environ['WORLD_SIZE'])))\n"
+            "loader = DataLoader(part, batch_size=8)"
+        ),
+        3,
+    ),
+    "a_copy_of_the_world_size_unpacked_beside_the_rank": (
+        (
+            "me, world = dist.get_world_size(), dist.get_rank()\n"
+            "first = world\nhead = me\nsmall = Subset(data, range(head))\n"
+            "part = small\nloader = DataLoader(part, batch_size=8)"
+        ),
+        6,
     ),
     "subclass_of_a_map_dataset": (
         (
@@ -129,6 +149,33 @@ NO_SAMPLER_CLEAN = {
         "accelerator = Accelerator()\n"
         "loader = DataLoader(data, batch_size=8, shuffle=True)\n"
         "model, loader = accelerator.prepare(model, loader)"
+    ),
+    "split_by_node_with_the_rank_of_the_environment": (
+        "import os\nfrom datasets.distributed import split_dataset_by_node\n"
+        "mine = split_dataset_by_node(\n"
+        "    data, rank=int(os.environ['RANK']), world_size=int(os.environ['WORLD_SIZE']))\n"
+        "loader = DataLoader(mine, batch_size=8)"
+    ),
+    "shard_index_of_the_local_rank_variable": (
+        "import os\n"
+        "local = int(os.environ.get('LOCAL_RANK', 0))\nworld = int(os.environ['WORLD_SIZE'])\n"
+        "shards = data.shard(num_shards=world, index=local)\n"
+        "loader = DataLoader(shards, batch_size=8)"
+    ),
+    "shard_index_of_getenv_inline": (
+        "from os import getenv\n"
+        "loader = DataLoader(data.shard(num_shards=2, index=int(getenv('RANK'))), batch_size=8)"
+    ),
+    "get_rank_stored_under_another_name_four_assignments_back": (
+        "me = dist.get_rank()\nmine = me\n"
+        "indices = list(range(len(data)))\nmy_indices = indices[mine::world_size]\n"
+        "train = Subset(data, my_indices)\nds = train\n"
+        "loader = DataLoader(ds, batch_size=8)"
+    ),
+    "get_rank_unpacked_under_another_name": (
+        "me, world = dist.get_rank(), dist.get_world_size()\n"
+        "part = list(range(len(data)))[me::world]\nsubset = Subset(data, part)\n"
+        "train = subset\nloader = DataLoader(train, batch_size=8)"
     ),
     "distributed_sampler_elsewhere_in_the_script": (
         "from torch.utils.data.distributed import DistributedSampler\n"
@@ -218,6 +265,64 @@ SET_EPOCH_FLAGGED = {
 }
 
 
+# The sampler built inside the epoch loop, fed to this loader and walked there.
+REBUILT = (
+    "    loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+    "    for (x,) in loader:\n        model(x)\n"
+)
+
+SET_EPOCH_FLAGGED.update(
+    {
+        "rebuilt_each_epoch_with_a_fixed_seed": (
+            "for epoch in range(3):\n    sampler = DistributedSampler(data, seed=42)\n" + REBUILT,
+            2,
+        ),
+        "rebuilt_each_epoch_with_the_default_seed": (
+            "for epoch in range(3):\n    sampler = DistributedSampler(data)\n" + REBUILT,
+            2,
+        ),
+        "seeded_by_the_epoch_variable_but_built_once_before_the_loop": (
+            (
+                "epoch = 0\nsampler = DistributedSampler(data, seed=epoch)\n"
+                "loader = DataLoader(data, sampler=sampler)\n"
+                "for epoch in range(3):\n    for (x,) in loader:\n        model(x)"
+            ),
+            2,
+        ),
+        "seeded_by_a_run_loop_around_the_epochs": (
+            (
+                "for run in range(2):\n    sampler = DistributedSampler(data, seed=run)\n"
+                "    loader = DataLoader(data, sampler=sampler)\n"
+                "    for epoch in range(3):\n        for (x,) in loader:\n            model(x)"
+            ),
+            2,
+        ),
+        "rebuilt_each_epoch_with_the_seed_of_the_run": (
+            (
+                "for run in range(2):\n    for epoch in range(3):\n"
+                "        sampler = DistributedSampler(data, seed=run)\n"
+                "        loader = DataLoader(data, sampler=sampler)\n"
+                "        for (x,) in loader:\n            model(x)"
+            ),
+            3,
+        ),
+        "reseeded_in_a_loop_then_walked_by_another": (
+            (
+                "for i in range(3):\n    sampler = DistributedSampler(data, seed=i)\n"
+                "    loader = DataLoader(data, sampler=sampler)\n"
+                "for epoch in range(3):\n    for (x,) in loader:\n        model(x)"
+            ),
+            2,
+        ),
+        "generator_seeded_once_outside": (
+            "g = torch.Generator()\ng.manual_seed(0)\nseed = int(torch.randint(9, (1,), generator=g))\n"
+            "for epoch in range(3):\n    sampler = DistributedSampler(data, seed=seed)\n" + REBUILT,
+            5,
+        ),
+    }
+)
+
+
 @pytest.mark.parametrize("case", sorted(SET_EPOCH_FLAGGED))
 def test_a_sampler_never_told_the_epoch_is_reported(case: str) -> None:
     body, line = SET_EPOCH_FLAGGED[case]
@@ -266,6 +371,46 @@ SET_EPOCH_CLEAN = {
         "for (x,) in once:\n    model(x)"
     ),
 }
+
+
+SET_EPOCH_CLEAN.update(
+    {
+        "rebuilt_each_epoch_with_the_epoch_as_seed": (
+            "for epoch in range(3):\n    sampler = DistributedSampler(data, seed=epoch)\n" + REBUILT
+        ),
+        "rebuilt_each_epoch_with_base_seed_plus_epoch": (
+            "base_seed = 42\nfor epoch in range(3):\n"
+            "    sampler = DistributedSampler(data, shuffle=True, seed=base_seed + epoch)\n"
+            + REBUILT
+        ),
+        "seed_given_by_position": (
+            "for epoch in range(3):\n"
+            "    sampler = DistributedSampler(data, 2, dist.get_rank(), True, 100 + epoch)\n"
+            + REBUILT
+        ),
+        "seed_worked_out_first": (
+            "for epoch in range(3):\n    seed = 1000 * epoch + 7\n"
+            "    sampler = DistributedSampler(data, seed=seed)\n" + REBUILT
+        ),
+        "seed_drawn_from_a_generator_seeded_by_the_epoch": (
+            "for epoch in range(3):\n    g = torch.Generator()\n    g.manual_seed(epoch)\n"
+            "    seed = int(torch.randint(2**31, (1,), generator=g))\n"
+            "    sampler = DistributedSampler(data, seed=seed)\n" + REBUILT
+        ),
+        "seed_drawn_from_a_generator_built_with_the_epoch": (
+            "import numpy as np\nfor epoch in range(3):\n"
+            "    rng = np.random.default_rng(epoch)\n"
+            "    sampler = DistributedSampler(data, seed=int(rng.integers(2**31)))\n" + REBUILT
+        ),
+        "rebuilt_each_epoch_and_handed_to_an_epoch_function": (
+            "def train_one_epoch(loader):\n    for (x,) in loader:\n        model(x)\n"
+            "for i, epoch in enumerate(range(3)):\n"
+            "    sampler = DistributedSampler(data, seed=epoch)\n"
+            "    train_one_epoch(DataLoader(data, sampler=sampler))\n"
+            "    loader = DataLoader(data, sampler=sampler)\n    train_one_epoch(loader)"
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize("case", sorted(SET_EPOCH_CLEAN))
@@ -319,7 +464,12 @@ def test_cli_lint_reports_the_sampler_never_told_the_epoch() -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["correct_dataloader_with_distributed_sampler.py", "correct_iterable_dataset_split_by_rank.py"],
+    [
+        "correct_dataloader_with_distributed_sampler.py",
+        "correct_iterable_dataset_split_by_rank.py",
+        "correct_sampler_reseeded_each_epoch.py",
+        "correct_dataset_sharded_by_env_rank.py",
+    ],
 )
 def test_cli_lint_of_the_fixed_scripts_is_clean(name: str) -> None:
     result = CliRunner().invoke(main, ["lint", str(SCRIPTS / name)])
@@ -466,3 +616,81 @@ def test_a_statement_many_loaders_are_read_in_is_judged_once(monkeypatch) -> Non
     body = loaders + "if rank == 0:\n    for (x,) in data:\n" + reads
     assert findings(DDP_PRELUDE, body) == []
     assert len(placed) <= 200
+
+
+def test_many_samplers_rebuilt_in_one_epoch_loop_count_its_walks_once(monkeypatch) -> None:
+    # 300 samplers rebuilt with the epoch's seed, then 300 more loops over `loader` in the
+    # same function: each loop's function is looked up once, not once per sampler.
+    from assistant.lint.checks import data as checks
+
+    placed = []
+    home = checks.DataFlow.home
+    monkeypatch.setattr(
+        checks.DataFlow, "home", lambda self, node: placed.append(1) or home(self, node)
+    )
+    rebuilt = (
+        "        s = DistributedSampler(data, seed=epoch)\n"
+        "        loader = DataLoader(data, sampler=s)\n"
+    )
+    epochs = "def main():\n    for epoch in range(3):\n" + rebuilt * 300 + "        f(loader)\n"
+    again = "    for again in range(2):\n        f(loader)\n" * 300
+    assert findings(SAMPLER_PRELUDE, epochs) == []
+    placed.clear()
+    assert len(findings(SAMPLER_PRELUDE, epochs + again)) == 300  # walked again each time
+    assert len(placed) <= 4 * 300  # twice per sampler, once per loop; not per sampler and loop
+
+
+def test_a_long_chain_of_copies_of_the_rank_is_followed_once(monkeypatch) -> None:
+    # r0 = dist.get_rank(), r1 = r0, ... r3000: the rank held under each name, each
+    # assignment looked at once, and the dataset cut by the last one is sharded.
+    from assistant.lint.checks import data as checks
+
+    asked = []
+    is_rank = checks.is_rank_expr
+    monkeypatch.setattr(
+        checks, "is_rank_expr", lambda expr, script: asked.append(1) or is_rank(expr, script)
+    )
+    copies = "r0 = dist.get_rank()\n" + "".join(f"r{i + 1} = r{i}\n" for i in range(3000))
+    body = copies + "loader = DataLoader(Subset(data, range(r3000, 64, 2)), batch_size=8)\n"
+    assert findings(DDP_PRELUDE, body) == []
+    assert len(asked) <= 2 * len(list(ast.walk(ast.parse(DDP_PRELUDE + body))))
+
+
+def torchrun(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            f"--log_dir={tmp_path / 'torchelastic'}",
+            str(script),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "printed"),
+    [
+        # Each rank asserts that no epoch repeated another's order.
+        ("correct_sampler_reseeded_each_epoch.py", "3 epochs, 3 orders"),
+        # Each rank asserts that the shards split the training set.
+        ("correct_dataset_sharded_by_env_rank.py", "read 64 of 128"),
+    ],
+)
+def test_the_fixtures_lint_quiet_on_run_correctly_under_torchrun(
+    name: str, printed: str, tmp_path: Path
+) -> None:
+    result = torchrun(SCRIPTS / name, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count(printed) == 2

@@ -25,6 +25,10 @@ from assistant.results import Finding
 # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...): a fourth
 # positional argument is a sampler given by position.
 SAMPLER_POSITION = 3
+# DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last): the fifth is the seed.
+SEED_POSITION = 4
+# `g.manual_seed(epoch)`, `rng.seed(epoch)`: a generator seeded by a statement, not an assignment.
+SEEDING_METHODS = frozenset({"manual_seed", "seed"})
 # Frameworks that give every loader they build or prepare a distributed sampler
 # (Lightning's Trainer), or that shard the stream themselves (webdataset).
 SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
@@ -70,8 +74,9 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
     for sampler in data.sampler_calls:
         if shuffle_off(sampler):
             continue
-        loop = data.epoch_loop_over(data.loaders_of(sampler), near=sampler)
-        if loop is None:
+        loaders = data.loaders_of(sampler)
+        loop = data.epoch_loop_over(loaders, near=sampler)
+        if loop is None or data.reseeded_each_pass(sampler, loaders):
             continue
         yield script.finding(
             "sampler-set-epoch",
@@ -92,6 +97,14 @@ def has_sampler(loader: ast.Call) -> bool:
     return len(loader.args) > SAMPLER_POSITION or any(
         isinstance(arg, ast.Starred) for arg in loader.args
     )
+
+
+def seed_of(sampler: ast.Call) -> ast.expr | None:
+    """DistributedSampler(..., seed=s) or its fifth positional argument."""
+    given = keyword(sampler, "seed")
+    if given is None and len(sampler.args) > SEED_POSITION:
+        given = sampler.args[SEED_POSITION]
+    return given
 
 
 def is_none(expr: ast.expr) -> bool:
@@ -325,8 +338,44 @@ class DataFlow:
     @memoized
     def value_reads_rank(self, value: ast.expr) -> bool:
         return any(
-            isinstance(n, ast.expr) and is_rank_expr(n, self.script) for n in ast.walk(value)
+            isinstance(n, ast.expr)
+            and (is_rank_expr(n, self.script) or read_name(n) in self.rank_holders)
+            for n in ast.walk(value)
         )
+
+    @cached_property
+    def rank_holders(self) -> set[str]:
+        """Names that hold the rank under another name: `me = dist.get_rank()`, `r = me`.
+
+        Only a rank passed on whole (maybe through int()): `start = rank * n` is no rank,
+        and `device = torch.device("cuda", rank)` must not make a dataset on it "sharded".
+        """
+        copies: dict[str, list[str]] = {}  # name -> the names assigned a copy of it
+        found: list[str] = []
+        for name, value in self.single_assignments:
+            value = without_int(value)
+            if is_rank_expr(value, self.script):
+                found.append(name)
+            elif read_name(value) is not None:
+                copies.setdefault(read_name(value), []).append(name)
+        holders: set[str] = set()
+        while found:  # each name is passed on once, so chains of copies stay linear
+            name = found.pop()
+            if name not in holders:
+                holders.add(name)
+                found.extend(copies.get(name, ()))
+        return holders
+
+    @cached_property
+    def single_assignments(self) -> list[tuple[str, ast.expr]]:
+        """(name, value) of every assignment, a tuple's elements paired: `a, b = x, y`."""
+        pairs: list[tuple[str, ast.expr]] = []
+        for name, values in self.assignments.items():
+            pairs.extend((name, value) for value in values if not is_sequence(value))
+        for node in self.script.nodes:
+            if isinstance(node, ast.Assign) and is_sequence(node.value):
+                pairs.extend(p for target in node.targets for p in paired(target, node.value))
+        return pairs
 
     def prepared(self, loader: ast.Call) -> bool:
         """Handed to `accelerator.prepare(...)` / `fabric.setup_dataloaders(...)`."""
@@ -488,9 +537,7 @@ class DataFlow:
         self,
     ) -> dict[str, tuple[ast.For | ast.While, dict[ast.AST | None, ast.For | ast.While]]]:
         """Name -> the first loop that walks it, and the first in each class or function."""
-        homes = {
-            id(loop): self.home(loop) for loops in self.loops_walking.values() for loop in loops
-        }
+        homes = self.loop_homes
         found = {}
         for name, loops in self.loops_walking.items():
             by_home: dict[ast.AST | None, ast.For | ast.While] = {}
@@ -498,6 +545,13 @@ class DataFlow:
                 by_home.setdefault(homes[id(loop)], loop)
             found[name] = (min(loops, key=line_of), by_home)
         return found
+
+    @cached_property
+    def loop_homes(self) -> dict[int, ast.AST | None]:
+        """id of a loop that walks a name -> its class or function (looked up once each)."""
+        return {
+            id(loop): self.home(loop) for loops in self.loops_walking.values() for loop in loops
+        }
 
     @cached_property
     def loops_walking(self) -> dict[str, list[ast.For | ast.While]]:
@@ -545,6 +599,96 @@ class DataFlow:
                 found.setdefault(name, []).append(loop)
         return found
 
+    # -------------------------------------------------------------- a sampler built each epoch
+
+    def reseeded_each_pass(self, sampler: ast.Call, loaders: set[str]) -> bool:
+        """Built anew in the epoch loop with a seed of its variable (`for epoch in ...:` then
+        `DistributedSampler(ds, seed=base_seed + epoch)`): each epoch has its own order.
+
+        Not when the seed is an outer loop's only (`for run in ...: for epoch in ...:`
+        around `sampler = ...(seed=run)`: every epoch of a run repeats it), nor when a loop
+        of its class or function walks the loader without building it anew.
+        """
+        around = self.loops_around(sampler)
+        epochs = [loop for loop in around if self.walks_any(loop, loaders)]
+        if not epochs or self.walked_elsewhere(sampler, epochs, loaders):
+            return False
+        seed = seed_of(sampler)
+        if seed is None:
+            return False
+        # The innermost loop that walks the loader runs the epochs; its variable must change it.
+        return bool(self.names_read_in(epochs[0].target) & self.names_behind(seed))
+
+    def walks_any(self, loop: ast.AST, loaders: set[str]) -> bool:
+        return any(id(loop) in self.walking_ids.get(name, ()) for name in loaders)
+
+    @cached_property
+    def walking_ids(self) -> dict[str, set[int]]:
+        """Name -> ids of the loops that walk it (loops_walking, as sets)."""
+        return {name: {id(loop) for loop in loops} for name, loops in self.loops_walking.items()}
+
+    def walked_elsewhere(self, sampler: ast.Call, epochs: list[ast.AST], loaders: set[str]) -> bool:
+        """A loop of the sampler's class or function walks a loader and is not one of `epochs`.
+
+        Counted, not compared loop by loop: a hostile file may have thousands of such loops.
+        """
+        at_home = self.walking_at_home.get(self.home(sampler), {})
+        return any(
+            len(at_home.get(name, ())) > sum(id(loop) in at_home.get(name, ()) for loop in epochs)
+            for name in loaders
+        )
+
+    @cached_property
+    def walking_at_home(self) -> dict[ast.AST | None, dict[str, set[int]]]:
+        """Class or function -> name -> ids of its loops that walk the name."""
+        found: dict[ast.AST | None, dict[str, set[int]]] = {}
+        for name, loops in self.loops_walking.items():
+            for loop in loops:
+                by_name = found.setdefault(self.loop_homes[id(loop)], {})
+                by_name.setdefault(name, set()).add(id(loop))
+        return found
+
+    def loops_around(self, node: ast.AST) -> list[ast.For | ast.AsyncFor]:
+        """The `for` loops whose body holds `node`, innermost first."""
+        found = []
+        child, current = node, self.parents.get(id(node))
+        while current is not None:
+            if isinstance(current, (ast.For, ast.AsyncFor)) and in_body(child, current):
+                found.append(current)
+            child, current = current, self.parents.get(id(current))
+        return found
+
+    def names_behind(self, expr: ast.expr) -> set[str]:
+        """Names `expr` is worked out from: its own, its origin's, and the seeds of the
+        generators it draws from (`g.manual_seed(epoch)`; `seed=int(torch.randint(...,
+        generator=g))`)."""
+        values = self.origin(expr)
+        seeds = (
+            seed
+            for value in values
+            for name in self.names_read_in(value)
+            for seed in self.seeds_given.get(name, ())
+        )
+        # The first few only, like origin itself: a hostile file may seed a name thousands of times.
+        seeded = list(islice((v for seed in seeds for v in self.origin(seed)), MAX_ORIGINS))
+        return {name for value in [*values, *seeded] for name in self.names_read_in(value)}
+
+    @memoized
+    def names_read_in(self, value: ast.expr) -> frozenset[str]:
+        return frozenset(name for name in map(read_name, ast.walk(value)) if name)
+
+    @cached_property
+    def seeds_given(self) -> dict[str, list[ast.expr]]:
+        """Name -> the seeds its `.manual_seed(...)` / `.seed(...)` statements give it."""
+        found: dict[str, list[ast.expr]] = {}
+        for node, _name in self.script.call_names:
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in SEEDING_METHODS:
+                name = read_name(func.value)
+                if name is not None:
+                    found.setdefault(name, []).extend(node.args)
+        return found
+
     @cached_property
     def function_walks(self) -> dict[str, set[str]]:
         """Same-file function -> the names its body walks (`for batch in self.loader:`)."""
@@ -564,6 +708,44 @@ class DataFlow:
             called = same_file_callees(self.script, node.func, None)
             return {n for n in map(read_name, passed) if n}, set(called)
         return set(), set()
+
+
+def in_body(child: ast.AST, loop: ast.For | ast.AsyncFor) -> bool:
+    """A child of the loop in its body, not its target, iterable or else branch.
+
+    By position, not by looking through the body: a hostile loop may hold thousands.
+    """
+    if not isinstance(child, ast.stmt):
+        return False
+    return not loop.orelse or child.lineno < loop.orelse[0].lineno
+
+
+def is_sequence(value: ast.expr) -> bool:
+    return isinstance(value, (ast.Tuple, ast.List))
+
+
+def paired(target: ast.expr, value: ast.expr) -> Iterator[tuple[str, ast.expr]]:
+    """`a, (b, c) = x, (y, z)` -> (a, x), (b, y), (c, z); a name unpacked from one value gets
+    that value. Iterative: a tuple nested a thousand deep is hostile input, not a script."""
+    pending = [(target, value)]
+    while pending:
+        target, value = pending.pop()
+        if is_sequence(target) and is_sequence(value) and len(target.elts) == len(value.elts):
+            pending.extend(zip(target.elts, value.elts))
+        else:
+            yield from ((name, value) for name in bound_names(target))
+
+
+def without_int(value: ast.expr) -> ast.expr:
+    """`int(x)` -> x: `int(os.environ["RANK"])` is the rank as much as the string is."""
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "int"
+        and len(value.args) == 1
+    ):
+        return value.args[0]
+    return value
 
 
 def line_of(node: ast.stmt) -> int:
