@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -656,28 +652,6 @@ def test_a_long_chain_of_copies_of_the_rank_is_followed_once(monkeypatch) -> Non
     assert len(asked) <= 2 * len(list(ast.walk(ast.parse(DDP_PRELUDE + body))))
 
 
-def torchrun(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={port}",
-            f"--log_dir={tmp_path / 'torchelastic'}",
-            str(script),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "printed"),
@@ -689,8 +663,8 @@ def torchrun(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     ],
 )
 def test_the_fixtures_lint_quiet_on_run_correctly_under_torchrun(
-    name: str, printed: str, tmp_path: Path
+    name: str, printed: str, torchrun
 ) -> None:
-    result = torchrun(SCRIPTS / name, tmp_path)
+    result = torchrun(SCRIPTS / name)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count(printed) == 2

@@ -31,9 +31,9 @@ def main():
     optimizer.step()
     model.eval()
     sample = model.module.generate(torch.randn(1, 8))
-    print("sample", sample.shape, "steps", model.module.steps)
+    print(f"sample {list(sample.shape)} steps {model.module.steps}")
     model = model.module  # unwrapped from here on
-    print("again", model.generate(torch.randn(1, 8)).shape)
+    print(f"again {list(model.generate(torch.randn(1, 8)).shape)}")
     dist.destroy_process_group()
 
 
