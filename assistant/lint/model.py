@@ -222,6 +222,17 @@ def own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
         stack.extend(reversed(list(ast.iter_child_nodes(node))))
 
 
+def self_attribute(node: ast.AST) -> str | None:
+    """ "model" for `self.model` (a field of the class being written); None otherwise."""
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
+        return node.attr
+    return None
+
+
 def depth_of(node: ast.AST, limit: int) -> int:
     """How deep the tree under `node` goes, counting no further than `limit`."""
     deepest = 0

@@ -15,7 +15,7 @@ from functools import cached_property, wraps
 from itertools import islice
 from typing import TypeVar
 
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import init_calls, is_ddp, is_method
@@ -764,10 +764,4 @@ def read_name(node: ast.AST) -> str | None:
     """`x` -> "x", `self.x` -> "x"; None for anything else."""
     if isinstance(node, ast.Name):
         return node.id
-    if (
-        isinstance(node, ast.Attribute)
-        and isinstance(node.value, ast.Name)
-        and node.value.id == "self"
-    ):
-        return node.attr
-    return None
+    return self_attribute(node)

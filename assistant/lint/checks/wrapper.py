@@ -20,7 +20,7 @@ import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistant.lint.model import Script, short
+from assistant.lint.model import Script, self_attribute, short
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -107,13 +107,13 @@ def wrapper_reads(
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             wrapper = wrapper_of(script, node.value)
             for target in targets:
-                for name in bound_names(target):
+                for name in plain_names(target):
                     bindings.setdefault(name, Bindings()).add(node.lineno, wrapper)
         elif isinstance(
             node, (ast.AugAssign, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.NamedExpr)
         ):
             for target in loop_targets(node):
-                for name in bound_names(target):
+                for name in plain_names(target):
                     bindings.setdefault(name, Bindings()).add(node.lineno, None)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             if isinstance(node.ctx, ast.Load):
@@ -150,19 +150,19 @@ def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                if field := self_field(target):
+                if field := self_attribute(target):
                     kinds.setdefault(field, set()).add(wrapper_of(script, node.value))
         elif (
             isinstance(node, ast.Attribute)
             and not isinstance(node.ctx, ast.Load)
-            and (field := self_field(node.value))
+            and (field := self_attribute(node.value))
         ):
             set_on.add((field, node.attr))
     wrapped = {f: next(iter(k)) for f, k in kinds.items() if len(k) == 1 and None not in k}
     for node in nodes:
         if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
             continue
-        field = self_field(node.value)
+        field = self_attribute(node.value)
         if field not in wrapped or node.attr.startswith("_") or node.attr in guarded:
             continue
         wrapper = wrapped[field]
@@ -175,17 +175,6 @@ def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -
             f"has no attribute {node.attr!r} (AttributeError on every rank); use "
             f"self.{field}.module.{node.attr}",
         )
-
-
-def self_field(expr: ast.expr) -> str | None:
-    """ "model" for `self.model`."""
-    if (
-        isinstance(expr, ast.Attribute)
-        and isinstance(expr.value, ast.Name)
-        and expr.value.id == "self"
-    ):
-        return expr.attr
-    return None
 
 
 def attributes_probed(script: Script) -> frozenset[str]:
@@ -210,14 +199,14 @@ def wrapper_of(script: Script, value: ast.expr) -> str | None:
     return None
 
 
-def bound_names(target: ast.expr) -> list[str]:
+def plain_names(target: ast.expr) -> list[str]:
     """Plain names an assignment target binds (`a`, `a, b`), not attributes or items."""
     if isinstance(target, ast.Name):
         return [target.id]
     if isinstance(target, (ast.Tuple, ast.List)):
-        return [n for element in target.elts for n in bound_names(element)]
+        return [n for element in target.elts for n in plain_names(element)]
     if isinstance(target, ast.Starred):
-        return bound_names(target.value)
+        return plain_names(target.value)
     return []
 
 
