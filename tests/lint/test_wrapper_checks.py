@@ -151,7 +151,11 @@ def test_a_trainer_field_also_given_the_bare_model_is_not_judged():
 
 def test_the_lists_cover_the_installed_torchs_wrappers():
     # Reading a real attribute would be a false finding: every public attribute of
-    # nn.Module, DistributedDataParallel and DataParallel must be in the lists.
+    # nn.Module, DistributedDataParallel and DataParallel must be in the lists, also
+    # those libraries add to nn.Module on import (transformers, which
+    # sentence-transformers brings, adds smart_apply).
+    import transformers.modeling_utils  # noqa: F401
+
     public = {name for name in dir(nn.parallel.DistributedDataParallel) if name[0] != "_"}
     assert public <= MODULE_API | DDP_API
     assert {name for name in dir(nn.Module) if name[0] != "_"} <= MODULE_API

@@ -24,7 +24,8 @@ from assistant.lint.model import Script, self_attribute, short
 from assistant.lint.registry import check
 from assistant.results import Finding
 
-# nn.Module's public API (torch 2.x): what every wrapper has.
+# nn.Module's public API (torch 2.x): what every wrapper has; smart_apply is
+# added to nn.Module by transformers when it is imported.
 MODULE_API = frozenset(
     {
         "T_destination", "add_module", "apply", "bfloat16", "buffers", "call_super_init",
@@ -38,7 +39,7 @@ MODULE_API = frozenset(
         "register_load_state_dict_pre_hook", "register_module", "register_parameter",
         "register_state_dict_post_hook", "register_state_dict_pre_hook", "requires_grad_",
         "set_extra_state", "set_submodule", "share_memory", "state_dict", "to", "to_empty",
-        "train", "training", "type", "xpu", "zero_grad",
+        "train", "training", "type", "xpu", "zero_grad", "smart_apply",
     }
 )  # fmt: skip
 # DistributedDataParallel's own, class and instance (torch 1.x and 2.x).
