@@ -170,6 +170,10 @@ DECIDERS = {
     "dataset-cache-race": ("traceback", "nodes"),
     # whether metrics are reduced and which sampler the validation loader has
     "metrics-not-reduced": ("script", "launch"),
+    # GPUs idle between bursts (data) vs busy waiting in NCCL; num_workers in the script
+    "input-pipeline-bottleneck": ("nvidia_smi", "script"),
+    # NVLink or PCIe only, and NCCL's transport (P2P/SHM, IB vs Socket)
+    "ddp-not-faster-communication": ("topology", "nccl_debug"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
