@@ -174,6 +174,10 @@ DECIDERS = {
     "input-pipeline-bottleneck": ("nvidia_smi", "script"),
     # NVLink or PCIe only, and NCCL's transport (P2P/SHM, IB vs Socket)
     "ddp-not-faster-communication": ("topology", "nccl_debug"),
+    # how it was started (nohup, tmux, a scheduler); dmesg rules out the OOM killer
+    "terminal-hangup": ("launch", "memory"),
+    # --nproc_per_node / num_processes, and one process or one per GPU in nvidia-smi
+    "single-process-launch": ("launch", "nvidia_smi"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says

@@ -324,3 +324,8 @@ JUDGES["dataset-cache-race"] = by_error(
     "报错是各个 rank 生成或读取数据集缓存时，缓存文件不存在或不完整：{error}",
     "inconclusive",  # a cache cut short by a full disk or an old crash reads the same
 )
+JUDGES["terminal-hangup"] = by_error(
+    "terminal-hangup",
+    "the error shows the launcher stopped by SIGHUP, the signal a closing terminal sends: {error}",
+    "报错显示启动器收到了 SIGHUP，也就是终端关闭时发出的信号：{error}",
+)
