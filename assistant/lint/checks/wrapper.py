@@ -100,6 +100,7 @@ def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
 def wrapper_reads(
     script: Script, nodes: list[ast.AST], guarded: frozenset[str]
 ) -> Iterator[Finding]:
+    """In one scope (in source order), each `name.attr` read while `name` holds a wrapper."""
     bindings: dict[str, Bindings] = {}
     set_on: set[tuple[str, str]] = set()  # (name, attribute) the script assigns itself
     reads: list[ast.Attribute] = []
@@ -113,7 +114,7 @@ def wrapper_reads(
         elif isinstance(
             node, (ast.AugAssign, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.NamedExpr)
         ):
-            for target in loop_targets(node):
+            for target in binding_targets(node):
                 for name in plain_names(target):
                     bindings.setdefault(name, Bindings()).add(node.lineno, None)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
@@ -211,7 +212,7 @@ def plain_names(target: ast.expr) -> list[str]:
     return []
 
 
-def loop_targets(node: ast.AST) -> list[ast.expr]:
+def binding_targets(node: ast.AST) -> list[ast.expr]:
     """What a for loop, a with statement, `x += ...` or `(x := ...)` binds."""
     if isinstance(node, (ast.With, ast.AsyncWith)):
         return [item.optional_vars for item in node.items if item.optional_vars is not None]
