@@ -18,6 +18,19 @@ from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
 
 # Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
 RANK_NAME = re.compile(r"rank(_?id|_?idx)?$", re.IGNORECASE)
+# Environment variables that hold the rank (launchers and schedulers).
+RANK_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "PMI_RANK",
+    }
+)
 RANK_ZERO, OTHER_RANKS, NO_RANKS = "rank 0 only", "every rank but 0", "no rank"
 # `rank <op> value` tests that split rank 0 from the others; -1 is the usual
 # "not distributed" local rank, so `local_rank in [-1, 0]` means rank 0.
@@ -67,7 +80,7 @@ def is_rank_expr(expr: ast.expr, script: Script) -> bool:
     """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`, `os.environ["RANK"]`."""
     variable = environment_variable(expr, script)
     if variable is not None:
-        return bool(RANK_NAME.search(variable))
+        return variable in RANK_VARIABLES
     if isinstance(expr, ast.Call):
         return short(script.name_of(expr.func)) in ("get_rank", "get_local_rank")
     if isinstance(expr, ast.Name):
@@ -80,7 +93,8 @@ def is_rank_expr(expr: ast.expr, script: Script) -> bool:
 def environment_variable(expr: ast.expr, script: Script) -> str | None:
     """The variable `os.environ["X"]`, `os.environ.get("X", ...)` or `os.getenv("X")` reads.
 
-    torchrun hands each process its rank as RANK and LOCAL_RANK, so these are ranks too.
+    torchrun hands each process its rank as RANK and LOCAL_RANK (schedulers and MPI
+    as RANK_VARIABLES), so these are ranks too.
     """
     if isinstance(expr, ast.Subscript) and script.name_of(expr.value) == "os.environ":
         key = expr.slice

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.model import Script, keyword, own_nodes, short, source_text
-from assistant.lint.ranks import NO_RANKS, rank_branch_sides
+from assistant.lint.ranks import NO_RANKS, RANK_VARIABLES, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
 from assistant.results import Finding
@@ -104,19 +104,6 @@ OWN_RANK_NAME = re.compile(
 )
 # Methods whose arguments place a tensor or a module, or seed a generator.
 PLACEMENT_METHODS = frozenset({"to", "cuda", "set_device", "manual_seed", "seed"})
-# Environment variables that hold the rank (launchers and schedulers).
-RANK_VARIABLES = frozenset(
-    {
-        "RANK",
-        "LOCAL_RANK",
-        "GROUP_RANK",
-        "SLURM_PROCID",
-        "SLURM_LOCALID",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "PMI_RANK",
-    }
-)
 # Expressions nested deeper than this are not followed (silence, not a guess).
 MAX_FOLLOWED_DEPTH = 32
 
