@@ -189,18 +189,18 @@ class DataFlow:
 
     @cached_property
     def loader_calls(self) -> list[ast.Call]:
-        return [
-            node
-            for node, name in self.script.call_names
-            if short(name) == "DataLoader" and name.startswith("torch.")
-        ]
+        return self.torch_calls("DataLoader")
 
     @cached_property
     def sampler_calls(self) -> list[ast.Call]:
+        return self.torch_calls("DistributedSampler")
+
+    def torch_calls(self, class_name: str) -> list[ast.Call]:
+        """Calls of torch's `class_name` (torch.utils.data.X, however imported)."""
         return [
             node
             for node, name in self.script.call_names
-            if short(name) == "DistributedSampler" and name.startswith("torch.")
+            if short(name) == class_name and name.startswith("torch.")
         ]
 
     @cached_property
