@@ -5,7 +5,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,34 @@ def mini_kb(tmp_path) -> Path:
     shutil.copy(REPO / "kb/causes/duplicate-gpu-per-rank.yaml", root / "causes")
     shutil.copy(DATA / "kb_mini_thread.yaml", root / "threads/mini.yaml")
     return root
+
+
+@pytest.fixture
+def torchrun(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+    """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS...` (CPU ranks here).
+
+    --standalone lets the rendezvous pick its own free port: a port chosen here
+    and released before torchrun binds it can be taken by a parallel test.
+    """
+
+    def run(script: Path, *args: str) -> subprocess.CompletedProcess:
+        logs = tmp_path / f"torchelastic-{script.stem}"
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                f"--log_dir={logs}",
+                str(script),
+                *args,
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+
+    return run

@@ -99,29 +99,9 @@ def test_plain_python_start_reports_the_missing_launch_variables(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_probe_runs_on_its_own_under_torchrun(tmp_path):
+def test_a_probe_runs_on_its_own_under_torchrun(tmp_path, torchrun):
     """`torchrun --nproc_per_node=2 probes/devices.py`: one record and one line per rank."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={port}",
-            f"--log_dir={tmp_path / 'torchelastic'}",  # not a torchelastic_* left in /tmp
-            str(PROBES_DIR / "devices.py"),
-            "--out",
-            str(tmp_path),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = torchrun(PROBES_DIR / "devices.py", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads((tmp_path / f"devices.rank{r}.json").read_text()) for r in (0, 1)]
     assert [(r["rank"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
