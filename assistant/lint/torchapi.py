@@ -75,6 +75,11 @@ def init_calls(script: Script) -> list[ast.Call]:
     return [node for node, name in script.call_names if is_init(name)]
 
 
+def is_distributed(script: Script) -> bool:
+    """The script starts a process group or wraps a model in DDP."""
+    return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
+
+
 def backend_of(call: ast.Call) -> str | None:
     """The literal backend of an init_process_group call, None if absent or computed."""
     value = keyword(call, "backend") or (call.args[0] if call.args else None)

@@ -17,12 +17,15 @@ lines it must report.
 - data: a DataLoader with no DistributedSampler in a DDP script
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
   never called in the epoch loop (sampler-set-epoch);
+- cache: a dataset downloaded with `download=True` by every rank at once
+  into the same folder (dataset-cache-race);
 - wrapper: the model's own methods and fields read through the DDP /
   DataParallel wrapper instead of `.module` (ddp-wrapper-attribute).
 """
 
 from assistant.lint.checks import (
     backend,
+    cache,
     collective_reach,
     data,
     devices,
@@ -34,6 +37,7 @@ from assistant.lint.checks import (
 
 __all__ = [
     "backend",
+    "cache",
     "collective_reach",
     "data",
     "devices",

@@ -18,7 +18,7 @@ from typing import TypeVar
 from assistant.lint.model import Script, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
-from assistant.lint.torchapi import init_calls, is_ddp, is_method
+from assistant.lint.torchapi import is_distributed, is_method
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -153,9 +153,7 @@ class DataFlow:
     @cached_property
     def is_distributed(self) -> bool:
         """The script starts a process group or wraps a model in DDP."""
-        return bool(init_calls(self.script)) or any(
-            is_ddp(name) for _node, name in self.script.call_names
-        )
+        return is_distributed(self.script)
 
     @cached_property
     def mentions_distributed_sampler(self) -> bool:

@@ -1,0 +1,101 @@
+"""Every rank downloads the same dataset into the same folder at once (dataset-cache-race).
+
+Under torchrun every process runs the whole script, so `MNIST(root,
+download=True)` (torchvision, torchaudio, torchtext and the many datasets
+that copy their signature) fetches and unpacks the same archive into the
+same `root` N times at once, with no lock: a rank that checks or opens the
+files while another is still writing them fails with "Dataset not found or
+corrupted", a BadZipFile / EOFError, or an MD5 mismatch, and only sometimes.
+
+Quiet where the script already takes turns: the call is on rank 0 only, or
+inside a `with ...first(...)` context (`main_process_first`,
+`local_main_process_first`, yolov5's `torch_distributed_zero_first`), or
+after an earlier download on rank 0 only or a barrier the other ranks wait
+in (the hand-written "rank 0 first" pattern), or in a Lightning
+`prepare_data` hook (which Lightning runs on one process per node).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, short
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_distributed
+from assistant.lint.tracer import TracedCall
+from assistant.results import Finding
+
+# Hooks a framework runs on one process only (per node).
+ONE_PROCESS_HOOKS = frozenset({"prepare_data"})
+
+
+@check("dataset-cache-race")
+def check_download_on_every_rank(script: Script) -> Iterator[Finding]:
+    """`Dataset(root, download=True)` that every rank of a distributed run reaches at once."""
+    if not is_distributed(script):
+        return
+    taking_turns = nodes_taking_turns(script)
+    reported: set[int] = set()
+    for trace in script.traces:
+        for call in every_rank_downloads(trace):
+            if id(call.node) in taking_turns or id(call.node) in reported:
+                continue
+            reported.add(id(call.node))
+            yield script.finding(
+                "dataset-cache-race",
+                call.node,
+                f"{short(call.name) or 'this call'}(..., download=True) runs on every rank at "
+                "once: N processes download and unpack into the same folder, and a rank can read "
+                'a half-written file ("Dataset not found or corrupted", BadZipFile, EOFError); '
+                "download on rank 0 first (or in main_process_first()), barrier, then load",
+            )
+
+
+def every_rank_downloads(trace: list[TracedCall]) -> Iterator[TracedCall]:
+    """Calls with `download=True` that every rank reaches before any rank-0-first step."""
+    others_wait = False
+    for call in trace:
+        if short(call.name) in ("barrier", "monitored_barrier") and sides(call.rank_path) & {
+            OTHER_RANKS
+        }:
+            others_wait = True  # `if rank != 0: barrier()` before the shared work
+        if not downloads(call.node):
+            continue
+        if sides(call.rank_path) & {RANK_ZERO, NO_RANKS}:
+            others_wait = True  # rank 0 fetches it; later calls find the files in place
+            continue
+        if not others_wait:
+            yield call
+
+
+def downloads(call: ast.Call) -> bool:
+    flag = keyword(call, "download")
+    return isinstance(flag, ast.Constant) and flag.value is True
+
+
+def sides(path: RankPath) -> set[str]:
+    return {branch.side for branch in path}
+
+
+def nodes_taking_turns(script: Script) -> set[int]:
+    """Ids of the nodes inside `with ...first(...):` blocks and one-process hooks."""
+    inside: set[int] = set()
+    for node in script.nodes:
+        if isinstance(node, (ast.With, ast.AsyncWith)) and any(
+            "first" in short(script.name_of(context_call(item.context_expr))).lower()
+            for item in node.items
+        ):
+            inside.update(id(n) for statement in node.body for n in ast.walk(statement))
+        elif (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name in ONE_PROCESS_HOOKS
+        ):
+            inside.update(id(n) for n in ast.walk(node))
+    return inside
+
+
+def context_call(expr: ast.expr) -> ast.expr:
+    """The callable of `with f(...):` (the expression itself when it is no call)."""
+    return expr.func if isinstance(expr, ast.Call) else expr
