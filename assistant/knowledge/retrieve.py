@@ -1,7 +1,8 @@
 """Retrieval: three signals, each ranking causes, fused by reciprocal rank.
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
-           and a match in the root error counts three times
+           and a match in the root error counts three times; plus what the
+           user's launch command shows (launchline.py)
 lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk
 dense      sentence-transformers + FAISS over the same chunks, plus (for a
            question or report without a root error) a ridge classifier over
@@ -22,6 +23,7 @@ from assistant.i18n import detect_lang
 from assistant.knowledge.bridges import Bridge, load_bridge
 from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
+from assistant.knowledge.launchline import launch_scores
 from assistant.knowledge.patterns import PatternSet
 from assistant.knowledge.textsearch import fts_query
 
@@ -88,6 +90,9 @@ class Retriever:
                     score += 1.0
             if score:
                 scores[cid] = score
+        for cid, score in launch_scores(body).items():
+            if cid in self.signatures:
+                scores[cid] = scores.get(cid, 0.0) + score
         return scores
 
     def lexical_scores(self, text: str) -> dict[str, float]:
