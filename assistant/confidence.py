@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from assistant.knowledge.reportkind import HANG_WORDS
 from assistant.results import CauseResult, Result
 
 # The first cause's fused score must lead the second by this much to count as
@@ -183,15 +184,6 @@ DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
 # that a rank's Python raised: without that rank's traceback no cause can be told.
 LAUNCHER_SUMMARY = re.compile(r"exitcode\s*:\s*1\b|ChildFailedError|ProcessExitedException")
-# A job that stops without an error: whatever the leading causes, where each
-# rank waits (its Python stack) is what tells a collective hang from a lock,
-# a data stall or a P2P freeze, and `assistant run` records exactly that.
-HANG_WORDS = re.compile(
-    r"\b(?:hang|hangs|hanging|hung|stuck|freez\w*|froze|frozen|deadlock\w*|"
-    r"waits? forever|no (?:output|progress)|nothing happens|does not (?:start|progress))\b"
-    r"|卡住|卡死|卡在|卡着|不动|没反应|无响应|没有反应|停住|一直等|挂起|假死",
-    re.IGNORECASE,
-)
 
 
 def assess(result: Result) -> Result:
@@ -262,5 +254,10 @@ def already_given(kind: str, query: str) -> bool:
 
 
 def describes_a_hang(query: str) -> bool:
-    """The question reports a stop without an error (no traceback shown)."""
+    """The question reports a stop without an error (no traceback shown).
+
+    Whatever the leading causes, where each rank waits (its Python stack) is
+    what tells a collective hang from a lock, a data stall or a P2P freeze,
+    and `assistant run` records exactly that.
+    """
     return bool(HANG_WORDS.search(query)) and not already_given("traceback", query)

@@ -107,6 +107,10 @@ class Cause(Strict):
     references: list[Reference]
     why_zh: str = ""
     fix_zh: str = ""
+    # False for a cause whose job runs without an error or a hang (slow,
+    # wrong numbers, one GPU busy): a report of an error is not answered
+    # with it first (retrieve.py).
+    fails: bool = True
 
     _nonempty = field_validator(
         "id", "title", "title_zh", "summary", "summary_zh", "why", "fix", "fix_code", "risks"

@@ -25,6 +25,7 @@ from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.launchline import launch_scores
 from assistant.knowledge.patterns import PatternSet
+from assistant.knowledge.reportkind import reports_failure
 from assistant.knowledge.textsearch import fts_query
 
 SIGNALS = ("signature", "lexical", "dense")
@@ -44,6 +45,9 @@ DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never rea
 # embedding, and a fourth vote would both outweigh exact signatures and move
 # the 0..1 fused scale that confidence levels and thread import rest on.
 CLASSIFIER_WEIGHT = 0.5
+# A cause that never fails a job, for a report of an error or a hang: its word
+# scores count this much (reportkind.py).
+SILENT_FACTOR = 0.5
 
 
 @dataclass
@@ -190,10 +194,38 @@ class Retriever:
             per_signal["lexical"] = self.lexical_scores(lexical_text)
         if "dense" in signals and (not shortcut or needs_dense(per_signal)):
             per_signal["dense"] = self.dense_scores(bridged, context, clean)
+        if reports_failure(query, clean.root_error is not None):
+            per_signal = self.without_silent_lead(per_signal)
         return per_signal
+
+    @cached_property
+    def silent_causes(self) -> frozenset[str]:
+        """Causes whose job runs without an error or a hang (`fails: false` in the KB)."""
+        return frozenset(c for c, data in self.index.causes.items() if data.get("fails") is False)
+
+    def without_silent_lead(
+        self, per_signal: dict[str, dict[str, float]]
+    ) -> dict[str, dict[str, float]]:
+        """The word signals with the silent causes scaled down, for a report of a failure.
+
+        Only the words are scaled: a signature names the failure it prints.
+        """
+        scaled = dict(per_signal)
+        for signal in ("lexical", "dense"):
+            if signal in scaled:
+                scaled[signal] = {
+                    cid: lowered(score) if cid in self.silent_causes else score
+                    for cid, score in scaled[signal].items()
+                }
+        return scaled
 
 
 ROOT_HIT = 3.0  # the signature score of a match in the root error
+
+
+def lowered(score: float) -> float:
+    """`score` made smaller by SILENT_FACTOR of its size (a classifier vote may be negative)."""
+    return score - (1.0 - SILENT_FACTOR) * abs(score)
 
 
 def needs_dense(per_signal: dict[str, dict[str, float]]) -> bool:

@@ -1,0 +1,44 @@
+"""Whether a report describes a failure (an error or a hang) or a job that runs.
+
+Some causes never fail a job: it runs, but slowly, with worse numbers, or on
+one GPU (the KB marks them `fails: false`). A report of an error or a hang
+is not answered first with one of them, however much its words look alike
+("errors when training with 2 GPUs" is not a learning-rate question).
+"""
+
+from __future__ import annotations
+
+import re
+
+# A stop without an error: what people write when a job hangs.
+HANG_WORDS = re.compile(
+    r"\b(?:hang|hangs|hanging|hung|stuck|freez\w*|froze|frozen|deadlock\w*|"
+    r"waits? forever|no (?:output|progress)|nothing happens|does not (?:start|progress))\b"
+    # 卡 is also a card: "一张卡在跑" (one card is running) is no hang
+    r"|卡住|卡死|(?<![张块号个])卡[在着]|不动|没反应|无响应|没有反应|停住|一直等|挂起|假死",
+    re.IGNORECASE,
+)
+# An error, a crash, a kill. "fails to converge" and "error rate" are numbers, not failures.
+ERROR_WORDS = re.compile(
+    r"\b(?:errors?(?!\s*rate)|exceptions?|traceback|crash\w*|killed|segfault\w*|aborted|"
+    r"fail(?:s|ed|ing|ure)?(?!\s+to\s+(?:converge|decrease|improve|learn|reach|match|speed))|"
+    r"timed out|time ?out|oom)\b"
+    r"|报错|错误|异常|失败|崩溃|出错|超时|挂掉|挂了|中断",
+    re.IGNORECASE,
+)
+# "no error", "without any exception", "没有报错": a job that runs, said outright.
+NEGATED = re.compile(
+    r"\b(?:no|without(?: any)?|not any|never (?:an?|any))\s+(?:an?\s+)?"
+    r"(?:errors?|exceptions?|crash\w*|warnings? or errors?)\b"
+    r"|(?:没有?|并没有|也没有?|不会|不|无|未)(?:任何)?(?:报错|错误|异常|出错)",
+    re.IGNORECASE,
+)
+MAX_CHARS = 20_000  # the words that matter are at the top of a report
+
+
+def reports_failure(text: str, has_root_error: bool) -> bool:
+    """The report shows an error (a root error in its log, or in words) or a hang."""
+    if has_root_error:
+        return True
+    said = NEGATED.sub(" ", text[:MAX_CHARS])
+    return bool(ERROR_WORDS.search(said) or HANG_WORDS.search(said))

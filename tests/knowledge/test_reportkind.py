@@ -1,0 +1,74 @@
+"""A report of an error or a hang is not answered first with a cause that never fails a job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from assistant.knowledge.reportkind import reports_failure
+from assistant.knowledge.retrieve import lowered
+
+KB_CAUSES = Path(__file__).parents[2] / "kb" / "causes"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Errors will be reported when training with 2 GPUs",
+        "DDP training hangs when computing prototypes",
+        "multi-gpu job crashed after the first epoch",
+        "fail to run train.py on one node with several GPUs",
+        "多卡训练报错，单卡正常",
+        "两张卡训练卡住不动",
+        "训练到一半进程被 killed",
+    ],
+)
+def test_errors_and_hangs_are_failures(text: str) -> None:
+    assert reports_failure(text, has_root_error=False)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "DDP on 4 GPUs is slower than one GPU, no error at all",
+        "The loss fails to converge with 8 GPUs although the learning rate is the same",
+        "Validation accuracy differs on each GPU; the error rate is higher than on one card",
+        "训练没有报错，但是只有一张卡在跑",
+        "多卡训练不报错，就是精度比单卡低",
+        "Training runs without any errors but the epoch takes as long as on one GPU",
+    ],
+)
+def test_a_job_that_runs_is_not_a_failure(text: str) -> None:
+    assert not reports_failure(text, has_root_error=False)
+
+
+def test_a_root_error_is_a_failure_whatever_the_words() -> None:
+    assert reports_failure("training runs without any errors", has_root_error=True)
+
+
+def test_lowering_makes_every_score_smaller() -> None:
+    for score in (2.0, 0.3, 0.0, -0.4):
+        assert lowered(score) <= score
+    assert lowered(2.0) > lowered(1.0)  # the order among silent causes stays
+
+
+def test_the_kb_marks_only_causes_that_never_fail_a_job() -> None:
+    silent = {
+        path.stem
+        for path in KB_CAUSES.glob("*.yaml")
+        if yaml.safe_load(path.read_text(encoding="utf-8")).get("fails") is False
+    }
+    assert {"effective-batch-size-changed", "input-pipeline-bottleneck"} <= silent
+    # Causes that print an error or hang are never silent.
+    assert not silent & {"collective-timeout", "cuda-out-of-memory", "hardcoded-device"}
+
+
+@pytest.mark.slow
+def test_an_error_report_does_not_lead_with_a_silent_cause(engine) -> None:
+    silent = engine._retriever.silent_causes
+    error = "Errors are reported when I train with 2 GPUs instead of one, with the same batch size"
+    question = "Training with 2 GPUs instead of one gives lower accuracy with the same batch size"
+    assert engine.rank_ids(error)[0] not in silent
+    assert engine.rank_ids(question)[0] in silent
