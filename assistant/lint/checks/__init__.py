@@ -19,6 +19,8 @@ lines it must report.
   never called in the epoch loop (sampler-set-epoch);
 - cache: a dataset downloaded with `download=True` by every rank at once
   into the same folder (dataset-cache-race);
+- model_build: layers added or resized on some ranks only before DDP wraps
+  the model (model-differs-across-ranks);
 - wrapper: the model's own methods and fields read through the DDP /
   DataParallel wrapper instead of `.module` (ddp-wrapper-attribute).
 """
@@ -30,6 +32,7 @@ from assistant.lint.checks import (
     data,
     devices,
     launch,
+    model_build,
     process_group,
     rank_dependent,
     wrapper,
@@ -42,6 +45,7 @@ __all__ = [
     "data",
     "devices",
     "launch",
+    "model_build",
     "process_group",
     "rank_dependent",
     "wrapper",

@@ -1,0 +1,138 @@
+"""A model whose layers only some ranks add before DDP wraps it (model-differs-across-ranks).
+
+DistributedDataParallel checks at construction that every rank holds the
+same parameters (count, shapes, order) and broadcasts rank 0's values; a
+layer added, a module registered or an embedding table resized on rank 0
+only makes that check fail ("DDP expects same model across all ranks, but
+Rank 0 has 3 params, while rank 1 has inconsistent 2 params"), or, when the
+counts happen to agree, broadcasts into the wrong shapes.
+
+Reported: under an `if` on the rank (rank 0 only, or every rank but 0),
+before `DDP(model)` on the same trace, `model.x = <a call>` or one of the
+calls that change a module's parameters. Values the script computes the
+same way on every rank are not judged (they need no `if`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, short
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_ddp
+from assistant.lint.tracer import TracedCall
+from assistant.results import Finding
+
+# Methods that add, drop or reshape a module's parameters.
+RESHAPING_METHODS = frozenset(
+    {
+        "add_module",
+        "register_module",
+        "register_parameter",
+        "resize_token_embeddings",
+        "add_adapter",
+        "prune_heads",
+        "tie_weights",
+    }
+)
+
+
+@check("model-differs-across-ranks")
+def check_layers_added_on_some_ranks(script: Script) -> Iterator[Finding]:
+    """`if rank == 0: model.head = nn.Linear(...)` before `DDP(model)`."""
+    if not any(is_ddp(name) for _node, name in script.call_names):
+        return
+    assigned_attribute = attribute_assignments(script)
+    reported: set[int] = set()
+    for trace in script.traces:
+        for call, model in changes_before_wrapping(trace, assigned_attribute):
+            if id(call.node) in reported:
+                continue
+            reported.add(id(call.node))
+            yield script.finding(
+                "model-differs-across-ranks",
+                call.node,
+                f"{model} changes its layers on {who(call.rank_path)} only, before DDP wraps it: "
+                "the ranks build different models and DDP's check that every rank holds the same "
+                "parameters fails; make the change on every rank",
+            )
+
+
+def changes_before_wrapping(
+    trace: list[TracedCall], assigned_attribute: dict[int, str]
+) -> Iterator[tuple[TracedCall, str]]:
+    """(call, model name) for layer changes on some ranks, followed by DDP(model) in the trace."""
+    pending: list[tuple[TracedCall, str]] = []
+    for call in trace:
+        wrapped = wrapped_name(call)
+        if wrapped is not None:
+            yield from (change for change in pending if change[1] == wrapped)
+            pending = [change for change in pending if change[1] != wrapped]
+            continue
+        if not some_ranks_only(call.rank_path):
+            continue
+        model = reshaped_model(call, assigned_attribute)
+        if model is not None:
+            pending.append((call, model))
+
+
+def reshaped_model(call: TracedCall, assigned_attribute: dict[int, str]) -> str | None:
+    """The model name a call changes: `model.add_module(...)`, `model.head = Layer(...)`."""
+    func = call.node.func
+    if (
+        isinstance(func, ast.Attribute)
+        and func.attr in RESHAPING_METHODS
+        and isinstance(func.value, ast.Name)
+    ):
+        return func.value.id
+    return assigned_attribute.get(id(call.node))
+
+
+def attribute_assignments(script: Script) -> dict[int, str]:
+    """Call id -> model name, for every `model.x = Layer(...)` of the file.
+
+    A layer is what a class builds (`nn.Linear(...)`, `Head(...)`: a
+    capitalised name) or anything from torch.nn; `model.tag = str(rank)` is not.
+    """
+    found: dict[int, str] = {}
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        if not builds_a_layer(script, node.value):
+            continue
+        for target in node.targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id != "self"
+            ):
+                found[id(node.value)] = target.value.id
+    return found
+
+
+def builds_a_layer(script: Script, call: ast.Call) -> bool:
+    name = script.name_of(call.func)
+    return name.startswith("torch.nn.") or short(name)[:1].isupper()
+
+
+def wrapped_name(call: TracedCall) -> str | None:
+    """`model` for `DDP(model)`, `DDP(model.to(device))`, `DDP(model.cuda(), ...)`."""
+    if not is_ddp(call.name) or not call.node.args:
+        return None
+    argument = call.node.args[0]
+    while isinstance(argument, ast.Call) and isinstance(argument.func, ast.Attribute):
+        argument = argument.func.value  # model.to(device).float()
+    return argument.id if isinstance(argument, ast.Name) else None
+
+
+def some_ranks_only(path: RankPath) -> bool:
+    """Under a rank `if` that some ranks of a distributed run take and others do not."""
+    sides = {branch.side for branch in path}
+    return bool(sides & {RANK_ZERO, OTHER_RANKS}) and NO_RANKS not in sides
+
+
+def who(path: RankPath) -> str:
+    sides = {branch.side for branch in path}
+    return "rank 0" if RANK_ZERO in sides else "every rank but 0"

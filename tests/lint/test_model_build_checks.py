@@ -1,0 +1,101 @@
+"""model-differs-across-ranks: layers added or resized on some ranks only before DDP wraps the model."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from assistant.lint import lint_source
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "layer_added_on_rank_zero_only.py"
+FIXED = SCRIPTS / "correct_layer_added_on_every_rank.py"
+
+HEADER = """
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+"""
+
+
+def reported_lines(body: str) -> list[int]:
+    source = HEADER + textwrap.dedent(body)
+    return [
+        f.line - HEADER.count("\n")
+        for f in lint_source(source)
+        if f.cause_id == "model-differs-across-ranks"
+    ]
+
+
+@pytest.mark.slow
+def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
+    broken = torchrun(BROKEN)
+    assert broken.returncode != 0
+    assert "DDP expects same model across all ranks" in broken.stderr
+    fixed = torchrun(FIXED)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("trained") == 2
+
+
+def test_a_resize_on_rank_zero_before_ddp_of_a_moved_model_is_reported():
+    lines = reported_lines(
+        """
+        def main(model, tokenizer):
+            dist.init_process_group("nccl")
+            rank = dist.get_rank()
+            if rank == 0:
+                tokenizer.add_tokens(["<x>"])
+                model.resize_token_embeddings(len(tokenizer))
+            model = DDP(model.to(rank), device_ids=[rank])
+        """
+    )
+    assert lines == [7]
+
+
+def test_a_layer_added_on_the_other_ranks_is_reported_too():
+    lines = reported_lines(
+        """
+        dist.init_process_group("gloo")
+        model = nn.Linear(2, 2)
+        if dist.get_rank() != 0:
+            model.add_module("extra", nn.Linear(2, 2))
+        model = DDP(model)
+        """
+    )
+    assert lines == [5]
+
+
+def test_the_single_process_path_and_changes_after_wrapping_are_not():
+    lines = reported_lines(
+        """
+        local_rank = int(os.environ.get("LOCAL_RANK", -1))
+        model = nn.Linear(2, 2)
+        if local_rank == -1:
+            model.head = nn.Linear(2, 2)  # no DDP on this path
+        else:
+            dist.init_process_group("gloo")
+            model = DDP(model)
+            if local_rank == 0:
+                model.module.add_module("probe", nn.Identity())
+        """
+    )
+    assert lines == []
+
+
+def test_a_rank_zero_change_to_another_object_is_not():
+    lines = reported_lines(
+        """
+        dist.init_process_group("gloo")
+        model = nn.Linear(2, 2)
+        ema = nn.Linear(2, 2)
+        if dist.get_rank() == 0:
+            ema.head = nn.Linear(2, 2)
+            model.tag = str(dist.get_rank())
+        model = DDP(model)
+        """
+    )
+    assert lines == []
