@@ -202,18 +202,28 @@ def level_of(result: Result) -> str | None:
     margin = first.score - second
     if first.verdict.verdict == "ruled_out":
         return "low"
-    if names_the_root_error(first) and margin >= CLEAR_MARGIN:
+    contested = signatures_compete(result)
+    if names_the_root_error(first) and margin >= CLEAR_MARGIN and not contested:
         return "high"
     if first.verdict.verdict == "confirmed" and first.verdict.source in ("error", "script"):
         return "high" if margin >= MEDIUM_MARGIN else "medium"
     if signals_agree(first) and margin >= MEDIUM_MARGIN:
-        return "high" if margin >= AGREEING_CLEAR_MARGIN else "medium"
+        return "high" if margin >= AGREEING_CLEAR_MARGIN and not contested else "medium"
     return "low"
 
 
 def names_the_root_error(cause: CauseResult) -> bool:
     """An exact KB signature ranks this cause first (the strongest signal)."""
     return cause.signals.get("signature") == 1
+
+
+def signatures_compete(result: Result) -> bool:
+    """Another leading cause matches the text exactly too (a signature, or the launch command).
+
+    The text then names two causes; it decides between them no more than a
+    larger score does.
+    """
+    return any(cause.signals.get("signature") for cause in result.causes[1:3])
 
 
 def signals_agree(cause: CauseResult) -> bool:

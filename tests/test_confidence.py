@@ -136,3 +136,25 @@ def test_levels_rest_on_agreement_and_lead(lead, signals, level):
     second = CauseResult(id="collective-timeout", title="collective-timeout", score=0.6 - lead)
     result = Result(query="training hangs", root_error=None, causes=[first, second], lang="en")
     assert assess(result).confidence == level
+
+
+@pytest.mark.parametrize(
+    ("first_signals", "level"),
+    [({"signature": 1, "lexical": 4}, "low"), ({"signature": 1, "lexical": 1}, "medium")],
+)
+def test_two_causes_the_text_names_exactly_are_never_high(first_signals, level):
+    # "found at least two devices" under `CUDA_VISIBLE_DEVICES=0,1 python x.py`:
+    # the error's signature and the launch command name different causes.
+    first = CauseResult(id="hardcoded-device", title="", score=1.0, signals=first_signals)
+    second = CauseResult(
+        id="launched-without-torchrun", title="", score=0.6, signals={"signature": 2}
+    )
+    result = Result(query="two devices", root_error=None, causes=[first, second], lang="en")
+    assert assess(result).confidence == level
+    alone = Result(
+        query="two devices",
+        root_error=None,
+        causes=[first, CauseResult(id="launched-without-torchrun", title="", score=0.6)],
+        lang="en",
+    )
+    assert assess(alone).confidence == "high"
