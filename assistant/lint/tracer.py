@@ -19,8 +19,9 @@ amount of work; past the bound the trace still records every call it walks.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from assistant.lint.model import Script
 from assistant.lint.ranks import NO_RANK, RankPath, narrowed, rank_branch_sides
@@ -32,6 +33,7 @@ MAX_TRACED_CALLS = 20_000
 MAX_TRACED_CALLS_PER_FILE = 100_000
 
 Step = Iterator["Step"]  # a generator that yields the steps it contains
+Item = TypeVar("Item")
 
 
 @dataclass(frozen=True)
@@ -252,3 +254,14 @@ def is_main_guard(stmt: ast.stmt) -> bool:
 def leaves_block(stmts: list[ast.stmt]) -> bool:
     """The branch ends in return / raise / continue / break."""
     return bool(stmts) and isinstance(stmts[-1], (ast.Return, ast.Raise, ast.Continue, ast.Break))
+
+
+def once_per_call(items: Iterable[Item], call_of: Callable[[Item], TracedCall]) -> Iterator[Item]:
+    """`items` without repeats of a call already given: traces share calls (a helper
+    reached from two entry points), and a finding is reported once per line."""
+    seen: set[int] = set()
+    for item in items:
+        node = id(call_of(item).node)
+        if node not in seen:
+            seen.add(node)
+            yield item

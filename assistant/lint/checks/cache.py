@@ -24,7 +24,7 @@ from assistant.lint.model import Script, keyword, short
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_distributed
-from assistant.lint.tracer import TracedCall
+from assistant.lint.tracer import TracedCall, once_per_call
 from assistant.results import Finding
 
 # Hooks a framework runs on one process only (per node).
@@ -37,20 +37,18 @@ def check_download_on_every_rank(script: Script) -> Iterator[Finding]:
     if not is_distributed(script):
         return
     taking_turns = nodes_taking_turns(script)
-    reported: set[int] = set()
-    for trace in script.traces:
-        for call in every_rank_downloads(trace):
-            if id(call.node) in taking_turns or id(call.node) in reported:
-                continue
-            reported.add(id(call.node))
-            yield script.finding(
-                "dataset-cache-race",
-                call.node,
-                f"{short(call.name) or 'this call'}(..., download=True) runs on every rank at "
-                "once: N processes download and unpack into the same folder, and a rank can read "
-                'a half-written file ("Dataset not found or corrupted", BadZipFile, EOFError); '
-                "download on rank 0 first (or in main_process_first()), barrier, then load",
-            )
+    downloads = (call for trace in script.traces for call in every_rank_downloads(trace))
+    for call in once_per_call(downloads, lambda call: call):
+        if id(call.node) in taking_turns:
+            continue
+        yield script.finding(
+            "dataset-cache-race",
+            call.node,
+            f"{short(call.name) or 'this call'}(..., download=True) runs on every rank at "
+            "once: N processes download and unpack into the same folder, and a rank can read "
+            'a half-written file ("Dataset not found or corrupted", BadZipFile, EOFError); '
+            "download on rank 0 first (or in main_process_first()), barrier, then load",
+        )
 
 
 def every_rank_downloads(trace: list[TracedCall]) -> Iterator[TracedCall]:

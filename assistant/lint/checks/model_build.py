@@ -22,7 +22,7 @@ from assistant.lint.model import Script, short
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
-from assistant.lint.tracer import TracedCall
+from assistant.lint.tracer import TracedCall, once_per_call
 from assistant.results import Finding
 
 # Methods that add, drop or reshape a module's parameters.
@@ -45,19 +45,19 @@ def check_layers_added_on_some_ranks(script: Script) -> Iterator[Finding]:
     if not any(is_ddp(name) for _node, name in script.call_names):
         return
     assigned_attribute = attribute_assignments(script)
-    reported: set[int] = set()
-    for trace in script.traces:
-        for call, model in changes_before_wrapping(trace, assigned_attribute):
-            if id(call.node) in reported:
-                continue
-            reported.add(id(call.node))
-            yield script.finding(
-                "model-differs-across-ranks",
-                call.node,
-                f"{model} changes its layers on {who(call.rank_path)} only, before DDP wraps it: "
-                "the ranks build different models and DDP's check that every rank holds the same "
-                "parameters fails; make the change on every rank",
-            )
+    changes = (
+        change
+        for trace in script.traces
+        for change in changes_before_wrapping(trace, assigned_attribute)
+    )
+    for call, model in once_per_call(changes, lambda change: change[0]):
+        yield script.finding(
+            "model-differs-across-ranks",
+            call.node,
+            f"{model} changes its layers on {who(call.rank_path)} only, before DDP wraps it: "
+            "the ranks build different models and DDP's check that every rank holds the same "
+            "parameters fails; make the change on every rank",
+        )
 
 
 def changes_before_wrapping(
