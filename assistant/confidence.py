@@ -179,6 +179,16 @@ DECIDERS = {
     "terminal-hangup": ("launch", "memory"),
     # --nproc_per_node / num_processes, and one process or one per GPU in nvidia-smi
     "single-process-launch": ("launch", "nvidia_smi"),
+    # ZeRO-3 / FSDP and where state_dict() or generate() runs; the torch.Size([0]) message
+    "zero3-partitioned-parameters": ("script", "traceback"),
+    # the TypeError right after spawn's `fn(i, *args)`, and the worker's parameters
+    "mp-spawn-arguments": ("traceback", "script"),
+    # collect_env: torch's CUDA, nvcc and gcc versions; a build error, not a wait on its lock
+    "cuda-extension-build-failure": ("environment", "traceback"),
+    # memory already used before the job starts, with no or old PIDs; per-rank `&` launches
+    "leftover-processes": ("nvidia_smi", "launch"),
+    # nn.DataParallel in the script; one PID per GPU (not several on GPU 0)
+    "dataparallel-gather-imbalance": ("script", "nvidia_smi"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says

@@ -324,6 +324,21 @@ JUDGES["dataset-cache-race"] = by_error(
     "报错是各个 rank 生成或读取数据集缓存时，缓存文件不存在或不完整：{error}",
     "inconclusive",  # a cache cut short by a full disk or an old crash reads the same
 )
+JUDGES["zero3-partitioned-parameters"] = by_error(
+    "zero3-partitioned-parameters",
+    "the error shows a parameter still partitioned to an empty placeholder (ZeRO-3 / FSDP shards it): {error}",
+    "报错显示参数还是分片后的空占位（ZeRO-3 / FSDP 把它切分了）：{error}",
+)
+JUDGES["mp-spawn-arguments"] = by_error(
+    "mp-spawn-arguments",
+    "the error is a TypeError raised by spawn's own call of your function, fn(i, *args): {error}",
+    "报错是 spawn 调用你的函数 fn(i, *args) 时抛出的 TypeError：{error}",
+)
+JUDGES["cuda-extension-build-failure"] = by_error(
+    "cuda-extension-build-failure",
+    "the error is a CUDA extension failing to build (toolkit, nvcc, ninja or compiler): {error}",
+    "报错是 CUDA 扩展编译失败（CUDA 工具包、nvcc、ninja 或编译器）：{error}",
+)
 JUDGES["terminal-hangup"] = by_error(
     "terminal-hangup",
     "the error shows the launcher stopped by SIGHUP, the signal a closing terminal sends: {error}",

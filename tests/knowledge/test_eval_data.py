@@ -106,6 +106,7 @@ SMALL_SETS = {
     "real_reports_holdout6_small.jsonl",
     "real_reports_new_causes.jsonl",
     "real_reports_new_causes3.jsonl",
+    "real_reports_new_causes4.jsonl",
 }
 
 
