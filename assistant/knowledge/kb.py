@@ -111,6 +111,9 @@ class Cause(Strict):
     # wrong numbers, one GPU busy): a report of an error is not answered
     # with it first (retrieve.py).
     fails: bool = True
+    # True for a cause of one process driving several GPUs (nn.DataParallel):
+    # a report of DDP, torchrun or ranks is not answered with it first.
+    one_process: bool = False
 
     _nonempty = field_validator(
         "id", "title", "title_zh", "summary", "summary_zh", "why", "fix", "fix_code", "risks"

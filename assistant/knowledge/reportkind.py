@@ -1,9 +1,14 @@
-"""Whether a report describes a failure (an error or a hang) or a job that runs.
+"""What a report says about itself that some causes' premises contradict.
 
 Some causes never fail a job: it runs, but slowly, with worse numbers, or on
 one GPU (the KB marks them `fails: false`). A report of an error or a hang
 is not answered first with one of them, however much its words look alike
 ("errors when training with 2 GPUs" is not a learning-rate question).
+
+Some causes live in one process that drives several GPUs (nn.DataParallel's
+gather on GPU 0; `one_process: true`). A report of DDP, torchrun or ranks is
+not answered first with one of them: "GPU 0 holds more memory" there is a
+rank placing its tensors on the wrong GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ NEGATED = re.compile(
     re.IGNORECASE,
 )
 MAX_CHARS = 20_000  # the words that matter are at the top of a report
+# Several processes: DDP and its launchers, ranks, "other processes on GPU 0".
+SEVERAL_PROCESSES = re.compile(
+    r"DistributedDataParallel|\bDDP\b|torchrun|torch\.distributed|accelerate launch|deepspeed|"
+    r"\branks?\b|\bprocesses\b|进程|分布式",
+    re.IGNORECASE,
+)
+# nn.DataParallel itself (not DistributedDataParallel): one process, so no contradiction.
+DATA_PARALLEL = re.compile(r"(?<!Distributed)DataParallel|数据并行")
 
 
 def reports_failure(text: str, has_root_error: bool) -> bool:
@@ -42,3 +55,9 @@ def reports_failure(text: str, has_root_error: bool) -> bool:
         return True
     said = NEGATED.sub(" ", text[:MAX_CHARS])
     return bool(ERROR_WORDS.search(said) or HANG_WORDS.search(said))
+
+
+def reports_several_processes(text: str) -> bool:
+    """The report runs one process per GPU (DDP, a launcher, ranks) and never names DataParallel."""
+    head = text[:MAX_CHARS]
+    return bool(SEVERAL_PROCESSES.search(head)) and not DATA_PARALLEL.search(head)

@@ -25,7 +25,7 @@ from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.launchline import launch_scores
 from assistant.knowledge.patterns import PatternSet
-from assistant.knowledge.reportkind import reports_failure
+from assistant.knowledge.reportkind import reports_failure, reports_several_processes
 from assistant.knowledge.textsearch import fts_query
 
 SIGNALS = ("signature", "lexical", "dense")
@@ -45,9 +45,9 @@ DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never rea
 # embedding, and a fourth vote would both outweigh exact signatures and move
 # the 0..1 fused scale that confidence levels and thread import rest on.
 CLASSIFIER_WEIGHT = 0.5
-# A cause that never fails a job, for a report of an error or a hang: its word
-# scores count this much (reportkind.py).
-SILENT_FACTOR = 0.5
+# A cause whose premise the report contradicts (a cause that never fails a job,
+# for a report of an error): its word scores count this much (reportkind.py).
+CONTRADICTED_FACTOR = 0.5
 
 
 @dataclass
@@ -72,6 +72,7 @@ class Retriever:
             cid: PatternSet.from_patterns(data.get("signatures", []), skip_invalid=True)
             for cid, data in index.causes.items()
         }
+        self._causes_where: dict[tuple[str, bool], frozenset[str]] = {}
 
     @cached_property
     def classifier(self) -> CauseClassifier | None:
@@ -194,38 +195,59 @@ class Retriever:
             per_signal["lexical"] = self.lexical_scores(lexical_text)
         if "dense" in signals and (not shortcut or needs_dense(per_signal)):
             per_signal["dense"] = self.dense_scores(bridged, context, clean)
-        if reports_failure(query, clean.root_error is not None):
-            per_signal = self.without_silent_lead(per_signal)
+        contradicted = self.contradicted_causes(query, clean)
+        if contradicted:
+            per_signal = with_words_lowered(per_signal, contradicted)
         return per_signal
 
-    @cached_property
-    def silent_causes(self) -> frozenset[str]:
-        """Causes whose job runs without an error or a hang (`fails: false` in the KB)."""
-        return frozenset(c for c, data in self.index.causes.items() if data.get("fails") is False)
+    def contradicted_causes(self, query: str, clean: CleanLog) -> frozenset[str]:
+        """Causes whose premise the report itself contradicts (reportkind.py).
 
-    def without_silent_lead(
-        self, per_signal: dict[str, dict[str, float]]
-    ) -> dict[str, dict[str, float]]:
-        """The word signals with the silent causes scaled down, for a report of a failure.
-
-        Only the words are scaled: a signature names the failure it prints.
+        A report of an error or a hang contradicts the causes that never fail a
+        job (`fails: false`); a report of several processes (DDP, torchrun,
+        ranks) contradicts the causes of one process driving several GPUs
+        (`one_process: true`, nn.DataParallel).
         """
-        scaled = dict(per_signal)
-        for signal in ("lexical", "dense"):
-            if signal in scaled:
-                scaled[signal] = {
-                    cid: lowered(score) if cid in self.silent_causes else score
-                    for cid, score in scaled[signal].items()
-                }
-        return scaled
+        contradicted: set[str] = set()
+        if reports_failure(query, clean.root_error is not None):
+            contradicted |= self.causes_where("fails", False)
+        if reports_several_processes(query):
+            contradicted |= self.causes_where("one_process", True)
+        return frozenset(contradicted)
+
+    def causes_where(self, field: str, value: bool) -> frozenset[str]:
+        """Causes whose KB entry sets `field` to `value` (computed once per field)."""
+        key = (field, value)
+        if key not in self._causes_where:
+            self._causes_where[key] = frozenset(
+                c for c, data in self.index.causes.items() if data.get(field) is value
+            )
+        return self._causes_where[key]
+
+
+def with_words_lowered(
+    per_signal: dict[str, dict[str, float]], causes: frozenset[str]
+) -> dict[str, dict[str, float]]:
+    """The word signals with `causes` scaled down.
+
+    Only the words are scaled: a signature names the failure it prints.
+    """
+    scaled = dict(per_signal)
+    for signal in ("lexical", "dense"):
+        if signal in scaled:
+            scaled[signal] = {
+                cid: lowered(score) if cid in causes else score
+                for cid, score in scaled[signal].items()
+            }
+    return scaled
 
 
 ROOT_HIT = 3.0  # the signature score of a match in the root error
 
 
 def lowered(score: float) -> float:
-    """`score` made smaller by SILENT_FACTOR of its size (a classifier vote may be negative)."""
-    return score - (1.0 - SILENT_FACTOR) * abs(score)
+    """`score` made smaller by CONTRADICTED_FACTOR of its size (a classifier vote may be negative)."""
+    return score - (1.0 - CONTRADICTED_FACTOR) * abs(score)
 
 
 def needs_dense(per_signal: dict[str, dict[str, float]]) -> bool:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from assistant.knowledge.reportkind import reports_failure
+from assistant.knowledge.reportkind import reports_failure, reports_several_processes
 from assistant.knowledge.retrieve import lowered
 
 KB_CAUSES = Path(__file__).parents[2] / "kb" / "causes"
@@ -67,8 +67,40 @@ def test_the_kb_marks_only_causes_that_never_fail_a_job() -> None:
 
 @pytest.mark.slow
 def test_an_error_report_does_not_lead_with_a_silent_cause(engine) -> None:
-    silent = engine._retriever.silent_causes
+    silent = engine._retriever.causes_where("fails", False)
     error = "Errors are reported when I train with 2 GPUs instead of one, with the same batch size"
     question = "Training with 2 GPUs instead of one gives lower accuracy with the same batch size"
     assert engine.rank_ids(error)[0] not in silent
     assert engine.rank_ids(question)[0] in silent
+
+
+@pytest.mark.parametrize(
+    ("text", "several"),
+    [
+        ("With DDP on 4 GPUs the first GPU holds much more memory than the others", True),
+        ("torchrun --nproc_per_node 4 train.py: GPU 0 runs out of memory", True),
+        ("多卡分布式训练，其他进程也占用第一张卡的显存", True),
+        ("nn.DataParallel: GPU 0 holds much more memory than the others", False),
+        ("DataParallel with DDP-like speed? GPU 0 is full", False),  # names DataParallel
+        ("GPU 0 holds much more memory than the other GPUs", False),  # says neither
+    ],
+)
+def test_several_processes_are_ddp_launchers_and_ranks(text: str, several: bool) -> None:
+    assert reports_several_processes(text) is several
+
+
+def test_only_the_dataparallel_gather_is_a_one_process_cause() -> None:
+    one_process = {
+        path.stem
+        for path in KB_CAUSES.glob("*.yaml")
+        if yaml.safe_load(path.read_text(encoding="utf-8")).get("one_process") is True
+    }
+    assert one_process == {"dataparallel-gather-imbalance"}
+
+
+@pytest.mark.slow
+def test_a_ddp_report_does_not_lead_with_dataparallel(engine) -> None:
+    ddp = "With DDP and torchrun, GPU 0 holds far more memory than the other GPUs and runs out"
+    dp = "With nn.DataParallel, GPU 0 holds far more memory than the other GPUs and runs out"
+    assert engine.rank_ids(ddp)[0] != "dataparallel-gather-imbalance"
+    assert engine.rank_ids(dp)[0] == "dataparallel-gather-imbalance"
