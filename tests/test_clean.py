@@ -210,3 +210,37 @@ def test_torchruns_own_exitcode_line_is_named_like_the_other_wordings():
     assert (root.type, root.message) == ("SIGKILL", "exitcode: -9")
     argparse_exit = clean_log(log.replace("-9", "2")).root_error
     assert (argparse_exit.type, argparse_exit.message) == ("ChildFailedError", "exitcode: 2")
+
+
+def test_a_prose_report_is_searched_with_its_opening_lines() -> None:
+    # A title without any error word, then a long body with a few salient lines:
+    # the title must reach retrieval, and the salient lines of the rest follow it.
+    body = [f"step {i}: loss 0.{i:02d}" for i in range(40)]
+    report = "\n".join(
+        [
+            "How to train on multiple GPUs in a jupyter notebook?",
+            "My machine has 2 GPUs but only one is busy.",
+            *body,
+            "Warning: NCCL was not initialised in the notebook kernel",
+        ]
+    )
+    clean = clean_log(report)
+    assert clean.root_error is None
+    lines = clean.focus.splitlines()
+    assert lines[0] == "How to train on multiple GPUs in a jupyter notebook?"
+    assert "Warning: NCCL was not initialised in the notebook kernel" in lines
+    assert len(lines) <= 24
+
+
+def test_a_log_with_a_root_error_still_leads_with_it() -> None:
+    log = (
+        "starting run 17\n"
+        + "\n".join(f"epoch {i}" for i in range(30))
+        + (
+            '\nTraceback (most recent call last):\n  File "train.py", line 3, in <module>\n'
+            "RuntimeError: NCCL error: unhandled system error"
+        )
+    )
+    clean = clean_log(log)
+    assert clean.focus.splitlines()[0].startswith("RuntimeError: NCCL error")
+    assert "starting run 17" not in clean.focus
