@@ -1,4 +1,4 @@
-"""Are /dev/shm, file limits, memory and network interfaces adequate?
+"""Are /dev/shm, file limits, memory and network interfaces adequate, and no earlier run alive?
 
 Run by hand (standard library and torch only; copy the probes/ folder):
 
@@ -8,7 +8,9 @@ Reports /dev/shm size and free space (containers default to 64 MB), the
 open-file and locked-memory limits, host memory, signs of the OOM killer
 (the kernel's oom_kill counter and the cgroup's), the network interfaces
 and which of them NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME select,
-peer-to-peer access between the GPUs, and whether an IOMMU translates DMA.
+peer-to-peer access between the GPUs, whether an IOMMU translates DMA, and
+the workers of earlier distributed runs still alive on this node (they hold
+GPU memory, GPUs and ports that the next run needs).
 
 If it hangs: only the peer-to-peer check touches the GPUs; run with
 CUDA_VISIBLE_DEVICES= to skip it and see the rest.
@@ -73,6 +75,7 @@ def collect(ctx) -> dict:
         "nccl_selected": nccl_interfaces(os.environ.get("NCCL_SOCKET_IFNAME"), nics),
         "gloo_selected": gloo_interfaces(os.environ.get("GLOO_SOCKET_IFNAME"), nics),
         "iommu": _iommu(),
+        "stale_workers": stale_workers(),
     }
     ctx.checkpoint(facts)
     facts["p2p"] = _peer_access() if ctx.rank.local_rank == 0 else None
@@ -94,6 +97,89 @@ def collect(ctx) -> dict:
         else f"no /dev/shm, nofile {facts['nofile']['soft']}"
     )
     return facts
+
+
+# What a launcher (torchrun, torch.distributed.launch, accelerate, deepspeed)
+# puts in each worker's environment: a process that has it and is no rank of
+# this launch is a worker of another run.
+WORKER_VARIABLES = (b"LOCAL_RANK=", b"TORCHELASTIC_RUN_ID=")
+MAX_STALE_SHOWN = 20
+
+
+def stale_workers(proc: str = "/proc") -> list[dict] | None:
+    """Distributed workers on this node that belong to no rank of this launch.
+
+    None where /proc is missing (not Linux). Processes of other users whose
+    environment cannot be read are not seen.
+    """
+    root = Path(proc)
+    if not root.is_dir():
+        return None
+    ranks = _ranks_of_this_launch(root)
+    skipped = ranks | _ancestors(root)
+    found = []
+    for entry in root.iterdir():
+        if not entry.name.isdigit() or int(entry.name) in skipped:
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone, or another user's
+            continue
+        if not any(v.startswith(WORKER_VARIABLES) for v in environ):
+            continue
+        ppid = _parent(stat)
+        if ppid in ranks:  # a DataLoader worker of a rank of this launch
+            continue
+        local = next(
+            (v[len(b"LOCAL_RANK=") :] for v in environ if v.startswith(b"LOCAL_RANK=")), b""
+        )
+        found.append(
+            {
+                "pid": int(entry.name),
+                "ppid": ppid,
+                "orphaned": ppid == 1,
+                "local_rank": local.decode(errors="replace") or None,
+                "cmdline": cmdline.strip()[:200],
+            }
+        )
+        if len(found) >= MAX_STALE_SHOWN:
+            break
+    return sorted(found, key=lambda w: w["pid"])
+
+
+def _ancestors(root: Path) -> set[int]:
+    """The launcher of this process and its callers (never init, which adopts orphans)."""
+    found = set()
+    pid = os.getpid()
+    while pid > 1:
+        try:
+            pid = _parent((root / str(pid) / "stat").read_text())
+        except OSError:
+            break
+        if pid > 1:
+            found.add(pid)
+    return found
+
+
+def _ranks_of_this_launch(root: Path) -> set[int]:
+    """This process and its siblings: the other ranks its launcher started."""
+    ranks = {os.getpid()}
+    launcher = os.getppid()
+    for entry in root.iterdir():
+        if entry.name.isdigit():
+            try:
+                if _parent((entry / "stat").read_text()) == launcher:
+                    ranks.add(int(entry.name))
+            except OSError:
+                continue
+    return ranks
+
+
+def _parent(stat: str) -> int:
+    """The parent pid from /proc/PID/stat (the command name may hold spaces and parentheses)."""
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def shm_space(path: str = "/dev/shm") -> dict | None:

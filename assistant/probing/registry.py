@@ -49,7 +49,10 @@ _SPECS = (
         timeout=60.0,
     ),
     ProbeSpec("versions", "Do torch, CUDA, NCCL and the driver match?"),
-    ProbeSpec("system", "Are /dev/shm, file limits, memory and network interfaces adequate?"),
+    ProbeSpec(
+        "system",
+        "Are /dev/shm, file limits, memory and network interfaces adequate, and no earlier run alive?",
+    ),
     ProbeSpec("rendezvous", "Do MASTER_ADDR and MASTER_PORT work for a rendezvous here?"),
     ProbeSpec(
         "set_device_order",

@@ -183,3 +183,41 @@ def oom_killed(i: Inputs) -> Verdict:
         "：如果任务跑在本机，SIGKILL 来自别处（调度器限制、超时或人为）",
     )
     return verdict("inconclusive", [line] + evidence, source="probe")
+
+
+@judges("leftover-processes")
+def leftover_processes(i: Inputs) -> Verdict:
+    # Facts recorded before the probe looked for stale workers say nothing.
+    records = [r for r in i.facts("system") if "stale_workers" in r["facts"]]
+    if not records:
+        return undecided(i, ("system",), [])
+    stale = [
+        (host, worker)
+        for host, host_records in by_host(records).items()
+        for worker in host_records[0]["facts"]["stale_workers"] or []
+    ]
+    if stale:
+        shown = ", ".join(
+            f"{host}: pid {w['pid']} ({w['cmdline'][:60] or '?'}"
+            + (", orphaned" if w["orphaned"] else "")
+            + ")"
+            for host, w in stale[:3]
+        )
+        line = i.t(
+            "{count} worker(s) of another distributed run are still alive here, holding their GPU memory and ports: {shown}; end them (kill PID) before the next launch",
+            "本机还有 {count} 个其他分布式任务的 worker 进程活着，占着显存和端口：{shown}；下次启动前先结束它们（kill PID）",
+            count=len(stale),
+            shown=shown,
+        )
+        return verdict("confirmed", [line], source="probe")
+    if all(record["facts"]["stale_workers"] is None for record in records):
+        line = i.t(
+            "this system has no /proc to look for workers of earlier runs",
+            "本系统没有 /proc，无法查找之前运行留下的 worker 进程",
+        )
+        return verdict("not_applicable", [line], source="probe")
+    line = i.t(
+        "no worker of another distributed run is alive here now",
+        "本机现在没有其他分布式任务的 worker 进程还活着",
+    )
+    return verdict("ruled_out", [line], source="probe")

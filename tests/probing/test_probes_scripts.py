@@ -108,3 +108,27 @@ def test_a_probe_runs_on_its_own_under_torchrun(tmp_path, torchrun):
     host = socket.gethostname()
     for record in records:
         assert f"[{host}:{record['rank']}] devices: {record['status']}" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_system_probe_finds_a_worker_of_an_earlier_run(tmp_path, torchrun):
+    """A process with a launcher's LOCAL_RANK left behind is reported; this launch's ranks are not."""
+    stale = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)"],
+        env={**os.environ, "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "an-earlier-run"},
+        start_new_session=True,
+    )
+    try:
+        done = torchrun(PROBES_DIR / "system.py", "--out", str(tmp_path))
+        assert done.returncode == 0, done.stderr[-2000:]
+        for rank in (0, 1):
+            facts = json.loads((tmp_path / f"system.rank{rank}.json").read_text())["facts"]
+            pids = {worker["pid"]: worker for worker in facts["stale_workers"]}
+            assert stale.pid in pids
+            assert pids[stale.pid]["local_rank"] == "1"
+            assert "time.sleep(120)" in pids[stale.pid]["cmdline"]
+            # The other rank of this launch is a sibling, not a stale worker.
+            assert all("system.py" not in w["cmdline"] for w in facts["stale_workers"])
+    finally:
+        stale.kill()
+        stale.wait()

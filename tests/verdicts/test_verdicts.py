@@ -527,3 +527,27 @@ def test_causes_do_not_share_one_default_verdict():
     )
     first.verdict.evidence.append("only about a")
     assert second.verdict.evidence == []
+
+
+def test_workers_of_another_run_still_alive_confirm_leftover_processes():
+    runs = runs_of("healthy_8gpu")
+    # recorded before the probe looked for them: nothing is said either way
+    assert judge("leftover-processes", runs, None, []).verdict == "not_run"
+    stale = {
+        "pid": 4242,
+        "ppid": 1,
+        "orphaned": True,
+        "local_rank": "0",
+        "cmdline": "python train.py",
+    }
+    for record in runs["system"].ranks:
+        record["facts"]["stale_workers"] = [stale]
+    verdict = judge("leftover-processes", runs, None, [])
+    assert verdict.verdict == "confirmed" and verdict.source == "probe"
+    assert "pid 4242 (python train.py, orphaned)" in verdict.evidence[0]
+    for record in runs["system"].ranks:
+        record["facts"]["stale_workers"] = []
+    assert judge("leftover-processes", runs, None, []).verdict == "ruled_out"
+    for record in runs["system"].ranks:
+        record["facts"]["stale_workers"] = None  # no /proc (not Linux)
+    assert judge("leftover-processes", runs, None, []).verdict == "not_applicable"
