@@ -18,6 +18,7 @@ from functools import lru_cache
 from typing import Literal
 
 from assistant.config import contract_ids, kb_layers
+from assistant.knowledge.textsearch import search_tokens
 from assistant.results import AnswerRef, CauseResult
 
 # Best first: answers judged (partly) right lead, unverified follow, wrong ones come
@@ -77,12 +78,13 @@ def claiming_answers(
     lang: str = "en",
     advice_only: bool = False,
     limit: int | None = None,
+    query: str = "",
 ) -> list[AnswerRef]:
     """The community answers that claim `cause_id`, from KB threads as dicts (a
     model_dump, or the index's JSON), each with its thread's id and question.
 
     order "kb": thread by thread, answer by answer, as the KB files give them.
-    order "best": the best first for a reader of `lang` (best_first).
+    order "best": the best first for a reader of `lang` who asked `query` (best_first).
     advice_only: only answers with an advice tag, the ones a probe can settle.
     limit: at most this many, after ordering.
     """
@@ -93,17 +95,30 @@ def claiming_answers(
         if cause_id in answer["claims"] and (answer.get("advice") or not advice_only)
     ]
     if order == "best":
-        answers = best_first(answers, lang)
+        answers = best_first(answers, lang, query)
     return answers[:limit]
 
 
-def best_first(answers: list[AnswerRef], lang: str) -> list[AnswerRef]:
-    """Stance before language: an answer its own thread judged wrong must not lead
-    just because it is in the reader's language. Ties keep the KB's order."""
+def best_first(answers: list[AnswerRef], lang: str, query: str = "") -> list[AnswerRef]:
+    """Stance first: an answer its own thread judged wrong must not lead because it is
+    in the reader's language or close to the question. Then the threads whose
+    question shares most terms with `query` (a generic "process group not
+    initialized" is better answered by its own thread than by one about SyncBN
+    on one GPU that ends in the same error), then the reader's language, the
+    finer stance, the shorter text. Ties keep the KB's order."""
+    asked = set(search_tokens(query)) if query else set()
+    shared: dict[str, int] = {}
+
+    def closeness(answer: AnswerRef) -> int:
+        if answer.question not in shared:
+            shared[answer.question] = len(asked & set(search_tokens(answer.question)))
+        return shared[answer.question]
+
     return sorted(
         answers,
         key=lambda a: (
             STANCE_GROUP.get(a.stance, 1),
+            -closeness(a) if asked else 0,
             a.lang != lang,
             STANCE_ORDER.get(a.stance, 9),
             len(a.text),

@@ -33,6 +33,8 @@ from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
 from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
 MAX_ANSWERS_PER_CAUSE = 6
+# The head of a long log is enough to tell which thread asked the same thing.
+QUERY_CHARS_FOR_ANSWERS = 4_000
 REBUILD_ATTEMPTS = 2  # a KB saved during a build gets one more build
 MAX_TOP = 50
 
@@ -161,7 +163,7 @@ class Engine:
         return Result(
             query=query,
             root_error=clean.root_error,
-            causes=[self._cause_result(r, lang) for r in ranked],
+            causes=[self._cause_result(r, lang, query) for r in ranked],
             lang=lang,
         )
 
@@ -191,10 +193,10 @@ class Engine:
         self.load()
         return list(self._index.causes)
 
-    def _cause_result(self, ranked: RankedCause, lang: str) -> CauseResult:
+    def _cause_result(self, ranked: RankedCause, lang: str, query: str) -> CauseResult:
         data = self._index.causes[ranked.id]
         return CauseResult.from_kb(
-            data, ranked.score, self._answers_for(ranked.id, lang), ranked.ranks
+            data, ranked.score, self._answers_for(ranked.id, lang, query), ranked.ranks
         )
 
     def signatures(self) -> dict[str, list[str]]:
@@ -202,9 +204,14 @@ class Engine:
         self.load()
         return {cid: list(data.get("signatures", [])) for cid, data in self._index.causes.items()}
 
-    def _answers_for(self, cause_id: str, lang: str) -> list[AnswerRef]:
-        """Community answers that claim this cause, the best first for the user's language."""
+    def _answers_for(self, cause_id: str, lang: str, query: str) -> list[AnswerRef]:
+        """Community answers that claim this cause, the best first for this question."""
         threads = self._index.threads.values()
         return claiming_answers(
-            threads, cause_id, order="best", lang=lang, limit=MAX_ANSWERS_PER_CAUSE
+            threads,
+            cause_id,
+            order="best",
+            lang=lang,
+            limit=MAX_ANSWERS_PER_CAUSE,
+            query=query[:QUERY_CHARS_FOR_ANSWERS],
         )

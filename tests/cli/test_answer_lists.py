@@ -127,3 +127,29 @@ def test_ask_shows_a_ranked_cause_its_best_answers_first(engine):
         group = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
         order = [(group[a.stance], a.lang != "zh") for a in cause.answers]
         assert order == sorted(order), cause.id
+
+
+def test_within_a_stance_the_thread_that_asked_the_same_thing_leads():
+    threads = [
+        {
+            "id": "syncbn",
+            "question": "SyncBatchNorm on one GPU says the default process group is not initialized",
+            "answers": [answer("a1", "right", text="launch with dist_train.sh and 1 GPU")],
+        },
+        {
+            "id": "sampler",
+            "question": "DistributedSampler(dataset) raises: default process group not initialized",
+            "answers": [
+                answer("a1", "right", text="call init_process_group before the sampler first"),
+                answer("a2", "wrong", text="reinstall torch"),
+            ],
+        },
+    ]
+    query = "DistributedSampler(dataset) fails: Default process group has not been initialized"
+    assert ids(claiming_answers(threads, "c", order="best", query=query)) == [
+        "sampler#a1",
+        "syncbn#a1",
+        "sampler#a2",  # a wrong answer stays last, however close its thread
+    ]
+    # without a question the shorter answer leads, as before
+    assert ids(claiming_answers(threads, "c", order="best"))[0] == "syncbn#a1"
