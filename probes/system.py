@@ -115,71 +115,59 @@ def stale_workers(proc: str = "/proc") -> list[dict] | None:
     root = Path(proc)
     if not root.is_dir():
         return None
-    ranks = _ranks_of_this_launch(root)
-    skipped = ranks | _ancestors(root)
+    parents = _process_parents(root)  # one read of every process's stat
+    me, launcher = os.getpid(), os.getppid()
+    ranks = {me} | {pid for pid, ppid in parents.items() if ppid == launcher}
+    skipped = ranks | _ancestors(me, parents)
     found = []
-    for entry in root.iterdir():
-        if not entry.name.isdigit() or int(entry.name) in skipped:
+    for pid, ppid in sorted(parents.items()):
+        # A DataLoader worker of a rank of this launch is no stale worker either.
+        if pid in skipped or ppid in ranks:
             continue
         try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (root / str(pid) / "environ").read_bytes().split(b"\0")
+            if not any(v.startswith(WORKER_VARIABLES) for v in environ):
+                continue
+            cmdline = (root / str(pid) / "cmdline").read_bytes()
         except OSError:  # gone, or another user's
-            continue
-        if not any(v.startswith(WORKER_VARIABLES) for v in environ):
-            continue
-        ppid = _parent(stat)
-        if ppid in ranks:  # a DataLoader worker of a rank of this launch
             continue
         local = next(
             (v[len(b"LOCAL_RANK=") :] for v in environ if v.startswith(b"LOCAL_RANK=")), b""
         )
         found.append(
             {
-                "pid": int(entry.name),
+                "pid": pid,
                 "ppid": ppid,
                 "orphaned": ppid == 1,
                 "local_rank": local.decode(errors="replace") or None,
-                "cmdline": cmdline.strip()[:200],
+                "cmdline": cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:200],
             }
         )
         if len(found) >= MAX_STALE_SHOWN:
             break
-    return sorted(found, key=lambda w: w["pid"])
-
-
-def _ancestors(root: Path) -> set[int]:
-    """The launcher of this process and its callers (never init, which adopts orphans)."""
-    found = set()
-    pid = os.getpid()
-    while pid > 1:
-        try:
-            pid = _parent((root / str(pid) / "stat").read_text())
-        except OSError:
-            break
-        if pid > 1:
-            found.add(pid)
     return found
 
 
-def _ranks_of_this_launch(root: Path) -> set[int]:
-    """This process and its siblings: the other ranks its launcher started."""
-    ranks = {os.getpid()}
-    launcher = os.getppid()
+def _process_parents(root: Path) -> dict[int, int]:
+    """pid -> parent pid of every process /proc shows (the stat line's fourth field)."""
+    parents = {}
     for entry in root.iterdir():
         if entry.name.isdigit():
             try:
-                if _parent((entry / "stat").read_text()) == launcher:
-                    ranks.add(int(entry.name))
-            except OSError:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
                 continue
-    return ranks
+            # The command name may hold spaces and parentheses: split after the last ")".
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return parents
 
 
-def _parent(stat: str) -> int:
-    """The parent pid from /proc/PID/stat (the command name may hold spaces and parentheses)."""
-    return int(stat.rsplit(")", 1)[1].split()[1])
+def _ancestors(pid: int, parents: dict[int, int]) -> set[int]:
+    """The launcher of `pid` and its callers (never init, which adopts orphans)."""
+    found: set[int] = set()
+    while (pid := parents.get(pid, 1)) > 1 and pid not in found:
+        found.add(pid)
+    return found
 
 
 def shm_space(path: str = "/dev/shm") -> dict | None:
