@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import ast
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from snippets import lint_snippet
 
 from assistant.cli import main
 from assistant.errors import ExitCode
@@ -48,9 +48,7 @@ data = TensorDataset(torch.randn(64, 4))
 
 def findings(prelude: str, body: str) -> list[tuple[str, int]]:
     """(cause id, line in `body`) of the data checks' findings."""
-    offset = prelude.count("\n")
-    source = prelude + textwrap.dedent(body)
-    return [(f.cause_id, f.line - offset) for f in lint_source(source) if f.cause_id in DATA_CAUSES]
+    return [(f.cause_id, line) for line, f in lint_snippet(prelude, body, DATA_CAUSES)]
 
 
 # ---------------------------------------------------------------- missing-distributed-sampler

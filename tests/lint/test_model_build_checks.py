@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
-
-from assistant.lint import lint_source
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "layer_added_on_rank_zero_only.py"
@@ -23,22 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def reported_lines(body: str) -> list[int]:
-    source = HEADER + textwrap.dedent(body)
-    return [
-        f.line - HEADER.count("\n")
-        for f in lint_source(source)
-        if f.cause_id == "model-differs-across-ranks"
-    ]
+    return [line for line, _ in lint_snippet(HEADER, body, ["model-differs-across-ranks"])]
 
 
 @pytest.mark.slow
 def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
-    broken = torchrun(BROKEN)
-    assert broken.returncode != 0
-    assert "DDP expects same model across all ranks" in broken.stderr
-    fixed = torchrun(FIXED)
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
-    assert fixed.stdout.count("trained") == 2
+    assert_broken_fails_and_twin_runs(
+        torchrun, BROKEN, "DDP expects same model across all ranks", FIXED, "trained"
+    )
 
 
 def test_a_resize_on_rank_zero_before_ddp_of_a_moved_model_is_reported():

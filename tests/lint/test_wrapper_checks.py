@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 from torch import nn
 
-from assistant.lint import lint_source
 from assistant.lint.checks.wrapper import DATA_PARALLEL_API, DDP_API, MODULE_API
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
@@ -24,22 +23,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def findings(body: str) -> list[tuple[int, str]]:
-    source = HEADER + textwrap.dedent(body)
-    return [
-        (f.line - HEADER.count("\n"), f.message)
-        for f in lint_source(source)
-        if f.cause_id == "ddp-wrapper-attribute"
-    ]
+    return [(line, f.message) for line, f in lint_snippet(HEADER, body, ["ddp-wrapper-attribute"])]
 
 
 @pytest.mark.slow
 def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
-    broken = torchrun(BROKEN)
-    assert broken.returncode != 0
-    assert "'DistributedDataParallel' object has no attribute 'generate'" in broken.stderr
-    fixed = torchrun(FIXED)
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
-    assert fixed.stdout.count("again [1, 8]") == 2  # one line per rank
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        BROKEN,
+        "'DistributedDataParallel' object has no attribute 'generate'",
+        FIXED,
+        "again [1, 8]",
+    )
 
 
 def test_the_model_api_and_the_wrappers_own_are_not_reported():

@@ -1,0 +1,30 @@
+"""Helpers shared by the lint tests: lint a snippet under a prelude, run a fixture pair."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from assistant.lint import lint_source
+from assistant.results import Finding
+
+
+def lint_snippet(prelude: str, body: str, causes: Iterable[str]) -> list[tuple[int, Finding]]:
+    """(line within `body`, finding) for the findings of `causes` on `prelude + body`."""
+    wanted = set(causes)
+    offset = prelude.count("\n")
+    source = prelude + textwrap.dedent(body)
+    return [(f.line - offset, f) for f in lint_source(source) if f.cause_id in wanted]
+
+
+def assert_broken_fails_and_twin_runs(
+    torchrun: Callable, broken: Path, error: str, fixed: Path, per_rank_line: str
+) -> None:
+    """The broken fixture fails under torchrun with `error`; its twin runs, one line per rank."""
+    failed = torchrun(broken)
+    assert failed.returncode != 0
+    assert error in failed.stderr
+    ran = torchrun(fixed)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.count(per_rank_line) == 2
