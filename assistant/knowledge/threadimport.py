@@ -237,9 +237,10 @@ def propose_contradictions(answers: list[AnswerDraft]) -> None:
 
 def with_advice_claim(claims: list[Claim], advice: str) -> list[Claim]:
     """An answer with set_device advice claims set-device-order (confidence 1: its own words)."""
-    if not advice or any(c.cause_id == ADVICE_CAUSE for c in claims):
+    if not advice:
         return claims
-    return [Claim(ADVICE_CAUSE, 1.0), *claims][:MAX_CLAIMS]
+    others = [c for c in claims if c.cause_id != ADVICE_CAUSE]
+    return [Claim(ADVICE_CAUSE, 1.0), *others][:MAX_CLAIMS]
 
 
 def draft_answer(answer_id: str, text: str, ranker: CauseRanker) -> AnswerDraft:

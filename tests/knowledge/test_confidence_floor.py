@@ -40,9 +40,21 @@ def test_high_confidence_is_right_nine_times_in_ten_over_all_real_reports(report
     assert answers / total >= 0.4, reports
 
 
+def test_high_is_far_more_often_right_than_low_over_all_real_reports(reports):
+    def right_share(level: str) -> float:
+        rows = [report[level] for report in reports.values() if level in report]
+        answers = sum(row["answers"] for row in rows)
+        return sum(row["answers"] * row["top1"] for row in rows) / answers
+
+    assert right_share("high") - right_share("low") >= 0.3, reports
+
+
 @pytest.mark.parametrize("name", [path.stem for path in REAL_SETS])
-def test_no_set_collapses_and_high_beats_low(reports, name):
+def test_no_set_collapses_and_high_is_not_below_low(reports, name):
+    """Per set, "high" is never less often right than "low". Not "more": on a
+    set collected alongside its causes (new_causes3, 23 reports) both were
+    right 6 times in 7, and one report decides it either way."""
     report = reports[name]
     assert report["high"]["top1"] >= PER_SET_FLOOR, report
     if "low" in report:
-        assert report["high"]["top1"] > report["low"]["top1"], report
+        assert report["high"]["top1"] >= report["low"]["top1"], report
