@@ -231,6 +231,7 @@ class CauseResult:
     probes: list[str] = field(default_factory=list)
     answers: list[AnswerRef] = field(default_factory=list)
     signals: dict[str, int] = field(default_factory=dict)  # signal name -> rank (1-based)
+    root_hit: bool = False  # a KB signature matched the root error itself (retrieve.RankedCause)
     # A fresh Verdict each: a shared default would let one cause's evidence leak into all.
     verdict: Verdict = field(default_factory=lambda: Verdict("not_run"))
 

@@ -128,11 +128,16 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
         (0.3, {"lexical": 1, "dense": 1}, "high"),  # two searches agree, clear lead
         (0.15, {"lexical": 1, "dense": 1}, "medium"),  # they agree, the lead is small
         (0.3, {"lexical": 1, "dense": 2}, "low"),  # one search alone
-        (0.3, {"signature": 1, "lexical": 4}, "high"),  # an exact signature
+        (0.3, {"signature": 1, "lexical": 4, "root": 1}, "high"),  # a signature in the root error
+        (0.3, {"signature": 1, "lexical": 4}, "low"),  # one only in the body: a single signal
+        (0.3, {"signature": 1, "lexical": 1}, "high"),  # in the body, and the words agree
     ],
 )
 def test_levels_rest_on_agreement_and_lead(lead, signals, level):
-    first = CauseResult(id="p2p-hang", title="p2p-hang", score=0.6, signals=signals)
+    root_hit = bool(signals.pop("root", 0))
+    first = CauseResult(
+        id="p2p-hang", title="p2p-hang", score=0.6, signals=signals, root_hit=root_hit
+    )
     second = CauseResult(id="collective-timeout", title="collective-timeout", score=0.6 - lead)
     result = Result(query="training hangs", root_error=None, causes=[first, second], lang="en")
     assert assess(result).confidence == level
@@ -143,9 +148,11 @@ def test_levels_rest_on_agreement_and_lead(lead, signals, level):
     [({"signature": 1, "lexical": 4}, "low"), ({"signature": 1, "lexical": 1}, "medium")],
 )
 def test_two_causes_the_text_names_exactly_are_never_high(first_signals, level):
-    # "found at least two devices" under `CUDA_VISIBLE_DEVICES=0,1 python x.py`:
-    # the error's signature and the launch command name different causes.
-    first = CauseResult(id="hardcoded-device", title="", score=1.0, signals=first_signals)
+    # "found at least two devices" in the root error, and another cause's
+    # signature in a line of the log: the text names two causes.
+    first = CauseResult(
+        id="hardcoded-device", title="", score=1.0, signals=first_signals, root_hit=True
+    )
     second = CauseResult(
         id="launched-without-torchrun", title="", score=0.6, signals={"signature": 2}
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from assistant import config
@@ -195,9 +196,10 @@ class Engine:
 
     def _cause_result(self, ranked: RankedCause, lang: str, query: str) -> CauseResult:
         data = self._index.causes[ranked.id]
-        return CauseResult.from_kb(
+        result = CauseResult.from_kb(
             data, ranked.score, self._answers_for(ranked.id, lang, query), ranked.ranks
         )
+        return replace(result, root_hit=ranked.root_hit)
 
     def signatures(self) -> dict[str, list[str]]:
         """Every cause's error signatures (regex sources), as the KB gives them."""

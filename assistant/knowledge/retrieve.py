@@ -1,8 +1,7 @@
 """Retrieval: three signals, each ranking causes, fused by reciprocal rank.
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
-           and a match in the root error counts three times; plus what the
-           user's launch command shows (launchline.py)
+           and a match in the root error counts three times
 lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk
 dense      sentence-transformers + FAISS over the same chunks, plus (for a
            question or report without a root error) a ridge classifier over
@@ -23,7 +22,6 @@ from assistant.i18n import detect_lang
 from assistant.knowledge.bridges import Bridge, load_bridge
 from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
-from assistant.knowledge.launchline import launch_scores
 from assistant.knowledge.patterns import PatternSet
 from assistant.knowledge.reportkind import reports_failure, reports_several_processes
 from assistant.knowledge.textsearch import fts_query
@@ -71,6 +69,9 @@ class RankedCause:
     id: str
     score: float
     ranks: dict[str, int] = field(default_factory=dict)
+    # An exact KB signature matched the root error itself, not only a line of
+    # the body: the evidence confidence may call "the error says so".
+    root_hit: bool = False
 
 
 class Retriever:
@@ -109,9 +110,6 @@ class Retriever:
                     score += 1.0
             if score:
                 scores[cid] = score
-        for cid, score in launch_scores(body).items():
-            if cid in self.signatures:
-                scores[cid] = scores.get(cid, 0.0) + score
         return scores
 
     def lexical_scores(self, text: str) -> dict[str, float]:
@@ -292,6 +290,7 @@ def fuse(per_signal: dict[str, dict[str, float]]) -> list[RankedCause]:
             entry = fused.setdefault(cid, RankedCause(cid, 0.0))
             entry.ranks[signal] = rank
             entry.score += SIGNAL_WEIGHTS[signal] / (RRF_K + rank)
+            entry.root_hit |= signal == "signature" and scores[cid] >= ROOT_HIT
     best_possible = sum(SIGNAL_WEIGHTS[s] / (RRF_K + 1) for s in per_signal) or 1.0
     all_weights = sum(SIGNAL_WEIGHTS[s] for s in per_signal) or 1.0
     closeness = closeness_to_best(per_signal)
