@@ -2,7 +2,8 @@
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
            and a match in the root error counts three times
-lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk
+lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk, plus each
+           cause's TF-IDF centroid over the same tokens (centroids.py)
 dense      sentence-transformers + FAISS over the same chunks, plus (for a
            question or report without a root error) a ridge classifier over
            the same query vector, fitted on the KB's chunks (classifier.py)
@@ -20,6 +21,7 @@ from assistant import config
 from assistant.clean import CleanLog
 from assistant.i18n import detect_lang
 from assistant.knowledge.bridges import Bridge, load_bridge
+from assistant.knowledge.centroids import CauseCentroids
 from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.patterns import PatternSet
@@ -94,6 +96,14 @@ class Retriever:
         """Fitted on first use (tens of ms): an exact-signature query never waits for it."""
         return CauseClassifier.from_index(self.index)
 
+    @cached_property
+    def centroids(self) -> CauseCentroids | None:
+        """Fitted on first use; not on a large index, where the fit would cost
+        seconds of the first query (bm25 alone ranks the words there)."""
+        if len(self.index.chunk_kinds) > LARGE_INDEX:
+            return None
+        return CauseCentroids.from_index(self.index)
+
     # -- the three signals -------------------------------------------------
 
     def signature_scores(self, clean: CleanLog) -> dict[str, float]:
@@ -127,7 +137,11 @@ class Retriever:
             "order by bm25(chunks_fts) limit ?",
             (query, CHUNK_HITS),
         ).fetchall()
-        return self._by_cause((rowid, -score) for rowid, score in rows)
+        best_chunks = self._by_cause((rowid, -score) for rowid, score in rows)
+        if self.centroids is None:
+            return best_chunks
+        # Equal parts of the best chunk and the whole cause, each scaled by its best.
+        return summed_shares(best_chunks, self.centroids.scores(text))
 
     def dense_scores(
         self, text: str, context: str | None = None, clean: CleanLog | None = None
@@ -235,6 +249,18 @@ class Retriever:
                 c for c, data in self.index.causes.items() if data.get(field) is value
             )
         return self._causes_where[key]
+
+
+def summed_shares(*parts: dict[str, float]) -> dict[str, float]:
+    """Per cause, the sum over `parts` of its score as a share of that part's best."""
+    summed: dict[str, float] = {}
+    for scores in parts:
+        best = max(scores.values(), default=0.0)
+        if best <= 0:
+            continue
+        for cid, score in scores.items():
+            summed[cid] = summed.get(cid, 0.0) + max(score, 0.0) / best
+    return summed
 
 
 def with_words_lowered(
