@@ -125,7 +125,7 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
 @pytest.mark.parametrize(
     ("lead", "signals", "level"),
     [
-        (0.3, {"lexical": 1, "dense": 1}, "high"),  # two searches agree, clear lead
+        (0.3, {"lexical": 1, "dense": 1}, "medium"),  # two word searches agree: words alone
         (0.15, {"lexical": 1, "dense": 1}, "medium"),  # they agree, the lead is small
         (0.3, {"lexical": 1, "dense": 2}, "low"),  # one search alone
         (0.3, {"signature": 1, "lexical": 4, "root": 1}, "high"),  # a signature in the root error
