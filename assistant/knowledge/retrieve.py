@@ -253,13 +253,20 @@ class Retriever:
 
 def summed_shares(*parts: dict[str, float]) -> dict[str, float]:
     """Per cause, the sum over `parts` of its score as a share of that part's best."""
+    return weighted_shares((1.0, scores) for scores in parts)
+
+
+def weighted_shares(parts) -> dict[str, float]:
+    """Per cause, the sum over (weight, scores) parts of weight x its score as a
+    share of that part's best (0..1); only positive scores count, as they alone rank."""
     summed: dict[str, float] = {}
-    for scores in parts:
+    for weight, scores in parts:
         best = max(scores.values(), default=0.0)
         if best <= 0:
             continue
         for cid, score in scores.items():
-            summed[cid] = summed.get(cid, 0.0) + max(score, 0.0) / best
+            if score > 0:
+                summed[cid] = summed.get(cid, 0.0) + weight * score / best
     return summed
 
 
@@ -328,14 +335,6 @@ def fuse(per_signal: dict[str, dict[str, float]]) -> list[RankedCause]:
 
 
 def closeness_to_best(per_signal: dict[str, dict[str, float]]) -> dict[str, float]:
-    """Per cause, the weighted sum over signals of its score as a share of the
-    signal's best (0..1 each); only positive scores count, as they alone rank."""
-    closeness: dict[str, float] = {}
-    for signal, scores in per_signal.items():
-        best = max(scores.values(), default=0.0)
-        if best <= 0:
-            continue
-        for cid, score in scores.items():
-            if score > 0:
-                closeness[cid] = closeness.get(cid, 0.0) + SIGNAL_WEIGHTS[signal] * score / best
-    return closeness
+    """Per cause, the sum over signals of its share of the signal's best, weighted
+    as the signal is in fusion."""
+    return weighted_shares((SIGNAL_WEIGHTS[s], scores) for s, scores in per_signal.items())
