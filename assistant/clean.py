@@ -84,6 +84,25 @@ FOCUS_NOISE = re.compile(
 )
 MAX_FOCUS_LINES = 24
 OPENING_LINES = 12  # of a report without a root error, always searched with
+# The scaffolding of an issue template and the environment block a report
+# pastes: it says nothing about the failure, yet it filled the opening lines of
+# a templated report ("### System Info", "- `transformers` version: 4.37.2",
+# "- [X] I have searched the existing issues", "### 运行环境 | Environment"),
+# where the title and what the person saw belong.
+TEMPLATE_LINE = re.compile(
+    r"^(?:#{1,6}\s*\W*\s*(?:bug|describe|description|reproduc|steps|environment|system info|"
+    r"expected|current behavio|who can help|information|tasks?\b|checklist|questions?\b|"
+    r"reminder|prerequisite|additional|anything else|error messages|logs?\b|versions?\b|"
+    r"what version|is there an existing|motivation|运行环境|当前行为|期望行为|复现|问题类型|操作系统|"
+    r"详细描述|是否已有|该问题是否|备注|其他信息|环境)[^\n]{0,60}"
+    r"|[-*]\s*\[[ xX]\]\s.*"
+    r"|[-*]?\s*`?[\w./() -]{1,40}`?\s+version[^:]{0,20}:\s*.*"
+    r"|(?:Platform|OS|GPU models and configuration|Nvidia driver version|cuDNN version|"
+    r"CUDA used to build PyTorch|Is CUDA available|Python platform)\s*:.*"
+    r"|\[(?:pip3?|conda)\]\s.*"
+    r"|@[\w-]+(?:\s+@[\w-]+)*)$",
+    re.IGNORECASE,
+)
 
 
 @dataclass
@@ -326,8 +345,8 @@ def _focus(lines: list[str], root: RootError | None) -> str:
         if SALIENT.search(stripped):
             picked.append(stripped[:500])
     if len(picked) <= 1 and len(lines) <= MAX_FOCUS_LINES:
-        # A short question: everything it says is the focus.
-        picked = [line.strip() for line in lines]
+        # A short question: everything it says is the focus, but a template's.
+        picked = [line.strip() for line in lines if not TEMPLATE_LINE.match(line.strip())]
     if root is None:
         # No root error: a report in prose. Its opening lines (the title, what
         # was run and what was seen) carry the meaning without an error word
@@ -343,7 +362,10 @@ def _focus(lines: list[str], root: RootError | None) -> str:
 def _prose(line: str) -> bool:
     """A line a person wrote or a log printed, not a traceback frame or a separator."""
     return (
-        bool(line) and not line.startswith(('File "', "Traceback")) and not FOCUS_NOISE.match(line)
+        bool(line)
+        and not line.startswith(('File "', "Traceback"))
+        and not FOCUS_NOISE.match(line)
+        and not TEMPLATE_LINE.match(line)
     )
 
 

@@ -232,6 +232,35 @@ def test_a_prose_report_is_searched_with_its_opening_lines() -> None:
     assert len(lines) <= 24
 
 
+def test_an_issue_templates_scaffolding_does_not_fill_the_opening() -> None:
+    # A templated GitHub issue: headings, checkboxes and an environment block
+    # come before what the person saw, and would take the opening lines.
+    environment = [f"- `library{i}` version: 1.{i}.0" for i in range(10)]
+    report = "\n".join(
+        [
+            "Fine-tuning is slower on two GPUs than on one",
+            "### System Info",
+            *environment,
+            "- PyTorch version (GPU?): 2.2.0+cu121 (True)",
+            "Platform: Linux-5.15.0-92-generic-x86_64-with-glibc2.29",
+            "### Who can help?",
+            "@some-maintainer",
+            "- [X] I have searched the existing issues",
+            "### 运行环境 | Environment",
+            "### The GPU memory is not balanced between the cards",
+            "One GPU trains at 1.5 it/s, two GPUs at 4.6 s/it.",
+        ]
+    )
+    lines = clean_log(report).focus.splitlines()
+    assert lines[:3] == [
+        "Fine-tuning is slower on two GPUs than on one",
+        # a heading that says something is the person's words, not the template's
+        "### The GPU memory is not balanced between the cards",
+        "One GPU trains at 1.5 it/s, two GPUs at 4.6 s/it.",
+    ]
+    assert not any("version" in line or "[X]" in line or "@" in line for line in lines)
+
+
 def test_a_log_with_a_root_error_still_leads_with_it() -> None:
     log = (
         "starting run 17\n"
