@@ -273,3 +273,17 @@ def test_a_log_with_a_root_error_still_leads_with_it() -> None:
     clean = clean_log(log)
     assert clean.focus.splitlines()[0].startswith("RuntimeError: NCCL error")
     assert "starting run 17" not in clean.focus
+
+
+@pytest.mark.timeout(30)
+def test_template_lines_cannot_make_cleaning_slow() -> None:
+    # Hostile lines aimed at the template pattern: a heading marker before a
+    # long run of spaces once backtracked cubically (1,000 spaces never ended).
+    for line in (
+        "#" + " " * 200_000 + "x",
+        "- " + "a" * 200_000 + " version: 1",
+        "@a" + " @a" * 100_000 + "!",
+        "- [x]" + " " * 200_000,
+    ):
+        clean = clean_log(f"{line}\n{line}")
+        assert clean.root_error is None
