@@ -48,7 +48,7 @@ ARGPARSE_ERROR = re.compile(r"^(?P<prog>[\w.\-/]+): error: (?P<message>.+)$")
 # The start of another record that can follow an exception line unprefixed
 # (another rank's output): a Python warning "path.py:12: UserWarning: ...",
 # or any "file:line:" location.
-NEW_RECORD = re.compile(r"^\S+\.pyx?:\d+: |^\S*\w+Warning: |^\S+:\d+:\d*:? ")
+NEW_RECORD = re.compile(r"^\S+\.pyx?:\d+: |^\S*\wWarning: |^\S+:\d+:\d*:? ")
 # Launchers' own exceptions that wrap a rank's: torchrun's, and mp.spawn's
 # ("-- Process 0 terminated with the following error:" then the rank's traceback).
 WRAPPERS = {"ChildFailedError", "SignalException", "ProcessRaisedException"}
@@ -96,7 +96,7 @@ TEMPLATE_LINE = re.compile(
     r"what version|is there an existing|motivation|运行环境|当前行为|期望行为|复现|问题类型|操作系统|"
     r"详细描述|是否已有|该问题是否|备注|其他信息|环境)[^\n]{0,60}"
     r"|[-*]\s*\[[ xX]\]\s.*"
-    r"|[-*]?\s*`?[\w./() -]{1,40}`?\s+version[^:]{0,20}:\s*.*"
+    r"|[-*]?[ \t]*+(?:[\w./()`-]++[ \t]++){1,5}version\b[^:\n]{0,20}:.*"
     r"|(?:Platform|OS|GPU models and configuration|Nvidia driver version|cuDNN version|"
     r"CUDA used to build PyTorch|Is CUDA available|Python platform)\s*:.*"
     r"|\[(?:pip3?|conda)\]\s.*"

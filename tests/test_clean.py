@@ -277,13 +277,14 @@ def test_a_log_with_a_root_error_still_leads_with_it() -> None:
 
 @pytest.mark.timeout(30)
 def test_template_lines_cannot_make_cleaning_slow() -> None:
-    # Hostile lines aimed at the template pattern: a heading marker before a
-    # long run of spaces once backtracked cubically (1,000 spaces never ended).
+    # Hostile lines aimed at the line patterns: a heading marker before a long
+    # run of spaces once backtracked cubically (1,000 spaces never ended).
     for line in (
         "#" + " " * 200_000 + "x",
         "- " + "a" * 200_000 + " version: 1",
         "@a" + " @a" * 100_000 + "!",
         "- [x]" + " " * 200_000,
+        "a" * 200_000,  # a record's "...Warning: " prefix was sought quadratically
     ):
         clean = clean_log(f"{line}\n{line}")
         assert clean.root_error is None

@@ -41,7 +41,9 @@ LAST_ERROR = re.compile(r"\bLast error:\s*(?P<detail>\S.*)$")
 # the order they are tried (a path may hold numbers, an address holds a port).
 # Each becomes a pattern with no nested repeat, so patterns.py accepts it.
 VARIABLE_PARTS = [
-    ("path", r"(?:[A-Za-z]:)?(?:[\w.~+-]*[/\\])+[\w.+-]*", r"\S+"),
+    # starts where a run of path characters starts: tried from inside a long run
+    # without a slash, it rescanned the run from every character (quadratic)
+    ("path", r"(?<![\w.~+-])(?:[A-Za-z]:)?(?:[\w.~+-]*[/\\])+[\w.+-]*", r"\S+"),
     ("ipv4", r"\b\d{1,3}(?:\.\d{1,3}){3}\b", r"[\d.]+"),
     # c10d's "[node01]:29500" and "(node01, 29500)"
     ("bracketed-host", r"(?<=\[)[^\]\s/]+(?=\]:\d)", r"[^\]]+"),

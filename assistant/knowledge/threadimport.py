@@ -52,6 +52,7 @@ MIN_SENTENCE_CHARS = 8
 # reviewer deletes a wrong claim more easily than finding a missing one.
 CLAIM_MIN_SCORE = 0.4
 MAX_CLAIMS = 8
+MAX_AUTHOR_LINE = 120  # characters; the longest author line a thread plausibly has
 
 # Not a bare "device": "删掉 device_ids 参数" is not about set_device.
 SET_DEVICE = r"(?:torch\.cuda\.)?set_device|设(?:置)?设备|设device"
@@ -164,7 +165,7 @@ def paragraphs(text: str) -> list[str]:
 def parse_thread(text: str) -> ParsedThread:
     """Split a plain-text thread into its question and answers (see the module docstring)."""
     lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
-    if any(AUTHOR_LINE.match(line) for line in lines):
+    if any(is_author_line(line) for line in lines):
         return _split_by_author_lines(lines)
     parts = paragraphs(text)
     if not parts:
@@ -178,10 +179,19 @@ def parse_thread(text: str) -> ParsedThread:
     return ParsedThread(parts[0], answers)
 
 
+def is_author_line(line: str) -> bool:
+    """A line that starts a new post ("--- Alice ---", "@bob:", "Carol wrote:", "张三 回复：").
+
+    Such lines are short; a long line is never one, and is not matched at all,
+    so that a pasted thread's huge lines cost no backtracking.
+    """
+    return len(line) <= MAX_AUTHOR_LINE and AUTHOR_LINE.match(line) is not None
+
+
 def _split_by_author_lines(lines: list[str]) -> ParsedThread:
     blocks: list[list[str]] = [[]]
     for line in lines:
-        if AUTHOR_LINE.match(line):
+        if is_author_line(line):
             blocks.append([])
         else:
             blocks[-1].append(line)

@@ -243,3 +243,12 @@ def test_kb_new_bad_input_is_one_line(tmp_path, report, args, message):
     assert message in result.output
     assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_line_without_a_slash_is_generalised_in_linear_time():
+    # Every character of a long run used to start a new scan for a path's slash.
+    line = "RuntimeError: " + "a" * 300_000 + " at /tmp/x 42"
+    pattern = generalise(line)
+    assert pattern.endswith(r"at \S+ \d+")
+    assert re.search(pattern, line.replace("42", "7"))

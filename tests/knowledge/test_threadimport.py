@@ -234,3 +234,14 @@ def test_advice_agrees_with_the_hand_tags_of_every_kb_thread():
     ]
     agree = sum(propose_advice(a["text"]) == a.get("advice", "") for a in answers)
     assert agree >= 0.95 * len(answers), f"{agree}/{len(answers)}"
+
+
+@pytest.mark.timeout(30)
+def test_huge_lines_in_a_pasted_thread_cost_no_backtracking():
+    # A line of spaces or dashes once made the author-line pattern backtrack
+    # for minutes; an author line is short, and a long line is never one.
+    hostile = "\n".join(
+        ["How do I fix this hang?", " " * 300_000 + "x", "---x" + "-" * 300_000 + "y"]
+    )
+    thread = parse_thread(hostile + "\n\nCarol wrote:\nSet NCCL_P2P_DISABLE=1 and rerun.")
+    assert thread.answers == ["Set NCCL_P2P_DISABLE=1 and rerun."]
