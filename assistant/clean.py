@@ -90,7 +90,7 @@ OPENING_LINES = 12  # of a report without a root error, always searched with
 # "- [X] I have searched the existing issues", "### 运行环境 | Environment"),
 # where the title and what the person saw belong.
 TEMPLATE_LINE = re.compile(
-    r"^(?:#{1,6}[^\w\n]{0,8}(?:bug|describe|description|reproduc|steps|environment|system info|"
+    r"^(?:#{1,6}[^\w\n]{0,8}(?:bug|describe|description|reproduc|to reproduce|steps|environment|system info|"
     r"expected|current behavio|who can help|information|tasks?\b|checklist|questions?\b|"
     r"reminder|prerequisite|additional|anything else|error messages|logs?\b|versions?\b|"
     r"what version|is there an existing|motivation|运行环境|当前行为|期望行为|复现|问题类型|操作系统|"

@@ -244,6 +244,7 @@ def test_an_issue_templates_scaffolding_does_not_fill_the_opening() -> None:
             "- PyTorch version (GPU?): 2.2.0+cu121 (True)",
             "Platform: Linux-5.15.0-92-generic-x86_64-with-glibc2.29",
             "### Who can help?",
+            "## To Reproduce",
             "@some-maintainer",
             "- [X] I have searched the existing issues",
             "### 运行环境 | Environment",
