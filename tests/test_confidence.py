@@ -123,18 +123,22 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
 
 
 @pytest.mark.parametrize(
-    ("lead", "signals", "level"),
+    ("lead", "signals", "root_hit", "level"),
     [
-        (0.3, {"lexical": 1, "dense": 1}, "medium"),  # two word searches agree: words alone
-        (0.15, {"lexical": 1, "dense": 1}, "medium"),  # they agree, the lead is small
-        (0.3, {"lexical": 1, "dense": 2}, "low"),  # one search alone
-        (0.3, {"signature": 1, "lexical": 4, "root": 1}, "high"),  # a signature in the root error
-        (0.3, {"signature": 1, "lexical": 4}, "low"),  # one only in the body: a single signal
-        (0.3, {"signature": 1, "lexical": 1}, "high"),  # in the body, and the words agree
+        (0.3, {"lexical": 1, "dense": 1}, False, "medium"),  # two word searches agree: words alone
+        (0.15, {"lexical": 1, "dense": 1}, False, "medium"),  # they agree, the lead is small
+        (0.3, {"lexical": 1, "dense": 2}, False, "low"),  # one search alone
+        (0.3, {"signature": 1, "lexical": 4}, True, "high"),  # a signature in the root error
+        (
+            0.3,
+            {"signature": 1, "lexical": 4},
+            False,
+            "low",
+        ),  # one only in the body: a single signal
+        (0.3, {"signature": 1, "lexical": 1}, False, "high"),  # in the body, and the words agree
     ],
 )
-def test_levels_rest_on_agreement_and_lead(lead, signals, level):
-    root_hit = bool(signals.pop("root", 0))
+def test_levels_rest_on_agreement_and_lead(lead, signals, root_hit, level):
     first = CauseResult(
         id="p2p-hang", title="p2p-hang", score=0.6, signals=signals, root_hit=root_hit
     )
