@@ -190,6 +190,15 @@ DECIDERS = {
     "leftover-processes": ("nvidia_smi", "launch"),
     # nn.DataParallel in the script; one PID per GPU (not several on GPU 0)
     "dataparallel-gather-imbalance": ("script", "nvidia_smi"),
+    # which check refused the config (batch product, HF mismatch, rejected key), and
+    # the DeepSpeed / transformers / accelerate versions that read it
+    "deepspeed-config-mismatch": ("traceback", "environment"),
+    # Dynamo frames or "_orig_mod." keys in the traceback; where the script compiles
+    # relative to the DDP/FSDP wrap and what it saves
+    "torch-compile-ddp": ("traceback", "script"),
+    # collect_env names the GPU (bf16 needs compute capability 8.0) and the versions;
+    # the traceback says which dtype message it is
+    "mixed-precision-dtype": ("environment", "traceback"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
