@@ -199,6 +199,15 @@ DECIDERS = {
     # collect_env names the GPU (bf16 needs compute capability 8.0) and the versions;
     # the traceback says which dtype message it is
     "mixed-precision-dtype": ("environment", "traceback"),
+    # nn.DataParallel in the script and what forward writes or returns; a traceback
+    # in DataParallel's gather, not a device mismatch or a missing attribute
+    "dataparallel-unsafe-model": ("script", "traceback"),
+    # where wandb.init / SummaryWriter / sync_dist logging sit against the rank checks,
+    # and whether the ranks wait in the logger or in a collective
+    "experiment-logger-ddp": ("script", "run"),
+    # SyncBatchNorm / norm_cfg / broadcast_buffers and the per-GPU batch in the script;
+    # the number of GPUs, hence each one's slice of the batch, in the launch
+    "batchnorm-not-synced": ("script", "launch"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says
