@@ -25,7 +25,19 @@ def start_assistant(args, tmp_path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_in_a_terminal,
     )
+
+
+def as_in_a_terminal() -> None:
+    """Give the child the SIGINT a person's Ctrl-C reaches.
+
+    A shell script runs background jobs (`.ci/run ... &`) with SIGINT ignored,
+    pytest and its children inherit that, and Python then installs no
+    KeyboardInterrupt handler: the assistant would rightly ignore SIGINT, as
+    any program started under nohup does, and the Ctrl-C test would wait in vain.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_for_line(stream, wanted: str, seconds: float = 120.0) -> None:
