@@ -15,34 +15,43 @@ from __future__ import annotations
 
 import re
 
+# Word edges that only Latin letters and digits close: Python's \b also counts
+# a Chinese character as a word character, so "\bhang\b" missed "hang住",
+# "OOM了" and "DDP训练", which people who mix the two languages write.
+START = r"(?<![A-Za-z0-9_])"
+END = r"(?![A-Za-z0-9_])"
+
 # A stop without an error: what people write when a job hangs.
 HANG_WORDS = re.compile(
-    r"\b(?:hang|hangs|hanging|hung|stuck|freez\w*|froze|frozen|deadlock\w*|"
-    r"waits? forever|no (?:output|progress)|nothing happens|does not (?:start|progress))\b"
+    START + r"(?:hang|hangs|hanging|hung|stuck|freez\w*|froze|frozen|deadlock\w*|"
+    r"waits? forever|no (?:output|progress)|nothing happens|does not (?:start|progress))"
+    + END
     # 卡 is also a card: "一张卡在跑" (one card is running) is no hang
-    r"|卡住|卡死|(?<![张块号个])卡[在着]|不动|没反应|无响应|没有反应|停住|一直等|挂起|假死",
+    + r"|卡住|卡死|(?<![张块号个])卡[在着]|不动|没反应|无响应|没有反应|停住|一直等|挂起|假死",
     re.IGNORECASE,
 )
 # An error, a crash, a kill. "fails to converge" and "error rate" are numbers, not failures.
 ERROR_WORDS = re.compile(
-    r"\b(?:errors?(?!\s*rate)|exceptions?|traceback|crash\w*|killed|segfault\w*|aborted|"
+    START + r"(?:errors?(?!\s*rate)|exceptions?|traceback|crash\w*|killed|segfault\w*|aborted|"
     r"fail(?:s|ed|ing|ure)?(?!\s+to\s+(?:converge|decrease|improve|learn|reach|match|speed))|"
-    r"timed out|time ?out|oom)\b"
-    r"|报错|错误|异常|失败|崩溃|出错|超时|挂掉|挂了|中断",
+    r"timed out|time ?out|oom)" + END + r"|报错|错误|异常|失败|崩溃|出错|超时|挂掉|挂了|中断",
     re.IGNORECASE,
 )
 # "no error", "without any exception", "没有报错": a job that runs, said outright.
 NEGATED = re.compile(
-    r"\b(?:no|without(?: any)?|not any|never (?:an?|any))\s+(?:an?\s+)?"
-    r"(?:errors?|exceptions?|crash\w*|warnings? or errors?)\b"
-    r"|(?:没有?|并没有|也没有?|不会|不|无|未)(?:任何)?(?:报错|错误|异常|出错)",
+    START + r"(?:no|without(?: any)?|not any|never (?:an?|any))\s+(?:an?\s+)?"
+    r"(?:errors?|exceptions?|crash\w*|warnings? or errors?)"
+    + END
+    + r"|(?:没有?|并没有|也没有?|不会|不|无|未)(?:任何)?(?:报错|错误|异常|出错)",
     re.IGNORECASE,
 )
 MAX_CHARS = 20_000  # the words that matter are at the top of a report
 # Several processes: DDP and its launchers, ranks, "other processes on GPU 0".
 SEVERAL_PROCESSES = re.compile(
-    r"DistributedDataParallel|\bDDP\b|torchrun|torch\.distributed|accelerate launch|deepspeed|"
-    r"\branks?\b|\bprocesses\b|进程|分布式",
+    r"DistributedDataParallel|torchrun|torch\.distributed|accelerate launch|deepspeed|进程|分布式|"
+    + START
+    + r"(?:DDP|ranks?|processes)"
+    + END,
     re.IGNORECASE,
 )
 # nn.DataParallel itself (not DistributedDataParallel): one process, so no contradiction.
