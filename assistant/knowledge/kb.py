@@ -114,6 +114,12 @@ class Cause(Strict):
     # True for a cause of one process driving several GPUs (nn.DataParallel):
     # a report of DDP, torchrun or ranks is not answered with it first.
     one_process: bool = False
+    # For a cause that belongs to one tool or setting (FSDP, DeepSpeed, Slurm,
+    # torch.compile, Windows...): words (regexes, case-insensitive) of which a
+    # report of it names at least one. A report that names none is not
+    # answered with it first on word likeness alone (retrieve.py); its
+    # signatures still count in full.
+    named_by: list[SignatureText] = []
 
     _nonempty = field_validator(
         "id", "title", "title_zh", "summary", "summary_zh", "why", "fix", "fix_code", "risks"
