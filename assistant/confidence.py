@@ -208,6 +208,12 @@ DECIDERS = {
     # SyncBatchNorm / norm_cfg / broadcast_buffers and the per-GPU batch in the script;
     # the number of GPUs, hence each one's slice of the batch, in the launch
     "batchnorm-not-synced": ("script", "launch"),
+    # the first failing rank's own assertion line (labels, indices) and the script's loss / embedding sizes
+    "device-side-assert": ("traceback", "script"),
+    # where the script calls state_dict() (every rank, or under a rank-0 check) and with which state_dict_type
+    "fsdp-state-dict": ("script", "traceback"),
+    # this launch's GPUs and nodes against the saved run's, and the loader that raises
+    "resume-different-world-size": ("launch", "traceback"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says

@@ -109,6 +109,7 @@ SMALL_SETS = {
     "real_reports_new_causes4.jsonl",
     "real_reports_new_causes5.jsonl",
     "real_reports_new_causes6.jsonl",
+    "real_reports_new_causes7.jsonl",
 }
 
 

@@ -23,6 +23,9 @@ KB_CAUSES = Path(__file__).parents[2] / "kb" / "causes"
         "多卡训练报错，单卡正常",
         "两张卡训练卡住不动",
         "训练到一半进程被 killed",
+        # English words next to Chinese ones, as people mix them
+        "deepspeed 初始化的时候 hang住了",
+        "两张卡训练一会就OOM了",
     ],
 )
 def test_errors_and_hangs_are_failures(text: str) -> None:
@@ -83,6 +86,9 @@ def test_an_error_report_does_not_lead_with_a_silent_cause(engine) -> None:
         ("nn.DataParallel: GPU 0 holds much more memory than the others", False),
         ("DataParallel with DDP-like speed? GPU 0 is full", False),  # names DataParallel
         ("GPU 0 holds much more memory than the other GPUs", False),  # says neither
+        ("DDP训练时0号卡显存比其他卡多", True),  # DDP next to Chinese characters
+        ("四个ranks里只有一个报错", True),
+        ("ADDP2 model on 2 GPUs", False),  # DDP inside another word is not DDP
     ],
 )
 def test_several_processes_are_ddp_launchers_and_ranks(text: str, several: bool) -> None:
@@ -105,3 +111,32 @@ def test_a_ddp_report_does_not_lead_with_dataparallel(engine) -> None:
     dp = "With nn.DataParallel, GPU 0 holds far more memory than the other GPUs and runs out"
     assert engine.rank_ids(ddp)[0] != "dataparallel-gather-imbalance"
     assert engine.rank_ids(dp)[0] == "dataparallel-gather-imbalance"
+
+
+NAMED_BY = {
+    # a tool-bound cause and the words of reports that name its tool
+    "fsdp-state-dict": "FSDP state_dict() on rank 0 only hangs when saving the checkpoint",
+    "torch-compile-ddp": "torch.compile with DDP fails in backward",
+    "slurm-without-torchrun": "srun python train.py: every task thinks it is rank 0",
+    "windows-libuv": "on Windows 11 torchrun fails with use_libuv",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cause", sorted(NAMED_BY))
+def test_a_tool_bound_cause_needs_its_tool_named(engine, cause) -> None:
+    """Named, its words count in full; never named, they are lowered like a contradicted premise."""
+    from assistant.clean import clean_log
+
+    retriever = engine._retriever
+    assert cause in retriever.named_by
+    assert cause not in retriever.causes_not_named(clean_log(NAMED_BY[cause]))
+    assert cause in retriever.causes_not_named(clean_log("the job fails when saving the checkpoint"))
+
+
+@pytest.mark.slow
+def test_a_plain_ddp_save_question_is_not_answered_with_fsdp(engine) -> None:
+    ddp = "With DDP the checkpoint saved on rank 0 is incomplete and loading it fails"
+    fsdp = "With FSDP the checkpoint saved on rank 0 is incomplete and loading it fails"
+    assert "fsdp-state-dict" not in engine.rank_ids(ddp)[:1]
+    assert engine.rank_ids(fsdp)[0] == "fsdp-state-dict"
