@@ -135,7 +135,8 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
             False,
             "low",
         ),  # one only in the body: a single signal
-        (0.3, {"signature": 1, "lexical": 1}, False, "high"),  # in the body, and the words agree
+        (0.65, {"signature": 1, "lexical": 1}, False, "high"),  # in the body, and the words agree
+        (0.3, {"signature": 1, "lexical": 1}, False, "medium"),  # ... but with a small lead
     ],
 )
 def test_levels_rest_on_agreement_and_lead(lead, signals, root_hit, level):

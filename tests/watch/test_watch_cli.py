@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
@@ -20,24 +21,30 @@ ASSISTANT = [sys.executable, "-m", "assistant", "run"]
 
 
 def start_assistant(args, tmp_path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*ASSISTANT, "--no-probe", "--log-dir", str(tmp_path / "logs"), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=as_in_a_terminal,
-    )
+    with sigint_as_in_a_terminal():
+        return subprocess.Popen(
+            [*ASSISTANT, "--no-probe", "--log-dir", str(tmp_path / "logs"), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
 
-def as_in_a_terminal() -> None:
-    """Give the child the SIGINT a person's Ctrl-C reaches.
+@contextmanager
+def sigint_as_in_a_terminal():
+    """Start children with the SIGINT a person's Ctrl-C reaches.
 
     A shell script runs background jobs (`.ci/run ... &`) with SIGINT ignored,
-    pytest and its children inherit that, and Python then installs no
-    KeyboardInterrupt handler: the assistant would rightly ignore SIGINT, as
-    any program started under nohup does, and the Ctrl-C test would wait in vain.
+    pytest inherits that, and so would the assistant: Python then installs no
+    KeyboardInterrupt handler and the assistant rightly ignores SIGINT, as any
+    program started under nohup does, and the Ctrl-C test would wait in vain.
+    A Python handler (unlike SIG_IGN) is reset to the default by exec.
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def wait_for_line(stream, wanted: str, seconds: float = 120.0) -> None:
