@@ -374,7 +374,7 @@ def soft_ranks(scores: dict[str, float]) -> dict[str, float]:
     values = np.array([scores[cid] for cid in ids], dtype=np.float64)
     width = RANK_TIE_WIDTH * (float(np.abs(values).max()) or 1.0)
     ahead = np.clip((values[None, :] - values[:, None]) / width, -60.0, 60.0)
-    # Row i: how far each other cause is ahead of cause i; its own 0.5 is taken off.
+    # Row i sums a step for every cause, itself included (0.5): 1 + the others' steps.
     ranks = 0.5 + (1.0 / (1.0 + np.exp(-ahead))).sum(axis=1)
     return dict(zip(ids, ranks.tolist()))
 

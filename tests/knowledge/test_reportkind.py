@@ -131,7 +131,9 @@ def test_a_tool_bound_cause_needs_its_tool_named(engine, cause) -> None:
     retriever = engine._retriever
     assert cause in retriever.named_by
     assert cause not in retriever.causes_not_named(clean_log(NAMED_BY[cause]))
-    assert cause in retriever.causes_not_named(clean_log("the job fails when saving the checkpoint"))
+    assert cause in retriever.causes_not_named(
+        clean_log("the job fails when saving the checkpoint")
+    )
 
 
 @pytest.mark.slow

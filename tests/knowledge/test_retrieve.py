@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from assistant.clean import clean_log
-from assistant.knowledge.retrieve import fuse, needs_dense, with_shortcut
+from assistant.knowledge.retrieve import fuse, needs_dense, soft_ranks, with_shortcut
 
 pytestmark = pytest.mark.slow
 
@@ -17,6 +17,20 @@ def test_fusion_scales_scores_and_orders_by_reciprocal_rank():
     assert [r.id for r in ranked] == ["a", "b"]
     assert ranked[0].ranks == {"signature": 1, "lexical": 2, "dense": 1}
     assert 0 < ranked[1].score < ranked[0].score <= 1
+
+
+def test_near_ties_share_a_rank_and_distant_scores_keep_theirs():
+    ranks = soft_ranks({"a": 1.0, "b": 1.0, "c": 0.5, "d": 0.0})
+    assert ranks["a"] == pytest.approx(ranks["b"]) == pytest.approx(1.5, abs=0.01)
+    assert ranks["c"] == pytest.approx(3.0, abs=0.01) and ranks["d"] == pytest.approx(4.0, abs=0.01)
+    close = soft_ranks({"a": 1.687, "b": 1.677})  # noise, not a whole rank apart
+    assert 1.0 < close["a"] < close["b"] < 2.0 and close["b"] - close["a"] < 0.2
+    assert soft_ranks({"only": -0.4}) == {"only": 1.0} and soft_ranks({}) == {}
+
+
+def test_equal_scores_fuse_equally_whatever_the_alphabet():
+    ranked = fuse({"lexical": {"zeta": 2.0, "alpha": 2.0}, "dense": {"zeta": 0.5, "alpha": 0.5}})
+    assert ranked[0].score == pytest.approx(ranked[1].score)
 
 
 def test_a_root_error_signature_hit_skips_the_dense_signal(engine):
