@@ -76,6 +76,19 @@ def test_every_signature_shows_in_a_symptom_of_its_own_cause(kb):
     assert not unshown, "\n".join(unshown)
 
 
+def test_a_tool_bound_cause_names_its_tool_in_every_symptom(kb):
+    """`named_by` lowers a cause for reports that never name its tool: the
+    cause's own symptoms, as people report it, must name it."""
+    unnamed = [
+        f"{cause_id}: {symptom!r}"
+        for cause_id, cause in kb.causes.items()
+        if cause.named_by
+        for symptom in cause.symptoms
+        if PatternSet.from_patterns(cause.named_by).search(symptom) is None
+    ]
+    assert not unnamed, "\n".join(unnamed)
+
+
 # Wordings the verdicts used to carry as their own regexes, each from real output
 # (torch's sources and warnings, CUDA's error strings, user reports), with the
 # cause whose signature must now name it.
