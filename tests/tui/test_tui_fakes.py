@@ -187,6 +187,7 @@ SURE_MARK = "[exact signature]"
 def sure_causes() -> list[CauseResult]:
     duplicate, order = sample_causes()[1], sample_causes()[0]
     duplicate.score, duplicate.signals = 0.95, {"signature": 1, "lexical": 1}
+    duplicate.root_hit = True  # the signature matched the root error itself
     order.score = 0.4
     return [duplicate, order]
 
