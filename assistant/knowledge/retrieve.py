@@ -40,7 +40,7 @@ RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 # their score minus its own, with a width of this share of the signal's best.
 # Equal scores share a rank (the alphabet used to split them); far apart, the
 # plain rank. Over the 1151 labelled queries of session 10, widths 0.04-0.16
-# all beat hard ranks; 0.08: 0.731 -> 0.737, zh 0.682 -> 0.711, the fresher
+# all beat hard ranks; 0.08: 0.731 -> 0.737, with Chinese text 0.682 -> 0.711, the fresher
 # holdout13-16 0.510 -> 0.547; top-1 answers that adding three unrelated
 # causes flipped: 26 -> 22.
 RANK_TIE_WIDTH = 0.08
