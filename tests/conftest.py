@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,23 @@ atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
 TEST_TMP = tempfile.mkdtemp(prefix="ddp-assistant-test-tmp-")
 os.environ["TMPDIR"] = TEST_TMP
 atexit.register(shutil.rmtree, TEST_TMP, ignore_errors=True)
+
+
+@pytest.fixture
+def terminal_sigint():
+    """Children started during the test get SIGINT as a person's Ctrl-C reaches them.
+
+    A shell script runs background jobs (`.ci/run ... &`) with SIGINT ignored;
+    pytest inherits that, and so would every child: Python then installs no
+    KeyboardInterrupt handler, and a child rightly ignores SIGINT, as any
+    program started under nohup does. A Python handler here, unlike SIG_IGN,
+    is reset to the default by exec.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture(scope="session")

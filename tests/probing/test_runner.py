@@ -330,14 +330,10 @@ def test_cancel_stops_the_launch_and_leaves_no_process(hanging_probes):
 
 
 @pytest.mark.slow
-def test_ctrl_c_kills_the_launch_and_propagates(hanging_probes):
+def test_ctrl_c_kills_the_launch_and_propagates(hanging_probes, terminal_sigint):
     tag = new_tag()
     script = textwrap.dedent(
         f"""
-        import signal
-        # As in a terminal: a shell that ran the tests in the background leaves
-        # SIGINT ignored, and the child would inherit that.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         from assistant.probing.runner import ProbeRunner
         def show(event):
             print(event.probe, event.state, flush=True)

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 
 import pytest
 from click.testing import CliRunner
@@ -21,30 +20,12 @@ ASSISTANT = [sys.executable, "-m", "assistant", "run"]
 
 
 def start_assistant(args, tmp_path) -> subprocess.Popen:
-    with sigint_as_in_a_terminal():
-        return subprocess.Popen(
-            [*ASSISTANT, "--no-probe", "--log-dir", str(tmp_path / "logs"), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-
-@contextmanager
-def sigint_as_in_a_terminal():
-    """Start children with the SIGINT a person's Ctrl-C reaches.
-
-    A shell script runs background jobs (`.ci/run ... &`) with SIGINT ignored,
-    pytest inherits that, and so would the assistant: Python then installs no
-    KeyboardInterrupt handler and the assistant rightly ignores SIGINT, as any
-    program started under nohup does, and the Ctrl-C test would wait in vain.
-    A Python handler (unlike SIG_IGN) is reset to the default by exec.
-    """
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    return subprocess.Popen(
+        [*ASSISTANT, "--no-probe", "--log-dir", str(tmp_path / "logs"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_line(stream, wanted: str, seconds: float = 120.0) -> None:
@@ -59,7 +40,7 @@ def wait_for_line(stream, wanted: str, seconds: float = 120.0) -> None:
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_to_assistant_run_ends_the_whole_job(tmp_path, signum, code):
+def test_a_signal_to_assistant_run_ends_the_whole_job(tmp_path, signum, code, terminal_sigint):
     script = str(SCRIPTS / "rank_one_sleeps_outside_collective.py")
     process = start_assistant(["--", *TORCHRUN, script], tmp_path)
     try:
