@@ -137,6 +137,18 @@ def test_a_tool_bound_cause_needs_its_tool_named(engine, cause) -> None:
 
 
 @pytest.mark.slow
+def test_without_re2_no_tool_counts_as_unnamed(engine, monkeypatch) -> None:
+    """Without the linear engine no pattern matches: that is no evidence a tool went unnamed."""
+    from assistant.clean import clean_log
+    from assistant.knowledge import retrieve
+
+    plain = clean_log("the job fails when saving the checkpoint")
+    assert engine._retriever.causes_not_named(plain)
+    monkeypatch.setattr(retrieve, "LINEAR_ENGINE", False)
+    assert engine._retriever.causes_not_named(plain) == set()
+
+
+@pytest.mark.slow
 def test_a_plain_ddp_save_question_is_not_answered_with_fsdp(engine) -> None:
     ddp = "With DDP the checkpoint saved on rank 0 is incomplete and loading it fails"
     fsdp = "With FSDP the checkpoint saved on rank 0 is incomplete and loading it fails"
