@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from assistant.clean import clean_log
-from assistant.knowledge.retrieve import fuse, needs_dense, soft_ranks, with_shortcut
+from assistant.knowledge.retrieve import any_of, fuse, needs_dense, soft_ranks, with_shortcut
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +26,15 @@ def test_near_ties_share_a_rank_and_distant_scores_keep_theirs():
     close = soft_ranks({"a": 1.687, "b": 1.677})  # noise, not a whole rank apart
     assert 1.0 < close["a"] < close["b"] < 2.0 and close["b"] - close["a"] < 0.2
     assert soft_ranks({"only": -0.4}) == {"only": 1.0} and soft_ranks({}) == {}
+
+
+def test_named_by_words_match_as_one_and_bad_words_are_left_out():
+    words = any_of(["fsdp", r"fully.?shard"])
+    assert len(words) == 1  # one alternation, one pass over the text
+    assert words.search("FullyShardedDataParallel wraps it") and not words.search("plain DDP")
+    spoiled = any_of(["fsdp", "(a+)+"])  # the second cannot be compiled safely
+    assert spoiled.search("fsdp save hangs") and len(spoiled) == 1
+    assert any_of(["(a+)+"]) is None and any_of([]) is None  # never lowered for nothing
 
 
 def test_equal_scores_fuse_equally_whatever_the_alphabet():
