@@ -71,7 +71,8 @@ def test_the_chat_opens_without_torch_or_the_embedding_stack():
 # must not pay ~6 s for torch and sentence-transformers. Each runs against the
 # session's real index (the `engine` fixture built it and its checked graph).
 QUESTION = "RuntimeError: Default process group has not been initialized"
-MODEL_STACK = ["torch", "sentence_transformers", "transformers"]
+# scipy too: only fitting the reports model needs it (kb build saves the model).
+MODEL_STACK = ["torch", "sentence_transformers", "transformers", "scipy"]
 QUERY_PATHS = {
     "engine": (
         "from assistant.knowledge.engine import Engine\n"

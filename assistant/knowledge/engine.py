@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from assistant.knowledge.index import (
     build_index,
     open_index,
 )
+from assistant.knowledge.reports import MODEL_FILE, LearnedReports, text_key
 from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
 from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
@@ -92,7 +94,18 @@ class Engine:
                 index.graph_check, log=self.log, index_dir=self.index_path.parent
             )
             bridge = load_bridge(self.kb_root)  # this engine's KB layers, not the global ones
-            self._index, self._retriever = index, Retriever(index, self.embedder, bridge)
+            reports = self.learned_reports(list(index.causes))
+            self._index = index
+            self._retriever = Retriever(index, self.embedder, bridge, reports)
+
+    def learned_reports(self, causes: list[str]) -> LearnedReports:
+        """The reports signal for these causes, saved beside the index (reports.py)."""
+        return LearnedReports(
+            config.eval_dir(),
+            [self.index_path.parent / MODEL_FILE, config.user_cache_dir() / MODEL_FILE],
+            causes,
+            prepare=lambda text: clean_log(text).text,
+        )
 
     def _open_or_rebuild(self) -> LoadedIndex:
         kb_hash = content_hash(self.kb_root)
@@ -125,13 +138,16 @@ class Engine:
 
         kb = load_valid_kb(self.kb_root, require_contract=self.require_contract)
         try:
-            return build_index(kb, self.embedder, self.index_path, log=self.log)
+            report = build_index(kb, self.embedder, self.index_path, log=self.log)
         except OSError as exc:  # an unwritable or missing build folder, a full disk
             raise UserError(
                 f"cannot write the index {self.index_path}: {exc.strerror or exc}; "
                 "set ASSISTANT_BUILD to a writable folder",
                 ExitCode.FAILED,
             ) from None
+        # Fitted now, so the first question does not wait for it.
+        self.learned_reports(list(kb.causes)).model()
+        return report
 
     def rebuild(self) -> str:
         """Force a rebuild and reload; returns a one-line summary."""
@@ -172,6 +188,18 @@ class Engine:
         """Cause ids best first."""
         self.load()
         return [r.id for r in self._retriever.rank(clean_log(query), signals=signals)]
+
+    @contextmanager
+    def holding_out(self, queries: list[str]):
+        """Within the block, the reports signal never learned from these texts:
+        an evaluation scores each labelled set with a model fitted without it."""
+        self.load()
+        before = self._retriever.held_out
+        self._retriever.held_out = frozenset(text_key(q) for q in queries)
+        try:
+            yield
+        finally:
+            self._retriever.held_out = before
 
     def signal_scores(self, query: str) -> dict[str, dict[str, float]]:
         """Every signal's cause scores for a query, unfused and all computed (for evaluation)."""

@@ -1,4 +1,4 @@
-"""Retrieval: three signals, each ranking causes, fused by reciprocal rank.
+"""Retrieval: four signals, each ranking causes, fused by reciprocal rank.
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
            and a match in the root error counts three times
@@ -7,6 +7,9 @@ lexical    SQLite FTS5 (bm25) over CJK-aware tokens of every chunk, plus each
 dense      sentence-transformers + FAISS over the same chunks, plus (for a
            question or report without a root error) a ridge classifier over
            the same query vector, fitted on the KB's chunks (classifier.py)
+reports    a ridge model over the n-grams of labelled real user reports
+           (data/eval), fitted leave-the-evaluated-set-out for `kb eval`
+           (reports.py)
 
 Each signal scores chunks; a cause takes the best score of its chunks
 (weighted by chunk kind), so the ranking is over causes, not text pieces.
@@ -28,10 +31,11 @@ from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.patterns import LINEAR_ENGINE, PatternSet
 from assistant.knowledge.reportkind import reports_failure, reports_several_processes
+from assistant.knowledge.reports import LearnedReports
 from assistant.knowledge.textsearch import fts_query
 
-SIGNALS = ("signature", "lexical", "dense")
-SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0}
+SIGNALS = ("signature", "lexical", "dense", "reports")
+SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0, "reports": 1.0}
 RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 # A signal's near-ties are noise: one KB edit anywhere moves bm25's term weights
 # and the classifier, and 1.687 against 1.677 became rank 2 against rank 3,
@@ -68,9 +72,10 @@ COMMON_TERM_SHARE = 0.02  # on a large index, a term in more chunks than this is
 DENSE_TEXT_LIMIT = 800  # characters: more than the model's 128 tokens never reach it
 # How much the classifier's cause score adds to the nearest chunk's cosine in
 # the dense signal (0.5..3 tried on the tuning sets, data/eval/README.md).
-# Folded into dense rather than fused as a fourth signal: it reads the same
-# embedding, and a fourth vote would both outweigh exact signatures and move
-# the 0..1 fused scale that confidence levels and thread import rest on.
+# Folded into dense rather than fused as a signal of its own: it reads the
+# same embedding and the same KB text, so its vote is not independent of
+# dense's. (The `reports` signal is fused on its own: it learns from other
+# evidence, the labelled reports.)
 CLASSIFIER_WEIGHT = 0.5
 # A cause whose premise the report contradicts (a cause that never fails a job,
 # for a report of an error): its word scores count this much (reportkind.py).
@@ -92,9 +97,18 @@ class RankedCause:
 class Retriever:
     """Ranks the causes of one loaded index for a cleaned query."""
 
-    def __init__(self, index: LoadedIndex, embedder, bridge: Bridge | None = None):
+    def __init__(
+        self,
+        index: LoadedIndex,
+        embedder,
+        bridge: Bridge | None = None,
+        reports: LearnedReports | None = None,
+    ):
         self.index = index
         self.embedder = embedder
+        self.reports = reports
+        # Texts (reports.text_key) an evaluation scores: never learned from.
+        self.held_out: frozenset[str] = frozenset()
         # Chinese questions also search with the English of their DDP terms (bridges.py).
         self.bridge = bridge if bridge is not None else load_bridge(config.kb_layers())
         # Linear-time matching (patterns.py): no KB signature can make a query slow.
@@ -122,7 +136,7 @@ class Retriever:
             return None
         return CauseCentroids.from_index(self.index)
 
-    # -- the three signals -------------------------------------------------
+    # -- the signals -------------------------------------------------------
 
     def signature_scores(self, clean: CleanLog) -> dict[str, float]:
         root = clean.root_error
@@ -239,6 +253,10 @@ class Retriever:
             per_signal["lexical"] = self.lexical_scores(lexical_text)
         if "dense" in signals and (not shortcut or needs_dense(per_signal)):
             per_signal["dense"] = self.dense_scores(bridged, context, clean)
+        if "reports" in signals and self.reports is not None:
+            learned = self.reports.scores(clean.text, self.held_out)
+            if learned:
+                per_signal["reports"] = learned
         contradicted = self.contradicted_causes(query, clean)
         if contradicted:
             per_signal = with_words_lowered(per_signal, contradicted)
@@ -322,7 +340,7 @@ def with_words_lowered(
     Only the words are scaled: a signature names the failure it prints.
     """
     scaled = dict(per_signal)
-    for signal in ("lexical", "dense"):
+    for signal in ("lexical", "dense", "reports"):
         if signal in scaled:
             scaled[signal] = {
                 cid: lowered(score) if cid in causes else score

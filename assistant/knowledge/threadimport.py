@@ -51,6 +51,9 @@ MIN_SENTENCE_CHARS = 8
 # (F1 0.63), 0.5 P 0.75 / R 0.55 (F1 0.63). 0.4 keeps most of the recall: a
 # reviewer deletes a wrong claim more easily than finding a missing one.
 CLAIM_MIN_SCORE = 0.4
+# The KB's own signals only: an answer is not a user's report (the reports
+# signal learned those), and the threshold above was measured on these three.
+KB_SIGNALS = ("signature", "lexical", "dense")
 MAX_CLAIMS = 8
 MAX_AUTHOR_LINE = 120  # characters; the longest author line a thread plausibly has
 
@@ -147,7 +150,7 @@ class AnswerDraft:
 class CauseRanker(Protocol):
     """What import needs of retrieval: causes with a score for a text (Engine.ask)."""
 
-    def ask(self, query: str, top: int = 5): ...
+    def ask(self, query: str, top: int = 5, signals: tuple[str, ...] = KB_SIGNALS): ...
 
 
 def slug(name: str) -> str:
@@ -210,7 +213,7 @@ def propose_claims(text: str, ranker: CauseRanker) -> list[Claim]:
     where retrieval is confident enough, best first."""
     best: dict[str, float] = {}
     for piece in [text, *sentences(text)]:
-        causes = ranker.ask(piece, top=1).causes
+        causes = ranker.ask(piece, top=1, signals=KB_SIGNALS).causes
         if causes and causes[0].score >= CLAIM_MIN_SCORE:
             cause = causes[0]
             best[cause.id] = max(best.get(cause.id, 0.0), round(cause.score, 2))

@@ -26,3 +26,16 @@ def private_engine(engine, build_dir, tmp_path, monkeypatch):
     monkeypatch.setattr("assistant.cli.commands._engine", make)
     monkeypatch.setattr("assistant.cli.kb.make_engine", make)
     return logs
+
+
+@pytest.fixture(scope="session")
+def real_report_evaluations(engine) -> dict[str, dict]:
+    """`evaluate` of every real-report set, by file name, computed once a session:
+    the ranking floors and the confidence floors read the same figures."""
+    from assistant.config import eval_dir
+    from assistant.knowledge.evaluate import evaluate, load_queries
+
+    return {
+        path.name: evaluate(engine, load_queries(path))
+        for path in sorted(eval_dir().glob("real_reports*.jsonl"))
+    }

@@ -131,7 +131,8 @@ def retrievers(engine):
     from assistant.knowledge.retrieve import Retriever
 
     with_bridge = engine._retriever
-    return with_bridge, Retriever(with_bridge.index, with_bridge.embedder, bridge=EMPTY)
+    without = Retriever(with_bridge.index, with_bridge.embedder, EMPTY, with_bridge.reports)
+    return with_bridge, without
 
 
 @pytest.mark.parametrize("question", sorted(BRIDGED_QUESTIONS))

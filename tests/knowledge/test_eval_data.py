@@ -118,7 +118,11 @@ def kb_cause_ids() -> set[str]:
     return {path.stem for path in (ROOT / "kb" / "causes").glob("*.yaml")}
 
 
-THREAD_SITES = ("https://github.com/", "https://blog.youkuaiyun.com/")
+THREAD_SITES = (
+    "https://github.com/",
+    "https://blog.youkuaiyun.com/",
+    "https://discuss.pytorch.org/t/",
+)
 
 
 @pytest.mark.parametrize("name", REAL_SETS)

@@ -96,8 +96,8 @@ def test_fusion_beats_every_single_signal(report):
 
 
 @pytest.fixture(scope="module")
-def real_reports(engine):
-    return {name: evaluate(engine, load_queries(eval_dir() / name)) for name in REAL_FLOORS}
+def real_reports(real_report_evaluations):
+    return {name: real_report_evaluations[name] for name in REAL_FLOORS}
 
 
 @pytest.mark.parametrize("name", sorted(REAL_FLOORS))

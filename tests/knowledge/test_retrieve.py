@@ -52,7 +52,7 @@ def test_a_root_error_signature_hit_skips_the_dense_signal(engine):
     assert "dense" not in retriever.signal_scores(exact)
     assert "dense" in retriever.signal_scores(question)
     full = retriever.signal_scores(exact, shortcut=False)
-    assert set(with_shortcut(full)) == {"signature", "lexical"}
+    assert set(with_shortcut(full)) == {"signature", "lexical", "reports"}
 
 
 def test_chinese_question_matches_through_fts_bigrams(engine):

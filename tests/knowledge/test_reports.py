@@ -1,0 +1,144 @@
+"""The reports signal: a model of labelled real reports, never scoring a report it learned."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from assistant.config import eval_dir
+from assistant.knowledge.evaluate import held_out_groups, load_queries, load_query_sets
+from assistant.knowledge.reports import (
+    MODEL_FILE,
+    LearnedReports,
+    ReportModel,
+    ReportPool,
+    read_reports,
+    text_key,
+)
+
+HOLDOUT = eval_dir() / "real_reports_holdout17.jsonl"
+
+
+@pytest.fixture(scope="module")
+def causes(engine) -> list[str]:
+    return engine.cause_ids()
+
+
+@pytest.fixture(scope="module")
+def pool(causes) -> ReportPool:
+    reports = read_reports(eval_dir())
+    return ReportPool([(text, cause, text_key(text)) for text, cause in reports], causes)
+
+
+def held_out_keys(path: Path) -> frozenset[str]:
+    return frozenset(text_key(item["query"]) for item in load_queries(path))
+
+
+def test_a_held_out_set_is_fitted_as_if_it_had_never_been_labelled(pool, causes):
+    """Holding a set out equals a pool built without it: nothing of it is learned
+    (not its labels, not its n-grams' document counts)."""
+    held = held_out_keys(HOLDOUT)
+    assert held <= pool.key_set  # the set is in the pool, so holding it out matters
+    without = ReportPool(
+        [
+            (text, cause, text_key(text))
+            for text, cause in read_reports(eval_dir())
+            if text_key(text) not in held
+        ],
+        causes,
+    )
+    query = load_queries(HOLDOUT)[0]["query"]
+    fitted, rebuilt, full = pool.fit(held), without.fit(), pool.fit()
+    assert fitted.vocabulary == rebuilt.vocabulary
+    a, b = fitted.scores(query), rebuilt.scores(query)
+    assert a.keys() == b.keys()
+    assert all(abs(a[c] - b[c]) < 1e-6 for c in a)
+    assert full.vocabulary != fitted.vocabulary  # the whole pool is another model
+
+
+def test_a_report_it_learned_is_recognised_and_one_held_out_is_not_memorised(pool):
+    """The reason evaluation must hold sets out: the full model knows its own reports."""
+    item = next(i for i in load_queries(HOLDOUT) if i["causes"][0] in pool.labels)
+    full, held = pool.fit(), pool.fit(frozenset({text_key(item["query"])}))
+    best = lambda scores: max(scores, key=scores.get)
+    assert best(full.scores(item["query"])) == item["causes"][0]
+    assert (
+        full.scores(item["query"])[item["causes"][0]]
+        > held.scores(item["query"])[item["causes"][0]]
+    )
+
+
+def test_kb_eval_holds_out_each_file_while_it_is_scored(engine):
+    """evaluate() scores each labelled file with the model fitted without that file."""
+    paths = [HOLDOUT, eval_dir() / "real_reports_holdout16.jsonl"]
+    queries = load_query_sets(paths)
+    retriever = engine._retriever
+    seen = []
+    for rows in held_out_groups(engine, queries):
+        keys = {text_key(queries[row]["query"]) for row in rows}
+        assert retriever.held_out == keys
+        seen.append({queries[row]["set"] for row in rows})
+    assert seen == [{"real_reports_holdout17"}, {"real_reports_holdout16"}]
+    assert retriever.held_out == frozenset()  # ask after an evaluation uses the whole pool
+
+
+def test_the_signal_ranks_the_causes_of_ask(engine):
+    result = engine.ask("训练的时候 0 号卡显存比其他卡多很多, 其他进程也出现在 0 号卡上")
+    assert all("reports" in cause.signals for cause in result.causes)
+
+
+def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is_refitted(
+    tmp_path, causes
+):
+    learned = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], causes)
+    fitted = learned.model()
+    assert (tmp_path / MODEL_FILE).is_file()
+    again = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], causes)
+    key = again._files_key()
+    saved = ReportModel.load(tmp_path / MODEL_FILE, key)
+    text = "NCCL timeout on rank 3 after the first epoch, training hangs"
+    a, b = fitted.scores(text), saved.scores(text)
+    assert all(abs(a[c] - b[c]) < 1e-4 for c in a)
+    assert ReportModel.load(tmp_path / MODEL_FILE, "another pool") is None
+    (tmp_path / MODEL_FILE).write_bytes(b"not a model")
+    assert ReportModel.load(tmp_path / MODEL_FILE, key) is None
+    assert LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], causes).model() is not None
+
+
+def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, causes):
+    blocked = tmp_path / "file-not-folder"
+    blocked.write_text("x")
+    cache = tmp_path / "cache" / MODEL_FILE
+    learned = LearnedReports(eval_dir(), [blocked / MODEL_FILE, cache], causes)
+    assert learned.model() is not None
+    assert cache.is_file()
+
+
+def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, causes):
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    shutil.copy(HOLDOUT, folder)
+    (folder / "other_team.jsonl").write_text(
+        "not json\n"
+        '{"query": 3, "causes": ["p2p-hang"]}\n'
+        '{"id": "x", "causes": ["p2p-hang"]}\n'
+        '{"query": "a hang", "causes": [7]}\n'
+        '{"query": "a report of a cause this KB lacks", "causes": ["no-such-cause"]}\n'
+        + "[" * 10_000
+        + "\n",
+        encoding="utf-8",
+    )
+    (folder / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    reports = read_reports(folder)
+    assert len(reports) == len(load_queries(HOLDOUT)) + 1
+    learned = LearnedReports(folder, [tmp_path / MODEL_FILE], causes)
+    assert "no-such-cause" not in learned.pool().labels
+    assert learned.model() is not None
+
+
+def test_no_labelled_reports_means_no_signal(tmp_path, causes):
+    learned = LearnedReports(tmp_path / "missing", [tmp_path / MODEL_FILE], causes)
+    assert learned.model() is None
+    assert learned.scores("DDP hangs") == {}
