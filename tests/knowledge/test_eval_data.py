@@ -139,7 +139,8 @@ def test_real_reports_are_well_formed_and_cite_their_threads(name: str) -> None:
         assert report["source"] == "real-report" and report["query"].strip(), report["id"]
         assert report["causes"] and set(report["causes"]) <= known, report["id"]
         # GitHub threads; from holdout17 on also CSDN posts in which the person
-        # reports their own failure and what fixed it
+        # reports their own failure and what fixed it, from holdout18 on PyTorch
+        # forum threads whose poster confirms the fix
         assert report["url"].startswith(THREAD_SITES), report["id"]
     assert any(CJK.search(r["query"]) for r in reports)
 
