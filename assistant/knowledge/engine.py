@@ -94,16 +94,19 @@ class Engine:
                 index.graph_check, log=self.log, index_dir=self.index_path.parent
             )
             bridge = load_bridge(self.kb_root)  # this engine's KB layers, not the global ones
-            reports = self.learned_reports(list(index.causes))
+            reports = self.learned_reports(
+                {cid: list(data.get("symptoms", [])) for cid, data in index.causes.items()}
+            )
             self._index = index
             self._retriever = Retriever(index, self.embedder, bridge, reports)
 
-    def learned_reports(self, causes: list[str]) -> LearnedReports:
-        """The reports signal for these causes, saved beside the index (reports.py)."""
+    def learned_reports(self, symptoms: dict[str, list[str]]) -> LearnedReports:
+        """The reports signal for these causes (id -> its symptoms), saved beside
+        the index (reports.py)."""
         return LearnedReports(
             config.eval_dir(),
             [self.index_path.parent / MODEL_FILE, config.user_cache_dir() / MODEL_FILE],
-            causes,
+            symptoms,
             prepare=lambda text: clean_log(text).text,
         )
 
@@ -146,7 +149,7 @@ class Engine:
                 ExitCode.FAILED,
             ) from None
         # Fitted now, so the first question does not wait for it.
-        self.learned_reports(list(kb.causes)).model()
+        self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()}).model()
         return report
 
     def rebuild(self) -> str:

@@ -10,12 +10,13 @@ learns which words go with which resolved cause, mistakes of the other
 signals included.
 
 Ridge regression in closed form, in its dual (reports x reports) form: the
-pool is about a thousand reports and the vocabulary about a hundred thousand
-n-grams. Targets are +1 for the report's first cause, -1 elsewhere. Measured
-leave-one-set-out over the ten fresh-collected sets (holdout8-17, 587
-reports; each scored by a model that never saw its set), fused as a fourth
-signal of weight 1: top-1 0.557 -> 0.579, recall@3 0.704 -> 0.739, reports
-in Chinese 0.558 -> 0.580 (data/eval/README.md, session 11).
+pool is about a thousand reports plus the KB's own symptoms (so a cause no
+report names yet, a team's own, is not invisible to the signal), and the
+vocabulary about fifty thousand n-grams. Targets are +1 for the report's first
+cause, -1 elsewhere. Measured leave-one-set-out over the ten fresh-collected
+sets (holdout8-17, 587 reports; each scored by a model that never saw its
+set), fused as a fourth signal of weight 1: top-1 0.557 -> 0.581, recall@3
+0.704 -> 0.721 (data/eval/README.md, session 11).
 
 An evaluation must never score a report with a model that learned it, so
 `without(texts)` gives the model fitted on the pool less those texts; `kb eval`
@@ -46,7 +47,7 @@ MIN_DOCUMENTS = 2  # an n-gram of one report teaches nothing about the next
 RIDGE = 1.0  # 0.3 / 1 / 3 tried leave-one-set-out: 1 best, all within a point
 MIN_REPORTS = 20
 MAX_FILE_BYTES = 50_000_000  # a labelled set is a few hundred KB; a dump this size is not one
-MODEL_VERSION = 2
+MODEL_VERSION = 3
 WORD = re.compile(r"[a-z_][a-z0-9_]+")
 # One vocabulary, two kinds of term: a word term starts with NUL, which the
 # text itself is cleared of, so no character n-gram can take its place.
@@ -288,10 +289,20 @@ class LearnedReports:
     written: the build folder, else the user's cache.
     """
 
-    def __init__(self, folder: Path, caches: list[Path], causes: list[str], prepare=lambda t: t):
+    def __init__(
+        self,
+        folder: Path,
+        caches: list[Path],
+        symptoms: dict[str, list[str]],
+        prepare=lambda text: text,
+    ):
+        """`symptoms`: each cause of the KB and its own symptoms, which join the
+        pool as examples: a cause no labelled report names yet (a new cause, a
+        team's own) is then still one the signal can speak for."""
         self.folder = folder
         self.caches = list(caches)
-        self.causes = sorted(causes)
+        self.causes = sorted(symptoms)
+        self.symptoms = [(text, cause) for cause in self.causes for text in symptoms[cause]]
         self.prepare = prepare  # the same cleaning the query gets
         self._models: dict[frozenset[str], ReportModel | None] = {}
         self._pool: ReportPool | None = None
@@ -325,14 +336,16 @@ class LearnedReports:
     def pool(self) -> ReportPool:
         if self._pool is None:
             known = set(self.causes)  # a team's KB may lack some of the labelled causes
-            self._pool = ReportPool(
-                [
-                    (self.prepare(text), cause, text_key(text))
-                    for text, cause in read_reports(self.folder)
-                    if cause in known
-                ],
-                self.causes,
-            )
+            reports = [
+                (self.prepare(text), cause, text_key(text))
+                for text, cause in read_reports(self.folder)
+                if cause in known
+            ]
+            # The KB's own examples are never held out: the other signals search them too.
+            examples = [
+                (self.prepare(text), cause, "kb:" + text_key(text)) for text, cause in self.symptoms
+            ]
+            self._pool = ReportPool(reports + examples, self.causes)
         return self._pool
 
     def _files_key(self) -> str | None:
@@ -341,7 +354,8 @@ class LearnedReports:
         if not files:
             return None
         digest = hashlib.sha256(f"v{MODEL_VERSION} {RIDGE} {MAX_CHAR_FEATURES}".encode())
-        digest.update("\0".join(self.causes).encode())
+        for text, cause in self.symptoms:
+            digest.update(f"{cause}\0{text}\0".encode("utf-8", "surrogatepass"))
         for path in files:
             try:
                 digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

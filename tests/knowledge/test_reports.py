@@ -27,6 +27,11 @@ def causes(engine) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def symptoms(engine) -> dict[str, list[str]]:
+    return {cid: engine.cause(cid)["symptoms"] for cid in engine.cause_ids()}
+
+
+@pytest.fixture(scope="module")
 def pool(causes) -> ReportPool:
     reports = read_reports(eval_dir())
     return ReportPool([(text, cause, text_key(text)) for text, cause in reports], causes)
@@ -90,12 +95,12 @@ def test_the_signal_ranks_the_causes_of_ask(engine):
 
 
 def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is_refitted(
-    tmp_path, causes
+    tmp_path, symptoms
 ):
-    learned = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], causes)
+    learned = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms)
     fitted = learned.model()
     assert (tmp_path / MODEL_FILE).is_file()
-    again = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], causes)
+    again = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms)
     key = again._files_key()
     saved = ReportModel.load(tmp_path / MODEL_FILE, key)
     text = "NCCL timeout on rank 3 after the first epoch, training hangs"
@@ -104,19 +109,19 @@ def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is
     assert ReportModel.load(tmp_path / MODEL_FILE, "another pool") is None
     (tmp_path / MODEL_FILE).write_bytes(b"not a model")
     assert ReportModel.load(tmp_path / MODEL_FILE, key) is None
-    assert LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], causes).model() is not None
+    assert LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms).model() is not None
 
 
-def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, causes):
+def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, symptoms):
     blocked = tmp_path / "file-not-folder"
     blocked.write_text("x")
     cache = tmp_path / "cache" / MODEL_FILE
-    learned = LearnedReports(eval_dir(), [blocked / MODEL_FILE, cache], causes)
+    learned = LearnedReports(eval_dir(), [blocked / MODEL_FILE, cache], symptoms)
     assert learned.model() is not None
     assert cache.is_file()
 
 
-def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, causes):
+def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, symptoms):
     folder = tmp_path / "eval"
     folder.mkdir()
     shutil.copy(HOLDOUT, folder)
@@ -133,12 +138,38 @@ def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, 
     (folder / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     reports = read_reports(folder)
     assert len(reports) == len(load_queries(HOLDOUT)) + 1
-    learned = LearnedReports(folder, [tmp_path / MODEL_FILE], causes)
+    learned = LearnedReports(folder, [tmp_path / MODEL_FILE], symptoms)
     assert "no-such-cause" not in learned.pool().labels
     assert learned.model() is not None
 
 
-def test_no_labelled_reports_means_no_signal(tmp_path, causes):
-    learned = LearnedReports(tmp_path / "missing", [tmp_path / MODEL_FILE], causes)
+def test_no_labelled_reports_means_no_signal(tmp_path, symptoms):
+    learned = LearnedReports(tmp_path / "missing", [tmp_path / MODEL_FILE], symptoms)
     assert learned.model() is None
     assert learned.scores("DDP hangs") == {}
+
+
+def test_a_cause_no_labelled_report_names_is_learned_from_its_symptoms(symptoms, tmp_path):
+    """A new or a team's own cause has no reports yet; its KB symptoms speak for it."""
+    unreported = {cause for _, cause in read_reports(eval_dir())}
+    cause = next(c for c in sorted(symptoms) if c not in unreported and symptoms[c])
+    model = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms).model()
+    scores = model.scores(symptoms[cause][0])
+    assert cause in sorted(scores, key=scores.get, reverse=True)[:3]
+
+
+def test_an_engine_on_a_built_index_reads_the_saved_model_and_fits_nothing(
+    engine, build_dir, monkeypatch
+):
+    """kb build fits and saves; the next process's question only loads it."""
+    from assistant.knowledge.engine import Engine
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("fitted again: the saved model's key did not match")
+
+    monkeypatch.setattr(ReportPool, "fit", no_fit)
+    fresh = Engine(
+        index_path=build_dir / "index.sqlite", log=lambda m: None, embedder=engine.embedder
+    )
+    result = fresh.ask("NCCL watchdog timeout on rank 2 after 30 minutes, job killed")
+    assert all("reports" in cause.signals for cause in result.causes)
