@@ -23,7 +23,7 @@ from assistant.errors import ExitCode, UserError
 from assistant.i18n import detect_lang
 from assistant.knowledge.bridges import load_bridge
 from assistant.knowledge.catalog import claiming_answers
-from assistant.knowledge.files import content_hash
+from assistant.knowledge.files import as_layers, content_hash
 from assistant.knowledge.index import (
     BuildReport,
     IndexProblem,
@@ -31,7 +31,7 @@ from assistant.knowledge.index import (
     build_index,
     open_index,
 )
-from assistant.knowledge.reports import MODEL_FILE, LearnedReports, text_key
+from assistant.knowledge.reports import MODEL_FILE, REPORTS_FOLDER, LearnedReports, text_key
 from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
 from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
@@ -103,8 +103,11 @@ class Engine:
     def learned_reports(self, symptoms: dict[str, list[str]]) -> LearnedReports:
         """The reports signal for these causes (id -> its symptoms), saved beside
         the index (reports.py)."""
+        # The labelled sets, and each team layer's reports/ (e.g. `assistant kb
+        # feedback --export <layer>/reports/tickets.jsonl`: the answers users confirmed).
+        teams = [layer / REPORTS_FOLDER for layer in as_layers(self.kb_root)]
         return LearnedReports(
-            config.eval_dir(),
+            [config.eval_dir(), *teams],
             [self.index_path.parent / MODEL_FILE, config.user_cache_dir() / MODEL_FILE],
             symptoms,
             prepare=lambda text: clean_log(text).text,

@@ -247,6 +247,11 @@ class ReportPool:
         return x
 
 
+def report_files(folder: Path) -> list[Path]:
+    """The JSON-lines files of a folder of labelled reports (none when it is missing)."""
+    return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+
+
 def text_key(text: str) -> str:
     """A report's identity for holding it out: its text, whitespace aside."""
     return hashlib.sha256(SPACE.sub(" ", text).strip().encode("utf-8", "surrogatepass")).hexdigest()
@@ -259,7 +264,7 @@ def read_reports(folder: Path) -> list[tuple[str, str]]:
     over line by line: this is learning material, not input to reject.
     """
     reports = []
-    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+    for path in report_files(folder):
         try:
             if path.stat().st_size > MAX_FILE_BYTES:
                 continue
@@ -278,6 +283,7 @@ def read_reports(folder: Path) -> list[tuple[str, str]]:
 
 
 MODEL_FILE = "reports_model.npz"
+REPORTS_FOLDER = "reports"  # in a team's KB layer: its own labelled reports
 
 
 class LearnedReports:
@@ -291,7 +297,7 @@ class LearnedReports:
 
     def __init__(
         self,
-        folder: Path,
+        folders: list[Path],
         caches: list[Path],
         symptoms: dict[str, list[str]],
         prepare=lambda text: text,
@@ -299,7 +305,7 @@ class LearnedReports:
         """`symptoms`: each cause of the KB and its own symptoms, which join the
         pool as examples: a cause no labelled report names yet (a new cause, a
         team's own) is then still one the signal can speak for."""
-        self.folder = folder
+        self.folders = list(folders)
         self.caches = list(caches)
         self.causes = sorted(symptoms)
         self.symptoms = [(text, cause) for cause in self.causes for text in symptoms[cause]]
@@ -338,7 +344,8 @@ class LearnedReports:
             known = set(self.causes)  # a team's KB may lack some of the labelled causes
             reports = [
                 (self.prepare(text), cause, text_key(text))
-                for text, cause in read_reports(self.folder)
+                for folder in self.folders
+                for text, cause in read_reports(folder)
                 if cause in known
             ]
             # The KB's own examples are never held out: the other signals search them too.
@@ -350,7 +357,7 @@ class LearnedReports:
 
     def _files_key(self) -> str | None:
         """The pool's files, the causes and the model's settings, hashed; None without files."""
-        files = sorted(self.folder.glob("*.jsonl")) if self.folder.is_dir() else []
+        files = [path for folder in self.folders for path in report_files(folder)]
         if not files:
             return None
         digest = hashlib.sha256(f"v{MODEL_VERSION} {RIDGE} {MAX_CHAR_FEATURES}".encode())
@@ -358,7 +365,7 @@ class LearnedReports:
             digest.update(f"{cause}\0{text}\0".encode("utf-8", "surrogatepass"))
         for path in files:
             try:
-                digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+                digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
             except OSError:
                 continue
         return digest.hexdigest()

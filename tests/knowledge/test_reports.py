@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-from assistant.config import eval_dir
+from assistant.config import eval_dir, kb_dir
 from assistant.knowledge.evaluate import held_out_groups, load_queries, load_query_sets
 from assistant.knowledge.reports import (
     MODEL_FILE,
@@ -97,10 +98,10 @@ def test_the_signal_ranks_the_causes_of_ask(engine):
 def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is_refitted(
     tmp_path, symptoms
 ):
-    learned = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms)
+    learned = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
     fitted = learned.model()
     assert (tmp_path / MODEL_FILE).is_file()
-    again = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms)
+    again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
     key = again._files_key()
     saved = ReportModel.load(tmp_path / MODEL_FILE, key)
     text = "NCCL timeout on rank 3 after the first epoch, training hangs"
@@ -109,14 +110,14 @@ def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is
     assert ReportModel.load(tmp_path / MODEL_FILE, "another pool") is None
     (tmp_path / MODEL_FILE).write_bytes(b"not a model")
     assert ReportModel.load(tmp_path / MODEL_FILE, key) is None
-    assert LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms).model() is not None
+    assert LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms).model() is not None
 
 
 def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, symptoms):
     blocked = tmp_path / "file-not-folder"
     blocked.write_text("x")
     cache = tmp_path / "cache" / MODEL_FILE
-    learned = LearnedReports(eval_dir(), [blocked / MODEL_FILE, cache], symptoms)
+    learned = LearnedReports([eval_dir()], [blocked / MODEL_FILE, cache], symptoms)
     assert learned.model() is not None
     assert cache.is_file()
 
@@ -138,13 +139,13 @@ def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, 
     (folder / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     reports = read_reports(folder)
     assert len(reports) == len(load_queries(HOLDOUT)) + 1
-    learned = LearnedReports(folder, [tmp_path / MODEL_FILE], symptoms)
+    learned = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     assert "no-such-cause" not in learned.pool().labels
     assert learned.model() is not None
 
 
 def test_no_labelled_reports_means_no_signal(tmp_path, symptoms):
-    learned = LearnedReports(tmp_path / "missing", [tmp_path / MODEL_FILE], symptoms)
+    learned = LearnedReports([tmp_path / "missing"], [tmp_path / MODEL_FILE], symptoms)
     assert learned.model() is None
     assert learned.scores("DDP hangs") == {}
 
@@ -153,7 +154,7 @@ def test_a_cause_no_labelled_report_names_is_learned_from_its_symptoms(symptoms,
     """A new or a team's own cause has no reports yet; its KB symptoms speak for it."""
     unreported = {cause for _, cause in read_reports(eval_dir())}
     cause = next(c for c in sorted(symptoms) if c not in unreported and symptoms[c])
-    model = LearnedReports(eval_dir(), [tmp_path / MODEL_FILE], symptoms).model()
+    model = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms).model()
     scores = model.scores(symptoms[cause][0])
     assert cause in sorted(scores, key=scores.get, reverse=True)[:3]
 
@@ -173,3 +174,29 @@ def test_an_engine_on_a_built_index_reads_the_saved_model_and_fits_nothing(
     )
     result = fresh.ask("NCCL watchdog timeout on rank 2 after 30 minutes, job killed")
     assert all("reports" in cause.signals for cause in result.causes)
+
+
+def test_a_team_layers_reports_join_the_pool_and_refit_the_model(engine, mini_kb, tmp_path):
+    """`assistant kb feedback --export <layer>/reports/x.jsonl`, then the next
+    question learns from the answers the team confirmed."""
+    from assistant.knowledge.engine import Engine
+
+    team = Engine(
+        kb_root=[kb_dir(), mini_kb],
+        index_path=tmp_path / "build" / "index.sqlite",
+        log=lambda m: None,
+        embedder=engine.embedder,
+    )
+    symptoms = {cid: engine.cause(cid)["symptoms"] for cid in engine.cause_ids()}
+    before = team.learned_reports(symptoms)
+    size, key = len(before.pool().labels), before._files_key()
+    (mini_kb / "reports").mkdir()
+    ticket = {
+        "id": "feedback-1",
+        "query": "our cluster: rank 5 hangs in allreduce",
+        "causes": ["p2p-hang"],
+    }
+    (mini_kb / "reports" / "tickets.jsonl").write_text(json.dumps(ticket) + "\n", encoding="utf-8")
+    after = team.learned_reports(symptoms)
+    assert len(after.pool().labels) == size + 1
+    assert after._files_key() != key  # a saved model of the old pool is not reused
