@@ -138,16 +138,19 @@ def kb_eval(files, floor, by_cause, revision, as_json, model):
 
     queries = ev.load_query_sets(list(files) or [default_queries()])
     engine = make_engine(model)
-    per_query = ev.all_signal_scores(engine, queries)  # the working tree's, computed once
-    rankings = ev.fused_rankings(per_query)
     if revision:
         from assistant.knowledge.revision import compare_to_revision
 
+        # The working tree's rankings, computed once.
+        rankings = ev.fused_rankings(ev.all_signal_scores(engine, queries))
         report = compare_to_revision(engine, queries, revision, rankings, log=_stderr)
         top1 = report["after"]["top1"]
         text = ev.format_comparison(report)
     else:
-        report = ev.evaluate(engine, queries, per_query)
+        # One pass, each file held out once, for the rankings and the confidence.
+        per_query, confidence = ev.scores_and_confidence(engine, queries)
+        rankings = ev.fused_rankings(per_query)
+        report = ev.evaluate(engine, queries, per_query, confidence)
         top1 = report["fused"]["top1"]
         text = ev.format_report(report)
     if len(files) > 1:

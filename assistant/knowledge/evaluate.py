@@ -132,11 +132,16 @@ def fused_rankings(per_query: list[dict]) -> list[list[str]]:
     return [[r.id for r in fuse(with_shortcut(dict(scores)))] for scores in per_query]
 
 
-def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -> dict:
+def evaluate(
+    engine,
+    queries: list[dict],
+    per_query: list[dict] | None = None,
+    confidence: dict | None = None,
+) -> dict:
     """Metrics per run (fused and each signal), plus the misses of the fused run."""
     report: dict = {"queries": len(queries)}
     if per_query is None:
-        per_query = all_signal_scores(engine, queries)
+        per_query, confidence = scores_and_confidence(engine, queries)
     fused = fused_rankings(per_query)  # exactly what `ask` fuses
     for run, signals in RUNS.items():
         if run == "fused":
@@ -150,7 +155,7 @@ def evaluate(engine, queries: list[dict], per_query: list[dict] | None = None) -
         if not score_ranking(ranked, item["causes"])["top1"]
     ]
     report["by_lang"] = top1_by_lang(queries, fused)
-    report["confidence"] = confidence_report(engine, queries)
+    report["confidence"] = confidence or confidence_report(engine, queries)
     return report
 
 
@@ -173,18 +178,30 @@ def confidence_report(engine, queries: list[dict]) -> dict[str, dict]:
 
     "high" must be right at least 9 times in 10 on reports it has never seen.
     """
+    return scores_and_confidence(engine, queries, with_scores=False)[1]
+
+
+def scores_and_confidence(
+    engine, queries: list[dict], with_scores: bool = True
+) -> tuple[list[dict], dict[str, dict]]:
+    """Each query's signal scores and the confidence report, in one pass over the
+    labelled files (each held out once: see held_out_groups)."""
     from assistant.pipeline import Pipeline, Question
 
     pipeline = Pipeline(engine=engine)
+    scores: list[dict] = [{} for _ in queries]
     levels: dict[str, list[float]] = {}
     for rows in held_out_groups(engine, queries):
-        for item in (queries[row] for row in rows):
+        for row in rows:
+            item = queries[row]
+            if with_scores:
+                scores[row] = engine.signal_scores(item["query"])
             result = pipeline.ask(Question(item["query"], top=5))
             ranked = [cause.id for cause in result.causes]
             levels.setdefault(result.confidence or "none", []).append(
                 score_ranking(ranked, item["causes"])["top1"]
             )
-    return {
+    return scores, {
         level: {
             "answers": len(hits),
             "share": round(len(hits) / len(queries), 4),

@@ -310,7 +310,10 @@ class LearnedReports:
         self.causes = sorted(symptoms)
         self.symptoms = [(text, cause) for cause in self.causes for text in symptoms[cause]]
         self.prepare = prepare  # the same cleaning the query gets
-        self._models: dict[frozenset[str], ReportModel | None] = {}
+        self._whole: list[ReportModel | None] = []  # the whole pool's model, once known
+        # The last held-out fit only: an evaluation holds out one file at a
+        # time, and each model is the size of the saved one (~15 MB).
+        self._held: tuple[frozenset[str], ReportModel | None] | None = None
         self._pool: ReportPool | None = None
 
     def scores(self, text: str, held_out: frozenset[str] = frozenset()) -> dict[str, float]:
@@ -320,11 +323,13 @@ class LearnedReports:
     def model(self, held_out: frozenset[str] = frozenset()) -> ReportModel | None:
         if held_out:  # only what the pool holds changes the model
             held_out = held_out & self.pool().key_set
-        if held_out not in self._models:
-            self._models[held_out] = (
-                self.pool().fit(held_out) if held_out else self._saved_or_fitted()
-            )
-        return self._models[held_out]
+        if not held_out:
+            if not self._whole:
+                self._whole.append(self._saved_or_fitted())
+            return self._whole[0]
+        if self._held is None or self._held[0] != held_out:
+            self._held = (held_out, self.pool().fit(held_out))
+        return self._held[1]
 
     def _saved_or_fitted(self) -> ReportModel | None:
         key = self._files_key()
