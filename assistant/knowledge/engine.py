@@ -152,8 +152,8 @@ class Engine:
                 ExitCode.FAILED,
             ) from None
         # Fitted now, so the first question does not wait for it.
-        self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()}).model()
-        return report
+        learned = self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()})
+        return replace(report, learned=learned.describe(learned.model()))
 
     def rebuild(self) -> str:
         """Force a rebuild and reload; returns a one-line summary."""

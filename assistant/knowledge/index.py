@@ -147,6 +147,7 @@ class BuildReport:
     embedded: int  # of those, how many had to be computed (the rest reused)
     seconds: float
     graph: GraphCheck | None = None  # the ONNX graph check recorded for queries
+    learned: str = ""  # what the reports signal was fitted on (engine.build)
 
     def summary(self) -> str:
         text = (
@@ -157,6 +158,8 @@ class BuildReport:
         if self.graph is not None:
             backend = "onnxruntime" if self.graph.ok else "sentence-transformers"
             text += f"; queries run on {backend} ({self.graph.detail})"
+        if self.learned:
+            text += f"; {self.learned}"
         return text
 
 

@@ -331,6 +331,17 @@ class LearnedReports:
             self._held = (held_out, self.pool().fit(held_out))
         return self._held[1]
 
+    def describe(self, model: ReportModel | None) -> str:
+        """What the signal learned from, for `kb build` to say (a team sees its files count)."""
+        if model is None:
+            return "no labelled reports: the reports signal is off"
+        known = set(self.causes)
+        reports = sum(1 for f in self.folders for _, cause in read_reports(f) if cause in known)
+        return (
+            f"the reports signal learned from {reports} labelled reports"
+            f" and {len(self.symptoms)} KB symptoms"
+        )
+
     def _saved_or_fitted(self) -> ReportModel | None:
         key = self._files_key()
         if key is None:

@@ -4,6 +4,7 @@ every command that reads the KB reads the layered whole."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -186,9 +187,17 @@ def causes_without_team():
 @pytest.mark.slow
 def test_ask_and_build_read_every_layer(team, private_engine):
     runner = CliRunner()
+    result = runner.invoke(main, ["kb", "build"])
+    learned = re.search(r"learned from (\d+) labelled reports", result.stdout)
+    assert learned, result.stdout
+    # The team's confirmed answers (kb feedback --export) in its reports/ folder count too.
+    (team / "reports").mkdir()
+    ticket = {"id": "t1", "query": "ACME: rank 3 stuck in allreduce", "causes": ["p2p-hang"]}
+    (team / "reports" / "confirmed.jsonl").write_text(json.dumps(ticket) + "\n")
     result = runner.invoke(main, ["kb", "build", "--kb", str(team)])
     assert result.exit_code == 0, result.stderr
     assert "computed" in result.stdout
+    assert f"learned from {int(learned.group(1)) + 1} labelled reports" in result.stdout
     result = runner.invoke(main, ["ask", "--json", "--no-probe", "--kb", str(team), TEAM_ERROR])
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["causes"][0]["id"] == "duplicate-gpu-per-rank"
