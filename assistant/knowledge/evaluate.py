@@ -155,7 +155,9 @@ def evaluate(
         if not score_ranking(ranked, item["causes"])["top1"]
     ]
     report["by_lang"] = top1_by_lang(queries, fused)
-    report["confidence"] = confidence or confidence_report(engine, queries)
+    if confidence is None:
+        confidence = confidence_report(engine, queries)
+    report["confidence"] = confidence
     return report
 
 

@@ -19,12 +19,13 @@ set), fused as a fourth signal of weight 1: top-1 0.557 -> 0.581, recall@3
 0.704 -> 0.721 (data/eval/README.md, session 11).
 
 An evaluation must never score a report with a model that learned it, so
-`without(texts)` gives the model fitted on the pool less those texts; `kb eval`
-holds out each file it scores (evaluate.py).
+`LearnedReports.model(held_out)` is the model fitted on the pool less those
+texts; `kb eval` holds out each file it scores (evaluate.held_out_groups).
 
 The fitted model for the whole pool is kept in the build folder (vocabulary
-and weights, keyed by the pool's and the causes' hash), so a query only
-tokenises itself and reads the rows of the weight matrix its n-grams hit.
+and weights, keyed by a hash of the report files, the KB's symptoms and the
+settings), so a query only tokenises itself and reads the rows of the weight
+matrix its n-grams hit.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import os
 import re
 import tempfile
 from collections import Counter
+from functools import cached_property
 from itertools import pairwise, repeat
 from pathlib import Path
 
@@ -174,16 +176,14 @@ class ReportPool:
     """The labelled reports, counted once into one sparse matrix; models are
     fitted on all of them or all but some (an evaluated set held out)."""
 
-    def __init__(self, reports: list[tuple[str, str, str]], causes: list[str]):
+    def __init__(self, reports: list[tuple[str, str, str]]):
         """`reports`: (text as the query is searched, first cause, text_key of the raw text)."""
         from scipy.sparse import csr_matrix  # fitting only: a query never imports scipy
 
-        known = set(causes)  # a team's KB may lack some of the labelled causes
-        kept = [report for report in reports if report[1] in known]
-        self.labels = [cause for _, cause, _ in kept]
-        self.keys = [key for _, _, key in kept]
+        self.labels = [cause for _, cause, _ in reports]
+        self.keys = [key for _, _, key in reports]
         self.key_set = frozenset(self.keys)
-        counts = [features(text) for text, _, _ in kept]
+        counts = [features(text) for text, _, _ in reports]
         # Columns in the terms' sorted order, so a fold's vocabulary keeps it too.
         self.terms = sorted({term for report in counts for term in report})
         column = {term: i for i, term in enumerate(self.terms)}
@@ -310,9 +310,8 @@ class LearnedReports:
         self.causes = sorted(symptoms)
         self.symptoms = [(text, cause) for cause in self.causes for text in symptoms[cause]]
         self.prepare = prepare  # the same cleaning the query gets
-        self._whole: list[ReportModel | None] = []  # the whole pool's model, once known
         # The last held-out fit only: an evaluation holds out one file at a
-        # time, and each model is the size of the saved one (~15 MB).
+        # time, and each model is the size of the saved one (~18 MB).
         self._held: tuple[frozenset[str], ReportModel | None] | None = None
         self._pool: ReportPool | None = None
 
@@ -324,9 +323,7 @@ class LearnedReports:
         if held_out:  # only what the pool holds changes the model
             held_out = held_out & self.pool().key_set
         if not held_out:
-            if not self._whole:
-                self._whole.append(self._saved_or_fitted())
-            return self._whole[0]
+            return self.whole
         if self._held is None or self._held[0] != held_out:
             self._held = (held_out, self.pool().fit(held_out))
         return self._held[1]
@@ -342,7 +339,9 @@ class LearnedReports:
             f" and {len(self.symptoms)} KB symptoms"
         )
 
-    def _saved_or_fitted(self) -> ReportModel | None:
+    @cached_property
+    def whole(self) -> ReportModel | None:
+        """The whole pool's model: the saved one when its key matches, else fitted and saved."""
         key = self._files_key()
         if key is None:
             return None
@@ -368,7 +367,7 @@ class LearnedReports:
             examples = [
                 (self.prepare(text), cause, "kb:" + text_key(text)) for text, cause in self.symptoms
             ]
-            self._pool = ReportPool(reports + examples, self.causes)
+            self._pool = ReportPool(reports + examples)
         return self._pool
 
     def _files_key(self) -> str | None:
