@@ -122,6 +122,9 @@ THREAD_SITES = (
     "https://github.com/",
     "https://blog.youkuaiyun.com/",
     "https://discuss.pytorch.org/t/",
+    # holdout19: a dev.to post and a Chinese blog post, each the author's own failure
+    "https://dev.to/",
+    "http://www.xdnf.cn/",
 )
 
 
