@@ -64,7 +64,12 @@ AFTER_JOIN_SECONDS = 150.0
 START_SECONDS = 45.0
 EXCHANGE_SECONDS = 20.0
 JOIN_MARGIN_SECONDS = 15.0
+# Once torchrun holds a connection to the endpoint it is in the rendezvous, and
+# its own join timeout (the join timeout plus JOIN_MARGIN_SECONDS) runs; this
+# much longer lets it fail in its own words before it is stopped.
+RDZV_GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.1
+ENDPOINT_CHECK_SECONDS = 0.5
 # torchrun's rendezvous errors, as its log names them.
 RDZV_ERRORS = re.compile(r"(Rendezvous\w*Error|DistStoreError|TimeoutError)[:(].*")
 
@@ -274,13 +279,24 @@ class NodesRunner:
         can hold torchrun in its store handshake far longer than that.
         """
         deadline = started + self.plan.join_timeout + JOIN_MARGIN_SECONDS + START_SECONDS
-        joined = False
+        joined = in_rendezvous = False
+        next_check = started
         while launch.poll() is None:
             if (cancel is not None and cancel.is_set()) or processes.stop_requested():
                 return "cancelled"
+            now = time.monotonic()
             if not joined and any(facts_dir.glob(f"{NODES_PROBE}.rank*.json")):
-                joined, deadline = True, time.monotonic() + AFTER_JOIN_SECONDS
-            if time.monotonic() > deadline:
+                joined, deadline = True, now + AFTER_JOIN_SECONDS
+            elif not joined and not in_rendezvous and now >= next_check:
+                # The start allowance is for a slow interpreter; once torchrun is
+                # connected to the endpoint only the rendezvous is left to wait for
+                # (a stranger on the port would otherwise hold it to the full bound).
+                next_check = now + ENDPOINT_CHECK_SECONDS
+                if connected_to_port(launch.pid, self.plan.rdzv_port):
+                    in_rendezvous = True
+                    rendezvous_end = now + self.plan.join_timeout + JOIN_MARGIN_SECONDS
+                    deadline = min(deadline, rendezvous_end + RDZV_GRACE_SECONDS)
+            if now > deadline:
                 return "timeout"
             time.sleep(POLL_SECONDS)
         return "exit"
@@ -382,6 +398,39 @@ def endpoint_busy(plan: NodesPlan) -> bool | None:
         except OSError:
             return True
     return False
+
+
+def connected_to_port(pid: int, port: int) -> bool:
+    """Whether process `pid` holds an established TCP connection to `port` (Linux /proc;
+    False where it cannot be read)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:  # no /proc, the process is gone, or it is not ours
+        return False
+    inodes = {
+        link[8:-1] for link in (_fd_target(pid, fd) for fd in fds) if link.startswith("socket:[")
+    }
+    wanted = f":{port:04X}"
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            fields = row.split()
+            established = len(fields) > 9 and fields[3] == "01"
+            if established and fields[2].endswith(wanted) and fields[9] in inodes:
+                return True
+    return False
+
+
+def _fd_target(pid: int, fd: str) -> str:
+    """What a process's open file descriptor points at ("" once it is closed)."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def _loopback(host: str) -> bool:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -11,6 +16,7 @@ from assistant.probing.multinode import (
     RDZV_ID,
     NodesPlan,
     NodesRunner,
+    connected_to_port,
     first_host,
     hosts_endpoint,
     parse_endpoint,
@@ -151,3 +157,23 @@ def test_launch_outcomes_become_the_nodes_run():
     running = {"status": "running", "reason": "", "facts": {}}
     cut = nodes_run("exit", running, ["Killed"], 30.0, plan)
     assert cut.status == "error" and cut.ranks == [running] and "while running" in cut.detail
+
+
+def test_a_connection_to_the_endpoint_port_is_seen_in_the_process_that_holds_it():
+    """How the agent knows torchrun is in the rendezvous (its start allowance is over)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)  # a stranger's listener: connections complete in its backlog
+        port = listener.getsockname()[1]
+        assert not connected_to_port(os.getpid(), port)
+        with socket.create_connection(("127.0.0.1", port)):
+            assert connected_to_port(os.getpid(), port)
+            assert not connected_to_port(os.getpid(), port + 1 if port < 65535 else port - 1)
+            # another process does not hold this connection, and a finished one holds nothing
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+            try:
+                assert not connected_to_port(child.pid, port)
+            finally:
+                child.kill()
+                child.wait()
+            assert not connected_to_port(child.pid, port)
