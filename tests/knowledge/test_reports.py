@@ -17,6 +17,7 @@ from assistant.knowledge.reports import (
     ReportModel,
     ReportPool,
     features,
+    gram_matrix,
     read_reports,
     text_key,
     weighted,
@@ -40,6 +41,21 @@ def pool(causes) -> ReportPool:
     reports = read_reports(eval_dir())
     known = set(causes)
     return ReportPool([(text, cause, text_key(text)) for text, cause in reports if cause in known])
+
+
+def test_the_split_gram_is_the_plain_sparse_product(pool):
+    """Common n-grams multiplied densely, the rest sparsely: the same x @ x.T."""
+    from scipy.sparse import csr_matrix, hstack
+    from scipy.sparse import random as sparse_random
+
+    rng = np.random.default_rng(0)
+    everywhere = csr_matrix(rng.random((300, 5)))  # columns in every row: the dense block
+    rare = sparse_random(300, 400, density=0.02, format="csr", random_state=rng)
+    synthetic = hstack([everywhere, rare])
+    columns, idf = pool._vocabulary(pool.counts)
+    real = ReportPool._weighted(pool.counts[:, columns], idf, pool.is_word[columns])[:400]
+    for x in (synthetic.tocsr(), real):
+        assert np.allclose(gram_matrix(x), (x @ x.T).toarray(), rtol=0, atol=1e-12)
 
 
 def held_out_keys(path: Path) -> frozenset[str]:
