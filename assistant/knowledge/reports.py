@@ -23,24 +23,30 @@ An evaluation must never score a report with a model that learned it, so
 texts; `kb eval` holds out each file it scores (evaluate.held_out_groups).
 
 The fitted model for the whole pool is kept in the build folder (vocabulary
-and weights, keyed by a hash of the report files, the KB's symptoms and the
-settings), so a query only tokenises itself and reads the rows of the weight
-matrix its n-grams hit.
+and weights, keyed by a hash of the report files, the KB's symptoms, the
+settings and the code that counts a text), so a query only tokenises itself
+and reads the rows of the weight matrix its n-grams hit. The counted pool is
+kept beside it under the same key: `kb eval` fits a model per held-out file
+from it without counting every report again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import tempfile
+import zipfile
 from collections import Counter
 from functools import cached_property
 from itertools import pairwise, repeat
 from pathlib import Path
 
 import numpy as np
+
+from assistant import clean
 
 REPORT_CHARS = 6_000  # a long log's head names the failure; the rest is more of the same
 CHAR_NGRAMS = (2, 4)
@@ -130,45 +136,33 @@ class ReportModel:
         terms = [""] * len(self.vocabulary)
         for term, column in self.vocabulary.items():
             terms[column] = term
-        header = json.dumps({"key": key, "causes": self.causes, "terms": terms})
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as out:
-                np.savez(
-                    out,
-                    header=np.frombuffer(header.encode("utf-8"), dtype=np.uint8),
-                    idf=self.idf.astype(np.float32),
-                    bias=self.bias.astype(np.float32),
-                    weights=self.weights.astype(np.float32),
-                )
-            os.replace(tmp, path)
-            return True
-        except OSError:
-            try:
-                os.unlink(tmp)
-            except (OSError, UnboundLocalError):
-                pass
-            return False
+        header = {"key": key, "causes": self.causes, "terms": terms}
+        return save_arrays(
+            path,
+            header,
+            idf=self.idf.astype(np.float32),
+            bias=self.bias.astype(np.float32),
+            weights=self.weights.astype(np.float32),
+        )
 
     @classmethod
     def load(cls, path: Path, key: str) -> ReportModel | None:
         """The saved model when it was fitted on this pool and these causes, else None."""
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                header = json.loads(data["header"].tobytes().decode("utf-8"))
-                if header.get("key") != key:
-                    return None
-                terms = header["terms"]
-                model = cls(
-                    {t: i for i, t in enumerate(terms)},
-                    data["idf"].astype(np.float64),
-                    data["weights"],
-                    data["bias"].astype(np.float64),
-                    header["causes"],
-                )
-        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+        loaded = load_arrays(path, key, ("idf", "weights", "bias"))
+        if loaded is None:
             return None  # missing, damaged or foreign: fitted again
+        header, data = loaded
+        try:
+            terms = header["terms"]
+            model = cls(
+                {t: i for i, t in enumerate(terms)},
+                data["idf"].astype(np.float64),
+                data["weights"],
+                data["bias"].astype(np.float64),
+                header["causes"],
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            return None
         if model.weights.shape != (len(terms), len(model.causes)) or len(model.idf) != len(terms):
             return None
         return model
@@ -178,20 +172,24 @@ class ReportPool:
     """The labelled reports, counted once into one sparse matrix; models are
     fitted on all of them or all but some (an evaluated set held out)."""
 
-    def __init__(self, reports: list[tuple[str, str, str]]):
+    def __init__(self, labels: list[str], keys: list[str], terms: list[str], counts):
+        """`counts`: reports x `terms`, a scipy CSR matrix with sorted indices."""
+        self.labels = labels
+        self.keys = keys
+        self.key_set = frozenset(keys)
+        self.terms = terms
+        self.is_word = np.fromiter((t[0] == WORD_MARK for t in terms), dtype=bool, count=len(terms))
+        self.counts = counts
+
+    @classmethod
+    def count(cls, reports: list[tuple[str, str, str]]) -> ReportPool:
         """`reports`: (text as the query is searched, first cause, text_key of the raw text)."""
         from scipy.sparse import csr_matrix  # fitting only: a query never imports scipy
 
-        self.labels = [cause for _, cause, _ in reports]
-        self.keys = [key for _, _, key in reports]
-        self.key_set = frozenset(self.keys)
         counts = [features(text) for text, _, _ in reports]
         # Columns in the terms' sorted order, so a fold's vocabulary keeps it too.
-        self.terms = sorted({term for report in counts for term in report})
-        column = {term: i for i, term in enumerate(self.terms)}
-        self.is_word = np.fromiter(
-            (t[0] == WORD_MARK for t in self.terms), dtype=bool, count=len(self.terms)
-        )
+        terms = sorted({term for report in counts for term in report})
+        column = {term: i for i, term in enumerate(terms)}
         indptr = np.cumsum([0] + [len(report) for report in counts])
         indices = np.fromiter(
             (column[t] for r in counts for t in r), dtype=np.int64, count=indptr[-1]
@@ -199,8 +197,45 @@ class ReportPool:
         data = np.fromiter(
             (n for r in counts for n in r.values()), dtype=np.float64, count=indptr[-1]
         )
-        self.counts = csr_matrix((data, indices, indptr), shape=(len(counts), len(self.terms)))
-        self.counts.sort_indices()
+        matrix = csr_matrix((data, indices, indptr), shape=(len(counts), len(terms)))
+        matrix.sort_indices()
+        labels = [cause for _, cause, _ in reports]
+        return cls(labels, [key for _, _, key in reports], terms, matrix)
+
+    # -- persistence: counting ~2,500 texts takes seconds, loading them a fraction --
+
+    def save(self, path: Path, key: str) -> bool:
+        """Write atomically; False when the folder cannot be written."""
+        header = {"key": key, "labels": self.labels, "keys": self.keys, "terms": self.terms}
+        return save_arrays(
+            path,
+            header,
+            data=self.counts.data.astype(np.uint32),  # counts of at most REPORT_CHARS n-grams
+            indices=self.counts.indices.astype(np.int32),
+            indptr=self.counts.indptr.astype(np.int64),
+        )
+
+    @classmethod
+    def load(cls, path: Path, key: str) -> ReportPool | None:
+        """The saved pool when it was counted from these files, else None."""
+        from scipy.sparse import csr_matrix
+
+        loaded = load_arrays(path, key, ("data", "indices", "indptr"))
+        if loaded is None:
+            return None
+        header, arrays = loaded
+        try:
+            labels, keys, terms = header["labels"], header["keys"], header["terms"]
+            matrix = csr_matrix(
+                (arrays["data"].astype(np.float64), arrays["indices"], arrays["indptr"]),
+                shape=(len(labels), len(terms)),
+            )
+            matrix.check_format(full_check=True)  # a damaged file must not index out of range
+            if len(keys) != len(labels) or not all(terms):
+                return None
+            return cls(labels, keys, terms, matrix)
+        except (KeyError, TypeError, ValueError, IndexError):
+            return None
 
     def fit(self, held_out: frozenset[str] = frozenset()) -> ReportModel | None:
         """Ridge on every report but those whose text key is in `held_out`; None when too few."""
@@ -265,6 +300,38 @@ def gram_matrix(x) -> np.ndarray:
     return dense @ dense.T + (rare @ rare.T).toarray()
 
 
+def save_arrays(path: Path, header: dict, **arrays: np.ndarray) -> bool:
+    """numpy arrays and a JSON header, written atomically; False when the folder
+    cannot be written."""
+    encoded = json.dumps(header).encode("utf-8")
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as out:
+            np.savez(out, header=np.frombuffer(encoded, dtype=np.uint8), **arrays)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return False
+
+
+def load_arrays(path: Path, key: str, names: tuple[str, ...]) -> tuple[dict, dict] | None:
+    """(header, arrays) of a file `save_arrays` wrote under `key`; None when it is
+    missing, damaged, foreign or saved under another key."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            header = json.loads(data["header"].tobytes().decode("utf-8"))
+            if not isinstance(header, dict) or header.get("key") != key:
+                return None
+            return header, {name: data[name] for name in names}
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
+        return None  # a bad header is a ValueError (JSON, UTF-8) too
+
+
 def report_files(folder: Path) -> list[Path]:
     """The JSON-lines files of a folder of labelled reports (none when it is missing)."""
     return sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
@@ -301,6 +368,7 @@ def read_reports(folder: Path) -> list[tuple[str, str]]:
 
 
 MODEL_FILE = "reports_model.npz"
+POOL_FILE = "reports_pool.npz"  # the counted pool, beside the model: `kb eval` fits from it
 REPORTS_FOLDER = "reports"  # in a team's KB layer: its own labelled reports
 
 
@@ -373,20 +441,30 @@ class LearnedReports:
         return model
 
     def pool(self) -> ReportPool:
+        """The counted pool: the saved one when its key matches, else counted and saved."""
         if self._pool is None:
-            known = set(self.causes)  # a team's KB may lack some of the labelled causes
-            reports = [
-                (self.prepare(text), cause, text_key(text))
-                for folder in self.folders
-                for text, cause in read_reports(folder)
-                if cause in known
-            ]
-            # The KB's own examples are never held out: the other signals search them too.
-            examples = [
-                (self.prepare(text), cause, "kb:" + text_key(text)) for text, cause in self.symptoms
-            ]
-            self._pool = ReportPool(reports + examples)
+            key = self._files_key()
+            saved_pools = [cache.with_name(POOL_FILE) for cache in self.caches] if key else []
+            self._pool = next(filter(None, (ReportPool.load(f, key) for f in saved_pools)), None)
+            if self._pool is None:
+                self._pool = ReportPool.count(self._pool_texts())
+                any(self._pool.save(path, key) for path in saved_pools)
         return self._pool
+
+    def _pool_texts(self) -> list[tuple[str, str, str]]:
+        """(text as searched, first cause, key) of every labelled report and KB symptom."""
+        known = set(self.causes)  # a team's KB may lack some of the labelled causes
+        reports = [
+            (self.prepare(text), cause, text_key(text))
+            for folder in self.folders
+            for text, cause in read_reports(folder)
+            if cause in known
+        ]
+        # The KB's own examples are never held out: the other signals search them too.
+        examples = [
+            (self.prepare(text), cause, "kb:" + text_key(text)) for text, cause in self.symptoms
+        ]
+        return reports + examples
 
     def _files_key(self) -> str | None:
         """The pool's files, the causes and the model's settings, hashed; None without files."""
@@ -394,6 +472,10 @@ class LearnedReports:
         if not files:
             return None
         digest = hashlib.sha256(f"v{MODEL_VERSION} {RIDGE} {MAX_CHAR_FEATURES}".encode())
+        # The code that turns a text into counts: an upgrade that changes it refits.
+        for source in (Path(__file__), Path(clean.__file__)):
+            with contextlib.suppress(OSError):  # no source files (a frozen build): the version
+                digest.update(source.read_bytes())
         for text, cause in self.symptoms:
             digest.update(f"{cause}\0{text}\0".encode("utf-8", "surrogatepass"))
         for path in files:

@@ -13,6 +13,7 @@ from assistant.config import eval_dir, kb_dir
 from assistant.knowledge.evaluate import held_out_groups, load_queries, load_query_sets
 from assistant.knowledge.reports import (
     MODEL_FILE,
+    POOL_FILE,
     LearnedReports,
     ReportModel,
     ReportPool,
@@ -40,7 +41,9 @@ def symptoms(engine) -> dict[str, list[str]]:
 def pool(causes) -> ReportPool:
     reports = read_reports(eval_dir())
     known = set(causes)
-    return ReportPool([(text, cause, text_key(text)) for text, cause in reports if cause in known])
+    return ReportPool.count(
+        [(text, cause, text_key(text)) for text, cause in reports if cause in known]
+    )
 
 
 def test_the_split_gram_is_the_plain_sparse_product(pool):
@@ -67,7 +70,7 @@ def test_a_held_out_set_is_fitted_as_if_it_had_never_been_labelled(pool, causes)
     (not its labels, not its n-grams' document counts)."""
     held = held_out_keys(HOLDOUT)
     assert held <= pool.key_set  # the set is in the pool, so holding it out matters
-    without = ReportPool(
+    without = ReportPool.count(
         [
             (text, cause, text_key(text))
             for text, cause in read_reports(eval_dir())
@@ -150,6 +153,39 @@ def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is
     assert LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms).model() is not None
 
 
+def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
+    tmp_path, symptoms, monkeypatch
+):
+    """`kb eval` fits from the saved pool instead of counting every report again."""
+    learned = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+    counted = learned.pool()
+    assert (tmp_path / POOL_FILE).is_file()
+    key = learned._files_key()
+    saved = ReportPool.load(tmp_path / POOL_FILE, key)
+    assert (saved.labels, saved.keys, saved.terms) == (counted.labels, counted.keys, counted.terms)
+    assert (saved.counts != counted.counts).nnz == 0 and (saved.is_word == counted.is_word).all()
+    held = held_out_keys(HOLDOUT)
+    text = "NCCL timeout on rank 3 after the first epoch, training hangs"
+    a, b = saved.fit(held).scores(text), counted.fit(held).scores(text)
+    assert all(abs(a[c] - b[c]) < 1e-9 for c in a)
+
+    def no_count(*args, **kwargs):
+        raise AssertionError("counted again: the saved pool's key did not match")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ReportPool, "count", no_count)
+        again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+        assert again.pool().labels == counted.labels
+    assert ReportPool.load(tmp_path / POOL_FILE, "another pool") is None
+    whole = (tmp_path / POOL_FILE).read_bytes()
+    for damaged in (b"not a pool", whole[: len(whole) // 2], whole[:-9] + b"123456789"):
+        (tmp_path / POOL_FILE).write_bytes(damaged)
+        assert ReportPool.load(tmp_path / POOL_FILE, key) is None
+    again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+    assert again.pool().labels == counted.labels  # counted again, and saved again
+    assert ReportPool.load(tmp_path / POOL_FILE, key) is not None
+
+
 def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, symptoms):
     blocked = tmp_path / "file-not-folder"
     blocked.write_text("x")
@@ -206,11 +242,17 @@ def test_an_engine_on_a_built_index_reads_the_saved_model_and_fits_nothing(
         raise AssertionError("fitted again: the saved model's key did not match")
 
     monkeypatch.setattr(ReportPool, "fit", no_fit)
+    monkeypatch.setattr(ReportPool, "count", no_fit)
     fresh = Engine(
         index_path=build_dir / "index.sqlite", log=lambda m: None, embedder=engine.embedder
     )
     result = fresh.ask("NCCL watchdog timeout on rank 2 after 30 minutes, job killed")
     assert all("reports" in cause.signals for cause in result.causes)
+    # kb eval's held-out fits start from the pool kb build counted and saved
+    monkeypatch.undo()
+    monkeypatch.setattr(ReportPool, "count", no_fit)
+    with fresh.holding_out([load_queries(HOLDOUT)[0]["query"]]):
+        assert fresh.ask("NCCL watchdog timeout on rank 2").causes
 
 
 def test_a_team_layers_reports_join_the_pool_and_refit_the_model(engine, mini_kb, tmp_path):
