@@ -231,7 +231,7 @@ class ReportPool:
                 shape=(len(labels), len(terms)),
             )
             matrix.check_format(full_check=True)  # a damaged file must not index out of range
-            if len(keys) != len(labels) or not all(terms):
+            if len(keys) != len(labels):
                 return None
             return cls(labels, keys, terms, matrix)
         except (KeyError, TypeError, ValueError, IndexError):
@@ -467,7 +467,8 @@ class LearnedReports:
         return reports + examples
 
     def _files_key(self) -> str | None:
-        """The pool's files, the causes and the model's settings, hashed; None without files."""
+        """The pool's files, the causes, the model's settings and the code that
+        counts a text, hashed; None without files."""
         files = [path for folder in self.folders for path in report_files(folder)]
         if not files:
             return None

@@ -276,7 +276,9 @@ class NodesRunner:
         Two deadlines: the rendezvous (the join timeout, torchrun's margin
         and its start) until the probe's first record appears, then the
         probe's own AFTER_JOIN_SECONDS. A stranger on the endpoint's port
-        can hold torchrun in its store handshake far longer than that.
+        can hold torchrun in its store handshake far longer than that. The
+        start allowance ends once torchrun is connected to the endpoint: from
+        then on it waits for the rendezvous alone (plus RDZV_GRACE_SECONDS).
         """
         deadline = started + self.plan.join_timeout + JOIN_MARGIN_SECONDS + START_SECONDS
         joined = in_rendezvous = False
