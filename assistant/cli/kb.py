@@ -150,7 +150,7 @@ def kb_eval(files, floor, by_cause, revision, as_json, model):
         # One pass, each file held out once, for the rankings and the confidence.
         per_query, confidence = ev.scores_and_confidence(engine, queries)
         rankings = ev.fused_rankings(per_query)
-        report = ev.evaluate(engine, queries, per_query, confidence)
+        report = ev.report_of(queries, per_query, rankings, confidence)
         top1 = report["fused"]["top1"]
         text = ev.format_report(report)
     if len(files) > 1:

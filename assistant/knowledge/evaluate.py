@@ -132,17 +132,19 @@ def fused_rankings(per_query: list[dict]) -> list[list[str]]:
     return [[r.id for r in fuse(with_shortcut(dict(scores)))] for scores in per_query]
 
 
-def evaluate(
-    engine,
-    queries: list[dict],
-    per_query: list[dict] | None = None,
-    confidence: dict | None = None,
+def evaluate(engine, queries: list[dict]) -> dict:
+    """Metrics per run (fused and each signal), the misses of the fused run and
+    the confidence report, each labelled file held out once (held_out_groups)."""
+    per_query, confidence = scores_and_confidence(engine, queries)
+    return report_of(queries, per_query, fused_rankings(per_query), confidence)
+
+
+def report_of(
+    queries: list[dict], per_query: list[dict], fused: list[list[str]], confidence: dict
 ) -> dict:
-    """Metrics per run (fused and each signal), plus the misses of the fused run."""
+    """`evaluate`'s report from the signal scores, their fused rankings (exactly
+    what `ask` fuses) and the confidence report."""
     report: dict = {"queries": len(queries)}
-    if per_query is None:
-        per_query, confidence = scores_and_confidence(engine, queries)
-    fused = fused_rankings(per_query)  # exactly what `ask` fuses
     for run, signals in RUNS.items():
         if run == "fused":
             rankings = fused
@@ -155,8 +157,6 @@ def evaluate(
         if not score_ranking(ranked, item["causes"])["top1"]
     ]
     report["by_lang"] = top1_by_lang(queries, fused)
-    if confidence is None:
-        confidence = confidence_report(engine, queries)
     report["confidence"] = confidence
     return report
 
@@ -175,19 +175,14 @@ def top1_by_lang(queries: list[dict], rankings: list[list[str]]) -> dict[str, di
     }
 
 
-def confidence_report(engine, queries: list[dict]) -> dict[str, dict]:
-    """Per confidence level, as `ask --no-probe` states it: how many answers, how many right.
-
-    "high" must be right at least 9 times in 10 on reports it has never seen.
-    """
-    return scores_and_confidence(engine, queries, with_scores=False)[1]
-
-
-def scores_and_confidence(
-    engine, queries: list[dict], with_scores: bool = True
-) -> tuple[list[dict], dict[str, dict]]:
+def scores_and_confidence(engine, queries: list[dict]) -> tuple[list[dict], dict[str, dict]]:
     """Each query's signal scores and the confidence report, in one pass over the
-    labelled files (each held out once: see held_out_groups)."""
+    labelled files (each held out once: see held_out_groups).
+
+    The confidence report counts, per level as `ask --no-probe` states it, how
+    many answers and how many right: "high" must be right at least 9 times in
+    10 on reports it has never seen.
+    """
     from assistant.pipeline import Pipeline, Question
 
     pipeline = Pipeline(engine=engine)
@@ -196,8 +191,7 @@ def scores_and_confidence(
     for rows in held_out_groups(engine, queries):
         for row in rows:
             item = queries[row]
-            if with_scores:
-                scores[row] = engine.signal_scores(item["query"])
+            scores[row] = engine.signal_scores(item["query"])
             result = pipeline.ask(Question(item["query"], top=5))
             ranked = [cause.id for cause in result.causes]
             levels.setdefault(result.confidence or "none", []).append(

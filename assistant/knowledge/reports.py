@@ -376,9 +376,10 @@ class LearnedReports:
     """The signal as the retriever uses it: the whole pool's model, or one with reports held out.
 
     Nothing is read or fitted until the first query that needs it (or `kb
-    build`, which fits and saves it); the pool is counted at most once per
-    process. The saved model goes to the first of `caches` that can be
-    written: the build folder, else the user's cache.
+    build`, which fits and saves it). The pool is counted at most once per
+    process and only when no saved pool has its key (an evaluation's held-out
+    fits start from it). The saved model and pool go to the first of `caches`
+    that can be written: the build folder, else the user's cache.
     """
 
     def __init__(
