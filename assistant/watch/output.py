@@ -32,15 +32,20 @@ class OutputTail:
         self.partial = b""
 
     def files(self) -> list[tuple[Path, str]]:
-        """Every output file, the launch's first, then each process's in start order."""
-        found = [
-            (self.watch_dir / "launch.out", "stdout"),
-            (self.watch_dir / "launch.err", "stderr"),
-        ]
+        """Every output file: each process's in start order, then the launch's.
+
+        Within one poll the launch's files are read last because a launcher
+        speaks last: torchrun prints its failure summary only once the
+        workers have exited, so whatever they wrote in the same poll came
+        before it, and the summary ends the merged output.
+        """
+        found = []
         procs = Path(procs_dir(str(self.watch_dir)))
         for path in sorted(procs.glob("*.out"), key=_pid):
             found.append((path, "stdout"))
             found.append((path.with_suffix(".err"), "stderr"))
+        found.append((self.watch_dir / "launch.out", "stdout"))
+        found.append((self.watch_dir / "launch.err", "stderr"))
         return found
 
     def poll(self) -> int:

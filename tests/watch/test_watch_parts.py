@@ -184,6 +184,27 @@ def test_output_the_launcher_sent_elsewhere_stays_there(tmp_path):
     assert len(list((log_dir / "procs").glob("*.json"))) == 1  # recorded all the same
 
 
+def test_in_one_poll_the_workers_output_comes_before_the_launchers_last_words(tmp_path):
+    from assistant.watch.output import OutputTail
+
+    log_dir = tmp_path / "logs"
+    prepare_log_dir(log_dir)
+    seen: list[bytes] = []
+    tail = OutputTail(log_dir, lambda stream, data: seen.append(data), log_dir / "output.log")
+    procs = log_dir / "procs"
+    (procs / "120.out").write_text("")
+    (procs / "120.err").write_text("[rank0]: RuntimeError: Connection closed by peer\n")
+    (log_dir / "launch.err").write_text("torch.distributed.elastic...ChildFailedError\n")
+    assert tail.poll() > 0
+    tail.close()
+    assert seen == [
+        b"[rank0]: RuntimeError: Connection closed by peer\n",
+        b"torch.distributed.elastic...ChildFailedError\n",
+    ]
+    assert tail.tail_text().endswith("ChildFailedError")
+    assert (log_dir / "output.log").read_bytes() == b"".join(seen)
+
+
 def test_a_log_dir_in_use_is_refused(tmp_path):
     from assistant.errors import UserError
 
