@@ -148,9 +148,9 @@ def kb_eval(files, floor, by_cause, revision, as_json, model):
         text = ev.format_comparison(report)
     else:
         # One pass, each file held out once, for the rankings and the confidence.
-        per_query, confidence = ev.scores_and_confidence(engine, queries)
-        rankings = ev.fused_rankings(per_query)
-        report = ev.report_of(queries, per_query, rankings, confidence)
+        answers = ev.answer_queries(engine, queries)
+        rankings = ev.fused_rankings(answers.scores)
+        report = ev.report_of(queries, answers, rankings)
         top1 = report["fused"]["top1"]
         text = ev.format_report(report)
     if len(files) > 1:

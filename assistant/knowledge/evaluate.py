@@ -7,6 +7,7 @@ signal shows what it does to the whole.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from assistant.errors import UserError
@@ -16,7 +17,8 @@ RUNS = {"fused": SIGNALS, **{name: (name,) for name in SIGNALS}}
 
 
 def load_queries(path: Path) -> list[dict]:
-    """Labelled queries: JSON lines with id, query and causes (best first)."""
+    """Labelled queries: JSON lines with id, query and causes (best first), and
+    optionally followup: what the reporter posted next (scored as a second turn)."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
@@ -27,11 +29,13 @@ def load_queries(path: Path) -> list[dict]:
             continue
         try:
             item = json.loads(line)
-            queries.append(
-                {"id": item["id"], "query": item["query"], "causes": list(item["causes"])}
-            )
+            query = {"id": item["id"], "query": item["query"], "causes": list(item["causes"])}
         except (json.JSONDecodeError, KeyError, TypeError):
             raise UserError(f"{path}:{number}: expected JSON with id, query and causes") from None
+        followup = item.get("followup")
+        if followup is not None and not (isinstance(followup, str) and followup.strip()):
+            raise UserError(f"{path}:{number}: followup must be text")
+        queries.append({**query, "followup": followup} if followup else query)
     if not queries:
         raise UserError(f"{path}: no queries")
     return queries
@@ -135,15 +139,14 @@ def fused_rankings(per_query: list[dict]) -> list[list[str]]:
 def evaluate(engine, queries: list[dict]) -> dict:
     """Metrics per run (fused and each signal), the misses of the fused run and
     the confidence report, each labelled file held out once (held_out_groups)."""
-    per_query, confidence = scores_and_confidence(engine, queries)
-    return report_of(queries, per_query, fused_rankings(per_query), confidence)
+    answers = answer_queries(engine, queries)
+    return report_of(queries, answers, fused_rankings(answers.scores))
 
 
-def report_of(
-    queries: list[dict], per_query: list[dict], fused: list[list[str]], confidence: dict
-) -> dict:
-    """`evaluate`'s report from the signal scores, their fused rankings (exactly
-    what `ask` fuses) and the confidence report."""
+def report_of(queries: list[dict], answers: Answers, fused: list[list[str]]) -> dict:
+    """`evaluate`'s report from one pass of answers and the fused rankings of
+    their signal scores (exactly what `ask` fuses)."""
+    per_query = answers.scores
     report: dict = {"queries": len(queries)}
     for run, signals in RUNS.items():
         if run == "fused":
@@ -157,7 +160,9 @@ def report_of(
         if not score_ranking(ranked, item["causes"])["top1"]
     ]
     report["by_lang"] = top1_by_lang(queries, fused)
-    report["confidence"] = confidence
+    report["confidence"] = answers.confidence
+    if answers.two_turns is not None:
+        report["two_turns"] = answers.two_turns
     return report
 
 
@@ -175,19 +180,30 @@ def top1_by_lang(queries: list[dict], rankings: list[list[str]]) -> dict[str, di
     }
 
 
-def scores_and_confidence(engine, queries: list[dict]) -> tuple[list[dict], dict[str, dict]]:
-    """Each query's signal scores and the confidence report, in one pass over the
-    labelled files (each held out once: see held_out_groups).
+@dataclass
+class Answers:
+    """One pass of `ask` over labelled queries, each file held out once."""
+
+    scores: list[dict]  # every signal's cause scores, per query
+    confidence: dict[str, dict]  # per level: answers, share, first cause right
+    two_turns: dict | None  # over the queries with a followup (None: there are none)
+
+
+def answer_queries(engine, queries: list[dict]) -> Answers:
+    """Each query's signal scores, the confidence report and the two-turn report,
+    in one pass over the labelled files (each held out once: see held_out_groups).
 
     The confidence report counts, per level as `ask --no-probe` states it, how
     many answers and how many right: "high" must be right at least 9 times in
-    10 on reports it has never seen.
+    10 on reports it has never seen. A query with a followup is then asked a
+    second time the way the chat asks it (two_turn_ranking).
     """
     from assistant.pipeline import Pipeline, Question
 
     pipeline = Pipeline(engine=engine)
     scores: list[dict] = [{} for _ in queries]
     levels: dict[str, list[float]] = {}
+    turns: list[tuple[dict, list[str], list[str], bool]] = []
     for rows in held_out_groups(engine, queries):
         for row in rows:
             item = queries[row]
@@ -197,13 +213,47 @@ def scores_and_confidence(engine, queries: list[dict]) -> tuple[list[dict], dict
             levels.setdefault(result.confidence or "none", []).append(
                 score_ranking(ranked, item["causes"])["top1"]
             )
-    return scores, {
+            if item.get("followup"):
+                asked = bool(result.decide) and result.confidence != "high"
+                second = two_turn_ranking(pipeline, item, result)
+                turns.append((item, ranked, second, asked))
+    confidence = {
         level: {
             "answers": len(hits),
             "share": round(len(hits) / len(queries), 4),
             "top1": round(sum(hits) / len(hits), 4),
         }
         for level, hits in sorted(levels.items())
+    }
+    return Answers(scores, confidence, two_turn_report(turns))
+
+
+def two_turn_ranking(pipeline, item: dict, first) -> list[str]:
+    """The causes the chat ranks when the reporter's next message is the followup.
+
+    The first answer becomes a turn of a real Conversation, so the second
+    question carries exactly the context the chat gives it (the earlier
+    question when that answer asked what would decide, its root error).
+    """
+    from assistant.chat.conversation import Conversation, Turn
+    from assistant.pipeline import Question
+
+    conversation = Conversation(turns=[Turn(query=item["query"], result=first)])
+    second = pipeline.ask(Question(item["followup"], top=5, context=conversation.context()))
+    return [cause.id for cause in second.causes]
+
+
+def two_turn_report(turns: list[tuple[dict, list[str], list[str], bool]]) -> dict | None:
+    """First- and second-turn top-1 / recall@3 over the queries with a followup, and
+    how many first answers asked for more (not "high", with what would decide)."""
+    if not turns:
+        return None
+    items = [item for item, _, _, _ in turns]
+    return {
+        "queries": len(turns),
+        "asked": sum(asked for _, _, _, asked in turns),
+        "first": mean_scores(items, [first for _, first, _, _ in turns]),
+        "second": mean_scores(items, [second for _, _, second, _ in turns]),
     }
 
 
@@ -218,6 +268,14 @@ def format_report(report: dict) -> str:
         lines.append(
             f"confidence {level:6} {row['answers']:4d} answers ({row['share']:.0%}), "
             f"first cause right {row['top1']:.3f}"
+        )
+    turns = report.get("two_turns")
+    if turns:
+        first, second = turns["first"], turns["second"]
+        lines.append(
+            f"two turns ({turns['queries']} queries with a followup, {turns['asked']} asked for more): "
+            f"top-1 {first['top1']:.3f} -> {second['top1']:.3f}, "
+            f"recall@3 {first['recall3']:.3f} -> {second['recall3']:.3f}"
         )
     if report["misses"]:
         lines.append(f"fused misses ({len(report['misses'])}):")

@@ -68,3 +68,46 @@ def test_a_report_in_two_files_is_one_line_error(tmp_path):
     assert (
         result.stderr.strip() == f"assistant: error: {second}: query id 'same' is also in {first}"
     )
+
+
+# A report that names no error, and the traceback its reporter posted when asked.
+VAGUE = "DDP training with 2 GPUs doesn't work, please help"
+TRACEBACK = (
+    "Here is the full log:\nTraceback (most recent call last):\n"
+    '  File "train.py", line 40, in <module>\n    model = DDP(model, device_ids=[local_rank])\n'
+    "RuntimeError: Default process group has not been initialized, "
+    "please make sure to call init_process_group."
+)
+
+
+def test_a_followup_is_scored_as_the_chats_second_turn(private_engine, tmp_path):
+    labelled = tmp_path / "two.jsonl"
+    rows = [
+        {"id": "vague", "query": VAGUE, "causes": ["process-group-not-initialized"]},
+        {"id": "dup", "query": DUPLICATE, "causes": ["duplicate-gpu-per-rank"]},
+    ]
+    rows[0]["followup"] = TRACEBACK
+    labelled.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    report = json.loads(CliRunner().invoke(main, ["kb", "eval", str(labelled), "--json"]).stdout)
+    # Only the report with a followup counts; its first answer was unsure and asked for more.
+    assert report["two_turns"]["queries"] == report["two_turns"]["asked"] == 1
+    assert report["two_turns"]["first"]["top1"] == 0.0
+    assert report["two_turns"]["second"]["top1"] == 1.0
+    assert report["fused"]["top1"] == 0.5  # the first turns' figures are unchanged
+    text = CliRunner().invoke(main, ["kb", "eval", str(labelled)]).stdout
+    assert "two turns (1 queries with a followup, 1 asked for more): top-1 0.000 -> 1.000" in text
+
+
+def test_a_set_without_followups_has_no_two_turn_figures(private_engine, tmp_path):
+    only = write(tmp_path / "only.jsonl", ("dup", DUPLICATE, "duplicate-gpu-per-rank"))
+    report = json.loads(CliRunner().invoke(main, ["kb", "eval", str(only), "--json"]).stdout)
+    assert "two_turns" not in report
+
+
+def test_a_followup_that_is_not_text_is_one_line_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    row = {"id": "x", "query": VAGUE, "causes": ["process-group-not-initialized"], "followup": 3}
+    bad.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    result = CliRunner().invoke(main, ["kb", "eval", str(bad)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == f"assistant: error: {bad}:1: followup must be text"
