@@ -125,6 +125,8 @@ THREAD_SITES = (
     # holdout19: a dev.to post and a Chinese blog post, each the author's own failure
     "https://dev.to/",
     "http://www.xdnf.cn/",
+    # holdout20: a blog post in which the author reports their own FSDP failure
+    "https://ophelia.chat/blog/",
 )
 
 
@@ -138,7 +140,9 @@ def test_real_reports_are_well_formed_and_cite_their_threads(name: str) -> None:
     assert len(reports) >= (3 if name in SMALL_SETS else 35)
     assert len({r["id"] for r in reports}) == len(reports)
     for report in reports:
-        assert set(report) == {"id", "query", "causes", "source", "url"}, report["id"]
+        # followup (holdout20 on): what the reporter posted next, before the fix
+        assert set(report) - {"followup"} == {"id", "query", "causes", "source", "url"}
+        assert report.get("followup", "x").strip(), report["id"]
         assert report["source"] == "real-report" and report["query"].strip(), report["id"]
         assert report["causes"] and set(report["causes"]) <= known, report["id"]
         # GitHub threads; from holdout17 on also CSDN posts in which the person
