@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from assistant.errors import UserError
-from assistant.results import Finding, ProbeRun, Result, RootError
+from assistant.results import CauseResult, Finding, ProbeRun, Result, RootError, Verdict
 
 OnCauses = Callable[[Result], None]
 OnProbe = Callable[[object], None]  # receives assistant.probing.runner.ProgressEvent
@@ -80,6 +80,9 @@ class Question:
     root_error: the root error when the caller knows it better than the
         text does (`assistant run` reads it from the ranks' own records).
     context: an earlier question of the same conversation (a follow-up).
+    earlier: the causes of the earlier answer that asked for this reply (what
+        would decide between them): the reply adds to that report, it does not
+        replace it (with_earlier_answer).
     known_runs: probe runs from earlier in the session, reused as they are.
     """
 
@@ -88,8 +91,42 @@ class Question:
     findings: Sequence[Finding] = ()
     root_error: RootError | None = None
     context: str | None = None
+    earlier: Sequence[CauseResult] = ()
     known_runs: Sequence[ProbeRun] = ()
     probe: bool = True
+
+
+# How much a reply to "what would decide?" weighs against the answer that asked
+# for it: the first report stays the main evidence (see with_earlier_answer).
+REPLY_WEIGHT = 0.5
+REPLY_POOL = 50  # causes the reply is ranked over before the merge (the engine's most)
+
+
+def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int) -> Result:
+    """The reply's ranking merged with the earlier answer's, cause by cause.
+
+    A reply to "what would decide?" is often a line ("24G each", "it works on
+    one GPU", a config dump): ranked alone, with only the earlier question's
+    words as context, it lost what the first report's signatures and labelled
+    look-alikes had found. On 65 real reports whose reporter posted more later
+    in the thread (`kb eval`, "two turns"), the first answers put the right
+    cause first for 27, the replies ranked so for 23; scoring each cause
+    (earlier + REPLY_WEIGHT x reply) / (1 + REPLY_WEIGHT) gave 27 again and
+    kept the replies that decided (a traceback, an NCCL log; data/eval/README.md,
+    "Session 13"); the plain mean gave 26. `reply` should hold every cause the
+    reply ranks (a cause it did not rank counts 0). A cause kept from the
+    earlier answer is judged afresh (its verdict reset). The best `top` are kept.
+    """
+    mine = {cause.id: cause for cause in reply.causes}
+    theirs = {cause.id: cause for cause in earlier}
+    merged = []
+    for cause_id in dict.fromkeys([*mine, *theirs]):
+        own, old = mine.get(cause_id), theirs.get(cause_id)
+        total = (old.score if old else 0.0) + REPLY_WEIGHT * (own.score if own else 0.0)
+        base = own if own is not None else replace(old, verdict=Verdict("not_run"))
+        merged.append(replace(base, score=total / (1 + REPLY_WEIGHT)))
+    merged.sort(key=lambda cause: -cause.score)  # stable: the reply's order breaks ties
+    return replace(reply, causes=merged[:top])
 
 
 @dataclass
@@ -126,13 +163,17 @@ class Pipeline:
             raise UserError("no knowledge base loaded")
         cancel = cancel or threading.Event()
         early = self._start_probes(question, observer, cancel)
+        # A reply merged with an earlier answer needs every cause's reply score.
+        top = REPLY_POOL if question.earlier else question.top
         try:
-            ranked = self.engine.ask(question.text, top=question.top, context=question.context)
+            ranked = self.engine.ask(question.text, top=top, context=question.context)
         except BaseException:
             cancel.set()  # a failed retrieval must not leave a launch running
             raise
         if question.root_error is not None:
             ranked = replace(ranked, root_error=question.root_error)
+        if question.earlier:
+            ranked = with_earlier_answer(ranked, question.earlier, question.top)
         ranked = self._with_finding_causes(ranked, question.findings)
         observer.causes(ranked)
         if self._probing(question):

@@ -182,3 +182,54 @@ def test_a_cause_a_finding_proves_joins_the_answer_and_leads(engine):
     first = result.causes[0]
     assert first.id == "collective-mismatch"
     assert (first.verdict.verdict, first.verdict.source) == ("confirmed", "script")
+
+
+def test_a_reply_is_averaged_with_the_answer_that_asked_for_it():
+    from assistant.pipeline import with_earlier_answer
+    from assistant.results import CauseResult, Result, Verdict
+
+    def causes(*scored):
+        return [CauseResult(id=cid, title=cid, score=score) for cid, score in scored]
+
+    earlier = causes(("checkpoint-map-location", 0.8), ("set-device-order", 0.6))
+    earlier[0].verdict = Verdict("confirmed", ["from the earlier turn"])
+    reply = Result(
+        query="24G each", root_error=None, causes=causes(("oom", 0.5), ("set-device-order", 0.45))
+    )
+    merged = with_earlier_answer(reply, earlier, top=2)
+    # (earlier + REPLY_WEIGHT x reply) / (1 + REPLY_WEIGHT), the best two kept
+    assert [(c.id, round(c.score, 3)) for c in merged.causes] == [
+        ("set-device-order", 0.55),  # (0.6 + 0.5 x 0.45) / 1.5
+        ("checkpoint-map-location", 0.533),  # 0.8 / 1.5: the reply did not rank it
+    ]
+    assert [c.id for c in reply.causes] == ["oom", "set-device-order"]
+    assert merged.causes[1].verdict.verdict == "not_run"  # judged afresh in this turn
+    assert earlier[0].verdict.verdict == "confirmed"
+
+
+def test_a_thin_reply_keeps_what_the_first_report_found(engine):
+    from assistant.chat.conversation import Conversation, Turn
+
+    pipeline = Pipeline(engine=engine)
+    first = pipeline.ask(
+        Question("after resuming from my checkpoint, GPU 0 holds the other ranks' memory", top=5)
+    )
+    assert first.confidence != "high" and first.decide
+    conversation = Conversation(turns=[Turn(query=first.query, result=first)])
+    reply = "I tried to disable some NCCL features but it doesn't work"
+    alone = pipeline.ask(Question(reply, top=5, context=conversation.context()))
+    both = pipeline.ask(
+        Question(
+            reply, top=5, context=conversation.context(), earlier=conversation.earlier_answer()
+        )
+    )
+    assert alone.causes[0].id != first.causes[0].id  # the reply alone lost the report
+    assert both.causes[0].id == first.causes[0].id
+    # A reply that shows the error itself decides, whatever was ranked before.
+    traceback = f'Traceback (most recent call last):\n  File "train.py", line 9\n{PG_ERROR}'
+    decided = pipeline.ask(
+        Question(
+            traceback, top=5, context=conversation.context(), earlier=conversation.earlier_answer()
+        )
+    )
+    assert decided.causes[0].id == "process-group-not-initialized"

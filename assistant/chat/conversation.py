@@ -194,6 +194,12 @@ class Conversation:
             parts.append(f"Confirmed on this machine: {names}.")
         return " ".join(parts) or None
 
+    def earlier_answer(self, before: int | None = None) -> list[CauseResult]:
+        """The causes of the answer that asked for what would decide ([] if none did):
+        a reply adds to that report, and its ranking is averaged with them."""
+        asked = self.asked_to_decide(before)
+        return list(asked.result.causes) if asked is not None else []
+
     def asked_to_decide(self, before: int | None = None) -> Turn | None:
         """The latest question before `before` if its answer asked what would decide."""
         asks = [t for t in self.turns[:before] if t.kind == "ask" and t.result is not None]

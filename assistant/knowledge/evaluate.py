@@ -232,14 +232,20 @@ def two_turn_ranking(pipeline, item: dict, first) -> list[str]:
     """The causes the chat ranks when the reporter's next message is the followup.
 
     The first answer becomes a turn of a real Conversation, so the second
-    question carries exactly the context the chat gives it (the earlier
-    question when that answer asked what would decide, its root error).
+    question carries exactly what the chat gives it (the earlier question and
+    causes when that answer asked what would decide, its root error).
     """
     from assistant.chat.conversation import Conversation, Turn
     from assistant.pipeline import Question
 
     conversation = Conversation(turns=[Turn(query=item["query"], result=first)])
-    second = pipeline.ask(Question(item["followup"], top=5, context=conversation.context()))
+    question = Question(
+        item["followup"],
+        top=5,
+        context=conversation.context(),
+        earlier=conversation.earlier_answer(),
+    )
+    second = pipeline.ask(question)
     return [cause.id for cause in second.causes]
 
 

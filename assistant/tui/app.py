@@ -282,6 +282,7 @@ class ChatApp(LocalizedBindings, ToolActions, RunActions, HistoryActions, App[No
             top=self.deps.top,
             findings=self.conversation.findings(),
             context=self.conversation.context(before=before),
+            earlier=self.conversation.earlier_answer(before=before),
             known_runs=list(known.values()),
         )
         if self.question_cancel is not None:

@@ -205,6 +205,8 @@ def test_a_reply_to_the_decide_question_carries_the_earlier_question():
     context = conversation.context()
     assert context == "Earlier question: DDP keeps saying it can't find the device"
     assert conversation.asked_to_decide() is unsure
+    assert [c.id for c in conversation.earlier_answer()] == ["a"]  # averaged with the reply's
     # A sure answer asks nothing, so the next question stands on its own.
     unsure.result.confidence, unsure.result.decide = "high", []
     assert conversation.context() is None and conversation.asked_to_decide() is None
+    assert conversation.earlier_answer() == []

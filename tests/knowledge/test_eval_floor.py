@@ -119,14 +119,17 @@ def test_real_user_reports_meet_floor(real_reports, name):
 
 def test_an_answered_follow_up_finds_the_cause_at_least_as_often(real_report_evaluations):
     """Reports whose reporter posted more later in the thread (the traceback, the
-    launch command: holdout20 on), asked as the chat's second turn. Measured once
-    with holdout20: 7 reports, top-1 0.714 -> 0.857, recall@3 0.857 -> 1.000."""
+    launch command, or just a line), asked as the chat's second turn. Measured in
+    session 13 on 65: first turn 0.415 / 0.585; the reply ranked alone with the
+    earlier question as context 0.354 / 0.585; merged with the earlier answer
+    (pipeline.with_earlier_answer) 0.415 / 0.600. A reply must not lose what the
+    first report found."""
     turns = [r["two_turns"] for r in real_report_evaluations.values() if "two_turns" in r]
     count = sum(t["queries"] for t in turns)
-    assert count >= 7
+    assert count >= 65
 
     def pooled(turn: str, metric: str) -> float:
         return sum(t[turn][metric] * t["queries"] for t in turns) / count
 
-    assert pooled("second", "top1") >= max(pooled("first", "top1"), 0.8), turns
-    assert pooled("second", "recall3") >= pooled("first", "recall3"), turns
+    for metric in ("top1", "recall3", "mrr"):  # (each set's figures are rounded to 4 places)
+        assert pooled("second", metric) >= pooled("first", metric) - 0.001, (metric, turns)
