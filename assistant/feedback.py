@@ -102,6 +102,24 @@ class FeedbackStore:
             )
         return handle
 
+    def question_of(self, handle: str) -> str:
+        """The question of a kept answer (`ask --after` reads a reply as its follow-up)."""
+        if keeping_disabled():
+            raise UserError(
+                f"no answer {handle!r}: ASSISTANT_NO_HISTORY is set, answers are not kept"
+            )
+        row = None
+        if self.path.exists():
+            with self._connect() as db:
+                row = db.execute(
+                    "SELECT query FROM answers WHERE answer_id = ?", (handle,)
+                ).fetchone()
+        if row is None:
+            raise UserError(
+                f"no answer {handle!r} kept here (answers are kept where they were given)"
+            )
+        return row[0]
+
     def record(self, handle: str, cause_id: str, verdict: str, note: str = "") -> None:
         """One user's word on one cause of one answer."""
         with self._connect() as db:

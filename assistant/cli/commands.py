@@ -166,6 +166,11 @@ def with_probe_options(func):
 @click.option(
     "--script", type=click.Path(path_type=Path), help="Your training script, checked statically."
 )
+@click.option(
+    "--after",
+    metavar="ANSWER_ID",
+    help="Read the text as your reply to that answer (what it asked for): re-ranks both together.",
+)
 @model_option
 @team_kb_option
 @with_probe_options
@@ -178,6 +183,7 @@ def ask(
     batch,
     no_probe,
     script,
+    after,
     model,
     python_path,
     nproc_per_node,
@@ -189,9 +195,12 @@ def ask(
     assistant ask "RuntimeError: Default process group has not been initialized"
     torchrun --nproc_per_node=2 train.py 2>&1 | assistant ask -
     assistant ask --json --no-probe "DDP 一直报错找不到设备"
+    assistant ask --after 3f2a9c01d4e5 "nvidia-smi shows both ranks on GPU 0"
     """
     if not 1 <= top <= 50:
         raise UserError("--top must be between 1 and 50")
+    if after is not None and batch is not None:
+        raise UserError("--after reads one reply; it cannot go with --batch")
     findings = _lint_findings(script)
     runner = None if no_probe else _runner(python_path, nproc_per_node, probe_timeout)
     pipeline = _pipeline(_engine(model), runner)
@@ -203,14 +212,37 @@ def ask(
         raise UserError("the question is empty: give an error message, a log, or `-` for stdin")
     from assistant.pipeline import Question
 
+    question = Question(text, top=top, findings=findings)
+    if after is not None:
+        question = as_reply(pipeline, question, after)
     with probe_status(runner is not None and not as_json) as observer:
-        result = pipeline.ask(Question(text, top=top, findings=findings), observer)
+        result = pipeline.ask(question, observer)
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
     else:
         from assistant.cli.render import render_result
 
         render_result(result, _console(), full=full)
+
+
+def as_reply(pipeline, question, answer_id: str):
+    """`question` as the chat asks a reply: in the conversation of a kept answer.
+
+    The earlier question is ranked again (retrieval and its verdicts from the
+    text and script only: its probes are not rerun) and becomes a real
+    Conversation's turn, so the reply carries exactly what the chat gives a
+    follow-up (the earlier question and causes when that answer asked what
+    would decide, its root error).
+    """
+    from dataclasses import replace
+
+    from assistant.chat.conversation import Conversation, Turn
+
+    earlier_text = pipeline.answers.question_of(answer_id)
+    ranked = pipeline.engine.ask(earlier_text, top=question.top)
+    earlier = pipeline.judge(ranked, [], question.findings)
+    conversation = Conversation(turns=[Turn(query=earlier_text, result=earlier)])
+    return replace(question, context=conversation.context(), earlier=conversation.earlier_answer())
 
 
 def _lint_findings(script: Path | None) -> list:

@@ -56,6 +56,10 @@ CLI_WORDS: dict[str, dict[str, str]] = {
         "zh": "--full 显示全部原因的详情；`assistant explain ID` 查看单个原因的文档",
     },
     "given_to": {"en": "said to", "zh": "针对的问题"},
+    "reply_hint": {
+        "en": 'add what it asks for: assistant ask --after {id} "<what you add>"',
+        "zh": '补充所需信息：assistant ask --after {id} "<补充的内容>"',
+    },
     "feedback_hint": {
         "en": "answer {id}: tell us what fixed it: assistant feedback {id} --cause ID --fixed",
         "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
@@ -119,6 +123,8 @@ def render_result(result: Result, console: Console, full: bool = False) -> None:
     if result.probes:
         console.print(_probe_table(result.probes, lang))
     if result.answer_id:
+        if result.decide:
+            console.print(Text(word("reply_hint", lang, id=result.answer_id), style="dim"))
         console.print(Text(word("feedback_hint", lang, id=result.answer_id), style="dim"))
 
 

@@ -89,3 +89,40 @@ def test_old_answers_are_dropped_but_answers_with_feedback_stay(tmp_path, monkey
     for n in range(1, 8):
         store.remember(f"q{n}", ["a"])
     assert [case["query"] for case in store.confirmed_cases()] == ["q0"]
+
+
+# --- ask --after: a reply to what an answer asked for --------------------------------
+
+RESUMED = "after resuming from my checkpoint, GPU 0 holds the other ranks' memory"
+THIN_REPLY = "I tried to disable some NCCL features but it doesn't work"
+
+
+def test_a_reply_after_an_unsure_answer_is_ranked_with_it(run):
+    first = ask(run, RESUMED)
+    assert first["confidence"] != "high" and first["decide"]
+    text = run(["ask", "--no-probe", RESUMED]).output
+    assert f'assistant ask --after {first["answer_id"]} "<what you add>"' in text
+    reply = run(["ask", "--json", "--no-probe", "--after", first["answer_id"], THIN_REPLY])
+    assert reply.exit_code == 0, reply.output
+    alone = ask(run, THIN_REPLY)
+    # On its own the line names NCCL; as a reply it adds to the report it answers.
+    assert alone["causes"][0]["id"] != first["causes"][0]["id"]
+    assert json.loads(reply.output)["causes"][0]["id"] == first["causes"][0]["id"]
+    # A reply that shows the error decides.
+    decided = run(["ask", "--json", "--no-probe", "--after", first["answer_id"], ERROR])
+    assert json.loads(decided.output)["causes"][0]["id"] == "process-group-not-initialized"
+
+
+def test_a_reply_to_an_answer_not_kept_is_a_one_line_error(run, monkeypatch):
+    unknown = run(["ask", "--no-probe", "--after", "0123456789ab", THIN_REPLY])
+    assert unknown.exit_code == 2
+    assert unknown.stderr.strip() == (
+        "assistant: error: no answer '0123456789ab' kept here (answers are kept where they "
+        "were given)"
+    )
+    handle = ask(run, RESUMED)["answer_id"]
+    monkeypatch.setenv("ASSISTANT_NO_HISTORY", "1")
+    off = run(["ask", "--no-probe", "--after", handle, THIN_REPLY])
+    assert off.exit_code == 2 and "ASSISTANT_NO_HISTORY is set" in off.stderr
+    both = run(["ask", "--no-probe", "--after", handle, "--batch", "x.jsonl"])
+    assert both.exit_code == 2 and "cannot go with --batch" in both.stderr
