@@ -196,14 +196,14 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
     The confidence report counts, per level as `ask --no-probe` states it, how
     many answers and how many right: "high" must be right at least 9 times in
     10 on reports it has never seen. A query with a followup is then asked a
-    second time the way the chat asks it (two_turn_ranking).
+    second time the way the chat asks it (second_turn).
     """
     from assistant.pipeline import Pipeline, Question
 
     pipeline = Pipeline(engine=engine)
     scores: list[dict] = [{} for _ in queries]
     levels: dict[str, list[float]] = {}
-    turns: list[tuple[dict, list[str], list[str], bool]] = []
+    turns: list[tuple[dict, object, object]] = []  # (query, first answer, second answer)
     for rows in held_out_groups(engine, queries):
         for row in rows:
             item = queries[row]
@@ -214,9 +214,7 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
                 score_ranking(ranked, item["causes"])["top1"]
             )
             if item.get("followup"):
-                asked = bool(result.decide) and result.confidence != "high"
-                second = two_turn_ranking(pipeline, item, result)
-                turns.append((item, ranked, second, asked))
+                turns.append((item, result, second_turn(pipeline, item, result)))
     confidence = {
         level: {
             "answers": len(hits),
@@ -228,8 +226,8 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
     return Answers(scores, confidence, two_turn_report(turns))
 
 
-def two_turn_ranking(pipeline, item: dict, first) -> list[str]:
-    """The causes the chat ranks when the reporter's next message is the followup.
+def second_turn(pipeline, item: dict, first):
+    """The chat's answer when the reporter's next message is the followup.
 
     The first answer becomes a turn of a real Conversation, so the second
     question carries exactly what the chat gives it (the earlier question and
@@ -245,21 +243,32 @@ def two_turn_ranking(pipeline, item: dict, first) -> list[str]:
         context=conversation.context(),
         earlier=conversation.earlier_answer(),
     )
-    second = pipeline.ask(question)
-    return [cause.id for cause in second.causes]
+    return pipeline.ask(question)
 
 
-def two_turn_report(turns: list[tuple[dict, list[str], list[str], bool]]) -> dict | None:
-    """First- and second-turn top-1 / recall@3 over the queries with a followup, and
-    how many first answers asked for more (not "high", with what would decide)."""
+def two_turn_report(turns: list[tuple[dict, object, object]]) -> dict | None:
+    """Over the queries with a followup: first- and second-turn top-1 / recall@3 / MRR,
+    how many first answers asked for more (not "high", with what would decide), and
+    how many second answers are "high" and how often those are right."""
     if not turns:
         return None
-    items = [item for item, _, _, _ in turns]
+    items = [item for item, _, _ in turns]
+    firsts = [[cause.id for cause in first.causes] for _, first, _ in turns]
+    seconds = [[cause.id for cause in second.causes] for _, _, second in turns]
+    high = [
+        score_ranking(ranked, item["causes"])["top1"]
+        for (item, _, second), ranked in zip(turns, seconds)
+        if second.confidence == "high"
+    ]
     return {
         "queries": len(turns),
-        "asked": sum(asked for _, _, _, asked in turns),
-        "first": mean_scores(items, [first for _, first, _, _ in turns]),
-        "second": mean_scores(items, [second for _, _, second, _ in turns]),
+        "asked": sum(bool(first.decide) and first.confidence != "high" for _, first, _ in turns),
+        "first": mean_scores(items, firsts),
+        "second": mean_scores(items, seconds),
+        "second_high": {
+            "answers": len(high),
+            "top1": round(sum(high) / len(high), 4) if high else None,
+        },
     }
 
 
@@ -283,6 +292,11 @@ def format_report(report: dict) -> str:
             f"top-1 {first['top1']:.3f} -> {second['top1']:.3f}, "
             f"recall@3 {first['recall3']:.3f} -> {second['recall3']:.3f}"
         )
+        high = turns["second_high"]
+        if high["answers"]:
+            lines.append(
+                f"  second answers 'high': {high['answers']}, first cause right {high['top1']:.3f}"
+            )
     if report["misses"]:
         lines.append(f"fused misses ({len(report['misses'])}):")
         lines += [f"  {m['id']}: want {m['want']} got {m['got']}" for m in report["misses"]]
