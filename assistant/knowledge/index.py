@@ -11,7 +11,8 @@
               with a content hash and its embedding (reused on rebuild)
   chunks_fts  FTS5 over a CJK-aware token string of each chunk
   token_df    in how many chunks each token occurs (for choosing query terms)
-  blobs       the serialized FAISS index over chunk embeddings
+  blobs       the serialized FAISS index over chunk embeddings, and each cause's
+              TF-IDF centroid (centroids.py), fitted once here
 
 Building writes a temporary file beside the index and renames it into place,
 so a failed or concurrent build never leaves a broken index. `open_index`
@@ -250,6 +251,7 @@ def write_db(
         ({"id": t.id, "data": json.dumps(t.model_dump(), ensure_ascii=False)} for t in kb.threads),
         pk="id",
     )
+    tokens = [search_tokens(c.text) for c in chunks]
     db["chunks"].insert_all(
         (
             {
@@ -259,7 +261,7 @@ def write_db(
                 "causes": json.dumps(dict(c.causes)),
                 "ref": c.ref,
                 "text": c.text,
-                "tokens": " ".join(search_tokens(c.text)),
+                "tokens": " ".join(tokens[i]),
                 "hash": c.hash,
                 "embedding": vectors[c.hash] if c.dense else None,
             }
@@ -275,8 +277,27 @@ def write_db(
     dense_ids = np.array([i for i, c in enumerate(chunks) if c.dense], dtype=np.int64)
     matrix = np.vstack([np.frombuffer(vectors[chunks[i].hash], np.float32) for i in dense_ids])
     db["blobs"].insert({"name": "faiss", "data": _faiss_bytes(matrix, dense_ids)}, pk="name")
+    _store_centroids(db, tokens, chunks, set(kb.causes))
     db.conn.commit()
     db.close()
+
+
+def _store_centroids(db, tokens: list[list[str]], chunks: list[Chunk], known: set[str]) -> None:
+    """Fit the causes' centroids once, here, on the chunks as written (with FTS5's
+    token counts), rather than on every cold start; not above FIT_LIMIT chunks."""
+    from assistant.knowledge.centroids import FIT_LIMIT, STORED_NAME, CauseCentroids
+
+    if len(chunks) > FIT_LIMIT:
+        return
+    token_df = dict(db.execute("select term, doc from token_df").fetchall())
+    # Each chunk's causes as a query reads them back (json round trip of the same dict).
+    chunk_causes = [dict(c.causes) for c in chunks]
+    # A token as stored in chunks.tokens (a space-joined string) splits back the same way.
+    token_lists = [" ".join(t).split() for t in tokens]
+    centroids = CauseCentroids.fit(token_lists, chunk_causes, token_df, known)
+    if centroids is not None:
+        data = centroids.to_json().encode("utf-8")
+        db["blobs"].insert({"name": STORED_NAME, "data": data}, pk="name")
 
 
 # Up to this many chunks an exact (flat) search is fast enough; above it an

@@ -130,10 +130,8 @@ class Retriever:
 
     @cached_property
     def centroids(self) -> CauseCentroids | None:
-        """Fitted on first use; not on a large index, where the fit would cost
-        seconds of the first query (bm25 alone ranks the words there)."""
-        if len(self.index.chunk_kinds) > LARGE_INDEX:
-            return None
+        """Read from the index (stored at build time) on first use; None on a large
+        index, where bm25 alone ranks the words (centroids.FIT_LIMIT)."""
         return CauseCentroids.from_index(self.index)
 
     # -- the signals -------------------------------------------------------

@@ -83,3 +83,58 @@ def test_the_real_lexical_signal_uses_the_kb_centroids(engine):
     assert all(0 < score <= 2.0 for score in lexical.values())
     assert max(lexical.values()) > 1.5
     assert max(lexical, key=lexical.get) == "checkpoint-map-location", lexical
+
+
+# --- stored in the index at build time -------------------------------------------------
+
+
+def stored(index: SimpleNamespace, centroids: CauseCentroids | None, data: bytes | None = None):
+    """The index with a blobs table holding `centroids` (or raw `data`)."""
+    index.db.execute("create table if not exists blobs (name text primary key, data blob)")
+    payload = data if data is not None else centroids.to_json().encode("utf-8")
+    index.db.execute("insert or replace into blobs values ('centroids', ?)", (payload,))
+    return index
+
+
+SLOW_IDLE = [
+    ({"slow": 1.0}, "two GPUs are no faster than one"),
+    ({"idle": 1.0, "slow": 0.5}, "only one GPU is used, the others idle"),
+    ({"idle": 1.0}, "多卡训练只用了一张卡"),
+]
+
+
+def test_stored_centroids_are_the_fitted_ones_and_are_read_not_refitted():
+    index = token_index(SLOW_IDLE, {"slow", "idle"})
+    fitted = CauseCentroids.from_index(index)
+    stored(index, fitted)
+    index.db.execute("delete from chunks")  # a refit now would find no tokens
+    read = CauseCentroids.from_index(index)
+    assert read.idf == fitted.idf and read.postings == fitted.postings
+
+
+def test_stored_centroids_of_another_format_or_damaged_are_fitted_again():
+    index = token_index(SLOW_IDLE, {"slow", "idle"})
+    fitted = CauseCentroids.from_index(index)
+    for damaged in (
+        b'{"format": 0, "causes": [], "idf": {}, "postings": {}}',  # another version
+        b"{not json",
+        b'{"format": 1, "causes": ["slow"], "idf": {}, "postings": {"gpu": [7, 0.5]}}',
+        b'{"format": 1, "causes": ["slow"], "idf": {}, "postings": {"gpu": [0, "x"]}}',
+        b'{"format": 1, "causes": [3], "idf": {}, "postings": {}}',
+        b"[1, 2]",
+    ):
+        refitted = CauseCentroids.from_index(stored(index, None, damaged))
+        assert refitted.postings == fitted.postings, damaged
+
+
+def test_the_built_index_stores_the_centroids_its_tokens_give(engine):
+    from assistant.knowledge.centroids import CauseCentroids as Centroids
+
+    index = engine._index
+    read = Centroids.stored_in(index.db)
+    assert read is not None
+    rows = index.db.execute("select tokens from chunks order by id").fetchall()
+    fitted = Centroids.fit(
+        [row[0].split() for row in rows], index.chunk_causes, index.token_df, set(index.causes)
+    )
+    assert read.idf == fitted.idf and read.postings == fitted.postings
