@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from rich.console import Console, Group
 from rich.panel import Panel
-from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
@@ -117,7 +116,9 @@ def render_result(result: Result, console: Console, full: bool = False) -> None:
     console.print(_cause_table(result.causes, lang))
     shown = result.causes if full else result.causes[:1]
     for position, cause in enumerate(shown, start=1):
-        console.print(_cause_panel(position, cause, lang, full))
+        console.print(
+            _cause_panel(position, cause, lang, full, color=console.color_system is not None)
+        )
     if not full and len(result.causes) > 1:
         console.print(Text(word("full_hint", lang), style="dim"))
     if result.probes:
@@ -247,7 +248,11 @@ def _cause_table(causes: list[CauseResult], lang: str) -> Table:
     return table
 
 
-def _cause_panel(position: int, cause: CauseResult, lang: str, full: bool) -> Panel:
+def _cause_panel(
+    position: int, cause: CauseResult, lang: str, full: bool, color: bool = True
+) -> Panel:
+    """One cause in full; its fix code highlighted only where colours show (lexing the
+    code costs ~80 ms of a cold start, for nothing when the output is piped)."""
     parts: list = [Text(f"{position}. {cause.text('title', lang)}", style="bold")]
     parts.append(Text(cause.text("summary", lang)))
     if cause.verdict.evidence:
@@ -262,8 +267,12 @@ def _cause_panel(position: int, cause: CauseResult, lang: str, full: bool) -> Pa
             parts.extend(answer_lines(answer, lang))
     parts.append(Text(f"\n{word('fix', lang)}:", style="bold"))
     parts.append(Text(cause.text("fix", lang).strip()))
-    if cause.fix_code:
+    if cause.fix_code and color:
+        from rich.syntax import Syntax  # pulls in pygments: only where it is used
+
         parts.append(Syntax(cause.fix_code.rstrip(), "python", theme="ansi_dark", word_wrap=True))
+    elif cause.fix_code:
+        parts.append(Text(cause.fix_code.rstrip()))
     return Panel(Group(*parts), title=cause.id, title_align="left", border_style="blue")
 
 

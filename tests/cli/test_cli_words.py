@@ -3,6 +3,7 @@ i18n.translate (falling back to the shared STRINGS), and importing them changes 
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import sys
@@ -105,3 +106,21 @@ def test_the_probe_table_speaks_the_questions_language(lang, headers, statuses):
     text = console.export_text()
     for word in headers + statuses:
         assert word in text
+
+
+def test_fix_code_is_highlighted_where_colours_show_and_plain_where_they_do_not():
+    from assistant.cli.render import render_result
+    from assistant.results import CauseResult, Result
+
+    code = 'torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))'
+    cause = CauseResult(id="set-device-order", title="t", score=0.9, fix="f", fix_code=code)
+    result = Result(query="q", root_error=None, causes=[cause])
+    outputs = {}
+    for colour in ("truecolor", None):
+        out = io.StringIO()
+        console = Console(file=out, width=100, color_system=colour, force_terminal=bool(colour))
+        render_result(result, console)
+        outputs[colour] = out.getvalue()
+    assert code in outputs[None] and "\x1b[" not in outputs[None]  # piped: the code, unlexed
+    # In a terminal the same code is split into highlighted tokens.
+    assert "\x1b[" in outputs["truecolor"] and code not in outputs["truecolor"]
