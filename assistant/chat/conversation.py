@@ -196,7 +196,8 @@ class Conversation:
 
     def earlier_answer(self, before: int | None = None) -> list[CauseResult]:
         """The causes of the answer that asked for what would decide ([] if none did):
-        a reply adds to that report, and its ranking is averaged with them."""
+        a reply adds to that report, its ranking merged with them
+        (pipeline.with_earlier_answer)."""
         asked = self.asked_to_decide(before)
         return list(asked.result.causes) if asked is not None else []
 

@@ -228,19 +228,21 @@ def ask(
 def as_reply(pipeline, question, answer_id: str):
     """`question` as the chat asks a reply: in the conversation of a kept answer.
 
-    The earlier question is ranked again (retrieval and its verdicts from the
-    text and script only: its probes are not rerun) and becomes a real
-    Conversation's turn, so the reply carries exactly what the chat gives a
-    follow-up (the earlier question and causes when that answer asked what
-    would decide, its root error).
+    The earlier question goes through the same flow again, without probes
+    (its verdicts rest on the text and the script) and without being kept a
+    second time, and becomes a real Conversation's turn, so the reply carries
+    exactly what the chat gives a follow-up (the earlier question and causes
+    when that answer asked what would decide, its root error).
     """
     from dataclasses import replace
 
     from assistant.chat.conversation import Conversation, Turn
+    from assistant.pipeline import Pipeline
 
     earlier_text = pipeline.answers.question_of(answer_id)
-    ranked = pipeline.engine.ask(earlier_text, top=question.top)
-    earlier = pipeline.judge(ranked, [], question.findings)
+    earlier = Pipeline(engine=pipeline.engine).ask(
+        replace(question, text=earlier_text, probe=False)
+    )
     conversation = Conversation(turns=[Turn(query=earlier_text, result=earlier)])
     return replace(question, context=conversation.context(), earlier=conversation.earlier_answer())
 

@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # index.py stores the centroids it builds: no import cycle at
     from assistant.knowledge.index import LoadedIndex
 
 TOP_CAUSES = 24  # only the head of the ranking matters to reciprocal-rank fusion
-FIT_LIMIT = 20_000  # chunks; above it the fit would cost seconds of the first query
+# Chunks; above it a fit would cost seconds (the size retrieve.LARGE_INDEX also calls large).
+FIT_LIMIT = 20_000
 STORED_NAME = "centroids"  # their row in the index's blobs table
 # Written with the stored centroids: a change to how they are fitted changes it,
 # and an index that stored another version is refitted rather than read.

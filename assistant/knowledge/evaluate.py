@@ -9,9 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from assistant.errors import UserError
 from assistant.knowledge.retrieve import SIGNALS, fuse, with_shortcut
+
+if TYPE_CHECKING:
+    from assistant.results import Result
+
+TurnPair = tuple[dict, "Result", "Result"]  # (labelled query, first answer, second answer)
 
 RUNS = {"fused": SIGNALS, **{name: (name,) for name in SIGNALS}}
 
@@ -203,7 +209,7 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
     pipeline = Pipeline(engine=engine)
     scores: list[dict] = [{} for _ in queries]
     levels: dict[str, list[float]] = {}
-    turns: list[tuple[dict, object, object]] = []  # (query, first answer, second answer)
+    turns: list[TurnPair] = []
     for rows in held_out_groups(engine, queries):
         for row in rows:
             item = queries[row]
@@ -226,7 +232,7 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
     return Answers(scores, confidence, two_turn_report(turns))
 
 
-def second_turn(pipeline, item: dict, first):
+def second_turn(pipeline, item: dict, first: Result) -> Result:
     """The chat's answer when the reporter's next message is the followup.
 
     The first answer becomes a turn of a real Conversation, so the second
@@ -246,7 +252,7 @@ def second_turn(pipeline, item: dict, first):
     return pipeline.ask(question)
 
 
-def two_turn_report(turns: list[tuple[dict, object, object]]) -> dict | None:
+def two_turn_report(turns: list[TurnPair]) -> dict | None:
     """Over the queries with a followup: first- and second-turn top-1 / recall@3 / MRR,
     how many first answers asked for more (not "high", with what would decide), and
     how many second answers are "high" and how often those are right."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import stat
 
 import pytest
@@ -97,13 +98,20 @@ RESUMED = "after resuming from my checkpoint, GPU 0 holds the other ranks' memor
 THIN_REPLY = "I tried to disable some NCCL features but it doesn't work"
 
 
-def test_a_reply_after_an_unsure_answer_is_ranked_with_it(run):
+def kept_questions(tmp_path) -> list[str]:
+    with sqlite3.connect(tmp_path / "private" / "feedback.sqlite") as db:
+        return [row[0] for row in db.execute("SELECT query FROM answers ORDER BY created")]
+
+
+def test_a_reply_after_an_unsure_answer_is_ranked_with_it(run, tmp_path):
     first = ask(run, RESUMED)
     assert first["confidence"] != "high" and first["decide"]
     text = run(["ask", "--no-probe", RESUMED]).output
     assert f'assistant ask --after {first["answer_id"]} "<what you add>"' in text
     reply = run(["ask", "--json", "--no-probe", "--after", first["answer_id"], THIN_REPLY])
     assert reply.exit_code == 0, reply.output
+    # Only the reply is kept: ranking the earlier question again keeps nothing new.
+    assert kept_questions(tmp_path) == [RESUMED, THIN_REPLY]
     alone = ask(run, THIN_REPLY)
     # On its own the line names NCCL; as a reply it adds to the report it answers.
     assert alone["causes"][0]["id"] != first["causes"][0]["id"]
