@@ -234,10 +234,14 @@ def _confidence(result: Result, lang: str) -> Text:
 
 def _cause_table(causes: list[CauseResult], lang: str) -> Table:
     table = Table(title=word("causes", lang), title_justify="left", expand=False, show_edge=False)
-    table.add_column("#", justify="right", no_wrap=True)
-    table.add_column(word("id_col", lang), no_wrap=True)  # ids are handles people type: never cut
-    table.add_column(word("verdict_col", lang), no_wrap=True)
-    table.add_column(word("score", lang), justify="right", no_wrap=True)
+    # Ids are handles people type and scores are read whole: on a narrow terminal
+    # the verdict wraps instead (with no_wrap everywhere, rich cut the ids and
+    # dropped the position column at 80 columns).
+    widest = max((len(cause.id) for cause in causes), default=2)
+    table.add_column("#", justify="right", no_wrap=True, min_width=len(str(len(causes))))
+    table.add_column(word("id_col", lang), no_wrap=True, min_width=widest)
+    table.add_column(word("verdict_col", lang))
+    table.add_column(word("score", lang), justify="right", no_wrap=True, min_width=5)
     for position, cause in enumerate(causes, start=1):
         table.add_row(
             str(position),

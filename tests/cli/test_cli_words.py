@@ -124,3 +124,22 @@ def test_fix_code_is_highlighted_where_colours_show_and_plain_where_they_do_not(
     assert code in outputs[None] and "\x1b[" not in outputs[None]  # piped: the code, unlexed
     # In a terminal the same code is split into highlighted tokens.
     assert "\x1b[" in outputs["truecolor"] and code not in outputs["truecolor"]
+
+
+def test_on_an_80_column_terminal_ids_and_positions_are_whole_and_the_verdict_wraps():
+    from assistant.cli.render import render_result
+    from assistant.results import CauseResult, Result, Verdict
+
+    long_ids = ["process-group-not-initialized", "syncbn-without-process-group"]
+    causes = [
+        CauseResult(
+            id=cid, title="t", score=0.5, verdict=Verdict("inconclusive", ["x"], source="probe")
+        )
+        for cid in long_ids
+    ]
+    out = io.StringIO()
+    render_result(Result(query="q", root_error=None, causes=causes), Console(file=out, width=80))
+    rows = [line for line in out.getvalue().splitlines() if "│" in line and "┃" not in line]
+    assert any(line.lstrip().startswith("1 │ process-group-not-initialized ") for line in rows)
+    assert any(line.lstrip().startswith("2 │ syncbn-without-process-group ") for line in rows)
+    assert "…" not in out.getvalue().split("╭")[0]  # nothing in the table is cut
