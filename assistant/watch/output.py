@@ -32,16 +32,10 @@ class OutputTail:
         self.partial = b""
 
     def files(self) -> list[tuple[Path, str]]:
-        """Every output file: each process's in start order, then the launch's.
-
-        Within one poll the launch's files are read last because a launcher
-        speaks last: torchrun prints its failure summary only once the
-        workers have exited, so whatever they wrote in the same poll came
-        before it, and the summary ends the merged output.
-        """
+        """Every output file: each process's, the latest started first, then the launch's."""
         found = []
         procs = Path(procs_dir(str(self.watch_dir)))
-        for path in sorted(procs.glob("*.out"), key=_pid):
+        for path in sorted(procs.glob("*.out"), key=_pid, reverse=True):
             found.append((path, "stdout"))
             found.append((path.with_suffix(".err"), "stderr"))
         found.append((self.watch_dir / "launch.out", "stdout"))
@@ -51,7 +45,7 @@ class OutputTail:
     def poll(self) -> int:
         """Pass on everything written since the last poll; the number of bytes."""
         total = 0
-        for path, stream in self.files():
+        for path, stream in in_write_order(self.files()):
             total += self._read(path, stream)
         return total
 
@@ -84,6 +78,26 @@ class OutputTail:
 
     def close(self) -> None:
         self.merged.close()
+
+
+def in_write_order(files: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """The files that exist, the one written last at the end.
+
+    A launcher speaks last: torchrun's agent (itself a watched process with
+    a file of its own), srun or a wrapper prints its failure summary only
+    once its workers have exited, so when their last words and its summary
+    arrive in one poll the summary must end the merged output. Where the
+    clock cannot tell two files apart, the given order holds (stable sort):
+    later-started processes first, the launch's own files last.
+    """
+    stamped = []
+    for path, stream in files:
+        try:
+            stamped.append((path.stat().st_mtime_ns, path, stream))
+        except OSError:
+            continue  # not created yet
+    stamped.sort(key=lambda entry: entry[0])
+    return [(path, stream) for _, path, stream in stamped]
 
 
 def _pid(path: Path) -> int:

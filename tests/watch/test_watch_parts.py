@@ -184,7 +184,9 @@ def test_output_the_launcher_sent_elsewhere_stays_there(tmp_path):
     assert len(list((log_dir / "procs").glob("*.json"))) == 1  # recorded all the same
 
 
-def test_in_one_poll_the_workers_output_comes_before_the_launchers_last_words(tmp_path):
+def test_in_one_poll_the_file_written_last_ends_the_output(tmp_path):
+    # torchrun's agent is a watched process too: its summary lands in its own
+    # file, whose pid is lower than its workers'. It printed last, so it ends.
     from assistant.watch.output import OutputTail
 
     log_dir = tmp_path / "logs"
@@ -192,17 +194,44 @@ def test_in_one_poll_the_workers_output_comes_before_the_launchers_last_words(tm
     seen: list[bytes] = []
     tail = OutputTail(log_dir, lambda stream, data: seen.append(data), log_dir / "output.log")
     procs = log_dir / "procs"
-    (procs / "120.out").write_text("")
-    (procs / "120.err").write_text("[rank0]: RuntimeError: Connection closed by peer\n")
-    (log_dir / "launch.err").write_text("torch.distributed.elastic...ChildFailedError\n")
+    for name, text, written in [
+        ("100.err", "torch.distributed.elastic...ChildFailedError\n", 3),
+        ("120.err", "[rank0]: RuntimeError: Connection closed by peer\n", 2),
+        ("121.err", "[rank1]: ValueError: bad batch\n", 1),
+    ]:
+        (procs / name).with_suffix(".out").write_text("")
+        (procs / name).write_text(text)
+        os.utime(procs / name, ns=(written * 10**9, written * 10**9))
+    (log_dir / "launch.err").write_text("")
     assert tail.poll() > 0
     tail.close()
     assert seen == [
+        b"[rank1]: ValueError: bad batch\n",
         b"[rank0]: RuntimeError: Connection closed by peer\n",
         b"torch.distributed.elastic...ChildFailedError\n",
     ]
     assert tail.tail_text().endswith("ChildFailedError")
     assert (log_dir / "output.log").read_bytes() == b"".join(seen)
+
+
+def test_files_written_within_one_clock_tick_put_children_before_parents(tmp_path):
+    from assistant.watch.output import OutputTail
+
+    log_dir = tmp_path / "logs"
+    prepare_log_dir(log_dir)
+    seen: list[bytes] = []
+    tail = OutputTail(log_dir, lambda stream, data: seen.append(data), log_dir / "output.log")
+    procs = log_dir / "procs"
+    for name in ["100", "120"]:
+        (procs / f"{name}.out").write_text("")
+        (procs / f"{name}.err").write_text(f"from {name}\n")
+    (log_dir / "launch.out").write_text("")
+    (log_dir / "launch.err").write_text("from the launch\n")
+    for path in [*procs.iterdir(), log_dir / "launch.out", log_dir / "launch.err"]:
+        os.utime(path, ns=(10**9, 10**9))
+    tail.poll()
+    tail.close()
+    assert seen == [b"from 120\n", b"from 100\n", b"from the launch\n"]
 
 
 def test_a_log_dir_in_use_is_refused(tmp_path):
