@@ -117,6 +117,10 @@ class Retriever:
             for cid, data in index.causes.items()
         }
         self._causes_where: dict[tuple[str, bool], frozenset[str]] = {}
+        # The last query whose every signal was scored (no shortcut), and those
+        # scores: `kb eval` scores each query so, then asks it through the
+        # pipeline, which would compute the same signals again.
+        self._last_full: tuple[tuple, dict[str, dict[str, float]]] | None = None
         self.named_by = {
             cid: words
             for cid, data in index.causes.items()
@@ -239,6 +243,12 @@ class Retriever:
         With `shortcut`, the dense signal is skipped when a signature already
         matched the root error (see `needs_dense`).
         """
+        key = (clean.text, clean.focus, repr(clean.root_error), context, signals, self.held_out)
+        last = self._last_full
+        if last is not None and last[0] == key:
+            # The shortcut only leaves dense out, and word lowering never
+            # touches the signatures that decide it: the same scores either way.
+            return with_shortcut(dict(last[1])) if shortcut else dict(last[1])
         query = clean.focus or clean.text[:2000]
         # The English of its Chinese terms: the KB and the model are mostly English.
         # Appended, so it reaches the model only when the question is short.
@@ -258,6 +268,8 @@ class Retriever:
         contradicted = self.contradicted_causes(query, clean)
         if contradicted:
             per_signal = with_words_lowered(per_signal, contradicted)
+        if not shortcut:
+            self._last_full = (key, dict(per_signal))
         return per_signal
 
     def contradicted_causes(self, query: str, clean: CleanLog) -> frozenset[str]:

@@ -55,6 +55,29 @@ def test_a_root_error_signature_hit_skips_the_dense_signal(engine):
     assert set(with_shortcut(full)) == {"signature", "lexical", "reports"}
 
 
+def test_asking_after_scoring_every_signal_reuses_the_scores_and_ranks_the_same(
+    engine, monkeypatch
+):
+    # kb eval scores every signal of a query, then asks it through the pipeline.
+    retriever = engine._retriever
+    queries = [
+        "RuntimeError: Default process group has not been initialized",  # shortcut: no dense
+        "why do both my processes use gpu 0",  # dense kept
+    ]
+    fresh = {q: [c.id for c in engine.ask(q).causes] for q in queries}
+    calls: list[str] = []
+    real = retriever.lexical_scores
+    monkeypatch.setattr(retriever, "lexical_scores", lambda text: calls.append(text) or real(text))
+    for query in queries:
+        calls.clear()
+        engine.signal_scores(query)
+        assert [c.id for c in engine.ask(query).causes] == fresh[query]
+        assert len(calls) == 1  # the ask reused the scores
+        with engine.holding_out([query]):  # another reports model: scored anew
+            engine.ask(query)
+        assert len(calls) == 2
+
+
 def test_chinese_question_matches_through_fts_bigrams(engine):
     lexical = engine._retriever.lexical_scores("多卡训练两个进程都跑到0号卡上了")
     assert lexical, "CJK bigrams found nothing"
