@@ -127,6 +127,8 @@ THREAD_SITES = (
     "http://www.xdnf.cn/",
     # holdout20: a blog post in which the author reports their own FSDP failure
     "https://ophelia.chat/blog/",
+    # holdout21: a Chinese blog post, its author's own DataParallel checkpoint failure
+    "https://chaos-blog.github.io/",
 )
 
 
