@@ -184,15 +184,21 @@ def test_output_the_launcher_sent_elsewhere_stays_there(tmp_path):
     assert len(list((log_dir / "procs").glob("*.json"))) == 1  # recorded all the same
 
 
-def test_in_one_poll_the_file_written_last_ends_the_output(tmp_path):
-    # torchrun's agent is a watched process too: its summary lands in its own
-    # file, whose pid is lower than its workers'. It printed last, so it ends.
+def _tail_of_a_watch_folder(tmp_path):
+    """(log folder, its OutputTail, the chunks the tail passes on, in order)."""
     from assistant.watch.output import OutputTail
 
     log_dir = tmp_path / "logs"
     prepare_log_dir(log_dir)
     seen: list[bytes] = []
     tail = OutputTail(log_dir, lambda stream, data: seen.append(data), log_dir / "output.log")
+    return log_dir, tail, seen
+
+
+def test_in_one_poll_the_file_written_last_ends_the_output(tmp_path):
+    # torchrun's agent is a watched process too: its summary lands in its own
+    # file, whose pid is lower than its workers'. It printed last, so it ends.
+    log_dir, tail, seen = _tail_of_a_watch_folder(tmp_path)
     procs = log_dir / "procs"
     for name, text, written in [
         ("100.err", "torch.distributed.elastic...ChildFailedError\n", 3),
@@ -215,12 +221,7 @@ def test_in_one_poll_the_file_written_last_ends_the_output(tmp_path):
 
 
 def test_files_written_within_one_clock_tick_put_children_before_parents(tmp_path):
-    from assistant.watch.output import OutputTail
-
-    log_dir = tmp_path / "logs"
-    prepare_log_dir(log_dir)
-    seen: list[bytes] = []
-    tail = OutputTail(log_dir, lambda stream, data: seen.append(data), log_dir / "output.log")
+    log_dir, tail, seen = _tail_of_a_watch_folder(tmp_path)
     procs = log_dir / "procs"
     for name in ["100", "120"]:
         (procs / f"{name}.out").write_text("")
