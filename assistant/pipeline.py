@@ -47,7 +47,7 @@ class Retrieval(Protocol):
 class AnswerLog(Protocol):
     """Where answers are kept for `assistant feedback` (assistant.feedback.FeedbackStore)."""
 
-    def remember(self, query: str, cause_ids: list[str]) -> str: ...
+    def remember(self, query: str, cause_ids: list[str], after: str | None = None) -> str: ...
 
 
 class Probing(Protocol):
@@ -84,6 +84,8 @@ class Question:
         would decide between them): the reply adds to that report, it does not
         replace it (with_earlier_answer).
     known_runs: probe runs from earlier in the session, reused as they are.
+    after: the kept answer this question replies to (`ask --after`), kept
+        with the answer so a reply to it is read with the whole thread.
     """
 
     text: str
@@ -94,6 +96,7 @@ class Question:
     earlier: Sequence[CauseResult] = ()
     known_runs: Sequence[ProbeRun] = ()
     probe: bool = True
+    after: str | None = None
 
 
 # How much a reply to "what would decide?" weighs against the answer that asked
@@ -180,7 +183,7 @@ class Pipeline:
             runs = self._finish_probes(ranked, question, early, observer, cancel)
         else:
             runs = list(question.known_runs)
-        return self._keep(self.judge(ranked, runs, question.findings))
+        return self._keep(self.judge(ranked, runs, question.findings), question.after)
 
     def _with_finding_causes(self, ranked: Result, findings: Sequence[Finding]) -> Result:
         """Every cause a finding names joins the answer, even if the text did not rank it.
@@ -204,11 +207,12 @@ class Pipeline:
                 continue  # an id this KB does not have (a team KB without it)
         return replace(ranked, causes=list(ranked.causes) + added)
 
-    def _keep(self, result: Result) -> Result:
+    def _keep(self, result: Result, after: str | None = None) -> Result:
         """The final answer, with the handle users give `assistant feedback`."""
         if self.answers is None or result.query is None:
             return result
-        handle = self.answers.remember(result.query, [cause.id for cause in result.causes])
+        causes = [cause.id for cause in result.causes]
+        handle = self.answers.remember(result.query, causes, after)
         return replace(result, answer_id=handle)
 
     def judge(

@@ -201,6 +201,14 @@ class Conversation:
         asked = self.asked_to_decide(before)
         return list(asked.result.causes) if asked is not None else []
 
+    def last_answer_id(self, before: int | None = None) -> str | None:
+        """The kept id of the latest answer before `before`: a follow-up replies to
+        it, so `assistant ask --after` on the follow-up's id reads the whole chat."""
+        for turn in reversed(self.turns[:before]):
+            if turn.kind == "ask" and turn.result is not None:
+                return turn.result.answer_id or None
+        return None
+
     def asked_to_decide(self, before: int | None = None) -> Turn | None:
         """The latest question before `before` if its answer asked what would decide."""
         asks = [t for t in self.turns[:before] if t.kind == "ask" and t.result is not None]

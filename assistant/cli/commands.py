@@ -228,23 +228,36 @@ def ask(
 def as_reply(pipeline, question, answer_id: str):
     """`question` as the chat asks a reply: in the conversation of a kept answer.
 
-    The earlier question goes through the same flow again, without probes
-    (its verdicts rest on the text and the script) and without being kept a
-    second time, and becomes a real Conversation's turn, so the reply carries
-    exactly what the chat gives a follow-up (the earlier question and causes
-    when that answer asked what would decide, its root error).
+    The thread's questions (the kept answer's, and those it replied to) go
+    through the same flow again, oldest first, each as the chat asks a
+    follow-up, without probes (their verdicts rest on the text and the script)
+    and without being kept a second time; they become a real Conversation's
+    turns, so the reply carries exactly what the chat gives a follow-up (the
+    question that asked what would decide and its causes, the root error).
     """
-    from dataclasses import replace
 
     from assistant.chat.conversation import Conversation, Turn
     from assistant.pipeline import Pipeline
 
-    earlier_text = pipeline.answers.question_of(answer_id)
-    earlier = Pipeline(engine=pipeline.engine).ask(
-        replace(question, text=earlier_text, probe=False)
+    replay = Pipeline(engine=pipeline.engine)
+    conversation = Conversation()
+    for earlier_text in pipeline.answers.thread_of(answer_id):
+        earlier = replay.ask(in_conversation(question, conversation, earlier_text, probe=False))
+        conversation.add(Turn(query=earlier_text, result=earlier))
+    return in_conversation(question, conversation, question.text, after=answer_id)
+
+
+def in_conversation(question, conversation, text: str, **changes):
+    """`question` with `text`, asked as the conversation's next turn."""
+    from dataclasses import replace
+
+    return replace(
+        question,
+        text=text,
+        context=conversation.context(),
+        earlier=conversation.earlier_answer(),
+        **changes,
     )
-    conversation = Conversation(turns=[Turn(query=earlier_text, result=earlier)])
-    return replace(question, context=conversation.context(), earlier=conversation.earlier_answer())
 
 
 def _lint_findings(script: Path | None) -> list:

@@ -134,3 +134,84 @@ def test_a_reply_to_an_answer_not_kept_is_a_one_line_error(run, monkeypatch):
     assert off.exit_code == 2 and "ASSISTANT_NO_HISTORY is set" in off.stderr
     both = run(["ask", "--no-probe", "--after", handle, "--batch", "x.jsonl"])
     assert both.exit_code == 2 and "cannot go with --batch" in both.stderr
+
+
+ANOTHER_THIN_REPLY = "it still happens with the same settings on the next run"
+
+
+def test_a_reply_to_a_reply_is_read_with_the_whole_thread(run, tmp_path):
+    first = ask(run, RESUMED)
+    reply = run(["ask", "--json", "--no-probe", "--after", first["answer_id"], THIN_REPLY])
+    reply_id = json.loads(reply.output)["answer_id"]
+    again = run(["ask", "--json", "--no-probe", "--after", reply_id, ANOTHER_THIN_REPLY])
+    assert again.exit_code == 0, again.output
+    # Read after the first reply alone, the line would be a reply to a line about NCCL;
+    # read with the thread it still adds to the report that started it.
+    assert ask(run, THIN_REPLY)["causes"][0]["id"] != first["causes"][0]["id"]
+    assert json.loads(again.output)["causes"][0]["id"] == first["causes"][0]["id"]
+    assert kept_questions(tmp_path) == [RESUMED, THIN_REPLY, ANOTHER_THIN_REPLY, THIN_REPLY]
+
+
+def test_a_confirmed_reply_exports_its_thread_as_query_and_followup(run, tmp_path):
+    first = ask(run, RESUMED)
+    reply = json.loads(
+        run(["ask", "--json", "--no-probe", "--after", first["answer_id"], ERROR]).output
+    )
+    run(["feedback", reply["answer_id"], "--cause", reply["causes"][0]["id"], "--fixed"])
+    out = tmp_path / "confirmed.jsonl"
+    assert run(["kb", "feedback", "--export", str(out)]).exit_code == 0
+    [case] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (case["query"], case["followup"]) == (RESUMED, ERROR)
+    assert run(["kb", "eval", str(out), "--json"]).exit_code == 0
+
+
+def link(store: FeedbackStore, handle: str, after: str) -> None:
+    """Point a kept answer at another, as a hand-edited or damaged file might."""
+    with sqlite3.connect(store.path) as db:
+        db.execute("UPDATE answers SET after = ? WHERE answer_id = ?", (after, handle))
+
+
+def test_a_thread_keeps_its_first_question_and_latest_turns_and_survives_a_loop(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr("assistant.feedback.THREAD_TURNS", 3)
+    monkeypatch.delenv("ASSISTANT_NO_HISTORY", raising=False)
+    store = FeedbackStore(tmp_path / "f.sqlite")
+    handles = [store.remember("q0", ["a"])]
+    for n in range(1, 6):
+        handles.append(store.remember(f"q{n}", ["a"], after=handles[-1]))
+    assert store.thread_of(handles[-1]) == ["q0", "q4", "q5"]
+    assert store.thread_of(handles[1]) == ["q0", "q1"]
+    link(store, handles[0], handles[2])  # q0 -> q2 -> q1 -> q0: a loop
+    assert store.thread_of(handles[2]) == ["q0", "q1", "q2"]
+
+
+def test_pruning_keeps_the_thread_a_confirmed_reply_needs(tmp_path, monkeypatch):
+    monkeypatch.setattr("assistant.feedback.KEPT_ANSWERS", 2)
+    monkeypatch.delenv("ASSISTANT_NO_HISTORY", raising=False)
+    store = FeedbackStore(tmp_path / "f.sqlite")
+    first = store.remember("the report", ["a"])
+    reply = store.remember("the reply", ["a"], after=first)
+    store.record(reply, "a", "fixed")
+    for n in range(5):
+        store.remember(f"q{n}", ["a"])
+    assert store.confirmed_cases() == [
+        {"id": f"feedback-{reply}", "query": "the report", "causes": ["a"], "followup": "the reply"}
+    ]
+
+
+def test_a_file_from_before_replies_were_linked_is_read_and_extended(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASSISTANT_NO_HISTORY", raising=False)
+    path = tmp_path / "f.sqlite"
+    with sqlite3.connect(path) as db:  # the schema of earlier releases
+        db.executescript(
+            "CREATE TABLE answers (answer_id TEXT PRIMARY KEY, query TEXT NOT NULL, "
+            "causes TEXT NOT NULL, created REAL NOT NULL);"
+            "CREATE TABLE feedback (answer_id TEXT NOT NULL, cause_id TEXT NOT NULL, "
+            "verdict TEXT NOT NULL, note TEXT NOT NULL DEFAULT '', created REAL NOT NULL);"
+        )
+        db.execute("INSERT INTO answers VALUES ('0123456789ab', 'old question', '[\"a\"]', 1.0)")
+    store = FeedbackStore(path)
+    assert store.thread_of("0123456789ab") == ["old question"]
+    reply = store.remember("new reply", ["a"], after="0123456789ab")
+    assert store.thread_of(reply) == ["old question", "new reply"]

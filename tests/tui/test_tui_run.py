@@ -288,6 +288,19 @@ async def test_a_cause_key_records_feedback_in_the_answers_log(tmp_path, key, ve
     assert first in app.notices[-1]
 
 
+async def test_a_follow_up_is_kept_as_a_reply_so_ask_after_reads_the_whole_chat(tmp_path):
+    answers = FeedbackStore(tmp_path / "feedback.sqlite")
+    app = fake_app(answers=answers)
+    async with app.run_test(size=(110, 40)) as pilot:
+        first = await ask(app, pilot, DUPLICATE_GPU_LINE)
+        reply = await ask(app, pilot, "nvidia-smi shows both ranks on GPU 0")
+    assert first.turn.result.answer_id and reply.turn.result.answer_id
+    assert answers.thread_of(reply.turn.result.answer_id) == [
+        DUPLICATE_GPU_LINE,
+        "nvidia-smi shows both ranks on GPU 0",
+    ]
+
+
 def footer_words(app, lang: str) -> set[str]:
     """The descriptions the footer may show for the focused list in `lang`."""
     return {
