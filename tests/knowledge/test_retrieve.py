@@ -81,3 +81,25 @@ def test_asking_after_scoring_every_signal_reuses_the_scores_and_ranks_the_same(
 def test_chinese_question_matches_through_fts_bigrams(engine):
     lexical = engine._retriever.lexical_scores("多卡训练两个进程都跑到0号卡上了")
     assert lexical, "CJK bigrams found nothing"
+
+
+# A GPU count asked for beyond what the machine shows, as two kinds of output say it:
+# torch.cuda.get_device_properties, which nn.DataParallel calls for each of its
+# device_ids, and a training script's own guard quoted by its traceback.
+TOO_MANY_GPUS = [
+    (
+        'File ".../torch/cuda/__init__.py", in get_device_properties\n'
+        '    raise AssertionError("Invalid device id")\nAssertionError: Invalid device id'
+    ),
+    (
+        'Traceback (most recent call last):\n  File "tools/train.py", line 112, in <module>\n'
+        "    assert num_gpu <= torch.cuda.device_count()\nAssertionError"
+    ),
+]
+
+
+@pytest.mark.parametrize("log", TOO_MANY_GPUS)
+def test_asking_for_more_gpus_than_there_are_is_named_from_the_error_text(engine, log):
+    # The signature signal alone: the labelled reports already hold such logs.
+    scores = engine._retriever.signature_scores(clean_log(log))
+    assert max(scores, key=scores.get) == "world-size-exceeds-devices"
