@@ -213,20 +213,26 @@ def ask(
     from assistant.pipeline import Question
 
     question = Question(text, top=top, findings=findings)
+    earlier_turns = 0
     if after is not None:
-        question = as_reply(pipeline, question, after)
+        question, earlier_turns = as_reply(pipeline, question, after)
     with probe_status(runner is not None and not as_json) as observer:
         result = pipeline.ask(question, observer)
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False, indent=2))
-    else:
-        from assistant.cli.render import render_result
+        return
+    from assistant.cli.render import render_result, word
 
-        render_result(result, _console(), full=full)
+    console = _console()
+    if after is not None:  # the ranking rests on the thread too: say so first
+        line = word("read_as_reply", result.lang, id=after, count=earlier_turns)
+        console.print(line, style="dim", markup=False, highlight=False)
+    render_result(result, console, full=full)
 
 
 def as_reply(pipeline, question, answer_id: str):
-    """`question` as the chat asks a reply: in the conversation of a kept answer.
+    """`question` as the chat asks a reply: in the conversation of a kept answer
+    (and how many earlier questions that conversation has).
 
     The thread's questions (the kept answer's, and those it replied to) go
     through the same flow again, oldest first, each as the chat asks a
@@ -244,7 +250,8 @@ def as_reply(pipeline, question, answer_id: str):
     for earlier_text in pipeline.answers.thread_of(answer_id):
         earlier = replay.ask(in_conversation(question, conversation, earlier_text, probe=False))
         conversation.add(Turn(query=earlier_text, result=earlier))
-    return in_conversation(question, conversation, question.text, after=answer_id)
+    reply = in_conversation(question, conversation, question.text, after=answer_id)
+    return reply, len(conversation.turns)
 
 
 def in_conversation(question, conversation, text: str, **changes):

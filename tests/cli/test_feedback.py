@@ -150,6 +150,9 @@ def test_a_reply_to_a_reply_is_read_with_the_whole_thread(run, tmp_path):
     assert ask(run, THIN_REPLY)["causes"][0]["id"] != first["causes"][0]["id"]
     assert json.loads(again.output)["causes"][0]["id"] == first["causes"][0]["id"]
     assert kept_questions(tmp_path) == [RESUMED, THIN_REPLY, ANOTHER_THIN_REPLY, THIN_REPLY]
+    # The text answer says first what it was read with.
+    shown = run(["ask", "--no-probe", "--after", reply_id, ANOTHER_THIN_REPLY]).output
+    assert shown.startswith(f"Read as a reply to answer {reply_id}, with the 2 earlier")
 
 
 def test_a_confirmed_reply_exports_its_thread_as_query_and_followup(run, tmp_path):
