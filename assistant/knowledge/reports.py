@@ -16,7 +16,8 @@ vocabulary about fifty thousand n-grams. Targets are +1 for the report's first
 cause, -1 elsewhere. Measured leave-one-set-out over the ten fresh-collected
 sets (holdout8-17, 587 reports; each scored by a model that never saw its
 set), fused as a fourth signal of weight 1: top-1 0.557 -> 0.581, recall@3
-0.704 -> 0.721 (data/eval/README.md, session 11).
+0.704 -> 0.721 (data/eval/README.md, session 11). Its weight is 1.5 since
+session 15, when the pool had grown to 1416 reports (retrieve.SIGNAL_WEIGHTS).
 
 An evaluation must never score a report with a model that learned it, so
 `LearnedReports.model(held_out)` is the model fitted on the pool less those
