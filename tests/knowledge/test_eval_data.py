@@ -112,6 +112,8 @@ SMALL_SETS = {
     "real_reports_new_causes6.jsonl",
     "real_reports_new_causes7.jsonl",
 }
+# Sets whose Chinese collectors found nothing new (data/eval/README.md).
+ENGLISH_ONLY = {"real_reports_holdout25.jsonl"}
 
 
 def kb_cause_ids() -> set[str]:
@@ -152,7 +154,7 @@ def test_real_reports_are_well_formed_and_cite_their_threads(name: str) -> None:
         # reports their own failure and what fixed it, from holdout18 on PyTorch
         # forum threads whose poster confirms the fix
         assert report["url"].startswith(THREAD_SITES), report["id"]
-    assert any(CJK.search(r["query"]) for r in reports)
+    assert any(CJK.search(r["query"]) for r in reports) or name in ENGLISH_ONLY
 
 
 def test_the_real_report_sets_share_no_thread() -> None:
