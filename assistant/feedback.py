@@ -8,10 +8,9 @@ cause ids) is kept in a private SQLite file so that later
 can record "this fixed it" (or --wrong: "not this cause"). An answer given with
 `assistant ask --after ID` keeps that ID as its `after`, so a reply to a reply
 is read with the whole thread (`thread_of`), as the chat reads its turns.
-Support teams read
-it back with `assistant kb feedback` (per cause) and turn the confirmed cases
-into eval lines with `assistant kb feedback --export FILE`, which
-`assistant kb eval FILE` reads.
+Support teams read it back with `assistant kb feedback` (per cause) and turn
+the confirmed cases into eval lines with `assistant kb feedback --export
+FILE`, which `assistant kb eval FILE` reads.
 
 The file holds pasted logs, so it is created 0600 in a 0700 folder, and
 ASSISTANT_NO_HISTORY=1 turns keeping answers off (feedback then has nothing

@@ -59,6 +59,10 @@ CLI_WORDS: dict[str, dict[str, str]] = {
         "en": 'add what it asks for: assistant ask --after {id} "<what you add>"',
         "zh": '补充所需信息：assistant ask --after {id} "<补充的内容>"',
     },
+    "read_as_reply": {
+        "en": "Read as a reply to answer {id}, with the {count} earlier question(s) of its thread",
+        "zh": "作为对回答 {id} 的回复来读，连同它所在对话中之前的 {count} 个问题",
+    },
     "feedback_hint": {
         "en": "answer {id}: tell us what fixed it: assistant feedback {id} --cause ID --fixed",
         "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",
@@ -95,10 +99,6 @@ CLI_WORDS: dict[str, dict[str, str]] = {
     "node.nccl_all_reduce": {"en": "NCCL all_reduce", "zh": "NCCL all_reduce"},
     "node.problems": {"en": "problems", "zh": "问题"},
     "node.could_not_join": {"en": "could not join", "zh": "无法加入"},
-    "read_as_reply": {
-        "en": "Read as a reply to answer {id}, with the {count} earlier question(s) of its thread",
-        "zh": "作为对回答 {id} 的回复来读，连同它所在对话中之前的 {count} 个问题",
-    },
     "node.never_joined": {"en": "never joined", "zh": "未加入"},
 }
 
