@@ -168,7 +168,8 @@ class FeedbackStore:
 
         A reply's line is its thread: the first question as the query and the
         replies as its "followup" (kb eval asks it as the second turn), since a
-        reply alone ("24G each") is no report to measure on.
+        reply alone ("24G each") is no report to measure on. The thread is the
+        one `--after` reads (thread_questions: a long one loses its middle).
         """
         if not self.path.exists():
             return []

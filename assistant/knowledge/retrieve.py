@@ -38,7 +38,8 @@ SIGNALS = ("signature", "lexical", "dense", "reports")
 # The labelled reports weighed 1 until session 15; with 1416 of them in the pool
 # they weigh 1.5: each labelled set scored by a reports model that never saw it,
 # the traffic-like sets (holdout8-24, 925) went 0.589 -> 0.601 first, 11 sets
-# gained and 3 lost one report each, queries.jsonl 0.953 -> 0.946 (one query).
+# gained and 3 lost one report each, queries.jsonl 0.953 -> 0.946 (one query;
+# 0.953 again with holdout25 in the pool).
 # With 801 reports (session 14) the same change gained half a point: the signal
 # grows with its pool, and its weight may again when the pool has.
 SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0, "reports": 1.5}
