@@ -39,6 +39,16 @@ MEDIUM_MARGIN = 0.1
 # (right 0.973) and 23% of the 925 traffic-like ones (0.954); 0.4 would add half
 # a point of share for 0.941, and CLEAR_MARGIN 0.2 changes nothing.
 AGREEING_CLEAR_MARGIN = 0.5
+# The three word signals together: lexical, dense and the labelled reports all
+# rank the first cause first, with no signature. Before session 16 such an
+# answer was "medium" at most (words alone were right 7 in 10 in session 7,
+# when there were two word signals). With the reports signal, each labelled
+# file held out, such answers leading by 0.2 or more were right 152 times in
+# 165 over all 1439 real reports (72 in 83 on the 948 traffic-like ones);
+# as "high" they take its share from 34% to 45% (traffic-like: 24% to 32%)
+# while "high" stays right 0.96 (0.93). Under 0.2 they were right 47 in 69.
+WORDS_CLEAR_MARGIN = 0.2
+WORD_SIGNALS = ("lexical", "dense", "reports")
 MAX_DECIDE = 3
 SEARCHED_CHARS = 200_000  # how much of a question is searched for evidence already given
 
@@ -253,10 +263,13 @@ def level_of(result: Result) -> str | None:
     if first.verdict.verdict == "confirmed" and first.verdict.source in ("error", "script"):
         return "high" if margin >= MEDIUM_MARGIN else "medium"
     if signals_agree(first) and margin >= MEDIUM_MARGIN:
-        clear = margin >= AGREEING_CLEAR_MARGIN and not contested
-        # Words alone (lexical and dense agreeing, no signature) were right 7
-        # times in 10 as "high" on the six traffic-like sets: medium at most.
-        return "high" if clear and first.signals.get("signature") == 1 else "medium"
+        if contested:
+            return "medium"
+        if first.signals.get("signature") == 1 and margin >= AGREEING_CLEAR_MARGIN:
+            return "high"
+        # Two word searches alone were right 7 times in 10 as "high" (session
+        # 7); all three together, clearly ahead, are right 9 in 10.
+        return "high" if words_agree(first) and margin >= WORDS_CLEAR_MARGIN else "medium"
     return "low"
 
 
@@ -283,6 +296,11 @@ def signatures_compete(result: Result) -> bool:
 def signals_agree(cause: CauseResult) -> bool:
     """At least two retrieval signals rank this cause first."""
     return sum(1 for rank in cause.signals.values() if rank == 1) >= 2
+
+
+def words_agree(cause: CauseResult) -> bool:
+    """Every word signal (lexical, dense, the labelled reports) ranks this cause first."""
+    return all(cause.signals.get(signal) == 1 for signal in WORD_SIGNALS)
 
 
 def what_would_decide(result: Result) -> list[str]:

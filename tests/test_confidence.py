@@ -137,6 +137,9 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
         ),  # one only in the body: a single signal
         (0.65, {"signature": 1, "lexical": 1}, False, "high"),  # in the body, and the words agree
         (0.3, {"signature": 1, "lexical": 1}, False, "medium"),  # ... but with a small lead
+        (0.2, {"lexical": 1, "dense": 1, "reports": 1}, False, "high"),  # all three word signals
+        (0.15, {"lexical": 1, "dense": 1, "reports": 1}, False, "medium"),  # ... a small lead
+        (0.3, {"lexical": 1, "dense": 1, "reports": 2}, False, "medium"),  # two of the three
     ],
 )
 def test_levels_rest_on_agreement_and_lead(lead, signals, root_hit, level):

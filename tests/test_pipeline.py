@@ -211,9 +211,7 @@ def test_a_thin_reply_keeps_what_the_first_report_found(engine):
     from assistant.chat.conversation import Conversation, Turn
 
     pipeline = Pipeline(engine=engine)
-    first = pipeline.ask(
-        Question("after resuming from my checkpoint, GPU 0 holds the other ranks' memory", top=5)
-    )
+    first = pipeline.ask(Question("GPU 0 uses much more memory than the other GPUs", top=5))
     assert first.confidence != "high" and first.decide
     conversation = Conversation(turns=[Turn(query=first.query, result=first)])
     reply = "I tried to disable some NCCL features but it doesn't work"

@@ -94,7 +94,7 @@ def test_old_answers_are_dropped_but_answers_with_feedback_stay(tmp_path, monkey
 
 # --- ask --after: a reply to what an answer asked for --------------------------------
 
-RESUMED = "after resuming from my checkpoint, GPU 0 holds the other ranks' memory"
+GPU0_MEMORY = "GPU 0 uses much more memory than the other GPUs"
 THIN_REPLY = "I tried to disable some NCCL features but it doesn't work"
 
 
@@ -104,14 +104,14 @@ def kept_questions(tmp_path) -> list[str]:
 
 
 def test_a_reply_after_an_unsure_answer_is_ranked_with_it(run, tmp_path):
-    first = ask(run, RESUMED)
+    first = ask(run, GPU0_MEMORY)
     assert first["confidence"] != "high" and first["decide"]
-    text = run(["ask", "--no-probe", RESUMED]).output
+    text = run(["ask", "--no-probe", GPU0_MEMORY]).output
     assert f'assistant ask --after {first["answer_id"]} "<what you add>"' in text
     reply = run(["ask", "--json", "--no-probe", "--after", first["answer_id"], THIN_REPLY])
     assert reply.exit_code == 0, reply.output
     # Only the reply is kept: ranking the earlier question again keeps nothing new.
-    assert kept_questions(tmp_path) == [RESUMED, THIN_REPLY]
+    assert kept_questions(tmp_path) == [GPU0_MEMORY, THIN_REPLY]
     alone = ask(run, THIN_REPLY)
     # On its own the line names NCCL; as a reply it adds to the report it answers.
     assert alone["causes"][0]["id"] != first["causes"][0]["id"]
@@ -128,7 +128,7 @@ def test_a_reply_to_an_answer_not_kept_is_a_one_line_error(run, monkeypatch):
         "assistant: error: no answer '0123456789ab' kept here (answers are kept where they "
         "were given)"
     )
-    handle = ask(run, RESUMED)["answer_id"]
+    handle = ask(run, GPU0_MEMORY)["answer_id"]
     monkeypatch.setenv("ASSISTANT_NO_HISTORY", "1")
     off = run(["ask", "--no-probe", "--after", handle, THIN_REPLY])
     assert off.exit_code == 2 and "ASSISTANT_NO_HISTORY is set" in off.stderr
@@ -140,7 +140,7 @@ ANOTHER_THIN_REPLY = "it still happens with the same settings on the next run"
 
 
 def test_a_reply_to_a_reply_is_read_with_the_whole_thread(run, tmp_path):
-    first = ask(run, RESUMED)
+    first = ask(run, GPU0_MEMORY)
     reply = run(["ask", "--json", "--no-probe", "--after", first["answer_id"], THIN_REPLY])
     reply_id = json.loads(reply.output)["answer_id"]
     again = run(["ask", "--json", "--no-probe", "--after", reply_id, ANOTHER_THIN_REPLY])
@@ -149,14 +149,14 @@ def test_a_reply_to_a_reply_is_read_with_the_whole_thread(run, tmp_path):
     # read with the thread it still adds to the report that started it.
     assert ask(run, THIN_REPLY)["causes"][0]["id"] != first["causes"][0]["id"]
     assert json.loads(again.output)["causes"][0]["id"] == first["causes"][0]["id"]
-    assert kept_questions(tmp_path) == [RESUMED, THIN_REPLY, ANOTHER_THIN_REPLY, THIN_REPLY]
+    assert kept_questions(tmp_path) == [GPU0_MEMORY, THIN_REPLY, ANOTHER_THIN_REPLY, THIN_REPLY]
     # The text answer says first what it was read with.
     shown = run(["ask", "--no-probe", "--after", reply_id, ANOTHER_THIN_REPLY]).output
     assert shown.startswith(f"Read as a reply to answer {reply_id}, with the 2 earlier")
 
 
 def test_a_confirmed_reply_exports_its_thread_as_query_and_followup(run, tmp_path):
-    first = ask(run, RESUMED)
+    first = ask(run, GPU0_MEMORY)
     reply = json.loads(
         run(["ask", "--json", "--no-probe", "--after", first["answer_id"], ERROR]).output
     )
@@ -164,7 +164,7 @@ def test_a_confirmed_reply_exports_its_thread_as_query_and_followup(run, tmp_pat
     out = tmp_path / "confirmed.jsonl"
     assert run(["kb", "feedback", "--export", str(out)]).exit_code == 0
     [case] = [json.loads(line) for line in out.read_text().splitlines()]
-    assert (case["query"], case["followup"]) == (RESUMED, ERROR)
+    assert (case["query"], case["followup"]) == (GPU0_MEMORY, ERROR)
     assert run(["kb", "eval", str(out), "--json"]).exit_code == 0
 
 
