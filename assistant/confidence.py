@@ -25,9 +25,9 @@ from assistant.results import CauseResult, Result
 CLEAR_MARGIN = 0.25
 MEDIUM_MARGIN = 0.1
 # A body-line signature and a word search both ranking a cause first, with
-# this lead, is "high"; words alone (lexical and dense, no signature) are
-# "medium" at most: as "high" they were right 7 times in 10 on the six
-# traffic-like sets (data/eval/README.md, session 7). The lead was 0.2 until
+# this lead, is "high"; two word searches alone (lexical and dense, no
+# signature) are "medium" at most: as "high" they were right 7 times in 10 on
+# the six traffic-like sets (data/eval/README.md, session 7). The lead was 0.2 until
 # session 10: over 1227 labelled queries such answers with a lead under 0.6
 # were right 15 times in 20 (5 of 8 on the ten traffic-like sets), from 0.6
 # on 86 in 87. Session 11 added a fourth signal (the labelled reports), which

@@ -42,7 +42,7 @@ def pool(causes) -> ReportPool:
     reports = read_reports(eval_dir())
     known = set(causes)
     return ReportPool.count(
-        [(text, cause, text_key(text)) for text, cause in reports if cause in known]
+        [(text, causes, text_key(text)) for text, causes in reports if causes[0] in known]
     )
 
 
@@ -72,9 +72,9 @@ def test_a_held_out_set_is_fitted_as_if_it_had_never_been_labelled(pool, causes)
     assert held <= pool.key_set  # the set is in the pool, so holding it out matters
     without = ReportPool.count(
         [
-            (text, cause, text_key(text))
-            for text, cause in read_reports(eval_dir())
-            if text_key(text) not in held and cause in causes
+            (text, labels, text_key(text))
+            for text, labels in read_reports(eval_dir())
+            if text_key(text) not in held and labels[0] in causes
         ]
     )
     query = load_queries(HOLDOUT)[0]["query"]
@@ -114,6 +114,16 @@ def test_a_report_it_learned_is_recognised_and_one_held_out_is_not_memorised(poo
         full.scores(item["query"])[item["causes"][0]]
         > held.scores(item["query"])[item["causes"][0]]
     )
+
+
+def test_a_reports_later_labels_are_learned_as_causes_it_also_fits(pool):
+    """A report labelled [A, B] teaches that its words go with B as well (ALSO_TARGET),
+    not against it as with every cause it does not fit."""
+    row = next(i for i, also in enumerate(pool.also) if also and also[0] in pool.labels)
+    second = pool.also[row][0]
+    text = next(t for t in read_texts() if text_key(t) == pool.keys[row])
+    plain = ReportPool(pool.labels, pool.keys, pool.terms, pool.counts)  # first causes only
+    assert plain.fit().scores(text)[second] < pool.fit().scores(text)[second]
 
 
 def test_kb_eval_holds_out_each_file_while_it_is_scored(engine):
@@ -162,7 +172,12 @@ def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
     assert (tmp_path / POOL_FILE).is_file()
     key = learned._files_key()
     saved = ReportPool.load(tmp_path / POOL_FILE, key)
-    assert (saved.labels, saved.keys, saved.terms) == (counted.labels, counted.keys, counted.terms)
+    assert (saved.labels, saved.also, saved.keys, saved.terms) == (
+        counted.labels,
+        counted.also,
+        counted.keys,
+        counted.terms,
+    )
     assert (saved.counts != counted.counts).nnz == 0 and (saved.is_word == counted.is_word).all()
     held = held_out_keys(HOLDOUT)
     text = "NCCL timeout on rank 3 after the first epoch, training hangs"
@@ -204,6 +219,8 @@ def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, 
         '{"query": 3, "causes": ["p2p-hang"]}\n'
         '{"id": "x", "causes": ["p2p-hang"]}\n'
         '{"query": "a hang", "causes": [7]}\n'
+        '{"query": "a hang", "causes": "p2p-hang"}\n'
+        '{"query": "a hang", "causes": ["p2p-hang", 7, ["deep"]]}\n'
         '{"query": "a report of a cause this KB lacks", "causes": ["no-such-cause"]}\n'
         + "[" * 10_000
         + "\n",
@@ -211,7 +228,8 @@ def test_foreign_lines_and_unknown_causes_in_the_pool_are_passed_over(tmp_path, 
     )
     (folder / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
     reports = read_reports(folder)
-    assert len(reports) == len(load_queries(HOLDOUT)) + 1
+    assert len(reports) == len(load_queries(HOLDOUT)) + 2
+    assert ("a hang", ("p2p-hang",)) in reports  # the label that is a cause id, alone
     learned = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     assert "no-such-cause" not in learned.pool().labels
     assert learned.model() is not None
@@ -225,7 +243,7 @@ def test_no_labelled_reports_means_no_signal(tmp_path, symptoms):
 
 def test_a_cause_no_labelled_report_names_is_learned_from_its_symptoms(symptoms, tmp_path):
     """A new or a team's own cause has no reports yet; its KB symptoms speak for it."""
-    unreported = {cause for _, cause in read_reports(eval_dir())}
+    unreported = {labels[0] for _, labels in read_reports(eval_dir())}
     cause = next(c for c in sorted(symptoms) if c not in unreported and symptoms[c])
     model = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms).model()
     scores = model.scores(symptoms[cause][0])
