@@ -105,6 +105,7 @@ REAL_SETS = sorted(path.name for path in (ROOT / "data" / "eval").glob("real_rep
 SMALL_SETS = {
     "real_reports_holdout6_small.jsonl",
     "real_reports_holdout25.jsonl",  # 23: session 15's search budget ran out
+    "real_reports_holdout27.jsonl",  # 25: session 16's second round, the corpus nearly exhausted
     "real_reports_new_causes.jsonl",
     "real_reports_new_causes3.jsonl",
     "real_reports_new_causes4.jsonl",
@@ -132,6 +133,8 @@ THREAD_SITES = (
     "https://ophelia.chat/blog/",
     # holdout21: a Chinese blog post, its author's own DataParallel checkpoint failure
     "https://chaos-blog.github.io/",
+    # holdout27: a CSDN post, its author's own "invalid device ordinal" and fix
+    "https://blog.csdn.net/",
 )
 
 
