@@ -48,6 +48,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -358,11 +359,13 @@ def signals_raise() -> Iterator[None]:
     handlers cannot be set) it only does the cleanup.
     """
     previous = {}
+    unraisable = sys.unraisablehook
     if threading.current_thread() is threading.main_thread():
         for sig in HOSTILE_SIGNALS:
             if signal.getsignal(sig) is signal.SIG_IGN:
                 continue  # `nohup assistant doctor`: the person asked to survive it
             previous[sig] = signal.signal(sig, _raise_terminated)
+        sys.unraisablehook = _quiet_terminated(unraisable)
     try:
         yield
     except (KeyboardInterrupt, Terminated):
@@ -374,6 +377,23 @@ def signals_raise() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = unraisable
+
+
+def _quiet_terminated(hook):
+    """`hook`, except for a Terminated that Python could not raise.
+
+    A signal that lands while Python runs a weakref callback or a __del__ (an
+    import's module lock, seen in CI) has its exception printed as "Exception
+    ignored in ..." with a traceback, then dropped; _exit_unless_handled still
+    ends the run, so the traceback would only be noise on the person's terminal.
+    """
+
+    def quiet(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Terminated):
+            hook(unraisable)
+
+    return quiet
 
 
 def _raise_terminated(signum: int, frame) -> None:

@@ -177,3 +177,37 @@ def test_a_signal_stops_a_runner_working_in_another_thread(hanging_probes, tmp_p
     assert pids_with_marker(marker) == []
     assert tagged(tag) == []
     assert left_in(temp) == []  # ours and torchrun's (torchelastic_*) alike
+
+
+class DroppedTermination:
+    """Raises Terminated where Python cannot raise it: in __del__."""
+
+    def __del__(self):
+        from assistant.probing.processes import Terminated
+
+        raise Terminated(signal.SIGHUP)
+
+
+class DroppedError:
+    def __del__(self):
+        raise ValueError("not ours")
+
+
+def test_a_termination_python_could_not_raise_prints_no_traceback():
+    """A signal landing in a weakref callback or a __del__ (an import's module
+    lock, seen in CI) is dropped by Python with "Exception ignored" and a
+    traceback; the watchdog ends the run anyway, so only other errors reach the
+    unraisable hook."""
+    from assistant.probing.processes import signals_raise
+
+    seen: list[type] = []
+    before = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: seen.append(type(unraisable.exc_value))
+    try:
+        with signals_raise():
+            DroppedTermination()  # collected at once: __del__ raises
+            DroppedError()
+        DroppedTermination()  # outside, the hook is the one before
+    finally:
+        sys.unraisablehook = before
+    assert [kind.__name__ for kind in seen] == ["ValueError", "Terminated"]
