@@ -267,8 +267,6 @@ def level_of(result: Result) -> str | None:
             return "medium"
         if first.signals.get("signature") == 1 and margin >= AGREEING_CLEAR_MARGIN:
             return "high"
-        # Two word searches alone were right 7 times in 10 as "high" (session
-        # 7); all three together, clearly ahead, are right 9 in 10.
         return "high" if words_agree(first) and margin >= WORDS_CLEAR_MARGIN else "medium"
     return "low"
 

@@ -261,6 +261,8 @@ class ReportPool:
             matrix.check_format(full_check=True)  # a damaged file must not index out of range
             if not len(keys) == len(also) == len(labels):
                 return None
+            if not all(isinstance(c, str) for causes in also for c in causes):
+                return None  # a damaged header: counted again rather than fitted wrong
             return cls(labels, keys, terms, matrix, also)
         except (KeyError, TypeError, ValueError, IndexError):
             return None

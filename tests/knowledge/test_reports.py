@@ -20,6 +20,7 @@ from assistant.knowledge.reports import (
     features,
     gram_matrix,
     read_reports,
+    save_arrays,
     text_key,
     weighted,
 )
@@ -196,6 +197,22 @@ def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
     for damaged in (b"not a pool", whole[: len(whole) // 2], whole[:-9] + b"123456789"):
         (tmp_path / POOL_FILE).write_bytes(damaged)
         assert ReportPool.load(tmp_path / POOL_FILE, key) is None
+    # A header whose later labels are not cause ids, under the right key.
+    bad_also = [[["nested"]] for _ in counted.labels]
+    arrays = {
+        "data": counted.counts.data,
+        "indices": counted.counts.indices,
+        "indptr": counted.counts.indptr,
+    }
+    header = {
+        "key": key,
+        "labels": counted.labels,
+        "also": bad_also,
+        "keys": counted.keys,
+        "terms": counted.terms,
+    }
+    assert save_arrays(tmp_path / POOL_FILE, header, **arrays)
+    assert ReportPool.load(tmp_path / POOL_FILE, key) is None
     again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
     assert again.pool().labels == counted.labels  # counted again, and saved again
     assert ReportPool.load(tmp_path / POOL_FILE, key) is not None
