@@ -132,6 +132,21 @@ def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int)
     return replace(reply, causes=merged[:top])
 
 
+def with_pasted_findings(question: Question) -> Question:
+    """The question with the findings of the code pasted into it (lint.pasted) added.
+
+    A person who quotes `wait_for_everyone()` inside `if is_main_process:`
+    has shown the cause; the words around it ("it hangs at checkpoint") say
+    little. Only checks that hold on a fragment run there.
+    """
+    from assistant.lint.pasted import lint_pasted
+
+    pasted = lint_pasted(question.text)
+    if not pasted:
+        return question
+    return replace(question, findings=[*question.findings, *pasted])
+
+
 @dataclass
 class Pipeline:
     """The whole flow, with the knowledge side and the probing side passed in.
@@ -164,6 +179,7 @@ class Pipeline:
             raise UserError("the question is empty: paste an error message or a log")
         if self.engine is None:
             raise UserError("no knowledge base loaded")
+        question = with_pasted_findings(question)
         cancel = cancel or threading.Event()
         early = self._start_probes(question, observer, cancel)
         # A reply merged with an earlier answer needs every cause's reply score.

@@ -56,8 +56,9 @@ class Finding:
     line: int
     message: str
     path: str = ""
-    # "script" for a static finding; "probe" for what was observed in the
-    # user's own running job (`assistant run`: where each rank waits).
+    # "script" for a static finding; "question" for one in code pasted into
+    # the question (lint.pasted); "probe" for what was observed in the user's
+    # own running job (`assistant run`: where each rank waits).
     source: str = "script"
 
     def to_json(self) -> dict:

@@ -184,6 +184,26 @@ def test_a_cause_a_finding_proves_joins_the_answer_and_leads(engine):
     assert (first.verdict.verdict, first.verdict.source) == ("confirmed", "script")
 
 
+def test_code_pasted_into_the_question_is_linted_and_quoted_as_the_evidence(engine):
+    text = (
+        "accelerator.wait_for_everyone() stuck when saving the checkpoint\n"
+        "\n"
+        "```python\n"
+        "for step, batch in enumerate(loader):\n"
+        "    if accelerator.is_main_process and step % 500 == 0:\n"
+        "        accelerator.wait_for_everyone()\n"
+        "        accelerator.save_state(output_dir)\n"
+        "```\n"
+    )
+    question = Question(text, top=3)
+    result = Pipeline(engine=engine).ask(question)
+    first = result.causes[0]
+    assert first.id == "collective-mismatch"
+    assert (first.verdict.verdict, first.verdict.source) == ("confirmed", "script")
+    assert first.verdict.evidence[0].startswith("the code in the question, line 6: ")
+    assert question.findings == ()  # the caller's question is not changed
+
+
 def test_a_reply_is_averaged_with_the_answer_that_asked_for_it():
     from assistant.pipeline import with_earlier_answer
     from assistant.results import CauseResult, Result, Verdict

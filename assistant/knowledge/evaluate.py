@@ -165,6 +165,9 @@ def report_of(queries: list[dict], answers: Answers, fused: list[list[str]]) -> 
         for item, ranked in zip(queries, fused)
         if not score_ranking(ranked, item["causes"])["top1"]
     ]
+    # What a person reads first: the fused order after the verdicts (an error
+    # signature's confirmation, a finding in code pasted into the question).
+    report["answered"] = mean_scores(queries, answers.answered)
     report["by_lang"] = top1_by_lang(queries, fused)
     report["confidence"] = answers.confidence
     if answers.two_turns is not None:
@@ -191,6 +194,7 @@ class Answers:
     """One pass of `ask` over labelled queries, each file held out once."""
 
     scores: list[dict]  # every signal's cause scores, per query
+    answered: list[list[str]]  # the causes as `ask --no-probe` orders them, per query
     confidence: dict[str, dict]  # per level: answers, share, first cause right
     two_turns: dict | None  # over the queries with a followup (None: there are none)
 
@@ -208,6 +212,7 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
 
     pipeline = Pipeline(engine=engine)
     scores: list[dict] = [{} for _ in queries]
+    answered: list[list[str]] = [[] for _ in queries]
     levels: dict[str, list[float]] = {}
     turns: list[TurnPair] = []
     for rows in held_out_groups(engine, queries):
@@ -215,7 +220,7 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
             item = queries[row]
             scores[row] = engine.signal_scores(item["query"])
             result = pipeline.ask(Question(item["query"], top=5))
-            ranked = [cause.id for cause in result.causes]
+            ranked = answered[row] = [cause.id for cause in result.causes]
             levels.setdefault(result.confidence or "none", []).append(
                 score_ranking(ranked, item["causes"])["top1"]
             )
@@ -229,7 +234,7 @@ def answer_queries(engine, queries: list[dict]) -> Answers:
         }
         for level, hits in sorted(levels.items())
     }
-    return Answers(scores, confidence, two_turn_report(turns))
+    return Answers(scores, answered, confidence, two_turn_report(turns))
 
 
 def second_turn(pipeline, item: dict, first: Result) -> Result:
@@ -283,6 +288,12 @@ def format_report(report: dict) -> str:
     for run in RUNS:
         m = report[run]
         lines.append(f"{run:10} {m['top1']:6.3f} {m['recall3']:9.3f} {m['mrr']:6.3f}")
+    if "answered" in report:
+        m = report["answered"]
+        lines.append(
+            f"{'answered':10} {m['top1']:6.3f} {m['recall3']:9.3f} {m['mrr']:6.3f}"
+            "  (as `ask --no-probe` orders them: fused, then the verdicts)"
+        )
     for lang, row in report.get("by_lang", {}).items():
         lines.append(f"fused top-1 in {lang}: {row['top1']:.3f} ({row['queries']} queries)")
     for level, row in report.get("confidence", {}).items():

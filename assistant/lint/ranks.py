@@ -158,9 +158,11 @@ def holds_when_distributed(test: ast.expr, script: Script) -> bool | None:
 
 
 def rank_comparison_side(test: ast.expr, script: Script) -> str | None:
-    """`rank == 0`, `rank != 0`, `local_rank in [-1, 0]`, `get_rank() > 0`, `is_main_process()`."""
-    if isinstance(test, ast.Call):
-        return RANK_ZERO if short(script.name_of(test.func)) in MAIN_PROCESS_HELPERS else None
+    """`rank == 0`, `rank != 0`, `local_rank in [-1, 0]`, `get_rank() > 0`, `is_main_process()`,
+    `accelerator.is_main_process`, `trainer.is_global_zero`."""
+    helper = test.func if isinstance(test, ast.Call) else test
+    if isinstance(helper, (ast.Name, ast.Attribute)):
+        return RANK_ZERO if short(script.name_of(helper)) in MAIN_PROCESS_HELPERS else None
     if not isinstance(test, ast.Compare) or len(test.ops) != 1:
         return None
     left, op, right = test.left, type(test.ops[0]), test.comparators[0]

@@ -28,9 +28,17 @@ def lint_script(path: str | Path) -> list[Finding]:
     return lint_source(read_script(path), str(path))
 
 
-def lint_source(source: str, path: str = "<string>") -> list[Finding]:
-    """Lint Python source text; findings sorted by line, then cause id."""
+def lint_source(
+    source: str, path: str = "<string>", assumed_imports: dict[str, str] | None = None
+) -> list[Finding]:
+    """Lint Python source text; findings sorted by line, then cause id.
+
+    `assumed_imports`: names a fragment uses without importing them (`dist`
+    for torch.distributed), resolved so unless the source imports them itself.
+    """
     script = parse_script(source, path)
+    for name, module in (assumed_imports or {}).items():
+        script.aliases.setdefault(name, module)
     try:
         script.traces = trace_script(script)
         findings = {finding for check in CHECKS for finding in check.run(script)}

@@ -50,12 +50,53 @@ TENSOR_FACTORIES = frozenset(
 LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
 LOCAL_RANK_NAME = re.compile(r"^(local_rank|localrank|local_rank_id|lrank)$", re.IGNORECASE)
 FIXED_CUDA = re.compile(r"^cuda:\d+$")
-MAIN_PROCESS_HELPERS = frozenset({"is_main_process", "is_master", "is_rank_zero", "is_rank0"})
+# True on rank 0 only, called or read as a property: `is_main_process()`,
+# Accelerate's `accelerator.is_main_process` / `is_local_main_process`,
+# Lightning's `trainer.is_global_zero`, the HF Trainer's `is_world_process_zero()`.
+MAIN_PROCESS_HELPERS = frozenset(
+    {
+        "is_main_process",
+        "is_local_main_process",
+        "is_master",
+        "is_rank_zero",
+        "is_rank0",
+        "is_global_zero",
+        "is_world_process_zero",
+        "is_local_process_zero",
+    }
+)
+# Collectives of the libraries most scripts train with, called as methods; each
+# waits for every rank like its torch.distributed twin. Hugging Face Accelerate:
+# `accelerator.wait_for_everyone()`, `accelerator.gather(x)`; Lightning:
+# `self.all_gather(x)` in a LightningModule, `fabric.barrier()`,
+# `trainer.strategy.barrier()`. `gather` and friends count only on an object
+# named like an accelerator or strategy: `torch.gather` and `x.reduce` are not.
+WAITS_FOR_EVERY_RANK = "wait_for_everyone"
+ACCELERATOR_COLLECTIVES = frozenset(
+    {"gather", "gather_for_metrics", "reduce", "pad_across_processes"}
+)
+LIGHTNING_COLLECTIVES = frozenset({"all_gather", "all_reduce", "barrier", "broadcast"})
+LIGHTNING_OWNERS = re.compile(r"^(self|fabric|strategy|\w*_strategy|trainer)$")
 
 
 def is_dist_call(name: str, functions: frozenset[str] | set[str]) -> bool:
     """`torch.distributed.<one of functions>` (not a method of a submodule)."""
     return name.startswith(DIST + ".") and short(name) in functions and name.count(".") == 2
+
+
+def is_collective(name: str) -> bool:
+    """A call every rank must make: torch.distributed's, Accelerate's or Lightning's."""
+    if is_dist_call(name, COLLECTIVES):
+        return True
+    owner, _, method = name.rpartition(".")
+    owner = short(owner).lower()
+    if not owner:
+        return False
+    if method == WAITS_FOR_EVERY_RANK:
+        return True
+    if "accelerator" in owner:
+        return method in ACCELERATOR_COLLECTIVES | LIGHTNING_COLLECTIVES
+    return method in LIGHTNING_COLLECTIVES and bool(LIGHTNING_OWNERS.match(owner))
 
 
 def is_init(name: str) -> bool:

@@ -324,6 +324,13 @@ def finding_line(i: Inputs, finding: Finding) -> str:
             where=where,
             message=finding.message,
         )
+    if finding.source == "question":
+        return i.t(
+            "the code in the question, {where}: {message}",
+            "问题里贴出的代码，{where}：{message}",
+            where=where,
+            message=finding.message,
+        )
     return i.t(
         "script {where}: {message}", "脚本 {where}：{message}", where=where, message=finding.message
     )

@@ -113,3 +113,24 @@ def test_a_followup_that_is_not_text_is_one_line_error(tmp_path):
     result = CliRunner().invoke(main, ["kb", "eval", str(bad)])
     assert result.exit_code == 2
     assert result.stderr.strip() == f"assistant: error: {bad}:1: followup must be text"
+
+
+def test_answered_scores_the_order_ask_shows_after_the_verdicts(private_engine, tmp_path):
+    # The words say "timeout"; the pasted loop shows a barrier only rank 0
+    # reaches, which confirms collective-mismatch and puts it first in `ask`.
+    hang = (
+        "Training hangs when it saves. My loop:\n\n"
+        "for step, batch in enumerate(loader):\n"
+        "    loss = model(batch)\n"
+        "    if dist.get_rank() == 0:\n"
+        "        save(model)\n"
+        "        dist.barrier()\n"
+    )
+    labelled = write(tmp_path / "hang.jsonl", ("hang", hang, "collective-mismatch"))
+    result = CliRunner().invoke(main, ["kb", "eval", str(labelled), "--json"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["answered"]["top1"] == 1.0
+    assert report["answered"]["top1"] >= report["fused"]["top1"]
+    text = CliRunner().invoke(main, ["kb", "eval", str(labelled)]).stdout
+    assert "\nanswered " in text

@@ -15,7 +15,7 @@ from assistant.lint.ranks import (
     some_rank_runs,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import COLLECTIVES, is_dist_call
+from assistant.lint.torchapi import is_collective
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -28,7 +28,7 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
     reaches: dict[str, CollectiveReach] = {}
     for trace in script.traces:
         for call in trace:
-            if not call.rank_path or not is_dist_call(call.name, COLLECTIVES):
+            if not call.rank_path or not is_collective(call.name):
                 continue
             if not some_rank_runs(call.rank_path):
                 continue  # the single-process path, or tests no rank passes together

@@ -1,0 +1,71 @@
+"""Code pasted into a question (assistant.lint.pasted): found in fences and in
+plain runs of code, linted with the checks that hold on a fragment, its line
+numbers the question's own; prose, logs and hostile text find nothing fast."""
+
+from __future__ import annotations
+
+from assistant.lint.pasted import FRAGMENT_CHECKS, lint_pasted, pasted_code
+
+LIGHTNING = """`self.all_gather` in test_epoch_end hangs forever
+
+all_gather and is_global_zero make the program hang forever, no other error.
+
+```python
+class DummyModel(pl.LightningModule):
+    def test_epoch_end(self, outputs):
+        if self.trainer.is_global_zero:
+            outputs = self.all_gather(outputs)
+            return outputs
+```
+"""
+
+UNFENCED = """Training hangs when it saves, rank 0 never comes back. My loop:
+
+for step, batch in enumerate(loader):
+    loss = model(batch)
+    if dist.get_rank() == 0:
+        save(model)
+        dist.barrier()
+Traceback (most recent call last):
+  File "train.py", line 40, in <module>
+RuntimeError: [Rank 1] Watchdog caught collective operation timeout
+"""
+
+
+def test_a_fenced_collective_on_rank_zero_only_is_found_on_the_questions_line():
+    findings = lint_pasted(LIGHTNING)
+    assert [(f.cause_id, f.line, f.source) for f in findings] == [
+        ("collective-mismatch", 9, "question")
+    ]
+    assert LIGHTNING.splitlines()[8].strip().startswith("outputs = self.all_gather")
+    assert "(the `if` on line 8)" in findings[0].message
+
+
+def test_unfenced_code_is_trimmed_of_the_log_after_it_and_dist_needs_no_import():
+    findings = lint_pasted(UNFENCED)
+    assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", 7)]
+    assert UNFENCED.splitlines()[6].strip() == "dist.barrier()"
+
+
+def test_only_checks_that_hold_on_a_fragment_run():
+    # A hard-coded cuda:0 is a finding in a whole script; in a fragment the
+    # set_device that makes it right may simply not be shown.
+    text = "my model:\n```\nmodel = Net().to('cuda:0')\nout = model(x.to('cuda:0'))\nloss = out.sum()\n```"
+    assert list(pasted_code(text))  # it is code, and it parses
+    assert lint_pasted(text) == []
+    assert FRAGMENT_CHECKS == {"collective-mismatch"}
+
+
+def test_prose_logs_and_correct_code_find_nothing():
+    assert lint_pasted("DDP hangs after the first epoch on 4 GPUs, no error at all") == []
+    assert lint_pasted("RuntimeError: NCCL error\n" * 500) == []
+    correct = "```\nloss = model(x)\ndist.barrier()\nif rank == 0:\n    save(model)\n```"
+    assert lint_pasted(correct) == []
+
+
+def test_hostile_questions_end_in_nothing_found():
+    nested = "```\n" + "x = " + "(" * 5000 + "1" + ")" * 5000 + "\ny = 1\nz = 2\n```"
+    many = ("```\nif rank == 0:\n    dist.barrier(\n```\n" + "words\n") * 2000
+    long_run = "\n".join(f"x{n} = f({n}" for n in range(50_000))
+    for text in (nested, many, long_run, "```" * 10_000, "\x00```\n\x00\n```"):
+        assert lint_pasted(text) == []  # parses are bounded (MAX_PARSES): no minutes-long walk
