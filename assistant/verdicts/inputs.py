@@ -311,29 +311,25 @@ def judge(
     return confirmed
 
 
+# A finding's evidence line, by where it was seen (Finding.source): English, Chinese.
+FINDING_LINES = {
+    "script": ("script {where}: {message}", "脚本 {where}：{message}"),
+    "question": (
+        "the code in the question, {where}: {message}",
+        "问题里贴出的代码，{where}：{message}",
+    ),
+    "probe": ("the running job, {where}: {message}", "运行中的作业，{where}：{message}"),
+}
+
+
 def finding_line(i: Inputs, finding: Finding) -> str:
     where = (
         f"{finding.path}:{finding.line}"
         if finding.path
         else i.t("line {n}", "第 {n} 行", n=finding.line)
     )
-    if finding.source == "probe":
-        return i.t(
-            "the running job, {where}: {message}",
-            "运行中的作业，{where}：{message}",
-            where=where,
-            message=finding.message,
-        )
-    if finding.source == "question":
-        return i.t(
-            "the code in the question, {where}: {message}",
-            "问题里贴出的代码，{where}：{message}",
-            where=where,
-            message=finding.message,
-        )
-    return i.t(
-        "script {where}: {message}", "脚本 {where}：{message}", where=where, message=finding.message
-    )
+    english, chinese = FINDING_LINES.get(finding.source, FINDING_LINES["script"])
+    return i.t(english, chinese, where=where, message=finding.message)
 
 
 def no_probe(i: Inputs) -> Verdict:
