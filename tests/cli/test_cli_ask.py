@@ -84,6 +84,29 @@ def test_human_output_shows_root_error_causes_and_fix(run):
     assert "LOCAL_RANK" in result.stdout
 
 
+def test_code_piped_in_with_the_question_is_linted_and_named_as_the_evidence(run):
+    question = (
+        "self.all_gather in test_epoch_end hangs forever on 2 GPUs\n"
+        "\n"
+        "```python\n"
+        "class Model(pl.LightningModule):\n"
+        "    def test_epoch_end(self, outputs):\n"
+        "        if self.trainer.is_global_zero:\n"
+        "            outputs = self.all_gather(outputs)\n"
+        "            return outputs\n"
+        "```\n"
+    )
+    result = run(["ask", "--no-probe", "--json", "-"], stdin=question)
+    assert result.exit_code == 0, result.stderr
+    first = json.loads(result.stdout)["causes"][0]
+    assert (first["id"], first["verdict"], first["verdict_source"]) == (
+        "collective-mismatch",
+        "confirmed",
+        "script",
+    )
+    assert first["evidence"][0].startswith("the code in the question, line 7: all_gather()")
+
+
 def test_batch_keeps_order_and_ids(run, tmp_path):
     batch = tmp_path / "q.jsonl"
     batch.write_text(

@@ -171,3 +171,27 @@ async def test_real_engine_and_runner_answer_a_pasted_log(engine):
         if result.confidence != "high" and result.decide:
             assert "To tell these apart, paste:" in text
     assert marked_processes(mark) == []
+
+
+async def test_code_pasted_into_the_chat_is_linted_and_shown_as_the_evidence(engine):
+    """Real retrieval and the real pipeline (probes replayed): the pasted loop's
+    barrier under a rank-0 test confirms collective-mismatch, in its own words."""
+    app = make_app(fake_deps(engine=engine, pipeline_type=Pipeline))
+    question = (
+        "accelerator.wait_for_everyone() is stuck when the checkpoint is saved\n"
+        "```python\n"
+        "for step, batch in enumerate(loader):\n"
+        "    if accelerator.is_main_process and step % 500 == 0:\n"
+        "        accelerator.wait_for_everyone()\n"
+        "        accelerator.save_state(output_dir)\n"
+        "```\n"
+    )
+    async with app.run_test(size=(140, 50)) as pilot:
+        await until(pilot, lambda: app.model_phase == "ready", 120)
+        app.post_message(events.Paste(question))
+        await pilot.pause()
+        await pilot.press("enter")
+        await until(pilot, lambda: app.turn_views and app.turn_views[0].phase == "done", 120)
+        first = app.turn_views[0].turn.result.causes[0]
+        assert (first.id, first.verdict.verdict) == ("collective-mismatch", "confirmed")
+        assert "the code in the question, line 5" in " ".join(screen_text(app).split())
