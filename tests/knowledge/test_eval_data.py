@@ -107,6 +107,7 @@ SMALL_SETS = {
     "real_reports_holdout25.jsonl",  # 23: session 15's search budget ran out
     "real_reports_holdout27.jsonl",  # 25: session 16's second round, the corpus nearly exhausted
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
+    "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_new_causes.jsonl",
     "real_reports_new_causes3.jsonl",
     "real_reports_new_causes4.jsonl",
