@@ -5,9 +5,14 @@ inside `if accelerator.is_main_process:`, `self.all_gather(...)` under
 `if self.trainer.is_global_zero:`. Most checks need the whole script (where
 set_device is called, how the job is launched) and on a fragment they guess:
 over the 1524 labelled real reports in data/eval, the other checks named a
-cause the thread did not resolve 18 times in 24. FRAGMENT_CHECKS are the ones
-whose finding holds within the lines shown; they named a wrong cause in none
-(data/eval/README.md, session 17).
+cause the thread did not resolve 18 times in 24 (most judge what a fragment
+does not show: no set_device, no DistributedSampler, no main guard).
+FRAGMENT_CHECKS read only what is shown: a collective under a rank test or
+with rank-dependent shapes or counts, an attribute read through the wrapper
+right after `DDP(model)`, a layer added on rank 0 before it. Over the same
+reports they fired three times, all on reports the thread resolved so
+(collective-mismatch; data/eval/README.md, session 17); the other three
+have not fired on a labelled report yet.
 
 A fragment is a fenced block (```), or a run of code-looking lines, dedented
 and trimmed at its ends until it parses. It is parsed after as many blank
@@ -26,9 +31,14 @@ from assistant.errors import UserError
 from assistant.lint.script import lint_source
 from assistant.results import Finding
 
-FRAGMENT_CHECKS = frozenset({"collective-mismatch"})
+FRAGMENT_CHECKS = frozenset(
+    {"collective-mismatch", "uneven-inputs", "ddp-wrapper-attribute", "model-differs-across-ranks"}
+)
 # A fragment rarely shows its imports; these names mean one thing in DDP code.
-CONVENTIONAL_IMPORTS = {"dist": "torch.distributed"}
+CONVENTIONAL_IMPORTS = {
+    "dist": "torch.distributed",
+    "DDP": "torch.nn.parallel.DistributedDataParallel",
+}
 MAX_QUESTION_CHARS = 200_000  # a long log's code sits near its head
 MAX_FRAGMENTS = 20
 MIN_LINES = 3  # fewer is a quoted call, not code to follow

@@ -4,6 +4,8 @@ numbers the question's own; prose, logs and hostile text find nothing fast."""
 
 from __future__ import annotations
 
+import pytest
+
 from assistant.lint.pasted import FRAGMENT_CHECKS, lint_pasted, pasted_code
 
 LIGHTNING = """`self.all_gather` in test_epoch_end hangs forever
@@ -47,13 +49,40 @@ def test_unfenced_code_is_trimmed_of_the_log_after_it_and_dist_needs_no_import()
     assert UNFENCED.splitlines()[6].strip() == "dist.barrier()"
 
 
+@pytest.mark.parametrize(
+    ("code", "cause", "line"),
+    [
+        (
+            "model = DDP(model, device_ids=[rank])\nout = model.generate(x)\nloss = out.sum()",
+            "ddp-wrapper-attribute",
+            4,
+        ),
+        (
+            "if rank == 0:\n    model.add_module('head', head)\nmodel = DDP(model)\nout = model(x)",
+            "model-differs-across-ranks",
+            4,
+        ),
+        (
+            "t = torch.ones(4)\nfor _ in range(rank + 1):\n    dist.all_reduce(t)",
+            "uneven-inputs",
+            5,
+        ),
+    ],
+)
+def test_each_check_that_reads_only_what_is_shown_runs_on_a_fragment(code, cause, line):
+    # DDP and dist are read as their usual imports: a fragment rarely shows them.
+    findings = lint_pasted(f"what is wrong here?\n```python\n{code}\n```\n")
+    assert [(f.cause_id, f.line) for f in findings] == [(cause, line)]
+    assert cause in FRAGMENT_CHECKS
+
+
 def test_only_checks_that_hold_on_a_fragment_run():
     # A hard-coded cuda:0 is a finding in a whole script; in a fragment the
     # set_device that makes it right may simply not be shown.
     text = "my model:\n```\nmodel = Net().to('cuda:0')\nout = model(x.to('cuda:0'))\nloss = out.sum()\n```"
     assert list(pasted_code(text))  # it is code, and it parses
     assert lint_pasted(text) == []
-    assert FRAGMENT_CHECKS == {"collective-mismatch"}
+    assert "hardcoded-device" not in FRAGMENT_CHECKS
 
 
 def test_prose_logs_and_correct_code_find_nothing():
