@@ -133,11 +133,13 @@ def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int)
 
 
 def with_pasted_findings(question: Question) -> Question:
-    """The question with the findings of the code pasted into it (lint.pasted) added.
+    """The question with the findings of the code and launch lines pasted into
+    it (lint.pasted) added.
 
-    A person who quotes `wait_for_everyone()` inside `if is_main_process:`
-    has shown the cause; the words around it ("it hangs at checkpoint") say
-    little. Only checks that hold on a fragment run there.
+    A person who quotes `wait_for_everyone()` inside `if is_main_process:`,
+    or `CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=2`, has shown the
+    cause; the words around it ("it hangs at checkpoint") say little. Only
+    checks that hold on a fragment run there.
     """
     from assistant.lint.pasted import lint_pasted
 

@@ -98,3 +98,26 @@ def test_hostile_questions_end_in_nothing_found():
     long_run = "\n".join(f"x{n} = f({n}" for n in range(50_000))
     for text in (nested, many, long_run, "```" * 10_000, "\x00```\n\x00\n```"):
         assert lint_pasted(text) == []  # parses are bounded (MAX_PARSES): no minutes-long walk
+
+
+def test_a_launch_line_that_starts_more_ranks_than_it_shows_gpus_is_found():
+    text = (
+        "training fails on the second rank\n"
+        "CUDA_VISIBLE_DEVICES=1,2 python -m torch.distributed.launch --nproc_per_node=4 train.py\n"
+        "RuntimeError: CUDA error: invalid device ordinal\n"
+    )
+    findings = lint_pasted(text)
+    assert [(f.cause_id, f.line, f.source) for f in findings] == [
+        ("world-size-exceeds-devices", 2, "question")
+    ]
+    assert "4 ranks per node" in findings[0].message and "2 GPUs" in findings[0].message
+
+
+def test_launch_lines_that_fit_or_set_the_gpus_elsewhere_find_nothing():
+    fits = "CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun --nproc-per-node 4 train.py"
+    fewer = "CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node=1 train.py"
+    # An export may be from another shell or node than the launch: not judged.
+    exported = "export CUDA_VISIBLE_DEVICES=0,1\ntorchrun --nproc_per_node=4 train.py"
+    automatic = "CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=gpu train.py"
+    for text in (fits, fewer, exported, automatic):
+        assert lint_pasted(text) == [], text
