@@ -99,3 +99,15 @@ QUERY_PATHS = {
 @pytest.mark.parametrize("path", sorted(QUERY_PATHS))
 def test_the_query_path_leaves_torch_and_sentence_transformers_out(engine, path):
     assert loaded_after(QUERY_PATHS[path], MODEL_STACK) == []
+
+
+def test_a_question_without_code_loads_no_lint_check():
+    # `ask` reads every question for pasted code (assistant.lint.pasted); the
+    # checks load only when there is a fragment to lint.
+    statement = (
+        "from assistant.lint.pasted import lint_pasted\n"
+        "assert lint_pasted('NCCL timeout after 30 minutes on rank 3') == []"
+    )
+    assert loaded_after(statement, ["assistant.lint.checks", "assistant.lint.script"]) == []
+    with_code = "from assistant.lint.pasted import lint_pasted\nlint_pasted('```\\nx = 1\\ny = 2\\nz = 3\\n```')"
+    assert loaded_after(with_code, ["assistant.lint.checks"]) == ["assistant.lint.checks"]

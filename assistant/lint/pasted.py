@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from assistant.errors import UserError
-from assistant.lint.script import lint_source
 from assistant.results import Finding
 
 FRAGMENT_CHECKS = frozenset(
@@ -77,6 +76,8 @@ def lint_pasted(text: str) -> list[Finding]:
         (f.cause_id, f.line, f.message): f for f in launch_line_findings(text)
     }
     for fragment in pasted_code(text):
+        from assistant.lint.script import lint_source  # the checks load on the first fragment
+
         try:
             findings = lint_source(fragment, path="", assumed_imports=CONVENTIONAL_IMPORTS)
         except UserError:
