@@ -61,6 +61,14 @@ def real_app(mark: str, engine=None):
     return make_app(deps)
 
 
+async def paste_and_send(app, pilot, text: str) -> None:
+    """Once the model is ready, paste `text` into the chat and send it."""
+    await until(pilot, lambda: app.model_phase == "ready", 120)
+    app.post_message(events.Paste(text))
+    await pilot.pause()
+    await pilot.press("enter")
+
+
 def marked_processes(mark: str) -> list[int]:
     """Live processes whose environment carries `mark` (torchrun and its workers)."""
     found = []
@@ -147,10 +155,7 @@ async def test_real_engine_and_runner_answer_a_pasted_log(engine):
         "[rank1]: Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000\n"
     )
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: app.model_phase == "ready", 120)
-        app.post_message(events.Paste(log))
-        await pilot.pause()
-        await pilot.press("enter")
+        await paste_and_send(app, pilot, log)
         answered = ("probing", "done", "failed")
         await until(pilot, lambda: app.turn_views and app.turn_views[0].phase in answered, 30)
         view = app.turn_views[0]
@@ -178,19 +183,16 @@ async def test_code_pasted_into_the_chat_is_linted_and_shown_as_the_evidence(eng
     barrier under a rank-0 test confirms collective-mismatch, in its own words."""
     app = make_app(fake_deps(engine=engine, pipeline_type=Pipeline))
     question = (
-        "accelerator.wait_for_everyone() is stuck when the checkpoint is saved\n"
+        "validation hangs at the end of every epoch on 4 GPUs\n"
         "```python\n"
-        "for step, batch in enumerate(loader):\n"
-        "    if accelerator.is_main_process and step % 500 == 0:\n"
-        "        accelerator.wait_for_everyone()\n"
-        "        accelerator.save_state(output_dir)\n"
+        "def on_validation_epoch_end(self):\n"
+        "    if self.trainer.is_global_zero:\n"
+        "        scores = self.all_gather(torch.stack(self.scores))\n"
+        "        self.print(scores.mean())\n"
         "```\n"
     )
     async with app.run_test(size=(140, 50)) as pilot:
-        await until(pilot, lambda: app.model_phase == "ready", 120)
-        app.post_message(events.Paste(question))
-        await pilot.pause()
-        await pilot.press("enter")
+        await paste_and_send(app, pilot, question)
         await until(pilot, lambda: app.turn_views and app.turn_views[0].phase == "done", 120)
         first = app.turn_views[0].turn.result.causes[0]
         assert (first.id, first.verdict.verdict) == ("collective-mismatch", "confirmed")
