@@ -81,8 +81,12 @@ EVIDENCE = {
     ),
     "script": (
         None,
-        "the training script (assistant ask --script train.py checks it)",
-        "训练脚本（用 assistant ask --script train.py 检查）",
+        # Code pasted into the reply is linted too (lint.pasted).
+        (
+            "the training script (assistant ask --script train.py checks it), "
+            "or the code around the failing line pasted here"
+        ),
+        "训练脚本（用 assistant ask --script train.py 检查），或把出错附近的代码直接贴上来",
     ),
     "run": (
         None,

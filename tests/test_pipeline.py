@@ -251,3 +251,27 @@ def test_a_thin_reply_keeps_what_the_first_report_found(engine):
         )
     )
     assert decided.causes[0].id == "process-group-not-initialized"
+
+
+def test_code_pasted_as_the_reply_to_what_would_decide_confirms_its_cause(engine):
+    from assistant.chat.conversation import Conversation, Turn
+
+    pipeline = Pipeline(engine=engine)
+    first = pipeline.ask(Question("DDP training hangs at the end of the first epoch", top=5))
+    assert first.confidence != "high" and first.decide
+    conversation = Conversation(turns=[Turn(query=first.query, result=first)])
+    reply = (
+        "this is my validation:\n"
+        "if dist.get_rank() == 0:\n"
+        "    acc = evaluate(model, val_loader)\n"
+        "    dist.all_reduce(acc)\n"
+        "    print(acc)\n"
+    )
+    second = pipeline.ask(
+        Question(
+            reply, top=5, context=conversation.context(), earlier=conversation.earlier_answer()
+        )
+    )
+    cause = second.causes[0]
+    assert (cause.id, cause.verdict.verdict) == ("collective-mismatch", "confirmed")
+    assert cause.verdict.evidence[0].startswith("the code in the question, line 4: all_reduce()")
