@@ -167,6 +167,8 @@ def report_of(queries: list[dict], answers: Answers, fused: list[list[str]]) -> 
     ]
     # What a person reads first: the fused order after the verdicts (an error
     # signature's confirmation, a finding in code pasted into the question).
+    # Only the five causes `ask` shows are ranked, so its MRR counts a cause
+    # past the fifth as missing, where fused still ranks it.
     report["answered"] = mean_scores(queries, answers.answered)
     report["by_lang"] = top1_by_lang(queries, fused)
     report["confidence"] = answers.confidence
@@ -292,7 +294,7 @@ def format_report(report: dict) -> str:
         m = report["answered"]
         lines.append(
             f"{'answered':10} {m['top1']:6.3f} {m['recall3']:9.3f} {m['mrr']:6.3f}"
-            "  (as `ask --no-probe` orders them: fused, then the verdicts)"
+            "  (the five `ask --no-probe` shows: fused, then the verdicts)"
         )
     for lang, row in report.get("by_lang", {}).items():
         lines.append(f"fused top-1 in {lang}: {row['top1']:.3f} ({row['queries']} queries)")

@@ -75,9 +75,10 @@ def lint_pasted(text: str) -> list[Finding]:
     found: dict[tuple, Finding] = {
         (f.cause_id, f.line, f.message): f for f in launch_line_findings(text)
     }
-    for fragment in pasted_code(text):
-        from assistant.lint.script import lint_source  # the checks load on the first fragment
-
+    fragments = list(pasted_code(text))
+    if fragments:
+        from assistant.lint.script import lint_source  # the checks load only for code
+    for fragment in fragments:
         try:
             findings = lint_source(fragment, path="", assumed_imports=CONVENTIONAL_IMPORTS)
         except UserError:

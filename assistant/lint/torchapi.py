@@ -70,13 +70,14 @@ MAIN_PROCESS_HELPERS = frozenset(
 # `accelerator.wait_for_everyone()`, `accelerator.gather(x)`; Lightning:
 # `self.all_gather(x)` in a LightningModule, `fabric.barrier()`,
 # `trainer.strategy.barrier()`. `gather` and friends count only on an object
-# named like an accelerator or strategy: `torch.gather` and `x.reduce` are not.
+# named like an accelerator, and Lightning's only on `self`, a fabric or a
+# strategy: `torch.gather`, `x.reduce` and `pool.broadcast` are not.
 WAITS_FOR_EVERY_RANK = "wait_for_everyone"
 ACCELERATOR_COLLECTIVES = frozenset(
     {"gather", "gather_for_metrics", "reduce", "pad_across_processes"}
 )
 LIGHTNING_COLLECTIVES = frozenset({"all_gather", "all_reduce", "barrier", "broadcast"})
-LIGHTNING_OWNERS = re.compile(r"^(self|fabric|strategy|\w*_strategy|trainer)$")
+LIGHTNING_OWNERS = re.compile(r"^(self|fabric|strategy|\w*_strategy)$")
 
 
 def is_dist_call(name: str, functions: frozenset[str] | set[str]) -> bool:

@@ -231,3 +231,24 @@ def test_unread_local_rank_flag_suggests_both_spellings_only() -> None:
     assert [(f.cause_id, f.line) for f in findings] == [("local-rank-arg-mismatch", 3)]
     assert "accept both spellings" in findings[0].message
     assert "read os.environ" not in findings[0].message
+
+
+@pytest.mark.parametrize(
+    ("name", "waits_for_every_rank"),
+    [
+        ("torch.distributed.barrier", True),
+        ("accelerator.wait_for_everyone", True),
+        ("self.accelerator.gather_for_metrics", True),
+        ("self.all_gather", True),  # a LightningModule's
+        ("fabric.barrier", True),
+        ("self.trainer.strategy.barrier", True),
+        ("torch.gather", False),  # a tensor op
+        ("outputs.reduce", False),
+        ("pool.broadcast", False),
+        ("trainer.barrier", False),  # no such Lightning API
+    ],
+)
+def test_library_collectives_are_told_from_look_alikes(name, waits_for_every_rank):
+    from assistant.lint.torchapi import is_collective
+
+    assert is_collective(name) is waits_for_every_rank
