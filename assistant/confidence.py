@@ -80,8 +80,10 @@ EVIDENCE = {
         "单机还是多机（以及 MASTER_ADDR、网卡设置）",
     ),
     "script": (
-        None,
-        # Code pasted into the reply is linted too (lint.pasted).
+        # Code already pasted (a fenced block, or a def / class / import at the
+        # start of a line: a traceback quotes its lines indented) is linted as it
+        # is (lint.pasted); a reply with more code is linted the same way.
+        re.compile(r"^[ \t]*```|^(?:def|class|import)\s|^from\s+\S+\s+import\s", re.MULTILINE),
         (
             "the training script (assistant ask --script train.py checks it), "
             "or the code around the failing line pasted here"

@@ -75,6 +75,18 @@ def test_evidence_already_in_the_question_is_not_asked_again(query):
     assert any("NCCL_DEBUG=INFO" in line for line in decide)
 
 
+def test_code_already_pasted_is_not_asked_for_again_but_a_quoted_traceback_line_is_not_code():
+    def asks_for_code(query: str) -> bool:
+        decide = what_would_decide(unsure("hardcoded-device", "device-map-with-ddp", query=query))
+        return any("training script" in line for line in decide)
+
+    assert asks_for_code("only GPU 0 is used")
+    assert not asks_for_code("only GPU 0 is used:\n```python\nmodel.to('cuda:0')\n```")
+    assert not asks_for_code("only GPU 0 is used\nimport torch\nmodel = Net().cuda()")
+    traceback = '  File "train.py", line 3, in <module>\n    from model import Net\nImportError'
+    assert asks_for_code(f"only GPU 0 is used\n{traceback}")
+
+
 def test_a_chinese_question_is_asked_in_chinese():
     result = assess(
         unsure("windows-libuv", "nccl-not-available", lang="zh", query="windows 上报错")
