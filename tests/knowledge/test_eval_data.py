@@ -108,6 +108,7 @@ SMALL_SETS = {
     "real_reports_holdout27.jsonl",  # 25: session 16's second round, the corpus nearly exhausted
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
+    "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
     "real_reports_new_causes.jsonl",
     "real_reports_new_causes3.jsonl",
     "real_reports_new_causes4.jsonl",
@@ -116,7 +117,7 @@ SMALL_SETS = {
     "real_reports_new_causes7.jsonl",
 }
 # Sets whose Chinese collectors found nothing new (data/eval/README.md).
-ENGLISH_ONLY = {"real_reports_holdout25.jsonl"}
+ENGLISH_ONLY = {"real_reports_holdout25.jsonl", "real_reports_holdout30.jsonl"}
 
 
 def kb_cause_ids() -> set[str]:
