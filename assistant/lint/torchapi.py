@@ -122,6 +122,35 @@ def is_distributed(script: Script) -> bool:
     return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
 
 
+def calls_external_setup(script: Script) -> bool:
+    """A call to an imported, non-torch function that may set up distributed
+    (`utils.init_distributed_mode(args)`, `init_dist(launcher)`, `setup_ddp()`):
+    what it does (the process group, set_device) happens in a file not shown."""
+    for node, name in script.call_names:
+        root = node.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        imported = isinstance(root, ast.Name) and root.id in script.aliases
+        if name == "torch" or name.startswith("torch.") or not imported:
+            continue  # `torchtitan.utils.init_distributed` is not torch's own
+        if re.search(r"dist|setup|init", short(name), re.IGNORECASE):
+            return True
+    return False
+
+
+def sets_visible_devices_per_process(script: Script) -> bool:
+    """`os.environ["CUDA_VISIBLE_DEVICES"] = <computed>`: each process then sees
+    one GPU as cuda:0, so the current device is already its own."""
+    for node in script.nodes:
+        if not isinstance(node, ast.Assign) or isinstance(node.value, ast.Constant):
+            continue
+        for target in node.targets:
+            key = target.slice if isinstance(target, ast.Subscript) else None
+            if isinstance(key, ast.Constant) and key.value == "CUDA_VISIBLE_DEVICES":
+                return True
+    return False
+
+
 def backend_of(call: ast.Call) -> str | None:
     """The literal backend of an init_process_group call, None if absent or computed."""
     value = keyword(call, "backend") or (call.args[0] if call.args else None)

@@ -158,6 +158,60 @@ def test_imported_setup_helper_silences_the_missing_init() -> None:
     assert lint_source(source) == []
 
 
+def findings_of(source: str) -> list[tuple[str, int]]:
+    return [(f.cause_id, f.line) for f in lint_source(source)]
+
+
+# The twins of the correct_* fixtures that real repositories' scripts gave
+# (data/eval/README.md, "Session 18"): each narrowing still reports the mistake.
+DDP_HEADER = (
+    "import os\n"
+    "import torch\n"
+    "from torch import nn\n"
+    "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+)
+
+
+def test_cuda_without_set_device_is_reported_when_the_file_wraps_in_ddp_itself() -> None:
+    # No init here and no imported setup helper: nothing else can have set the device.
+    source = DDP_HEADER + "model = DDP(nn.Linear(4, 4).cuda())\n"
+    assert findings_of(source) == [("hardcoded-device", 5)]
+
+
+def test_a_constant_visible_devices_list_does_not_give_each_process_its_gpu() -> None:
+    source = (
+        DDP_HEADER + "import torch.distributed as dist\n"
+        'os.environ["CUDA_VISIBLE_DEVICES"] = "0,1"\n'
+        'dist.init_process_group("nccl")\n'
+        "x = torch.ones(1).cuda()\n"
+    )
+    assert findings_of(source) == [("set-device-order", 7), ("hardcoded-device", 8)]
+
+
+def test_gpu_zero_in_a_helper_every_rank_calls_is_reported() -> None:
+    # evaluate() runs on rank 0 and, below, on every rank: GPU 0 is not every rank's own.
+    source = (
+        DDP_HEADER + "def evaluate(x):\n"
+        "    return x.cuda(0)\n"
+        "rank = int(os.environ['RANK'])\n"
+        "if rank == 0:\n"
+        "    evaluate(torch.ones(1))\n"
+        "evaluate(torch.ones(2))\n"
+    )
+    assert findings_of(source) == [("hardcoded-device", 6)]
+
+
+def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported() -> None:
+    for build in ("nn.Linear(4, 4)", "torchvision.models.resnet18()", "Net()"):
+        source = (
+            DDP_HEADER + "import torchvision\n"
+            "class Net(nn.Module):\n    pass\n"
+            f"model = {build}\n"
+            "model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+        )
+        assert findings_of(source) == [("ddp-device-ids-cpu-module", 9)], build
+
+
 def test_gloo_script_needs_no_set_device() -> None:
     source = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
     assert lint_source(source) == []

@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from assistant.lint.model import Script, is_int, keyword, short, source_text
+from assistant.lint.ranks import RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
     FIXED_CUDA,
     backend_of,
+    calls_external_setup,
     init_calls,
     is_ddp,
     is_dist_call,
     is_init,
     is_method,
     is_set_device,
+    sets_visible_devices_per_process,
     uses_cuda,
 )
 from assistant.lint.tracer import TracedCall
@@ -31,10 +35,13 @@ CURRENT_DEVICE = (
 @check("hardcoded-device")
 def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     """A fixed GPU ("cuda:0", device_ids=[0]) instead of the rank's own device."""
-    has_set_device = any(is_set_device(name) for _node, name in script.call_names)
+    current_device_is_cuda0 = current_device_left_at_cuda0(script)
+    rank_zero_only = rank_zero_only_calls(script)
     for node, name in script.call_names:
+        if id(node) in rank_zero_only:
+            continue  # GPU 0 is rank 0's own (a log, an evaluation, a save)
         yield from fixed_cuda_strings(script, node)
-        if not has_set_device:
+        if current_device_is_cuda0:
             yield from current_device_uses(script, node, name)
         if is_torch_device(name) and len(node.args) == 2 and is_int(node.args[1]):
             yield script.finding(
@@ -53,6 +60,34 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
                 )
         if is_ddp(name):
             yield from fixed_ddp_devices(script, node)
+
+
+def current_device_left_at_cuda0(script: Script) -> bool:
+    """Every rank's current device is visibly left at cuda:0: the file sets up
+    the process group itself (init_process_group, or DDP without an imported
+    setup helper that may call set_device), never calls set_device and does
+    not give each process its own CUDA_VISIBLE_DEVICES. A single-process
+    script, Hogwild or DataParallel, or a framework that sets the device
+    (Accelerate, Lightning) is left alone: there `.cuda()` is right."""
+    names = [name for _node, name in script.call_names]
+    if any(is_set_device(name) for name in names) or sets_visible_devices_per_process(script):
+        return False
+    if init_calls(script):
+        return True
+    return any(is_ddp(name) for name in names) and not calls_external_setup(script)
+
+
+def rank_zero_only_calls(script: Script) -> set[int]:
+    """ids of the calls that only rank 0 runs, on every traced path to them."""
+    zero: set[int] = set()
+    other: set[int] = set()
+    for trace in script.traces:
+        for call in trace:
+            if not some_rank_runs(call.rank_path):
+                continue  # the single-process path
+            sides = {branch.side for branch in call.rank_path}
+            (zero if RANK_ZERO in sides else other).add(id(call.node))
+    return zero - other
 
 
 def is_torch_device(name: str) -> bool:
@@ -129,6 +164,8 @@ def check_set_device_order(script: Script) -> Iterator[Finding]:
 def missing_set_device(script: Script, first_init: ast.Call) -> Iterator[Finding]:
     if keyword(first_init, "device_id") is not None:
         return  # the communicator is bound to an explicit device
+    if sets_visible_devices_per_process(script):
+        return  # each process sees only its own GPU, as cuda:0
     backend = backend_of(first_init)
     needs_gpu = "nccl" in backend if backend else uses_cuda(script)
     if needs_gpu:
@@ -172,7 +209,7 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
         if ids is None or (isinstance(ids, ast.Constant) and ids.value is None):
             continue
         module = node.args[0]
-        if is_move(module) or source_text(module) in moved:
+        if is_move(module) or source_text(module) in moved or built_elsewhere(script, module):
             continue
         yield script.finding(
             "ddp-device-ids-cpu-module",
@@ -180,6 +217,42 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             f"DDP gets device_ids but {source_text(module)} is never moved to a device "
             "(.to(device) / .cuda(local_rank)): move it first, or drop device_ids on CPU",
         )
+
+
+# Imported model factories (detectron2's build_model(cfg), a repository's
+# get_model(args)) may move the model to the device themselves.
+FACTORY = re.compile(r"^(build|get|create|make|load|setup|init|prepare)", re.IGNORECASE)
+
+
+def built_elsewhere(script: Script, module: ast.expr) -> bool:
+    """The module comes from code this file does not show: it is never assigned
+    here (a parameter, `self.model` set by a caller), it is a copy of another
+    name, or an imported factory builds it."""
+    if not isinstance(module, (ast.Name, ast.Attribute)):
+        return imported_factory(script, module)  # DDP(build_model(cfg), ...)
+    text = source_text(module)
+    values = [
+        node.value
+        for node in script.nodes
+        if isinstance(node, ast.Assign)
+        and any(source_text(target) == text for target in node.targets)
+        and not (isinstance(node.value, ast.Call) and is_ddp(script.name_of(node.value.func)))
+    ]
+    if not values:
+        return True
+    return any(isinstance(value, ast.Name) or imported_factory(script, value) for value in values)
+
+
+def imported_factory(script: Script, value: ast.expr) -> bool:
+    if not isinstance(value, ast.Call):
+        return False
+    root = value.func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    if not (isinstance(root, ast.Name) and root.id in script.aliases):
+        return False
+    name = script.name_of(value.func)
+    return not (name == "torch" or name.startswith("torch.")) and bool(FACTORY.match(short(name)))
 
 
 def is_move(expr: ast.expr) -> bool:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Iterator
 
 from assistant.lint.model import Script, keyword, short
 from assistant.lint.registry import check
-from assistant.lint.torchapi import NEEDS_GROUP, init_calls, is_dist_call, is_init
+from assistant.lint.torchapi import (
+    NEEDS_GROUP,
+    calls_external_setup,
+    init_calls,
+    is_dist_call,
+    is_init,
+)
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
@@ -77,17 +82,3 @@ def calls_behind_is_initialized(script: Script) -> set[int]:
         if checks_group:
             protected.update(id(n) for n in ast.walk(node) if isinstance(n, ast.Call))
     return protected
-
-
-def calls_external_setup(script: Script) -> bool:
-    """A call to an imported, non-torch function that may set up distributed."""
-    for node, name in script.call_names:
-        root = node.func
-        while isinstance(root, ast.Attribute):
-            root = root.value
-        imported = isinstance(root, ast.Name) and root.id in script.aliases
-        if name.startswith("torch") or not imported:
-            continue
-        if re.search(r"dist|setup|init", short(name), re.IGNORECASE):
-            return True
-    return False
