@@ -269,6 +269,8 @@ class ReportPool:
 
     def fit(self, held_out: frozenset[str] = frozenset()) -> ReportModel | None:
         """Ridge on every report but those whose text key is in `held_out`; None when too few."""
+        from scipy.linalg import cho_factor, cho_solve  # fitting only, like scipy.sparse
+
         rows = [i for i, key in enumerate(self.keys) if key not in held_out]
         causes = sorted({self.labels[i] for i in rows})
         if len(rows) < MIN_REPORTS or len(causes) < 2:
@@ -285,7 +287,8 @@ class ReportPool:
             y[r, index[self.labels[i]]] = 1.0
         bias = y.mean(axis=0)
         gram = gram_matrix(x) + RIDGE * np.eye(len(rows))
-        dual = np.linalg.solve(gram, y - bias)
+        # Symmetric positive definite: Cholesky, not LU (the same solution, ~2.5x faster).
+        dual = cho_solve(cho_factor(gram, check_finite=False), y - bias, check_finite=False)
         weights = np.asarray(x.T @ dual)
         vocabulary = {self.terms[c]: j for j, c in enumerate(columns.tolist())}
         return ReportModel(vocabulary, idf, weights.astype(np.float32), bias, causes)
