@@ -81,6 +81,18 @@ class Script:
                 methods.setdefault(qualified.split(".")[1], []).append(qualified)
         return methods
 
+    @cached_property
+    def assigned_values(self) -> dict[str, list[ast.expr]]:
+        """What each plain name or attribute (`master_process`, `self.is_master`) is
+        assigned anywhere in the file, by its source text."""
+        values: dict[str, list[ast.expr]] = {}
+        for node in self.nodes:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+                if isinstance(target, (ast.Name, ast.Attribute)) and depth_of(target, 8) < 8:
+                    values.setdefault(source_text(target), []).append(node.value)
+        return values
+
     def name_of(self, expr: ast.expr) -> str:
         """The dotted name of `expr` with its first part resolved through imports."""
         parts: list[str] = []

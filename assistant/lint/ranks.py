@@ -13,11 +13,20 @@ import ast
 import re
 from dataclasses import dataclass
 
-from assistant.lint.model import Script, is_int, short
+from assistant.lint.model import Script, is_int, short, source_text
 from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
 
 # Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
 RANK_NAME = re.compile(r"rank(_?id|_?idx)?$", re.IGNORECASE)
+# The GPU index a spawned worker is given (`args.gpu`, `self.gpu_id`), which is its
+# local rank: read as one only where it is compared (`if self.gpu_id == 0:`).
+GPU_INDEX_NAME = re.compile(r"^gpu(_?id|_?idx)?$", re.IGNORECASE)
+# Flags a script sets when it runs distributed: `args.distributed`, `ddp`.
+DISTRIBUTED_FLAG = re.compile(
+    r"^(is_|use_|multiprocessing_)?(distributed|ddp|dist)$|^(is_|use_)?multi_?gpu$", re.IGNORECASE
+)
+# What `rank % <this>` divides by when it asks for the first rank of a node.
+PER_NODE = re.compile(r"gpus|gpu_count|per_node|nproc|local_world_size|device_count", re.IGNORECASE)
 # Environment variables that hold the rank (launchers and schedulers).
 RANK_VARIABLES = frozenset(
     {
@@ -128,8 +137,24 @@ def rank_branch_sides(
     holds = holds_when_distributed(test, script)
     if holds is not None:
         return (None, NO_RANKS) if holds else (NO_RANKS, None)
-    side = rank_comparison_side(test, script)
+    side = rank_comparison_side(test, script) or assigned_side(test, script, depth)
     return side, other_side(side)
+
+
+def assigned_side(test: ast.expr, script: Script, depth: int) -> str | None:
+    """The side of a flag assigned from a rank test: `master_process = rank == 0`
+    (nanoGPT), `self.is_master = args.rank % ngpus == 0`. Constants assigned to the
+    same name (`master_process = True` when not distributed) do not count; tests
+    that disagree make it any rank's."""
+    if not isinstance(test, (ast.Name, ast.Attribute)):
+        return None
+    values = script.assigned_values.get(source_text(test), [])
+    sides = {
+        rank_branch_sides(value, script, depth + 1)[0]
+        for value in values
+        if not isinstance(value, ast.Constant)
+    }
+    return sides.pop() if len(sides) == 1 and sides <= {RANK_ZERO, OTHER_RANKS} else None
 
 
 def all_hold_sides(parts: list[tuple[str | None, str | None]]) -> tuple[str | None, str | None]:
@@ -145,7 +170,11 @@ def all_hold_sides(parts: list[tuple[str | None, str | None]]) -> tuple[str | No
 
 
 def holds_when_distributed(test: ast.expr, script: Script) -> bool | None:
-    """`dist.is_initialized()` is true and `local_rank == -1` false on every rank of a run."""
+    """`dist.is_initialized()` and a flag named for it (`args.distributed`, nanoGPT's
+    `ddp`) are true and `local_rank == -1` false on every rank of a run."""
+    if isinstance(test, (ast.Name, ast.Attribute)):
+        name = test.id if isinstance(test, ast.Name) else test.attr
+        return True if DISTRIBUTED_FLAG.match(name) else None
     if isinstance(test, ast.Call):
         always = short(script.name_of(test.func)) in ("is_initialized", "is_available")
         return True if always else None
@@ -166,11 +195,26 @@ def rank_comparison_side(test: ast.expr, script: Script) -> str | None:
     if not isinstance(test, ast.Compare) or len(test.ops) != 1:
         return None
     left, op, right = test.left, type(test.ops[0]), test.comparators[0]
-    if is_rank_expr(right, script) and op not in (ast.In, ast.NotIn):  # `0 == rank`
+    if compared_rank(right, script) and op not in (ast.In, ast.NotIn):  # `0 == rank`
         left, right, op = right, left, MIRRORED.get(op, op)
-    if not is_rank_expr(left, script):
+    if not compared_rank(left, script):
         return None
     return RANK_COMPARISONS.get((op, int_literal(right)))
+
+
+def compared_rank(expr: ast.expr, script: Script) -> bool:
+    """A rank on one side of a comparison: a rank, a worker's GPU index, or
+    `rank % gpus_per_node` (0 on the first rank of each node, rank 0 among them)."""
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mod):
+        divisor = expr.right.func if isinstance(expr.right, ast.Call) else expr.right
+        if not PER_NODE.search(script.name_of(divisor)):
+            return False  # `rank % 2` splits the ranks otherwise
+        expr = expr.left
+    if isinstance(expr, (ast.Name, ast.Attribute)):
+        name = expr.id if isinstance(expr, ast.Name) else expr.attr
+        if GPU_INDEX_NAME.match(name):
+            return True
+    return is_rank_expr(expr, script)
 
 
 def other_side(side: str | None) -> str | None:

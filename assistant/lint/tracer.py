@@ -227,18 +227,36 @@ def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list
 
 
 def trace_script(script: Script) -> list[list[TracedCall]]:
-    """The trace from module level, then one per function it never reaches."""
+    """The trace from module level, then one per function it never reaches.
+
+    Functions no other function of the file calls go first, so a helper is
+    walked from its caller, under the caller's `if rank == 0:`, rather than
+    on its own as if every rank ran it.
+    """
     shared = Shared(script)
     main = Tracer(script, shared)
     traces = [main.run_module()]
     seen = set(main.visited)
-    for name in script.functions:
+    called = called_by_other_functions(script)
+    roots_first = sorted(script.functions, key=lambda name: name in called)
+    for name in roots_first:
         if name in seen:
             continue
         tracer = Tracer(script, shared)
         traces.append(tracer.run_function(name))
         seen |= tracer.visited
     return traces
+
+
+def called_by_other_functions(script: Script) -> set[str]:
+    """The file's functions that another function of the file calls."""
+    called: set[str] = set()
+    for name, function in script.functions.items():
+        owner = name.split(".")[0] if "." in name else None
+        for node in script.scope_nodes(function):
+            if isinstance(node, ast.Call):
+                called.update(c for c in same_file_callees(script, node.func, owner) if c != name)
+    return called
 
 
 def is_main_guard(stmt: ast.stmt) -> bool:

@@ -212,6 +212,55 @@ def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported(
         assert findings_of(source) == [("ddp-device-ids-cpu-module", 9)], build
 
 
+@pytest.mark.parametrize(
+    "setup, test",
+    [
+        ("master_process = True\nif ddp:\n    master_process = rank == 0\n", "master_process"),
+        ("ngpus_per_node = 8\n", "rank % ngpus_per_node == 0"),
+        ("", "rank % torch.cuda.device_count() == 0"),
+        ("", "gpu_id == 0"),
+        ("", "args.distributed and args.rank == 0"),
+        ("", "not args.multiprocessing_distributed or rank == 0"),
+    ],
+)
+def test_rank_zero_idioms_of_real_scripts_are_read_as_rank_zero(setup, test) -> None:
+    # nanoGPT's flag, ImageNet's first rank of each node, the tutorials' gpu_id, and a
+    # test that holds on every rank when not distributed: a barrier there hangs.
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        'dist.init_process_group("gloo")\nrank = dist.get_rank()\n'
+        + setup
+        + f"if {test}:\n    dist.barrier()\n"
+    )
+    line = source.count("\n")
+    assert findings_of(source) == [("collective-mismatch", line)], test
+
+
+def test_rank_modulo_an_unrelated_number_is_not_rank_zero() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        'dist.init_process_group("gloo")\n'
+        "if dist.get_rank() % 2 == 0:\n    dist.barrier()\n"
+    )
+    assert findings_of(source) == []
+
+
+def test_a_helper_is_traced_from_its_callers_rank_test() -> None:
+    # The helper comes first in the file; walked alone it would look like every rank's.
+    source = (
+        "import torch.distributed as dist\n"
+        "class Trainer:\n"
+        "    def _sync(self):\n"
+        "        dist.barrier()\n"
+        "    def train(self):\n"
+        "        if self.gpu_id == 0:\n"
+        "            self._sync()\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", 4)]
+    assert "rank 0 only" in findings[0].message
+
+
 def test_gloo_script_needs_no_set_device() -> None:
     source = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
     assert lint_source(source) == []
