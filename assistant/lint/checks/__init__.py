@@ -17,6 +17,8 @@ lines it must report.
 - data: a DataLoader with no DistributedSampler in a DDP script
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
   never called in the epoch loop (sampler-set-epoch);
+- checkpoint: torch.save of the same file on every rank
+  (checkpoint-written-by-every-rank);
 - cache: a dataset downloaded with `download=True` by every rank at once
   into the same folder (dataset-cache-race);
 - model_build: layers added or resized on some ranks only before DDP wraps
@@ -28,6 +30,7 @@ lines it must report.
 from assistant.lint.checks import (
     backend,
     cache,
+    checkpoint,
     collective_reach,
     data,
     devices,
@@ -41,6 +44,7 @@ from assistant.lint.checks import (
 __all__ = [
     "backend",
     "cache",
+    "checkpoint",
     "collective_reach",
     "data",
     "devices",

@@ -18,7 +18,7 @@ in (the hand-written "rank 0 first" pattern), or in a Lightning
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from assistant.lint.model import Script, keyword, short
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
@@ -53,16 +53,25 @@ def check_download_on_every_rank(script: Script) -> Iterator[Finding]:
 
 def every_rank_downloads(trace: list[TracedCall]) -> Iterator[TracedCall]:
     """Calls with `download=True` that every rank reaches before any rank-0-first step."""
+    return every_rank_reaches(trace, lambda call: downloads(call.node))
+
+
+def every_rank_reaches(
+    trace: list[TracedCall], wanted: Callable[[TracedCall], bool]
+) -> Iterator[TracedCall]:
+    """The `wanted` calls of a trace that every rank runs at once: not on rank 0
+    only, and not after the script has started taking turns (an earlier wanted
+    call on rank 0 only, or a barrier the other ranks wait in)."""
     others_wait = False
     for call in trace:
         if short(call.name) in ("barrier", "monitored_barrier") and sides(call.rank_path) & {
             OTHER_RANKS
         }:
             others_wait = True  # `if rank != 0: barrier()` before the shared work
-        if not downloads(call.node):
+        if not wanted(call):
             continue
         if sides(call.rank_path) & {RANK_ZERO, NO_RANKS}:
-            others_wait = True  # rank 0 fetches it; later calls find the files in place
+            others_wait = True  # rank 0 does it first; later calls find the result in place
             continue
         if not others_wait:
             yield call

@@ -1,0 +1,84 @@
+"""Every rank saves the same checkpoint file at once (checkpoint-written-by-every-rank).
+
+Under torchrun every process runs the whole script, so a `torch.save(state,
+"last.pt")` that no rank test guards is written N times at once to one path.
+A .pt file is a zip archive whose directory is written last: the file left
+is whichever writer finished last, often truncated, and a rank that loads it
+meanwhile reads it half-written ("PytorchStreamReader failed reading zip
+archive").
+
+Only what the script's own run reaches is read (the trace from module level
+and the functions it calls, including an mp.spawn target): a method a
+framework calls is not, since who calls it, on which ranks, is not shown.
+Quiet where the script takes turns, as for a dataset download (cache.py:
+rank 0 saves first while the others wait in a barrier, `with
+main_process_first():`), and for a path that depends on the rank (one file per rank, as sharded
+state dicts are saved), an in-memory buffer, and a process group of one
+process (`world_size=1`).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.checks.cache import every_rank_reaches, nodes_taking_turns
+from assistant.lint.model import Script, is_int, keyword, short, source_text
+from assistant.lint.ranks import compared_rank, some_rank_runs
+from assistant.lint.registry import check
+from assistant.lint.torchapi import init_calls, is_distributed
+from assistant.lint.tracer import TracedCall, once_per_call
+from assistant.results import Finding
+
+
+@check("checkpoint-written-by-every-rank")
+def check_save_on_every_rank(script: Script) -> Iterator[Finding]:
+    """`torch.save(..., path)` that every rank of a distributed run reaches."""
+    if not is_distributed(script) or one_process_group(script) or not script.traces:
+        return
+    taking_turns = nodes_taking_turns(script)
+    saves = every_rank_reaches(script.traces[0], lambda call: every_rank_saves(script, call))
+    for call in once_per_call(saves, lambda call: call):
+        if id(call.node) in taking_turns:
+            continue
+        yield script.finding(
+            "checkpoint-written-by-every-rank",
+            call.node,
+            "torch.save runs on every rank: N processes write the same file at once, and "
+            'a rank that loads it can read it half-written ("PytorchStreamReader failed '
+            'reading zip archive"); save on rank 0 only (if rank == 0:), then '
+            "dist.barrier() before the other ranks load it",
+        )
+
+
+def every_rank_saves(script: Script, call: TracedCall) -> bool:
+    """torch.save of a file every rank would name alike, on a path some rank runs."""
+    if call.name != "torch.save" or not some_rank_runs(call.rank_path):
+        return False
+    target = call.node.args[1] if len(call.node.args) > 1 else keyword(call.node, "f")
+    return target is not None and shared_file(script, target)
+
+
+def shared_file(script: Script, target: ast.expr) -> bool:
+    """The same file on every rank: no rank in the path, and not an in-memory buffer."""
+    expressions = [target]
+    if isinstance(target, (ast.Name, ast.Attribute)):
+        expressions += script.assigned_values.get(source_text(target), [])
+    for expression in expressions:
+        for node in ast.walk(expression):
+            if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and compared_rank(
+                node, script
+            ):
+                return False  # f"ckpt_rank{rank}.pt": one file per rank
+            if isinstance(node, ast.Name) and "rank" in node.id.lower():
+                return False
+            if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "BytesIO":
+                return False
+    return True
+
+
+def one_process_group(script: Script) -> bool:
+    """Every init_process_group says world_size=1: one process, nothing to race."""
+    inits = init_calls(script)
+    sizes = [keyword(call, "world_size") for call in inits]
+    return bool(inits) and all(is_int(size) and size.value == 1 for size in sizes)

@@ -1,0 +1,133 @@
+"""checkpoint-written-by-every-rank: torch.save of one file that every rank reaches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "checkpoint_saved_by_every_rank.py"
+FIXED = SCRIPTS / "correct_checkpoint_saved_once_or_per_rank.py"
+
+HEADER = """
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+"""
+
+# Runs a fixture with torch.save wrapped to note which rank wrote which file.
+WITNESS = """
+import json, os, runpy, sys
+import torch
+real_save = torch.save
+def noted_save(obj, f, *args, **kwargs):
+    with open("saves.jsonl", "a") as out:
+        out.write(json.dumps([os.environ["RANK"], f if isinstance(f, str) else "buffer"]) + "\\n")
+    return real_save(obj, f, *args, **kwargs)
+torch.save = noted_save
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+
+
+def saves_under_torchrun(script: Path, folder: Path) -> list[tuple[str, str]]:
+    """(rank, file) of every torch.save of `script` run by two ranks in `folder`."""
+    (folder / "shards").mkdir(parents=True)
+    witness = folder / "witness.py"
+    witness.write_text(WITNESS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", str(witness), str(script)]  # fmt: skip
+    ran = subprocess.run(
+        command,
+        cwd=folder,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    lines = (folder / "saves.jsonl").read_text().splitlines()
+    return sorted(tuple(json.loads(line)) for line in lines)
+
+
+def findings(body: str) -> list[int]:
+    return [line for line, _f in lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])]
+
+
+@pytest.mark.slow
+def test_every_rank_writes_the_linted_file_and_the_twin_saves_once_or_per_rank(tmp_path):
+    broken = saves_under_torchrun(BROKEN, tmp_path / "broken")
+    assert broken.count(("0", "last.pt")) == 2 and broken.count(("1", "last.pt")) == 2
+    assert ("0", "final.pt") in broken and ("1", "final.pt") in broken
+    fixed = saves_under_torchrun(FIXED, tmp_path / "fixed")
+    assert [rank for rank, name in fixed if name == "last.pt"] == ["0"]
+    files = [name for _rank, name in fixed if name != "buffer"]
+    assert len(files) == len(set(files)), fixed  # no file written twice
+
+
+def test_a_path_that_names_the_rank_is_one_file_per_rank():
+    found = findings(
+        """
+        dist.init_process_group("gloo")
+        path = f"ckpt_{dist.get_rank()}.pt"
+        torch.save({}, path)
+        torch.save({}, "opt_%d.pt" % args.local_rank)
+        """
+    )
+    assert found == []
+
+
+def test_one_process_in_the_group_has_nothing_to_race():
+    found = findings(
+        """
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:9999", world_size=1, rank=0)
+        model = DDP(nn.Linear(2, 2))
+        torch.save(model.state_dict(), "last.pt")
+        """
+    )
+    assert found == []
+
+
+def test_a_method_only_a_framework_calls_is_not_judged():
+    # Who calls on_epoch_end, on which ranks, is not in the file.
+    found = findings(
+        """
+        class Saver:
+            def on_epoch_end(self, model):
+                torch.save(model.state_dict(), "last.pt")
+
+        dist.init_process_group("gloo")
+        model = DDP(nn.Linear(2, 2))
+        """
+    )
+    assert found == []
+
+
+def test_a_script_that_is_not_distributed_is_not_judged():
+    found = findings('torch.save(nn.Linear(2, 2).state_dict(), "last.pt")\n')
+    assert found == []
+
+
+def test_a_save_every_rank_reaches_through_a_spawned_worker_is_reported():
+    found = findings(
+        """
+        import torch.multiprocessing as mp
+
+        def worker(rank, world_size):
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            model = DDP(nn.Linear(2, 2))
+            torch.save(model.module.state_dict(), "last.pt")
+
+        if __name__ == "__main__":
+            mp.spawn(worker, args=(2,), nprocs=2)
+        """
+    )
+    assert found == [7]
