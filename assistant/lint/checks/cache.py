@@ -36,11 +36,8 @@ def check_download_on_every_rank(script: Script) -> Iterator[Finding]:
     """`Dataset(root, download=True)` that every rank of a distributed run reaches at once."""
     if not is_distributed(script):
         return
-    taking_turns = nodes_taking_turns(script)
     downloads = (call for trace in script.traces for call in every_rank_downloads(trace))
-    for call in once_per_call(downloads, lambda call: call):
-        if id(call.node) in taking_turns:
-            continue
+    for call in without_turns(script, downloads):
         yield script.finding(
             "dataset-cache-race",
             call.node,
@@ -49,6 +46,14 @@ def check_download_on_every_rank(script: Script) -> Iterator[Finding]:
             'a half-written file ("Dataset not found or corrupted", BadZipFile, EOFError); '
             "download on rank 0 first (or in main_process_first()), barrier, then load",
         )
+
+
+def without_turns(script: Script, calls: Iterator[TracedCall]) -> Iterator[TracedCall]:
+    """`calls`, each once, but those inside a block that takes turns."""
+    taking_turns = nodes_taking_turns(script)
+    for call in once_per_call(calls, lambda call: call):
+        if id(call.node) not in taking_turns:
+            yield call
 
 
 def every_rank_downloads(trace: list[TracedCall]) -> Iterator[TracedCall]:

@@ -22,12 +22,12 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.checks.cache import every_rank_reaches, nodes_taking_turns
+from assistant.lint.checks.cache import every_rank_reaches, without_turns
 from assistant.lint.model import Script, is_int, keyword, short, source_text
 from assistant.lint.ranks import compared_rank, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import init_calls, is_distributed
-from assistant.lint.tracer import TracedCall, once_per_call
+from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
 
@@ -36,11 +36,8 @@ def check_save_on_every_rank(script: Script) -> Iterator[Finding]:
     """`torch.save(..., path)` that every rank of a distributed run reaches."""
     if not is_distributed(script) or one_process_group(script) or not script.traces:
         return
-    taking_turns = nodes_taking_turns(script)
     saves = every_rank_reaches(script.traces[0], lambda call: every_rank_saves(script, call))
-    for call in once_per_call(saves, lambda call: call):
-        if id(call.node) in taking_turns:
-            continue
+    for call in without_turns(script, saves):
         yield script.finding(
             "checkpoint-written-by-every-rank",
             call.node,
