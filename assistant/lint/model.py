@@ -82,6 +82,12 @@ class Script:
         return methods
 
     @cached_property
+    def all_scopes(self) -> list[ast.AST]:
+        """The module and every function in it, nested ones (callbacks, closures) too."""
+        defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+        return [self.tree, *(node for node in self.nodes if isinstance(node, defs))]
+
+    @cached_property
     def assigned_values(self) -> dict[str, list[ast.expr]]:
         """What each plain name or attribute (`master_process`, `self.is_master`) is
         assigned anywhere in the file, by its source text."""

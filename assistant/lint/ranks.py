@@ -137,8 +137,27 @@ def rank_branch_sides(
     holds = holds_when_distributed(test, script)
     if holds is not None:
         return (None, NO_RANKS) if holds else (NO_RANKS, None)
-    side = rank_comparison_side(test, script) or assigned_side(test, script, depth)
+    side = (
+        rank_comparison_side(test, script)
+        or assigned_side(test, script, depth)
+        or returned_side(test, script, depth)
+    )
     return side, other_side(side)
+
+
+def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:
+    """`is_main()` where the file defines `def is_main(): return dist.get_rank() == 0`."""
+    if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name)):
+        return None
+    function = script.functions.get(test.func.id)
+    body = [
+        stmt
+        for stmt in (function.body if function else [])
+        if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))
+    ]  # without its docstring
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        return None
+    return rank_branch_sides(body[0].value, script, depth + 1)[0]
 
 
 def assigned_side(test: ast.expr, script: Script, depth: int) -> str | None:

@@ -122,10 +122,11 @@ def is_distributed(script: Script) -> bool:
     return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
 
 
-def calls_external_setup(script: Script) -> bool:
-    """A call to an imported, non-torch function that may set up distributed
+def external_setup_helpers(script: Script) -> list[ast.Call]:
+    """Calls to imported, non-torch functions that may set up distributed
     (`utils.init_distributed_mode(args)`, `init_dist(launcher)`, `setup_ddp()`):
-    what it does (the process group, set_device) happens in a file not shown."""
+    what they do (the process group, set_device) happens in a file not shown."""
+    found = []
     for node, name in script.call_names:
         root = node.func
         while isinstance(root, ast.Attribute):
@@ -134,8 +135,13 @@ def calls_external_setup(script: Script) -> bool:
         if name == "torch" or name.startswith("torch.") or not imported:
             continue  # `torchtitan.utils.init_distributed` is not torch's own
         if re.search(r"dist|setup|init", short(name), re.IGNORECASE):
-            return True
-    return False
+            found.append(node)
+    return found
+
+
+def calls_external_setup(script: Script) -> bool:
+    """Any call of `external_setup_helpers`."""
+    return bool(external_setup_helpers(script))
 
 
 def sets_visible_devices_per_process(script: Script) -> bool:
@@ -179,6 +185,11 @@ def uses_cuda(script: Script) -> bool:
     if any(is_method(node, "cuda") for node, _name in script.call_names):
         return True
     return any(s == "cuda" or s.startswith("cuda:") for s in script.string_constants)
+
+
+def uses_deepspeed(script: Script) -> bool:
+    """The script imports DeepSpeed, whose launcher passes `--local_rank=N` itself."""
+    return any(module.split(".")[0] == "deepspeed" for module in script.aliases.values())
 
 
 def local_rank_arguments(script: Script) -> list[tuple[ast.Call, set[str]]]:

@@ -158,8 +158,8 @@ def test_imported_setup_helper_silences_the_missing_init() -> None:
     assert lint_source(source) == []
 
 
-def findings_of(source: str) -> list[tuple[str, int]]:
-    return [(f.cause_id, f.line) for f in lint_source(source)]
+def findings_of(source: str, cause: str | None = None) -> list[tuple[str, int]]:
+    return [(f.cause_id, f.line) for f in lint_source(source) if cause in (None, f.cause_id)]
 
 
 # The twins of the correct_* fixtures that real repositories' scripts gave
@@ -259,6 +259,106 @@ def test_a_helper_is_traced_from_its_callers_rank_test() -> None:
     findings = lint_source(source)
     assert [(f.cause_id, f.line) for f in findings] == [("collective-mismatch", 4)]
     assert "rank 0 only" in findings[0].message
+
+
+# Classes of miss from broken scripts written by helpers who never saw the linter
+# (data/eval/README.md, "Session 18"): each failed before its change.
+NCCL_HEADER = 'import torch\nimport torch.distributed as dist\ndist.init_process_group("nccl")\n'
+
+
+def test_a_cpu_tensor_reduced_in_a_nested_callback_is_reported() -> None:
+    source = NCCL_HEADER + (
+        "def main(trainer):\n"
+        "    def on_batch_end(losses):\n"
+        "        avg = torch.tensor(sum(losses) / len(losses))\n"
+        "        dist.all_reduce(avg)\n"
+        "    trainer.add_callback(on_batch_end)\n"
+    )
+    assert findings_of(source, "nccl-with-cpu-tensors") == [("nccl-with-cpu-tensors", 7)]
+
+
+def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None:
+    source = NCCL_HEADER + (
+        "def sync(count, total):\n"
+        "    t = torch.tensor([count, total], dtype=torch.float64)\n"
+        "    dist.all_reduce(t)\n"
+        "    t = t.tolist()\n"
+        "    return t\n"
+    )
+    assert findings_of(source, "nccl-with-cpu-tensors") == [("nccl-with-cpu-tensors", 6)]
+
+
+def test_a_tensor_made_on_the_gpu_in_one_branch_is_not_judged() -> None:
+    source = NCCL_HEADER + (
+        "if torch.cuda.is_available():\n"
+        "    t = torch.ones(1, device='cuda')\n"
+        "else:\n"
+        "    t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+    )
+    assert findings_of(source, "nccl-with-cpu-tensors") == []
+
+
+def test_a_helper_that_returns_a_rank_test_is_read_as_one() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        'dist.init_process_group("gloo")\n'
+        "def is_main():\n"
+        '    """True on the first process."""\n'
+        "    return dist.get_rank() == 0\n"
+        "if is_main():\n"
+        "    dist.barrier()\n"
+    )
+    assert findings_of(source) == [("collective-mismatch", 7)]
+
+
+@pytest.mark.parametrize(
+    "setup, name",
+    [
+        ("engine, *_ = deepspeed.initialize(model=model)", "deepspeed.initialize()"),
+        ("deepspeed.init_distributed()", "deepspeed.init_distributed()"),
+        ("accelerator = Accelerator()", "accelerate.Accelerator()"),
+    ],
+)
+def test_a_rank_asked_before_a_library_starts_the_group_is_reported(setup, name) -> None:
+    source = (
+        "import deepspeed\nimport torch.distributed as dist\n"
+        "from accelerate import Accelerator\n"
+        "def main(model):\n"
+        "    rank = dist.get_rank()\n"
+        f"    {setup}\n"
+        "    print(rank, dist.get_rank())\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("process-group-not-initialized", 5)]
+    assert f"{name}, which starts it, comes later (line 6)" in findings[0].message
+
+
+def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag() -> None:
+    source = (
+        "import argparse\nimport deepspeed\n"
+        "parser = argparse.ArgumentParser()\n"
+        'parser.add_argument("--local_rank", type=int, default=-1)\n'
+        "parser = deepspeed.add_config_arguments(parser)\n"
+        "args = parser.parse_args()\n"
+        "print(args.local_rank)\n"
+    )
+    assert findings_of(source) == []
+
+
+def test_a_download_in_the_parent_before_spawning_runs_once() -> None:
+    source = (
+        "import torch.distributed as dist\nimport torch.multiprocessing as mp\n"
+        "import torchvision\n"
+        "def worker(rank, world_size):\n"
+        '    dist.init_process_group("gloo", rank=rank, world_size=world_size)\n'
+        '    torchvision.datasets.MNIST("data", download=True)\n'
+        'if __name__ == "__main__":\n'
+        '    torchvision.datasets.MNIST("data", download=True)\n'
+        "    mp.spawn(worker, args=(2,), nprocs=2)\n"
+    )
+    # the parent's download runs once; the workers' own, after it, find the files
+    assert findings_of(source) == []
 
 
 def test_gloo_script_needs_no_set_device() -> None:

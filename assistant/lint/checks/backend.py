@@ -24,46 +24,56 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
     """A collective on the nccl backend gets a tensor created on the CPU."""
     if not any((backend_of(c) or "").startswith("nccl") for c in init_calls(script)):
         return
-    for scope in [script.tree, *script.functions.values()]:
+    for scope in script.all_scopes:
         nodes = script.scope_nodes(scope)
-        cpu_tensors = cpu_tensor_names(script, nodes)
+        made = tensor_origins(script, nodes)
         for node in nodes:
             if not isinstance(node, ast.Call) or not node.args:
                 continue
             name = script.name_of(node.func)
             tensor = node.args[0]
-            if (
+            if not (
                 is_dist_call(name, COLLECTIVES - {"barrier", "monitored_barrier"})
                 and isinstance(tensor, ast.Name)
-                and tensor.id in cpu_tensors
             ):
+                continue
+            cpu_line = made_on_cpu_before(made.get(tensor.id, []), node.lineno)
+            if cpu_line is not None:
                 yield script.finding(
                     "nccl-with-cpu-tensors",
                     node,
                     f"{short(name)}({tensor.id}) on the nccl backend, but {tensor.id} is "
-                    f"created on the CPU (line {cpu_tensors[tensor.id]}): create it with "
+                    f"created on the CPU (line {cpu_line}): create it with "
                     "device=... or move it with .to(device)",
                 )
 
 
-def cpu_tensor_names(script: Script, nodes: list[ast.AST]) -> dict[str, int]:
-    """Names whose every assignment among `nodes` is a torch factory without device=."""
-    made_on_cpu: dict[str, int] = {}
-    elsewhere: set[str] = set()
+def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple[int, bool]]]:
+    """For each name assigned among `nodes`: (line, made by a torch factory on the CPU)
+    of every assignment, in line order. `t = t.cuda()` is an assignment too."""
+    origins: dict[str, list[tuple[int, bool]]] = {}
     for node in nodes:
         if not isinstance(node, ast.Assign):
             continue
+        value = node.value
+        on_cpu = (
+            isinstance(value, ast.Call)
+            and script.name_of(value.func) in TORCH_FACTORIES
+            and keyword(value, "device") is None
+        )
         for target in node.targets:
-            if not isinstance(target, ast.Name):
-                continue
-            value = node.value
-            if (
-                isinstance(value, ast.Call)
-                and script.name_of(value.func) in TORCH_FACTORIES
-                and keyword(value, "device") is None
-            ):
-                made_on_cpu.setdefault(target.id, node.lineno)
-            else:
-                elsewhere.add(target.id)
-    # In-place moves such as `t = t.cuda()` count as another assignment above.
-    return {name: line for name, line in made_on_cpu.items() if name not in elsewhere}
+            if isinstance(target, ast.Name):
+                origins.setdefault(target.id, []).append((node.lineno, on_cpu))
+    for assignments in origins.values():
+        assignments.sort()
+    return origins
+
+
+def made_on_cpu_before(assignments: list[tuple[int, bool]], line: int) -> int | None:
+    """The line of the CPU factory that made the name, if every assignment before
+    `line` is one (a branch that makes it elsewhere, or a move, leaves it unknown;
+    a later `t = t.tolist()` does not matter)."""
+    before = [(at, on_cpu) for at, on_cpu in assignments if at < line]
+    if before and all(on_cpu for _at, on_cpu in before):
+        return before[0][0]
+    return None

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from assistant.lint.model import Script, keyword, short
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed
+from assistant.lint.torchapi import SPAWNERS, is_distributed
 from assistant.lint.tracer import TracedCall, once_per_call
 from assistant.results import Finding
 
@@ -65,21 +65,36 @@ def every_rank_reaches(
     trace: list[TracedCall], wanted: Callable[[TracedCall], bool]
 ) -> Iterator[TracedCall]:
     """The `wanted` calls of a trace that every rank runs at once: not on rank 0
-    only, and not after the script has started taking turns (an earlier wanted
-    call on rank 0 only, or a barrier the other ranks wait in)."""
-    others_wait = False
+    only, not after an earlier wanted call on rank 0 only or in the parent before
+    it spawned the workers (its result is in place), and not while the other ranks wait in a barrier for rank 0 (from
+    `if rank != 0: barrier()` to rank 0's own barrier, which releases them all)."""
+    others_wait = rank_zero_did_it = False
+    parent = parent_only(trace)
     for call in trace:
-        if short(call.name) in ("barrier", "monitored_barrier") and sides(call.rank_path) & {
-            OTHER_RANKS
-        }:
-            others_wait = True  # `if rank != 0: barrier()` before the shared work
+        if id(call) in parent:
+            rank_zero_did_it |= wanted(call)  # done once before the workers start
+            continue
+        if short(call.name) in ("barrier", "monitored_barrier"):
+            if OTHER_RANKS in sides(call.rank_path):
+                others_wait = True
+            elif RANK_ZERO in sides(call.rank_path):
+                others_wait = False  # from here every rank runs at once again
         if not wanted(call):
             continue
         if sides(call.rank_path) & {RANK_ZERO, NO_RANKS}:
-            others_wait = True  # rank 0 does it first; later calls find the result in place
+            rank_zero_did_it = True
             continue
-        if not others_wait:
+        if not (others_wait or rank_zero_did_it):
             yield call
+
+
+def parent_only(trace: list[TracedCall]) -> set[int]:
+    """ids of the traced calls that run once, in the parent, before it starts the
+    workers (mp.spawn, Process): under the main guard, ahead of the first spawn."""
+    spawn = next((i for i, call in enumerate(trace) if call.name in SPAWNERS), None)
+    if spawn is None:
+        return set()
+    return {id(call) for call in trace[:spawn] if call.guarded}
 
 
 def downloads(call: ast.Call) -> bool:

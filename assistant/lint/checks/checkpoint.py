@@ -1,4 +1,5 @@
-"""Every rank saves the same checkpoint file at once (checkpoint-written-by-every-rank).
+"""Every rank saves the same file at once (checkpoint-written-by-every-rank; dataset-cache-race
+when the file is preprocessed data).
 
 Under torchrun every process runs the whole script, so a `torch.save(state,
 "last.pt")` that no rank test guards is written N times at once to one path.
@@ -20,6 +21,7 @@ process (`world_size=1`).
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, without_turns
@@ -30,14 +32,27 @@ from assistant.lint.torchapi import init_calls, is_distributed
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
+# A saved file named like preprocessed data, not a model: HF's load_and_cache_examples.
+DATA_CACHE = re.compile(r"cache|features|dataset|processed|examples", re.IGNORECASE)
 
-@check("checkpoint-written-by-every-rank")
+
+@check("checkpoint-written-by-every-rank", "dataset-cache-race")
 def check_save_on_every_rank(script: Script) -> Iterator[Finding]:
     """`torch.save(..., path)` that every rank of a distributed run reaches."""
     if not is_distributed(script) or one_process_group(script) or not script.traces:
         return
     saves = every_rank_reaches(script.traces[0], lambda call: every_rank_saves(script, call))
     for call in without_turns(script, saves):
+        if saves_a_data_cache(script, call.node):
+            yield script.finding(
+                "dataset-cache-race",
+                call.node,
+                "torch.save of preprocessed data runs on every rank: N processes build and "
+                "write the same cache file at once, and a rank can load it half-written; "
+                "build it on rank 0 while the others wait (if rank != 0: dist.barrier() "
+                "before, if rank == 0: dist.barrier() after), then every rank loads it",
+            )
+            continue
         yield script.finding(
             "checkpoint-written-by-every-rank",
             call.node,
@@ -46,6 +61,19 @@ def check_save_on_every_rank(script: Script) -> Iterator[Finding]:
             'reading zip archive"); save on rank 0 only (if rank == 0:), then '
             "dist.barrier() before the other ranks load it",
         )
+
+
+def saves_a_data_cache(script: Script, call: ast.Call) -> bool:
+    """The object or the file is named like preprocessed data (`cached_features_file`)."""
+    parts = [*call.args[:2], *(k.value for k in call.keywords)]
+    named = [source_text(part) for part in parts]
+    named += [
+        source_text(value)
+        for part in parts
+        if isinstance(part, (ast.Name, ast.Attribute))
+        for value in script.assigned_values.get(source_text(part), [])
+    ]
+    return any(DATA_CACHE.search(text) for text in named)
 
 
 def every_rank_saves(script: Script, call: TracedCall) -> bool:

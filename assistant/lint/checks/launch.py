@@ -15,6 +15,7 @@ from assistant.lint.torchapi import (
     init_calls,
     local_rank_arguments,
     reads_env,
+    uses_deepspeed,
 )
 from assistant.results import Finding
 
@@ -47,8 +48,8 @@ def positive_workers(call: ast.Call) -> bool:
 @check("local-rank-not-from-env")
 def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
     """A local rank from an argparse default or a constant: every rank picks one GPU."""
-    if reads_env(script, "LOCAL_RANK"):
-        return
+    if reads_env(script, "LOCAL_RANK") or uses_deepspeed(script):
+        return  # the `deepspeed` launcher passes --local_rank=N
     for node, _flags in local_rank_arguments(script):
         if not is_required(node) and not flag_value_read(script, node):
             continue  # the flag only swallows the launcher's; the rank comes from elsewhere
@@ -75,6 +76,8 @@ def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
 @check("local-rank-arg-mismatch")
 def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
     """Only one spelling of the local-rank flag, or a flag torchrun never passes."""
+    if uses_deepspeed(script):
+        return  # the `deepspeed` launcher passes --local_rank=N, the spelling it expects
     for node, flags in local_rank_arguments(script):
         accepted = flags & set(LOCAL_RANK_FLAGS)
         problems = []

@@ -9,7 +9,7 @@ from assistant.lint.model import Script, keyword, short
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     NEEDS_GROUP,
-    calls_external_setup,
+    external_setup_helpers,
     init_calls,
     is_dist_call,
     is_init,
@@ -17,24 +17,38 @@ from assistant.lint.torchapi import (
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
+# Library calls that start the default process group themselves.
+FRAMEWORK_SETUP = frozenset(
+    {
+        "deepspeed.init_distributed",
+        "deepspeed.initialize",
+        "accelerate.Accelerator",
+        "accelerate.PartialState",
+        "accelerate.state.PartialState",
+    }
+)
+
 
 @check("process-group-not-initialized")
 def check_process_group_not_initialized(script: Script) -> Iterator[Finding]:
-    """torch.distributed calls or DistributedSampler before init_process_group."""
+    """torch.distributed calls or DistributedSampler before the process group exists."""
     has_init_anywhere = bool(init_calls(script))
+    external = external_setup_calls(script)
     protected = calls_behind_is_initialized(script)
     for index, trace in enumerate(script.traces):
-        first_init = next((i for i, c in enumerate(trace) if is_init(c.name)), None)
-        if first_init is None:
-            # Without an init in this file, the group may come from an imported
-            # helper: only the module-level path of a file with no init at all
-            # and no such helper is reported.
-            if has_init_anywhere or index != 0 or calls_external_setup(script):
+        first = next((i for i, c in enumerate(trace) if starts_group(c, external)), None)
+        if first is None:
+            # Without an init in this file, the group may come from code not shown:
+            # only the module-level path of a file with no setup at all is reported.
+            if has_init_anywhere or external or index != 0:
                 continue
             before, why = trace, "init_process_group is never called in this file"
         else:
-            before = trace[:first_init]
-            why = f"init_process_group comes later (line {trace[first_init].node.lineno})"
+            before = trace[:first]
+            setup = trace[first]
+            named = setup.name if setup.name in FRAMEWORK_SETUP else short(setup.name)
+            what = "init_process_group" if is_init(setup.name) else f"{named}(), which starts it,"
+            why = f"{what} comes later (line {setup.node.lineno})"
         for call in before:
             if needs_group(call, protected):
                 yield script.finding(
@@ -42,6 +56,17 @@ def check_process_group_not_initialized(script: Script) -> Iterator[Finding]:
                     call.node,
                     f"{short(call.name)}() needs the default process group, but {why}",
                 )
+
+
+def starts_group(call: TracedCall, external: set[int]) -> bool:
+    return is_init(call.name) or call.name in FRAMEWORK_SETUP or id(call.node) in external
+
+
+def external_setup_calls(script: Script) -> set[int]:
+    """ids of the calls that may start the group in code not shown: a library's
+    (deepspeed.initialize, Accelerator()) or an imported helper's."""
+    found = {id(node) for node, name in script.call_names if name in FRAMEWORK_SETUP}
+    return found | {id(node) for node in external_setup_helpers(script)}
 
 
 def needs_group(call: TracedCall, protected: set[int]) -> bool:
