@@ -361,6 +361,37 @@ def test_a_download_in_the_parent_before_spawning_runs_once() -> None:
     assert findings_of(source) == []
 
 
+def test_a_fixed_device_variable_left_from_a_single_gpu_config_is_reported() -> None:
+    source = DDP_HEADER + (
+        'device = "cuda:0"\n'
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "model = DDP(nn.Linear(4, 4).to(device), device_ids=[local_rank])\n"
+    )
+    assert findings_of(source) == [("hardcoded-device", 5)]
+    # nanoGPT sets it per rank once DDP is on: quiet
+    per_rank = source.replace(
+        "local_rank = int(os.environ['LOCAL_RANK'])\n",
+        "local_rank = int(os.environ['LOCAL_RANK'])\ndevice = f'cuda:{local_rank}'\n",
+    )
+    assert findings_of(per_rank) == []
+
+
+def test_a_sampler_chosen_by_a_conditional_expression_is_followed() -> None:
+    source = (
+        "import torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader\n"
+        "from torch.utils.data.distributed import DistributedSampler\n"
+        "def main(args, dataset):\n"
+        '    dist.init_process_group("gloo")\n'
+        "    sampler = DistributedSampler(dataset) if args.distributed else None\n"
+        "    loader = DataLoader(dataset, batch_size=8, sampler=sampler)\n"
+        "    for epoch in range(10):\n"
+        "        for batch in loader:\n"
+        "            print(batch)\n"
+    )
+    assert findings_of(source) == [("sampler-set-epoch", 6)]
+
+
 def test_gloo_script_needs_no_set_device() -> None:
     source = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
     assert lint_source(source) == []

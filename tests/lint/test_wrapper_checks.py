@@ -169,3 +169,66 @@ def test_every_read_of_a_big_script_is_judged_against_its_own_binding():
             lines.append("model = model.module" if i % 200 == 99 else "model = DDP(net)")
     found = findings("\n".join(lines))
     assert len(found) == 10_000  # the reads while `model` is the wrapper, half of them
+
+
+def test_the_wrapper_handed_to_a_function_is_the_wrapper_there():
+    # Every call of evaluate() passes the DDP model: its parameter holds the wrapper.
+    found = findings(
+        """
+        def evaluate(net, batch):
+            return net.generate(batch)
+
+        def main():
+            model = DDP(nn.Linear(2, 2))
+            evaluate(model, torch.ones(2))
+        """
+    )
+    assert [line for line, _ in found] == [3]
+
+
+def test_a_function_also_given_the_bare_model_is_not_judged():
+    found = findings(
+        """
+        def evaluate(net, batch):
+            return net.generate(batch)
+
+        def main():
+            bare = nn.Linear(2, 2)
+            model = DDP(bare)
+            evaluate(model, torch.ones(2))
+            evaluate(bare, torch.ones(2))
+        """
+    )
+    assert found == []
+
+
+def test_accelerate_prepare_wraps_the_module_among_what_it_returns():
+    found = findings(
+        """
+        from accelerate import Accelerator
+
+        def main(model, loader):
+            accelerator = Accelerator()
+            optimizer = torch.optim.AdamW(model.parameters())
+            model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+            optimizer.zero_grad()
+            print(loader.batch_size)
+            return model.generate(torch.ones(2))
+        """
+    )
+    assert [line for line, _ in found] == [10]
+    assert "accelerator.unwrap_model(model).generate" in found[0][1]
+
+
+def test_accelerate_prepare_of_what_is_not_a_module_wraps_nothing():
+    found = findings(
+        """
+        from accelerate import Accelerator
+
+        def main(loader):
+            accelerator = Accelerator()
+            loader = accelerator.prepare(loader)
+            print(loader.batch_size, loader.dataset)
+        """
+    )
+    assert found == []

@@ -381,11 +381,15 @@ class DataFlow:
         return id(loader) in ids or bool(names & set(self.names_bound_to(loader)))
 
     def names_bound_to(self, call: ast.Call) -> list[str]:
-        """The names a call's value is assigned to (`x = call`, `self.x = call`)."""
+        """The names a call's value is assigned to (`x = call`, `self.x = call`, and
+        `x = call if args.distributed else None`)."""
+        value: ast.AST = call
         parent = self.parents.get(id(call))
-        if isinstance(parent, ast.Assign) and parent.value is call:
+        while isinstance(parent, ast.IfExp) and parent.test is not value:
+            value, parent = parent, self.parents.get(id(parent))
+        if isinstance(parent, ast.Assign) and parent.value is value:
             return [n for target in parent.targets for n in bound_names(target)]
-        if isinstance(parent, (ast.AnnAssign, ast.NamedExpr)) and parent.value is call:
+        if isinstance(parent, (ast.AnnAssign, ast.NamedExpr)) and parent.value is value:
             return bound_names(parent.target)
         return []
 

@@ -17,6 +17,7 @@ from assistant.lint.torchapi import (
     init_calls,
     is_ddp,
     is_dist_call,
+    is_distributed,
     is_init,
     is_method,
     is_set_device,
@@ -60,6 +61,45 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
                 )
         if is_ddp(name):
             yield from fixed_ddp_devices(script, node)
+    yield from fixed_device_variables(script, rank_zero_only)
+
+
+def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
+    """`device = "cuda:0"` (a single-GPU config left in), never set per rank, then
+    used to place the model or tensors in a distributed script."""
+    if not is_distributed(script):
+        return
+    for name, values in script.assigned_values.items():
+        if not name.isidentifier() or not all(is_fixed_cuda(value) for value in values):
+            continue
+        uses = [
+            node
+            for node, _called in script.call_names
+            if places_on(node, name) and id(node) not in rank_zero_only
+        ]
+        if uses:
+            yield script.finding(
+                "hardcoded-device",
+                values[0],
+                f'{name} = "{values[0].value}" is never set per rank, and places work on '
+                f"line {uses[0].lineno}: every rank uses the same GPU; set {name} = "
+                'f"cuda:{local_rank}" once the local rank is known',
+            )
+
+
+def is_fixed_cuda(value: ast.expr) -> bool:
+    return isinstance(value, ast.Constant) and bool(FIXED_CUDA.match(str(value.value)))
+
+
+def places_on(node: ast.Call, name: str) -> bool:
+    """`x.to(name)`, `x.cuda(name)`, `torch.device(name)` or `device=name`."""
+    given = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "device")]
+    named = any(isinstance(arg, ast.Name) and arg.id == name for arg in given)
+    if not named:
+        return False
+    func = node.func
+    placing = isinstance(func, ast.Attribute) and func.attr in ("to", "cuda", "device")
+    return placing or keyword(node, "device") is not None
 
 
 def current_device_left_at_cuda0(script: Script) -> bool:

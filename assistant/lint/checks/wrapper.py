@@ -88,54 +88,100 @@ class Bindings:
 @check("ddp-wrapper-attribute")
 def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
     """`model.generate()` after `model = DDP(model)`: the wrapper has no such attribute."""
-    if not any(short(name) in WRAPPERS for _node, name in script.call_names):
+    if not any(short(name) in WRAPPERS or is_prepare(node) for node, name in script.call_names):
         return
     guarded = attributes_probed(script)
-    for scope in [script.tree, *script.functions.values()]:
-        yield from wrapper_reads(script, script.scope_nodes(scope), guarded)
+    scopes = {
+        id(scope): ScopeFacts(script, script.scope_nodes(scope)) for scope in script.all_scopes
+    }
+    bind_wrapped_parameters(script, scopes)
+    for facts in scopes.values():
+        yield from facts.wrapper_reads(script, guarded)
     for cls in (node for node in script.tree.body if isinstance(node, ast.ClassDef)):
         yield from wrapper_fields(script, cls, guarded)
 
 
-def wrapper_reads(
-    script: Script, nodes: list[ast.AST], guarded: frozenset[str]
-) -> Iterator[Finding]:
-    """In one scope (in source order), each `name.attr` read while `name` holds a wrapper."""
-    bindings: dict[str, Bindings] = {}
-    set_on: set[tuple[str, str]] = set()  # (name, attribute) the script assigns itself
-    reads: list[ast.Attribute] = []
-    for node in nodes:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            wrapper = wrapper_of(script, node.value)
-            for target in targets:
-                for name in plain_names(target):
-                    bindings.setdefault(name, Bindings()).add(node.lineno, wrapper)
-        elif isinstance(
-            node, (ast.AugAssign, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.NamedExpr)
-        ):
-            for target in binding_targets(node):
-                for name in plain_names(target):
-                    bindings.setdefault(name, Bindings()).add(node.lineno, None)
-        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-            if isinstance(node.ctx, ast.Load):
-                reads.append(node)
-            else:
-                set_on.add((node.value.id, node.attr))
-    for node in reads:
-        name, attribute = node.value.id, node.attr
-        if name not in bindings or attribute.startswith("_") or attribute in guarded:
+class ScopeFacts:
+    """In one scope (in source order): where each name is bound and to what, the
+    attributes the script sets on names itself, and the attribute reads."""
+
+    def __init__(self, script: Script, nodes: list[ast.AST]):
+        self.bindings: dict[str, Bindings] = {}
+        self.set_on: set[tuple[str, str]] = set()  # (name, attribute) the script assigns
+        self.reads: list[ast.Attribute] = []
+        for node in nodes:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                for name, wrapper in bound_wrappers(script, node):
+                    self.bind(name, node.lineno, wrapper)
+            elif isinstance(
+                node, (ast.AugAssign, ast.For, ast.AsyncFor, ast.With, ast.AsyncWith, ast.NamedExpr)
+            ):
+                for target in binding_targets(node):
+                    for name in plain_names(target):
+                        self.bind(name, node.lineno, None)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if isinstance(node.ctx, ast.Load):
+                    self.reads.append(node)
+                else:
+                    self.set_on.add((node.value.id, node.attr))
+
+    def bind(self, name: str, line: int, wrapper: str | None) -> None:
+        self.bindings.setdefault(name, Bindings()).add(line, wrapper)
+
+    def wrapper_at(self, name: str, line: int) -> str | None:
+        return self.bindings[name].wrapper_at(line) if name in self.bindings else None
+
+    def wrapper_reads(self, script: Script, guarded: frozenset[str]) -> Iterator[Finding]:
+        """Each `name.attr` read while `name` holds a wrapper."""
+        for node in self.reads:
+            name, attribute = node.value.id, node.attr
+            if attribute.startswith("_") or attribute in guarded:
+                continue
+            wrapper = self.wrapper_at(name, node.lineno)
+            if (
+                wrapper is None
+                or attribute in WRAPPERS[wrapper]
+                or (name, attribute) in self.set_on
+            ):
+                continue
+            yield script.finding(
+                "ddp-wrapper-attribute",
+                node,
+                f"{name}.{attribute}: {name} is the {wrapper} wrapper here, which has no "
+                f"attribute {attribute!r} (AttributeError on every rank); use "
+                f"{name}.module.{attribute}, or keep a name for the unwrapped model"
+                + (
+                    f" (accelerator.unwrap_model({name}).{attribute})"
+                    if any(m.split(".")[0] == "accelerate" for m in script.aliases.values())
+                    else ""
+                ),
+            )
+
+
+def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> None:
+    """A function's parameter holds the wrapper when every call of the function in
+    the file passes it a name that holds the same wrapper there (`evaluate(model)`
+    after `model = DDP(model)`)."""
+    passed: dict[tuple[str, int], set[str | None]] = {}
+    for scope in script.all_scopes:
+        facts = scopes[id(scope)]
+        for node in script.scope_nodes(scope):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id not in script.functions:
+                continue
+            for position, arg in enumerate(node.args):
+                if isinstance(arg, ast.Name):
+                    wrapper = facts.wrapper_at(arg.id, node.lineno)
+                    passed.setdefault((node.func.id, position), set()).add(wrapper)
+    for (function_name, position), wrappers in passed.items():
+        function = script.functions[function_name]
+        parameters = function.args.posonlyargs + function.args.args
+        if len(wrappers) != 1 or None in wrappers or position >= len(parameters):
             continue
-        wrapper = bindings[name].wrapper_at(node.lineno)
-        if wrapper is None or attribute in WRAPPERS[wrapper] or (name, attribute) in set_on:
-            continue
-        yield script.finding(
-            "ddp-wrapper-attribute",
-            node,
-            f"{name}.{attribute}: {name} is the {wrapper} wrapper here, which has no "
-            f"attribute {attribute!r} (AttributeError on every rank); use "
-            f"{name}.module.{attribute}, or keep a name for the unwrapped model",
-        )
+        facts = scopes.get(id(function))
+        if facts is not None:
+            facts.bind(parameters[position].arg, function.lineno, next(iter(wrappers)))
 
 
 def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -> Iterator[Finding]:
@@ -189,6 +235,53 @@ def attributes_probed(script: Script) -> frozenset[str]:
         and len(node.args) >= 2
         and isinstance(node.args[1], ast.Constant)
         and isinstance(node.args[1].value, str)
+    )
+
+
+def bound_wrappers(
+    script: Script, node: ast.Assign | ast.AnnAssign
+) -> list[tuple[str, str | None]]:
+    """(name, wrapper or None) for each plain name an assignment binds. Accelerate's
+    `model, optimizer = accelerator.prepare(model, optimizer)` wraps the module
+    among them in DistributedDataParallel when several processes run."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    value = node.value
+    if isinstance(value, ast.Call) and is_prepare(value):
+        pairs = []
+        for target in targets:
+            elements = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+            if len(elements) != len(value.args):
+                pairs += [(name, None) for name in plain_names(target)]
+                continue
+            for element, arg in zip(elements, value.args, strict=True):
+                wrapper = "DistributedDataParallel" if is_module(script, arg) else None
+                pairs += [(name, wrapper) for name in plain_names(element)]
+        return pairs
+    wrapper = wrapper_of(script, value) if value is not None else None
+    return [(name, wrapper) for target in targets for name in plain_names(target)]
+
+
+def is_prepare(node: ast.Call) -> bool:
+    """`accelerator.prepare(...)` (an object named like an accelerator)."""
+    func = node.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr in ("prepare", "prepare_model")
+        and isinstance(func.value, ast.Name)
+        and "accelerator" in func.value.id.lower()
+    )
+
+
+def is_module(script: Script, expr: ast.expr) -> bool:
+    """A name the script treats as an nn.Module: it asks for its parameters."""
+    if not isinstance(expr, ast.Name):
+        return False
+    return any(
+        isinstance(node, ast.Attribute)
+        and node.attr in ("parameters", "named_parameters")
+        and isinstance(node.value, ast.Name)
+        and node.value.id == expr.id
+        for node in script.nodes
     )
 
 
