@@ -55,7 +55,12 @@ def pick(en: str, zh: str, lang: str) -> str:
 
 STRINGS: dict[str, dict[str, str]] = {
     "root_error": {"en": "Root error", "zh": "根本错误"},
-    "no_root_error": {"en": "No exception found in the text", "zh": "文本中没有找到异常"},
+    # Only a line that starts with an exception (or a torchrun failure record) is a root
+    # error; one quoted inside a sentence is searched with the rest of the words.
+    "no_root_error": {
+        "en": "No line of the text starts with an exception",
+        "zh": "文本中没有以异常开头的行",
+    },
     "causes": {"en": "Likely causes", "zh": "可能的原因"},
     "no_causes": {"en": "No matching cause in the knowledge base", "zh": "知识库里没有匹配的原因"},
     "fix": {"en": "Fix", "zh": "修复方法"},

@@ -130,7 +130,7 @@ def test_a_conversation_without_answers_still_exports():
     conv = Conversation()
     conv.add(Turn(query="why?", error="Failed: index damaged"))
     text = conversation_markdown(conv)
-    assert "No exception found in the text." in text
+    assert "No line of the text starts with an exception." in text
     assert "No answer yet." in text and "No probe has run yet." in text
     assert "## Fix" not in text
 
