@@ -13,9 +13,9 @@ and the functions it calls, including an mp.spawn target): a method a
 framework calls is not, since who calls it, on which ranks, is not shown.
 Quiet where the script takes turns, as for a dataset download (cache.py:
 rank 0 saves first while the others wait in a barrier, `with
-main_process_first():`), and for a path that depends on the rank (one file per rank, as sharded
-state dicts are saved), an in-memory buffer, and a process group of one
-process (`world_size=1`).
+main_process_first():`), for a path that depends on the rank (one file per
+rank, as sharded state dicts are saved), an in-memory buffer, and a process
+group of one process (`world_size=1`).
 """
 
 from __future__ import annotations
