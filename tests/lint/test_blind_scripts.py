@@ -20,7 +20,7 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-FOUND_FLOOR = 19  # of 32 (measured once: 10)
+FOUND_FLOOR = 21  # of 32 (measured once: 10)
 OTHER_FINDINGS_CEILING = 6  # measured once: 14, in 9 files
 
 

@@ -1,5 +1,6 @@
-"""Every rank saves the same file at once (checkpoint-written-by-every-rank; dataset-cache-race
-when the file is preprocessed data).
+"""Checkpoints every rank writes or reads alike: the same file saved by every rank at once
+(checkpoint-written-by-every-rank; dataset-cache-race when it is preprocessed data), and
+a checkpoint every rank loads with no map_location (checkpoint-map-location).
 
 Under torchrun every process runs the whole script, so a `torch.save(state,
 "last.pt")` that no rank test guards is written N times at once to one path.
@@ -26,7 +27,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, without_turns
 from assistant.lint.model import Script, is_int, keyword, short, source_text
-from assistant.lint.ranks import compared_rank, some_rank_runs
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, compared_rank, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import init_calls, is_distributed
 from assistant.lint.tracer import TracedCall
@@ -107,3 +108,78 @@ def one_process_group(script: Script) -> bool:
     inits = init_calls(script)
     sizes = [keyword(call, "world_size") for call in inits]
     return bool(inits) and all(is_int(size) and size.value == 1 for size in sizes)
+
+
+@check("checkpoint-map-location")
+def check_load_without_map_location(script: Script) -> Iterator[Finding]:
+    """`torch.load(checkpoint)` with no map_location that every rank runs, its result
+    loaded into a model: each rank puts the tensors back on the GPU they were saved
+    from, rank 0's cuda:0, so GPU 0 holds N copies."""
+    if not is_distributed(script) or one_process_group(script) or not script.traces:
+        return
+    scope_of = {
+        id(node): scope for scope in script.all_scopes for node in script.scope_nodes(scope)
+    }
+    loads = (
+        call
+        for call in script.traces[0]
+        if call.name == "torch.load" and call.node.args and every_rank_runs(call)
+    )
+    for call in without_turns(script, loads):
+        scope = scope_of.get(id(call.node))
+        if scope is None or not not_placed(call.node):
+            continue
+        if knows_map_location(script, scope) or not loaded_into_a_model(script, scope, call.node):
+            continue
+        yield script.finding(
+            "checkpoint-map-location",
+            call.node,
+            "torch.load without map_location on every rank puts the checkpoint's tensors back "
+            "on the GPU they were saved from (cuda:0 when rank 0 saved them), so GPU 0 holds "
+            'a copy per rank (more memory there, or out of memory): pass map_location="cpu" '
+            "or the rank's own device",
+        )
+
+
+def every_rank_runs(call: TracedCall) -> bool:
+    sides = {branch.side for branch in call.rank_path}
+    return some_rank_runs(call.rank_path) and not sides & {RANK_ZERO, OTHER_RANKS, NO_RANKS}
+
+
+def not_placed(call: ast.Call) -> bool:
+    """No map_location, by keyword or as the second argument."""
+    return keyword(call, "map_location") is None and len(call.args) < 2
+
+
+def knows_map_location(script: Script, scope: ast.AST) -> bool:
+    """Another torch.load in the same function passes map_location (ImageNet's
+    `if args.gpu is None: torch.load(path) else: torch.load(path, map_location=loc)`)."""
+    return any(
+        isinstance(node, ast.Call)
+        and script.name_of(node.func) == "torch.load"
+        and not not_placed(node)
+        for node in script.scope_nodes(scope)
+    )
+
+
+def loaded_into_a_model(script: Script, scope: ast.AST, load: ast.Call) -> bool:
+    """The loaded object goes into `load_state_dict(...)`, directly or through the
+    name it is bound to (`ckpt = torch.load(p)`, `model.load_state_dict(ckpt["model"])`)."""
+    nodes = script.scope_nodes(scope)
+    bound = {
+        target.id
+        for node in nodes
+        if isinstance(node, ast.Assign) and node.value is load
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    for node in nodes:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr != "load_state_dict":
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            for inner in ast.walk(arg):
+                if inner is load or (isinstance(inner, ast.Name) and inner.id in bound):
+                    return True
+    return False
