@@ -122,21 +122,29 @@ def is_distributed(script: Script) -> bool:
     return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
 
 
+def imported_callee(script: Script, call: ast.Call) -> str | None:
+    """The resolved name of what `call` calls, when it comes from an import that is
+    not torch's own (`utils.init_distributed_mode`, `build_model`); else None."""
+    root = call.func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    if not (isinstance(root, ast.Name) and root.id in script.aliases):
+        return None
+    name = script.name_of(call.func)
+    # `torchtitan.utils.init_distributed` is not torch's own
+    return None if name == "torch" or name.startswith("torch.") else name
+
+
 def external_setup_helpers(script: Script) -> list[ast.Call]:
     """Calls to imported, non-torch functions that may set up distributed
     (`utils.init_distributed_mode(args)`, `init_dist(launcher)`, `setup_ddp()`):
     what they do (the process group, set_device) happens in a file not shown."""
-    found = []
-    for node, name in script.call_names:
-        root = node.func
-        while isinstance(root, ast.Attribute):
-            root = root.value
-        imported = isinstance(root, ast.Name) and root.id in script.aliases
-        if name == "torch" or name.startswith("torch.") or not imported:
-            continue  # `torchtitan.utils.init_distributed` is not torch's own
-        if re.search(r"dist|setup|init", short(name), re.IGNORECASE):
-            found.append(node)
-    return found
+    return [
+        node
+        for node, _name in script.call_names
+        if (callee := imported_callee(script, node))
+        and re.search(r"dist|setup|init", short(callee), re.IGNORECASE)
+    ]
 
 
 def calls_external_setup(script: Script) -> bool:
@@ -187,9 +195,14 @@ def uses_cuda(script: Script) -> bool:
     return any(s == "cuda" or s.startswith("cuda:") for s in script.string_constants)
 
 
+def imports_package(script: Script, package: str) -> bool:
+    """The script imports `package` or something from it."""
+    return any(module.split(".")[0] == package for module in script.aliases.values())
+
+
 def uses_deepspeed(script: Script) -> bool:
     """The script imports DeepSpeed, whose launcher passes `--local_rank=N` itself."""
-    return any(module.split(".")[0] == "deepspeed" for module in script.aliases.values())
+    return imports_package(script, "deepspeed")
 
 
 def local_rank_arguments(script: Script) -> list[tuple[ast.Call, set[str]]]:

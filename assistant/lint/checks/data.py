@@ -18,7 +18,7 @@ from typing import TypeVar
 from assistant.lint.model import Script, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed, is_method
+from assistant.lint.torchapi import imports_package, is_distributed, is_method
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -173,9 +173,7 @@ class DataFlow:
 
     @cached_property
     def uses_framework(self) -> bool:
-        return any(
-            full.split(".")[0] in SAMPLER_FRAMEWORKS for full in self.script.aliases.values()
-        )
+        return any(imports_package(self.script, package) for package in SAMPLER_FRAMEWORKS)
 
     @cached_property
     def calls_set_epoch(self) -> bool:

@@ -14,6 +14,7 @@ from assistant.lint.torchapi import (
     FIXED_CUDA,
     backend_of,
     calls_external_setup,
+    imported_callee,
     init_calls,
     is_ddp,
     is_dist_call,
@@ -270,13 +271,10 @@ def built_elsewhere(script: Script, module: ast.expr) -> bool:
     name, or an imported factory builds it."""
     if not isinstance(module, (ast.Name, ast.Attribute)):
         return imported_factory(script, module)  # DDP(build_model(cfg), ...)
-    text = source_text(module)
     values = [
-        node.value
-        for node in script.nodes
-        if isinstance(node, ast.Assign)
-        and any(source_text(target) == text for target in node.targets)
-        and not (isinstance(node.value, ast.Call) and is_ddp(script.name_of(node.value.func)))
+        value
+        for value in script.assigned_values.get(source_text(module), [])
+        if not (isinstance(value, ast.Call) and is_ddp(script.name_of(value.func)))
     ]
     if not values:
         return True
@@ -284,15 +282,8 @@ def built_elsewhere(script: Script, module: ast.expr) -> bool:
 
 
 def imported_factory(script: Script, value: ast.expr) -> bool:
-    if not isinstance(value, ast.Call):
-        return False
-    root = value.func
-    while isinstance(root, ast.Attribute):
-        root = root.value
-    if not (isinstance(root, ast.Name) and root.id in script.aliases):
-        return False
-    name = script.name_of(value.func)
-    return not (name == "torch" or name.startswith("torch.")) and bool(FACTORY.match(short(name)))
+    callee = imported_callee(script, value) if isinstance(value, ast.Call) else None
+    return callee is not None and bool(FACTORY.match(short(callee)))
 
 
 def is_move(expr: ast.expr) -> bool:

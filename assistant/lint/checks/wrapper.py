@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from assistant.lint.model import Script, self_attribute, short
 from assistant.lint.registry import check
+from assistant.lint.torchapi import imports_package
 from assistant.results import Finding
 
 # nn.Module's public API (torch 2.x): what every wrapper has; smart_apply is
@@ -152,7 +153,7 @@ class ScopeFacts:
                 f"{name}.module.{attribute}, or keep a name for the unwrapped model"
                 + (
                     f" (accelerator.unwrap_model({name}).{attribute})"
-                    if any(m.split(".")[0] == "accelerate" for m in script.aliases.values())
+                    if imports_package(script, "accelerate")
                     else ""
                 ),
             )
