@@ -369,15 +369,29 @@ def signals_raise() -> Iterator[None]:
     try:
         yield
     except (KeyboardInterrupt, Terminated):
-        _REGISTER.handled.set()
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)  # the cleanup runs to its end
-        stop_everything()
+        _stop_for_interrupt(previous)
         raise
+    except BaseException as exc:
+        if _REGISTER.signum is None:
+            raise
+        # The signal's Terminated was raised inside C code that replaced it
+        # with an error of its own (torch's extension import turned it into
+        # "TypeError: expected a message argument", seen in CI): the command
+        # still ends as the signal asked, with no traceback.
+        _stop_for_interrupt(previous)
+        raise Terminated(_REGISTER.signum) from exc
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sys.unraisablehook = unraisable
+
+
+def _stop_for_interrupt(handled_signals) -> None:
+    """Tell the watchdog the interrupt arrived, then kill and remove everything."""
+    _REGISTER.handled.set()
+    for sig in handled_signals:
+        signal.signal(sig, signal.SIG_IGN)  # the cleanup runs to its end
+    stop_everything()
 
 
 def _quiet_terminated(hook):

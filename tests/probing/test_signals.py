@@ -211,3 +211,37 @@ def test_a_termination_python_could_not_raise_prints_no_traceback():
     finally:
         sys.unraisablehook = before
     assert [kind.__name__ for kind in seen] == ["ValueError", "Terminated"]
+
+
+SWALLOWED_BY_C = """
+import os, signal, sys
+from assistant.probing import processes
+
+def extension_import():
+    # what torch's C import did in CI with the Terminated a signal raised in it
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        signal.pause()
+    except processes.Terminated:
+        raise TypeError("expected a message argument")
+
+try:
+    with processes.signals_raise():
+        extension_import()
+except processes.Terminated as exc:
+    print(type(exc.__cause__).__name__)
+    sys.exit(exc.exit_code)
+"""
+
+
+def test_a_signal_that_c_code_turned_into_another_error_still_ends_the_command_as_the_signal():
+    done = subprocess.run(
+        [sys.executable, "-c", SWALLOWED_BY_C],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 128 + signal.SIGHUP, done.stderr
+    assert done.stdout.strip() == "TypeError"
+    assert "Traceback" not in done.stderr
