@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, short
+from assistant.lint.model import Script, short, source_text
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
@@ -15,7 +15,7 @@ from assistant.lint.ranks import (
     some_rank_runs,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective
+from assistant.lint.torchapi import is_collective, is_distributed
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -153,6 +153,10 @@ class CallGraph:
                 for callee in same_file_callees(script, node.func, None):
                     self.callers.setdefault(callee, set()).add(name)
 
+    def reaching_any(self, called: frozenset[str]) -> set[str]:
+        """Functions that call any of `called` (short names), directly or not."""
+        return set().union(*(self.reaching(name) for name in called))
+
     def reaching(self, collective: str) -> set[str]:
         """Functions that call `collective`, directly or through each other.
 
@@ -167,3 +171,177 @@ class CallGraph:
                     reaching.add(caller)
                     pending.append(caller)
         return reaching
+
+
+# --- a step one rank skips on its own data ---------------------------------------
+
+# Calls whose result is a value of this rank's own tensors: a loss that is NaN
+# on one rank is finite on the others.
+VALUE_READS = frozenset({"isfinite", "isnan", "isinf", "item"})
+# Calls that make DDP all-reduce gradients (or run a collective) in a step.
+STEP_COLLECTIVE_METHODS = frozenset({"backward"})
+
+
+@check("uneven-inputs")
+def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
+    """`if not torch.isfinite(loss): continue` before `loss.backward()`: the rank
+    whose batch gave a NaN loss (or an empty batch) skips the step alone, while
+    the others wait in DDP's gradient all-reduce. Quiet when the skip is decided
+    on a value every rank agreed on (a flag all-reduced first)."""
+    if not is_distributed(script):
+        return
+    graph: CallGraph | None = None
+    parents = parent_map(script)
+    for node in script.nodes:
+        if not isinstance(node, ast.If) or not ends_iteration(node.body):
+            continue
+        loop = enclosing_loop(node, parents)
+        if loop is None or not reads_local_value(node.test, batch_names(loop)):
+            continue
+        if agreed_before(script, node, loop, parents):
+            continue
+        graph = graph or CallGraph(script)
+        work = next(skipped_step_work(script, graph, node, loop, parents), None)
+        if work is None:
+            continue
+        yield script.finding(
+            "uneven-inputs",
+            node,
+            f"this rank skips the rest of the step on its own data (`if {source_text(node.test)}`)"
+            f", but {short(script.name_of(work.func)) or 'the step'}() on line {work.lineno} "
+            "all-reduces with the other ranks, which wait for it: decide the skip together "
+            "(all_reduce a flag first), or zero the loss instead of skipping",
+        )
+
+
+def parent_map(script: Script) -> dict[int, ast.AST]:
+    return {id(child): node for node in script.nodes for child in ast.iter_child_nodes(node)}
+
+
+def ends_iteration(body: list[ast.stmt]) -> bool:
+    """The block leaves the loop's iteration: continue, break or return."""
+    return bool(body) and isinstance(body[-1], (ast.Continue, ast.Break, ast.Return))
+
+
+def enclosing_loop(node: ast.AST, parents: dict[int, ast.AST]) -> ast.For | ast.While | None:
+    """The nearest loop around `node` in the same function."""
+    parent = parents.get(id(node))
+    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(parent, (ast.For, ast.While)):
+            return parent
+        parent = parents.get(id(parent))
+    return None
+
+
+def batch_names(loop: ast.For | ast.While) -> set[str]:
+    """Names a `for` binds to the loader's items (not enumerate's counter)."""
+    if not isinstance(loop, ast.For):
+        return set()
+    target = loop.target
+    iterated = loop.iter
+    if (
+        isinstance(iterated, ast.Call)
+        and isinstance(iterated.func, ast.Name)
+        and iterated.func.id == "enumerate"
+        and isinstance(target, ast.Tuple)
+        and len(target.elts) == 2
+    ):
+        target = target.elts[1]
+    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+
+
+def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
+    """The test reads this rank's own tensors: isfinite / isnan / isinf, .item(),
+    or an empty or missing batch (`batch is None`, `len(targets) == 0`)."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in VALUE_READS:
+                return True
+            if called in ("len", "numel") and names_in(node) & batch:
+                return True
+        if is_none_test(node) and names_in(node.left) & batch:
+            return True
+    return False
+
+
+def is_none_test(node: ast.AST) -> bool:
+    """`x is None`."""
+    return (
+        isinstance(node, ast.Compare)
+        and isinstance(node.ops[0], ast.Is)
+        and is_none(node.comparators[0])
+    )
+
+
+def names_in(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
+
+
+def agreed_before(
+    script: Script, test_if: ast.If, loop: ast.AST, parents: dict[int, ast.AST]
+) -> bool:
+    """A name the test reads went through a collective earlier in the iteration
+    (`dist.all_reduce(bad)`; `if bad.item(): continue`): every rank agrees."""
+    read = names_in(test_if.test)
+    for stmt in statements_before(test_if, loop, parents):
+        for node in ast.walk(stmt):
+            if not (isinstance(node, ast.Call) and is_collective(script.name_of(node.func))):
+                continue
+            given = [*node.args, *(k.value for k in node.keywords)]
+            if any(names_in(arg) & read for arg in given):
+                return True
+    return False
+
+
+def statements_before(node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]) -> list[ast.stmt]:
+    """The statements of the iteration that run before `node`, innermost block first."""
+    before: list[ast.stmt] = []
+    for block, index in enclosing_blocks(node, loop, parents):
+        before.extend(block[:index])
+    return before
+
+
+def statements_after(node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]) -> list[ast.stmt]:
+    """The statements of the iteration that `continue` after `node` would skip."""
+    after: list[ast.stmt] = []
+    for block, index in enclosing_blocks(node, loop, parents):
+        after.extend(block[index + 1 :])
+    return after
+
+
+def enclosing_blocks(
+    node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]
+) -> Iterator[tuple[list[ast.stmt], int]]:
+    """(statement list, index of the statement holding `node`) from `node` out to the loop body."""
+    child = node
+    parent = parents.get(id(child))
+    while parent is not None:
+        for _name, value in ast.iter_fields(parent):
+            if isinstance(value, list) and any(v is child for v in value):
+                yield value, next(i for i, v in enumerate(value) if v is child)
+        if parent is loop:
+            return
+        child, parent = parent, parents.get(id(parent))
+
+
+def skipped_step_work(
+    script: Script, graph: CallGraph, test_if: ast.If, loop: ast.AST, parents: dict[int, ast.AST]
+) -> Iterator[ast.Call]:
+    """Calls the skip jumps over that talk to the other ranks: a backward (DDP's
+    gradient all-reduce), a collective, or a same-file function that makes one."""
+    reaching = graph.reaching_any(STEP_COLLECTIVE_METHODS)
+    for stmt in statements_after(test_if, loop, parents):
+        for node in ast.walk(stmt):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            backward = isinstance(func, ast.Attribute) and func.attr in STEP_COLLECTIVE_METHODS
+            through = any(callee in reaching for callee in same_file_callees(script, func, None))
+            if backward or through or is_collective(script.name_of(func)):
+                yield node

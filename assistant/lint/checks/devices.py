@@ -63,6 +63,7 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
         if is_ddp(name):
             yield from fixed_ddp_devices(script, node)
     yield from fixed_device_variables(script, rank_zero_only)
+    yield from fixed_device_fields(script, rank_zero_only)
 
 
 def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
@@ -88,7 +89,98 @@ def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator
             )
 
 
-def is_fixed_cuda(value: ast.expr) -> bool:
+def fixed_device_fields(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
+    """A config field whose default is a fixed GPU (a dataclass or config class
+    `device: str = "cuda:0"`, a config dict `{"device": "cuda:0"}`) that places
+    work as `cfg.device` / `cfg["device"]` and is never set per rank: every
+    process of the launch reads the same default."""
+    if not is_distributed(script):
+        return
+    defaults = fixed_cuda_defaults(script)
+    if not defaults:
+        return
+    reassigned = {field for field in defaults if set_elsewhere(script, field)}
+    for node, _called in script.call_names:
+        if id(node) in rank_zero_only:
+            continue
+        field = placing_field(node)
+        if field in defaults and field not in reassigned:
+            default = defaults.pop(field)
+            yield script.finding(
+                "hardcoded-device",
+                default,
+                f'the config field {field} defaults to "{default.value}" and is never set '
+                f"per rank, and places work on line {node.lineno}: every rank uses the same "
+                f'GPU; set it to f"cuda:{{local_rank}}" once the local rank is known',
+            )
+
+
+def fixed_cuda_defaults(script: Script) -> dict[str, ast.Constant]:
+    """Config fields given a fixed GPU as their default, by field name."""
+    defaults: dict[str, ast.Constant] = {}
+    for node in script.nodes:
+        if isinstance(node, ast.ClassDef):
+            for statement in node.body:
+                target, value = class_field(statement)
+                if target and is_fixed_cuda(value):
+                    defaults.setdefault(target, value)
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and isinstance(key.value, str)
+                    and is_fixed_cuda(value)
+                ):
+                    defaults.setdefault(key.value, value)
+    return defaults
+
+
+def class_field(statement: ast.stmt) -> tuple[str | None, ast.expr | None]:
+    """`name: type = value` or `name = value` in a class body."""
+    if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+        return statement.target.id, statement.value
+    if (
+        isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
+    ):
+        return statement.targets[0].id, statement.value
+    return None, None
+
+
+def field_of(expr: ast.expr) -> str | None:
+    """`cfg.device` -> "device", `cfg["device"]` -> "device"."""
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant):
+        return expr.slice.value if isinstance(expr.slice.value, str) else None
+    return None
+
+
+def set_elsewhere(script: Script, field: str) -> bool:
+    """Any `x.field = ...` or `x["field"] = ...` in the file (set per rank, or
+    from a command-line flag a launch may set per process)."""
+    for node in script.nodes:
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(field_of(target) == field for target in targets):
+                return True
+    return False
+
+
+def placing_field(node: ast.Call) -> str | None:
+    """The config field a placing call is given: `x.to(cfg.device)`,
+    `torch.device(cfg.device)`, `device=cfg["device"]`."""
+    func = node.func
+    placing = isinstance(func, ast.Attribute) and func.attr in ("to", "cuda", "device")
+    given = [
+        *(node.args[:1] if placing else []),
+        *(k.value for k in node.keywords if k.arg == "device"),
+    ]
+    return next((field for field in map(field_of, given) if field), None)
+
+
+def is_fixed_cuda(value: ast.expr | None) -> bool:
     return isinstance(value, ast.Constant) and bool(FIXED_CUDA.match(str(value.value)))
 
 
@@ -137,13 +229,22 @@ def is_torch_device(name: str) -> bool:
 
 def fixed_cuda_strings(script: Script, node: ast.Call) -> Iterator[Finding]:
     for arg in [*node.args, *(k.value for k in node.keywords)]:
-        if isinstance(arg, ast.Constant) and FIXED_CUDA.match(str(arg.value)):
-            yield script.finding(
-                "hardcoded-device",
-                arg,
-                f'"{arg.value}" puts every rank on the same GPU: use '
-                'torch.device("cuda", local_rank)',
-            )
+        for value in possible_values(arg):
+            if is_fixed_cuda(value):
+                yield script.finding(
+                    "hardcoded-device",
+                    value,
+                    f'"{value.value}" puts every rank on the same GPU: use '
+                    'torch.device("cuda", local_rank)',
+                )
+
+
+def possible_values(expr: ast.expr) -> list[ast.expr]:
+    """The values an argument can take: both sides of `a if test else b`
+    (`"cuda:0" if torch.cuda.is_available() else "cpu"`), else itself."""
+    if isinstance(expr, ast.IfExp):
+        return [*possible_values(expr.body), *possible_values(expr.orelse)]
+    return [expr]
 
 
 def current_device_uses(script: Script, node: ast.Call, name: str) -> Iterator[Finding]:
