@@ -25,6 +25,7 @@ from assistant.results import Finding
 # DataLoader(dataset, batch_size, shuffle, sampler, batch_sampler, ...): a fourth
 # positional argument is a sampler given by position.
 SAMPLER_POSITION = 3
+SHUFFLE_POSITION = 2
 # DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last): the fifth is the seed.
 SEED_POSITION = 4
 # `g.manual_seed(epoch)`, `rng.seed(epoch)`: a generator seeded by a statement, not an assignment.
@@ -35,33 +36,45 @@ SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
 # `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
 PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
 ITERABLE_BASES = frozenset({"IterableDataset", "IterDataPipe"})
-# How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...).
-ORIGIN_DEPTH = 3
+# How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...):
+# files[rank::world] read, split, then wrapped in a Dataset is four steps back.
+ORIGIN_DEPTH = 5
 # A name assigned hundreds of times is not a dataset being built; stop following there.
 MAX_ORIGINS = 64
 
 
 @check("missing-distributed-sampler")
 def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
-    """A DataLoader with no sampler in a DDP script that has no DistributedSampler."""
+    """A DataLoader with no sampler in a DDP script that has no DistributedSampler, or a
+    shuffled (training) one left without it where other loaders have one."""
     data = DataFlow(script)
-    if not data.is_distributed or data.mentions_distributed_sampler or data.uses_framework:
+    if not data.is_distributed or data.uses_framework:
         return
+    # Where the script uses a DistributedSampler, a loader without one may be
+    # meant to read everything (an evaluation on every rank); a loader that
+    # shuffles is a training loader.
+    only_shuffled = data.mentions_distributed_sampler
     for node in data.loader_calls:
         dataset = node.args[0] if node.args else keyword(node, "dataset")
         if dataset is None or has_sampler(node) or data.prepared(node):
+            continue
+        if only_shuffled and not shuffles(node):
             continue
         if data.may_be_iterable(dataset) or data.sharded_by_rank(dataset):
             continue
         if data.rank_zero_only(node):
             continue
         shown = source_text(dataset)
+        why = (
+            "shuffles with no sampler while the script gives other loaders a DistributedSampler"
+            if only_shuffled
+            else "has no sampler and the script has no DistributedSampler"
+        )
         yield script.finding(
             "missing-distributed-sampler",
             node,
-            f"DataLoader over {shown} has no sampler and the script has no DistributedSampler: "
-            "every rank iterates the whole dataset, so N ranks do N times the work with no "
-            f"speedup; pass sampler=DistributedSampler({shown})",
+            f"DataLoader over {shown} {why}: every rank iterates the whole dataset, so N ranks "
+            f"do N times the work with no speedup; pass sampler=DistributedSampler({shown})",
         )
 
 
@@ -97,6 +110,14 @@ def has_sampler(loader: ast.Call) -> bool:
     return len(loader.args) > SAMPLER_POSITION or any(
         isinstance(arg, ast.Starred) for arg in loader.args
     )
+
+
+def shuffles(loader: ast.Call) -> bool:
+    """DataLoader(..., shuffle=True), by keyword or as the third positional argument."""
+    value = keyword(loader, "shuffle")
+    if value is None and len(loader.args) > SHUFFLE_POSITION:
+        value = loader.args[SHUFFLE_POSITION]
+    return isinstance(value, ast.Constant) and value.value is True
 
 
 def seed_of(sampler: ast.Call) -> ast.expr | None:
@@ -211,8 +232,9 @@ class DataFlow:
             else:
                 continue
             for target, value in pairs:
-                for name in bound_names(target):
-                    values.setdefault(name, []).append(value)
+                # `me, world = get_rank(), get_world_size()`: each name its own element
+                for name, element in paired(target, value):
+                    values.setdefault(name, []).append(element)
         return values
 
     @cached_property
@@ -365,13 +387,12 @@ class DataFlow:
     @cached_property
     def single_assignments(self) -> list[tuple[str, ast.expr]]:
         """(name, value) of every assignment, a tuple's elements paired: `a, b = x, y`."""
-        pairs: list[tuple[str, ast.expr]] = []
-        for name, values in self.assignments.items():
-            pairs.extend((name, value) for value in values if not is_sequence(value))
-        for node in self.script.nodes:
-            if isinstance(node, ast.Assign) and is_sequence(node.value):
-                pairs.extend(p for target in node.targets for p in paired(target, node.value))
-        return pairs
+        return [
+            (name, value)
+            for name, values in self.assignments.items()
+            for value in values
+            if not is_sequence(value)
+        ]
 
     def prepared(self, loader: ast.Call) -> bool:
         """Handed to `accelerator.prepare(...)` / `fabric.setup_dataloaders(...)`."""
