@@ -16,7 +16,19 @@ from assistant.lint.torchapi import (
 )
 from assistant.results import Finding
 
-TORCH_FACTORIES = frozenset(f"torch.{name}" for name in TENSOR_FACTORIES)
+TORCH_FACTORIES = frozenset(f"torch.{name}" for name in TENSOR_FACTORIES | {"as_tensor"})
+# Constructors that always give a CPU tensor: from a numpy array, or a legacy
+# CPU tensor type.
+CPU_CONSTRUCTORS = frozenset(
+    {
+        "torch.from_numpy",
+        "torch.Tensor",
+        "torch.FloatTensor",
+        "torch.DoubleTensor",
+        "torch.LongTensor",
+        "torch.IntTensor",
+    }
+)
 
 
 @check("nccl-with-cpu-tensors")
@@ -55,18 +67,24 @@ def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple
     for node in nodes:
         if not isinstance(node, ast.Assign):
             continue
-        value = node.value
-        on_cpu = (
-            isinstance(value, ast.Call)
-            and script.name_of(value.func) in TORCH_FACTORIES
-            and keyword(value, "device") is None
-        )
+        on_cpu = makes_cpu_tensor(script, node.value)
         for target in node.targets:
             if isinstance(target, ast.Name):
                 origins.setdefault(target.id, []).append((node.lineno, on_cpu))
     for assignments in origins.values():
         assignments.sort()
     return origins
+
+
+def makes_cpu_tensor(script: Script, value: ast.expr) -> bool:
+    """`torch.zeros(n)` with no device, `torch.from_numpy(a)`, `torch.LongTensor(x)`, `t.cpu()`."""
+    if not isinstance(value, ast.Call):
+        return False
+    name = script.name_of(value.func)
+    if name in TORCH_FACTORIES:
+        return keyword(value, "device") is None
+    moved_to_cpu = isinstance(value.func, ast.Attribute) and value.func.attr == "cpu"
+    return name in CPU_CONSTRUCTORS or moved_to_cpu
 
 
 def made_on_cpu_before(assignments: list[tuple[int, bool]], line: int) -> int | None:

@@ -1,5 +1,6 @@
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -12,6 +13,14 @@ def main():
     dist.all_reduce(correct)  # expect: nccl-with-cpu-tensors
     if dist.get_rank() == 0:
         print(f"accuracy {correct[0] / correct[1]:.3f}")
+    confusion = torch.from_numpy(np.zeros((3, 3), dtype=np.int64))
+    dist.all_reduce(confusion)  # expect: nccl-with-cpu-tensors
+    counts = torch.LongTensor([7, 9])
+    dist.all_reduce(counts)  # expect: nccl-with-cpu-tensors
+    on_gpu = torch.from_numpy(np.ones(2)).cuda()
+    dist.all_reduce(on_gpu)
+    back = on_gpu.cpu()
+    dist.broadcast(back, src=0)  # expect: nccl-with-cpu-tensors
     dist.destroy_process_group()
 
 
