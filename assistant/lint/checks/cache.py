@@ -13,6 +13,11 @@ inside a `with ...first(...)` context (`main_process_first`,
 after an earlier download on rank 0 only or a barrier the other ranks wait
 in (the hand-written "rank 0 first" pattern), or in a Lightning
 `prepare_data` hook (which Lightning runs on one process per node).
+
+The same race, made by the script itself: a cache of parsed annotations or
+features built when its file is missing (`if not os.path.exists(cache):
+... pickle.dump(items, f)`), which every rank misses on the first run and
+writes at once. Quiet in the same turn-taking cases, and for a file per rank.
 """
 
 from __future__ import annotations
@@ -126,3 +131,83 @@ def nodes_taking_turns(script: Script) -> set[int]:
 def context_call(expr: ast.expr) -> ast.expr:
     """The callable of `with f(...):` (the expression itself when it is no call)."""
     return expr.func if isinstance(expr, ast.Call) else expr
+
+
+# --- a cache file built by every rank ----------------------------------------------
+
+# Calls that write a file: (callable, position of the file or path argument).
+# torch.save is checkpoint.py's (it tells a data cache from a checkpoint).
+FILE_WRITERS = {
+    "pickle.dump": 1,
+    "json.dump": 1,
+    "numpy.save": 0,
+    "numpy.savez": 0,
+    "numpy.savez_compressed": 0,
+}
+# Methods that write their object to the path they are given first.
+WRITING_METHODS = frozenset({"to_pickle", "to_parquet", "to_feather", "save_to_disk"})
+EXISTENCE_TESTS = frozenset({"exists", "isfile", "isdir", "is_file", "is_dir"})
+
+
+@check("dataset-cache-race")
+def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
+    """`if not os.path.exists(cache): build it; pickle.dump(items, open(cache, "wb"))`
+    that every rank reaches: on the first run all N processes miss the file and
+    write it at once, and a rank that starts a moment later finds it half-written
+    (EOFError, "Ran out of input", UnpicklingError)."""
+    if not is_distributed(script) or not script.traces:
+        return
+    built = cache_writes(script)
+    if not built:
+        return
+    writes = every_rank_reaches(script.traces[0], lambda call: id(call.node) in built)
+    for call in without_turns(script, writes):
+        writer = call.name if call.name in FILE_WRITERS else short(call.name)
+        yield script.finding(
+            "dataset-cache-race",
+            call.node,
+            f"{writer or 'this call'}() writes a cache file that the `if` on line "
+            f"{built[id(call.node)]} builds when it is missing, on every rank at once: on the "
+            "first run N processes write it together and one can read it half-written "
+            "(EOFError, UnpicklingError); build it on rank 0 while the others wait in a "
+            "barrier, then every rank loads it",
+        )
+
+
+def cache_writes(script: Script) -> dict[int, int]:
+    """ids of the file writes inside an `if` that tests whether a path exists
+    (the build-when-missing branch), with the line of that `if`."""
+    from assistant.lint.checks.checkpoint import shared_file  # it imports this module
+
+    writes: dict[int, int] = {}
+    for node in script.nodes:
+        if not isinstance(node, ast.If):
+            continue
+        tested = tested_paths(node.test)
+        if not tested or not all(shared_file(script, path) for path in tested):
+            continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
+        for statement in [*node.body, *node.orelse]:
+            for inner in ast.walk(statement):
+                if isinstance(inner, ast.Call) and writes_file(script, inner):
+                    writes.setdefault(id(inner), node.lineno)
+    return writes
+
+
+def tested_paths(test: ast.expr) -> list[ast.expr]:
+    """The paths whose existence `test` checks: `os.path.exists(p)` -> p,
+    `not Path(p).is_file()` -> Path(p), `p.exists() and ...` -> p."""
+    paths: list[ast.expr] = []
+    for node in ast.walk(test):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        if node.func.attr in EXISTENCE_TESTS:
+            paths.append(node.args[0] if node.args else node.func.value)
+    return paths
+
+
+def writes_file(script: Script, call: ast.Call) -> bool:
+    name = script.name_of(call.func)
+    if name in FILE_WRITERS:
+        return len(call.args) > FILE_WRITERS[name]
+    func = call.func
+    return isinstance(func, ast.Attribute) and func.attr in WRITING_METHODS and bool(call.args)
