@@ -11,6 +11,11 @@ Reported: under an `if` on the rank (rank 0 only, or every rank but 0),
 before `DDP(model)` on the same trace, `model.x = <a call>` or one of the
 calls that change a module's parameters. Values the script computes the
 same way on every rank are not judged (they need no `if`).
+
+The same mismatch without an `if`: the model's sizes measured from data each
+rank reads for itself (`Tagger(len(words), ...)` with the words collected
+from `files[rank::world]`), followed back as data.py follows a dataset to a
+rank-sharded origin.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, short
+from assistant.lint.model import Script, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
@@ -136,3 +141,63 @@ def some_ranks_only(path: RankPath) -> bool:
 def who(path: RankPath) -> str:
     sides = {branch.side for branch in path}
     return "rank 0" if RANK_ZERO in sides else "every rank but 0"
+
+
+# --- sizes read from each rank's own shard -------------------------------------------
+
+SIZE_OF = frozenset({"len", "max", "nunique", "size", "numel"})
+
+
+@check("model-differs-across-ranks")
+def check_model_sized_by_the_ranks_own_data(script: Script) -> Iterator[Finding]:
+    """`TwoTower(len(user_vocab), ...)` where the vocabulary is built from this
+    rank's files (`files[rank::world]`): each rank sizes its embedding tables
+    from different data, and DDP's check that the ranks hold the same
+    parameters fails ("DDP expects same model across all ranks")."""
+    from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
+
+    wrapped = {name for trace in script.traces for c in trace if (name := wrapped_name(c))}
+    if not wrapped:
+        return
+    data = DataFlow(script)
+    for name in wrapped:
+        for built in map(unmoved, script.assigned_values.get(name, [])):
+            if not (isinstance(built, ast.Call) and builds_a_layer(script, built)):
+                continue
+            sized = next((e for e in size_arguments(built) if data.sharded_by_rank(e)), None)
+            if sized is None:
+                continue
+            yield script.finding(
+                "model-differs-across-ranks",
+                built,
+                f"{name}'s size comes from {source_text(sized)}, which is read from this "
+                "rank's own share of the data: each rank builds layers of another size and "
+                "DDP's check that every rank holds the same parameters fails; build the "
+                "vocabulary or class count from the whole dataset (or on rank 0 and "
+                "broadcast it) before building the model",
+            )
+            break
+
+
+def unmoved(expr: ast.expr) -> ast.expr:
+    """`Net(...).to(device).float()` -> `Net(...)`."""
+    while (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and isinstance(expr.func.value, ast.Call)
+    ):
+        expr = expr.func.value
+    return expr
+
+
+def size_arguments(call: ast.Call) -> Iterator[ast.expr]:
+    """What `len(x)`, `max(x)`, `x.nunique()`, `x.size(...)` measure among a call's arguments."""
+    for argument in [*call.args, *(k.value for k in call.keywords)]:
+        for node in ast.walk(argument):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if isinstance(func, ast.Name) and func.id in SIZE_OF and node.args:
+                yield node.args[0]
+            elif isinstance(func, ast.Attribute) and func.attr in SIZE_OF:
+                yield func.value
