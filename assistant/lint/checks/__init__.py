@@ -9,7 +9,9 @@ lines it must report.
 - launch: the main guard, the local rank (flag or env), hard-coded world size;
 - devices: fixed GPUs, set_device order, DDP device_ids on a CPU module;
 - process_group: torch.distributed calls before init_process_group;
-- collective_reach: collectives only some ranks reach (collective-mismatch);
+- collective_reach: collectives only some ranks reach (collective-mismatch),
+  and a step one rank skips on its own data (a NaN loss, an empty batch)
+  before its backward's gradient all-reduce (uneven-inputs);
 - rank_dependent: collectives every rank calls, but with tensors whose
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
@@ -18,13 +20,29 @@ lines it must report.
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
   never called in the epoch loop (sampler-set-epoch);
 - checkpoint: torch.save of the same file on every rank
-  (checkpoint-written-by-every-rank);
+  (checkpoint-written-by-every-rank), a checkpoint every rank loads with no
+  map_location (checkpoint-map-location), the DDP wrapper's state_dict
+  loaded into a model not wrapped there (state-dict-module-prefix);
 - cache: a dataset downloaded with `download=True` by every rank at once
-  into the same folder (dataset-cache-race);
+  into the same folder, or a cache file built when missing by every rank
+  (dataset-cache-race);
+- gather_sizes: all_gather of a tensor whose row count the rank's data
+  decides (detections, a mask's selection) into buffers shaped like the
+  local one (collective-mismatch);
 - model_build: layers added or resized on some ranks only before DDP wraps
-  the model (model-differs-across-ranks);
+  the model, or sized from data each rank reads for itself
+  (model-differs-across-ranks);
 - wrapper: the model's own methods and fields read through the DDP /
-  DataParallel wrapper instead of `.module` (ddp-wrapper-attribute).
+  DataParallel wrapper instead of `.module` (ddp-wrapper-attribute);
+- spawn: mp.spawn's args that is not a tuple, or does not fit the worker's
+  parameters after the process index, and a worker called instead of
+  passed (mp-spawn-arguments);
+- reentrant: reentrant activation checkpointing under DDP with
+  find_unused_parameters=True, or of one module several times per forward
+  (ddp-reentrant-checkpoint);
+- unused: a submodule forward skips when an optional input is None, called
+  with None in training under a DDP that expects every parameter
+  (unused-parameters).
 """
 
 from assistant.lint.checks import (
@@ -34,10 +52,14 @@ from assistant.lint.checks import (
     collective_reach,
     data,
     devices,
+    gather_sizes,
     launch,
     model_build,
     process_group,
     rank_dependent,
+    reentrant,
+    spawn,
+    unused,
     wrapper,
 )
 
@@ -48,9 +70,13 @@ __all__ = [
     "collective_reach",
     "data",
     "devices",
+    "gather_sizes",
     "launch",
     "model_build",
     "process_group",
     "rank_dependent",
+    "reentrant",
+    "spawn",
+    "unused",
     "wrapper",
 ]

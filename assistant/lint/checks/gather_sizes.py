@@ -1,0 +1,186 @@
+"""all_gather of a tensor whose number of rows depends on this rank's data.
+
+`dist.all_gather(bufs, dets)` needs the same shape on every rank: each rank
+receives into buffers shaped like its own tensor. Detections kept after a
+score threshold or NMS, the rows a boolean mask selects, `nonzero()` or
+`unique()` give each rank a different count, so the gather fails ("Sizes of
+tensors must match"), hangs, or returns rows cut or padded with garbage,
+depending on the backend and version. The fix: gather the sizes first and
+pad to the largest (or all_gather_object).
+
+Read within one function: the tensor's value, back through the names and
+the lists appended to that made it, must hold such a content-sized step;
+the receive buffers must be sized from the tensor itself (`zeros_like(t)`);
+and the function must not exchange sizes first (a collective on a tensor
+built from `len()`, `.shape`, `.size()` or `.numel()`), which is how a
+padded gather starts. A tensor with one row per sample (logits, features)
+is the same size on every rank under a DistributedSampler, and stays quiet.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, own_nodes, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_dist_call
+from assistant.results import Finding
+
+# Calls whose result has as many rows as the data makes: a selection, not a map.
+CONTENT_SIZED_CALLS = frozenset(
+    {"nonzero", "masked_select", "unique", "nms", "batched_nms", "argwhere"}
+)
+# Per-image detection outputs (torchvision, detectron2, mmdet): as many rows as
+# objects kept.
+DETECTION_KEYS = frozenset({"boxes", "scores", "labels", "masks", "keypoints", "pred_boxes"})
+LIKE_BUFFERS = frozenset({"zeros_like", "empty_like", "ones_like", "clone"})
+SIZE_READS = frozenset({"len", "size", "numel"})
+SIZE_TENSORS = frozenset({"tensor", "as_tensor", "LongTensor", "IntTensor", "new_tensor", "full"})
+MAX_DEPTH = 6  # assignments followed back from the gathered tensor
+
+
+@check("collective-mismatch")
+def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
+    """all_gather into buffers shaped like the local tensor, whose row count
+    comes from the data (detections, a mask's selection)."""
+    for scope in script.all_scopes:
+        nodes = list(own_nodes(scope))
+        values = scope_values(nodes)
+        sizes_exchanged = False
+        for node in nodes:
+            if not isinstance(node, ast.Call) or not is_dist_call(
+                script.name_of(node.func),
+                frozenset({"all_gather", "all_reduce", "all_gather_into_tensor"}),
+            ):
+                continue
+            if short(script.name_of(node.func)) != "all_gather" or len(node.args) < 2:
+                sizes_exchanged |= any(reads_size(values, a) for a in node.args[:2])
+                continue
+            buffers, tensor = node.args[0], node.args[1]
+            if reads_size(values, tensor):
+                sizes_exchanged = True  # all_gather(sizes, local_size)
+                continue
+            if sizes_exchanged or not isinstance(tensor, ast.Name):
+                continue
+            if not sized_like(values, buffers, tensor.id):
+                continue
+            step = content_sized_step(values, tensor)
+            if step is not None:
+                yield script.finding(
+                    "collective-mismatch",
+                    node,
+                    f"all_gather({source_text(buffers)}, {tensor.id}): {tensor.id} has as "
+                    f"many rows as this rank's data gives (`{source_text(step)}`, line "
+                    f"{step.lineno}), but every rank receives into buffers shaped like its "
+                    "own: the sizes differ across ranks (error, hang or garbage); all_gather "
+                    "the sizes first and pad to the largest, or use all_gather_object",
+                )
+
+
+def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
+    """name -> what the scope assigns to it, and what it appends or extends it with."""
+    values: dict[str, list[ast.expr]] = {}
+    for node in nodes:
+        if isinstance(node, ast.Assign):
+            for name in (n for t in node.targets for n in bound_names(t)):
+                values.setdefault(name, []).append(node.value)
+        elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
+            values.setdefault(node.target.id, []).append(node.value)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "extend")
+            and isinstance(node.func.value, ast.Name)
+            and node.args
+        ):
+            values.setdefault(node.func.value.id, []).append(node.args[0])
+    return values
+
+
+def bound_names(target: ast.expr) -> list[str]:
+    """`a`, `a, (b, c)`; not `a[i] = ...`, which changes a's values, not its shape."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [name for element in target.elts for name in bound_names(element)]
+    return []
+
+
+def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.expr]:
+    """`expr` and the values of the names in it, MAX_DEPTH assignments back, each once."""
+    seen: set[str] = set()
+    frontier = [expr]
+    for _ in range(MAX_DEPTH):
+        following: list[ast.expr] = []
+        for current in frontier:
+            yield current
+            for node in ast.walk(current):
+                if isinstance(node, ast.Name) and node.id not in seen:
+                    seen.add(node.id)
+                    following.extend(values.get(node.id, []))
+        frontier = following
+        if not frontier:
+            return
+
+
+def content_sized_step(values: dict[str, list[ast.expr]], tensor: ast.expr) -> ast.expr | None:
+    """The step in the tensor's making whose row count depends on the data."""
+    for value in origin(values, tensor):
+        for node in ast.walk(value):
+            if is_content_sized(node):
+                return node
+    return None
+
+
+def is_content_sized(node: ast.AST) -> bool:
+    if isinstance(node, ast.Call):
+        called = called_name(node)
+        if called in CONTENT_SIZED_CALLS:
+            return True
+        if called == "where" and len(node.args) == 1:  # torch.where(cond): indices
+            return True
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        if isinstance(key, ast.Constant) and key.value in DETECTION_KEYS:
+            return True
+        if isinstance(key, ast.Compare):  # x[x > threshold]
+            return True
+    return False
+
+
+def sized_like(values: dict[str, list[ast.expr]], buffers: ast.expr, tensor: str) -> bool:
+    """The receive buffers are made from the local tensor: `[zeros_like(t) for ...]`."""
+    made = [buffers, *values.get(buffers.id, [])] if isinstance(buffers, ast.Name) else [buffers]
+    for value in made:
+        for node in ast.walk(value):
+            if not isinstance(node, ast.Call):
+                continue
+            called = called_name(node)
+            if called not in LIKE_BUFFERS:
+                continue
+            source = node.args[0] if node.args and called != "clone" else node.func
+            if any(isinstance(n, ast.Name) and n.id == tensor for n in ast.walk(source)):
+                return True
+    return False
+
+
+def reads_size(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
+    """A small tensor made of a length or a shape (`torch.tensor([len(dets)])`):
+    the sizes a padded gather exchanges first."""
+    made = [expr, *values.get(expr.id, [])] if isinstance(expr, ast.Name) else [expr]
+    for value in made:
+        if not (isinstance(value, ast.Call) and called_name(value) in SIZE_TENSORS):
+            continue
+        for node in ast.walk(value):
+            if isinstance(node, ast.Attribute) and node.attr == "shape":
+                return True
+            if isinstance(node, ast.Call) and called_name(node) in SIZE_READS:
+                return True
+    return False
+
+
+def called_name(call: ast.Call) -> str:
+    """`torch.zeros_like(x)` -> "zeros_like", `x.clone()` -> "clone", `len(x)` -> "len"."""
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")

@@ -1,0 +1,280 @@
+"""Reentrant activation checkpointing under DDP (ddp-reentrant-checkpoint).
+
+`torch.utils.checkpoint.checkpoint` in its reentrant variant runs the
+checkpointed block's forward under no_grad and, in backward, recomputes it
+and runs a nested backward over it. DDP then fails with "Expected to mark a
+variable ready only once" in two cases the file can show:
+
+- DDP has find_unused_parameters=True: the block's parameters are not in the
+  forward graph DDP searches, so it counts them unused and marks them ready,
+  and the nested backward marks them ready again;
+- one module is checkpointed several times in one forward (`checkpoint(
+  self.block, x)` in a loop): its parameters get gradients in several nested
+  backward passes ("Reused parameters in multiple reentrant backward passes").
+
+Which calls are reentrant: `use_reentrant=True`, and no use_reentrant at all
+(torch.utils.checkpoint and checkpoint_sequential read None as True, after a
+warning, in torch 2.x up to 2.13 and in pytorch's main branch).
+Hugging Face's `gradient_checkpointing_enable()` passes
+`{"use_reentrant": True}` when given no gradient_checkpointing_kwargs in
+transformers 4.x (huggingface/transformers#28538; #43203 made it False for
+v5), and kwargs without the key leave torch's default; a script pins no
+version, so it is read as the 4.x most scripts were written for.
+
+Quiet where it works: use_reentrant=False, a value computed elsewhere, a
+`**kwargs` that may carry it, `static_graph=True` (or `_set_static_graph()`):
+DDP then supports reentrant backward, reused and unused parameters included;
+and DDP with no find_unused_parameters=True and no module checkpointed twice
+(plain reentrant checkpointing of distinct blocks trains under DDP).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.registry import check
+from assistant.results import Finding
+
+CHECKPOINTS = frozenset(
+    {"torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential"}
+)
+# use_reentrant is checkpoint_sequential's fourth positional parameter.
+SEQUENTIAL_REENTRANT_POSITION = 3
+HF_ENABLE = "gradient_checkpointing_enable"
+HF_KWARGS = "gradient_checkpointing_kwargs"
+# Where a script says how DDP wraps the model: torch, Accelerate, Lightning.
+DDP_CONFIGS = frozenset({"DistributedDataParallel", "DistributedDataParallelKwargs", "DDPStrategy"})
+LIGHTNING_FIND_UNUSED = "ddp_find_unused_parameters_true"
+
+REENTRANT, NOT_REENTRANT, UNKNOWN = "reentrant", "not reentrant", "unknown"
+
+
+@check("ddp-reentrant-checkpoint")
+def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
+    """Reentrant checkpointing with DDP's find_unused_parameters=True, or of one
+    module several times per forward, and no static graph."""
+    configs = [node for node, name in script.call_names if short(name) in DDP_CONFIGS]
+    trainer_args = [node for node, name in script.call_names if short(name) == "TrainingArguments"]
+    if not (configs or trainer_args) or static_graph(script, configs):
+        return
+    unused = [node for node in configs if is_true(keyword(node, "find_unused_parameters"))]
+    unused_line = unused[0].lineno if unused else None
+    if unused_line is None and LIGHTNING_FIND_UNUSED in script.string_constants:
+        unused_line = next(
+            n.lineno
+            for n in script.nodes
+            if isinstance(n, ast.Constant) and n.value == LIGHTNING_FIND_UNUSED
+        )
+    patched = patches_checkpoint(script)
+    own_enable = HF_ENABLE in script.methods_by_name
+    loops: Loops | None = None  # built at the first checkpoint call that needs it
+    for node, name in script.call_names:
+        if name in CHECKPOINTS:
+            if torch_checkpoint_mode(node, name, patched) != REENTRANT:
+                continue
+            variant = (
+                f"{short(name)}(...) with use_reentrant=True"
+                if keyword(node, "use_reentrant") is not None
+                else f"{short(name)}(...) without use_reentrant (torch's default is the "
+                "reentrant variant)"
+            )
+            fix = "pass use_reentrant=False"
+            if unused_line is not None:
+                yield unused_finding(script, node, variant, unused_line, fix)
+                continue
+            if not configs:
+                continue
+            loops = loops or Loops(script)
+            if module := loops.reused(node):
+                yield script.finding(
+                    "ddp-reentrant-checkpoint",
+                    node,
+                    f"{variant} checkpoints {module} inside a loop: its parameters get "
+                    "gradients in several reentrant backward passes, which DDP reports as "
+                    '"Expected to mark a variable ready only once"; pass use_reentrant=False '
+                    "(or DDP(..., static_graph=True))",
+                )
+        elif (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr == HF_ENABLE
+            and not own_enable
+            and unused_line is not None
+            and hf_mode(script, node, node.args[0] if node.args else keyword(node, HF_KWARGS))
+            == REENTRANT
+        ):
+            variant = (
+                f"{HF_ENABLE}() without gradient_checkpointing_kwargs (reentrant by default "
+                "in transformers 4.x)"
+                if not node.args and keyword(node, HF_KWARGS) is None
+                else f"{HF_ENABLE}() with reentrant checkpointing"
+            )
+            fix = f'pass {HF_KWARGS}={{"use_reentrant": False}}'
+            yield unused_finding(script, node, variant, unused_line, fix)
+    yield from trainer_arguments(script, trainer_args)
+
+
+def unused_finding(
+    script: Script, node: ast.Call, variant: str, unused_line: int, fix: str
+) -> Finding:
+    return script.finding(
+        "ddp-reentrant-checkpoint",
+        node,
+        f"{variant} under DDP with find_unused_parameters=True (line {unused_line}): DDP "
+        "counts the checkpointed parameters unused in the forward, then the recomputation "
+        'in backward marks them ready again ("Expected to mark a variable ready only '
+        f'once"); {fix}',
+    )
+
+
+def trainer_arguments(script: Script, calls: list[ast.Call]) -> Iterator[Finding]:
+    """`TrainingArguments(gradient_checkpointing=True, ddp_find_unused_parameters=True)`:
+    the HF Trainer wraps DDP so, and checkpoints with the kwargs given there."""
+    for node in calls:
+        if not (
+            is_true(keyword(node, "gradient_checkpointing"))
+            and is_true(keyword(node, "ddp_find_unused_parameters"))
+        ):
+            continue
+        if any(k.arg is None for k in node.keywords):
+            continue
+        if hf_mode(script, node, keyword(node, HF_KWARGS)) != REENTRANT:
+            continue
+        yield script.finding(
+            "ddp-reentrant-checkpoint",
+            node,
+            "gradient_checkpointing=True with ddp_find_unused_parameters=True: the Trainer "
+            "checkpoints reentrantly (transformers 4.x default) under a DDP that searches for "
+            'unused parameters, so the recomputed ones are marked ready twice ("Expected to '
+            f'mark a variable ready only once"); pass {HF_KWARGS}={{"use_reentrant": False}}, '
+            "or leave ddp_find_unused_parameters unset",
+        )
+
+
+def is_true(value: ast.expr | None) -> bool:
+    return isinstance(value, ast.Constant) and value.value is True
+
+
+def static_graph(script: Script, configs: list[ast.Call]) -> bool:
+    """DDP(..., static_graph=<anything but False>) or `ddp_model._set_static_graph()`."""
+    for node in configs:
+        value = keyword(node, "static_graph")
+        if value is not None and not (isinstance(value, ast.Constant) and value.value is False):
+            return True
+    return any(
+        isinstance(node.func, ast.Attribute) and node.func.attr == "_set_static_graph"
+        for node, _name in script.call_names
+    )
+
+
+def torch_checkpoint_mode(node: ast.Call, name: str, patched: bool) -> str:
+    value = keyword(node, "use_reentrant")
+    sequential = short(name) == "checkpoint_sequential"
+    if value is None and sequential and len(node.args) > SEQUENTIAL_REENTRANT_POSITION:
+        value = node.args[SEQUENTIAL_REENTRANT_POSITION]
+    if value is None:
+        if patched or any(k.arg is None for k in node.keywords):
+            return UNKNOWN  # `**kwargs` may carry it; the script replaced the default
+        return REENTRANT
+    return literal_mode(value)
+
+
+def literal_mode(value: ast.expr) -> str:
+    if isinstance(value, ast.Constant) and value.value is True:
+        return REENTRANT
+    if isinstance(value, ast.Constant) and value.value is False:
+        return NOT_REENTRANT
+    return UNKNOWN
+
+
+def hf_mode(script: Script, node: ast.Call, kwargs: ast.expr | None) -> str:
+    """Reentrant or not, from the gradient_checkpointing_kwargs given (or not)."""
+    if any(k.arg is None for k in node.keywords):
+        return UNKNOWN
+    if isinstance(kwargs, ast.Name):
+        values = script.assigned_values.get(kwargs.id, [])
+        if len(values) != 1:
+            return UNKNOWN
+        kwargs = values[0]
+    if kwargs is None or (isinstance(kwargs, ast.Constant) and kwargs.value is None):
+        return REENTRANT
+    if isinstance(kwargs, ast.Call) and short(source_text(kwargs.func)) == "dict":
+        if any(k.arg is None for k in kwargs.keywords) or kwargs.args:
+            return UNKNOWN
+        value = keyword(kwargs, "use_reentrant")
+        return REENTRANT if value is None else literal_mode(value)
+    if not isinstance(kwargs, ast.Dict) or None in kwargs.keys:
+        return UNKNOWN
+    for key, value in zip(kwargs.keys, kwargs.values, strict=True):
+        if isinstance(key, ast.Constant) and key.value == "use_reentrant":
+            return literal_mode(value)
+    return REENTRANT  # kwargs without the key: torch's own default
+
+
+def patches_checkpoint(script: Script) -> bool:
+    """The script replaces torch's checkpoint function (`torch.utils.checkpoint.checkpoint
+    = partial(checkpoint, use_reentrant=False)`), so its default is not torch's."""
+    for node in script.nodes:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and script.name_of(target) in CHECKPOINTS:
+                    return True
+    return False
+
+
+class Loops:
+    """For each call inside a loop, the innermost loop of its own function around it,
+    and for each loop what its body does: a backward, the `self` fields it assigns.
+    Built once per file, so many checkpoint calls cost one walk."""
+
+    def __init__(self, script: Script):
+        self.loop_of: dict[int, ast.AST] = {}
+        self.backward: dict[int, bool] = {}
+        self.fields_set: dict[int, set[str]] = {}
+        loops = (ast.For, ast.AsyncFor, ast.While)
+        for scope in script.all_scopes:
+            for loop in (n for n in script.scope_nodes(scope) if isinstance(n, loops)):
+                inside = [n for stmt in loop.body for n in own_nodes_of(stmt)]
+                self.backward[id(loop)] = any(
+                    isinstance(n, ast.Attribute) and n.attr == "backward" for n in inside
+                )
+                self.fields_set[id(loop)] = {
+                    n.attr
+                    for n in inside
+                    if isinstance(n, ast.Attribute)
+                    and isinstance(n.ctx, ast.Store)
+                    and isinstance(n.value, ast.Name)
+                    and n.value.id == "self"
+                }
+                for node in inside:
+                    if isinstance(node, ast.Call):
+                        self.loop_of[id(node)] = loop  # outer loops come first: innermost wins
+
+    def reused(self, call: ast.Call) -> str | None:
+        """`self.block` (or `self.block.forward`) checkpointed inside a loop whose body
+        runs no backward and does not reassign the field: the same parameters in
+        several reentrant passes of one backward. The module's text, or None."""
+        loop = self.loop_of.get(id(call))
+        if loop is None or not call.args:
+            return None
+        target = call.args[0]
+        if isinstance(target, ast.Attribute) and target.attr == "forward":
+            target = target.value
+        if not (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+        ):
+            return None
+        if self.backward[id(loop)] or target.attr in self.fields_set[id(loop)]:
+            return None
+        return source_text(target)
+
+
+def own_nodes_of(stmt: ast.stmt) -> Iterator[ast.AST]:
+    """`stmt` and the nodes under it, not inside functions or classes defined there."""
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return
+    yield stmt
+    yield from own_nodes(stmt)

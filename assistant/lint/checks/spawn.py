@@ -1,0 +1,241 @@
+"""What mp.spawn is handed: its `args`, and the worker it calls (mp-spawn-arguments).
+
+`torch.multiprocessing.spawn(fn, args=(...), nprocs=N)` (and
+`start_processes`, the same first two parameters) runs `fn(i, *args)` in each
+process: the process index comes first, then args unpacked with `*`. So:
+
+- `args=(cfg)` is cfg itself, not a tuple (only a comma makes one): an int
+  fails ("argument after * must be an iterable"), a dict or config object is
+  unpacked into one positional argument per key ("takes 2 positional arguments
+  but 63 were given");
+- a tuple of n values needs a worker that takes n + 1 positional arguments,
+  defaults and *args counted (`def main(rank, world_size)` with
+  `args=(rank, world_size)` is given three);
+- `mp.spawn(train(cfg), ...)` runs train once, in the parent, and hands
+  spawn what it returns.
+
+Quiet when the worker is not a plain function of this file (a method, a
+`functools.partial`, a decorated or redefined function, a name rebound in
+the file), when args is built elsewhere or unpacks `*rest`, and when a
+parenthesised name is assigned a tuple or list somewhere in the file
+(`args=(settings)` after `settings = (world_size, lr)` is fine).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.results import Finding
+
+SPAWN_CALLS = frozenset({"torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"})
+# Values that are never a sequence of arguments, whatever they hold.
+NOT_A_SEQUENCE = (ast.Constant, ast.Dict, ast.Set, ast.JoinedStr, ast.DictComp, ast.SetComp)
+# Values a pair of parentheses may wrap by mistake: a name, a field, an item.
+PLAIN_VALUES = (ast.Name, ast.Attribute, ast.Subscript)
+# Decorators that keep the function's signature (torchelastic's error recorder).
+SIGNATURE_KEEPING_DECORATORS = frozenset({"record"})
+
+
+@check("mp-spawn-arguments")
+def check_spawn_arguments(script: Script) -> Iterator[Finding]:
+    """mp.spawn(fn, args=...) whose fn(i, *args) cannot be the call meant."""
+    spawns = [node for node, name in script.call_names if name in SPAWN_CALLS]
+    if not spawns:
+        return
+    workers = Workers(script)
+    for node in spawns:
+        worker = node.args[0] if node.args else keyword(node, "fn")
+        if worker is None:
+            continue
+        if isinstance(worker, ast.Call):
+            yield from called_worker(script, node, worker, workers)
+            continue
+        arguments, parenthesised = spawn_args(node)
+        if arguments is not None and not_a_tuple(script, arguments, parenthesised):
+            text = source_text(arguments)
+            written = f"args=({text})" if parenthesised else f"args={text}"
+            yield script.finding(
+                "mp-spawn-arguments",
+                node,
+                f"{written} is {text + ' itself' if parenthesised else 'a single value'}, "
+                f"not a tuple (only a comma makes one): spawn calls {source_text(worker)}(i, "
+                f"*{text}), which fails on a number or unpacks a dict or config into one "
+                f"argument per key; write args=({text},)",
+            )
+            continue
+        yield from count_mismatch(script, node, worker, arguments, workers)
+
+
+def spawn_args(call: ast.Call) -> tuple[ast.expr | None, bool]:
+    """The `args` of a spawn call and whether it is wrapped in parentheses
+    (`args=(cfg)`: the keyword ends after its value); (None, False) if absent."""
+    if len(call.args) > 1:
+        return call.args[1], False
+    for item in call.keywords:
+        if item.arg == "args":
+            value = item.value
+            wrapped = (item.end_lineno, item.end_col_offset) != (
+                value.end_lineno,
+                value.end_col_offset,
+            )
+            return value, wrapped
+    return None, False
+
+
+def not_a_tuple(script: Script, value: ast.expr, parenthesised: bool) -> bool:
+    """A literal that is no sequence (`args=5`, `args={"lr": 1}`), or a plain name or
+    field in parentheses (`args=(cfg)`) that the file never assigns a tuple or list."""
+    if isinstance(value, NOT_A_SEQUENCE):
+        return True
+    if not (parenthesised and isinstance(value, PLAIN_VALUES)):
+        return False
+    if isinstance(value, ast.Subscript):
+        # `args=(cfg["train"])`: one entry of a config, not a tuple of arguments
+        key = value.slice
+        return isinstance(key, ast.Constant) and isinstance(key.value, str)
+    assigned = script.assigned_values.get(source_text(value), [])
+    return not any(is_sequence(script, v) for v in assigned)
+
+
+def is_sequence(script: Script, value: ast.expr) -> bool:
+    """A tuple or list, written out or built by tuple(...) / list(...)."""
+    if isinstance(value, (ast.Tuple, ast.List, ast.ListComp)):
+        return True
+    return isinstance(value, ast.Call) and script.name_of(value.func) in ("tuple", "list")
+
+
+def called_worker(
+    script: Script, spawn: ast.Call, worker: ast.Call, workers: Workers
+) -> Iterator[Finding]:
+    """`mp.spawn(train(cfg), ...)`: a worker of this file called in the parent
+    (one that returns nothing, so not a factory of workers)."""
+    function = workers.plain_function(worker.func)
+    if function is None or workers.returns_a_value(function):
+        return
+    target = source_text(worker.func)
+    yield script.finding(
+        "mp-spawn-arguments",
+        spawn,
+        f"mp.spawn({source_text(worker)}, ...) calls {target} here, once, in the parent "
+        f"process, and hands spawn its result (None) as the worker; pass the function "
+        f"itself: mp.spawn({target}, args=(...), nprocs=N), which calls {target}(i, *args) "
+        "in each process",
+    )
+
+
+def count_mismatch(
+    script: Script,
+    spawn: ast.Call,
+    worker: ast.expr,
+    arguments: ast.expr | None,
+    workers: Workers,
+) -> Iterator[Finding]:
+    """A tuple of n values (none: the default `()`) for a worker of this file that
+    cannot take n + 1 positional arguments."""
+    if arguments is None:
+        values: list[ast.expr] = []
+    elif isinstance(arguments, (ast.Tuple, ast.List)):
+        values = arguments.elts
+    else:
+        return
+    if any(isinstance(v, ast.Starred) for v in values):
+        return
+    function = workers.plain_function(worker)
+    if function is None:
+        return
+    given = len(values) + 1
+    parameters = function.args.posonlyargs + function.args.args
+    required = len(parameters) - len(function.args.defaults)
+    takes_more = function.args.vararg is not None
+    keyword_only = [
+        p.arg
+        for p, default in zip(function.args.kwonlyargs, function.args.kw_defaults, strict=True)
+        if default is None
+    ]
+    name = function.name
+    shown = f"args=({', '.join(source_text(v) for v in values)}{',' if len(values) == 1 else ''})"
+    if given < required or (given > len(parameters) and not takes_more):
+        wanted = [p.arg for p in parameters]
+        yield script.finding(
+            "mp-spawn-arguments",
+            spawn,
+            f"spawn calls {name}(i, *args) with the process index first, so {shown} gives "
+            f"{name} {given} positional argument{'s' if given != 1 else ''} but it takes "
+            f"{describe_count(required, len(parameters), takes_more)} ({', '.join(wanted)}): "
+            f"TypeError in every process; give {name} the process index as its first "
+            "parameter and pass only the others in args (not the rank)",
+        )
+    elif keyword_only:
+        yield script.finding(
+            "mp-spawn-arguments",
+            spawn,
+            f"spawn passes args to {name} by position only, so its keyword-only "
+            f"parameter{'s' if len(keyword_only) > 1 else ''} without a default "
+            f"({', '.join(keyword_only)}) never {'get' if len(keyword_only) > 1 else 'gets'} a "
+            "value (TypeError in every process); "
+            f"make {'them' if len(keyword_only) > 1 else 'it'} positional and pass "
+            f"{'them' if len(keyword_only) > 1 else 'it'} in args",
+        )
+
+
+def describe_count(required: int, total: int, takes_more: bool) -> str:
+    if takes_more:
+        return f"at least {required}"
+    if required == total:
+        return str(total)
+    return f"{required} to {total}"
+
+
+class Workers:
+    """What the file's functions are, as spawn workers: worked out once per file."""
+
+    def __init__(self, script: Script):
+        self.script = script
+        self.rebound = rebound_names(script)
+        self.factories: dict[str, bool] = {}
+
+    def plain_function(self, expr: ast.expr) -> Function | None:
+        """The top-level function `expr` names, when that name means nothing else in
+        the file (rebound_names) and it is undecorated, or decorated only with a
+        signature-keeping decorator."""
+        script = self.script
+        if not isinstance(expr, ast.Name) or expr.id not in script.functions:
+            return None
+        if expr.id in self.rebound:
+            return None
+        function = script.functions[expr.id]
+        if any(short(script.name_of(d.func if isinstance(d, ast.Call) else d))
+               not in SIGNATURE_KEEPING_DECORATORS for d in function.decorator_list):  # fmt: skip
+            return None
+        return function
+
+    def returns_a_value(self, function: Function) -> bool:
+        """The function returns something (a factory that builds the worker)."""
+        if function.name not in self.factories:
+            self.factories[function.name] = any(
+                isinstance(node, ast.Return)
+                and node.value is not None
+                and not (isinstance(node.value, ast.Constant) and node.value.value is None)
+                for node in self.script.scope_nodes(function)
+            )
+        return self.factories[function.name]
+
+
+def rebound_names(script: Script) -> frozenset[str]:
+    """Names that may mean something else than the file's one top-level `def` of
+    them: parameters, assignment and loop targets, imports, and names defined
+    more than once at the top level (by `def` or `class`)."""
+    names = {n.arg for n in script.nodes if isinstance(n, ast.arg)}
+    names |= {
+        n.id for n in script.nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    defined: set[str] = set()
+    for node in script.tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in defined:
+                names.add(node.name)
+            defined.add(node.name)
+    return frozenset(names | set(script.aliases) | set(script.assigned_values))

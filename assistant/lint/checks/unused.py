@@ -1,0 +1,213 @@
+"""A submodule some training steps skip, under a DDP that expects every parameter.
+
+A model whose forward uses a submodule only when an optional input is given
+(`if y is not None: c = c + self.y_embed(y)`), called in training with that
+input set to None on some steps (classifier-free guidance's dropped label, an
+optional mask or text): on those steps the submodule's parameters get no
+gradient, and DDP built without find_unused_parameters=True fails at the next
+step: "Expected to have finished reduction in the prior iteration before
+starting a new one ... parameters that were not used in producing loss".
+
+Only what the file shows is judged: the model's class and its forward, the
+DDP call (quiet with find_unused_parameters=True or static_graph=True), and a
+call of the wrapped model whose argument for that input is None, or a name
+its function sets to None.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from assistant.lint.model import Script, keyword, own_nodes, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_ddp
+from assistant.results import Finding
+
+
+@dataclass(frozen=True)
+class OptionalBranch:
+    """A forward input whose absence skips a submodule."""
+
+    parameter: str
+    position: int  # among forward's parameters after self
+    submodule: str  # `self.y_embed`
+    line: int  # the `if` in forward
+
+
+@check("unused-parameters")
+def check_submodule_skipped_by_a_none_input(script: Script) -> Iterator[Finding]:
+    """The wrapped model is called with None for an input its forward needs to
+    reach a submodule, under a DDP that does not look for unused parameters."""
+    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    if not strict:
+        return
+    wrapped = {source_text(node.args[0]) for node in strict if node.args} | wrapper_names(
+        script, strict
+    )
+    branches = [b for cls in model_classes(script) for b in optional_branches(cls)]
+    if not branches:
+        return
+    for scope in script.all_scopes:
+        if without_gradients(scope):
+            continue
+        nodes = list(own_nodes(scope))
+        set_to_none = none_assignments(nodes)
+        no_grad = inside_no_grad(nodes)
+        for node in nodes:
+            if not (isinstance(node, ast.Call) and source_text(node.func) in wrapped):
+                continue
+            if id(node) in no_grad:
+                continue  # sampling or evaluation: no backward, nothing to reduce
+            for branch in branches:
+                given = argument_for(node, branch)
+                if given is None:
+                    continue
+                where = none_line(given, set_to_none)
+                if where is None:
+                    continue
+                yield script.finding(
+                    "unused-parameters",
+                    where,
+                    f"{source_text(given)} is None on some steps, so forward skips "
+                    f"{branch.submodule} (the `if {branch.parameter} is not None` on line "
+                    f"{branch.line}) and its parameters get no gradient; DDP (line "
+                    f"{strict[0].lineno}) expects every parameter each step and fails with "
+                    '"Expected to have finished reduction in the prior iteration": pass '
+                    "find_unused_parameters=True, or keep the submodule in the graph (a "
+                    "learned null input instead of None)",
+                )
+                break
+
+
+NO_GRAD = frozenset({"no_grad", "inference_mode"})
+
+
+def without_gradients(scope: ast.AST) -> bool:
+    """A function decorated with @torch.no_grad() / @torch.inference_mode()."""
+    decorators = getattr(scope, "decorator_list", [])
+    return any(names_no_grad(d) for d in decorators)
+
+
+def names_no_grad(expr: ast.expr) -> bool:
+    target = expr.func if isinstance(expr, ast.Call) else expr
+    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
+    return name in NO_GRAD
+
+
+def inside_no_grad(nodes: list[ast.AST]) -> set[int]:
+    """ids of the nodes inside `with torch.no_grad():` blocks of the scope."""
+    inside: set[int] = set()
+    for node in nodes:
+        if isinstance(node, ast.With) and any(names_no_grad(i.context_expr) for i in node.items):
+            inside.update(id(n) for statement in node.body for n in ast.walk(statement))
+    return inside
+
+
+def expects_all(ddp: ast.Call) -> bool:
+    """DDP without find_unused_parameters=True or static_graph=True."""
+    for flag in ("find_unused_parameters", "static_graph"):
+        value = keyword(ddp, flag)
+        if value is not None and not (isinstance(value, ast.Constant) and value.value is False):
+            return False
+    return not any(given.arg is None for given in ddp.keywords)  # **options may set them
+
+
+def wrapper_names(script: Script, ddps: list[ast.Call]) -> set[str]:
+    """Names the DDP calls are assigned to: `model = DDP(model, ...)`."""
+    ids = {id(node) for node in ddps}
+    return {
+        source_text(target)
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and id(node.value) in ids
+        for target in node.targets
+    }
+
+
+def model_classes(script: Script) -> list[ast.ClassDef]:
+    return [
+        node
+        for node in script.nodes
+        if isinstance(node, ast.ClassDef)
+        and any(isinstance(s, ast.FunctionDef) and s.name == "forward" for s in node.body)
+    ]
+
+
+def optional_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
+    """`def forward(self, x, y=None)` ... `if y is not None: ... self.y_embed(y)`."""
+    forward = next(s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "forward")
+    positional = [a.arg for a in forward.args.args[1:]]
+    defaults = forward.args.defaults
+    with_defaults = forward.args.args[len(forward.args.args) - len(defaults) :]
+    optional = {
+        arg.arg
+        for arg, default in zip(with_defaults, defaults, strict=True)
+        if isinstance(default, ast.Constant) and default.value is None
+    }
+    for node in ast.walk(forward):
+        if not isinstance(node, ast.If):
+            continue
+        parameter = not_none_test(node.test)
+        if parameter not in optional or parameter not in positional:
+            continue
+        submodule = next(
+            (source_text(c.func) for s in node.body for c in ast.walk(s) if self_call(c)), None
+        )
+        if submodule is not None:
+            yield OptionalBranch(parameter, positional.index(parameter), submodule, node.lineno)
+
+
+def not_none_test(test: ast.expr) -> str | None:
+    """`y is not None` -> "y"."""
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot)
+        and isinstance(test.left, ast.Name)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
+        return test.left.id
+    return None
+
+
+def self_call(node: ast.AST) -> bool:
+    """`self.y_embed(...)`: a submodule (or a method) of the model."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    )
+
+
+def argument_for(call: ast.Call, branch: OptionalBranch) -> ast.expr | None:
+    given = keyword(call, branch.parameter)
+    if given is None and len(call.args) > branch.position:
+        given = call.args[branch.position]
+    return given
+
+
+def none_assignments(nodes: list[ast.AST]) -> dict[str, int]:
+    """name -> the line of an `name = None` in the scope."""
+    found: dict[str, int] = {}
+    for node in nodes:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and node.value.value is None
+        ):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    found.setdefault(target.id, node.lineno)
+    return found
+
+
+def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
+    """Where the argument is None: the literal itself, or its name's `= None`."""
+    if isinstance(given, ast.Constant) and given.value is None:
+        return given.lineno
+    if isinstance(given, ast.Name):
+        return set_to_none.get(given.id)
+    return None

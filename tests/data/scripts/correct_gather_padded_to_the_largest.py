@@ -1,0 +1,47 @@
+"""Gathering rows whose count differs per rank the right way: the sizes
+first, then every rank pads to the largest; and per-sample logits, which a
+DistributedSampler makes the same size on every rank."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@torch.no_grad()
+def gather_confident(scores, world_size):
+    confident = scores[scores > 0.5]
+    size = torch.tensor([confident.shape[0]], device=scores.device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    dist.all_gather(sizes, size)
+    largest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(largest, device=scores.device)
+    padded[: confident.shape[0]] = confident
+    parts = [torch.zeros_like(padded) for _ in range(world_size)]
+    dist.all_gather(parts, padded)
+    return [part[: int(n.item())] for part, n in zip(parts, sizes)]
+
+
+@torch.no_grad()
+def gather_logits(model, batches, world_size):
+    logits = torch.cat([model(x) for x in batches])
+    everyone = [torch.zeros_like(logits) for _ in range(world_size)]
+    dist.all_gather(everyone, logits)
+    return torch.cat(everyone)
+
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    model = DDP(nn.Linear(8, 3).cuda(local_rank), device_ids=[local_rank])
+    batches = [torch.randn(4, 8, device=f"cuda:{local_rank}") for _ in range(2)]
+    logits = gather_logits(model, batches, dist.get_world_size())
+    gather_confident(logits.softmax(-1).max(-1).values, dist.get_world_size())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
