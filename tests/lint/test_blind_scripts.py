@@ -24,7 +24,7 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-FOUND_FLOOR = 56  # of 64 (a, b measured once: 10 of 32; c, d: 16 of 32)
+FOUND_FLOOR = 57  # of 64 (a, b measured once: 10 of 32; c, d: 16 of 32)
 OTHER_FINDINGS_CEILING = 12  # a, b measured once: 14; c, d: 8
 
 

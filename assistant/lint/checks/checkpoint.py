@@ -157,7 +157,9 @@ def check_load_without_map_location(script: Script) -> Iterator[Finding]:
         scope = scope_of.get(id(call.node))
         if scope is None or not not_placed(call.node):
             continue
-        if knows_map_location(script, scope) or not loaded_into_a_model(script, scope, call.node):
+        if knows_map_location(script, scope, call.node):
+            continue
+        if not loaded_into_a_model(script, scope, call.node):
             continue
         yield script.finding(
             "checkpoint-map-location",
@@ -179,13 +181,18 @@ def not_placed(call: ast.Call) -> bool:
     return keyword(call, "map_location") is None and len(call.args) < 2
 
 
-def knows_map_location(script: Script, scope: ast.AST) -> bool:
-    """Another torch.load in the same function passes map_location (ImageNet's
-    `if args.gpu is None: torch.load(path) else: torch.load(path, map_location=loc)`)."""
+def knows_map_location(script: Script, scope: ast.AST, load: ast.Call) -> bool:
+    """Another torch.load of the same file in the same function passes map_location
+    (ImageNet's `if args.gpu is None: torch.load(path) else: torch.load(path,
+    map_location=loc)`): the branch without it is the one with no GPU chosen.
+    A map_location on another file (pretrained weights) says nothing of this one."""
+    path = source_text(load.args[0])
     return any(
         isinstance(node, ast.Call)
         and script.name_of(node.func) == "torch.load"
         and not not_placed(node)
+        and node.args
+        and source_text(node.args[0]) == path
         for node in script.scope_nodes(scope)
     )
 

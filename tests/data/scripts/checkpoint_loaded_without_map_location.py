@@ -16,11 +16,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--resume", default="")
+    parser.add_argument("--pretrained", default="backbone.pt")
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     model = nn.Linear(8, 2).cuda(local_rank)
+    # map_location on the pretrained weights says nothing of the resume below
+    model.load_state_dict(torch.load(args.pretrained, map_location="cpu"))
     if args.resume:
         checkpoint = torch.load(args.resume)  # expect: checkpoint-map-location
         model.load_state_dict(checkpoint["model"])
