@@ -241,3 +241,16 @@ def test_the_chat_lints_through_the_same_function_and_gets_one_line(tmp_path: Pa
 
     path = write(tmp_path, long_sum())
     assert "nested too deeply" in one_line_error(lambda: services.lint_script(str(path)))
+
+
+def test_thousands_of_skips_in_one_training_loop_are_each_judged() -> None:
+    # each skip's "what comes after it" is read once per block, not once per skip
+    start = (
+        HEADER
+        + "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        + "dist.init_process_group('gloo')\nmodel = DDP(torch.nn.Linear(2, 2))\n"
+        + "for batch in range(10):\n    loss = model(batch)\n"
+    )
+    skips = "".join(f"    if torch.isnan(loss{i}):\n        continue\n" for i in range(3000))
+    findings = lint_source(start + skips + "    loss.backward()\n")
+    assert [f.cause_id for f in findings] == ["uneven-inputs"] * 3000

@@ -190,7 +190,7 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
     on a value every rank agreed on (a flag all-reduced first)."""
     if not is_distributed(script):
         return
-    graph: CallGraph | None = None
+    steps: StepFacts | None = None
     parents = parent_map(script)
     for node in script.nodes:
         if not isinstance(node, ast.If) or not ends_iteration(node.body):
@@ -198,10 +198,10 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         loop = enclosing_loop(node, parents)
         if loop is None or not reads_local_value(node.test, batch_names(loop)):
             continue
-        if agreed_before(script, node, loop, parents):
+        steps = steps or StepFacts(script, parents)
+        if steps.agreed_before(node, loop):
             continue
-        graph = graph or CallGraph(script)
-        work = next(skipped_step_work(script, graph, node, loop, parents), None)
+        work = steps.skipped_work(node, loop)
         if work is None:
             continue
         yield script.finding(
@@ -212,6 +212,78 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
             "all-reduces with the other ranks, which wait for it: decide the skip together "
             "(all_reduce a flag first), or zero the loss instead of skipping",
         )
+
+
+class StepFacts:
+    """What the statements of each block hold, read once per block, so that a
+    loop with thousands of skips costs a pass over it, not one per skip.
+
+    For a block: the first call at or after each statement that talks to the
+    other ranks (a backward, a collective, a same-file function that makes
+    one), and the names handed to collectives before each statement.
+    """
+
+    def __init__(self, script: Script, parents: dict[int, ast.AST]):
+        self.script = script
+        self.parents = parents
+        self.reaching = CallGraph(script).reaching_any(STEP_COLLECTIVE_METHODS)
+        self.work_from: dict[int, list[ast.Call | None]] = {}  # id(block) -> per index
+        self.agreed_until: dict[int, list[frozenset[str]]] = {}  # id(block) -> per index
+
+    def agreed_before(self, test_if: ast.If, loop: ast.AST) -> bool:
+        """A name the test reads went through a collective earlier in the iteration
+        (`dist.all_reduce(bad)`; `if bad.item(): continue`): every rank agrees."""
+        read = names_in(test_if.test)
+        return any(
+            self.agreed(block)[index] & read
+            for block, index in enclosing_blocks(test_if, loop, self.parents)
+        )
+
+    def skipped_work(self, test_if: ast.If, loop: ast.AST) -> ast.Call | None:
+        """The first call the skip jumps over that talks to the other ranks."""
+        for block, index in enclosing_blocks(test_if, loop, self.parents):
+            work = self.work(block)[index + 1]
+            if work is not None:
+                return work
+        return None
+
+    def work(self, block: list[ast.stmt]) -> list[ast.Call | None]:
+        if id(block) not in self.work_from:
+            found: list[ast.Call | None] = [None] * (len(block) + 1)
+            for index in range(len(block) - 1, -1, -1):
+                found[index] = self.first_work(block[index]) or found[index + 1]
+            self.work_from[id(block)] = found
+        return self.work_from[id(block)]
+
+    def agreed(self, block: list[ast.stmt]) -> list[frozenset[str]]:
+        if id(block) not in self.agreed_until:
+            names: list[frozenset[str]] = [frozenset()]
+            for statement in block:
+                names.append(names[-1] | self.collective_arguments(statement))
+            self.agreed_until[id(block)] = names
+        return self.agreed_until[id(block)]
+
+    def first_work(self, statement: ast.stmt) -> ast.Call | None:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Call) and self.talks_to_ranks(node):
+                return node
+        return None
+
+    def talks_to_ranks(self, call: ast.Call) -> bool:
+        func = call.func
+        if isinstance(func, ast.Attribute) and func.attr in STEP_COLLECTIVE_METHODS:
+            return True
+        if is_collective(self.script.name_of(func)):
+            return True
+        return any(c in self.reaching for c in same_file_callees(self.script, func, None))
+
+    def collective_arguments(self, statement: ast.stmt) -> frozenset[str]:
+        names: set[str] = set()
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Call) and is_collective(self.script.name_of(node.func)):
+                for argument in [*node.args, *(k.value for k in node.keywords)]:
+                    names |= names_in(argument)
+        return frozenset(names)
 
 
 def parent_map(script: Script) -> dict[int, ast.AST]:
@@ -283,38 +355,6 @@ def is_none(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
-def agreed_before(
-    script: Script, test_if: ast.If, loop: ast.AST, parents: dict[int, ast.AST]
-) -> bool:
-    """A name the test reads went through a collective earlier in the iteration
-    (`dist.all_reduce(bad)`; `if bad.item(): continue`): every rank agrees."""
-    read = names_in(test_if.test)
-    for stmt in statements_before(test_if, loop, parents):
-        for node in ast.walk(stmt):
-            if not (isinstance(node, ast.Call) and is_collective(script.name_of(node.func))):
-                continue
-            given = [*node.args, *(k.value for k in node.keywords)]
-            if any(names_in(arg) & read for arg in given):
-                return True
-    return False
-
-
-def statements_before(node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]) -> list[ast.stmt]:
-    """The statements of the iteration that run before `node`, innermost block first."""
-    before: list[ast.stmt] = []
-    for block, index in enclosing_blocks(node, loop, parents):
-        before.extend(block[:index])
-    return before
-
-
-def statements_after(node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]) -> list[ast.stmt]:
-    """The statements of the iteration that `continue` after `node` would skip."""
-    after: list[ast.stmt] = []
-    for block, index in enclosing_blocks(node, loop, parents):
-        after.extend(block[index + 1 :])
-    return after
-
-
 def enclosing_blocks(
     node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]
 ) -> Iterator[tuple[list[ast.stmt], int]]:
@@ -328,20 +368,3 @@ def enclosing_blocks(
         if parent is loop:
             return
         child, parent = parent, parents.get(id(parent))
-
-
-def skipped_step_work(
-    script: Script, graph: CallGraph, test_if: ast.If, loop: ast.AST, parents: dict[int, ast.AST]
-) -> Iterator[ast.Call]:
-    """Calls the skip jumps over that talk to the other ranks: a backward (DDP's
-    gradient all-reduce), a collective, or a same-file function that makes one."""
-    reaching = graph.reaching_any(STEP_COLLECTIVE_METHODS)
-    for stmt in statements_after(test_if, loop, parents):
-        for node in ast.walk(stmt):
-            if not isinstance(node, ast.Call):
-                continue
-            func = node.func
-            backward = isinstance(func, ast.Attribute) and func.attr in STEP_COLLECTIVE_METHODS
-            through = any(callee in reaching for callee in same_file_callees(script, func, None))
-            if backward or through or is_collective(script.name_of(func)):
-                yield node
