@@ -43,11 +43,10 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
             if not isinstance(node, ast.Call) or not node.args:
                 continue
             name = script.name_of(node.func)
-            tensor = node.args[0]
-            if not (
-                is_dist_call(name, COLLECTIVES - {"barrier", "monitored_barrier"})
-                and isinstance(tensor, ast.Name)
-            ):
+            if not is_dist_call(name, COLLECTIVES - {"barrier", "monitored_barrier"}):
+                continue
+            tensor = tensor_sent(node, short(name))
+            if tensor is None:
                 continue
             cpu_line = made_on_cpu_before(made.get(tensor.id, []), node.lineno)
             if cpu_line is not None:
@@ -58,6 +57,19 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
                     f"created on the CPU (line {cpu_line}): create it with "
                     "device=... or move it with .to(device)",
                 )
+
+
+# Where a collective takes the tensor this rank sends: all_gather(tensor_list,
+# tensor) sends its second argument; the others their first.
+SENT_POSITION = {"all_gather": 1, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+
+
+def tensor_sent(call: ast.Call, collective: str) -> ast.Name | None:
+    """The tensor the collective sends, when it is given by name and position."""
+    position = SENT_POSITION.get(collective, 0)
+    if len(call.args) > position and isinstance(call.args[position], ast.Name):
+        return call.args[position]
+    return None
 
 
 def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple[int, bool]]]:

@@ -35,6 +35,7 @@ SEEDING_METHODS = frozenset({"manual_seed", "seed"})
 SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
 # `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
 PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
+LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
 ITERABLE_BASES = frozenset({"IterableDataset", "IterDataPipe"})
 # How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...):
 # files[rank::world] read, split, then wrapped in a Dataset is four steps back.
@@ -206,7 +207,13 @@ class DataFlow:
 
     @cached_property
     def loader_calls(self) -> list[ast.Call]:
-        return self.torch_calls("DataLoader")
+        """torch's DataLoader, and the subclasses that take its arguments
+        (PyTorch Geometric's, MONAI's): they shard nothing by themselves."""
+        return [
+            node
+            for node, name in self.script.call_names
+            if short(name) == "DataLoader" and name.startswith(LOADER_PACKAGES)
+        ]
 
     @cached_property
     def sampler_calls(self) -> list[ast.Call]:

@@ -21,6 +21,9 @@ def main():
     dist.all_reduce(on_gpu)
     back = on_gpu.cpu()
     dist.broadcast(back, src=0)  # expect: nccl-with-cpu-tensors
+    size = torch.tensor([3])
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)  # expect: nccl-with-cpu-tensors
     dist.destroy_process_group()
 
 
