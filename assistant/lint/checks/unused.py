@@ -8,6 +8,11 @@ gradient, and DDP built without find_unused_parameters=True fails at the next
 step: "Expected to have finished reduction in the prior iteration before
 starting a new one ... parameters that were not used in producing loss".
 
+Two more ways a step leaves submodules out: a forward that runs one member
+of a ModuleDict / ModuleList picked by an input (`self.heads[task](x)`, one
+task head per step), and a submodule under a flag of the model that the
+script switches during training (`model.module.use_aux = epoch < warmup`).
+
 Only what the file shows is judged: the model's class and its forward, the
 DDP call (quiet with find_unused_parameters=True or static_graph=True), and a
 call of the wrapped model whose argument for that input is None, or a name
@@ -211,3 +216,146 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
     if isinstance(given, ast.Name):
         return set_to_none.get(given.id)
     return None
+
+
+@check("unused-parameters")
+def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
+    """A wrapped model's forward that runs one member of a ModuleDict / ModuleList
+    picked by an input (`self.heads[task](x)`: one task head per step), or a
+    submodule under a flag of the model that the script switches during
+    training (`model.module.use_aux = epoch < warmup`), under a DDP that
+    expects a gradient for every parameter each step."""
+    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    if not strict:
+        return
+    classes = {cls.name: cls for cls in model_classes(script)}
+    reported: set[int] = set()
+    for ddp in strict:
+        names, built = wrapped_by(script, ddp, set(classes))
+        why = (
+            f"DDP (line {ddp.lineno}) expects a gradient for every parameter each step and "
+            'fails with "Expected to have finished reduction in the prior iteration": pass '
+            "find_unused_parameters=True"
+        )
+        for name in sorted(built):
+            forward = forward_of(classes[name])
+            for call, chooser in picked_members(forward):
+                if id(call) in reported:
+                    continue
+                reported.add(id(call))
+                yield script.finding(
+                    "unused-parameters",
+                    call,
+                    f"forward runs one member of {source_text(call.func.value)} per call, the "
+                    f"one `{chooser}` picks: the others get no gradient that step; {why}, or "
+                    "run every member each step",
+                )
+            for flag, test_line, assignment in switched_flags(script, classes[name], names):
+                yield script.finding(
+                    "unused-parameters",
+                    assignment,
+                    f"this switches self.{flag} during training, and forward uses a submodule "
+                    f"only when it holds (the `if` on line {test_line}): from then on its "
+                    f"parameters get no gradient; {why}",
+                )
+
+
+def forward_of(cls: ast.ClassDef) -> ast.FunctionDef:
+    return next(s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "forward")
+
+
+def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[str], set[str]]:
+    """The names that hold what one DDP call wraps (the wrapper it is assigned
+    to, the module given to it) and the file's model classes built into it:
+    `DDP(Net().cuda())`, or `model = Net()` ... `DDP(model)`."""
+    if not ddp.args:
+        return set(), set()
+    names = {source_text(n) for n in ast.walk(ddp.args[0]) if isinstance(n, ast.Name)}
+    values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
+    names |= {
+        source_text(target)
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and node.value is ddp
+        for target in node.targets
+    }
+    built = {
+        node.func.id
+        for value in values
+        for node in ast.walk(value)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in classes
+    }
+    return names, built
+
+
+def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
+    """`self.heads[task](x)` with `task` an input of forward."""
+    inputs = {a.arg for a in forward.args.args[1:]}
+    for node in ast.walk(forward):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+            continue
+        member = node.func
+        chooser = member.slice
+        if (
+            isinstance(member.value, ast.Attribute)
+            and isinstance(member.value.value, ast.Name)
+            and member.value.value.id == "self"
+            and isinstance(chooser, ast.Name)
+            and chooser.id in inputs
+        ):
+            yield node, chooser.id
+
+
+def switched_flags(
+    script: Script, cls: ast.ClassDef, holders: set[str]
+) -> Iterator[tuple[str, int, ast.Assign]]:
+    """(flag, line of its `if` in forward, where the script sets it) for each `if
+    self.flag` (or `if self.training and self.flag`) around a submodule call of
+    forward, set outside the class on a name that holds this wrapped model
+    (`model.module.use_aux = ...`). Setting it to True keeps the submodule in
+    use: only another value counts."""
+    for node in ast.walk(forward_of(cls)):
+        if not isinstance(node, ast.If):
+            continue
+        if not any(self_call(c) for s in node.body for c in ast.walk(s)):
+            continue
+        for flag in self_flags(node.test):
+            assignment = next(
+                (a for a in flag_assignments(script, flag) if root_of(a) in holders), None
+            )
+            if assignment is not None:
+                yield flag, node.lineno, assignment
+                return
+
+
+def flag_assignments(script: Script, flag: str) -> Iterator[ast.Assign]:
+    """`x.flag = value` anywhere, but `= True`."""
+    for node in script.nodes:
+        if not isinstance(node, ast.Assign) or (
+            isinstance(node.value, ast.Constant) and node.value.value is True
+        ):
+            continue
+        if any(isinstance(t, ast.Attribute) and t.attr == flag for t in node.targets):
+            yield node
+
+
+def root_of(assignment: ast.Assign) -> str | None:
+    """`model` for `model.module.use_aux = ...`."""
+    target = assignment.targets[0]
+    while isinstance(target, ast.Attribute):
+        target = target.value
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def self_flags(test: ast.expr) -> list[str]:
+    """`self.use_aux`, `self.training and self.use_aux` -> ["use_aux"]."""
+    parts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+    return [
+        part.attr
+        for part in parts
+        if isinstance(part, ast.Attribute)
+        and isinstance(part.value, ast.Name)
+        and part.value.id == "self"
+        and part.attr != "training"
+    ]
