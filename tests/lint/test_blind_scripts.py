@@ -28,7 +28,7 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-FOUND_FLOOR = 85  # of 96 (measured once: a, b 10 of 32; c, d 16 of 32; e, f 24 of 32)
+FOUND_FLOOR = 87  # of 96 (measured once: a, b 10 of 32; c, d 16 of 32; e, f 24 of 32)
 OTHER_FINDINGS_CEILING = 18  # measured once: a, b 14; c, d 8; e, f 6
 
 

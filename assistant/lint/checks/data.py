@@ -1,4 +1,5 @@
-"""Data-loading checks: a DataLoader every rank reads in full, a sampler never told the epoch.
+"""Data-loading checks: a DataLoader every rank reads in full, a sampler never told the epoch,
+a training loader over the files each rank takes for itself (uneven shares).
 
 Both mistakes are silent (no error, only wasted or repeated work), so both
 checks stay quiet whenever the script may handle it some other way: a
@@ -9,6 +10,7 @@ or Accelerate building the sampler, or a loader only rank 0 reads.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, wraps
@@ -35,6 +37,8 @@ SEEDING_METHODS = frozenset({"manual_seed", "seed"})
 SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
 # `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
 PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
+# A name that holds a list of files or shards.
+FILE_LIST = re.compile(r"file|shard|path", re.IGNORECASE)
 LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
 ITERABLE_BASES = frozenset({"IterableDataset", "IterDataPipe"})
 # How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...):
@@ -99,6 +103,48 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
             f"called while the loop on line {loop.lineno} runs the epochs, so every epoch "
             "sees the same order: call sampler.set_epoch(epoch) at the start of each epoch",
         )
+
+
+@check("uneven-inputs")
+def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]:
+    """A training DataLoader over the files this rank takes (`files[rank::world]`):
+    the ranks hold different numbers of batches, and the first to run out
+    leaves the others waiting in DDP's gradient all-reduce. Quiet where the
+    script agrees on a step count (an all_reduce with ReduceOp.MIN, DDP's
+    join()), or caps the loop with a break."""
+    data = DataFlow(script)
+    if not data.is_distributed or data.uses_framework or equalizes_steps(script):
+        return
+    for node in data.loader_calls:
+        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        if dataset is None or has_sampler(node):
+            continue
+        split = data.files_split_by_rank(dataset)
+        if split is None or not data.trains_on(node):
+            continue
+        yield script.finding(
+            "uneven-inputs",
+            node,
+            f"DataLoader over {source_text(dataset)} reads this rank's own files "
+            f"(`{source_text(split)}`, line {split.lineno}): files hold different amounts "
+            "of data, so ranks run different numbers of steps and the first to finish "
+            "leaves the others waiting in DDP's gradient all-reduce; agree on the step "
+            "count (all_reduce it with ReduceOp.MIN and stop there) or use DDP's join()",
+        )
+
+
+def equalizes_steps(script: Script) -> bool:
+    """`dist.all_reduce(n, op=ReduceOp.MIN)`, DDP's `model.join()` or `Join([...])`."""
+    for node in script.nodes:
+        if isinstance(node, ast.Attribute) and node.attr == "MIN":
+            return True
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id
+            # not os.path.join(a, b) or ", ".join(parts): DDP's join() takes no positional
+            if called == "Join" or (called == "join" and not node.args):
+                return True
+    return False
 
 
 def has_sampler(loader: ast.Call) -> bool:
@@ -359,6 +405,55 @@ class DataFlow:
     def sharded_by_rank(self, dataset: ast.expr) -> bool:
         """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`."""
         return any(map(self.value_reads_rank, self.origin(dataset)))
+
+    def files_split_by_rank(self, dataset: ast.expr) -> ast.Subscript | None:
+        """`files[rank::world]` in the dataset's making, where `files` is a list of
+        files (glob, listdir, a name with "file" or "shard" in it)."""
+        for value in self.origin(dataset):
+            for node in ast.walk(value):
+                if (
+                    isinstance(node, ast.Subscript)
+                    and isinstance(node.slice, ast.Slice)
+                    and node.slice.step is not None
+                    and node.slice.lower is not None
+                    and self.value_reads_rank(node.slice.lower)
+                    and self.lists_files(node.value)
+                ):
+                    return node
+        return None
+
+    def lists_files(self, expr: ast.expr) -> bool:
+        for value in self.origin(expr):
+            for node in ast.walk(value):
+                name = read_name(node) or ""
+                if FILE_LIST.search(name):
+                    return True
+                if isinstance(node, ast.Call) and short(self.script.name_of(node.func)) in (
+                    "glob",
+                    "iglob",
+                    "listdir",
+                    "rglob",
+                ):
+                    return True
+        return False
+
+    def trains_on(self, loader: ast.Call) -> bool:
+        """A `for ... in loader` loop (by a name bound to it) with a backward in it."""
+        names = set(self.names_bound_to(loader))
+        for node in self.script.nodes:
+            if not (isinstance(node, ast.For) and iterated_name(node.iter) in names):
+                continue
+            calls = [n for s in node.body for n in ast.walk(s)]
+            if any(isinstance(n, ast.Break) for n in calls):
+                return False  # a step cap
+            if any(
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "backward"
+                for n in calls
+            ):
+                return True
+        return False
 
     @memoized
     def value_reads_rank(self, value: ast.expr) -> bool:
@@ -778,6 +873,13 @@ def without_int(value: ast.expr) -> ast.expr:
 
 def line_of(node: ast.stmt) -> int:
     return node.lineno
+
+
+def iterated_name(items: ast.expr) -> str | None:
+    """`loader`, `enumerate(loader)`, `tqdm(loader, ...)` -> "loader"."""
+    if isinstance(items, ast.Call) and items.args:
+        items = items.args[0]
+    return read_name(items)
 
 
 def bound_names(target: ast.expr) -> list[str]:

@@ -1,5 +1,6 @@
 """Each rank reads its own files (files[rank::world]); the dataset is built
-from them a few steps later, so no DistributedSampler is needed."""
+from them a few steps later, so no DistributedSampler is needed, and the
+ranks agree on the number of steps (the smallest share's) before training."""
 
 import glob
 import os
@@ -29,7 +30,9 @@ def main():
     loader = DataLoader(train_set, batch_size=32, shuffle=True)
     model = DDP(nn.Linear(features.shape[1], 1).cuda(local_rank), device_ids=[local_rank])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for x, y in loader:
+    steps = torch.tensor(len(loader), device=f"cuda:{local_rank}")
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    for _, (x, y) in zip(range(int(steps)), loader):
         loss = nn.functional.mse_loss(model(x.cuda(local_rank)), y.cuda(local_rank))
         optimizer.zero_grad()
         loss.backward()
