@@ -209,6 +209,13 @@ def import_aliases(nodes: list[ast.AST]) -> dict[str, str]:
 # ---------------------------------------------------------------- small AST helpers
 
 
+def called_name(call: ast.Call) -> str:
+    """What a call calls, by its last name: `torch.zeros_like(x)` -> "zeros_like",
+    `x.clone()` -> "clone", `len(x)` -> "len"; "" for `f()()` and the like."""
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
 def keyword(call: ast.Call, name: str) -> ast.expr | None:
     """The value of `name=` in a call, None if absent."""
     return next((k.value for k in call.keywords if k.arg == name), None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, short, source_text
+from assistant.lint.model import Script, called_name, short, source_text
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
@@ -327,8 +327,7 @@ def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
     or an empty or missing batch (`batch is None`, `len(targets) == 0`)."""
     for node in ast.walk(test):
         if isinstance(node, ast.Call):
-            func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            called = called_name(node)
             if called in VALUE_READS:
                 return True
             if called in ("len", "numel") and names_in(node) & batch:

@@ -17,7 +17,7 @@ from functools import cached_property, wraps
 from itertools import islice
 from typing import TypeVar
 
-from assistant.lint.model import Script, keyword, self_attribute, short, source_text
+from assistant.lint.model import Script, called_name, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package, is_distributed, is_method
@@ -138,9 +138,8 @@ def equalizes_steps(script: Script) -> bool:
     for node in script.nodes:
         if isinstance(node, ast.Attribute) and node.attr == "MIN":
             return True
-        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
-            func = node.func
-            called = func.attr if isinstance(func, ast.Attribute) else func.id
+        if isinstance(node, ast.Call):
+            called = called_name(node)
             # not os.path.join(a, b) or ", ".join(parts): DDP's join() takes no positional
             if called == "Join" or (called == "join" and not node.args):
                 return True

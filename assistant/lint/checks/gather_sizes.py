@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, own_nodes, short, source_text
+from assistant.lint.model import Script, called_name, own_nodes, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
 from assistant.results import Finding
@@ -178,9 +178,3 @@ def reads_size(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
             if isinstance(node, ast.Call) and called_name(node) in SIZE_READS:
                 return True
     return False
-
-
-def called_name(call: ast.Call) -> str:
-    """`torch.zeros_like(x)` -> "zeros_like", `x.clone()` -> "clone", `len(x)` -> "len"."""
-    func = call.func
-    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")

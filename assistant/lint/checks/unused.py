@@ -25,7 +25,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from assistant.lint.model import Script, keyword, own_nodes, source_text
+from assistant.lint.model import Script, called_name, keyword, own_nodes, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
 from assistant.results import Finding
@@ -96,9 +96,10 @@ def without_gradients(scope: ast.AST) -> bool:
 
 
 def names_no_grad(expr: ast.expr) -> bool:
-    target = expr.func if isinstance(expr, ast.Call) else expr
-    name = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
-    return name in NO_GRAD
+    """`torch.no_grad()`, `torch.no_grad`, `inference_mode()`."""
+    if isinstance(expr, ast.Call):
+        return called_name(expr) in NO_GRAD
+    return isinstance(expr, ast.Attribute) and expr.attr in NO_GRAD  # @torch.no_grad
 
 
 def inside_no_grad(nodes: list[ast.AST]) -> set[int]:
