@@ -208,7 +208,10 @@ class Pipeline:
 
         Retrieval ranks causes from the words; a script finding (lint) or what
         `assistant run` saw in the job proves a cause the words may not name.
-        Such a cause joins with the best score, to be judged like the others.
+        Such a cause joins with the best score, to be judged like the others;
+        beside a root error the words explain with other causes, with the
+        lowest score instead (a true finding about the script, not this error's
+        explanation: verdicts.apply.explains_failure).
         """
         present = {cause.id for cause in ranked.causes}
         missing = [f.cause_id for f in findings if f.cause_id not in present]
@@ -216,11 +219,12 @@ class Pipeline:
             return ranked
         from assistant.results import CauseResult
 
-        best = max((cause.score for cause in ranked.causes), default=1.0)
+        scores = [cause.score for cause in ranked.causes]
+        joining = min(scores) if ranked.root_error and scores else max(scores, default=1.0)
         added = []
         for cause_id in dict.fromkeys(missing):
             try:
-                added.append(CauseResult.from_kb(self.engine.cause(cause_id), best))
+                added.append(CauseResult.from_kb(self.engine.cause(cause_id), joining))
             except UserError:
                 continue  # an id this KB does not have (a team KB without it)
         return replace(ranked, causes=list(ranked.causes) + added)

@@ -184,6 +184,21 @@ def test_a_cause_a_finding_proves_joins_the_answer_and_leads(engine):
     assert (first.verdict.verdict, first.verdict.source) == ("confirmed", "script")
 
 
+def test_a_finding_the_root_error_does_not_point_to_joins_but_does_not_lead(engine):
+    # Unused parameters in the script, beside an NCCL system error: true of the
+    # script, and shown, but not this error's explanation.
+    finding = Finding("unused-parameters", 40, "a head skipped on some steps", "train.py")
+    text = (
+        "torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, "
+        "unhandled system error (run with NCCL_DEBUG=INFO for details), NCCL version 2.19.3"
+    )
+    result = Pipeline(engine=engine).ask(Question(text, top=3, findings=[finding]))
+    ids = [cause.id for cause in result.causes]
+    assert "unused-parameters" in ids and ids[0] != "unused-parameters"
+    joined = result.causes[ids.index("unused-parameters")]
+    assert (joined.verdict.verdict, joined.verdict.source) == ("confirmed", "script")
+
+
 def test_code_pasted_into_the_question_is_linted_and_quoted_as_the_evidence(engine):
     text = (
         "accelerator.wait_for_everyone() stuck when saving the checkpoint\n"

@@ -25,24 +25,38 @@ from assistant.verdicts.signatures import Signatures, kb_signatures
 VERDICT_MARGIN = 0.3
 # Confirmed by the failing job itself (its error text names the cause, or a
 # lint finding in its script) is about this failure, not about the machine:
-# such causes lead, whatever their score.
+# such causes lead, whatever their score. A script finding whose cause the
+# error's words did not retrieve at all is a true fact about the script but
+# not this error's explanation (unused parameters found beside an NCCL system
+# error): it is read in its score's place, not first.
 JOB_SOURCES = ("error", "script")
 
 
-def reading_key(cause: CauseResult, best_score: float) -> tuple[int, float]:
+def reading_key(
+    cause: CauseResult, best_score: float, root_error: bool = False
+) -> tuple[int, float]:
     """Sort key of a judged cause: (tier, -(relative score - verdict steps))."""
     relative = cause.score / best_score if best_score > 0 else 1.0
     verdict = cause.verdict
-    from_job = verdict.source in JOB_SOURCES or verdict.from_job
-    tier = 0 if verdict.verdict == "confirmed" and from_job else 1
+    tier = 0 if verdict.verdict == "confirmed" and explains_failure(cause, root_error) else 1
     steps = VERDICT_RANK[verdict.verdict] / (len(VERDICT_RANK) - 1)
     return tier, -(relative - VERDICT_MARGIN * steps)
 
 
-def reading_order(causes: list[CauseResult]) -> list[CauseResult]:
+def explains_failure(cause: CauseResult, root_error: bool) -> bool:
+    """The job's own evidence confirms the cause: its error text, what `assistant
+    run` saw, or a script finding for a cause the error's words retrieved (or
+    for any cause when there is no root error to explain: a hang, a question)."""
+    verdict = cause.verdict
+    if verdict.source == "script":
+        return bool(cause.signals) or not root_error
+    return verdict.source in JOB_SOURCES or verdict.from_job
+
+
+def reading_order(causes: list[CauseResult], root_error: bool = False) -> list[CauseResult]:
     """Judged causes in the order a person reads them (stable for equal keys)."""
     best = max((c.score for c in causes), default=0.0)
-    return sorted(causes, key=lambda c: reading_key(c, best))
+    return sorted(causes, key=lambda c: reading_key(c, best, root_error))
 
 
 # --- answers under a cause ----------------------------------------------------------------
@@ -121,7 +135,10 @@ def apply_verdicts(
         for cause, verdict in judged
     ]
     return replace(
-        result, causes=reading_order(causes), probes=list(runs), decide=list(result.decide)
+        result,
+        causes=reading_order(causes, root_error=bool(result.root_error)),
+        probes=list(runs),
+        decide=list(result.decide),
     )
 
 

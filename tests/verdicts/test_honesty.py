@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import copy
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,19 @@ def test_what_the_failing_job_itself_confirms_leads_whatever_its_score():
         "no-cuda-visible",
         "collective-timeout",
     ]
+
+
+def test_a_script_finding_the_error_did_not_retrieve_is_read_in_its_place():
+    """Unused parameters found in the script beside an NCCL system error: true of
+    the script, but the error's words pointed elsewhere, so it does not lead;
+    a finding for a cause the words retrieved, or with no root error, does."""
+    found = replace(judged("unused-parameters", 0.2, "confirmed", "script"), signals={})
+    retrieved = replace(found, signals={"lexical": 3})
+    words = [judged("network-interface", 1.0, "inconclusive"), judged("shm", 0.9, "not_run")]
+    beside_error = reading_order([*words, found], root_error=True)
+    assert [c.id for c in beside_error] == ["network-interface", "shm", "unused-parameters"]
+    assert reading_order([*words, retrieved], root_error=True)[0] is retrieved
+    assert reading_order([*words, found], root_error=False)[0] is found
 
 
 def test_without_retrieval_scores_the_verdicts_alone_order_doctor():
