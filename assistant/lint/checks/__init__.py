@@ -21,8 +21,9 @@ lines it must report.
   never called in the epoch loop (sampler-set-epoch);
 - checkpoint: torch.save of the same file on every rank
   (checkpoint-written-by-every-rank), a checkpoint every rank loads with no
-  map_location (checkpoint-map-location), the DDP wrapper's state_dict
-  loaded into a model not wrapped there (state-dict-module-prefix);
+  map_location (checkpoint-map-location);
+- state_dict: the DDP wrapper's state_dict loaded into a model not wrapped
+  there (state-dict-module-prefix);
 - cache: a dataset downloaded with `download=True` by every rank at once
   into the same folder, or a cache file built when missing by every rank
   (dataset-cache-race);
@@ -59,6 +60,7 @@ from assistant.lint.checks import (
     rank_dependent,
     reentrant,
     spawn,
+    state_dict,
     unused,
     wrapper,
 )
@@ -77,6 +79,7 @@ __all__ = [
     "rank_dependent",
     "reentrant",
     "spawn",
+    "state_dict",
     "unused",
     "wrapper",
 ]

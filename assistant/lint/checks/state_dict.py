@@ -1,0 +1,471 @@
+"""A checkpoint of the DDP wrapper's state_dict() loaded into a model that is not wrapped there
+(state-dict-module-prefix).
+
+`ddp_model.state_dict()` names
+every tensor "module.<name>", so a strict `load_state_dict` into the plain
+model (built fresh to evaluate, or resumed before the wrap) fails on every
+key. The save and the load are paired by the file (the same path
+expression) or, for a dict, by the entry both use (`{"model": ...}` saved,
+`ckpt["model"]` loaded). Quiet when the save goes through `.module`, the
+load goes into the wrapper, `strict=False`, the script strips the prefix
+anywhere ("module." handed to a call or a comparison, `k[7:]`,
+consume_prefix_in_state_dict_if_present), or what the loaded name holds is
+not known (a parameter, a helper that may wrap, an imported loader).
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from assistant.lint.checks.wrapper import (
+    WRAPPERS,
+    ScopeFacts,
+    bind_wrapped_parameters,
+    is_prepare,
+    wrapper_of,
+)
+from assistant.lint.model import Script, is_int, keyword, self_attribute, short, source_text
+from assistant.lint.registry import check
+from assistant.results import Finding
+
+# A loaded file named like someone else's weights, not the script's own checkpoint.
+FOREIGN_WEIGHTS = re.compile(r"pretrain|teacher|backbone|imagenet|init", re.IGNORECASE)
+# A helper that may hand back a wrapped model (`setup_ddp(model)`, `wrap_model(m)`).
+MAY_WRAP = re.compile(r"ddp|dist|parallel|wrap|prepare|setup|accelerat", re.IGNORECASE)
+# Text that strips the wrapper's prefix: "module.", r"^module\.", a `[7:]` slice.
+PREFIX_TEXT = re.compile(r"module\\?\.")
+PREFIX_LENGTH = len("module.")
+
+
+@dataclass(frozen=True)
+class SavedEntry:
+    """A wrapper's state_dict() that a torch.save writes, and where in the saved object."""
+
+    key: str | None  # the dict entry it is saved under; None when saved as is
+    path: ast.expr | None  # the file torch.save writes
+    scope: ast.AST  # the function (or module) the torch.save is in
+    wrapper_text: str  # `model`, `self.model`
+    wrapper: str  # DistributedDataParallel or DataParallel
+    line: int
+
+
+@check("state-dict-module-prefix")
+def check_wrapper_state_dict_loaded_unwrapped(script: Script) -> Iterator[Finding]:
+    """A checkpoint of `ddp_model.state_dict()` loaded strictly into a plain model."""
+    names = {short(name) for _node, name in script.call_names}
+    wraps = names & set(WRAPPERS) or any(is_prepare(node) for node, _name in script.call_names)
+    if not (wraps and "load_state_dict" in names and "save" in names) or strips_prefix(script):
+        return
+    where = Places(script)
+    saved: dict[str | None, list[SavedEntry]] = {}
+    for scope, call in where.calls_named("torch.save"):
+        for entry in where.saved_entries(scope, call):
+            saved.setdefault(entry.key, []).append(entry)
+    if not saved:
+        return
+    for scope in script.all_scopes:
+        for node in script.scope_nodes(scope):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load_state_dict"
+            ):
+                continue
+            if not strict_load(node) or not where.unwrapped(scope, node.func.value, node.lineno):
+                continue
+            state = node.args[0] if node.args else keyword(node, "state_dict")
+            loaded = where.loaded(scope, state, node.lineno) if state is not None else None
+            if loaded is None or loaded[0] not in saved:
+                continue
+            entry = where.paired(saved[loaded[0]], scope, loaded[1])
+            if entry is None:
+                continue
+            target = source_text(node.func.value)
+            yield script.finding(
+                "state-dict-module-prefix",
+                node,
+                f"{target}.load_state_dict loads the checkpoint saved at line {entry.line} "
+                f"from the {entry.wrapper} wrapper ({entry.wrapper_text}.state_dict(): every "
+                f'key starts with "module.") into {target}, which is not wrapped here, so the '
+                "strict load fails with Missing and Unexpected key(s); save "
+                f"{entry.wrapper_text}.module.state_dict() instead, or strip the prefix with "
+                "consume_prefix_in_state_dict_if_present before loading",
+            )
+
+
+def strips_prefix(script: Script) -> bool:
+    """The script handles the prefix itself somewhere: "module." handed to a call or
+    a comparison (`k.replace("module.", "")`, `k.startswith("module.")`), `k[7:]`,
+    or torch's consume_prefix helper."""
+    for node in script.nodes:
+        if isinstance(node, (ast.Call, ast.Compare)):
+            parts = (
+                [*node.args, *(k.value for k in node.keywords)]
+                if isinstance(node, ast.Call)
+                else [node.left, *node.comparators]
+            )
+            if any(
+                isinstance(part, ast.Constant)
+                and isinstance(part.value, str)
+                and PREFIX_TEXT.search(part.value)
+                for part in parts
+            ):
+                return True
+        name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+        if isinstance(name, str) and name.startswith("consume_prefix"):
+            return True
+        if (
+            isinstance(node, ast.Slice)
+            and is_int(node.lower)
+            and node.lower.value == PREFIX_LENGTH
+            and node.upper is None
+        ):
+            return True
+    return False
+
+
+def strict_load(call: ast.Call) -> bool:
+    """load_state_dict with strict=True, the default (a computed strict is not known)."""
+    value = keyword(call, "strict")
+    if value is None and len(call.args) > 1:
+        value = call.args[1]
+    return value is None or (isinstance(value, ast.Constant) and value.value is True)
+
+
+@dataclass
+class ScopeIndex:
+    """One scope's bindings, in line order: each plain name's assignments (the value,
+    or None for an unpacking, a loop or a with target), and `name["key"] = value`."""
+
+    lines: dict[str, list[int]] = field(default_factory=dict)
+    values: dict[str, list[ast.expr | None]] = field(default_factory=dict)
+    items: dict[str, list[tuple[int, str, ast.expr]]] = field(default_factory=dict)
+
+    def bind(self, name: str, line: int, value: ast.expr | None) -> None:
+        at = bisect.bisect_right(self.lines.setdefault(name, []), line)
+        self.lines[name].insert(at, line)
+        self.values.setdefault(name, []).insert(at, value)
+
+
+class Places:
+    """Answers about a line of a scope: does a name hold the wrapper or a plain
+    model, what a torch.save writes, what a load_state_dict is handed. Each
+    scope is indexed once, so a file of many loads costs one walk per scope."""
+
+    def __init__(self, script: Script):
+        self.script = script
+        self.facts = {
+            id(scope): ScopeFacts(script, script.scope_nodes(scope)) for scope in script.all_scopes
+        }
+        bind_wrapped_parameters(script, self.facts)
+        self.owner = {
+            id(method): cls.name
+            for cls in script.tree.body
+            if isinstance(cls, ast.ClassDef)
+            for method in cls.body
+            if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+        self.indexes: dict[int, ScopeIndex] = {}
+        self.wrapping_functions: dict[str, bool] = {}
+        self.path_cache: dict[int, set[str]] = {}
+        self.files_cache: dict[int, dict[str, SavedEntry]] = {}
+        self.callers: dict[str, list[tuple[ast.AST, ast.Call]]] = {}
+        for scope in script.all_scopes:
+            for node in script.scope_nodes(scope):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                    self.callers.setdefault(node.func.id, []).append((scope, node))
+        self.fields = self.field_kinds()
+
+    def calls_named(self, name: str) -> Iterator[tuple[ast.AST, ast.Call]]:
+        for scope in self.script.all_scopes:
+            for node in self.script.scope_nodes(scope):
+                if isinstance(node, ast.Call) and self.script.name_of(node.func) == name:
+                    yield scope, node
+
+    # ---------------------------------------------------------- what names hold
+
+    def index(self, scope: ast.AST) -> ScopeIndex:
+        if id(scope) in self.indexes:
+            return self.indexes[id(scope)]
+        index = ScopeIndex()
+        for node in self.script.scope_nodes(scope):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        index.bind(target.id, node.lineno, node.value)
+                    elif (
+                        isinstance(target, ast.Subscript)
+                        and isinstance(target.value, ast.Name)
+                        and isinstance(target.slice, ast.Constant)
+                        and isinstance(target.slice.value, str)
+                    ):
+                        entry = (node.lineno, target.slice.value, node.value)
+                        index.items.setdefault(target.value.id, []).append(entry)
+                    else:
+                        for name in names_bound(target):
+                            index.bind(name, node.lineno, None)  # `a, model = ...`
+            elif isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
+                targets = (
+                    [i.optional_vars for i in node.items if i.optional_vars is not None]
+                    if isinstance(node, (ast.With, ast.AsyncWith))
+                    else [node.target]
+                )
+                for name in {n for target in targets for n in names_bound(target)}:
+                    index.bind(name, node.lineno, None)
+        self.indexes[id(scope)] = index
+        return index
+
+    def last_value(self, scope: ast.AST, name: str, line: int) -> ast.expr | None:
+        """What `name` was last assigned above `line` in the scope; None when that is
+        not an assignment of a value (a parameter, a loop target, an unpacking)."""
+        index = self.index(scope)
+        at = bisect.bisect_left(index.lines.get(name, []), line) - 1
+        return index.values[name][at] if at >= 0 else None
+
+    def wrapper(self, scope: ast.AST, expr: ast.expr, line: int) -> str | None:
+        """The wrapper `expr` (a name or `self.field`) holds at `line`, if any."""
+        if isinstance(expr, ast.Name):
+            return self.facts[id(scope)].wrapper_at(expr.id, line)
+        field_name = self_attribute(expr)
+        if field_name is not None and id(scope) in self.owner:
+            return self.fields.get((self.owner[id(scope)], field_name)) or None
+        return None
+
+    def field_kinds(self) -> dict[tuple[str, str], str]:
+        """(class, field) -> the wrapper every `self.field = ...` of the class assigns,
+        or "" when every one assigns a plain model built by a call; fields assigned
+        both ways, or anything else, are left out."""
+        kinds: dict[tuple[str, str], set[str]] = {}
+        for cls in (node for node in self.script.tree.body if isinstance(node, ast.ClassDef)):
+            for method in cls.body:
+                if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                for node in self.script.scope_nodes(method):
+                    if not isinstance(node, ast.Assign):
+                        continue
+                    for target in node.targets:
+                        if field_name := self_attribute(target):
+                            kind = wrapper_of(self.script, node.value)
+                            if kind is None:
+                                kind = "" if self.plain_build(node.value) else "?"
+                            kinds.setdefault((cls.name, field_name), set()).add(kind)
+        return {key: next(iter(k)) for key, k in kinds.items() if len(k) == 1 and "?" not in k}
+
+    def plain_build(self, value: ast.expr) -> bool:
+        """A call that builds a model and wraps nothing: no wrapper or accelerator.prepare
+        in it, no same-file function that wraps, no imported helper named like one."""
+        if not isinstance(value, ast.Call):
+            return False
+        for node in ast.walk(value):
+            if not isinstance(node, ast.Call):
+                continue
+            if wrapper_of(self.script, node) is not None or is_prepare(node):
+                return False
+            callee = self.script.name_of(node.func)
+            if MAY_WRAP.search(short(callee)) or short(callee) in ("deepcopy", "copy"):
+                return False
+            if callee in self.script.functions and self.wraps_inside(callee):
+                return False
+        return True
+
+    def wraps_inside(self, name: str) -> bool:
+        """The file's function `name` constructs a wrapper itself."""
+        if name not in self.wrapping_functions:
+            self.wrapping_functions[name] = any(
+                isinstance(node, ast.Call) and wrapper_of(self.script, node) is not None
+                for node in self.script.scope_nodes(self.script.functions[name])
+            )
+        return self.wrapping_functions[name]
+
+    def unwrapped(self, scope: ast.AST, target: ast.expr, line: int) -> bool:
+        """`target` is a plain model at `line`: `wrapper.module`, a name last bound to
+        a model built by a call (or to `wrapper.module`), or a field only ever
+        assigned such models."""
+        if isinstance(target, ast.Attribute) and target.attr == "module":
+            return self.wrapper(scope, target.value, line) is not None
+        if isinstance(target, ast.Name):
+            if self.wrapper(scope, target, line) is not None:
+                return False
+            value = self.last_value(scope, target.id, line)
+            if isinstance(value, ast.Attribute) and value.attr == "module":
+                return self.wrapper(scope, value.value, value.lineno) is not None
+            return (
+                value is not None
+                and self.plain_build(value)
+                and not any(
+                    self.wrapper(scope, inner, line) is not None
+                    for inner in ast.walk(value)
+                    if isinstance(inner, (ast.Name, ast.Attribute))
+                )
+            )
+        field_name = self_attribute(target)
+        if field_name is not None and id(scope) in self.owner:
+            return self.fields.get((self.owner[id(scope)], field_name)) == ""
+        return False
+
+    # ---------------------------------------------------------- what is saved
+
+    def saved_entries(self, scope: ast.AST, call: ast.Call) -> list[SavedEntry]:
+        """The wrapper state_dicts one torch.save writes, directly or in a dict entry;
+        in a helper that saves its parameter (`def save_checkpoint(state, path)`),
+        what the file's calls of the helper pass for it."""
+        obj = call.args[0] if call.args else keyword(call, "obj")
+        path = call.args[1] if len(call.args) > 1 else keyword(call, "f")
+        if obj is None:
+            return []
+        found = self.state_dicts_in(scope, obj, call.lineno)
+        if not found and isinstance(obj, ast.Name):
+            for caller, passed in self.passed_for(scope, obj.id):
+                found += self.state_dicts_in(caller, passed, passed.lineno)
+        return [
+            SavedEntry(key, path, scope, text, kind, call.lineno) for key, (text, kind) in found
+        ]
+
+    def passed_for(self, scope: ast.AST, name: str) -> list[tuple[ast.AST, ast.expr]]:
+        """(caller's scope, expression) for what each call of the top-level function
+        `scope` passes for its parameter `name`; [] when `name` is no parameter."""
+        if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            return []
+        if self.script.functions.get(scope.name) is not scope:
+            return []
+        names = [a.arg for a in scope.args.posonlyargs + scope.args.args]
+        if name not in names:
+            return []
+        position = names.index(name)
+        passed = []
+        for caller, node in self.callers.get(scope.name, []):
+            value = node.args[position] if len(node.args) > position else keyword(node, name)
+            if value is not None:
+                passed.append((caller, value))
+        return passed
+
+    def state_dicts_in(
+        self, scope: ast.AST, obj: ast.expr, line: int
+    ) -> list[tuple[str | None, tuple[str, str]]]:
+        """(entry, (wrapper text, wrapper class)) for each wrapper state_dict in `obj`:
+        `W.state_dict()` itself (entry None), or a string-keyed entry of a dict,
+        written out or built in the scope before `line`."""
+        found: list[tuple[str | None, tuple[str, str]]] = []
+        if direct := self.state_dict_of_wrapper(scope, obj):
+            found.append((None, direct))
+        dicts = [obj]
+        if isinstance(obj, ast.Name):
+            value = self.last_value(scope, obj.id, line)
+            dicts = [value] if value is not None else []
+            for item_line, key, item in self.index(scope).items.get(obj.id, []):
+                if item_line < line and (wrapped := self.state_dict_of_wrapper(scope, item)):
+                    found.append((key, wrapped))
+        for value in dicts:
+            if not isinstance(value, ast.Dict):
+                continue
+            for key, item in zip(value.keys, value.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and isinstance(key.value, str)
+                    and (wrapped := self.state_dict_of_wrapper(scope, item))
+                ):
+                    found.append((key.value, wrapped))
+        return found
+
+    def state_dict_of_wrapper(
+        self, scope: ast.AST, expr: ast.expr, depth: int = 0
+    ) -> tuple[str, str] | None:
+        """(wrapper text, wrapper class) when `expr` is `W.state_dict()` for a wrapper W,
+        directly or through a name bound to it in the scope."""
+        if isinstance(expr, ast.Name) and depth < 2:
+            value = self.last_value(scope, expr.id, expr.lineno)
+            return self.state_dict_of_wrapper(scope, value, depth + 1) if value else None
+        if not (
+            isinstance(expr, ast.Call)
+            and isinstance(expr.func, ast.Attribute)
+            and expr.func.attr == "state_dict"
+        ):
+            return None
+        owner = expr.func.value
+        wrapper = self.wrapper(scope, owner, expr.lineno)
+        return (source_text(owner), wrapper) if wrapper else None
+
+    # ---------------------------------------------------------- what is loaded
+
+    def loaded(
+        self, scope: ast.AST, expr: ast.expr, line: int, depth: int = 0
+    ) -> tuple[str | None, ast.Call] | None:
+        """(entry, torch.load call) when `expr` is what a torch.load returned, or one
+        string-keyed entry of it, directly or through names bound in the scope."""
+        if depth > 3:
+            return None
+        if isinstance(expr, ast.Call) and self.script.name_of(expr.func) == "torch.load":
+            return None, expr
+        if isinstance(expr, ast.Name):
+            value = self.last_value(scope, expr.id, line)
+            return self.loaded(scope, value, line, depth + 1) if value is not None else None
+        if (
+            isinstance(expr, ast.Subscript)
+            and isinstance(expr.slice, ast.Constant)
+            and isinstance(expr.slice.value, str)
+        ):
+            inner = self.loaded(scope, expr.value, line, depth + 1)
+            if inner is not None and inner[0] is None:
+                return expr.slice.value, inner[1]
+        return None
+
+    def paired(
+        self, entries: list[SavedEntry], scope: ast.AST, load: ast.Call
+    ) -> SavedEntry | None:
+        """The saved entry (of the same key) this torch.load reads: for a dict entry,
+        any file not named like another model's weights; otherwise the same file."""
+        path = load.args[0] if load.args else keyword(load, "f")
+        if path is None:
+            return None
+        if entries[0].key is not None and not FOREIGN_WEIGHTS.search(source_text(path)):
+            return entries[0]
+        files = self.files_of(entries)
+        return next((files[t] for t in self.path_texts(scope, path) if t in files), None)
+
+    def files_of(self, entries: list[SavedEntry]) -> dict[str, SavedEntry]:
+        """Each way the entries' files may read, to the first entry written there."""
+        if id(entries) not in self.files_cache:
+            files: dict[str, SavedEntry] = {}
+            for entry in entries:
+                if entry.path is not None:
+                    for text in self.path_texts(entry.scope, entry.path):
+                        files.setdefault(text, entry)
+            self.files_cache[id(entries)] = files
+        return self.files_cache[id(entries)]
+
+    def path_texts(self, scope: ast.AST, path: ast.expr) -> set[str]:
+        """How a path may read: its text, what the file assigns to it, and for a
+        parameter of the function `scope`, its default and what the file's calls of
+        that function pass for it."""
+        if id(path) in self.path_cache:
+            return self.path_cache[id(path)]
+        text = source_text(path)
+        texts = {text, *(source_text(v) for v in self.script.assigned_values.get(text, []))}
+        self.path_cache[id(path)] = texts
+        if not isinstance(path, ast.Name) or not isinstance(
+            scope, (ast.FunctionDef, ast.AsyncFunctionDef)
+        ):
+            return texts
+        names = [a.arg for a in scope.args.posonlyargs + scope.args.args]
+        if path.id in names:
+            position = names.index(path.id)
+            defaults = scope.args.defaults
+            if position >= len(names) - len(defaults):
+                texts.add(source_text(defaults[position - (len(names) - len(defaults))]))
+        texts |= {source_text(value) for _caller, value in self.passed_for(scope, path.id)}
+        return texts
+
+
+def names_bound(target: ast.expr) -> set[str]:
+    """The plain names a target binds (`a`, `a, (b, *c)`), not `a[k]` or `a.b`."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, ast.Starred):
+        return names_bound(target.value)
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return {name for element in target.elts for name in names_bound(element)}
+    return set()
