@@ -25,8 +25,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterator
 
-from assistant.lint.model import Script, keyword, short
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
+from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
 from assistant.lint.torchapi import SPAWNERS, is_distributed
 from assistant.lint.tracer import TracedCall, once_per_call
@@ -177,8 +177,6 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
 def cache_writes(script: Script) -> dict[int, int]:
     """ids of the file writes inside an `if` that tests whether a path exists
     (the build-when-missing branch), with the line of that `if`."""
-    from assistant.lint.checks.checkpoint import shared_file  # it imports this module
-
     writes: dict[int, int] = {}
     for node in script.nodes:
         if not isinstance(node, ast.If):
@@ -211,3 +209,21 @@ def writes_file(script: Script, call: ast.Call) -> bool:
         return len(call.args) > FILE_WRITERS[name]
     func = call.func
     return isinstance(func, ast.Attribute) and func.attr in WRITING_METHODS and bool(call.args)
+
+
+def shared_file(script: Script, target: ast.expr) -> bool:
+    """The same file on every rank: no rank in the path, and not an in-memory buffer."""
+    expressions = [target]
+    if isinstance(target, (ast.Name, ast.Attribute)):
+        expressions += script.assigned_values.get(source_text(target), [])
+    for expression in expressions:
+        for node in ast.walk(expression):
+            if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and compared_rank(
+                node, script
+            ):
+                return False  # f"ckpt_rank{rank}.pt": one file per rank
+            if isinstance(node, ast.Name) and "rank" in node.id.lower():
+                return False
+            if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "BytesIO":
+                return False
+    return True

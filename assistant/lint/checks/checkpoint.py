@@ -26,9 +26,9 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.cache import every_rank_reaches, without_turns
-from assistant.lint.model import Script, is_int, keyword, short, source_text
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, compared_rank, some_rank_runs
+from assistant.lint.checks.cache import every_rank_reaches, shared_file, without_turns
+from assistant.lint.model import Script, is_int, keyword, source_text
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import init_calls, is_distributed
 from assistant.lint.tracer import TracedCall
@@ -84,24 +84,6 @@ def every_rank_saves(script: Script, call: TracedCall) -> bool:
         return False
     target = call.node.args[1] if len(call.node.args) > 1 else keyword(call.node, "f")
     return target is not None and shared_file(script, target)
-
-
-def shared_file(script: Script, target: ast.expr) -> bool:
-    """The same file on every rank: no rank in the path, and not an in-memory buffer."""
-    expressions = [target]
-    if isinstance(target, (ast.Name, ast.Attribute)):
-        expressions += script.assigned_values.get(source_text(target), [])
-    for expression in expressions:
-        for node in ast.walk(expression):
-            if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and compared_rank(
-                node, script
-            ):
-                return False  # f"ckpt_rank{rank}.pt": one file per rank
-            if isinstance(node, ast.Name) and "rank" in node.id.lower():
-                return False
-            if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "BytesIO":
-                return False
-    return True
 
 
 def one_process_group(script: Script) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.wrapper import plain_names
 from assistant.lint.model import Script, called_name, own_nodes, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
@@ -83,7 +84,7 @@ def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
     values: dict[str, list[ast.expr]] = {}
     for node in nodes:
         if isinstance(node, ast.Assign):
-            for name in (n for t in node.targets for n in bound_names(t)):
+            for name in (n for t in node.targets for n in plain_names(t)):
                 values.setdefault(name, []).append(node.value)
         elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
             values.setdefault(node.target.id, []).append(node.value)
@@ -96,15 +97,6 @@ def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
         ):
             values.setdefault(node.func.value.id, []).append(node.args[0])
     return values
-
-
-def bound_names(target: ast.expr) -> list[str]:
-    """`a`, `a, (b, c)`; not `a[i] = ...`, which changes a's values, not its shape."""
-    if isinstance(target, ast.Name):
-        return [target.id]
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return [name for element in target.elts for name in bound_names(element)]
-    return []
 
 
 def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.expr]:

@@ -26,6 +26,7 @@ from assistant.lint.checks.wrapper import (
     ScopeFacts,
     bind_wrapped_parameters,
     is_prepare,
+    plain_names,
     wrapper_of,
 )
 from assistant.lint.model import Script, is_int, keyword, self_attribute, short, source_text
@@ -206,7 +207,7 @@ class Places:
                         entry = (node.lineno, target.slice.value, node.value)
                         index.items.setdefault(target.value.id, []).append(entry)
                     else:
-                        for name in names_bound(target):
+                        for name in plain_names(target):
                             index.bind(name, node.lineno, None)  # `a, model = ...`
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
                 targets = (
@@ -214,7 +215,7 @@ class Places:
                     if isinstance(node, (ast.With, ast.AsyncWith))
                     else [node.target]
                 )
-                for name in {n for target in targets for n in names_bound(target)}:
+                for name in {n for target in targets for n in plain_names(target)}:
                     index.bind(name, node.lineno, None)
         self.indexes[id(scope)] = index
         return index
@@ -458,14 +459,3 @@ class Places:
                 texts.add(source_text(defaults[position - (len(names) - len(defaults))]))
         texts |= {source_text(value) for _caller, value in self.passed_for(scope, path.id)}
         return texts
-
-
-def names_bound(target: ast.expr) -> set[str]:
-    """The plain names a target binds (`a`, `a, (b, *c)`), not `a[k]` or `a.b`."""
-    if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, ast.Starred):
-        return names_bound(target.value)
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return {name for element in target.elts for name in names_bound(element)}
-    return set()

@@ -48,9 +48,7 @@ def check_submodule_skipped_by_a_none_input(script: Script) -> Iterator[Finding]
     strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
     if not strict:
         return
-    wrapped = {source_text(node.args[0]) for node in strict if node.args} | wrapper_names(
-        script, strict
-    )
+    wrapped = set().union(*(wrapped_by(script, ddp, set())[0] for ddp in strict))
     branches = [b for cls in model_classes(script) for b in optional_branches(cls)]
     if not branches:
         return
@@ -120,17 +118,6 @@ def expects_all(ddp: ast.Call) -> bool:
     return not any(given.arg is None for given in ddp.keywords)  # **options may set them
 
 
-def wrapper_names(script: Script, ddps: list[ast.Call]) -> set[str]:
-    """Names the DDP calls are assigned to: `model = DDP(model, ...)`."""
-    ids = {id(node) for node in ddps}
-    return {
-        source_text(target)
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and id(node.value) in ids
-        for target in node.targets
-    }
-
-
 def model_classes(script: Script) -> list[ast.ClassDef]:
     return [
         node
@@ -142,7 +129,7 @@ def model_classes(script: Script) -> list[ast.ClassDef]:
 
 def optional_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
     """`def forward(self, x, y=None)` ... `if y is not None: ... self.y_embed(y)`."""
-    forward = next(s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "forward")
+    forward = forward_of(cls)
     positional = [a.arg for a in forward.args.args[1:]]
     defaults = forward.args.defaults
     with_defaults = forward.args.args[len(forward.args.args) - len(defaults) :]
