@@ -247,10 +247,17 @@ DEFAULT_DECIDERS = ("traceback", "launch")
 LAUNCHER_SUMMARY = re.compile(r"exitcode\s*:\s*1\b|ChildFailedError|ProcessExitedException")
 
 
-def assess(result: Result) -> Result:
-    """The result with its confidence and, unless high, what would decide."""
+def assess(result: Result, script_checked: bool = False) -> Result:
+    """The result with its confidence and, unless high, what would decide.
+
+    script_checked: the user's training script was linted for this question
+    (`ask --script`, the script `assistant run` launched, a lint in the chat);
+    its findings, or their absence, are already in the answer, so it is not
+    asked for again.
+    """
     level = level_of(result)
-    decide = [] if level == "high" else what_would_decide(result)
+    given = ("script",) if script_checked else ()
+    decide = [] if level == "high" else what_would_decide(result, given)
     return replace(result, confidence=level, decide=decide)
 
 
@@ -307,11 +314,12 @@ def words_agree(cause: CauseResult) -> bool:
     return all(cause.signals.get(signal) == 1 for signal in WORD_SIGNALS)
 
 
-def what_would_decide(result: Result) -> list[str]:
+def what_would_decide(result: Result, given: tuple[str, ...] = ()) -> list[str]:
     """Up to MAX_DECIDE pieces of evidence that split the leading causes, in the user's language.
 
     Evidence that only one of the leading causes needs splits them best, so it
-    comes first; evidence the question already contains is not asked for.
+    comes first; evidence the question already contains, or the caller already
+    has (`given`: EVIDENCE kinds), is not asked for.
     """
     leading = result.causes[:3]
     query = (result.query or "")[:SEARCHED_CHARS]
@@ -322,7 +330,7 @@ def what_would_decide(result: Result) -> list[str]:
             if kind not in counts:
                 order.append(kind)
             counts[kind] = counts.get(kind, 0) + 1
-    missing = [kind for kind in order if not already_given(kind, query)]
+    missing = [kind for kind in order if kind not in given and not already_given(kind, query)]
     missing.sort(key=lambda kind: counts[kind])  # stable: first-cause evidence first
     if LAUNCHER_SUMMARY.search(query) and not already_given("traceback", query):
         # The summary hides the error itself: nothing splits the causes without it.

@@ -77,6 +77,9 @@ class Question:
     """One question and what the caller already knows about it.
 
     findings: static findings in the user's script (assistant lint).
+    script_checked: the user's script was linted for this question (its
+        findings, none when it is clean, are in `findings`): the answer does
+        not ask for the script again.
     root_error: the root error when the caller knows it better than the
         text does (`assistant run` reads it from the ranks' own records).
     context: an earlier question of the same conversation (a follow-up).
@@ -91,6 +94,7 @@ class Question:
     text: str
     top: int = 5
     findings: Sequence[Finding] = ()
+    script_checked: bool = False
     root_error: RootError | None = None
     context: str | None = None
     earlier: Sequence[CauseResult] = ()
@@ -201,7 +205,8 @@ class Pipeline:
             runs = self._finish_probes(ranked, question, early, observer, cancel)
         else:
             runs = list(question.known_runs)
-        return self._keep(self.judge(ranked, runs, question.findings), question.after)
+        judged = self.judge(ranked, runs, question.findings, question.script_checked)
+        return self._keep(judged, question.after)
 
     def _with_finding_causes(self, ranked: Result, findings: Sequence[Finding]) -> Result:
         """Every cause a finding names joins the answer, even if the text did not rank it.
@@ -238,15 +243,22 @@ class Pipeline:
         return replace(result, answer_id=handle)
 
     def judge(
-        self, result: Result, runs: Sequence[ProbeRun], findings: Sequence[Finding] = ()
+        self,
+        result: Result,
+        runs: Sequence[ProbeRun],
+        findings: Sequence[Finding] = (),
+        script_checked: bool = False,
     ) -> Result:
-        """Verdicts for a ranked result: a new Result, re-ranked (confirmed first)."""
+        """Verdicts for a ranked result: a new Result, re-ranked (confirmed first).
+
+        script_checked: see Question.
+        """
         from assistant.confidence import assess
         from assistant.verdicts import apply_verdicts
 
         signatures = self.engine.signatures() if self.engine is not None else None
         judged = apply_verdicts(result, list(runs), list(findings), signatures)
-        return assess(judged)
+        return assess(judged, script_checked)
 
     # -- machine only -------------------------------------------------------------
 

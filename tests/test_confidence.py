@@ -185,3 +185,15 @@ def test_two_causes_the_text_names_exactly_are_never_high(first_signals, level):
         lang="en",
     )
     assert assess(alone).confidence == "high"
+
+
+def test_a_script_already_linted_is_not_asked_for_again():
+    # `ask --script`, `assistant run` and a lint in the chat have the script:
+    # a clean lint is an answer too, and asking for the file again reads as if
+    # it was never looked at.
+    ids = ("hardcoded-device", "device-map-with-ddp")
+    asked = assess(unsure(*ids, query="only GPU 0 is used"))
+    checked = assess(unsure(*ids, query="only GPU 0 is used"), script_checked=True)
+    assert any("training script" in line for line in asked.decide)
+    assert checked.decide and not any("training script" in line for line in checked.decide)
+    assert checked.confidence == asked.confidence

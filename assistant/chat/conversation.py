@@ -225,6 +225,10 @@ class Conversation:
                 by_path[turn.query] = list(turn.findings)
         return [f for findings in by_path.values() for f in findings]
 
+    def script_checked(self) -> bool:
+        """A script was linted in this conversation (its findings, maybe none, are known)."""
+        return any(turn.kind == "lint" and not turn.error for turn in self.turns)
+
     def probe_runs(self) -> dict[str, ProbeRun]:
         """The latest reusable run of each probe (see REUSABLE_PROBE_STATUSES)."""
         runs: dict[str, ProbeRun] = {}

@@ -205,14 +205,14 @@ def ask(
     runner = None if no_probe else _runner(python_path, nproc_per_node, probe_timeout)
     pipeline = _pipeline(_engine(model), runner)
     if batch is not None:
-        _ask_batch(pipeline, batch, top, findings)
+        _ask_batch(pipeline, batch, top, findings, script is not None)
         return
     text = read_question(text, file)
     if not text.strip():
         raise UserError("the question is empty: give an error message, a log, or `-` for stdin")
     from assistant.pipeline import Question
 
-    question = Question(text, top=top, findings=findings)
+    question = Question(text, top=top, findings=findings, script_checked=script is not None)
     earlier_turns = 0
     if after is not None:
         question, earlier_turns = as_reply(pipeline, question, after)
@@ -300,7 +300,7 @@ def probe_status(show: bool):
         )
 
 
-def _ask_batch(pipeline, batch: Path, top: int, findings) -> None:
+def _ask_batch(pipeline, batch: Path, top: int, findings, script_checked: bool) -> None:
     """One contract object per input line, in order, each with its id."""
     try:
         lines = batch.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -315,7 +315,13 @@ def _ask_batch(pipeline, batch: Path, top: int, findings) -> None:
     for item_id, query in items:
         try:
             result = pipeline.ask(
-                Question(query, top=top, findings=findings, known_runs=known_runs)
+                Question(
+                    query,
+                    top=top,
+                    findings=findings,
+                    script_checked=script_checked,
+                    known_runs=known_runs,
+                )
             )
             known_runs = known_runs or list(result.probes)
             payload = {"id": item_id, **result.to_json()}

@@ -281,6 +281,7 @@ class ChatApp(LocalizedBindings, ToolActions, RunActions, HistoryActions, App[No
             view.turn.query,
             top=self.deps.top,
             findings=self.conversation.findings(),
+            script_checked=self.conversation.script_checked(),
             context=self.conversation.context(before=before),
             earlier=self.conversation.earlier_answer(before=before),
             known_runs=list(known.values()),

@@ -91,9 +91,14 @@ class ToolActions:
 
     @work(thread=True, group="rejudge", exit_on_error=False)
     def rejudge(self, key: int, result, findings: list) -> None:
-        """New findings: judge the answer again with the probe runs it already has."""
+        """New findings: judge the answer again with the probe runs it already has.
+
+        A script was just linted, so the answer no longer asks for it.
+        """
         try:
-            judged = self.deps.pipeline.judge(result, list(result.probes), findings)
+            judged = self.deps.pipeline.judge(
+                result, list(result.probes), findings, script_checked=True
+            )
         except Exception as exc:  # noqa: BLE001 - shown, never raised into the UI
             self.post_message(ProbesFailed(key, one_line(exc)))
         else:

@@ -140,7 +140,8 @@ def diagnose(
     from assistant.pipeline import Observer, Pipeline, Question
 
     callbacks = callbacks or RunCallbacks()
-    findings = script_findings(launch.command, options.cwd)
+    linted = script_findings(launch.command, options.cwd)
+    findings = linted or []
     if launch.hang is not None:
         findings = list(launch.hang.findings) + findings
     pipeline = Pipeline(engine=engine, runner=probe_runner(launch, options))
@@ -148,6 +149,7 @@ def diagnose(
         question_text(launch),
         top=options.top,
         findings=findings,
+        script_checked=linted is not None,
         root_error=launch.root_error,
         probe=options.probe,
     )
@@ -171,18 +173,18 @@ def question_text(launch: LaunchReport) -> str:
     return f"the launch exited with code {launch.exit_code} and printed nothing"
 
 
-def script_findings(command: list[str], cwd: Path | None) -> list[Finding]:
-    """`assistant lint` of the script the command names (nothing when it names none)."""
+def script_findings(command: list[str], cwd: Path | None) -> list[Finding] | None:
+    """`assistant lint` of the script the command names; None when no script was linted."""
     from assistant.errors import UserError
     from assistant.lint import lint_script
 
     script = script_of(command, cwd)
     if script is None:
-        return []
+        return None
     try:
         return list(lint_script(script))
     except UserError:
-        return []  # a script lint cannot read is the job's problem, already reported
+        return None  # a script lint cannot read is the job's problem, already reported
 
 
 def probe_runner(launch: LaunchReport, options: RunOptions):

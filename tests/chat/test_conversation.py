@@ -111,6 +111,14 @@ def test_findings_come_from_the_latest_lint_of_each_script():
     assert conversation.findings() == [new, other]
 
 
+def test_a_clean_lint_counts_as_a_checked_script_and_a_failed_one_does_not():
+    conversation = Conversation()
+    conversation.add(Turn(query="gone.py", kind="lint", error="gone.py: no such file"))
+    assert not conversation.script_checked()
+    conversation.add(Turn(query="train.py", kind="lint", findings=[]))
+    assert conversation.script_checked() and conversation.findings() == []
+
+
 def test_only_finished_probe_runs_are_reused_and_the_latest_wins():
     conversation = Conversation()
     conversation.add(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -213,3 +214,28 @@ def test_ten_megabyte_log_on_stdin_is_answered_with_the_right_root_error(run):
     payload = json.loads(result.stdout)
     assert payload["root_error"]["type"] == "SIGKILL" and payload["root_error"]["rank"] == 1
     assert payload["causes"][0]["id"] == "oom-killed"
+
+
+def test_a_clean_script_given_with_script_is_not_asked_for_again(run, tmp_path):
+    # A vague question leaves the answer unsure; what would decide it must not
+    # ask for the training script the user just handed over (and that lint
+    # found clean: no finding, and nothing confirmed by the script).
+    script = tmp_path / "train.py"
+    script.write_text(
+        (
+            Path(__file__).resolve().parents[1]
+            / "data"
+            / "scripts"
+            / "correct_checkpoint_loaded_with_map_location.py"
+        ).read_text()
+    )
+    question = "all processes use gpu 0"
+    without = json.loads(run(["ask", "--json", "--no-probe", question]).stdout)
+    given = run(["ask", "--json", "--no-probe", "--script", str(script), question])
+    assert given.exit_code == 0, given.output
+    payload = json.loads(given.stdout)
+    assert without["confidence"] != "high"
+    assert any("training script" in line for line in without["decide"])
+    assert payload["confidence"] != "high" and payload["decide"]
+    assert not any("training script" in line for line in payload["decide"])
+    assert all(c["verdict_source"] != "script" for c in payload["causes"])

@@ -481,8 +481,8 @@ DOCTOR_PROBES = ["launch_env", "devices", "backend", "versions"]
 class TablePipeline(Pipeline):
     """The real Pipeline, its verdict step and doctor replaced by the table above."""
 
-    def judge(self, result, runs, findings=()):
-        return assess(fake_apply_verdicts(result, list(runs), list(findings)))
+    def judge(self, result, runs, findings=(), script_checked=False):
+        return assess(fake_apply_verdicts(result, list(runs), list(findings)), script_checked)
 
     def doctor(self, lang="en", observer=None, cancel=None):
         observer = observer or Observer()

@@ -36,8 +36,8 @@ def detail_lines(view) -> list[str]:
 class ErrorSaysSo(TablePipeline):
     """Judges the first cause from the error text alone (verdict source "error")."""
 
-    def judge(self, result, runs, findings=()):
-        judged = super().judge(result, runs, findings)
+    def judge(self, result, runs, findings=(), script_checked=False):
+        judged = super().judge(result, runs, findings, script_checked)
         judged.causes[0].verdict = Verdict("confirmed", ["the error names it"], source="error")
         return judged
 
