@@ -227,6 +227,9 @@ def ask(
     if after is not None:  # the ranking rests on the thread too: say so first
         line = word("read_as_reply", result.lang, id=after, count=earlier_turns)
         console.print(line, style="dim", markup=False, highlight=False)
+    if script is not None and not findings:  # checked, and clean: silence would read as unchecked
+        line = word("script_clean", result.lang, path=script)
+        console.print(line, style="dim", markup=False, highlight=False)
     render_result(result, console, full=full)
 
 

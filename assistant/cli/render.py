@@ -63,6 +63,10 @@ CLI_WORDS: dict[str, dict[str, str]] = {
         "en": "Read as a reply to answer {id}, with the {count} earlier question(s) of its thread",
         "zh": "作为对回答 {id} 的回复来读，连同它所在对话中之前的 {count} 个问题",
     },
+    "script_clean": {
+        "en": "{path}: assistant lint found none of its mistakes in this script",
+        "zh": "{path}：assistant lint 没有在这个脚本里发现它能检查的错误",
+    },
     "feedback_hint": {
         "en": "answer {id}: tell us what fixed it: assistant feedback {id} --cause ID --fixed",
         "zh": "回答 {id}：告诉我们是什么解决了问题：assistant feedback {id} --cause ID --fixed",

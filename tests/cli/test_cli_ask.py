@@ -239,3 +239,6 @@ def test_a_clean_script_given_with_script_is_not_asked_for_again(run, tmp_path):
     assert payload["confidence"] != "high" and payload["decide"]
     assert not any("training script" in line for line in payload["decide"])
     assert all(c["verdict_source"] != "script" for c in payload["causes"])
+    # and the text output says the script was checked and found clean
+    text = run(["ask", "--no-probe", "--script", str(script), question]).output
+    assert "found none of its mistakes in this script" in " ".join(text.split())
