@@ -376,6 +376,26 @@ def test_a_fixed_device_variable_left_from_a_single_gpu_config_is_reported() -> 
     assert findings_of(per_rank) == []
 
 
+def test_a_fixed_device_variable_with_a_cpu_fallback_is_reported_too() -> None:
+    # the single-GPU tutorial line: "cuda:0" if CUDA is there, else the CPU
+    fixed = 'device = "cuda:0" if torch.cuda.is_available() else "cpu"\n'
+    source = (
+        DDP_HEADER
+        + fixed
+        + (
+            "local_rank = int(os.environ['LOCAL_RANK'])\n"
+            "model = DDP(nn.Linear(4, 4).to(device), device_ids=[local_rank])\n"
+        )
+    )
+    assert findings_of(source) == [("hardcoded-device", 5)]
+    # a plain "cuda" falls back to the current device, which set_device chose: quiet
+    current = source.replace('"cuda:0" if', '"cuda" if')
+    assert findings_of(current) == []
+    # a value that depends on the rank in either branch is not fixed
+    per_rank = source.replace('"cuda:0" if', "f\"cuda:{os.environ['LOCAL_RANK']}\" if")
+    assert findings_of(per_rank) == []
+
+
 def test_a_sampler_chosen_by_a_conditional_expression_is_followed() -> None:
     source = (
         "import torch.distributed as dist\n"

@@ -41,6 +41,8 @@ lines it must report.
 - reentrant: reentrant activation checkpointing under DDP with
   find_unused_parameters=True, or of one module several times per forward
   (ddp-reentrant-checkpoint);
+- logger: wandb.init or a TensorBoard SummaryWriter on every rank, or
+  wandb.log on every rank after an init on rank 0 only (experiment-logger-ddp);
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters).
@@ -55,6 +57,7 @@ from assistant.lint.checks import (
     devices,
     gather_sizes,
     launch,
+    logger,
     model_build,
     process_group,
     rank_dependent,
@@ -74,6 +77,7 @@ __all__ = [
     "devices",
     "gather_sizes",
     "launch",
+    "logger",
     "model_build",
     "process_group",
     "rank_dependent",

@@ -72,7 +72,8 @@ def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator
     if not is_distributed(script):
         return
     for name, values in script.assigned_values.items():
-        if not name.isidentifier() or not all(is_fixed_cuda(value) for value in values):
+        fixed = [fixed_gpu_of(value) for value in values]
+        if not name.isidentifier() or not all(fixed):
             continue
         uses = [
             node
@@ -83,7 +84,7 @@ def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator
             yield script.finding(
                 "hardcoded-device",
                 values[0],
-                f'{name} = "{values[0].value}" is never set per rank, and places work on '
+                f'{name} = "{fixed[0].value}" is never set per rank, and places work on '
                 f"line {uses[0].lineno}: every rank uses the same GPU; set {name} = "
                 'f"cuda:{local_rank}" once the local rank is known',
             )
@@ -178,6 +179,22 @@ def placing_field(node: ast.Call) -> str | None:
         *(k.value for k in node.keywords if k.arg == "device"),
     ]
     return next((field for field in map(field_of, given) if field), None)
+
+
+def fixed_gpu_of(value: ast.expr) -> ast.Constant | None:
+    """The fixed GPU a value always names when it names one: `"cuda:0"`, or
+    `"cuda:0" if torch.cuda.is_available() else "cpu"` (a CPU fallback is no
+    rank's own GPU either); None for anything else."""
+    choices = possible_values(value)
+    gpus = [choice for choice in choices if is_fixed_cuda(choice)]
+    others = [choice for choice in choices if not is_fixed_cuda(choice)]
+    if not gpus or not all(is_cpu(choice) for choice in others):
+        return None
+    return gpus[0]
+
+
+def is_cpu(value: ast.expr) -> bool:
+    return isinstance(value, ast.Constant) and value.value in ("cpu", "mps")
 
 
 def is_fixed_cuda(value: ast.expr | None) -> bool:

@@ -3,7 +3,9 @@
 `dist.all_gather(bufs, dets)` needs the same shape on every rank: each rank
 receives into buffers shaped like its own tensor. Detections kept after a
 score threshold or NMS, the rows a boolean mask selects, `nonzero()` or
-`unique()` give each rank a different count, so the gather fails ("Sizes of
+`unique()`, and a rank's strided share of a list (`items[rank::world]`, one
+item more on the first ranks unless the length divides evenly) give each
+rank a different count, so the gather fails ("Sizes of
 tensors must match"), hangs, or returns rows cut or padded with garbage,
 depending on the backend and version. The fix: gather the sizes first and
 pad to the largest (or all_gather_object).
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.wrapper import plain_names
 from assistant.lint.model import Script, called_name, own_nodes, short, source_text
+from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
 from assistant.results import Finding
@@ -66,7 +69,7 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 continue
             if not sized_like(values, buffers, tensor.id):
                 continue
-            step = content_sized_step(values, tensor)
+            step = content_sized_step(script, values, tensor)
             if step is not None:
                 yield script.finding(
                     "collective-mismatch",
@@ -116,13 +119,24 @@ def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.ex
             return
 
 
-def content_sized_step(values: dict[str, list[ast.expr]], tensor: ast.expr) -> ast.expr | None:
+def content_sized_step(
+    script: Script, values: dict[str, list[ast.expr]], tensor: ast.expr
+) -> ast.expr | None:
     """The step in the tensor's making whose row count depends on the data."""
     for value in origin(values, tensor):
         for node in ast.walk(value):
-            if is_content_sized(node):
+            if is_content_sized(node) or is_rank_stride(script, node):
                 return node
     return None
+
+
+def is_rank_stride(script: Script, node: ast.AST) -> bool:
+    """`items[rank::world]`: this rank's strided share, one longer on the first
+    `len % world` ranks."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)):
+        return False
+    lower, step = node.slice.lower, node.slice.step
+    return lower is not None and step is not None and is_rank_expr(lower, script)
 
 
 def is_content_sized(node: ast.AST) -> bool:

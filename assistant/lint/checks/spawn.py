@@ -168,6 +168,17 @@ def count_mismatch(
             f"TypeError in every process; give {name} the process index as its first "
             "parameter and pass only the others in args (not the rank)",
         )
+    elif swapped := swapped_argument(parameters, values):
+        value, slot, own = swapped
+        yield script.finding(
+            "mp-spawn-arguments",
+            spawn,
+            f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)} to "
+            f"{name}'s parameter {slot} (the process index takes the first one), while "
+            f"{name} has a parameter {own} of its own: the arguments arrive in the wrong "
+            f"parameters; put them in args in the order of {name}'s parameters after the "
+            "first",
+        )
     elif keyword_only:
         yield script.finding(
             "mp-spawn-arguments",
@@ -179,6 +190,33 @@ def count_mismatch(
             f"make {'them' if len(keyword_only) > 1 else 'it'} positional and pass "
             f"{'them' if len(keyword_only) > 1 else 'it'} in args",
         )
+
+
+def swapped_argument(
+    parameters: list[ast.arg], values: list[ast.expr]
+) -> tuple[ast.expr, str, str] | None:
+    """A value in args named exactly like one of the worker's parameters but
+    landing in another (`args=(args.config, world_size)` for
+    `worker(rank, world_size, config_path)`): (the value, the parameter it
+    lands in, the parameter its name matches). Only names that match exactly
+    count, and never the first parameter, which spawn fills with the index."""
+    names = [p.arg for p in parameters]
+    for position, value in enumerate(values, start=1):
+        own = value_name(value)
+        if own is None or position >= len(names) or names[position] == own:
+            continue
+        if own in names[1:]:
+            return value, names[position], own
+    return None
+
+
+def value_name(value: ast.expr) -> str | None:
+    """The name a value goes by: `world_size`, or the field of `args.world_size`."""
+    if isinstance(value, ast.Name):
+        return value.id
+    if isinstance(value, ast.Attribute):
+        return value.attr
+    return None
 
 
 def describe_count(required: int, total: int, takes_more: bool) -> str:

@@ -3,8 +3,9 @@
 A one-element tuple with its comma, a worker with a default and one taking
 *rest, a partial that fixes a keyword, a factory that returns the worker
 and a callable object,
-start_processes with args by position, and a tuple built beforehand and
-passed in parentheses.
+start_processes with args by position, a tuple built beforehand and
+passed in parentheses, and values named like the worker's parameters, each in
+its own place (a field `cfg.lr` lands in lr).
 """
 
 import functools
@@ -48,6 +49,11 @@ class Worker:
         train(index, self.world_size)
 
 
+class Config:
+    world_size = 2
+    lr = 0.05
+
+
 def main():
     world_size = 2
     mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)
@@ -59,6 +65,9 @@ def main():
     mp.start_processes(train, (world_size,), world_size, start_method="spawn")
     settings = (world_size, 0.2)
     mp.spawn(train, args=(settings), nprocs=world_size)
+    cfg = Config()
+    mp.spawn(train, args=(world_size, cfg.lr), nprocs=world_size)
+    mp.spawn(train, args=(cfg.world_size, cfg.lr), nprocs=world_size)
 
 
 if __name__ == "__main__":

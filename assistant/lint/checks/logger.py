@@ -1,0 +1,141 @@
+"""The experiment logger started on every rank (experiment-logger-ddp).
+
+Under torchrun (or `accelerate launch`) every process runs the whole script,
+so a bare `wandb.init(...)` starts N runs, N background wandb services and
+N login prompts: the dashboard shows N copies of one curve, and the services
+time out ("Run initialization has timed out", "Error communicating with
+wandb process"). A `SummaryWriter()` on every rank writes N event files into
+one run folder. The reverse mistake is as common: `wandb.init` guarded to
+rank 0, but `wandb.log` left on every rank, which the other ranks answer with
+"You must call wandb.init() before wandb.log()".
+
+Quiet where the script does what wandb documents for DDP: init on rank 0
+only (in an `if` or a conditional expression), or one run per rank joined
+by `group=`; where `mode=` is chosen per
+call (`mode="disabled"` on the other ranks); and for a SummaryWriter whose
+folder or comment names the rank. Framework loggers (Lightning's
+WandbLogger, `accelerator.init_trackers`) handle the ranks themselves and
+are not read here.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, short
+from assistant.lint.ranks import RANK_ZERO, is_rank_expr, rank_branch_sides, some_rank_runs
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_distributed
+from assistant.lint.tracer import TracedCall
+from assistant.results import Finding
+
+WANDB_INIT = "wandb.init"
+WANDB_LOG = "wandb.log"
+WRITERS = frozenset({"SummaryWriter"})
+# What makes a script run once per rank without a process group of its own.
+LAUNCHING_OBJECTS = frozenset({"Accelerator"})
+
+
+@check("experiment-logger-ddp")
+def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
+    """wandb.init / SummaryWriter on every rank, or wandb.log on every rank after a rank-0 init."""
+    if not runs_once_per_rank(script):
+        return
+    every_rank, rank_zero = calls_by_ranks(script)
+    for call in every_rank.values():
+        if call.name == WANDB_INIT and not per_rank_run(call.node):
+            yield script.finding(
+                "experiment-logger-ddp",
+                call.node,
+                "wandb.init runs on every rank: N runs of one experiment and N wandb "
+                "services that can time out; call it on rank 0 only (and wandb.log there "
+                "too), or give every rank's run the same group=",
+            )
+        elif short(call.name) in WRITERS and not names_the_rank(script, call.node):
+            yield script.finding(
+                "experiment-logger-ddp",
+                call.node,
+                f"{short(call.name)}() is created on every rank: N writers put N event files "
+                "into one run folder (every curve N times); create it on rank 0 only, or "
+                "give each rank a folder of its own",
+            )
+    inits = [c for c in [*every_rank.values(), *rank_zero.values()] if c.name == WANDB_INIT]
+    if not inits or any(id(c.node) in every_rank for c in inits):
+        return
+    for call in every_rank.values():
+        if call.name == WANDB_LOG:
+            yield script.finding(
+                "experiment-logger-ddp",
+                call.node,
+                "wandb.log runs on every rank, but wandb.init only on rank 0: the other "
+                'ranks raise "You must call wandb.init() before wandb.log()"; log under '
+                "the same rank-0 test",
+            )
+
+
+def runs_once_per_rank(script: Script) -> bool:
+    """The script is one process of a distributed run: it starts a process
+    group, wraps in DDP, or builds an Accelerator."""
+    if is_distributed(script):
+        return True
+    return any(short(name) in LAUNCHING_OBJECTS for _node, name in script.call_names)
+
+
+def calls_by_ranks(script: Script) -> tuple[dict[int, TracedCall], dict[int, TracedCall]]:
+    """Logger calls by node id: those some traced path runs on every rank, and
+    those every traced path runs on rank 0 only."""
+    every_rank: dict[int, TracedCall] = {}
+    rank_zero: dict[int, TracedCall] = {}
+    chosen_for_rank_zero = rank_zero_choices(script)
+    for trace in script.traces:
+        for call in trace:
+            if not is_logger_call(call) or not some_rank_runs(call.rank_path):
+                continue
+            sides = {branch.side for branch in call.rank_path}
+            if RANK_ZERO in sides or id(call.node) in chosen_for_rank_zero:
+                rank_zero.setdefault(id(call.node), call)
+            else:
+                every_rank.setdefault(id(call.node), call)
+    for node in every_rank:
+        rank_zero.pop(node, None)
+    return every_rank, rank_zero
+
+
+def rank_zero_choices(script: Script) -> set[int]:
+    """ids of the nodes in the rank-0 side of a conditional expression
+    (`SummaryWriter(out) if rank == 0 else None`)."""
+    chosen: set[int] = set()
+    for node in script.nodes:
+        if not isinstance(node, ast.IfExp):
+            continue
+        body, orelse = rank_branch_sides(node.test, script)
+        for side, branch in ((body, node.body), (orelse, node.orelse)):
+            if side == RANK_ZERO:
+                chosen.update(id(part) for part in ast.walk(branch))
+    return chosen
+
+
+def is_logger_call(call: TracedCall) -> bool:
+    return call.name in (WANDB_INIT, WANDB_LOG) or (
+        short(call.name) in WRITERS and "tensorboard" in call.name.lower()
+    )
+
+
+def per_rank_run(node: ast.Call) -> bool:
+    """`wandb.init(group=...)` (one run per rank, grouped) or a `mode=` the call
+    chooses (`"disabled"` on the other ranks); a constant "online" mode is no choice."""
+    if keyword(node, "group") is not None:
+        return True
+    mode = keyword(node, "mode")
+    return mode is not None and not (isinstance(mode, ast.Constant) and mode.value == "online")
+
+
+def names_the_rank(script: Script, node: ast.Call) -> bool:
+    """A writer whose folder or comment mentions the rank (a folder per rank)."""
+    given = [*node.args, *(k.value for k in node.keywords)]
+    return any(
+        isinstance(part, (ast.Name, ast.Attribute, ast.Call)) and is_rank_expr(part, script)
+        for value in given
+        for part in ast.walk(value)
+    )
