@@ -396,6 +396,22 @@ def test_a_fixed_device_variable_with_a_cpu_fallback_is_reported_too() -> None:
     assert findings_of(per_rank) == []
 
 
+def test_a_helper_whose_device_parameter_defaults_to_a_fixed_gpu_is_reported_where_unused() -> None:
+    helper = (
+        'def to_device(batch, device="cuda:0"):\n'
+        "    return [t.to(device) for t in batch]\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "model = DDP(nn.Linear(4, 4).to(local_rank), device_ids=[local_rank])\n"
+    )
+    bare = DDP_HEADER + helper + "x, y = to_device([torch.ones(4), torch.ones(4)])\n"
+    assert findings_of(bare) == [("hardcoded-device", 5)]
+    # every call passes the rank's device: the default is never used
+    given = bare.replace("torch.ones(4)])", "torch.ones(4)], local_rank)")
+    assert findings_of(given) == []
+    named = bare.replace("torch.ones(4)])", "torch.ones(4)], device=local_rank)")
+    assert findings_of(named) == []
+
+
 def test_a_sampler_chosen_by_a_conditional_expression_is_followed() -> None:
     source = (
         "import torch.distributed as dist\n"

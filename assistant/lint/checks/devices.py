@@ -6,7 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, is_int, keyword, short, source_text
+from assistant.lint.model import Function, Script, is_int, keyword, short, source_text
 from assistant.lint.ranks import RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -64,6 +64,7 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
             yield from fixed_ddp_devices(script, node)
     yield from fixed_device_variables(script, rank_zero_only)
     yield from fixed_device_fields(script, rank_zero_only)
+    yield from fixed_device_parameters(script, rank_zero_only)
 
 
 def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
@@ -114,6 +115,66 @@ def fixed_device_fields(script: Script, rank_zero_only: set[int]) -> Iterator[Fi
                 f"per rank, and places work on line {node.lineno}: every rank uses the same "
                 f'GPU; set it to f"cuda:{{local_rank}}" once the local rank is known',
             )
+
+
+def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
+    """A plain function of the file whose parameter defaults to a fixed GPU
+    (`def move_to_device(batch, device="cuda:0")`), places work on it, and is
+    called somewhere without that argument: that call sends every rank's work
+    to the same GPU."""
+    if not is_distributed(script):
+        return
+    for name, function in script.functions.items():
+        if "." in name:
+            continue  # methods are reached through objects: their calls are not read here
+        for parameter, position, default in fixed_gpu_parameters(function):
+            placing = next(
+                (
+                    node
+                    for node in ast.walk(function)
+                    if isinstance(node, ast.Call) and places_on(node, parameter)
+                ),
+                None,
+            )
+            if placing is None:
+                continue
+            bare = next(
+                (
+                    node
+                    for node, _called in script.call_names
+                    if isinstance(node.func, ast.Name)
+                    and node.func.id == name
+                    and id(node) not in rank_zero_only
+                    and (position is None or len(node.args) <= position)
+                    and keyword(node, parameter) is None
+                    and not any(isinstance(a, ast.Starred) for a in node.args)
+                    and not any(k.arg is None for k in node.keywords)
+                ),
+                None,
+            )
+            if bare is not None:
+                yield script.finding(
+                    "hardcoded-device",
+                    default,
+                    f'{name}()\'s {parameter} defaults to "{fixed_gpu_of(default).value}", and '
+                    f"line {bare.lineno} calls it without one: every rank's work goes to the "
+                    f"same GPU; pass the rank's device there (or default {parameter} to None "
+                    "and use the current device)",
+                )
+
+
+def fixed_gpu_parameters(function: Function) -> Iterator[tuple[str, int | None, ast.expr]]:
+    """(name, position, default) of the parameters that default to a fixed GPU;
+    position None for a keyword-only one."""
+    arguments = function.args
+    positional = arguments.posonlyargs + arguments.args
+    offset = len(positional) - len(arguments.defaults)
+    for index, default in enumerate(arguments.defaults):
+        if fixed_gpu_of(default):
+            yield positional[offset + index].arg, offset + index, default
+    for parameter, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True):
+        if default is not None and fixed_gpu_of(default):
+            yield parameter.arg, None, default
 
 
 def fixed_cuda_defaults(script: Script) -> dict[str, ast.Constant]:

@@ -445,6 +445,8 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             continue
         if is_own_rank(flow.script, node):
             return True
+        if reads_a_feature_size(node):
+            continue
         if isinstance(node, ast.Call):
             # The receiver and the arguments, not the method's name (`placement.rank()`);
             # of `batch.to(rank)` the receiver only: the rank there is a device.
@@ -460,6 +462,26 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             if key in flow.rank_values or key in flow.tensors:
                 return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
         stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def reads_a_feature_size(node: ast.AST) -> bool:
+    """`t.shape[1]`, `t.shape[1:]`, `t.size(2)`: a size past the first dimension.
+
+    What a rank's data changes is how many rows it has (samples, items,
+    detections); the feature sizes a buffer copies from a tensor are the
+    model's, the same on every rank (`torch.empty(n, local.shape[1])`).
+    """
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
+        if node.value.attr != "shape":
+            return False
+        index = node.slice.lower if isinstance(node.slice, ast.Slice) else node.slice
+        return isinstance(index, ast.Constant) and isinstance(index.value, int) and index.value >= 1
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr != "size" or len(node.args) != 1:
+            return False
+        index = node.args[0]
+        return isinstance(index, ast.Constant) and isinstance(index.value, int) and index.value >= 1
     return False
 
 

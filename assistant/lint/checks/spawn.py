@@ -174,10 +174,14 @@ def count_mismatch(
             "mp-spawn-arguments",
             spawn,
             f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)} to "
-            f"{name}'s parameter {slot} (the process index takes the first one), while "
-            f"{name} has a parameter {own} of its own: the arguments arrive in the wrong "
-            f"parameters; put them in args in the order of {name}'s parameters after the "
-            "first",
+            f"{name}'s parameter {slot} (the process index fills the first one, "
+            f"{parameters[0].arg}), while {name} has a parameter {own} of its own: the "
+            "arguments arrive in the wrong parameters; "
+            + (
+                f"give {name} the process index as its first parameter"
+                if own == parameters[0].arg
+                else f"put args in the order of {name}'s parameters after the first"
+            ),
         )
     elif keyword_only:
         yield script.finding(
@@ -197,15 +201,16 @@ def swapped_argument(
 ) -> tuple[ast.expr, str, str] | None:
     """A value in args named exactly like one of the worker's parameters but
     landing in another (`args=(args.config, world_size)` for
-    `worker(rank, world_size, config_path)`): (the value, the parameter it
-    lands in, the parameter its name matches). Only names that match exactly
-    count, and never the first parameter, which spawn fills with the index."""
+    `worker(rank, world_size, config_path)`; `args=(cfg,)` for
+    `worker(cfg, rank)`, whose first parameter spawn fills with the index):
+    (the value, the parameter it lands in, the parameter its name matches).
+    Only names that match exactly count."""
     names = [p.arg for p in parameters]
     for position, value in enumerate(values, start=1):
         own = value_name(value)
         if own is None or position >= len(names) or names[position] == own:
             continue
-        if own in names[1:]:
+        if own in names:
             return value, names[position], own
     return None
 

@@ -1,7 +1,8 @@
 """mp.spawn with args in another order than the worker's parameters.
 
 spawn calls train_worker(i, *args): the config path lands in world_size and
-the world size in config_path, so init_process_group gets a string.
+the world size in config_path, so init_process_group gets a string; and
+evaluate_worker(cfg, rank) gets the process index as its cfg.
 """
 
 import argparse
@@ -28,12 +29,20 @@ def train_worker(rank, world_size, config_path):
     dist.destroy_process_group()
 
 
+def evaluate_worker(cfg, rank):
+    dist.init_process_group("nccl", init_method=cfg["url"], rank=rank, world_size=cfg["world"])
+    torch.cuda.set_device(rank)
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="config.yaml")
     args = parser.parse_args()
     world_size = torch.cuda.device_count()
     mp.spawn(train_worker, args=(args.config, world_size), nprocs=world_size)  # expect: mp-spawn-arguments
+    cfg = {"url": "tcp://127.0.0.1:29500", "world": world_size}
+    mp.spawn(evaluate_worker, args=(cfg,), nprocs=world_size)  # expect: mp-spawn-arguments
 
 
 if __name__ == "__main__":
