@@ -43,6 +43,8 @@ lines it must report.
   (ddp-reentrant-checkpoint);
 - logger: wandb.init or a TensorBoard SummaryWriter on every rank, or
   wandb.log on every rank after an init on rank 0 only (experiment-logger-ddp);
+- zero: the engine's state_dict read under DeepSpeed ZeRO stage 3, outside
+  GatheredParameters (zero3-partitioned-parameters);
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters).
@@ -66,6 +68,7 @@ from assistant.lint.checks import (
     state_dict,
     unused,
     wrapper,
+    zero,
 )
 
 __all__ = [
@@ -86,4 +89,5 @@ __all__ = [
     "state_dict",
     "unused",
     "wrapper",
+    "zero",
 ]

@@ -1,0 +1,40 @@
+"""DeepSpeed ZeRO-3 weights saved the ways DeepSpeed documents (no finding expected).
+
+save_16bit_model on every rank, save_checkpoint on every rank, and a
+state_dict read inside GatheredParameters.
+"""
+
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 8,
+    "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+}
+
+
+def main():
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=DS_CONFIG
+    )
+    for _ in range(100):
+        loss = engine(torch.randn(8, 64, device=engine.device)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    engine.save_16bit_model("export", "model.bin")
+    engine.save_checkpoint("checkpoints")
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
+        if dist.get_rank() == 0:
+            torch.save(engine.module.state_dict(), "gathered.bin")
+
+
+if __name__ == "__main__":
+    main()

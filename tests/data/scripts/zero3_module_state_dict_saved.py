@@ -1,0 +1,35 @@
+"""DeepSpeed ZeRO-3: rank 0 saves engine.module.state_dict(), whose parameters
+are torch.Size([0]) placeholders outside the engine's own gathers."""
+
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 8,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 3, "overlap_comm": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+}
+
+
+def main():
+    deepspeed.init_distributed()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=DS_CONFIG
+    )
+    for _ in range(100):
+        loss = engine(torch.randn(8, 64, device=engine.device)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    if dist.get_rank() == 0:
+        torch.save(engine.module.state_dict(), "model.bin")  # expect: zero3-partitioned-parameters
+
+
+if __name__ == "__main__":
+    main()
