@@ -11,6 +11,10 @@ variable ready only once" in two cases the file can show:
 - one module is checkpointed several times in one forward (`checkpoint(
   self.block, x)` in a loop): its parameters get gradients in several nested
   backward passes ("Reused parameters in multiple reentrant backward passes").
+  DDP documents this as unsupported; whether a given model stops depends on
+  when its buckets fill (session 20, torch 2.13 on gloo: the fixture's
+  layers-then-shared-block stops, a shared block alone, or a stack recycled
+  three times, trained with the same gradients as one process).
 
 Which calls are reentrant: `use_reentrant=True`, and no use_reentrant at all
 (torch.utils.checkpoint and checkpoint_sequential read None as True, after a
@@ -92,9 +96,10 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
                     "ddp-reentrant-checkpoint",
                     node,
                     f"{variant} checkpoints {module} inside a loop: its parameters get "
-                    "gradients in several reentrant backward passes, which DDP reports as "
-                    '"Expected to mark a variable ready only once"; pass use_reentrant=False '
-                    "(or DDP(..., static_graph=True))",
+                    "gradients in several reentrant backward passes, which DDP without a "
+                    "static graph does not support: depending on when its gradient buckets "
+                    'fill, it stops with "Expected to mark a variable ready only once"; pass '
+                    "use_reentrant=False (or DDP(..., static_graph=True))",
                 )
         elif (
             isinstance(node.func, ast.Attribute)
