@@ -138,6 +138,15 @@ THREAD_SITES = (
     "https://chaos-blog.github.io/",
     # holdout27: a CSDN post, its author's own "invalid device ordinal" and fix
     "https://blog.csdn.net/",
+    # holdout31: Chinese write-ups that re-tell a GitHub issue and its fix
+    # (gitcode's blog), Chinese cloud and developer blogs, a jianshu mirror
+    "https://blog.gitcode.com/",
+    "https://damodev.csdn.net/",
+    "https://www.gongjiyun.com/",
+    "https://cloud.tencent.com.cn/",
+    "https://jishuzhan.net/",
+    "https://www.jjblogs.com/",
+    "https://www.greatytc.com/",
 )
 
 

@@ -259,10 +259,29 @@ def test_no_labelled_reports_means_no_signal(tmp_path, symptoms):
 
 
 def test_a_cause_no_labelled_report_names_is_learned_from_its_symptoms(symptoms, tmp_path):
-    """A new or a team's own cause has no reports yet; its KB symptoms speak for it."""
-    unreported = {labels[0] for _, labels in read_reports(eval_dir())}
-    cause = next(c for c in sorted(symptoms) if c not in unreported and symptoms[c])
-    model = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms).model()
+    """A new or a team's own cause has no reports yet; its KB symptoms speak for it.
+
+    Every built-in cause is the first label of some report by now (holdout31
+    gave the last two, too-many-open-files and process-group-not-destroyed,
+    their first), so the labelled files are copied without the reports that
+    name the least reported cause, as they stood before its first report.
+    """
+    counts: dict[str, int] = {}
+    for _, labels in read_reports(eval_dir()):
+        for label in labels:
+            counts[label] = counts.get(label, 0) + 1
+    cause = min((c for c in sorted(symptoms) if symptoms[c]), key=lambda c: counts.get(c, 0))
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    for path in sorted(eval_dir().glob("*.jsonl")):
+        kept = [
+            line
+            for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and cause not in json.loads(line).get("causes", [])
+        ]
+        (reports / path.name).write_text("\n".join(kept) + "\n", encoding="utf-8")
+    assert all(cause not in labels for _, labels in read_reports(reports))
+    model = LearnedReports([reports], [tmp_path / MODEL_FILE], symptoms).model()
     scores = model.scores(symptoms[cause][0])
     assert cause in sorted(scores, key=scores.get, reverse=True)[:3]
 
