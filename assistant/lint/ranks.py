@@ -190,7 +190,7 @@ def all_hold_sides(parts: list[tuple[str | None, str | None]]) -> tuple[str | No
 
 def holds_when_distributed(test: ast.expr, script: Script) -> bool | None:
     """`dist.is_initialized()` and a flag named for it (`args.distributed`, nanoGPT's
-    `ddp`) are true and `local_rank == -1` false on every rank of a run."""
+    `ddp`) are true and `local_rank == -1` or `rank is None` false on every rank of a run."""
     if isinstance(test, (ast.Name, ast.Attribute)):
         name = test.id if isinstance(test, ast.Name) else test.attr
         return True if DISTRIBUTED_FLAG.match(name) else None
@@ -202,6 +202,9 @@ def holds_when_distributed(test: ast.expr, script: Script) -> bool | None:
         if is_rank_expr(left, script) and int_literal(right) == -1:
             op = type(test.ops[0])
             return {ast.Eq: False, ast.NotEq: True}.get(op)
+        if is_rank_expr(left, script) and isinstance(right, ast.Constant) and right.value is None:
+            # `rank is None`: the single-process run, where nobody gave a rank
+            return {ast.Is: False, ast.IsNot: True}.get(type(test.ops[0]))
     return None
 
 

@@ -221,6 +221,7 @@ def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported(
         ("", "gpu_id == 0"),
         ("", "args.distributed and args.rank == 0"),
         ("", "not args.multiprocessing_distributed or rank == 0"),
+        ("main_device = rank is None or rank == 0\n", "main_device"),
     ],
 )
 def test_rank_zero_idioms_of_real_scripts_are_read_as_rank_zero(setup, test) -> None:
@@ -522,3 +523,17 @@ def test_library_collectives_are_told_from_look_alikes(name, waits_for_every_ran
     from assistant.lint.torchapi import is_collective
 
     assert is_collective(name) is waits_for_every_rank
+
+
+def test_a_logger_only_a_dead_method_or_a_one_process_group_reaches_is_not_reported() -> None:
+    header = (
+        "import torch.distributed as dist\nimport wandb\n"
+        'dist.init_process_group("gloo")\n'
+        "if dist.get_rank() == 0:\n    wandb.init(project='p')\n"
+    )
+    logging = "def sample():\n    wandb.log({'x': 1})\n"
+    assert findings_of(header + logging) == []  # nothing calls sample()
+    called = header + logging + "sample()\n"
+    assert findings_of(called) == [("experiment-logger-ddp", 7)]
+    one = called.replace('"gloo")', '"gloo", world_size=1, rank=0)')
+    assert "experiment-logger-ddp" not in {cause for cause, _line in findings_of(one)}

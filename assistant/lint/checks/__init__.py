@@ -10,6 +10,7 @@ lines it must report.
 - devices: fixed GPUs, set_device order, DDP device_ids on a CPU module;
 - process_group: torch.distributed calls before init_process_group;
 - collective_reach: collectives only some ranks reach (collective-mismatch),
+  also under a test of the rank's own tensor values (`if loss.mean() > t:`),
   and a step one rank skips on its own data (a NaN loss, an empty batch)
   before its backward's gradient all-reduce (uneven-inputs);
 - rank_dependent: collectives every rank calls, but with tensors whose

@@ -214,6 +214,78 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         )
 
 
+# Tensor reductions whose result an `if` compares: `if score.mean() > threshold:`.
+TENSOR_READS = frozenset({"mean", "sum", "max", "min", "norm", "any", "all"})
+
+
+@check("collective-mismatch")
+def check_collective_on_local_data(script: Script) -> Iterator[Finding]:
+    """A collective inside `if <this rank's own tensor value>:` (`if score.mean() >
+    thr: dist.all_gather(...)`, `if torch.isnan(loss).any(): dist.barrier()`):
+    only the ranks whose data passes the test call it, and the ranks stop
+    matching. Quiet when a name the test reads went through a collective
+    earlier in the same function (the ranks agreed on it), and when the else
+    branch calls a collective too."""
+    if not is_distributed(script):
+        return
+    for scope in script.all_scopes:
+        nodes = script.scope_nodes(scope)
+        agreed: set[str] = set()
+        for node in nodes:
+            if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
+                agreed |= {
+                    name for a in [*node.args, *(k.value for k in node.keywords)]
+                    for name in names_in(a)
+                }  # fmt: skip
+                continue
+            if not isinstance(node, ast.If) or not reads_own_tensor(node.test):
+                continue
+            if names_in(node.test) & agreed or calls_collective(script, node.orelse):
+                continue
+            collective = first_collective(script, node.body)
+            if collective is None:
+                continue
+            yield script.finding(
+                "collective-mismatch",
+                collective,
+                f"{short(script.name_of(collective.func))}() runs only on the ranks whose own "
+                f"data passes `if {source_text(node.test)}` (line {node.lineno}); the others "
+                "go on without it, and the ranks wait in different collectives (a hang, or "
+                "mismatched data); decide the test together (all_reduce the value first) or "
+                "call the collective on every rank",
+            )
+
+
+def reads_own_tensor(test: ast.expr) -> bool:
+    """The test reads a value of this rank's tensors: isfinite / isnan / .item(),
+    or a comparison of a reduction (`score.mean() > thr`, `loss.item() < best`)."""
+    if reads_local_value(test, set()):
+        return True
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                # a tensor's method (`score.mean()`), not the builtin max(a, b)
+                if (
+                    isinstance(side, ast.Call)
+                    and isinstance(side.func, ast.Attribute)
+                    and called_name(side) in TENSOR_READS
+                ):
+                    return True
+    return False
+
+
+def first_collective(script: Script, block: list[ast.stmt]) -> ast.Call | None:
+    for statement in block:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
+                return node
+    return None
+
+
+def calls_collective(script: Script, block: list[ast.stmt]) -> bool:
+    return first_collective(script, block) is not None
+
+
 class StepFacts:
     """What the statements of each block hold, read once per block, so that a
     loop with thousands of skips costs a pass over it, not one per skip.

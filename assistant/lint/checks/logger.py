@@ -15,7 +15,8 @@ by `group=`; where `mode=` is chosen per
 call (`mode="disabled"` on the other ranks); and for a SummaryWriter whose
 folder or comment names the rank. Framework loggers (Lightning's
 WandbLogger, `accelerator.init_trackers`) handle the ranks themselves and
-are not read here.
+are not read here, nor a method nothing in the file calls, nor a process
+group of one process (`world_size=1`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.checkpoint import one_process_group
 from assistant.lint.model import Script, keyword, short
 from assistant.lint.ranks import RANK_ZERO, is_rank_expr, rank_branch_sides, some_rank_runs
 from assistant.lint.registry import check
@@ -40,7 +42,7 @@ LAUNCHING_OBJECTS = frozenset({"Accelerator"})
 @check("experiment-logger-ddp")
 def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
     """wandb.init / SummaryWriter on every rank, or wandb.log on every rank after a rank-0 init."""
-    if not runs_once_per_rank(script):
+    if not runs_once_per_rank(script) or one_process_group(script) or not script.traces:
         return
     every_rank, rank_zero = calls_by_ranks(script)
     for call in every_rank.values():
@@ -83,20 +85,19 @@ def runs_once_per_rank(script: Script) -> bool:
 
 
 def calls_by_ranks(script: Script) -> tuple[dict[int, TracedCall], dict[int, TracedCall]]:
-    """Logger calls by node id: those some traced path runs on every rank, and
-    those every traced path runs on rank 0 only."""
+    """Logger calls of the script's own run by node id: those some path runs on
+    every rank, and those every path runs on rank 0 only."""
     every_rank: dict[int, TracedCall] = {}
     rank_zero: dict[int, TracedCall] = {}
     chosen_for_rank_zero = rank_zero_choices(script)
-    for trace in script.traces:
-        for call in trace:
-            if not is_logger_call(call) or not some_rank_runs(call.rank_path):
-                continue
-            sides = {branch.side for branch in call.rank_path}
-            if RANK_ZERO in sides or id(call.node) in chosen_for_rank_zero:
-                rank_zero.setdefault(id(call.node), call)
-            else:
-                every_rank.setdefault(id(call.node), call)
+    for call in script.traces[0]:  # the script's own run: a method nothing calls is not read
+        if not is_logger_call(call) or not some_rank_runs(call.rank_path):
+            continue
+        sides = {branch.side for branch in call.rank_path}
+        if RANK_ZERO in sides or id(call.node) in chosen_for_rank_zero:
+            rank_zero.setdefault(id(call.node), call)
+        else:
+            every_rank.setdefault(id(call.node), call)
     for node in every_rank:
         rank_zero.pop(node, None)
     return every_rank, rank_zero
