@@ -32,7 +32,7 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-FOUND_FLOOR = 112  # of 128 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16)
+FOUND_FLOOR = 113  # of 128 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16)
 OTHER_FINDINGS_CEILING = 21  # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2
 
 
