@@ -86,6 +86,10 @@ class Question:
     earlier: the causes of the earlier answer that asked for this reply (what
         would decide between them): the reply adds to that report, it does not
         replace it (with_earlier_answer).
+    previous: the causes of the conversation's latest answer when it asked
+        nothing (it was sure): a reply without an error of its own (a config,
+        nvidia-smi, "it still hangs") adds to that report the same way; one
+        with its own root error is a new failure, ranked on its own.
     known_runs: probe runs from earlier in the session, reused as they are.
     after: the kept answer this question replies to (`ask --after`), kept
         with the answer so a reply to it is read with the whole thread.
@@ -98,6 +102,7 @@ class Question:
     root_error: RootError | None = None
     context: str | None = None
     earlier: Sequence[CauseResult] = ()
+    previous: Sequence[CauseResult] = ()
     known_runs: Sequence[ProbeRun] = ()
     probe: bool = True
     after: str | None = None
@@ -189,7 +194,7 @@ class Pipeline:
         cancel = cancel or threading.Event()
         early = self._start_probes(question, observer, cancel)
         # A reply merged with an earlier answer needs every cause's reply score.
-        top = REPLY_POOL if question.earlier else question.top
+        top = REPLY_POOL if question.earlier or question.previous else question.top
         try:
             ranked = self.engine.ask(question.text, top=top, context=question.context)
         except BaseException:
@@ -199,6 +204,10 @@ class Pipeline:
             ranked = replace(ranked, root_error=question.root_error)
         if question.earlier:
             ranked = with_earlier_answer(ranked, question.earlier, question.top)
+        elif question.previous and ranked.root_error is None:
+            ranked = with_earlier_answer(ranked, question.previous, question.top)
+        elif question.previous:
+            ranked = replace(ranked, causes=ranked.causes[: question.top])
         ranked = self._with_finding_causes(ranked, question.findings)
         observer.causes(ranked)
         if self._probing(question):

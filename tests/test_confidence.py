@@ -150,8 +150,16 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
         (0.65, {"signature": 1, "lexical": 1}, False, "high"),  # in the body, and the words agree
         (0.3, {"signature": 1, "lexical": 1}, False, "medium"),  # ... but with a small lead
         (0.2, {"lexical": 1, "dense": 1, "reports": 1}, False, "high"),  # all three word signals
-        (0.15, {"lexical": 1, "dense": 1, "reports": 1}, False, "medium"),  # ... a small lead
-        (0.3, {"lexical": 1, "dense": 1, "reports": 2}, False, "medium"),  # two of the three
+        (0.15, {"lexical": 1, "dense": 1, "reports": 1}, False, "high"),  # ... from 0.15 on
+        (0.12, {"lexical": 1, "dense": 1, "reports": 1}, False, "medium"),  # ... a small lead
+        (
+            0.15,
+            {"lexical": 3, "dense": 1, "reports": 1},
+            False,
+            "high",
+        ),  # meaning and reports agree
+        (0.3, {"lexical": 1, "dense": 1, "reports": 2}, False, "medium"),  # the reports disagree
+        (0.3, {"lexical": 1, "dense": 2, "reports": 1}, False, "medium"),  # the meaning disagrees
     ],
 )
 def test_levels_rest_on_agreement_and_lead(lead, signals, root_hit, level):

@@ -268,6 +268,38 @@ def test_a_thin_reply_keeps_what_the_first_report_found(engine):
     assert decided.causes[0].id == "process-group-not-initialized"
 
 
+def test_a_reply_after_a_sure_answer_adds_to_it_unless_it_brings_its_own_error(engine):
+    # A "high" answer asks nothing; a reply without an error of its own (a
+    # config, "still the same") is more of that report, while a new traceback
+    # is a new failure, ranked on its own.
+    from assistant.chat.conversation import Conversation, Turn
+
+    pipeline = Pipeline(engine=engine)
+    first = pipeline.ask(Question(DUPLICATE_GPU, top=5))
+    assert first.confidence == "high" and not first.decide
+    conversation = Conversation(turns=[Turn(query=first.query, result=first)])
+    assert conversation.earlier_answer() == [] and conversation.previous_answer()
+
+    def ask(text):
+        return pipeline.ask(
+            Question(
+                text,
+                top=5,
+                context=conversation.context(),
+                earlier=conversation.earlier_answer(),
+                previous=conversation.previous_answer(),
+            )
+        )
+
+    config = "here is my config:\nbatch_size = 32\nlr = 0.0001\nepochs = 50\nfp16 = true"
+    alone = pipeline.ask(Question(config, top=5, context=conversation.context()))
+    assert alone.causes[0].id != first.causes[0].id  # the config alone is another answer
+    assert ask(config).causes[0].id == first.causes[0].id
+    traceback = f'Traceback (most recent call last):\n  File "train.py", line 9\n{PG_ERROR}'
+    assert ask(traceback).causes[0].id == "process-group-not-initialized"
+    assert len(ask(traceback).causes) == 5
+
+
 def test_code_pasted_as_the_reply_to_what_would_decide_confirms_its_cause(engine):
     from assistant.chat.conversation import Conversation, Turn
 

@@ -201,6 +201,15 @@ class Conversation:
         asked = self.asked_to_decide(before)
         return list(asked.result.causes) if asked is not None else []
 
+    def previous_answer(self, before: int | None = None) -> list[CauseResult]:
+        """The causes of the latest answer before `before` when it asked nothing
+        (it was sure, so it had no "what would decide"); [] otherwise. A reply
+        with no error of its own adds to that report (Question.previous)."""
+        asks = [t for t in self.turns[:before] if t.kind == "ask" and t.result is not None]
+        if not asks or self.asked_to_decide(before) is not None:
+            return []
+        return list(asks[-1].result.causes)
+
     def last_answer_id(self, before: int | None = None) -> str | None:
         """The kept id of the latest answer before `before`: a follow-up replies to
         it, so `assistant ask --after` on the follow-up's id reads the whole chat."""

@@ -266,6 +266,7 @@ def in_conversation(question, conversation, text: str, **changes):
         text=text,
         context=conversation.context(),
         earlier=conversation.earlier_answer(),
+        previous=conversation.previous_answer(),
         **changes,
     )
 

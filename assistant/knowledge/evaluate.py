@@ -255,6 +255,7 @@ def second_turn(pipeline, item: dict, first: Result) -> Result:
         top=5,
         context=conversation.context(),
         earlier=conversation.earlier_answer(),
+        previous=conversation.previous_answer(),
     )
     return pipeline.ask(question)
 

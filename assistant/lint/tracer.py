@@ -209,14 +209,16 @@ def calls_in_evaluation_order(node: ast.AST) -> list[ast.Call]:
 
 
 def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list[str]:
-    """The functions of this file a call runs: `f()`, `Cls()` (its __init__), `self.m()`.
+    """The functions of this file a call runs: `f()`, `Cls()` (its __init__, and the
+    __post_init__ a dataclass's generated __init__ calls), `self.m()`.
 
     `owner` is the class whose method makes the call; without it `self.m()`
     may be the `m` of any class in the file.
     """
     functions = script.functions
     if isinstance(func, ast.Name):
-        return [c for c in (func.id, f"{func.id}.__init__") if c in functions]
+        constructed = (func.id, f"{func.id}.__init__", f"{func.id}.__post_init__")
+        return [c for c in constructed if c in functions]
     if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
         return []
     if func.value.id != "self":

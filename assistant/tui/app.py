@@ -284,6 +284,7 @@ class ChatApp(LocalizedBindings, ToolActions, RunActions, HistoryActions, App[No
             script_checked=self.conversation.script_checked(),
             context=self.conversation.context(before=before),
             earlier=self.conversation.earlier_answer(before=before),
+            previous=self.conversation.previous_answer(before=before),
             known_runs=list(known.values()),
             after=self.conversation.last_answer_id(before=before),
         )

@@ -214,7 +214,10 @@ def test_a_reply_to_the_decide_question_carries_the_earlier_question():
     assert context == "Earlier question: DDP keeps saying it can't find the device"
     assert conversation.asked_to_decide() is unsure
     assert [c.id for c in conversation.earlier_answer()] == ["a"]  # averaged with the reply's
-    # A sure answer asks nothing, so the next question stands on its own.
+    assert conversation.previous_answer() == []  # merged as a reply already
+    # A sure answer asks nothing: the next question carries no context, and its
+    # causes are merged only into a reply without an error of its own (pipeline).
     unsure.result.confidence, unsure.result.decide = "high", []
     assert conversation.context() is None and conversation.asked_to_decide() is None
     assert conversation.earlier_answer() == []
+    assert [c.id for c in conversation.previous_answer()] == ["a"]

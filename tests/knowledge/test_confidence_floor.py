@@ -57,8 +57,9 @@ def test_high_confidence_is_right_nine_times_in_ten_over_all_real_reports(report
     right, share = high_right_and_share(reports)
     assert right >= 0.9, reports
     # measured 0.341 with holdout21 (its 64: 20%), 0.452 once the three word signals
-    # agreeing could make "high" (session 16); the target is 0.4
-    assert share >= 0.42, reports
+    # agreeing could make "high" (session 16), 0.49 once dense and reports
+    # agreeing could (session 20); the target is 0.4
+    assert share >= 0.46, reports
 
 
 def test_high_confidence_is_right_nine_times_in_ten_on_traffic_like_reports(reports):
@@ -66,7 +67,8 @@ def test_high_confidence_is_right_nine_times_in_ten_on_traffic_like_reports(repo
     assert len(fresh) >= 8, sorted(fresh)
     right, share = high_right_and_share(fresh)
     assert right >= 0.9, fresh
-    assert share >= 0.3, fresh  # measured 0.236, 0.325 since session 16; the target is 0.4
+    # measured 0.236, 0.325 since session 16, 0.389 since session 20; the target is 0.4
+    assert share >= 0.36, fresh
 
 
 def test_high_is_far_more_often_right_than_low_over_all_real_reports(reports):

@@ -154,21 +154,21 @@ def test_an_answered_follow_up_finds_the_cause_at_least_as_often(real_report_eva
     session 13 on 65: first turn 0.415 / 0.585; the reply ranked alone with the
     earlier question as context 0.354 / 0.585; merged with the earlier answer
     (pipeline.with_earlier_answer) 0.415 / 0.600. A reply must not lose what the
-    first report found, give or take a report or two: a single followup flips with any
+    first report found, give or take one report: a single followup flips with any
     change of the ranking (session 16, 84 reports: the reply weighing 0.25, 0.35,
     0.5 or 0.75 put the cause in the top three for 52, 51, 50 and 51, the first
-    turn for 51). Session 20: holdout31 joined the reports model and the first
-    turn gained one report (recall@3 0.600 -> 0.612) while the reply stayed at
-    0.588 (50 of 85); which followups flip moved by one each way (a report
-    lost, another gained), so two reports is the noise, not one."""
+    turn for 51). Session 20: a reply after a sure answer (which asks nothing)
+    is merged with it too when it brings no error of its own; with more answers
+    "high", replies ranked alone had fallen to 0.576 against the first turn's
+    0.612 (recall@3), merged they are at 0.600."""
     turns = [r["two_turns"] for r in real_report_evaluations.values() if "two_turns" in r]
     count = sum(t["queries"] for t in turns)
     assert count >= 65
-    two_reports = 2 / count
+    one_report = 1 / count
 
     def pooled(turn: str, metric: str) -> float:
         return sum(t[turn][metric] * t["queries"] for t in turns) / count
 
     for metric in ("top1", "recall3", "mrr"):  # (each set's figures are rounded to 4 places)
         second, first = pooled("second", metric), pooled("first", metric)
-        assert second >= first - two_reports - 0.001, (metric, turns)
+        assert second >= first - one_report - 0.001, (metric, turns)

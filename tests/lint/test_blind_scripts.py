@@ -15,7 +15,10 @@ on a correct script. Sets g and h (session 20: course, tutorial and
 competition code; scientific and industrial trainers) were measured one
 after the other: g at 67013e8, 10 of 16 found, 2 other findings, none on a
 correct script; h at 2fa532a, after what g taught, 7 of 16 found, 2 other
-findings, one on a correct script. What they taught was then
+findings, one on a correct script. Set i (session 20, after g's and h's
+lessons: 2024-2026 LLM, RLHF, audio and retrieval code) was measured once at
+c3468cb: 8 of 16 found, 1 other finding, none on a correct script. What they
+taught was then
 fixed in general words (data/eval/README.md, "Session 18", "Session 19");
 these floors keep it. Causes no static
 check can decide from one file (a checkpoint's saved keys, unused parameters,
@@ -32,8 +35,9 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-FOUND_FLOOR = 113  # of 128 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16)
-OTHER_FINDINGS_CEILING = 21  # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2
+# of 144 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16)
+FOUND_FLOOR = 122
+OTHER_FINDINGS_CEILING = 22  # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -51,8 +55,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 128
-    assert sum(label["cause"] is None for label in labels) == 32
+    assert sum(label["cause"] is not None for label in labels) == 144
+    assert sum(label["cause"] is None for label in labels) == 36
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

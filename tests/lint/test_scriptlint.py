@@ -537,3 +537,21 @@ def test_a_logger_only_a_dead_method_or_a_one_process_group_reaches_is_not_repor
     assert findings_of(called) == [("experiment-logger-ddp", 7)]
     one = called.replace('"gloo")', '"gloo", world_size=1, rank=0)')
     assert "experiment-logger-ddp" not in {cause for cause, _line in findings_of(one)}
+
+
+def test_a_dataclass_post_init_runs_where_the_config_is_built() -> None:
+    # the generated __init__ calls __post_init__: built before init_process_group,
+    # its get_world_size() has no group to ask
+    source = (
+        "import dataclasses\nimport torch.distributed as dist\n"
+        "@dataclasses.dataclass\nclass Config:\n    batch: int = 64\n"
+        "    def __post_init__(self):\n        self.per_rank = self.batch // dist.get_world_size()\n"
+        "def main():\n    cfg = Config()\n    dist.init_process_group('gloo')\n"
+        "if __name__ == '__main__':\n    main()\n"
+    )
+    assert findings_of(source) == [("process-group-not-initialized", 7)]
+    later = source.replace(
+        "    cfg = Config()\n    dist.init_process_group('gloo')\n",
+        "    dist.init_process_group('gloo')\n    cfg = Config()\n",
+    )
+    assert findings_of(later) == []
