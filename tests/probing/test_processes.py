@@ -93,11 +93,14 @@ def test_terminated_carries_the_shell_exit_code():
 
 
 # A command under signals_raise(): a launch started from a worker thread,
-# a tracked folder; the test signals it and checks what is left.
+# a tracked folder; the test signals it and checks what is left. SIGHUP is
+# set back to its default, as from a terminal: a runner started under nohup
+# leaves it ignored, and signals_raise() rightly keeps an ignored SIGHUP so.
 GUARDED = textwrap.dedent(
     """
-    import sys, threading, time
+    import signal, sys, threading, time
     from assistant.probing import processes
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     LAUNCHER = {launcher!r}
 
     def worker(folder_holder):

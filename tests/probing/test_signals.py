@@ -216,6 +216,7 @@ def test_a_termination_python_could_not_raise_prints_no_traceback():
 SWALLOWED_BY_C = """
 import os, signal, sys
 from assistant.probing import processes
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as from a terminal, as CLI does
 
 def extension_import():
     # what torch's C import did in CI with the Terminated a signal raised in it
