@@ -56,8 +56,8 @@ AGREEING_CLEAR_MARGIN = 0.5
 # (all real reports: 45% to 49%) while "high" stays right 0.91 (0.94). From
 # 0.1 they were right 0.75. Chosen on sets already measured: the next fresh
 # set is its check.
-WORDS_CLEAR_MARGIN = 0.15
-WORD_SIGNALS = ("dense", "reports")
+MEANING_CLEAR_MARGIN = 0.15
+MEANING_SIGNALS = ("dense", "reports")
 MAX_DECIDE = 3
 SEARCHED_CHARS = 200_000  # how much of a question is searched for evidence already given
 
@@ -289,7 +289,7 @@ def level_of(result: Result) -> str | None:
             return "medium"
         if first.signals.get("signature") == 1 and margin >= AGREEING_CLEAR_MARGIN:
             return "high"
-        return "high" if words_agree(first) and margin >= WORDS_CLEAR_MARGIN else "medium"
+        return "high" if meaning_agrees(first) and margin >= MEANING_CLEAR_MARGIN else "medium"
     return "low"
 
 
@@ -318,9 +318,9 @@ def signals_agree(cause: CauseResult) -> bool:
     return sum(1 for rank in cause.signals.values() if rank == 1) >= 2
 
 
-def words_agree(cause: CauseResult) -> bool:
+def meaning_agrees(cause: CauseResult) -> bool:
     """The word signals that read meaning (dense, the labelled reports) rank this cause first."""
-    return all(cause.signals.get(signal) == 1 for signal in WORD_SIGNALS)
+    return all(cause.signals.get(signal) == 1 for signal in MEANING_SIGNALS)
 
 
 def what_would_decide(result: Result, given: tuple[str, ...] = ()) -> list[str]:

@@ -114,6 +114,22 @@ REPLY_WEIGHT = 0.5
 REPLY_POOL = 50  # causes the reply is ranked over before the merge (the engine's most)
 
 
+def with_conversation(reply: Result, question: Question) -> Result:
+    """The reply's ranking with the conversation's answer it adds to, if any.
+
+    `earlier` (the answer asked for this reply) always; `previous` (a sure
+    answer) only when the reply shows no error of its own, else the reply is
+    a new failure and stands alone, cut to the `top` it asked for.
+    """
+    if question.earlier:
+        return with_earlier_answer(reply, question.earlier, question.top)
+    if question.previous and reply.root_error is None:
+        return with_earlier_answer(reply, question.previous, question.top)
+    if question.previous:
+        return replace(reply, causes=reply.causes[: question.top])
+    return reply
+
+
 def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int) -> Result:
     """The reply's ranking merged with the earlier answer's, cause by cause.
 
@@ -202,12 +218,7 @@ class Pipeline:
             raise
         if question.root_error is not None:
             ranked = replace(ranked, root_error=question.root_error)
-        if question.earlier:
-            ranked = with_earlier_answer(ranked, question.earlier, question.top)
-        elif question.previous and ranked.root_error is None:
-            ranked = with_earlier_answer(ranked, question.previous, question.top)
-        elif question.previous:
-            ranked = replace(ranked, causes=ranked.causes[: question.top])
+        ranked = with_conversation(ranked, question)
         ranked = self._with_finding_causes(ranked, question.findings)
         observer.causes(ranked)
         if self._probing(question):

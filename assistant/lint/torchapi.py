@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from assistant.lint.model import Script, keyword, short
+from assistant.lint.model import Script, is_int, keyword, short
 
 DIST = "torch.distributed"
 
@@ -120,6 +120,13 @@ def init_calls(script: Script) -> list[ast.Call]:
 def is_distributed(script: Script) -> bool:
     """The script starts a process group or wraps a model in DDP."""
     return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
+
+
+def one_process_group(script: Script) -> bool:
+    """Every init_process_group says world_size=1: one process, nothing to race."""
+    inits = init_calls(script)
+    sizes = [keyword(call, "world_size") for call in inits]
+    return bool(inits) and all(is_int(size) and size.value == 1 for size in sizes)
 
 
 def imported_callee(script: Script, call: ast.Call) -> str | None:

@@ -27,10 +27,10 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, without_turns
-from assistant.lint.model import Script, is_int, keyword, source_text
+from assistant.lint.model import Script, keyword, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
-from assistant.lint.torchapi import init_calls, is_distributed
+from assistant.lint.torchapi import is_distributed, one_process_group
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
@@ -84,13 +84,6 @@ def every_rank_saves(script: Script, call: TracedCall) -> bool:
         return False
     target = call.node.args[1] if len(call.node.args) > 1 else keyword(call.node, "f")
     return target is not None and shared_file(script, target)
-
-
-def one_process_group(script: Script) -> bool:
-    """Every init_process_group says world_size=1: one process, nothing to race."""
-    inits = init_calls(script)
-    sizes = [keyword(call, "world_size") for call in inits]
-    return bool(inits) and all(is_int(size) and size.value == 1 for size in sizes)
 
 
 @check("checkpoint-map-location")

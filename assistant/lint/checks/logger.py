@@ -24,11 +24,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.checks.checkpoint import one_process_group
 from assistant.lint.model import Script, keyword, short
 from assistant.lint.ranks import RANK_ZERO, is_rank_expr, rank_branch_sides, some_rank_runs
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed
+from assistant.lint.torchapi import is_distributed, one_process_group
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
