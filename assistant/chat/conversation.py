@@ -205,26 +205,30 @@ class Conversation:
         """The causes of the latest answer before `before` when it asked nothing
         (it was sure, so it had no "what would decide"); [] otherwise. A reply
         with no error of its own adds to that report (Question.previous)."""
-        asks = [t for t in self.turns[:before] if t.kind == "ask" and t.result is not None]
-        if not asks or self.asked_to_decide(before) is not None:
+        latest = self.latest_answered(before)
+        if latest is None or asks_to_decide(latest):
             return []
-        return list(asks[-1].result.causes)
+        return list(latest.result.causes)
 
     def last_answer_id(self, before: int | None = None) -> str | None:
         """The kept id of the latest answer before `before`: a follow-up replies to
         it, so `assistant ask --after` on the follow-up's id reads the whole chat."""
-        for turn in reversed(self.turns[:before]):
-            if turn.kind == "ask" and turn.result is not None:
-                return turn.result.answer_id or None
-        return None
+        latest = self.latest_answered(before)
+        if latest is None:
+            return None
+        return latest.result.answer_id or None
 
     def asked_to_decide(self, before: int | None = None) -> Turn | None:
         """The latest question before `before` if its answer asked what would decide."""
-        asks = [t for t in self.turns[:before] if t.kind == "ask" and t.result is not None]
-        if not asks:
-            return None
-        latest = asks[-1].result
-        return asks[-1] if latest.decide and latest.confidence != "high" else None
+        latest = self.latest_answered(before)
+        return latest if latest is not None and asks_to_decide(latest) else None
+
+    def latest_answered(self, before: int | None = None) -> Turn | None:
+        """The latest question before `before` that has an answer."""
+        for turn in reversed(self.turns[:before]):
+            if turn.kind == "ask" and turn.result is not None:
+                return turn
+        return None
 
     def findings(self) -> list[Finding]:
         """Script-lint findings, from the latest lint of each script."""
@@ -335,3 +339,8 @@ def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
 
 def _build(cls: type, data: dict[str, Any]):
     return cls(**_known(cls, data))
+
+
+def asks_to_decide(turn: Turn) -> bool:
+    """The turn's answer was unsure and said what would decide."""
+    return bool(turn.result.decide) and turn.result.confidence != "high"

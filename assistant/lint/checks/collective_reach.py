@@ -233,14 +233,11 @@ def check_collective_on_local_data(script: Script) -> Iterator[Finding]:
         agreed: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
-                agreed |= {
-                    name for a in [*node.args, *(k.value for k in node.keywords)]
-                    for name in names_in(a)
-                }  # fmt: skip
+                agreed |= argument_names(node)
                 continue
             if not isinstance(node, ast.If) or not reads_own_tensor(node.test):
                 continue
-            if names_in(node.test) & agreed or calls_collective(script, node.orelse):
+            if names_in(node.test) & agreed or first_collective(script, node.orelse):
                 continue
             collective = first_collective(script, node.body)
             if collective is None:
@@ -282,8 +279,9 @@ def first_collective(script: Script, block: list[ast.stmt]) -> ast.Call | None:
     return None
 
 
-def calls_collective(script: Script, block: list[ast.stmt]) -> bool:
-    return first_collective(script, block) is not None
+def argument_names(call: ast.Call) -> set[str]:
+    """The names a call is handed, positionally or by keyword."""
+    return {name for a in [*call.args, *(k.value for k in call.keywords)] for name in names_in(a)}
 
 
 class StepFacts:
@@ -353,8 +351,7 @@ class StepFacts:
         names: set[str] = set()
         for node in ast.walk(statement):
             if isinstance(node, ast.Call) and is_collective(self.script.name_of(node.func)):
-                for argument in [*node.args, *(k.value for k in node.keywords)]:
-                    names |= names_in(argument)
+                names |= argument_names(node)
         return frozenset(names)
 
 

@@ -127,54 +127,55 @@ def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterato
     for name, function in script.functions.items():
         if "." in name:
             continue  # methods are reached through objects: their calls are not read here
-        for parameter, position, default in fixed_gpu_parameters(function):
-            placing = next(
-                (
-                    node
-                    for node in ast.walk(function)
-                    if isinstance(node, ast.Call) and places_on(node, parameter)
-                ),
-                None,
+        for parameter, position, default, gpu in fixed_gpu_parameters(function):
+            placing = any(
+                isinstance(node, ast.Call) and places_on(node, parameter)
+                for node in ast.walk(function)
             )
-            if placing is None:
-                continue
-            bare = next(
-                (
-                    node
-                    for node, _called in script.call_names
-                    if isinstance(node.func, ast.Name)
-                    and node.func.id == name
-                    and id(node) not in rank_zero_only
-                    and (position is None or len(node.args) <= position)
-                    and keyword(node, parameter) is None
-                    and not any(isinstance(a, ast.Starred) for a in node.args)
-                    and not any(k.arg is None for k in node.keywords)
-                ),
-                None,
-            )
-            if bare is not None:
+            bare = placing and call_without(script, name, parameter, position, rank_zero_only)
+            if bare:
                 yield script.finding(
                     "hardcoded-device",
                     default,
-                    f'{name}()\'s {parameter} defaults to "{fixed_gpu_of(default).value}", and '
-                    f"line {bare.lineno} calls it without one: every rank's work goes to the "
-                    f"same GPU; pass the rank's device there (or default {parameter} to None "
-                    "and use the current device)",
+                    f'{name}()\'s {parameter} defaults to "{gpu.value}", and line {bare.lineno} '
+                    "calls it without one: every rank's work goes to the same GPU; pass the "
+                    f"rank's device there (or default {parameter} to None and use the current "
+                    "device)",
                 )
 
 
-def fixed_gpu_parameters(function: Function) -> Iterator[tuple[str, int | None, ast.expr]]:
-    """(name, position, default) of the parameters that default to a fixed GPU;
-    position None for a keyword-only one."""
+def fixed_gpu_parameters(
+    function: Function,
+) -> Iterator[tuple[str, int | None, ast.expr, ast.Constant]]:
+    """(name, position, default, the GPU it names) of the parameters that default
+    to a fixed GPU; position None for a keyword-only one."""
     arguments = function.args
     positional = arguments.posonlyargs + arguments.args
     offset = len(positional) - len(arguments.defaults)
     for index, default in enumerate(arguments.defaults):
-        if fixed_gpu_of(default):
-            yield positional[offset + index].arg, offset + index, default
+        if gpu := fixed_gpu_of(default):
+            yield positional[offset + index].arg, offset + index, default, gpu
     for parameter, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True):
-        if default is not None and fixed_gpu_of(default):
-            yield parameter.arg, None, default
+        if default is not None and (gpu := fixed_gpu_of(default)):
+            yield parameter.arg, None, default, gpu
+
+
+def call_without(
+    script: Script, name: str, parameter: str, position: int | None, rank_zero_only: set[int]
+) -> ast.Call | None:
+    """A call of the function `name` that every rank may run and that passes no
+    value for `parameter` (none at its position, no keyword, no `*` or `**`)."""
+    for node, _called in script.call_names:
+        if not (isinstance(node.func, ast.Name) and node.func.id == name):
+            continue
+        if id(node) in rank_zero_only or keyword(node, parameter) is not None:
+            continue
+        if position is not None and len(node.args) > position:
+            continue
+        unpacked = any(isinstance(a, ast.Starred) for a in node.args)
+        if not unpacked and not any(k.arg is None for k in node.keywords):
+            return node
+    return None
 
 
 def fixed_cuda_defaults(script: Script) -> dict[str, ast.Constant]:
