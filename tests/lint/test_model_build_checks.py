@@ -10,6 +10,8 @@ from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "layer_added_on_rank_zero_only.py"
 FIXED = SCRIPTS / "correct_layer_added_on_every_rank.py"
+TOKENS_BROKEN = SCRIPTS / "tokens_added_on_rank_zero_only.py"
+TOKENS_FIXED = SCRIPTS / "correct_tokens_added_on_every_rank.py"
 
 HEADER = """
 import os
@@ -31,6 +33,51 @@ def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
     )
 
 
+@pytest.mark.slow
+def test_tokens_added_on_rank_zero_only_fail_under_torchrun_and_the_twin_runs(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        TOKENS_BROKEN,
+        "appears not to match sizes of the same param in process 0",
+        TOKENS_FIXED,
+        "trained",
+    )
+
+
+def test_tokens_added_on_some_ranks_are_reported_where_they_are_added():
+    lines = reported_lines(
+        """
+        def tokenizer_for(rank, tokenizer):
+            if rank != 0:
+                return tokenizer
+            tokenizer.add_tokens(["<x>"])
+            return tokenizer
+
+        def main(tokenizer):
+            dist.init_process_group("nccl")
+            tokenizer = tokenizer_for(dist.get_rank(), tokenizer)
+            if dist.get_rank() == 0:
+                tokenizer.save_pretrained("out")
+        """
+    )
+    assert lines == [5]
+
+
+def test_tokens_added_on_every_rank_or_without_a_process_group_are_not():
+    lines = reported_lines(
+        """
+        def main(tokenizer, model, local_rank):
+            tokenizer.add_special_tokens({"pad_token": "<pad>"})
+            if local_rank == -1:
+                tokenizer.add_tokens(["<single>"])  # one process: nothing to disagree with
+            else:
+                dist.init_process_group("nccl")
+            model.resize_token_embeddings(len(tokenizer))
+        """
+    )
+    assert lines == []
+
+
 def test_a_resize_on_rank_zero_before_ddp_of_a_moved_model_is_reported():
     lines = reported_lines(
         """
@@ -43,7 +90,7 @@ def test_a_resize_on_rank_zero_before_ddp_of_a_moved_model_is_reported():
             model = DDP(model.to(rank), device_ids=[rank])
         """
     )
-    assert lines == [7]
+    assert lines == [6, 7]  # the vocabulary, then the embedding resized to it
 
 
 def test_a_layer_added_on_the_other_ranks_is_reported_too():

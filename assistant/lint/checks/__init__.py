@@ -46,6 +46,8 @@ lines it must report.
   wandb.log on every rank after an init on rank 0 only (experiment-logger-ddp);
 - zero: the engine's state_dict read under DeepSpeed ZeRO stage 3, outside
   GatheredParameters (zero3-partitioned-parameters);
+- fork: a Dataset's item reader or a collate_fn that moves data to the GPU
+  inside DataLoader workers forked after CUDA started (cuda-init-before-fork);
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters).
@@ -58,6 +60,7 @@ from assistant.lint.checks import (
     collective_reach,
     data,
     devices,
+    fork,
     gather_sizes,
     launch,
     logger,
@@ -79,6 +82,7 @@ __all__ = [
     "collective_reach",
     "data",
     "devices",
+    "fork",
     "gather_sizes",
     "launch",
     "logger",

@@ -467,12 +467,13 @@ def imported_factory(script: Script, value: ast.expr) -> bool:
 
 
 def is_move(expr: ast.expr) -> bool:
-    """`x.to(...)`, `x.cuda(...)`, or a constructor given device=..."""
+    """`x.to(...)`, `x.cuda(...)`, a constructor given device=..., or a Hugging Face
+    model placed by from_pretrained's device_map=..."""
     if not isinstance(expr, ast.Call):
         return False
     if isinstance(expr.func, ast.Attribute) and expr.func.attr in ("to", "cuda"):
         return True
-    return keyword(expr, "device") is not None
+    return keyword(expr, "device") is not None or keyword(expr, "device_map") is not None
 
 
 def moved_expressions(script: Script) -> set[str]:
@@ -489,3 +490,45 @@ def moved_expressions(script: Script) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             moved.update(source_text(t) for t in targets)
     return moved
+
+
+# --- Hugging Face device_map under one process per GPU --------------------------
+
+# device_map values that spread one model's layers over every visible GPU.
+SPREADING_MAPS = frozenset({"auto", "balanced", "balanced_low_0", "sequential"})
+
+
+@check("device-map-with-ddp")
+def check_device_map_with_data_parallel(script: Script) -> Iterator[Finding]:
+    """`from_pretrained(..., device_map="auto")` in a script that runs one process per GPU.
+
+    Each process then spreads its own copy over all the GPUs: Accelerate
+    refuses to train it, DDP rejects a module on several devices, or the
+    copies crowd onto the same cards. A map to the rank's own GPU
+    (`device_map={"": local_rank}`) is what data parallelism needs.
+    """
+    if not runs_a_process_per_gpu(script):
+        return
+    rank_zero_only = rank_zero_only_calls(script)
+    for node, _name in script.call_names:
+        spread = keyword(node, "device_map")
+        if id(node) in rank_zero_only or not (
+            isinstance(spread, ast.Constant) and spread.value in SPREADING_MAPS
+        ):
+            continue
+        yield script.finding(
+            "device-map-with-ddp",
+            spread,
+            f'device_map="{spread.value}" spreads the model over every visible GPU in each '
+            "of the processes this script runs (one per GPU): Accelerate refuses to train "
+            "it, DDP rejects a module on several devices, or the copies crowd onto the "
+            "same cards; load each process's copy onto its own GPU "
+            '(device_map={"": local_rank}) or leave device_map out',
+        )
+
+
+def runs_a_process_per_gpu(script: Script) -> bool:
+    """A process group or DDP, or a training loop under Accelerate's `Accelerator`
+    (launched one process per GPU; one process alone may spread a model to infer)."""
+    names = {short(name) for _node, name in script.call_names}
+    return is_distributed(script) or {"Accelerator", "backward"} <= names

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from assistant.lint.model import Script, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp
+from assistant.lint.torchapi import is_ddp, is_distributed
 from assistant.lint.tracer import TracedCall, once_per_call
 from assistant.results import Finding
 
@@ -141,6 +141,44 @@ def some_ranks_only(path: RankPath) -> bool:
 def who(path: RankPath) -> str:
     sides = {branch.side for branch in path}
     return "rank 0" if RANK_ZERO in sides else "every rank but 0"
+
+
+# Tokenizer methods that grow the vocabulary; a model resized to `len(tokenizer)` follows it.
+VOCABULARY_METHODS = frozenset({"add_tokens", "add_special_tokens"})
+
+
+@check("model-differs-across-ranks")
+def check_vocabulary_grown_on_some_ranks(script: Script) -> Iterator[Finding]:
+    """`if rank == 0: tok.add_special_tokens(...)`: the other ranks keep the old vocabulary.
+
+    They tokenise the same text into other ids, and an embedding table
+    resized to `len(tok)` afterwards has another size on rank 0, which DDP's
+    construction-time check rejects. Reported in any distributed script: the
+    tokenisation differs even where no resize follows.
+    """
+    if not is_distributed(script):
+        return
+    grown = (
+        call
+        for trace in script.traces
+        for call in trace
+        if some_ranks_only(call.rank_path) and grows_vocabulary(call.node)
+    )
+    for call in once_per_call(grown, lambda call: call):
+        tokenizer = source_text(call.node.func.value)  # type: ignore[attr-defined]
+        yield script.finding(
+            "model-differs-across-ranks",
+            call.node,
+            f"{tokenizer} gets new tokens on {who(call.rank_path)} only: the other ranks keep "
+            "the old vocabulary, tokenise the same text into other ids, and a model resized "
+            "to len(tokenizer) has another embedding size there, which DDP's check that every "
+            "rank holds the same parameters rejects; add the tokens on every rank (save them "
+            "on rank 0 only)",
+        )
+
+
+def grows_vocabulary(call: ast.Call) -> bool:
+    return isinstance(call.func, ast.Attribute) and call.func.attr in VOCABULARY_METHODS
 
 
 # --- sizes read from each rank's own shard -------------------------------------------

@@ -1,0 +1,179 @@
+"""Data-loading workers that touch CUDA after the main process has (cuda-init-before-fork).
+
+A DataLoader with `num_workers > 0` forks its workers on Linux. In a
+distributed script the main process has already initialised CUDA
+(set_device, NCCL, the model on the GPU), and CUDA cannot be initialised
+again in a forked child: the first worker that moves a tensor or a model to
+the GPU dies with "Cannot re-initialize CUDA in forked subprocess".
+
+Reported: a Dataset's `__getitem__` / `__getitems__` / `__iter__` (and the
+methods of its class it calls), or a `collate_fn`, that moves something to a
+CUDA device, read by a DataLoader given workers. Quiet where the script
+chose another start method (`multiprocessing_context=`, `set_start_method`),
+where the workers are a literal 0, and where the device is said to be the CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_distributed
+from assistant.results import Finding
+
+# What the workers run for a dataset: the item and batch readers, the stream.
+WORKER_METHODS = ("__getitem__", "__getitems__", "__iter__")
+# A device argument that names the GPU: `self.device`, `local_rank`, "cuda:0".
+GPU_DEVICE = re.compile(r"cuda|device|gpu|rank", re.IGNORECASE)
+# Methods followed from a worker method (self.encode -> self._codec -> ...).
+MAX_METHODS = 16
+
+
+@check("cuda-init-before-fork")
+def check_cuda_in_forked_workers(script: Script) -> Iterator[Finding]:
+    """`Dataset.__getitem__` calls `.to(self.device)` and `DataLoader(ds, num_workers=6)`."""
+    if not is_distributed(script) or chooses_start_method(script):
+        return
+    classes = {node.name: node for node in script.nodes if isinstance(node, ast.ClassDef)}
+    reported: set[int] = set()
+    for loader in forking_loaders(script):
+        for owner, functions in worker_code(script, classes, loader):
+            move = first_gpu_move(functions)
+            if move is None or id(move) in reported:
+                continue
+            reported.add(id(move))
+            yield script.finding(
+                "cuda-init-before-fork",
+                move,
+                f"{owner} moves data to the GPU ({shown_move(move)}) inside the DataLoader's "
+                f"workers (line {loader.lineno}), which are forked after this process "
+                "initialised CUDA: they fail with 'Cannot re-initialize CUDA in forked "
+                "subprocess'; return CPU tensors and move the batch in the training loop, "
+                "or pass multiprocessing_context='spawn'",
+            )
+
+
+def chooses_start_method(script: Script) -> bool:
+    return any(short(name) == "set_start_method" for _node, name in script.call_names)
+
+
+def forking_loaders(script: Script) -> Iterator[ast.Call]:
+    """DataLoaders given workers and no start method of their own."""
+    for node, name in script.call_names:
+        if short(name) != "DataLoader":
+            continue
+        workers = keyword(node, "num_workers")
+        if workers is None or is_zero(workers) or keyword(node, "multiprocessing_context"):
+            continue
+        yield node
+
+
+def is_zero(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Constant) and expr.value == 0
+
+
+def worker_code(
+    script: Script, classes: dict[str, ast.ClassDef], loader: ast.Call
+) -> Iterator[tuple[str, list[Function]]]:
+    """(what it is, the functions it runs in the workers) for the loader's dataset and collate_fn."""
+    dataset = loader.args[0] if loader.args else keyword(loader, "dataset")
+    if dataset is not None:
+        for name in built_classes(script, dataset):
+            if name in classes and not said_cpu(script, dataset):
+                methods = [
+                    f"{name}.{m}" for m in WORKER_METHODS if f"{name}.{m}" in script.functions
+                ]
+                yield (
+                    f"{name}.{methods[0].split('.')[1]}" if methods else name,
+                    reached(script, name, methods),
+                )
+    collate = keyword(loader, "collate_fn")
+    if collate is None:
+        return
+    for name in built_classes(script, collate):
+        if f"{name}.__call__" in script.functions:
+            yield f"{name}.__call__", reached(script, name, [f"{name}.__call__"])
+    if isinstance(collate, ast.Name) and collate.id in script.functions:
+        yield collate.id, [script.functions[collate.id]]
+
+
+def built_classes(script: Script, expr: ast.expr) -> list[str]:
+    """Class names `expr` is an instance of: `Clips(...)` or a name assigned one."""
+    values = [expr]
+    if isinstance(expr, (ast.Name, ast.Attribute)):
+        values = script.assigned_values.get(source_text(expr), [])
+    return [
+        value.func.id
+        for value in values
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+    ]
+
+
+def said_cpu(script: Script, dataset: ast.expr) -> bool:
+    """The dataset is built with the CPU as its device: `Clips(files, device="cpu")`."""
+    values = [dataset, *script.assigned_values.get(source_text(dataset), [])]
+    return any(
+        isinstance(node, ast.Constant) and node.value == "cpu"
+        for value in values
+        if isinstance(value, ast.Call)
+        for node in ast.walk(value)
+    )
+
+
+def reached(script: Script, class_name: str, start: list[str]) -> list[Function]:
+    """The functions `start` names and the methods of the class they call through `self.`."""
+    seen: list[str] = []
+    pending = list(start)
+    while pending and len(seen) < MAX_METHODS:
+        qualified = pending.pop()
+        if qualified in seen or qualified not in script.functions:
+            continue
+        seen.append(qualified)
+        for node in ast.walk(script.functions[qualified]):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self"
+            ):
+                pending.append(f"{class_name}.{node.func.attr}")
+    return [script.functions[name] for name in seen]
+
+
+def first_gpu_move(functions: list[Function]) -> ast.Call | None:
+    """The first `x.cuda()`, `x.to(<a GPU device>)` or factory given a GPU `device=`."""
+    moves = [
+        node
+        for function in functions
+        for node in ast.walk(function)
+        if isinstance(node, ast.Call) and moves_to_gpu(node)
+    ]
+    return min(moves, key=lambda node: (node.lineno, node.col_offset), default=None)
+
+
+def moves_to_gpu(call: ast.Call) -> bool:
+    func = call.func
+    if isinstance(func, ast.Attribute) and func.attr == "cuda":
+        return True
+    device = keyword(call, "device")
+    if device is None and isinstance(func, ast.Attribute) and func.attr == "to" and call.args:
+        device = call.args[0]
+    return device is not None and names_a_gpu(device)
+
+
+def shown_move(call: ast.Call) -> str:
+    """`.cuda()`, `.to(self.device)`, `device=local_rank`: the move without what is moved."""
+    device = keyword(call, "device")
+    if device is not None:
+        return f"device={source_text(device)}"
+    func = call.func
+    assert isinstance(func, ast.Attribute)  # moves_to_gpu: `.cuda()` or `.to(...)`
+    return f".{func.attr}({', '.join(source_text(a) for a in call.args)})"
+
+
+def names_a_gpu(device: ast.expr) -> bool:
+    text = source_text(device)
+    return bool(GPU_DEVICE.search(text)) and "cpu" not in text.lower()
