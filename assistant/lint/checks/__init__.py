@@ -31,6 +31,8 @@ lines it must report.
 - gather_sizes: all_gather of a tensor whose row count the rank's data
   decides (detections, a mask's selection) into buffers shaped like the
   local one (collective-mismatch);
+- metrics: an evaluation loop over each rank's share of the data whose
+  totals are shown or compared without a collective (metrics-not-reduced);
 - model_build: layers added or resized on some ranks only before DDP wraps
   the model, or sized from data each rank reads for itself
   (model-differs-across-ranks);
@@ -64,6 +66,7 @@ from assistant.lint.checks import (
     gather_sizes,
     launch,
     logger,
+    metrics,
     model_build,
     process_group,
     rank_dependent,
@@ -86,6 +89,7 @@ __all__ = [
     "gather_sizes",
     "launch",
     "logger",
+    "metrics",
     "model_build",
     "process_group",
     "rank_dependent",

@@ -1,0 +1,322 @@
+"""An evaluation over each rank's share of the data that is never combined (metrics-not-reduced).
+
+With a DistributedSampler (or a loader Accelerate prepared) each rank reads
+1/N of the validation set. An accuracy or loss summed over that loop and then
+printed, logged or compared with the best so far describes rank 0's quarter:
+every rank has another number, the best checkpoint is chosen on a part, and
+the figure matches no single-GPU evaluation. Nothing fails.
+
+Reported: a loop over such a loader that trains nothing (no `backward`),
+accumulates (`+=`, `.append`, `.extend`, an `evaluate` metric's `add_batch`),
+and whose totals, followed through the assignments after the loop and, for an
+evaluation function, through what its callers assign from it, reach a print,
+a log or an `if` without passing through a collective (torch.distributed's,
+Accelerate's `gather_for_metrics` / `reduce`, or an imported helper named
+like one). torchmetrics' `update` is left alone: those metrics sync at
+`compute()`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_collective, is_distributed
+from assistant.results import Finding
+
+# Methods that add a batch's result to a running total or list.
+ACCUMULATORS = frozenset({"append", "extend", "add_batch"})
+# Where a metric is shown or acted on.
+REPORTERS = frozenset(
+    {"print", "log", "add_scalar", "add_scalars", "info", "log_metrics", "log_dict", "write"}
+)
+# An imported helper that combines the ranks' values: `utils.reduce_tensor(x)`, `all_gather(x)`.
+COMBINING_HELPER = re.compile(r"reduce|gather|sync|all_", re.IGNORECASE)
+# Collectives that combine nothing: waiting is not reducing.
+WAITS = frozenset({"barrier", "monitored_barrier", "wait_for_everyone"})
+# Assignments followed from a total to what is shown: `acc = correct / total`,
+# `t = torch.tensor([acc])`, `metrics = metric.compute()`.
+DERIVATION_STEPS = 3
+
+
+@check("metrics-not-reduced")
+def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
+    """`for batch in val_loader: correct += ...` then `print(correct / total)`, no all_reduce."""
+    if not is_distributed(script) and not uses_accelerate(script):
+        return
+    owners = owning_functions(script)
+    sharded = sharded_loaders(script, owners)
+    if not sharded:
+        return
+    for loop in evaluation_loops(script, sharded, owners):
+        shown = loop.shown_unreduced(script, owners)
+        if shown is None:
+            continue
+        yield script.finding(
+            "metrics-not-reduced",
+            loop.node,
+            f"this loop over {loop.loader}, which gives each rank its own share, adds up "
+            f"{', '.join(sorted(loop.totals))} and line {shown.lineno} shows or compares the result "
+            "without combining the ranks: each rank reports its own part of the data; "
+            "all_reduce the sums and counts (or gather the predictions, "
+            "accelerator.gather_for_metrics) before computing the metric",
+        )
+
+
+def uses_accelerate(script: Script) -> bool:
+    return any(short(name) == "Accelerator" for _node, name in script.call_names)
+
+
+def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | None, str]]:
+    """(function, name) of loaders that split the data by rank: given a
+    DistributedSampler, or returned by `accelerator.prepare(...)`. A name is
+    read in the function that assigns it: `loader` in main is not the
+    `loader` parameter of a helper."""
+    samplers = {
+        (owners.get(id(node)), source_text(target))
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and is_distributed_sampler(script, node.value)
+        for target in node.targets
+    }
+    found: set[tuple[str | None, str]] = set()
+    for node in script.nodes:
+        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+            continue
+        call, owner = node.value, owners.get(id(node))
+        if short(script.name_of(call.func)) == "DataLoader":
+            sampler = keyword(call, "sampler")
+            if sampler is not None and (
+                is_distributed_sampler(script, sampler) or (owner, source_text(sampler)) in samplers
+            ):
+                found.update((owner, source_text(t)) for t in node.targets)
+        elif isinstance(call.func, ast.Attribute) and call.func.attr == "prepare":
+            for target in node.targets:
+                elements = target.elts if isinstance(target, ast.Tuple) else [target]
+                found.update((owner, source_text(e)) for e in elements)
+    return found | sharded_parameters(script, found, owners)
+
+
+def is_distributed_sampler(script: Script, value: ast.expr) -> bool:
+    return isinstance(value, ast.Call) and short(script.name_of(value.func)) == (
+        "DistributedSampler"
+    )
+
+
+def owning_functions(script: Script) -> dict[int, str]:
+    """id of each node -> the qualified name of the file function it is written in."""
+    owner: dict[int, str] = {}
+    for name, function in script.functions.items():
+        for node in ast.walk(function):
+            owner.setdefault(id(node), name)  # nested functions: the outer one walks first
+    return owner
+
+
+@dataclass
+class EvaluationLoop:
+    """A loop over a sharded loader that adds up results and trains nothing."""
+
+    node: ast.For
+    loader: str
+    totals: set[str]  # the names the loop accumulates into
+    function: str | None  # the file function it is written in
+
+    def shown_unreduced(self, script: Script, owners: dict[int, str]) -> ast.AST | None:
+        """Where the totals (or what is computed from them) are shown or compared
+        with no collective on them first; None when they are combined or never shown."""
+        scope: ast.AST = script.functions[self.function] if self.function else script.tree
+        after = walk_after(scope, self.node.end_lineno or self.node.lineno)
+        derived = derive([*ast.walk(self.node), *after], set(self.totals))
+        if combined(script, after, derived):
+            return None
+        shown = first_shown(after, derived)
+        if shown is not None or self.function is None:
+            return shown
+        if not returns_any(script.functions[self.function], derived):
+            return None
+        return shown_by_callers(script, self.function, owners)
+
+
+def evaluation_loops(
+    script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
+) -> Iterator[EvaluationLoop]:
+    for node in script.nodes:
+        if not isinstance(node, ast.For):
+            continue
+        loader = iterated_name(node.iter)
+        function = owners.get(id(node))
+        if loader is None:
+            continue
+        if (function, loader) not in sharded:
+            continue
+        if trains(node) or any(collective_call(script, n) for n in ast.walk(node)):
+            continue
+        totals = accumulated_names(node)
+        if totals:
+            yield EvaluationLoop(node, loader, totals, function)
+
+
+def sharded_parameters(
+    script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
+) -> set[tuple[str | None, str]]:
+    """(function, parameter) pairs that receive a sharded loader at some call of the
+    file, followed from caller to callee a few calls deep."""
+    found = set(sharded)
+    for _ in range(DERIVATION_STEPS):
+        for node, name in script.call_names:
+            function = script.functions.get(name)
+            if function is None:
+                continue
+            caller = owners.get(id(node))
+            parameters = [a.arg for a in function.args.args]
+            for position, argument in enumerate(node.args):
+                if (caller, source_text(argument)) in found and position < len(parameters):
+                    found.add((name, parameters[position]))
+            for given in node.keywords:
+                if given.arg and (caller, source_text(given.value)) in found:
+                    found.add((name, given.arg))
+    return found - sharded
+
+
+def iterated_name(expr: ast.expr) -> str | None:
+    """`loader` in `for b in loader`, `enumerate(loader)`, `tqdm(loader, ...)`."""
+    while isinstance(expr, ast.Call) and expr.args:
+        expr = expr.args[0]
+    return source_text(expr) if isinstance(expr, (ast.Name, ast.Attribute)) else None
+
+
+def trains(loop: ast.For) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        for n in ast.walk(loop)
+    )
+
+
+def accumulated_names(loop: ast.For) -> set[str]:
+    totals: set[str] = set()
+    for node in ast.walk(loop):
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Name, ast.Attribute)):
+            totals.add(source_text(node.target))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ACCUMULATORS
+            and isinstance(node.func.value, ast.Name)
+        ):
+            totals.add(node.func.value.id)
+    return totals
+
+
+def walk_after(scope: ast.AST, line: int) -> list[ast.AST]:
+    """The nodes of `scope` that start after `line`, in source order."""
+    later = [n for n in ast.walk(scope) if getattr(n, "lineno", 0) > line]
+    return sorted(later, key=lambda n: (n.lineno, n.col_offset))  # type: ignore[attr-defined]
+
+
+def names_in(node: ast.AST) -> set[str]:
+    found = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    found |= {source_text(n) for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    return found
+
+
+def derive(nodes: list[ast.AST], totals: set[str]) -> set[str]:
+    """The totals and the names assigned from them, a few steps on: `acc = correct / n`,
+    `results[key] = dets` (the container), `for t in (correct, n):` (the loop variable)."""
+    derived = set(totals)
+    for _ in range(DERIVATION_STEPS):
+        for node in nodes:
+            if isinstance(node, ast.Assign) and names_in(node.value) & derived:
+                for target in node.targets:
+                    derived |= assigned_names(target)
+            elif isinstance(node, ast.For) and names_in(node.iter) & derived:
+                derived |= assigned_names(node.target)
+    return derived
+
+
+def assigned_names(target: ast.expr) -> set[str]:
+    """`a, b` -> {a, b}; `results[key]` -> {results}; `self.best` -> {self.best}."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(assigned_names(e) for e in target.elts))
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    return {source_text(target)}
+
+
+def combined(script: Script, after: list[ast.AST], derived: set[str]) -> bool:
+    """A collective after the loop is handed one of the derived values."""
+    return any(
+        isinstance(node, ast.Call)
+        and collective_call(script, node)
+        and any(names_in(argument) & derived for argument in all_arguments(node))
+        for node in after
+    )
+
+
+def all_arguments(call: ast.Call) -> list[ast.expr]:
+    return [*call.args, *(k.value for k in call.keywords)]
+
+
+def collective_call(script: Script, node: ast.AST) -> bool:
+    """A call that combines the ranks' values: a collective (not a wait), or an
+    imported or method helper named like one (`reduce_tensor`, `gather_for_metrics`)."""
+    if not isinstance(node, ast.Call):
+        return False
+    name = script.name_of(node.func)
+    method = node.func.attr if isinstance(node.func, ast.Attribute) else short(name)
+    if method in WAITS:
+        return False
+    return is_collective(name) or bool(COMBINING_HELPER.search(method or ""))
+
+
+def first_shown(after: list[ast.AST], derived: set[str]) -> ast.AST | None:
+    """The first print / log / `if` that reads a derived value."""
+    for node in after:
+        if isinstance(node, ast.If) and names_in(node.test) & derived:
+            return node
+        if (
+            isinstance(node, ast.Call)
+            and shows(node)
+            and any(names_in(argument) & derived for argument in all_arguments(node))
+        ):
+            return node
+    return None
+
+
+def shows(call: ast.Call) -> bool:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    return name in REPORTERS
+
+
+def returns_any(function: Function, derived: set[str]) -> bool:
+    return any(
+        isinstance(n, ast.Return) and n.value is not None and names_in(n.value) & derived
+        for n in ast.walk(function)
+    )
+
+
+def shown_by_callers(script: Script, function: str, owners: dict[int, str]) -> ast.AST | None:
+    """Where a caller shows what `function` returned, unreduced."""
+    for node, name in script.call_names:
+        if name != function:
+            continue
+        assigned = next(
+            (a for a in script.nodes if isinstance(a, ast.Assign) and a.value is node),
+            None,
+        )
+        if assigned is None:
+            continue
+        received = set().union(*(names_in(t) for t in assigned.targets))
+        caller = owners.get(id(node))
+        scope: ast.AST = script.functions[caller] if caller else script.tree
+        after = walk_after(scope, assigned.end_lineno or assigned.lineno)
+        derived = derive(after, received)
+        if combined(script, after, derived):
+            continue
+        shown = first_shown(after, derived)
+        if shown is not None:
+            return shown
+    return None

@@ -1,0 +1,108 @@
+"""metrics-not-reduced: an evaluation over each rank's share whose totals are shown
+or compared without combining the ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "validation_accuracy_of_one_share.py"
+FIXED = SCRIPTS / "correct_validation_counts_all_reduced.py"
+
+HEADER = """
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from accelerate import Accelerator
+"""
+
+
+def reported_lines(body: str) -> list[int]:
+    return [line for line, _ in lint_snippet(HEADER, body, ["metrics-not-reduced"])]
+
+
+@pytest.mark.slow
+def test_each_rank_prints_its_own_share_and_the_twin_prints_the_whole(torchrun):
+    broken = torchrun(BROKEN)
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert sorted(broken.stdout.split("\n")[:2]) == ["val acc 0.000", "val acc 0.750"]
+    fixed = torchrun(FIXED)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("val acc 0.375") == 2
+
+
+def test_an_inline_loop_and_a_metric_fed_batch_by_batch_are_reported():
+    lines = reported_lines(
+        """
+        dist.init_process_group("nccl")
+        val = DataLoader(data, sampler=DistributedSampler(data))
+        correct = 0
+        for x, y in val:
+            correct += (model(x).argmax(-1) == y).sum().item()
+        if dist.get_rank() == 0:
+            print("acc", correct / len(data))
+        accelerator = Accelerator()
+        model, loader = accelerator.prepare(model, loader)
+        for batch in loader:
+            metric.add_batch(predictions=model(**batch).logits.argmax(-1), references=batch["y"])
+        scores = metric.compute()
+        if scores["f1"] > best:
+            best = scores["f1"]
+        """
+    )
+    assert lines == [5, 11]
+
+
+def test_totals_reduced_gathered_or_training_loops_are_not():
+    lines = reported_lines(
+        """
+        dist.init_process_group("nccl")
+        sampler = DistributedSampler(data)
+        val = DataLoader(data, sampler=sampler)
+        loss_sum, n = 0.0, 0
+        for x, y in val:
+            loss_sum += model(x, y).item()
+            n += 1
+        t = torch.tensor([loss_sum, n])
+        dist.all_reduce(t)
+        print("loss", t[0] / t[1])
+        preds = []
+        for x, y in val:
+            preds.append(model(x))
+        gathered = utils.all_gather_list(preds)
+        print(len(gathered))
+        for x, y in val:
+            loss = model(x, y)
+            loss.backward()
+            running += loss.item()
+        print(running)
+        for x, y in val:
+            torchmetric.update(model(x), y)
+        print(torchmetric.compute())
+        """
+    )
+    assert lines == []
+
+
+def test_a_loader_of_the_same_name_in_another_function_is_not_the_sharded_one():
+    lines = reported_lines(
+        """
+        def evaluate(loader):
+            hits = 0
+            for x, y in loader:
+                hits += (model(x) == y).sum().item()
+            return hits
+
+        def main():
+            dist.init_process_group("nccl")
+            loader = DataLoader(data, sampler=DistributedSampler(data))
+            full = DataLoader(data)
+            if dist.get_rank() == 0:
+                print(evaluate(full))
+        """
+    )
+    assert lines == []
