@@ -36,7 +36,7 @@ from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # of 144 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16)
-FOUND_FLOOR = 127
+FOUND_FLOOR = 128
 OTHER_FINDINGS_CEILING = 22  # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1
 
 

@@ -8,10 +8,12 @@ gradient, and DDP built without find_unused_parameters=True fails at the next
 step: "Expected to have finished reduction in the prior iteration before
 starting a new one ... parameters that were not used in producing loss".
 
-Two more ways a step leaves submodules out: a forward that runs one member
+Three more ways a step leaves submodules out: a forward that runs one member
 of a ModuleDict / ModuleList picked by an input (`self.heads[task](x)`, one
-task head per step), and a submodule under a flag of the model that the
-script switches during training (`model.module.use_aux = epoch < warmup`).
+task head per step), a submodule under a flag of the model that the script
+switches during training (`model.module.use_aux = epoch < warmup`), and a
+branch drawn at random in the model or the blocks it builds (a dropped
+style encoder, LayerDrop, stochastic depth that skips a block).
 
 Only what the file shows is judged: the model's class and its forward, the
 DDP call (quiet with find_unused_parameters=True or static_graph=True), and a
@@ -238,6 +240,17 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
                     f"one `{chooser}` picks: the others get no gradient that step; {why}, or "
                     "run every member each step",
                 )
+            for test in random_branches(classes, name):
+                if id(test) in reported:
+                    continue
+                reported.add(id(test))
+                yield script.finding(
+                    "unused-parameters",
+                    test,
+                    "this `if` draws a random number to decide which submodules run (a "
+                    "dropped branch, LayerDrop, stochastic depth): on the steps it skips one, "
+                    f"that submodule's parameters get no gradient; {why}",
+                )
             for flag, test_line, assignment in switched_flags(script, classes[name], names):
                 yield script.finding(
                     "unused-parameters",
@@ -246,6 +259,65 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
                     f"only when it holds (the `if` on line {test_line}): from then on its "
                     f"parameters get no gradient; {why}",
                 )
+
+
+# Calls that draw a random number: `random.random()`, `np.random.rand()`, `torch.rand(1)`.
+RANDOM_DRAWS = frozenset(
+    {"random", "uniform", "randint", "rand", "randn", "rand_like", "bernoulli", "choice"}
+)
+# How many model classes are followed into from the wrapped one (blocks, their layers).
+MAX_CLASSES = 32
+
+
+def random_branches(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[ast.If]:
+    """`if random.random() < p:` in the methods of the wrapped model, or of the
+    model classes it builds, where a branch (or the rest of the method, after a
+    `return` in the branch) calls a submodule."""
+    for cls in built_classes(classes, wrapped):
+        for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
+            for block in statement_lists(method):
+                for position, statement in enumerate(block):
+                    if isinstance(statement, ast.If) and draws_random(statement.test):
+                        skipped = [*statement.body, *statement.orelse]
+                        if ends_with_return(statement.body):
+                            skipped += block[position + 1 :]
+                        if any(self_call(n) for s in skipped for n in ast.walk(s)):
+                            yield statement
+
+
+def built_classes(classes: dict[str, ast.ClassDef], wrapped: str) -> list[ast.ClassDef]:
+    """The wrapped model's class and the file's model classes its methods build, transitively."""
+    found = [wrapped]
+    for name in found:
+        if len(found) >= MAX_CLASSES:
+            break
+        for node in ast.walk(classes[name]):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in classes
+                and node.func.id not in found
+            ):
+                found.append(node.func.id)
+    return [classes[name] for name in found]
+
+
+def statement_lists(function: ast.FunctionDef) -> Iterator[list[ast.stmt]]:
+    for node in ast.walk(function):
+        for field in ("body", "orelse"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def draws_random(test: ast.expr) -> bool:
+    return any(
+        isinstance(node, ast.Call) and called_name(node) in RANDOM_DRAWS for node in ast.walk(test)
+    )
+
+
+def ends_with_return(body: list[ast.stmt]) -> bool:
+    return bool(body) and isinstance(body[-1], ast.Return)
 
 
 def forward_of(cls: ast.ClassDef) -> ast.FunctionDef:
