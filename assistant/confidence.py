@@ -56,8 +56,16 @@ AGREEING_CLEAR_MARGIN = 0.5
 # (all real reports: 45% to 49%) while "high" stays right 0.91 (0.94). From
 # 0.1 they were right 0.75. Chosen on sets already measured: the next fresh
 # set is its check.
+# Session 21: holdout32, that check, measured once: this rule's "high" answers
+# were right 12 times in 14, and "high" as a whole 34 in 42 (0.81). Over the
+# traffic-like sets with holdout32 in, "high" fell to 0.8998. Where the labelled
+# reports' own model also leads clearly (its score for the first cause at
+# least 0.25 above the next cause's), this rule's answers were right 105 in
+# 122; under that lead, 33 in 43. Requiring the lead keeps "high" right 0.915
+# there at a share of 37% (from 40%). Also chosen on measured sets.
 MEANING_CLEAR_MARGIN = 0.15
 MEANING_SIGNALS = ("dense", "reports")
+REPORTS_CLEAR_LEAD = 0.25
 MAX_DECIDE = 3
 SEARCHED_CHARS = 200_000  # how much of a question is searched for evidence already given
 
@@ -319,8 +327,12 @@ def signals_agree(cause: CauseResult) -> bool:
 
 
 def meaning_agrees(cause: CauseResult) -> bool:
-    """The word signals that read meaning (dense, the labelled reports) rank this cause first."""
-    return all(cause.signals.get(signal) == 1 for signal in MEANING_SIGNALS)
+    """The word signals that read meaning (dense, the labelled reports) rank this cause
+    first, and the reports' model by a clear lead."""
+    return (
+        all(cause.signals.get(signal) == 1 for signal in MEANING_SIGNALS)
+        and cause.leads.get("reports", 0.0) >= REPORTS_CLEAR_LEAD
+    )
 
 
 def what_would_decide(result: Result, given: tuple[str, ...] = ()) -> list[str]:

@@ -233,6 +233,8 @@ class CauseResult:
     answers: list[AnswerRef] = field(default_factory=list)
     signals: dict[str, int] = field(default_factory=dict)  # signal name -> rank (1-based)
     root_hit: bool = False  # a KB signature matched the root error itself (retrieve.RankedCause)
+    # signal name -> how far ahead of the next cause, where this one is first (retrieve.RankedCause)
+    leads: dict[str, float] = field(default_factory=dict)
     # A fresh Verdict each: a shared default would let one cause's evidence leak into all.
     verdict: Verdict = field(default_factory=lambda: Verdict("not_run"))
 

@@ -163,10 +163,29 @@ def test_a_hang_with_its_traceback_is_not_sent_to_run_first():
     ],
 )
 def test_levels_rest_on_agreement_and_lead(lead, signals, root_hit, level):
+    # The reports' model leads clearly wherever it ranks the first cause first.
+    leads = {"reports": 0.5} if signals.get("reports") == 1 else {}
     first = CauseResult(
-        id="p2p-hang", title="p2p-hang", score=0.6, signals=signals, root_hit=root_hit
+        id="p2p-hang", title="p2p-hang", score=0.6, signals=signals, root_hit=root_hit, leads=leads
     )
     second = CauseResult(id="collective-timeout", title="collective-timeout", score=0.6 - lead)
+    result = Result(query="training hangs", root_error=None, causes=[first, second], lang="en")
+    assert assess(result).confidence == level
+
+
+@pytest.mark.parametrize(
+    ("reports_lead", "level"),
+    [(0.5, "high"), (0.25, "high"), (0.2, "medium"), (0.0, "medium")],
+)
+def test_meaning_agreeing_needs_the_reports_model_to_lead_clearly(reports_lead, level):
+    first = CauseResult(
+        id="p2p-hang",
+        title="p2p-hang",
+        score=0.6,
+        signals={"lexical": 3, "dense": 1, "reports": 1},
+        leads={"reports": reports_lead},
+    )
+    second = CauseResult(id="collective-timeout", title="collective-timeout", score=0.4)
     result = Result(query="training hangs", root_error=None, causes=[first, second], lang="en")
     assert assess(result).confidence == level
 

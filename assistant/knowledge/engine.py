@@ -233,7 +233,7 @@ class Engine:
         result = CauseResult.from_kb(
             data, ranked.score, self._answers_for(ranked.id, lang, query), ranked.ranks
         )
-        return replace(result, root_hit=ranked.root_hit)
+        return replace(result, root_hit=ranked.root_hit, leads=dict(ranked.leads))
 
     def signatures(self) -> dict[str, list[str]]:
         """Every cause's error signatures (regex sources), as the KB gives them."""

@@ -99,6 +99,9 @@ class RankedCause:
     # An exact KB signature matched the root error itself, not only a line of
     # the body: the evidence confidence may call "the error says so".
     root_hit: bool = False
+    # Per signal that ranks it first: how far its score is ahead of the next
+    # cause's there (how clear that signal is, for confidence).
+    leads: dict[str, float] = field(default_factory=dict)
 
 
 class Retriever:
@@ -404,6 +407,9 @@ def fuse(per_signal: dict[str, dict[str, float]]) -> list[RankedCause]:
             entry.ranks[signal] = rank
             entry.score += SIGNAL_WEIGHTS[signal] / (RRF_K + soft[cid])
             entry.root_hit |= signal == "signature" and scores[cid] >= ROOT_HIT
+        if ordered:
+            best, runner_up = ordered[0][1], ordered[1][1] if len(ordered) > 1 else 0.0
+            fused[ordered[0][0]].leads[signal] = best - runner_up
     best_possible = sum(SIGNAL_WEIGHTS[s] / (RRF_K + 1) for s in per_signal) or 1.0
     all_weights = sum(SIGNAL_WEIGHTS[s] for s in per_signal) or 1.0
     closeness = closeness_to_best(per_signal)

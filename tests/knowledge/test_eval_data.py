@@ -147,6 +147,21 @@ THREAD_SITES = (
     "https://jishuzhan.net/",
     "https://www.jjblogs.com/",
     "https://www.greatytc.com/",
+    # holdout32: forum threads, personal blogs and Q&A rewrites, and mirrors of
+    # GitHub issues and of Chinese write-ups
+    "https://discuss.pytorch.org/",
+    "https://openillumi.com/",
+    "https://www.thomaskalnik.com/",
+    "https://git.zijie-tian.site/",
+    "https://vuink.com/",
+    "https://haoxiangsnr.github.io/",
+    "https://pytroubles.com/",
+    "https://fast.hugflare.com/",
+    "https://hf.898520.xyz/",
+    "https://github.noahele.workers.dev/",
+    "https://kd.iw.mk/",
+    "https://github.dosbat.com/",
+    "https://2.zoppoz.workers.dev/",
 )
 
 

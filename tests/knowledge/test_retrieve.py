@@ -17,6 +17,9 @@ def test_fusion_scales_scores_and_orders_by_reciprocal_rank():
     assert [r.id for r in ranked] == ["a", "b"]
     assert ranked[0].ranks == {"signature": 1, "lexical": 2, "dense": 1}
     assert 0 < ranked[1].score < ranked[0].score <= 1
+    # each signal's first cause carries how far it leads there (confidence reads it)
+    assert ranked[0].leads == {"signature": 3.0, "dense": pytest.approx(0.8)}
+    assert ranked[1].leads == {"lexical": 8.0}
 
 
 def test_near_ties_share_a_rank_and_distant_scores_keep_theirs():
