@@ -66,6 +66,11 @@ class Script:
         return [(node, self.name_of(node.func)) for node in found]
 
     @cached_property
+    def called_short_names(self) -> frozenset[str]:
+        """The last name of everything the file calls ("Accelerator", "set_start_method")."""
+        return frozenset(short(name) for _node, name in self.call_names)
+
+    @cached_property
     def string_constants(self) -> frozenset[str]:
         """Every string literal in the file ("LOCAL_RANK", "cuda:0", ...)."""
         return frozenset(

@@ -530,5 +530,4 @@ def check_device_map_with_data_parallel(script: Script) -> Iterator[Finding]:
 def runs_a_process_per_gpu(script: Script) -> bool:
     """A process group or DDP, or a training loop under Accelerate's `Accelerator`
     (launched one process per GPU; one process alone may spread a model to infer)."""
-    names = {short(name) for _node, name in script.call_names}
-    return is_distributed(script) or {"Accelerator", "backward"} <= names
+    return is_distributed(script) or {"Accelerator", "backward"} <= script.called_short_names

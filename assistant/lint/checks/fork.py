@@ -35,7 +35,8 @@ MAX_METHODS = 16
 @check("cuda-init-before-fork")
 def check_cuda_in_forked_workers(script: Script) -> Iterator[Finding]:
     """`Dataset.__getitem__` calls `.to(self.device)` and `DataLoader(ds, num_workers=6)`."""
-    if not is_distributed(script) or chooses_start_method(script):
+    # A start method chosen for the script (spawn, forkserver) forks no CUDA.
+    if not is_distributed(script) or "set_start_method" in script.called_short_names:
         return
     classes = {node.name: node for node in script.nodes if isinstance(node, ast.ClassDef)}
     reported: set[int] = set()
@@ -54,10 +55,6 @@ def check_cuda_in_forked_workers(script: Script) -> Iterator[Finding]:
                 "subprocess'; return CPU tensors and move the batch in the training loop, "
                 "or pass multiprocessing_context='spawn'",
             )
-
-
-def chooses_start_method(script: Script) -> bool:
-    return any(short(name) == "set_start_method" for _node, name in script.call_names)
 
 
 def forking_loaders(script: Script) -> Iterator[ast.Call]:

@@ -46,7 +46,7 @@ DERIVATION_STEPS = 3
 @check("metrics-not-reduced")
 def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
     """`for batch in val_loader: correct += ...` then `print(correct / total)`, no all_reduce."""
-    if not is_distributed(script) and not uses_accelerate(script):
+    if not is_distributed(script) and "Accelerator" not in script.called_short_names:
         return
     owners = owning_functions(script)
     sharded = sharded_loaders(script, owners)
@@ -65,10 +65,6 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
             "all_reduce the sums and counts (or gather the predictions, "
             "accelerator.gather_for_metrics) before computing the metric",
         )
-
-
-def uses_accelerate(script: Script) -> bool:
-    return any(short(name) == "Accelerator" for _node, name in script.call_names)
 
 
 def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | None, str]]:
