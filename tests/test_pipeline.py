@@ -251,20 +251,12 @@ def test_a_thin_reply_keeps_what_the_first_report_found(engine):
     conversation = Conversation(turns=[Turn(query=first.query, result=first)])
     reply = "I tried to disable some NCCL features but it doesn't work"
     alone = pipeline.ask(Question(reply, top=5, context=conversation.context()))
-    both = pipeline.ask(
-        Question(
-            reply, top=5, context=conversation.context(), earlier=conversation.earlier_answer()
-        )
-    )
+    both = pipeline.ask(Question(reply, top=5, **conversation.follow_up()))
     assert alone.causes[0].id != first.causes[0].id  # the reply alone lost the report
     assert both.causes[0].id == first.causes[0].id
     # A reply that shows the error itself decides, whatever was ranked before.
     traceback = f'Traceback (most recent call last):\n  File "train.py", line 9\n{PG_ERROR}'
-    decided = pipeline.ask(
-        Question(
-            traceback, top=5, context=conversation.context(), earlier=conversation.earlier_answer()
-        )
-    )
+    decided = pipeline.ask(Question(traceback, top=5, **conversation.follow_up()))
     assert decided.causes[0].id == "process-group-not-initialized"
 
 
@@ -281,15 +273,7 @@ def test_a_reply_after_a_sure_answer_adds_to_it_unless_it_brings_its_own_error(e
     assert conversation.earlier_answer() == [] and conversation.previous_answer()
 
     def ask(text):
-        return pipeline.ask(
-            Question(
-                text,
-                top=5,
-                context=conversation.context(),
-                earlier=conversation.earlier_answer(),
-                previous=conversation.previous_answer(),
-            )
-        )
+        return pipeline.ask(Question(text, top=5, **conversation.follow_up()))
 
     config = "here is my config:\nbatch_size = 32\nlr = 0.0001\nepochs = 50\nfp16 = true"
     alone = pipeline.ask(Question(config, top=5, context=conversation.context()))
@@ -314,11 +298,7 @@ def test_code_pasted_as_the_reply_to_what_would_decide_confirms_its_cause(engine
         "    dist.all_reduce(acc)\n"
         "    print(acc)\n"
     )
-    second = pipeline.ask(
-        Question(
-            reply, top=5, context=conversation.context(), earlier=conversation.earlier_answer()
-        )
-    )
+    second = pipeline.ask(Question(reply, top=5, **conversation.follow_up()))
     cause = second.causes[0]
     assert (cause.id, cause.verdict.verdict) == ("collective-mismatch", "confirmed")
     assert cause.verdict.evidence[0].startswith("the code in the question, line 4: all_reduce()")

@@ -194,6 +194,17 @@ class Conversation:
             parts.append(f"Confirmed on this machine: {names}.")
         return " ".join(parts) or None
 
+    def follow_up(self, before: int | None = None) -> dict[str, Any]:
+        """What the next question carries from this conversation, as Question's
+        fields: the context retrieval reads, and the answer its ranking adds to
+        (`earlier` after "what would decide", `previous` after a sure answer).
+        The chat, `ask --after` and `kb eval`'s second turn all ask so."""
+        return {
+            "context": self.context(before),
+            "earlier": self.earlier_answer(before),
+            "previous": self.previous_answer(before),
+        }
+
     def earlier_answer(self, before: int | None = None) -> list[CauseResult]:
         """The causes of the answer that asked for what would decide ([] if none did):
         a reply adds to that report, its ranking merged with them

@@ -264,9 +264,7 @@ def in_conversation(question, conversation, text: str, **changes):
     return replace(
         question,
         text=text,
-        context=conversation.context(),
-        earlier=conversation.earlier_answer(),
-        previous=conversation.previous_answer(),
+        **conversation.follow_up(),
         **changes,
     )
 

@@ -250,13 +250,7 @@ def second_turn(pipeline, item: dict, first: Result) -> Result:
     from assistant.pipeline import Question
 
     conversation = Conversation(turns=[Turn(query=item["query"], result=first)])
-    question = Question(
-        item["followup"],
-        top=5,
-        context=conversation.context(),
-        earlier=conversation.earlier_answer(),
-        previous=conversation.previous_answer(),
-    )
+    question = Question(item["followup"], top=5, **conversation.follow_up())
     return pipeline.ask(question)
 
 

@@ -282,9 +282,7 @@ class ChatApp(LocalizedBindings, ToolActions, RunActions, HistoryActions, App[No
             top=self.deps.top,
             findings=self.conversation.findings(),
             script_checked=self.conversation.script_checked(),
-            context=self.conversation.context(before=before),
-            earlier=self.conversation.earlier_answer(before=before),
-            previous=self.conversation.previous_answer(before=before),
+            **self.conversation.follow_up(before),
             known_runs=list(known.values()),
             after=self.conversation.last_answer_id(before=before),
         )

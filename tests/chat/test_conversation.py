@@ -215,9 +215,14 @@ def test_a_reply_to_the_decide_question_carries_the_earlier_question():
     assert conversation.asked_to_decide() is unsure
     assert [c.id for c in conversation.earlier_answer()] == ["a"]  # averaged with the reply's
     assert conversation.previous_answer() == []  # merged as a reply already
+    asked = conversation.follow_up()  # what the chat, ask --after and kb eval put in the question
+    assert asked["context"] == context and [c.id for c in asked["earlier"]] == ["a"]
+    assert asked["previous"] == []
     # A sure answer asks nothing: the next question carries no context, and its
     # causes are merged only into a reply without an error of its own (pipeline).
     unsure.result.confidence, unsure.result.decide = "high", []
     assert conversation.context() is None and conversation.asked_to_decide() is None
     assert conversation.earlier_answer() == []
     assert [c.id for c in conversation.previous_answer()] == ["a"]
+    asked = conversation.follow_up()
+    assert asked["earlier"] == [] and [c.id for c in asked["previous"]] == ["a"]
