@@ -7,7 +7,7 @@ again in a forked child: the first worker that moves a tensor or a model to
 the GPU dies with "Cannot re-initialize CUDA in forked subprocess".
 
 Reported: a Dataset's `__getitem__` / `__getitems__` / `__iter__` (and the
-methods of its class it calls), or a `collate_fn`, that moves something to a
+file's functions they call), or a `collate_fn`, that moves something to a
 CUDA device, read by a DataLoader given workers. Quiet where the script
 chose another start method (`multiprocessing_context=`, `set_start_method`),
 where the workers are a literal 0, and where the device is said to be the CPU.
@@ -19,9 +19,11 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.devices import is_cpu
 from assistant.lint.model import Function, Script, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_distributed
+from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
 # What the workers run for a dataset: the item and batch readers, the stream.
@@ -77,27 +79,22 @@ def worker_code(
 ) -> Iterator[tuple[str, list[Function]]]:
     """(what it is, the functions it runs in the workers) for the loader's dataset and collate_fn."""
     dataset = loader.args[0] if loader.args else keyword(loader, "dataset")
-    if dataset is not None:
-        for name in built_classes(script, dataset):
-            if name in classes and not said_cpu(script, dataset):
-                methods = [
-                    f"{name}.{m}" for m in WORKER_METHODS if f"{name}.{m}" in script.functions
-                ]
-                yield (
-                    f"{name}.{methods[0].split('.')[1]}" if methods else name,
-                    reached(script, name, methods),
-                )
+    if dataset is not None and not said_cpu(script, dataset):
+        for name in instance_classes(script, dataset):
+            methods = [f"{name}.{m}" for m in WORKER_METHODS if f"{name}.{m}" in script.functions]
+            if name in classes and methods:
+                yield methods[0], reached(script, name, methods)
     collate = keyword(loader, "collate_fn")
     if collate is None:
         return
-    for name in built_classes(script, collate):
+    for name in instance_classes(script, collate):
         if f"{name}.__call__" in script.functions:
             yield f"{name}.__call__", reached(script, name, [f"{name}.__call__"])
     if isinstance(collate, ast.Name) and collate.id in script.functions:
         yield collate.id, [script.functions[collate.id]]
 
 
-def built_classes(script: Script, expr: ast.expr) -> list[str]:
+def instance_classes(script: Script, expr: ast.expr) -> list[str]:
     """Class names `expr` is an instance of: `Clips(...)` or a name assigned one."""
     values = [expr]
     if isinstance(expr, (ast.Name, ast.Attribute)):
@@ -113,15 +110,13 @@ def said_cpu(script: Script, dataset: ast.expr) -> bool:
     """The dataset is built with the CPU as its device: `Clips(files, device="cpu")`."""
     values = [dataset, *script.assigned_values.get(source_text(dataset), [])]
     return any(
-        isinstance(node, ast.Constant) and node.value == "cpu"
-        for value in values
-        if isinstance(value, ast.Call)
-        for node in ast.walk(value)
+        is_cpu(node) for value in values if isinstance(value, ast.Call) for node in ast.walk(value)
     )
 
 
 def reached(script: Script, class_name: str, start: list[str]) -> list[Function]:
-    """The functions `start` names and the methods of the class they call through `self.`."""
+    """The functions `start` names and the file's functions they call, as the tracer
+    reads a call: `self.encode()` in the class, a helper, a class's __init__."""
     seen: list[str] = []
     pending = list(start)
     while pending and len(seen) < MAX_METHODS:
@@ -130,13 +125,8 @@ def reached(script: Script, class_name: str, start: list[str]) -> list[Function]
             continue
         seen.append(qualified)
         for node in ast.walk(script.functions[qualified]):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "self"
-            ):
-                pending.append(f"{class_name}.{node.func.attr}")
+            if isinstance(node, ast.Call):
+                pending.extend(same_file_callees(script, node.func, class_name))
     return [script.functions[name] for name in seen]
 
 

@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from assistant.lint.checks.collective_reach import parent_map
 from assistant.lint.model import Function, Script, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_collective, is_distributed
@@ -296,14 +297,10 @@ def returns_any(function: Function, derived: set[str]) -> bool:
 
 def shown_by_callers(script: Script, function: str, owners: dict[int, str]) -> ast.AST | None:
     """Where a caller shows what `function` returned, unreduced."""
+    parents = parent_map(script)
     for node, name in script.call_names:
-        if name != function:
-            continue
-        assigned = next(
-            (a for a in script.nodes if isinstance(a, ast.Assign) and a.value is node),
-            None,
-        )
-        if assigned is None:
+        assigned = parents.get(id(node))
+        if name != function or not (isinstance(assigned, ast.Assign) and assigned.value is node):
             continue
         received = set().union(*(names_in(t) for t in assigned.targets))
         caller = owners.get(id(node))
