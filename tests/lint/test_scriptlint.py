@@ -413,6 +413,26 @@ def test_a_helper_whose_device_parameter_defaults_to_a_fixed_gpu_is_reported_whe
     assert findings_of(named) == []
 
 
+def test_a_class_whose_init_defaults_to_a_fixed_gpu_is_reported_where_constructed_without_it() -> None:
+    meter = (
+        "class Meter:\n"
+        '    def __init__(self, classes, ignore=255, device="cuda:0"):\n'
+        "        self.hist = torch.zeros(classes, classes, device=device)\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "model = DDP(nn.Linear(4, 4).to(local_rank), device_ids=[local_rank])\n"
+    )
+    bare = DDP_HEADER + meter + "meter = Meter(10, 0)\n"
+    findings = lint_source(bare)
+    assert [(f.cause_id, f.line) for f in findings] == [("hardcoded-device", 6)]
+    assert findings[0].message.startswith('Meter()\'s device defaults to "cuda:0"')
+    # self is not a call's argument: the third value given is the device
+    assert findings_of(bare.replace("Meter(10, 0)", "Meter(10, 0, local_rank)")) == []
+    assert findings_of(bare.replace("Meter(10, 0)", "Meter(10, device=local_rank)")) == []
+    # another method's default is reached through an object, not read
+    method = bare.replace("__init__", "reset").replace("meter = Meter(10, 0)", "Meter().reset(10)")
+    assert findings_of(method) == []
+
+
 def test_a_sampler_chosen_by_a_conditional_expression_is_followed() -> None:
     source = (
         "import torch.distributed as dist\n"

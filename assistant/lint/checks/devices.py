@@ -119,29 +119,45 @@ def fixed_device_fields(script: Script, rank_zero_only: set[int]) -> Iterator[Fi
 
 def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
     """A plain function of the file whose parameter defaults to a fixed GPU
-    (`def move_to_device(batch, device="cuda:0")`), places work on it, and is
-    called somewhere without that argument: that call sends every rank's work
-    to the same GPU."""
+    (`def move_to_device(batch, device="cuda:0")`), or a class whose __init__'s
+    does (`class Meter: def __init__(self, n, device="cuda:0")`), places work on
+    it, and is called (constructed) somewhere without that argument: that call
+    sends every rank's work to the same GPU."""
     if not is_distributed(script):
         return
     for name, function in script.functions.items():
-        if "." in name:
-            continue  # methods are reached through objects: their calls are not read here
+        callee, skipped = called_as(name)
+        if callee is None:
+            continue  # other methods are reached through objects: their calls are not read here
         for parameter, position, default, gpu in fixed_gpu_parameters(function):
+            if position is not None:
+                position -= skipped
             placing = any(
                 isinstance(node, ast.Call) and places_on(node, parameter)
                 for node in ast.walk(function)
             )
-            bare = placing and call_without(script, name, parameter, position, rank_zero_only)
+            bare = placing and call_without(script, callee, parameter, position, rank_zero_only)
             if bare:
                 yield script.finding(
                     "hardcoded-device",
                     default,
-                    f'{name}()\'s {parameter} defaults to "{gpu.value}", and line {bare.lineno} '
+                    f'{callee}()\'s {parameter} defaults to "{gpu.value}", and line {bare.lineno} '
                     "calls it without one: every rank's work goes to the same GPU; pass the "
                     f"rank's device there (or default {parameter} to None and use the current "
                     "device)",
                 )
+
+
+def called_as(name: str) -> tuple[str | None, int]:
+    """The name a function of the file is called by, and how many leading
+    parameters a call does not pass: a plain function's own name; a top-level
+    class's __init__ is called as the class, `self` passed by Python."""
+    if "." not in name:
+        return name, 0
+    owner, _, method = name.rpartition(".")
+    if method == "__init__" and "." not in owner:
+        return owner, 1
+    return None, 0
 
 
 def fixed_gpu_parameters(

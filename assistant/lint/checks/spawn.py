@@ -12,7 +12,11 @@ process: the process index comes first, then args unpacked with `*`. So:
   defaults and *args counted (`def main(rank, world_size)` with
   `args=(rank, world_size)` is given three);
 - `mp.spawn(train(cfg), ...)` runs train once, in the parent, and hands
-  spawn what it returns.
+  spawn what it returns;
+- values in another order than the worker's parameters, seen by name
+  (`args=(args.config, world_size)` for `worker(rank, world_size,
+  config_path)`) or by annotation (`args=(cfg, n_gpus)` for `worker(rank,
+  world_size: int, cfg: Config)` with `cfg = Config(...)`).
 
 Quiet when the worker is not a plain function of this file (a method, a
 `functools.partial`, a decorated or redefined function, a name rebound in
@@ -26,7 +30,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.model import Function, Script, is_int, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -37,6 +41,8 @@ NOT_A_SEQUENCE = (ast.Constant, ast.Dict, ast.Set, ast.JoinedStr, ast.DictComp, 
 PLAIN_VALUES = (ast.Name, ast.Attribute, ast.Subscript)
 # Decorators that keep the function's signature (torchelastic's error recorder).
 SIGNATURE_KEEPING_DECORATORS = frozenset({"record"})
+# Calls whose value is a whole number (a count of GPUs, of items).
+NUMBER_BUILDERS = frozenset({"int", "len", "device_count"})
 
 
 @check("mp-spawn-arguments")
@@ -183,6 +189,16 @@ def count_mismatch(
                 else f"put args in the order of {name}'s parameters after the first"
             ),
         )
+    elif mistyped := mistyped_argument(script, parameters, values):
+        value, slot, annotation, kind = mistyped
+        yield script.finding(
+            "mp-spawn-arguments",
+            spawn,
+            f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)} ({kind}) "
+            f"to {name}'s parameter {slot}, annotated {annotation} (the process index fills "
+            f"the first one, {parameters[0].arg}): the arguments arrive in the wrong "
+            f"parameters; put args in the order of {name}'s parameters after the first",
+        )
     elif keyword_only:
         yield script.finding(
             "mp-spawn-arguments",
@@ -212,6 +228,54 @@ def swapped_argument(
             continue
         if own in names:
             return value, names[position], own
+    return None
+
+
+def mistyped_argument(
+    script: Script, parameters: list[ast.arg], values: list[ast.expr]
+) -> tuple[ast.expr, str, str, str] | None:
+    """A value in args whose kind the file shows (a number: a literal, len(),
+    int(), device_count(); an object of one of its classes: `Config(...)`),
+    landing in a parameter annotated as the other kind (`world_size: int` given
+    the config, `cfg: Config` given the GPU count): (the value, the parameter,
+    its annotation, the value's kind). Quiet on any annotation or value it
+    cannot tell."""
+    classes = {node.name for node in script.tree.body if isinstance(node, ast.ClassDef)}
+    for position, value in enumerate(values, start=1):
+        if position >= len(parameters):
+            break
+        annotation = parameters[position].annotation
+        wanted = annotation.id if isinstance(annotation, ast.Name) else None
+        if wanted != "int" and wanted not in classes:
+            continue
+        kind = value_kind(script, value, classes)
+        if kind is not None and kind != wanted:
+            shown = "a number" if kind == "int" else f"an object of {kind}"
+            return value, parameters[position].arg, wanted, shown
+    return None
+
+
+def value_kind(script: Script, value: ast.expr, classes: set[str]) -> str | None:
+    """"int" or the file's class a value is visibly built as; a name counts when
+    every assignment in the file builds the same kind."""
+    if isinstance(value, ast.Name):
+        built = script.assigned_values.get(value.id, [])
+        kinds = {built_kind(v, classes) for v in built}
+        return kinds.pop() if len(kinds) == 1 else None
+    return built_kind(value, classes)
+
+
+def built_kind(value: ast.expr, classes: set[str]) -> str | None:
+    if is_int(value):
+        return "int"
+    if isinstance(value, ast.Call):
+        called = value.func.attr if isinstance(value.func, ast.Attribute) else None
+        if isinstance(value.func, ast.Name):
+            called = value.func.id
+        if called in NUMBER_BUILDERS:
+            return "int"
+        if isinstance(value.func, ast.Name) and called in classes:
+            return called
     return None
 
 

@@ -5,7 +5,8 @@ A one-element tuple with its comma, a worker with a default and one taking
 and a callable object,
 start_processes with args by position, a tuple built beforehand and
 passed in parentheses, and values named like the worker's parameters, each in
-its own place (a field `cfg.lr` lands in lr).
+its own place (a field `cfg.lr` lands in lr), and a worker whose annotations
+(`world_size: int, cfg: Config`) the values match in kind.
 """
 
 import functools
@@ -54,6 +55,10 @@ class Config:
     lr = 0.05
 
 
+def configured(index, world_size: int, cfg: Config):
+    train(index, world_size, cfg.lr)
+
+
 def main():
     world_size = 2
     mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)
@@ -68,6 +73,9 @@ def main():
     cfg = Config()
     mp.spawn(train, args=(world_size, cfg.lr), nprocs=world_size)
     mp.spawn(train, args=(cfg.world_size, cfg.lr), nprocs=world_size)
+    gpus = torch.cuda.device_count()
+    mp.spawn(configured, args=(gpus, cfg), nprocs=world_size)
+    mp.spawn(configured, args=(len(cfg.lr_steps), Config()), nprocs=world_size)
 
 
 if __name__ == "__main__":
