@@ -413,7 +413,9 @@ def test_a_helper_whose_device_parameter_defaults_to_a_fixed_gpu_is_reported_whe
     assert findings_of(named) == []
 
 
-def test_a_class_whose_init_defaults_to_a_fixed_gpu_is_reported_where_constructed_without_it() -> None:
+def test_a_class_whose_init_defaults_to_a_fixed_gpu_is_reported_where_constructed_without_it() -> (
+    None
+):
     meter = (
         "class Meter:\n"
         '    def __init__(self, classes, ignore=255, device="cuda:0"):\n'

@@ -256,7 +256,7 @@ def mistyped_argument(
 
 
 def value_kind(script: Script, value: ast.expr, classes: set[str]) -> str | None:
-    """"int" or the file's class a value is visibly built as; a name counts when
+    """ "int" or the file's class a value is visibly built as; a name counts when
     every assignment in the file builds the same kind."""
     if isinstance(value, ast.Name):
         built = script.assigned_values.get(value.id, [])
