@@ -17,7 +17,11 @@ after the other: g at 67013e8, 10 of 16 found, 2 other findings, none on a
 correct script; h at 2fa532a, after what g taught, 7 of 16 found, 2 other
 findings, one on a correct script. Set i (session 20, after g's and h's
 lessons: 2024-2026 LLM, RLHF, audio and retrieval code) was measured once at
-c3468cb: 8 of 16 found, 1 other finding, none on a correct script. What they
+c3468cb: 8 of 16 found, 1 other finding, none on a correct script. Sets k
+and j (session 22: production trainers at companies; rushed paper code)
+were measured one after the other: k at ba9defa, 8 of 16 found, 1 other
+finding, none on a correct script; j at c8aec5e, after what k taught, 10 of
+16 found, 3 other findings, one on a correct script. What they
 taught was then
 fixed in general words (data/eval/README.md, "Session 18", "Session 19");
 these floors keep it. Causes no static
@@ -35,9 +39,11 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 144 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16)
-FOUND_FLOOR = 128
-OTHER_FINDINGS_CEILING = 22  # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1
+# of 176 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# k 8/16; j 10/16)
+FOUND_FLOOR = 148
+# measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3
+OTHER_FINDINGS_CEILING = 26
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -55,8 +61,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 144
-    assert sum(label["cause"] is None for label in labels) == 36
+    assert sum(label["cause"] is not None for label in labels) == 176
+    assert sum(label["cause"] is None for label in labels) == 44
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

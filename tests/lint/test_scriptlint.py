@@ -577,3 +577,25 @@ def test_a_dataclass_post_init_runs_where_the_config_is_built() -> None:
         "    dist.init_process_group('gloo')\n    cfg = Config()\n",
     )
     assert findings_of(later) == []
+
+
+def test_a_loader_over_a_subset_picked_in_a_loop_over_this_ranks_share_is_sharded() -> None:
+    """Federated averaging simulated on several GPUs: each rank trains the clients
+    of its own strided share, each client's loader a Subset of its indices."""
+    source = (
+        "import torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader, Subset\n"
+        "def run(model, train_set, client_idx, clients, opt):\n"
+        '    dist.init_process_group("gloo")\n'
+        "    rank, world = dist.get_rank(), dist.get_world_size()\n"
+        "    mine = clients[rank::world]\n"
+        "    for cid in mine:\n"
+        "        loader = DataLoader(Subset(train_set, client_idx[cid]), batch_size=8, shuffle=True)\n"
+        "        for x, y in loader:\n"
+        "            model(x).sum().backward()\n"
+        "            opt.step()\n"
+    )
+    assert findings_of(source, "missing-distributed-sampler") == []
+    # every rank looping over all the clients trains on the same data
+    every = source.replace("    for cid in mine:", "    for cid in clients:")
+    assert findings_of(every, "missing-distributed-sampler") == [("missing-distributed-sampler", 8)]

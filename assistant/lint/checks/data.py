@@ -342,7 +342,9 @@ class DataFlow:
     # -------------------------------------------------------------- where a value comes from
 
     def origin(self, expr: ast.expr) -> list[ast.expr]:
-        """`expr` and the values assigned to the names in it, a few assignments back."""
+        """`expr` and the values assigned to the names in it, a few assignments back;
+        a loop variable's values come from what its loop iterates
+        (`for cid in my_clients`: `Subset(ds, idx[cid])` is cut as my_clients is)."""
         found: dict[int, ast.expr] = {id(expr): expr}
         frontier = [expr]
         for _ in range(ORIGIN_DEPTH):
@@ -350,7 +352,7 @@ class DataFlow:
                 value
                 for current in frontier
                 for name in self.assigned_names_in(current)
-                for value in self.assignments[name]
+                for value in self.assignments.get(name, ()) or self.loop_sources.get(name, ())
                 if id(value) not in found
             )
             # The first few only: a name assigned thousands of times is not a dataset's.
@@ -362,8 +364,18 @@ class DataFlow:
 
     @memoized
     def assigned_names_in(self, value: ast.expr) -> list[str]:
-        """The names read in `value` (in walk order) that the file assigns to."""
-        return [name for name in map(read_name, ast.walk(value)) if name in self.assignments]
+        """The names read in `value` (in walk order) that the file assigns to or loops over."""
+        bound = self.assignments.keys() | self.loop_sources.keys()
+        return [name for name in map(read_name, ast.walk(value)) if name in bound]
+
+    @cached_property
+    def loop_sources(self) -> dict[str, list[ast.expr]]:
+        """A plain loop variable (`for cid in my_clients`) -> what its loops iterate."""
+        sources: dict[str, list[ast.expr]] = {}
+        for node in self.script.nodes:
+            if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+                sources.setdefault(node.target.id, []).append(node.iter)
+        return sources
 
     def may_be_iterable(self, dataset: ast.expr) -> bool:
         """An instance of an IterableDataset class of this file, or a stream (streaming=True)."""
