@@ -3,8 +3,9 @@
 `dist.all_gather(bufs, dets)` needs the same shape on every rank: each rank
 receives into buffers shaped like its own tensor. Detections kept after a
 score threshold or NMS, the rows a boolean mask selects, `nonzero()` or
-`unique()`, and a rank's strided share of a list (`items[rank::world]`, one
-item more on the first ranks unless the length divides evenly) give each
+`unique()`, and a rank's strided share of a list (`items[rank::world]`,
+`range(rank, n, world)`, one item more on the first ranks unless the length
+divides evenly; also through a loader over it and the batches it yields) give each
 rank a different count, so the gather fails ("Sizes of
 tensors must match"), hangs, or returns rows cut or padded with garbage,
 depending on the backend and version. The fix: gather the sizes first and
@@ -83,12 +84,17 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
 
 
 def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
-    """name -> what the scope assigns to it, and what it appends or extends it with."""
+    """name -> what the scope assigns to it, what it appends or extends it with,
+    and for a loop variable what the loop iterates (`for x, y in loader`: the
+    batches come from the loader, and as many as its data holds)."""
     values: dict[str, list[ast.expr]] = {}
     for node in nodes:
         if isinstance(node, ast.Assign):
             for name in (n for t in node.targets for n in plain_names(t)):
                 values.setdefault(name, []).append(node.value)
+        elif isinstance(node, ast.For):
+            for name in plain_names(node.target):
+                values.setdefault(name, []).append(node.iter)
         elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
             values.setdefault(node.target.id, []).append(node.value)
         elif (
@@ -131,8 +137,10 @@ def content_sized_step(
 
 
 def is_rank_stride(script: Script, node: ast.AST) -> bool:
-    """`items[rank::world]`: this rank's strided share, one longer on the first
-    `len % world` ranks."""
+    """`items[rank::world]` or `range(rank, n, world)`: this rank's strided share,
+    one longer on the first `n % world` ranks."""
+    if isinstance(node, ast.Call) and called_name(node) == "range" and len(node.args) == 3:
+        return is_rank_expr(node.args[0], script)
     if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)):
         return False
     lower, step = node.slice.lower, node.slice.step

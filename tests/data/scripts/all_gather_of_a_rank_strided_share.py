@@ -2,7 +2,8 @@
 
 corpus[rank::world] holds one item more on the first len % world ranks, so
 the embeddings differ in rows across ranks while every rank receives into
-buffers shaped like its own.
+buffers shaped like its own. The same through a loader over
+Subset(ds, range(rank, len(ds), world)), its batches embedded and concatenated.
 """
 
 import os
@@ -10,6 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.data import DataLoader, Subset
 
 
 @torch.no_grad()
@@ -18,6 +20,18 @@ def embed_corpus(encoder, corpus, rank, world, device):
     emb = encoder(torch.stack(mine).to(device))
     gathered = [torch.empty_like(emb) for _ in range(world)]
     dist.all_gather(gathered, emb)  # expect: collective-mismatch
+    return torch.cat(gathered)
+
+
+@torch.no_grad()
+def embed_split(model, ds, rank, world, device):
+    shard = Subset(ds, list(range(rank, len(ds), world)))
+    embs = []
+    for x, _ in DataLoader(shard, batch_size=64):
+        embs.append(model(x.to(device)))
+    local = torch.cat(embs)
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)  # expect: collective-mismatch
     return torch.cat(gathered)
 
 

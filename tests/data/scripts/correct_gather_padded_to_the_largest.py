@@ -1,6 +1,7 @@
 """Gathering rows whose count differs per rank the right way: the sizes
 first, then every rank pads to the largest; and per-sample logits, which a
-DistributedSampler makes the same size on every rank."""
+DistributedSampler makes the same size on every rank, also when they come
+batch by batch from its loader."""
 
 import os
 
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
 
 @torch.no_grad()
@@ -29,6 +31,18 @@ def gather_logits(model, batches, world_size):
     logits = torch.cat([model(x) for x in batches])
     everyone = [torch.zeros_like(logits) for _ in range(world_size)]
     dist.all_gather(everyone, logits)
+    return torch.cat(everyone)
+
+
+@torch.no_grad()
+def gather_features(model, ds, world_size):
+    loader = DataLoader(ds, batch_size=64, sampler=DistributedSampler(ds, shuffle=False))
+    feats = []
+    for x, _ in loader:
+        feats.append(model(x))
+    local = torch.cat(feats)
+    everyone = [torch.zeros_like(local) for _ in range(world_size)]
+    dist.all_gather(everyone, local)
     return torch.cat(everyone)
 
 
