@@ -16,7 +16,9 @@ process: the process index comes first, then args unpacked with `*`. So:
 - values in another order than the worker's parameters, seen by name
   (`args=(args.config, world_size)` for `worker(rank, world_size,
   config_path)`) or by annotation (`args=(cfg, n_gpus)` for `worker(rank,
-  world_size: int, cfg: Config)` with `cfg = Config(...)`).
+  world_size: int, cfg: Config)` with `cfg = Config(...)`), or by the process
+  count (`args=(ngpus, opt)` with nprocs=ngpus for `worker(ngpus_per_node,
+  gpu, opt)`: every process gets the count as its GPU).
 
 Quiet when the worker is not a plain function of this file (a method, a
 `functools.partial`, a decorated or redefined function, a name rebound in
@@ -28,6 +30,7 @@ parenthesised name is assigned a tuple or list somewhere in the file
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from assistant.lint.model import Function, Script, is_int, keyword, short, source_text
@@ -41,6 +44,10 @@ NOT_A_SEQUENCE = (ast.Constant, ast.Dict, ast.Set, ast.JoinedStr, ast.DictComp, 
 PLAIN_VALUES = (ast.Name, ast.Attribute, ast.Subscript)
 # Decorators that keep the function's signature (torchelastic's error recorder).
 SIGNATURE_KEEPING_DECORATORS = frozenset({"record"})
+# Parameter names of a process's own index (its GPU, its rank).
+INDEX_NAME = re.compile(
+    r"(?:local_)?(?:rank|gpu|gpu_id|gpu_idx|device_id|proc_id|process_id|index|idx)"
+)
 # Calls whose value is a whole number (a count of GPUs, of items).
 NUMBER_BUILDERS = frozenset({"int", "len", "device_count"})
 
@@ -199,6 +206,17 @@ def count_mismatch(
             f"the first one, {parameters[0].arg}): the arguments arrive in the wrong "
             f"parameters; put args in the order of {name}'s parameters after the first",
         )
+    elif counted := count_in_an_index(spawn, parameters, values):
+        value, slot = counted
+        yield script.finding(
+            "mp-spawn-arguments",
+            spawn,
+            f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)}, the number "
+            f"of processes (nprocs), to {name}'s parameter {slot}, which names a process's "
+            f"own index, while the index itself fills the first one, {parameters[0].arg}: "
+            "every process gets the same value there; "
+            f"put args in the order of {name}'s parameters after the first",
+        )
     elif keyword_only:
         yield script.finding(
             "mp-spawn-arguments",
@@ -228,6 +246,26 @@ def swapped_argument(
             continue
         if own in names:
             return value, names[position], own
+    return None
+
+
+def count_in_an_index(
+    spawn: ast.Call, parameters: list[ast.arg], values: list[ast.expr]
+) -> tuple[ast.expr, str] | None:
+    """The process count given as spawn's nprocs, also in args, landing in a
+    parameter named like a process's own index (`args=(ngpus, opt)` for
+    `worker(ngpus_per_node, gpu, opt)`): (the value, the parameter)."""
+    nprocs = keyword(spawn, "nprocs") or (spawn.args[2] if len(spawn.args) > 2 else None)
+    if nprocs is None:
+        return None
+    count = source_text(nprocs)
+    for position, value in enumerate(values, start=1):
+        if (
+            position < len(parameters)
+            and source_text(value) == count
+            and INDEX_NAME.fullmatch(parameters[position].arg)
+        ):
+            return value, parameters[position].arg
     return None
 
 

@@ -6,7 +6,8 @@ and a callable object,
 start_processes with args by position, a tuple built beforehand and
 passed in parentheses, and values named like the worker's parameters, each in
 its own place (a field `cfg.lr` lands in lr), and a worker whose annotations
-(`world_size: int, cfg: Config`) the values match in kind.
+(`world_size: int, cfg: Config`) the values match in kind, and the process
+count handed to a worker's count parameter (`ngpus_per_node`), not its index.
 """
 
 import functools
@@ -59,6 +60,10 @@ def configured(index, world_size: int, cfg: Config):
     train(index, world_size, cfg.lr)
 
 
+def per_gpu(gpu, ngpus_per_node, cfg):
+    train(gpu, ngpus_per_node, cfg.lr)
+
+
 def main():
     world_size = 2
     mp.spawn(train, args=(world_size,), nprocs=world_size, join=True)
@@ -76,6 +81,7 @@ def main():
     gpus = torch.cuda.device_count()
     mp.spawn(configured, args=(gpus, cfg), nprocs=world_size)
     mp.spawn(configured, args=(len(cfg.lr_steps), Config()), nprocs=world_size)
+    mp.spawn(per_gpu, args=(world_size, cfg), nprocs=world_size)
 
 
 if __name__ == "__main__":

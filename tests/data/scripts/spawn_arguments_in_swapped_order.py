@@ -2,7 +2,9 @@
 
 spawn calls train_worker(i, *args): the config path lands in world_size and
 the world size in config_path, so init_process_group gets a string; and
-evaluate_worker(cfg, rank) gets the process index as its cfg.
+evaluate_worker(cfg, rank) gets the process index as its cfg; and
+sample_worker(ngpus_per_node, gpu, opt) gets the process count, nprocs, as
+every process's gpu.
 """
 
 import argparse
@@ -35,14 +37,24 @@ def evaluate_worker(cfg, rank):
     dist.destroy_process_group()
 
 
+def sample_worker(ngpus_per_node, gpu, opt):
+    torch.cuda.set_device(gpu)
+    dist.init_process_group("nccl", init_method=opt.url, rank=gpu, world_size=ngpus_per_node)
+    dist.destroy_process_group()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="config.yaml")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--url", default="tcp://127.0.0.1:29501")
     args = parser.parse_args()
     world_size = torch.cuda.device_count()
     mp.spawn(train_worker, args=(args.config, world_size), nprocs=world_size)  # expect: mp-spawn-arguments
     cfg = {"url": "tcp://127.0.0.1:29500", "world": world_size}
     mp.spawn(evaluate_worker, args=(cfg,), nprocs=world_size)  # expect: mp-spawn-arguments
+    ngpus = args.gpus
+    mp.spawn(sample_worker, nprocs=ngpus, args=(ngpus, args))  # expect: mp-spawn-arguments
 
 
 if __name__ == "__main__":
