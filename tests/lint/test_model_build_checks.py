@@ -136,3 +136,28 @@ def test_a_rank_zero_change_to_another_object_is_not():
         """
     )
     assert lines == []
+
+
+def test_a_model_sized_by_a_constant_is_not_sized_by_the_data_the_device_carries():
+    """The rank that picks a GPU (`x.to(device)`, device from LOCAL_RANK) does not
+    cut the data: a model sized by a fixed vocabulary, whose names the file's
+    tensors reuse (`c` a channel count there), is the same on every rank."""
+    body = """
+    VOCAB = ["<blank>", " "] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    class Net(nn.Module):
+        def __init__(self, vocab, hidden):
+            super().__init__()
+            self.proj = nn.Linear(hidden, vocab)
+        def forward(self, x):
+            b, c, t = x.shape
+            return self.proj(x.reshape(b, t, c))
+    def main():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dist.init_process_group("nccl")
+        device = torch.device("cuda", local_rank)
+        x = torch.randn(2, 3, 4).to(device)
+        model = Net(len(VOCAB), 3).to(device)
+        model = DDP(model, device_ids=[local_rank])
+        model(x)
+    """
+    assert reported_lines(body) == []

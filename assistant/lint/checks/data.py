@@ -364,9 +364,9 @@ class DataFlow:
 
     @memoized
     def assigned_names_in(self, value: ast.expr) -> list[str]:
-        """The names read in `value` (in walk order) that the file assigns to or loops over."""
+        """The names read in `value` that the file assigns to or loops over."""
         bound = self.assignments.keys() | self.loop_sources.keys()
-        return [name for name in map(read_name, ast.walk(value)) if name in bound]
+        return [name for name in map(read_name, outside_devices(value)) if name in bound]
 
     @cached_property
     def loop_sources(self) -> dict[str, list[ast.expr]]:
@@ -471,7 +471,7 @@ class DataFlow:
         return any(
             isinstance(n, ast.expr)
             and (is_rank_expr(n, self.script) or read_name(n) in self.rank_holders)
-            for n in ast.walk(value)
+            for n in outside_devices(value)
         )
 
     @cached_property
@@ -906,3 +906,28 @@ def read_name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
     return self_attribute(node)
+
+
+# Calls that place a value on this rank's device: the rank they read picks a
+# GPU, it does not cut the data (`x.to(device)`, `torch.device("cuda", rank)`).
+PLACING_METHODS = frozenset({"to", "cuda"})
+
+
+def outside_devices(value: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of `value`, each once, leaving out what only picks
+    a device: torch.device(...) and the arguments of `.to(...)` / `.cuda(...)`."""
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in PLACING_METHODS:
+                yield node
+                pending.append(func.value)
+                continue
+            if (isinstance(func, ast.Attribute) and func.attr == "device") or (
+                isinstance(func, ast.Name) and func.id == "device"
+            ):
+                continue
+        yield node
+        pending.extend(ast.iter_child_nodes(node))
