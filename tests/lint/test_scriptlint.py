@@ -599,3 +599,19 @@ def test_a_loader_over_a_subset_picked_in_a_loop_over_this_ranks_share_is_sharde
     # every rank looping over all the clients trains on the same data
     every = source.replace("    for cid in mine:", "    for cid in clients:")
     assert findings_of(every, "missing-distributed-sampler") == [("missing-distributed-sampler", 8)]
+
+
+def test_each_misplaced_spawn_argument_names_the_parameter_and_why() -> None:
+    """By name, by annotation and by the process count: what lands where, and the fix."""
+    swapped = [f.message for f in lint_script(SCRIPTS / "spawn_arguments_in_swapped_order.py")]
+    by_name, index_first, by_count = swapped
+    assert "hands world_size to train_worker's parameter config_path" in by_name
+    assert "has a parameter world_size of its own" in by_name
+    assert "put args in the order of train_worker's parameters" in by_name
+    assert "hands cfg to evaluate_worker's parameter rank" in index_first
+    assert "give evaluate_worker the process index as its first parameter" in index_first
+    assert "hands ngpus to sample_worker's parameter gpu" in by_count
+    assert "a process's own index given the number of processes (nprocs)" in by_count
+    [annotated] = lint_script(SCRIPTS / "spawn_arguments_against_their_annotations.py")
+    assert "hands config to train_worker's parameter world_size" in annotated.message
+    assert "annotated int but given an object of TrainConfig" in annotated.message

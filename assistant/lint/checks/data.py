@@ -17,6 +17,7 @@ from functools import cached_property, wraps
 from itertools import islice
 from typing import TypeVar
 
+from assistant.lint.checks.rank_dependent import is_placement
 from assistant.lint.model import Script, called_name, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
@@ -352,7 +353,7 @@ class DataFlow:
                 value
                 for current in frontier
                 for name in self.assigned_names_in(current)
-                for value in self.assignments.get(name, ()) or self.loop_sources.get(name, ())
+                for value in [*self.assignments.get(name, ()), *self.loop_sources.get(name, ())]
                 if id(value) not in found
             )
             # The first few only: a name assigned thousands of times is not a dataset's.
@@ -366,7 +367,9 @@ class DataFlow:
     def assigned_names_in(self, value: ast.expr) -> list[str]:
         """The names read in `value` that the file assigns to or loops over."""
         bound = self.assignments.keys() | self.loop_sources.keys()
-        return [name for name in map(read_name, outside_devices(value)) if name in bound]
+        return [
+            name for name in map(read_name, outside_placements(self.script, value)) if name in bound
+        ]
 
     @cached_property
     def loop_sources(self) -> dict[str, list[ast.expr]]:
@@ -471,7 +474,7 @@ class DataFlow:
         return any(
             isinstance(n, ast.expr)
             and (is_rank_expr(n, self.script) or read_name(n) in self.rank_holders)
-            for n in outside_devices(value)
+            for n in outside_placements(self.script, value)
         )
 
     @cached_property
@@ -908,26 +911,16 @@ def read_name(node: ast.AST) -> str | None:
     return self_attribute(node)
 
 
-# Calls that place a value on this rank's device: the rank they read picks a
-# GPU, it does not cut the data (`x.to(device)`, `torch.device("cuda", rank)`).
-PLACING_METHODS = frozenset({"to", "cuda"})
-
-
-def outside_devices(value: ast.AST) -> Iterator[ast.AST]:
-    """The nodes of `value`, each once, leaving out what only picks
-    a device: torch.device(...) and the arguments of `.to(...)` / `.cuda(...)`."""
+def outside_placements(script: Script, value: ast.AST) -> Iterator[ast.AST]:
+    """The nodes of `value`, each once, leaving out the arguments of calls that only
+    place or seed (rank_dependent.is_placement: `x.to(device)`, `torch.device("cuda",
+    rank)`, a seed): the rank they read picks a GPU, it does not cut the data."""
     pending = [value]
     while pending:
         node = pending.pop()
-        if isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Attribute) and func.attr in PLACING_METHODS:
-                yield node
-                pending.append(func.value)
-                continue
-            if (isinstance(func, ast.Attribute) and func.attr == "device") or (
-                isinstance(func, ast.Name) and func.id == "device"
-            ):
-                continue
         yield node
+        if isinstance(node, ast.Call) and is_placement(script, node):
+            if isinstance(node.func, ast.Attribute):
+                pending.append(node.func.value)  # what `.to()` moves is still read
+            continue
         pending.extend(ast.iter_child_nodes(node))

@@ -33,7 +33,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Function, Script, is_int, keyword, short, source_text
+from assistant.lint.model import Function, Script, called_name, is_int, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -181,41 +181,19 @@ def count_mismatch(
             f"TypeError in every process; give {name} the process index as its first "
             "parameter and pass only the others in args (not the rank)",
         )
-    elif swapped := swapped_argument(parameters, values):
-        value, slot, own = swapped
+    elif misplaced := misplaced_argument(script, spawn, parameters, values):
+        value, slot, why, index_named = misplaced
         yield script.finding(
             "mp-spawn-arguments",
             spawn,
             f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)} to "
             f"{name}'s parameter {slot} (the process index fills the first one, "
-            f"{parameters[0].arg}), while {name} has a parameter {own} of its own: the "
-            "arguments arrive in the wrong parameters; "
+            f"{parameters[0].arg}), {why}: the arguments arrive in the wrong parameters; "
             + (
                 f"give {name} the process index as its first parameter"
-                if own == parameters[0].arg
+                if index_named
                 else f"put args in the order of {name}'s parameters after the first"
             ),
-        )
-    elif mistyped := mistyped_argument(script, parameters, values):
-        value, slot, annotation, kind = mistyped
-        yield script.finding(
-            "mp-spawn-arguments",
-            spawn,
-            f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)} ({kind}) "
-            f"to {name}'s parameter {slot}, annotated {annotation} (the process index fills "
-            f"the first one, {parameters[0].arg}): the arguments arrive in the wrong "
-            f"parameters; put args in the order of {name}'s parameters after the first",
-        )
-    elif counted := count_in_an_index(spawn, parameters, values):
-        value, slot = counted
-        yield script.finding(
-            "mp-spawn-arguments",
-            spawn,
-            f"spawn calls {name}(i, *args), so {shown} hands {source_text(value)}, the number "
-            f"of processes (nprocs), to {name}'s parameter {slot}, which names a process's "
-            f"own index, while the index itself fills the first one, {parameters[0].arg}: "
-            "every process gets the same value there; "
-            f"put args in the order of {name}'s parameters after the first",
         )
     elif keyword_only:
         yield script.finding(
@@ -230,14 +208,30 @@ def count_mismatch(
         )
 
 
+def misplaced_argument(
+    script: Script, spawn: ast.Call, parameters: list[ast.arg], values: list[ast.expr]
+) -> tuple[ast.expr, str, str, bool] | None:
+    """A value of args that lands in a parameter not meant for it, told by its
+    name, its kind against an annotation, or its being the process count:
+    (the value, the parameter, why, whether the value is named like the first
+    parameter: the worker then lacks one for the process index)."""
+    if swapped := swapped_argument(parameters, values):
+        value, slot, own = swapped
+        why = f"while the worker has a parameter {own} of its own"
+        return value, slot, why, own == parameters[0].arg
+    found = mistyped_argument(script, parameters, values) or count_in_an_index(
+        spawn, parameters, values
+    )
+    return (*found, False) if found else None
+
+
 def swapped_argument(
     parameters: list[ast.arg], values: list[ast.expr]
 ) -> tuple[ast.expr, str, str] | None:
     """A value in args named exactly like one of the worker's parameters but
     landing in another (`args=(args.config, world_size)` for
     `worker(rank, world_size, config_path)`; `args=(cfg,)` for
-    `worker(cfg, rank)`, whose first parameter spawn fills with the index):
-    (the value, the parameter it lands in, the parameter its name matches).
+    `worker(cfg, rank)`, whose first parameter spawn fills with the index).
     Only names that match exactly count."""
     names = [p.arg for p in parameters]
     for position, value in enumerate(values, start=1):
@@ -251,10 +245,10 @@ def swapped_argument(
 
 def count_in_an_index(
     spawn: ast.Call, parameters: list[ast.arg], values: list[ast.expr]
-) -> tuple[ast.expr, str] | None:
+) -> tuple[ast.expr, str, str] | None:
     """The process count given as spawn's nprocs, also in args, landing in a
     parameter named like a process's own index (`args=(ngpus, opt)` for
-    `worker(ngpus_per_node, gpu, opt)`): (the value, the parameter)."""
+    `worker(ngpus_per_node, gpu, opt)`): (the value, the parameter, why)."""
     nprocs = keyword(spawn, "nprocs") or (spawn.args[2] if len(spawn.args) > 2 else None)
     if nprocs is None:
         return None
@@ -265,13 +259,17 @@ def count_in_an_index(
             and source_text(value) == count
             and INDEX_NAME.fullmatch(parameters[position].arg)
         ):
-            return value, parameters[position].arg
+            return (
+                value,
+                parameters[position].arg,
+                "a process's own index given the number of processes (nprocs), the same in all",
+            )
     return None
 
 
 def mistyped_argument(
     script: Script, parameters: list[ast.arg], values: list[ast.expr]
-) -> tuple[ast.expr, str, str, str] | None:
+) -> tuple[ast.expr, str, str] | None:
     """A value in args whose kind the file shows (a number: a literal, len(),
     int(), device_count(); an object of one of its classes: `Config(...)`),
     landing in a parameter annotated as the other kind (`world_size: int` given
@@ -289,32 +287,26 @@ def mistyped_argument(
         kind = value_kind(script, value, classes)
         if kind is not None and kind != wanted:
             shown = "a number" if kind == "int" else f"an object of {kind}"
-            return value, parameters[position].arg, wanted, shown
+            return value, parameters[position].arg, f"annotated {wanted} but given {shown}"
     return None
 
 
 def value_kind(script: Script, value: ast.expr, classes: set[str]) -> str | None:
     """ "int" or the file's class a value is visibly built as; a name counts when
     every assignment in the file builds the same kind."""
-    if isinstance(value, ast.Name):
-        built = script.assigned_values.get(value.id, [])
-        kinds = {built_kind(v, classes) for v in built}
-        return kinds.pop() if len(kinds) == 1 else None
-    return built_kind(value, classes)
+    built = script.assigned_values.get(value.id, []) if isinstance(value, ast.Name) else [value]
+    kinds = {built_kind(v, classes) for v in built}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def built_kind(value: ast.expr, classes: set[str]) -> str | None:
     if is_int(value):
         return "int"
-    if isinstance(value, ast.Call):
-        called = value.func.attr if isinstance(value.func, ast.Attribute) else None
-        if isinstance(value.func, ast.Name):
-            called = value.func.id
-        if called in NUMBER_BUILDERS:
-            return "int"
-        if isinstance(value.func, ast.Name) and called in classes:
-            return called
-    return None
+    if not isinstance(value, ast.Call):
+        return None
+    if called_name(value) in NUMBER_BUILDERS:
+        return "int"
+    return value.func.id if isinstance(value.func, ast.Name) and value.func.id in classes else None
 
 
 def value_name(value: ast.expr) -> str | None:
