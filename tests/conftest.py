@@ -96,7 +96,8 @@ def torchrun(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS...` (CPU ranks here).
 
     --standalone lets the rendezvous pick its own free port: a port chosen here
-    and released before torchrun binds it can be taken by a parallel test.
+    and released before torchrun binds it can be taken by a parallel test. It
+    runs in the test's own folder, so what a script saves stays out of the checkout.
     """
 
     def run(script: Path, *args: str) -> subprocess.CompletedProcess:
@@ -112,6 +113,7 @@ def torchrun(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
                 str(script),
                 *args,
             ],
+            cwd=tmp_path,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             capture_output=True,
             text=True,

@@ -13,6 +13,9 @@ lines it must report.
   also under a test of the rank's own tensor values (`if loss.mean() > t:`),
   and a step one rank skips on its own data (a NaN loss, an empty batch)
   before its backward's gradient all-reduce (uneven-inputs);
+- collective_saves: checkpoint calls that are collectives (DeepSpeed's
+  engine.save_checkpoint, Lightning's trainer.save_checkpoint, Fabric's save,
+  FSDP's state_dict) under a rank test (collective-mismatch, fsdp-state-dict);
 - rank_dependent: collectives every rank calls, but with tensors whose
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
@@ -60,6 +63,7 @@ from assistant.lint.checks import (
     cache,
     checkpoint,
     collective_reach,
+    collective_saves,
     data,
     devices,
     fork,
@@ -83,6 +87,7 @@ __all__ = [
     "cache",
     "checkpoint",
     "collective_reach",
+    "collective_saves",
     "data",
     "devices",
     "fork",

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from assistant.lint.model import Script, called_name, short, source_text
 from assistant.lint.ranks import (
@@ -16,19 +17,39 @@ from assistant.lint.ranks import (
 )
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_collective, is_distributed
-from assistant.lint.tracer import same_file_callees
+from assistant.lint.tracer import TracedCall, same_file_callees
 from assistant.results import Finding
+
+Kind = TypeVar("Kind")
 
 
 @check("collective-mismatch")
 def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
     """A collective that only rank 0 (or only the other ranks) reaches: the rest hang."""
+    for call, lonely, _ in lonely_calls(script, lambda call: is_collective(call.name)):
+        yield script.finding(
+            "collective-mismatch",
+            call.node,
+            f"{short(call.name)}() runs on {lonely.side} (the `if` on line "
+            f"{lonely.test_if.lineno}); every rank must call each collective, or the others hang",
+        )
+
+
+def lonely_calls(
+    script: Script, wanted: Callable[[TracedCall], Kind | None]
+) -> Iterator[tuple[TracedCall, RankBranch, Kind]]:
+    """Each call that `wanted` tells is a collective (what it returns: True, or the
+    kind of collective) and that only some ranks reach, with the rank branch whose
+    other side never calls it (a paired `if` or the else would answer it)."""
     blocks: dict[int, list[ast.stmt]] = {}
     graph: CallGraph | None = None  # both built on the first guarded collective
     reaches: dict[str, CollectiveReach] = {}
     for trace in script.traces:
         for call in trace:
-            if not call.rank_path or not is_collective(call.name):
+            if not call.rank_path:
+                continue
+            kind = wanted(call)
+            if not kind:
                 continue
             if not some_rank_runs(call.rank_path):
                 continue  # the single-process path, or tests no rank passes together
@@ -42,14 +63,8 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
             reach = reaches[collective]
             # Innermost first: a paired `if` inside can still sit in a rank-0-only caller.
             lonely = next((b for b in reversed(call.rank_path) if not reach.answered(b)), None)
-            if lonely is None:
-                continue
-            yield script.finding(
-                "collective-mismatch",
-                call.node,
-                f"{collective}() runs on {lonely.side} (the `if` on line {lonely.test_if.lineno}); "
-                "every rank must call each collective, or the others hang",
-            )
+            if lonely is not None:
+                yield call, lonely, kind
 
 
 def statement_blocks(script: Script) -> dict[int, list[ast.stmt]]:

@@ -1,0 +1,144 @@
+"""Checkpoint calls that are collectives, made on rank 0 only (collective-mismatch,
+fsdp-state-dict): DeepSpeed's engine.save_checkpoint, Lightning's
+trainer.save_checkpoint, Fabric's save, FSDP's state_dict and its kin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "fsdp_state_dict_gathered_on_rank_zero_only.py"
+FIXED = SCRIPTS / "correct_fsdp_state_dict_gathered_on_every_rank.py"
+CAUSES = ("collective-mismatch", "fsdp-state-dict")
+
+DEEPSPEED = """
+import deepspeed
+import torch.distributed as dist
+engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params)
+rank = dist.get_rank()
+"""
+LIGHTNING = """
+import lightning as L
+"""
+FSDP = """
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+"""
+
+
+def findings(prelude: str, body: str) -> list[tuple[int, str]]:
+    return [(line, f.cause_id) for line, f in lint_snippet(prelude, body, CAUSES)]
+
+
+@pytest.mark.slow
+def test_the_fsdp_fixture_times_out_as_linted_under_torchrun_and_its_twin_saves(torchrun):
+    # Rank 0 waits in the state_dict all-gather, rank 1 in the barrier after it.
+    assert_broken_fails_and_twin_runs(torchrun, BROKEN, "Timed out waiting 10000ms", FIXED, "saved")
+
+
+def test_deepspeed_save_and_load_on_rank_zero_only_are_reported():
+    body = """
+    if rank == 0:
+        engine.save_checkpoint("ckpt")
+    if rank == 0:
+        engine.load_checkpoint("ckpt")
+    if rank == 0:
+        engine.save_16bit_model("out")
+    """
+    assert findings(DEEPSPEED, body) == [
+        (3, "collective-mismatch"), (5, "collective-mismatch"), (7, "collective-mismatch")
+    ]  # fmt: skip
+
+
+def test_deepspeed_save_on_every_rank_or_in_both_branches_is_quiet():
+    body = """
+    engine.save_checkpoint("ckpt")
+    if rank == 0:
+        engine.save_checkpoint("ckpt", tag="best")
+    else:
+        engine.save_checkpoint("ckpt", tag="best")
+    if rank == 0:
+        torch.save(engine.module.state_dict(), "plain.pt")
+    """
+    assert findings(DEEPSPEED, body) == []
+
+
+def test_a_save_checkpoint_of_anything_but_the_deepspeed_engine_is_quiet():
+    body = """
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    if rank == 0:
+        engine.save_checkpoint("ckpt")
+        saver.save_checkpoint("ckpt")
+    """
+    assert findings("", body) == []
+
+
+def test_lightning_trainer_and_fabric_saves_on_global_zero_are_reported():
+    body = """
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.is_global_zero:
+            trainer.save_checkpoint("last.ckpt")
+
+    def save(fabric, state):
+        if fabric.global_rank == 0:
+            fabric.save("state.ckpt", state)
+    """
+    assert findings(LIGHTNING, body) == [(4, "collective-mismatch"), (8, "collective-mismatch")]
+
+
+def test_lightning_names_in_a_file_without_lightning_are_quiet():
+    body = """
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        trainer.save_checkpoint("last.ckpt")
+        fabric.save("state.ckpt", {})
+    """
+    assert findings("", body) == []
+
+
+def test_fsdp_gathers_on_rank_zero_only_are_reported():
+    body = """
+    model = FSDP(net)
+    if rank == 0:
+        state = model.state_dict()
+        optim = FSDP.optim_state_dict(model, optimizer)
+        dcp.save({"model": state}, checkpoint_id="ckpt")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    """
+    assert findings(FSDP, body) == [
+        (4, "fsdp-state-dict"), (5, "fsdp-state-dict"), (6, "fsdp-state-dict"),
+        (7, "fsdp-state-dict"),
+    ]  # fmt: skip
+
+
+def test_fsdp2_local_shards_and_a_sharded_get_on_rank_zero_are_quiet():
+    # FSDP2's state_dict and get_model_state_dict without full_state_dict return
+    # the local shards: no communication, so rank 0 alone may take them.
+    body = """
+    fully_shard(net)
+    if rank == 0:
+        local = net.state_dict()
+        sharded = get_model_state_dict(net)
+    """
+    assert findings(FSDP, body) == []
+
+
+def test_the_message_names_the_call_its_rank_test_and_why():
+    body = """
+    model = FSDP(net)
+    if rank == 0:
+        torch.save(model.state_dict(), "model.pt")
+    """
+    (finding,) = [f for _line, f in lint_snippet(FSDP, body, CAUSES)]
+    assert "model.state_dict() runs on rank 0 only (the `if` on line" in finding.message
+    assert "all-gathers every rank's shard" in finding.message
+    assert "call it on every rank" in finding.message
