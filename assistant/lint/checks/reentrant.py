@@ -29,7 +29,9 @@ Quiet where it works: use_reentrant=False, a value computed elsewhere, a
 `**kwargs` that may carry it, `static_graph=True` (or `_set_static_graph()`):
 DDP then supports reentrant backward, reused and unused parameters included;
 and DDP with no find_unused_parameters=True and no module checkpointed twice
-(plain reentrant checkpointing of distinct blocks trains under DDP).
+(plain reentrant checkpointing of distinct blocks trains under DDP). A
+find_unused_parameters the run decides (`cfg.layerdrop > 0`, `args.flag`) is
+read as true: the finding says when it bites.
 """
 
 from __future__ import annotations
@@ -63,14 +65,7 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
     trainer_args = [node for node, name in script.call_names if short(name) == "TrainingArguments"]
     if not (configs or trainer_args) or static_graph(script, configs):
         return
-    unused = [node for node in configs if is_true(keyword(node, "find_unused_parameters"))]
-    unused_line = unused[0].lineno if unused else None
-    if unused_line is None and LIGHTNING_FIND_UNUSED in script.string_constants:
-        unused_line = next(
-            n.lineno
-            for n in script.nodes
-            if isinstance(n, ast.Constant) and n.value == LIGHTNING_FIND_UNUSED
-        )
+    unused = unused_parameters_setting(script, configs)
     patched = patches_checkpoint(script)
     own_enable = HF_ENABLE in script.methods_by_name
     loops: Loops | None = None  # built at the first checkpoint call that needs it
@@ -85,8 +80,8 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
                 "reentrant variant)"
             )
             fix = "pass use_reentrant=False"
-            if unused_line is not None:
-                yield unused_finding(script, node, variant, unused_line, fix)
+            if unused is not None:
+                yield unused_finding(script, node, variant, unused, fix)
                 continue
             if not configs:
                 continue
@@ -105,7 +100,7 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
             isinstance(node.func, ast.Attribute)
             and node.func.attr == HF_ENABLE
             and not own_enable
-            and unused_line is not None
+            and unused is not None
             and hf_mode(script, node, node.args[0] if node.args else keyword(node, HF_KWARGS))
             == REENTRANT
         ):
@@ -116,17 +111,39 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
                 else f"{HF_ENABLE}() with reentrant checkpointing"
             )
             fix = f'pass {HF_KWARGS}={{"use_reentrant": False}}'
-            yield unused_finding(script, node, variant, unused_line, fix)
+            yield unused_finding(script, node, variant, unused, fix)
     yield from trainer_arguments(script, trainer_args)
 
 
+def unused_parameters_setting(script: Script, configs: list[ast.Call]) -> tuple[int, str] | None:
+    """Where DDP is told it may find unused parameters, and how it is said:
+    `find_unused_parameters=True`, or a value the run decides
+    (`find_unused_parameters=cfg.layerdrop > 0`: true whenever that setting is
+    on); Lightning's "ddp_find_unused_parameters_true". None if nowhere."""
+    for node in configs:
+        value = keyword(node, "find_unused_parameters")
+        if is_true(value):
+            return node.lineno, "find_unused_parameters=True"
+        if value is not None and not isinstance(value, ast.Constant):
+            return node.lineno, f"find_unused_parameters={source_text(value)}, when that is true"
+    if LIGHTNING_FIND_UNUSED not in script.string_constants:
+        return None
+    line = next(
+        n.lineno
+        for n in script.nodes
+        if isinstance(n, ast.Constant) and n.value == LIGHTNING_FIND_UNUSED
+    )
+    return line, "find_unused_parameters=True"
+
+
 def unused_finding(
-    script: Script, node: ast.Call, variant: str, unused_line: int, fix: str
+    script: Script, node: ast.Call, variant: str, unused: tuple[int, str], fix: str
 ) -> Finding:
+    line, setting = unused
     return script.finding(
         "ddp-reentrant-checkpoint",
         node,
-        f"{variant} under DDP with find_unused_parameters=True (line {unused_line}): DDP "
+        f"{variant} under DDP with {setting} (line {line}): DDP "
         "counts the checkpointed parameters unused in the forward, then the recomputation "
         'in backward marks them ready again ("Expected to mark a variable ready only '
         f'once"); {fix}',
