@@ -186,6 +186,48 @@ def test_the_wrapper_handed_to_a_function_is_the_wrapper_there():
     assert [line for line, _ in found] == [3]
 
 
+def test_the_wrapper_handed_to_a_method_of_the_files_class_is_the_wrapper_there():
+    # ckpt is only ever a Saver: its save() gets the DDP model after self; a
+    # staticmethod's parameters start at the first; a class built twice from
+    # two classes is not judged.
+    found = findings(
+        """
+        class Saver:
+            def save(self, net, step):
+                return net.config
+
+            @staticmethod
+            def log(net):
+                return net.config
+
+        def main(other):
+            model = DDP(nn.Linear(2, 2))
+            ckpt = Saver()
+            ckpt.save(model, 1)
+            ckpt.log(model)
+            maybe = Saver() if other else dict()
+            maybe.save(model, 2)
+        """
+    )
+    assert [line for line, _ in found] == [4, 8]
+
+
+def test_a_method_called_on_an_object_of_another_class_is_not_judged():
+    found = findings(
+        """
+        class Saver:
+            def save(self, net, step):
+                return net.config
+
+        def main(store):
+            model = DDP(nn.Linear(2, 2))
+            store = make_store()
+            store.save(model, 1)
+        """
+    )
+    assert found == []
+
+
 def test_a_function_also_given_the_bare_model_is_not_judged():
     found = findings(
         """

@@ -162,19 +162,22 @@ class ScopeFacts:
 def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> None:
     """A function's parameter holds the wrapper when every call of the function in
     the file passes it a name that holds the same wrapper there (`evaluate(model)`
-    after `model = DDP(model)`)."""
+    after `model = DDP(model)`); a method's too, called on an instance of its class
+    (`ckpt.save(model)` after `ckpt = CheckpointManager(...)`)."""
     passed: dict[tuple[str, int], set[str | None]] = {}
     for scope in script.all_scopes:
         facts = scopes[id(scope)]
         for node in script.scope_nodes(scope):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            if not isinstance(node, ast.Call):
                 continue
-            if node.func.id not in script.functions:
+            called = called_function(script, node)
+            if called is None:
                 continue
-            for position, arg in enumerate(node.args):
+            function_name, first = called
+            for position, arg in enumerate(node.args, start=first):
                 if isinstance(arg, ast.Name):
                     wrapper = facts.wrapper_at(arg.id, node.lineno)
-                    passed.setdefault((node.func.id, position), set()).add(wrapper)
+                    passed.setdefault((function_name, position), set()).add(wrapper)
     for (function_name, position), wrappers in passed.items():
         function = script.functions[function_name]
         parameters = function.args.posonlyargs + function.args.args
@@ -183,6 +186,29 @@ def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> No
         facts = scopes.get(id(function))
         if facts is not None:
             facts.bind(parameters[position].arg, function.lineno, next(iter(wrappers)))
+
+
+def called_function(script: Script, call: ast.Call) -> tuple[str, int] | None:
+    """The file's function a call runs, and which parameter its first argument
+    fills: `f(x)` (0), `obj.m(x)` where every `obj = ...` of the file builds the
+    file's class that defines m (1, after self; 0 for a staticmethod)."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        return (func.id, 0) if func.id in script.functions else None
+    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        return None
+    built = script.assigned_values.get(func.value.id, [])
+    classes = {v.func.id for v in built if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)}
+    if len(classes) != 1 or len(built) != sum(isinstance(v, ast.Call) for v in built):
+        return None
+    method = f"{next(iter(classes))}.{func.attr}"
+    if method not in script.functions:
+        return None
+    static = any(
+        isinstance(d, ast.Name) and d.id == "staticmethod"
+        for d in script.functions[method].decorator_list
+    )
+    return method, 0 if static else 1
 
 
 def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -> Iterator[Finding]:
