@@ -408,13 +408,17 @@ def batch_names(loop: ast.For | ast.While) -> set[str]:
 
 def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
     """The test reads this rank's own tensors: isfinite / isnan / isinf, .item(),
-    or an empty or missing batch (`batch is None`, `len(targets) == 0`)."""
+    an empty or missing batch (`batch is None`, `len(targets) == 0`), or a
+    reduction of the batch (`not y_mask.any()`, `(labels != -100).sum() == 0`:
+    a batch with no targets)."""
     for node in ast.walk(test):
         if isinstance(node, ast.Call):
             called = called_name(node)
             if called in VALUE_READS:
                 return True
             if called in ("len", "numel") and names_in(node) & batch:
+                return True
+            if called in TENSOR_READS and names_in(node) & batch:
                 return True
         if is_none_test(node) and names_in(node.left) & batch:
             return True
