@@ -666,3 +666,66 @@ def test_the_fixtures_lint_quiet_on_run_correctly_under_torchrun(
     result = torchrun(SCRIPTS / name)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count(printed) == 2
+
+
+# ---------------------------------------------------------------- a sampler of the file's own
+
+OWN_SAMPLER = """
+from torch.utils.data import Sampler
+
+
+class BucketSampler(Sampler):
+    def __init__(self, lengths, seed=0):
+        self.lengths, self.seed = lengths, seed
+
+    def __iter__(self):
+        return iter(sorted(range(len(self.lengths)), key=self.lengths.__getitem__))
+
+    def __len__(self):
+        return len(self.lengths)
+"""
+
+
+@pytest.mark.slow
+def test_an_own_sampler_that_never_splits_reads_everything_on_every_rank(torchrun):
+    broken = torchrun(SCRIPTS / "own_sampler_not_split_by_rank.py")
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert broken.stdout.count("read 128 of 128") == 2
+    fixed = torchrun(SCRIPTS / "correct_own_sampler_split_by_rank.py")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("read 64 of 128") == 2
+
+
+def test_an_own_sampler_is_reported_as_sampler_or_batch_sampler_directly_or_by_name():
+    body = OWN_SAMPLER + (
+        "sampler = BucketSampler([3, 1, 2])\n"
+        "loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+        "batches = DataLoader(data, batch_sampler=BucketSampler([1, 2]))\n"
+    )
+    last = len(body.splitlines())
+    assert findings(DDP_PRELUDE, body) == [
+        ("missing-distributed-sampler", last - 1),
+        ("missing-distributed-sampler", last),
+    ]
+
+
+@pytest.mark.parametrize(
+    "built",
+    [
+        "BucketSampler([3, 1, 2], rank=rank)",  # told the rank where it is built
+        "BucketSampler(lengths_of_this_shard)",  # a name that says it is this rank's part
+        "DistributedSamplerWrapper(BucketSampler([3, 1]))",  # wrapped by a splitting sampler
+        "make_sampler([3, 1, 2])",  # built elsewhere: not known
+    ],
+)
+def test_an_own_sampler_told_the_rank_or_not_known_is_quiet(built: str):
+    body = OWN_SAMPLER + f"loader = DataLoader(data, batch_size=8, sampler={built})\n"
+    assert findings(DDP_PRELUDE, body) == []
+
+
+def test_an_own_sampler_whose_code_reads_the_rank_is_quiet():
+    splitting = OWN_SAMPLER.replace(
+        "return iter(sorted(", "return iter(sorted(range(dist.get_rank(), 9, 2)) or sorted("
+    )
+    body = splitting + "loader = DataLoader(data, batch_size=8, sampler=BucketSampler([3, 1]))\n"
+    assert findings(DDP_PRELUDE, body) == []

@@ -38,6 +38,9 @@ SEEDING_METHODS = frozenset({"manual_seed", "seed"})
 SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
 # `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
 PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
+# Words of a sampler that splits by rank (`self.rank`, `num_replicas`,
+# `get_world_size()`, "WORLD_SIZE", a shard or a part): any of them keeps it quiet.
+SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.IGNORECASE)
 # A name that holds a list of files or shards.
 FILE_LIST = re.compile(r"file|shard|path", re.IGNORECASE)
 LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
@@ -147,6 +150,37 @@ def equalizes_steps(script: Script) -> bool:
     return False
 
 
+@check("missing-distributed-sampler")
+def check_own_sampler_not_split(script: Script) -> Iterator[Finding]:
+    """A DataLoader whose sampler is the file's own Sampler class (a P x K identity
+    sampler, a bucketing sampler) that never splits the indices by rank: every rank
+    iterates the whole dataset, as with no sampler at all."""
+    data = DataFlow(script)
+    if not data.is_distributed or data.uses_framework:
+        return
+    for node in data.loader_calls:
+        sampler = next(
+            (k.value for k in node.keywords if k.arg in ("sampler", "batch_sampler")), None
+        )
+        built = data.own_sampler(sampler) if sampler is not None else None
+        if built is None:
+            continue
+        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        if dataset is not None and (data.may_be_iterable(dataset) or data.sharded_by_rank(dataset)):
+            continue
+        if data.rank_zero_only(node):
+            continue
+        name = called_name(built)
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            f"the DataLoader's sampler, {name}(...), is this file's own and never splits the "
+            "indices by rank: every rank iterates the whole dataset (N times the work, the same "
+            "batches on every GPU when the ranks seed alike); give it the rank and the number of "
+            "replicas and keep every num_replicas-th index from rank, as DistributedSampler does",
+        )
+
+
 def has_sampler(loader: ast.Call) -> bool:
     """sampler= / batch_sampler= given (not None), by position, or maybe through */**."""
     for given in loader.keywords:
@@ -238,6 +272,47 @@ class DataFlow:
             if "distributed" in word.lower() and "sampler" in word.lower():
                 return True
         return False
+
+    @cached_property
+    def own_samplers(self) -> dict[str, ast.ClassDef]:
+        """The file's Sampler classes (a base named like `...Sampler`) whose code, with
+        their same-file bases', never reads a rank, a world size or a replica count."""
+        classes = {n.name: n for n in self.script.nodes if isinstance(n, ast.ClassDef)}
+        found = {}
+        for name, cls in classes.items():
+            lineage, pending = [], [cls]
+            while pending and len(lineage) < MAX_ORIGINS:
+                current = pending.pop()
+                lineage.append(current)
+                pending += [
+                    classes[b.id]
+                    for b in current.bases
+                    if isinstance(b, ast.Name) and b.id in classes
+                ]
+            bases = {called_name_of(b) for c in lineage for b in c.bases}
+            if not any(base.endswith("Sampler") for base in bases):
+                continue
+            if any(SPLIT_WORDS.search(word) for c in lineage for word in words_in(c)):
+                continue
+            found[name] = cls
+        return found
+
+    def own_sampler(self, sampler: ast.expr) -> ast.Call | None:
+        """The call building `sampler` (itself, or every value of the name it is) when it
+        builds one of own_samplers with no argument that reads a rank; else None."""
+        values = (
+            self.script.assigned_values.get(sampler.id, [])
+            if isinstance(sampler, ast.Name)
+            else [sampler]
+        )
+        calls = [v for v in values if isinstance(v, ast.Call)]
+        if not calls or len(calls) != len(values):
+            return None
+        if any(called_name(c) not in self.own_samplers for c in calls):
+            return None
+        if any(SPLIT_WORDS.search(word) for c in calls for word in words_in(c)):
+            return None
+        return calls[0]
 
     @cached_property
     def uses_framework(self) -> bool:
@@ -924,3 +999,25 @@ def outside_placements(script: Script, value: ast.AST) -> Iterator[ast.AST]:
                 pending.append(node.func.value)  # what `.to()` moves is still read
             continue
         pending.extend(ast.iter_child_nodes(node))
+
+
+def called_name_of(expr: ast.expr) -> str:
+    """`Sampler` for `Sampler`, `data.Sampler` or `Sampler[int]`."""
+    if isinstance(expr, ast.Subscript):
+        expr = expr.value
+    if isinstance(expr, ast.Attribute):
+        return expr.attr
+    return expr.id if isinstance(expr, ast.Name) else ""
+
+
+def words_in(node: ast.AST) -> Iterator[str]:
+    """Every identifier, attribute and string constant under `node`."""
+    for part in ast.walk(node):
+        if isinstance(part, ast.Name):
+            yield part.id
+        elif isinstance(part, ast.Attribute):
+            yield part.attr
+        elif isinstance(part, ast.arg):
+            yield part.arg
+        elif isinstance(part, ast.Constant) and isinstance(part.value, str):
+            yield part.value
