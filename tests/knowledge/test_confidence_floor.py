@@ -59,7 +59,8 @@ def test_high_confidence_is_right_nine_times_in_ten_over_all_real_reports(report
     # measured 0.341 with holdout21 (its 64: 20%), 0.452 once the three word signals
     # agreeing could make "high" (session 16), 0.49 once dense and reports
     # agreeing could (session 20), 0.460 once session 21 asked that rule for the
-    # reports model's clear lead, 0.4599 once holdout33 joined (session 22);
+    # reports model's clear lead, 0.4599 once holdout33 joined (session 22),
+    # 0.4555 once holdout34 joined and six signatures became symptoms (session 23);
     # the target is 0.4
     assert share >= 0.45, reports
 
@@ -69,7 +70,8 @@ def test_high_confidence_is_right_nine_times_in_ten_on_traffic_like_reports(repo
     assert len(fresh) >= 8, sorted(fresh)
     right, share = high_right_and_share(fresh)
     assert right >= 0.9, fresh
-    # measured 0.236, 0.325 since session 16, 0.389 since session 20; the target is 0.4
+    # measured 0.236, 0.325 since session 16, 0.389 since session 20, 0.367 in
+    # session 23 (holdout34 in, six signatures symptoms); the target is 0.4
     assert share >= 0.36, fresh
 
 
