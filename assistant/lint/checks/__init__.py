@@ -6,7 +6,8 @@ of its area (or a new module listed below), decorate it with
 the mistake under tests/data/scripts/ with `# expect: <cause id>` on the
 lines it must report.
 
-- launch: the main guard, the local rank (flag or env), hard-coded world size;
+- launch: the main guard, the local rank (flag or env), hard-coded world size,
+  a spawned worker's per-process rank beside a world size of nodes;
 - devices: fixed GPUs, set_device order, DDP device_ids on a CPU module;
 - process_group: torch.distributed calls before init_process_group;
 - collective_reach: collectives only some ranks reach (collective-mismatch),

@@ -148,6 +148,94 @@ def check_world_size_mismatch(script: Script) -> Iterator[Finding]:
             )
 
 
+@check("world-size-mismatch")
+def check_world_size_of_nodes_with_process_ranks(script: Script) -> Iterator[Finding]:
+    """In a spawned worker, a rank counted per process (`args.rank * ngpus_per_node +
+    gpu`, the ImageNet example's) next to a world_size no line of the file scales by
+    the processes per node: --world-size given as the number of nodes."""
+    for worker in spawned_workers(script):
+        index = (worker.args.posonlyargs + worker.args.args)[0].arg
+        assigned = values_in(script, worker)
+        for node in script.scope_nodes(worker):
+            if not (
+                isinstance(node, ast.Call)
+                and short(script.name_of(node.func)) == "init_process_group"
+            ):
+                continue
+            rank, world = keyword(node, "rank"), keyword(node, "world_size")
+            if rank is None or world is None or not isinstance(world, (ast.Name, ast.Attribute)):
+                continue
+            if not counts_processes(rank, index, assigned) or scaled(script, world):
+                continue
+            yield script.finding(
+                "world-size-mismatch",
+                world,
+                f"rank={source_text(rank)} counts processes ({index} is the spawned index), but "
+                f"world_size={source_text(world)} is never multiplied by the processes per node "
+                "anywhere in the file: given the number of nodes (--world-size 1), every rank "
+                "from 1 up is outside the world, and rendezvous waits until it times out; set "
+                f"{source_text(world)} = nodes * processes per node before spawning",
+            )
+
+
+def spawned_workers(script: Script) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The file's functions that mp.spawn (or start_processes) runs, with an index parameter."""
+    workers = []
+    for node, name in script.call_names:
+        if name not in SPAWNERS or not name.endswith(("spawn", "start_processes")):
+            continue
+        target = node.args[0] if node.args else keyword(node, "fn")
+        if isinstance(target, ast.Name) and target.id in script.functions:
+            function = script.functions[target.id]
+            if function.args.posonlyargs + function.args.args:
+                workers.append(function)
+    return workers
+
+
+def values_in(script: Script, scope: ast.AST) -> dict[str, list[ast.expr]]:
+    """What each name or attribute (`args.rank`) is assigned in one function."""
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in script.scope_nodes(scope):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            assigned.setdefault(source_text(node.targets[0]), []).append(node.value)
+    return assigned
+
+
+def counts_processes(rank: ast.expr, index: str, assigned: dict[str, list[ast.expr]]) -> bool:
+    """`rank` is, or was assigned, a product plus the spawned index (node_rank * n + index)."""
+    values = [rank, *assigned.get(source_text(rank), [])]
+    for value in values:
+        if not (isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)):
+            continue
+        parts = (value.left, value.right)
+        has_index = any(isinstance(p, ast.Name) and p.id == index for p in parts)
+        has_product = any(isinstance(p, ast.BinOp) and isinstance(p.op, ast.Mult) for p in parts)
+        if has_index and has_product:
+            return True
+    return False
+
+
+def scaled(script: Script, world: ast.expr) -> bool:
+    """Some line of the file assigns `world` a product, `*=`s it, or reads it from the
+    environment (WORLD_SIZE): then it may well count processes."""
+    text = source_text(world)
+    for node in script.nodes:
+        if isinstance(node, ast.AugAssign) and source_text(node.target) == text:
+            return True
+        if isinstance(node, ast.Assign) and any(source_text(t) == text for t in node.targets):
+            if any(
+                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
+                for n in ast.walk(node.value)
+            ):
+                return True
+            if any(
+                isinstance(n, ast.Constant) and n.value == "WORLD_SIZE"
+                for n in ast.walk(node.value)
+            ):
+                return True
+    return False
+
+
 def module_int_constants(script: Script) -> dict[str, int]:
     """Module-level names assigned exactly once, to an int literal (WORLD_SIZE = 4)."""
     values: dict[str, int] = {}

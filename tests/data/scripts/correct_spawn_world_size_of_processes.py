@@ -1,0 +1,39 @@
+"""The ImageNet example's launch as it is written: the world size scaled to processes.
+
+`--world-size` counts nodes on the command line; before spawning, the script
+multiplies it by the processes per node, so every spawned rank (node rank *
+processes per node + index) is inside the world.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dist-url", default="tcp://127.0.0.1:23456")
+parser.add_argument("--world-size", default=1, type=int, help="number of nodes")
+parser.add_argument("--rank", default=0, type=int, help="node rank")
+
+
+def main_worker(gpu, ngpus_per_node, args):
+    args.rank = args.rank * ngpus_per_node + gpu
+    dist.init_process_group(
+        "gloo", init_method=args.dist_url, world_size=args.world_size, rank=args.rank
+    )
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(f"rank {args.rank} of {dist.get_world_size()}: {int(total.item())} processes")
+    dist.destroy_process_group()
+
+
+def main():
+    args = parser.parse_args()
+    ngpus_per_node = torch.cuda.device_count() or 2  # two CPU processes where there is no GPU
+    args.world_size = ngpus_per_node * args.world_size
+    mp.spawn(main_worker, nprocs=ngpus_per_node, args=(ngpus_per_node, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""world-size-mismatch: a spawned worker counts its rank per process (node rank *
+processes per node + index) while world_size stays the number of nodes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "spawn_world_size_of_nodes.py"
+FIXED = SCRIPTS / "correct_spawn_world_size_of_processes.py"
+WAIT_SECONDS = 30
+
+HEADER = """
+import os
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+"""
+WORKER = """
+def main_worker(gpu, ngpus_per_node, args):
+    args.rank = args.rank * ngpus_per_node + gpu
+    dist.init_process_group("nccl", world_size=args.world_size, rank=args.rank)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def spawned(script: Path, folder: Path) -> tuple[bool, str]:
+    """(finished within WAIT_SECONDS, what it printed); the whole group is killed after."""
+    command = [sys.executable, str(script), "--dist-url", f"tcp://127.0.0.1:{free_port()}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, _ = run.communicate(timeout=WAIT_SECONDS)
+        return True, out
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        out, _ = run.communicate()
+        return False, out
+
+
+@pytest.mark.slow
+def test_rank_zero_trains_alone_and_rank_one_waits_while_the_twin_counts_both(tmp_path):
+    finished, out = spawned(BROKEN, tmp_path)
+    assert not finished and "rank 0 of 1: 1 processes" in out, out[-2000:]
+    assert "rank 1 of" not in out
+    finished, out = spawned(FIXED, tmp_path)
+    assert finished, out[-2000:]
+    assert "rank 0 of 2: 2 processes" in out and "rank 1 of 2: 2 processes" in out
+
+
+def findings(body: str) -> list[int]:
+    return [line for line, _f in lint_snippet(HEADER, WORKER + body, ["world-size-mismatch"])]
+
+
+def test_a_world_size_of_nodes_is_reported_where_it_is_passed():
+    body = """
+    def main(args, ngpus):
+        mp.spawn(main_worker, nprocs=ngpus, args=(ngpus, args))
+    """
+    assert findings(body) == [4]  # the init_process_group line of WORKER
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        "args.world_size = ngpus * args.world_size",
+        "args.world_size *= ngpus",
+        "args.world_size = int(os.environ['WORLD_SIZE'])",
+    ],
+)
+def test_a_world_size_scaled_or_read_from_the_launcher_is_quiet(scaling: str):
+    body = f"""
+    def main(args, ngpus):
+        {scaling}
+        mp.spawn(main_worker, nprocs=ngpus, args=(ngpus, args))
+    """
+    assert findings(body) == []
+
+
+def test_a_rank_that_is_the_index_alone_is_not_judged():
+    body = """
+    def single(gpu, args):
+        dist.init_process_group("nccl", world_size=args.world_size, rank=gpu)
+
+    def main(args, ngpus):
+        mp.spawn(single, nprocs=ngpus, args=(args,))
+    """
+    assert findings(body) == []
