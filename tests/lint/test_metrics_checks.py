@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from snippets import lint_snippet
 
+from assistant.lint import lint_source
+
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "validation_accuracy_of_one_share.py"
 FIXED = SCRIPTS / "correct_validation_counts_all_reduced.py"
@@ -111,3 +113,47 @@ def test_a_loader_of_the_same_name_in_another_function_is_not_the_sharded_one():
         """
     )
     assert lines == []
+
+
+# ---------------------------------------------------------------- Lightning's epoch-end metrics
+
+LIGHTNING_MODULE = """
+import lightning as L
+import torch
+
+
+class Model(L.LightningModule):
+    def validation_step(self, batch, batch_idx):
+        self.outputs.append(self(batch[0]))
+
+    def on_validation_epoch_end(self):
+        outputs = torch.cat(self.outputs)
+        score = outputs.mean().item()
+        self.log("val_score", score)
+"""
+
+
+def lightning_findings(source: str) -> list[int]:
+    return [f.line for f in lint_source(source) if f.cause_id == "metrics-not-reduced"]
+
+
+def test_a_lightning_epoch_metric_from_collected_outputs_is_reported():
+    assert lightning_findings(LIGHTNING_MODULE) == [len(LIGHTNING_MODULE.splitlines())]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        # gathered from every rank first
+        ("torch.cat(self.outputs)", "self.all_gather(torch.cat(self.outputs))"),
+        # Lightning averages it over the ranks
+        ('self.log("val_score", score)', 'self.log("val_score", score, sync_dist=True)'),
+        # one process: every Trainer of the file runs on one device
+        ("class Model", "trainer = L.Trainer(devices=1)\n\n\nclass Model"),
+        # a torchmetrics object syncs at compute(): nothing collected in a list
+        ("self.outputs.append(self(batch[0]))", "self.metric.update(self(batch[0]))"),
+    ],
+)
+def test_a_gathered_synced_one_device_or_torchmetrics_epoch_metric_is_quiet(old, new):
+    assert old in LIGHTNING_MODULE
+    assert lightning_findings(LIGHTNING_MODULE.replace(old, new)) == []

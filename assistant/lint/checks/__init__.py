@@ -36,7 +36,9 @@ lines it must report.
   decides (detections, a mask's selection) into buffers shaped like the
   local one (collective-mismatch);
 - metrics: an evaluation loop over each rank's share of the data whose
-  totals are shown or compared without a collective (metrics-not-reduced);
+  totals are shown or compared without a collective, or a LightningModule's
+  epoch-end metric from the outputs its steps collected, logged unsynced
+  (metrics-not-reduced);
 - model_build: layers added or resized on some ranks only before DDP wraps
   the model, or sized from data each rank reads for itself
   (model-differs-across-ranks);

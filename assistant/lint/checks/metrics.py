@@ -68,6 +68,97 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
         )
 
 
+# Lightning: where a LightningModule collects its evaluation outputs, and where it
+# turns them into an epoch's metric (the 1.x hooks take the outputs as a parameter).
+LIGHTNING_STEPS = frozenset({"validation_step", "test_step"})
+LIGHTNING_EPOCH_ENDS = frozenset(
+    {"on_validation_epoch_end", "on_test_epoch_end", "validation_epoch_end", "test_epoch_end"}
+)
+LIGHTNING_LOGS = frozenset({"log", "log_dict"})
+
+
+@check("metrics-not-reduced")
+def check_lightning_epoch_metric_of_one_share(script: Script) -> Iterator[Finding]:
+    """A LightningModule's epoch-end metric computed from the outputs its
+    validation_step collected in a list (each rank's own share of the data) and
+    logged with no all_gather and no sync_dist: every rank logs its shard's value,
+    and a checkpoint or early stop on it watches part of the data."""
+    if one_device_trainers(script):
+        return
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        if not any(short(script.name_of(b)).endswith("LightningModule") for b in cls.bases):
+            continue
+        methods = {
+            m.name: m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+        }
+        collected = collected_outputs([methods[m] for m in LIGHTNING_STEPS if m in methods])
+        for name in LIGHTNING_EPOCH_ENDS & methods.keys():
+            end = methods[name]
+            outputs = collected | {a.arg for a in end.args.args[1:]}  # 1.x: (self, outputs)
+            nodes = list(ast.walk(end))
+            if not outputs or any(collective_call(script, n) for n in nodes):
+                continue
+            derived = derive(nodes, outputs) - {"self"}
+            for node in nodes:
+                if not (isinstance(node, ast.Call) and logs_unsynced(node)):
+                    continue
+                values = node.args[1:2] if node.func.attr == "log" else node.args[:1]
+                read = next((v for v in values if names_in(v) & derived), None)
+                if read is None:
+                    continue
+                yield script.finding(
+                    "metrics-not-reduced",
+                    node,
+                    f"{source_text(read)} is computed in {name} from what each rank's "
+                    "validation/test steps collected (its own share of the data) and logged "
+                    "with no all_gather and no sync_dist: every rank logs its shard's value, "
+                    "and a checkpoint or early stop on it watches part of the data; "
+                    "self.all_gather the collected outputs first (or use torchmetrics)",
+                )
+
+
+def one_device_trainers(script: Script) -> bool:
+    """Every Trainer the file builds says devices=1 (or gpus=1): one process. Lightning's
+    default, devices="auto", takes every GPU of the machine, with DDP."""
+    trainers = [node for node, name in script.call_names if short(name) == "Trainer"]
+    return bool(trainers) and all(
+        any(
+            isinstance(v := keyword(t, flag), ast.Constant) and v.value in (1, "1")
+            for flag in ("devices", "gpus")
+        )
+        for t in trainers
+    )
+
+
+def collected_outputs(steps: list[Function]) -> set[str]:
+    """`self.x` fields the steps append or extend to (the outputs they collect)."""
+    found = set()
+    for step in steps:
+        for node in ast.walk(step):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("append", "extend")
+                and isinstance(node.func.value, ast.Attribute)
+            ):
+                found.add(source_text(node.func.value))
+    return found
+
+
+def logs_unsynced(call: ast.Call) -> bool:
+    """`self.log(...)` / `self.log_dict(...)` without sync_dist=True (or rank_zero_only)."""
+    func = call.func
+    if not (isinstance(func, ast.Attribute) and func.attr in LIGHTNING_LOGS):
+        return False
+    if not (isinstance(func.value, ast.Name) and func.value.id == "self"):
+        return False
+    for flag in ("sync_dist", "rank_zero_only"):
+        value = keyword(call, flag)
+        if value is not None and not (isinstance(value, ast.Constant) and not value.value):
+            return False
+    return True
+
+
 def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | None, str]]:
     """(function, name) of loaders that split the data by rank: given a
     DistributedSampler, or returned by `accelerator.prepare(...)`. A name is
