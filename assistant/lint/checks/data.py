@@ -41,6 +41,8 @@ PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
 # Words of a sampler that splits by rank (`self.rank`, `num_replicas`,
 # `get_world_size()`, "WORLD_SIZE", a shard or a part): any of them keeps it quiet.
 SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.IGNORECASE)
+# How many same-file base classes of a sampler are read (a cycle of bases ends here).
+MAX_LINEAGE = 16
 # A name that holds a list of files or shards.
 FILE_LIST = re.compile(r"file|shard|path", re.IGNORECASE)
 LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
@@ -281,7 +283,7 @@ class DataFlow:
         found = {}
         for name, cls in classes.items():
             lineage, pending = [], [cls]
-            while pending and len(lineage) < MAX_ORIGINS:
+            while pending and len(lineage) < MAX_LINEAGE:
                 current = pending.pop()
                 lineage.append(current)
                 pending += [
