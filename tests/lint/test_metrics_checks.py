@@ -137,8 +137,18 @@ def lightning_findings(source: str) -> list[int]:
     return [f.line for f in lint_source(source) if f.cause_id == "metrics-not-reduced"]
 
 
-def test_a_lightning_epoch_metric_from_collected_outputs_is_reported():
-    assert lightning_findings(LIGHTNING_MODULE) == [len(LIGHTNING_MODULE.splitlines())]
+@pytest.mark.parametrize(
+    "logged",
+    [
+        'self.log("val_score", score)',
+        'self.log(name="val_score", value=score)',
+        'self.log_dict({"val_score": score})',
+        'self.log_dict(dictionary={"val_score": score})',
+    ],
+)
+def test_a_lightning_epoch_metric_from_collected_outputs_is_reported(logged):
+    source = LIGHTNING_MODULE.replace('self.log("val_score", score)', logged)
+    assert lightning_findings(source) == [len(source.splitlines())]
 
 
 @pytest.mark.parametrize(

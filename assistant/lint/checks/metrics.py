@@ -102,7 +102,7 @@ def check_lightning_epoch_metric_of_one_share(script: Script) -> Iterator[Findin
             for node in nodes:
                 if not (isinstance(node, ast.Call) and logs_unsynced(node)):
                     continue
-                values = node.args[1:2] if node.func.attr == "log" else node.args[:1]
+                values = logged_values(node)
                 read = next((v for v in values if names_in(v) & derived), None)
                 if read is None:
                     continue
@@ -143,6 +143,13 @@ def collected_outputs(steps: list[Function]) -> set[str]:
             ):
                 found.add(source_text(node.func.value))
     return found
+
+
+def logged_values(call: ast.Call) -> list[ast.expr]:
+    """What `self.log(name, value)` / `self.log_dict(metrics)` logs, by position or keyword."""
+    position, name = (1, "value") if call.func.attr == "log" else (0, "dictionary")
+    given = call.args[position : position + 1] or [keyword(call, name)]
+    return [value for value in given if value is not None]
 
 
 def logs_unsynced(call: ast.Call) -> bool:
