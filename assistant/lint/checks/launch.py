@@ -153,6 +153,7 @@ def check_world_size_of_nodes_with_process_ranks(script: Script) -> Iterator[Fin
     """In a spawned worker, a rank counted per process (`args.rank * ngpus_per_node +
     gpu`, the ImageNet example's) next to a world_size no line of the file scales by
     the processes per node: --world-size given as the number of nodes."""
+    scaled: set[str] | None = None  # worked out at the first rank counted per process
     for worker in spawned_workers(script):
         index = (worker.args.posonlyargs + worker.args.args)[0].arg
         assigned = values_in(script, worker)
@@ -165,7 +166,10 @@ def check_world_size_of_nodes_with_process_ranks(script: Script) -> Iterator[Fin
             rank, world = keyword(node, "rank"), keyword(node, "world_size")
             if rank is None or world is None or not isinstance(world, (ast.Name, ast.Attribute)):
                 continue
-            if not counts_processes(rank, index, assigned) or scaled(script, world):
+            if not counts_processes(rank, index, assigned):
+                continue
+            scaled = scaled_names(script) if scaled is None else scaled
+            if source_text(world) in scaled:
                 continue
             yield script.finding(
                 "world-size-mismatch",
@@ -187,7 +191,7 @@ def spawned_workers(script: Script) -> list[ast.FunctionDef | ast.AsyncFunctionD
         target = node.args[0] if node.args else keyword(node, "fn")
         if isinstance(target, ast.Name) and target.id in script.functions:
             function = script.functions[target.id]
-            if function.args.posonlyargs + function.args.args:
+            if function.args.posonlyargs + function.args.args and function not in workers:
                 workers.append(function)
     return workers
 
@@ -215,25 +219,20 @@ def counts_processes(rank: ast.expr, index: str, assigned: dict[str, list[ast.ex
     return False
 
 
-def scaled(script: Script, world: ast.expr) -> bool:
-    """Some line of the file assigns `world` a product, `*=`s it, or reads it from the
-    environment (WORLD_SIZE): then it may well count processes."""
-    text = source_text(world)
+def scaled_names(script: Script) -> set[str]:
+    """Names and attributes some line of the file assigns a product, `*=`s, or reads
+    from the environment (WORLD_SIZE): such a world size may well count processes."""
+    found: set[str] = set()
     for node in script.nodes:
-        if isinstance(node, ast.AugAssign) and source_text(node.target) == text:
-            return True
-        if isinstance(node, ast.Assign) and any(source_text(t) == text for t in node.targets):
-            if any(
-                isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
-                for n in ast.walk(node.value)
-            ):
-                return True
-            if any(
-                isinstance(n, ast.Constant) and n.value == "WORLD_SIZE"
-                for n in ast.walk(node.value)
-            ):
-                return True
-    return False
+        if isinstance(node, ast.AugAssign):
+            found.add(source_text(node.target))
+        elif isinstance(node, ast.Assign) and any(
+            (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult))
+            or (isinstance(n, ast.Constant) and n.value == "WORLD_SIZE")
+            for n in ast.walk(node.value)
+        ):
+            found.update(source_text(target) for target in node.targets)
+    return found
 
 
 def module_int_constants(script: Script) -> dict[str, int]:
