@@ -131,14 +131,14 @@ def one_device_trainers(script: Script) -> bool:
 
 
 def collected_outputs(steps: list[Function]) -> set[str]:
-    """`self.x` fields the steps append or extend to (the outputs they collect)."""
+    """`self.x` fields the steps add to (append, extend, an `evaluate` metric's add_batch)."""
     found = set()
     for step in steps:
         for node in ast.walk(step):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("append", "extend")
+                and node.func.attr in ACCUMULATORS
                 and isinstance(node.func.value, ast.Attribute)
             ):
                 found.add(source_text(node.func.value))
