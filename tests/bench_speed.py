@@ -211,7 +211,7 @@ def held_out_fit_seconds(engine) -> float:
     from assistant.knowledge.reports import text_key
 
     pool = engine._retriever.reports.pool()
-    first = sorted(eval_dir().glob("*.jsonl"))[0]
+    first = min(eval_dir().glob("*.jsonl"))
     held_out = frozenset(text_key(query["query"]) for query in load_queries(first))
     times = []
     for _ in range(REPEATS):
