@@ -47,6 +47,18 @@ def pool(causes) -> ReportPool:
     )
 
 
+@pytest.fixture
+def few_reports(tmp_path, symptoms) -> tuple[Path, dict[str, list[str]]]:
+    """Three labelled files and ten causes' symptoms: the saving, loading and
+    refitting tests check mechanics, which a pool a fifth the size shows as
+    well as the whole one (and each count and fit costs a fifth)."""
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    for name in (HOLDOUT.name, "real_reports_holdout16.jsonl", "real_reports_holdout20.jsonl"):
+        shutil.copy(eval_dir() / name, folder / name)
+    return folder, {cid: symptoms[cid] for cid in sorted(symptoms)[:10]}
+
+
 def test_the_split_gram_is_the_plain_sparse_product(pool):
     """Common n-grams multiplied densely, the rest sparsely: the same x @ x.T."""
     from scipy.sparse import csr_matrix, hstack
@@ -147,12 +159,13 @@ def test_the_signal_ranks_the_causes_of_ask(engine):
 
 
 def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is_refitted(
-    tmp_path, symptoms
+    tmp_path, few_reports
 ):
-    learned = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+    folder, symptoms = few_reports
+    learned = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     fitted = learned.model()
     assert (tmp_path / MODEL_FILE).is_file()
-    again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+    again = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     key = again._files_key()
     saved = ReportModel.load(tmp_path / MODEL_FILE, key)
     text = "NCCL timeout on rank 3 after the first epoch, training hangs"
@@ -161,14 +174,15 @@ def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is
     assert ReportModel.load(tmp_path / MODEL_FILE, "another pool") is None
     (tmp_path / MODEL_FILE).write_bytes(b"not a model")
     assert ReportModel.load(tmp_path / MODEL_FILE, key) is None
-    assert LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms).model() is not None
+    assert LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms).model() is not None
 
 
 def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
-    tmp_path, symptoms, monkeypatch
+    tmp_path, few_reports, monkeypatch
 ):
     """`kb eval` fits from the saved pool instead of counting every report again."""
-    learned = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+    folder, symptoms = few_reports
+    learned = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     counted = learned.pool()
     assert (tmp_path / POOL_FILE).is_file()
     key = learned._files_key()
@@ -190,7 +204,7 @@ def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
 
     with monkeypatch.context() as patched:
         patched.setattr(ReportPool, "count", no_count)
-        again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+        again = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
         assert again.pool().labels == counted.labels
     assert ReportPool.load(tmp_path / POOL_FILE, "another pool") is None
     whole = (tmp_path / POOL_FILE).read_bytes()
@@ -213,16 +227,17 @@ def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
     }
     assert save_arrays(tmp_path / POOL_FILE, header, **arrays)
     assert ReportPool.load(tmp_path / POOL_FILE, key) is None
-    again = LearnedReports([eval_dir()], [tmp_path / MODEL_FILE], symptoms)
+    again = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     assert again.pool().labels == counted.labels  # counted again, and saved again
     assert ReportPool.load(tmp_path / POOL_FILE, key) is not None
 
 
-def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, symptoms):
+def test_an_unwritable_build_folder_saves_to_the_next_cache(tmp_path, few_reports):
+    folder, symptoms = few_reports
     blocked = tmp_path / "file-not-folder"
     blocked.write_text("x")
     cache = tmp_path / "cache" / MODEL_FILE
-    learned = LearnedReports([eval_dir()], [blocked / MODEL_FILE, cache], symptoms)
+    learned = LearnedReports([folder], [blocked / MODEL_FILE, cache], symptoms)
     assert learned.model() is not None
     assert cache.is_file()
 
