@@ -111,6 +111,10 @@ class Cause(Strict):
     # wrong numbers, one GPU busy): a report of an error is not answered
     # with it first (retrieve.py).
     fails: bool = True
+    # False for a cause that only ever fails with an error (an exception, a
+    # refused launch): a report of a hang and nothing else is not answered
+    # with it first (retrieve.py).
+    hangs: bool = True
     # True for a cause of one process driving several GPUs (nn.DataParallel):
     # a report of DDP, torchrun or ranks is not answered with it first.
     one_process: bool = False

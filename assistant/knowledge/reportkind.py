@@ -5,6 +5,11 @@ one GPU (the KB marks them `fails: false`). A report of an error or a hang
 is not answered first with one of them, however much its words look alike
 ("errors when training with 2 GPUs" is not a learning-rate question).
 
+Other causes only ever fail with an error (an exception, a refused launch;
+the KB marks them `hangs: false`). A report of a hang and nothing else (hang
+words, no error words, no root error in its log) is not answered first with
+one of them: "4 GPUs stop at batch 141" is no BatchNorm error.
+
 Some causes live in one process that drives several GPUs (nn.DataParallel's
 gather on GPU 0; `one_process: true`). A report of DDP, torchrun or ranks is
 not answered first with one of them: "GPU 0 holds more memory" there is a
@@ -64,6 +69,15 @@ def reports_failure(text: str, has_root_error: bool) -> bool:
         return True
     said = NEGATED.sub(" ", text[:MAX_CHARS])
     return bool(ERROR_WORDS.search(said) or HANG_WORDS.search(said))
+
+
+def reports_hang_only(text: str, has_root_error: bool) -> bool:
+    """The report shows a hang and no error: hang words, and neither error
+    words nor a root error in its log."""
+    if has_root_error:
+        return False
+    said = NEGATED.sub(" ", text[:MAX_CHARS])
+    return bool(HANG_WORDS.search(said)) and not ERROR_WORDS.search(said)
 
 
 def reports_several_processes(text: str) -> bool:

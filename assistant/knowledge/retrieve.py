@@ -30,7 +30,11 @@ from assistant.knowledge.centroids import CauseCentroids
 from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.patterns import LINEAR_ENGINE, PatternSet
-from assistant.knowledge.reportkind import reports_failure, reports_several_processes
+from assistant.knowledge.reportkind import (
+    reports_failure,
+    reports_hang_only,
+    reports_several_processes,
+)
 from assistant.knowledge.reports import LearnedReports
 from assistant.knowledge.textsearch import fts_query
 
@@ -286,14 +290,18 @@ class Retriever:
         """Causes whose premise the report itself contradicts (reportkind.py).
 
         A report of an error or a hang contradicts the causes that never fail a
-        job (`fails: false`); a report of several processes (DDP, torchrun,
-        ranks) contradicts the causes of one process driving several GPUs
-        (`one_process: true`, nn.DataParallel); a report that never names a
-        tool-bound cause's tool contradicts it (`named_by`).
+        job (`fails: false`); a report of a hang and no error contradicts the
+        causes that only ever fail with an error (`hangs: false`); a report of
+        several processes (DDP, torchrun, ranks) contradicts the causes of one
+        process driving several GPUs (`one_process: true`, nn.DataParallel); a
+        report that never names a tool-bound cause's tool contradicts it
+        (`named_by`).
         """
         contradicted: set[str] = set()
         if reports_failure(query, clean.root_error is not None):
             contradicted |= self.causes_where("fails", False)
+        if reports_hang_only(query, clean.root_error is not None):
+            contradicted |= self.causes_where("hangs", False)
         if reports_several_processes(query):
             contradicted |= self.causes_where("one_process", True)
         return frozenset(contradicted | self.causes_not_named(clean))

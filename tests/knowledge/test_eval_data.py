@@ -109,6 +109,7 @@ SMALL_SETS = {
     "real_reports_holdout33.jsonl",  # 21: five collectors of session 22, both corpora used up
     "real_reports_holdout36.jsonl",  # 7: session 23's third round, the search budget spent
     "real_reports_holdout37.jsonl",  # 13: session 24, three collectors at 90 look-ups each
+    "real_reports_holdout38.jsonl",  # 17: session 25, three collectors at 90 look-ups each
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted

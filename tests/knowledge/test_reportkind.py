@@ -1,4 +1,5 @@
-"""A report of an error or a hang is not answered first with a cause that never fails a job."""
+"""A report of an error or a hang is not answered first with a cause that never fails a job,
+nor a report of a hang alone with a cause that only ever fails with an error."""
 
 from __future__ import annotations
 
@@ -7,10 +8,23 @@ from pathlib import Path
 import pytest
 import yaml
 
-from assistant.knowledge.reportkind import reports_failure, reports_several_processes
+from assistant.knowledge.reportkind import (
+    reports_failure,
+    reports_hang_only,
+    reports_several_processes,
+)
 from assistant.knowledge.retrieve import lowered
 
 KB_CAUSES = Path(__file__).parents[2] / "kb" / "causes"
+
+
+def kb_causes_where(field: str, value: bool) -> set[str]:
+    """The causes whose KB entry sets `field` to `value`."""
+    return {
+        path.stem
+        for path in KB_CAUSES.glob("*.yaml")
+        if yaml.safe_load(path.read_text(encoding="utf-8")).get(field) is value
+    }
 
 
 @pytest.mark.parametrize(
@@ -58,11 +72,7 @@ def test_lowering_makes_every_score_smaller() -> None:
 
 
 def test_the_kb_marks_only_causes_that_never_fail_a_job() -> None:
-    silent = {
-        path.stem
-        for path in KB_CAUSES.glob("*.yaml")
-        if yaml.safe_load(path.read_text(encoding="utf-8")).get("fails") is False
-    }
+    silent = kb_causes_where("fails", False)
     assert {"effective-batch-size-changed", "input-pipeline-bottleneck"} <= silent
     # Causes that print an error or hang are never silent.
     assert not silent & {"collective-timeout", "cuda-out-of-memory", "hardcoded-device"}
@@ -75,6 +85,63 @@ def test_an_error_report_does_not_lead_with_a_silent_cause(engine) -> None:
     question = "Training with 2 GPUs instead of one gives lower accuracy with the same batch size"
     assert engine.rank_ids(error)[0] not in silent
     assert engine.rank_ids(question)[0] in silent
+
+
+@pytest.mark.parametrize(
+    ("text", "hang_only"),
+    [
+        ("4 GPUs hang at batch 141, each rank at a different batch", True),
+        ("training is stuck after the first epoch, there is no error at all", True),
+        ("4个GPU在batch 141卡住，不同rank卡在不同batch", True),
+        ("两张卡训练卡住不动，也没有报错", True),
+        ("training hangs, then NCCL reports a timeout error after 30 minutes", False),
+        ("多卡训练卡住，然后报错退出", False),
+        ("RuntimeError: Expected more than 1 value per channel when training", False),
+        ("the loss is lower with 8 GPUs", False),  # no hang said at all
+    ],
+)
+def test_a_hang_alone_is_hang_words_without_error_words(text: str, hang_only: bool) -> None:
+    assert reports_hang_only(text, has_root_error=False) is hang_only
+
+
+def test_a_root_error_is_never_a_hang_alone() -> None:
+    assert not reports_hang_only("training hangs", has_root_error=True)
+
+
+def test_the_kb_marks_as_error_only_no_cause_that_can_stop_silently() -> None:
+    error_only = kb_causes_where("hangs", False)
+    assert {
+        "batch-too-small-per-gpu",
+        "state-dict-module-prefix",
+        "launcher-not-found",
+    } <= error_only
+    # Causes people report as a hang (a wait in a collective, a lock, a logger,
+    # fp16 overflow skipping every step) are never marked error-only.
+    assert not error_only & {
+        "collective-mismatch",
+        "uneven-inputs",
+        "unused-parameters",
+        "extension-build-lock",
+        "experiment-logger-ddp",
+        "mixed-precision-dtype",
+        "launched-without-torchrun",
+        "hardcoded-device",
+    }
+    # A cause that never fails a job cannot be one that only fails with an error.
+    assert not error_only & kb_causes_where("fails", False)
+
+
+@pytest.mark.slow
+def test_a_hang_alone_does_not_lead_with_an_error_only_cause(engine) -> None:
+    error_only = engine._retriever.causes_where("hangs", False)
+    hang = (
+        "With 4 GPUs and batch size 1 per GPU, training is stuck at a different batch on each rank"
+    )
+    error = (
+        "With 4 GPUs and batch size 1 per GPU: Expected more than 1 value per channel when training"
+    )
+    assert engine.rank_ids(hang)[0] not in error_only
+    assert engine.rank_ids(error)[0] == "batch-too-small-per-gpu"
 
 
 @pytest.mark.parametrize(
@@ -97,11 +164,7 @@ def test_several_processes_are_ddp_launchers_and_ranks(text: str, several: bool)
 
 def test_only_the_dataparallel_causes_are_one_process_causes() -> None:
     """nn.DataParallel's gather on GPU 0 and a model its replicas break: nothing else."""
-    one_process = {
-        path.stem
-        for path in KB_CAUSES.glob("*.yaml")
-        if yaml.safe_load(path.read_text(encoding="utf-8")).get("one_process") is True
-    }
+    one_process = kb_causes_where("one_process", True)
     assert one_process == {"dataparallel-gather-imbalance", "dataparallel-unsafe-model"}
 
 
@@ -119,6 +182,9 @@ NAMED_BY = {
     "torch-compile-ddp": "torch.compile with DDP fails in backward",
     "slurm-without-torchrun": "srun python train.py: every task thinks it is rank 0",
     "windows-libuv": "on Windows 11 torchrun fails with use_libuv",
+    # a tool's other names count as naming it
+    "experiment-logger-ddp": "tracking DDP training with Weights & Biases hangs at the end",
+    "syncbn-without-process-group": "单卡训练时用了同步BN就报错",
 }
 
 
