@@ -67,7 +67,7 @@ def reports_failure(text: str, has_root_error: bool) -> bool:
     """The report shows an error (a root error in its log, or in words) or a hang."""
     if has_root_error:
         return True
-    said = NEGATED.sub(" ", text[:MAX_CHARS])
+    said = affirmed(text)
     return bool(ERROR_WORDS.search(said) or HANG_WORDS.search(said))
 
 
@@ -76,8 +76,13 @@ def reports_hang_only(text: str, has_root_error: bool) -> bool:
     words nor a root error in its log."""
     if has_root_error:
         return False
-    said = NEGATED.sub(" ", text[:MAX_CHARS])
+    said = affirmed(text)
     return bool(HANG_WORDS.search(said)) and not ERROR_WORDS.search(said)
+
+
+def affirmed(text: str) -> str:
+    """The head of a report with what it denies ("no error", "没有报错") blanked out."""
+    return NEGATED.sub(" ", text[:MAX_CHARS])
 
 
 def reports_several_processes(text: str) -> bool:
