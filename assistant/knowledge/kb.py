@@ -115,6 +115,11 @@ class Cause(Strict):
     # refused launch): a report of a hang and nothing else is not answered
     # with it first (retrieve.py).
     hangs: bool = True
+    # True for a cause whose job was started without a distributed launcher
+    # (a plain `python train.py`): a report whose launch uses one (torchrun,
+    # torch.distributed.launch, accelerate launch...) and shows no plain
+    # `python script.py` is not answered with it first (retrieve.py).
+    no_launcher: bool = False
     # True for a cause of one process driving several GPUs (nn.DataParallel):
     # a report of DDP, torchrun or ranks is not answered with it first.
     one_process: bool = False

@@ -10,6 +10,11 @@ the KB marks them `hangs: false`). A report of a hang and nothing else (hang
 words, no error words, no root error in its log) is not answered first with
 one of them: "4 GPUs stop at batch 141" is no BatchNorm error.
 
+A cause whose job was started without a distributed launcher (`no_launcher:
+true`) is contradicted by a report whose launch uses one (torchrun,
+torch.distributed.launch, accelerate launch, deepspeed, dist_train.sh) and
+that shows no plain `python script.py` anywhere.
+
 Some causes live in one process that drives several GPUs (nn.DataParallel's
 gather on GPU 0; `one_process: true`). A report of DDP, torchrun or ranks is
 not answered first with one of them: "GPU 0 holds more memory" there is a
@@ -50,6 +55,17 @@ NEGATED = re.compile(
     + r"|(?:没有?|并没有|也没有?|不会|不|无|未)(?:任何)?(?:报错|错误|异常|出错)",
     re.IGNORECASE,
 )
+# Distributed launchers: each starts the ranks and sets RANK, LOCAL_RANK, WORLD_SIZE.
+LAUNCHER = re.compile(
+    r"\btorchrun\b|torch\.distributed\.(?:launch|run)\b|accelerate\s+launch\b|"
+    r"(?m:^\s*deepspeed\s)|\bdist_train\.sh\b",  # mmdetection's and its kin's wrapper
+    re.IGNORECASE,
+)
+# `python train.py`, `python3 -u tools/train.py`, `...\python.exe" s1_train.py`: not `python -m ...`.
+PLAIN_PYTHON_LAUNCH = re.compile(
+    r"(?<![-\w/])python[\d.]*(?:\.exe)?\"?\s+(?!-m\s)(?:-\S+\s+)*[\w./\\:-]+\.py\b",
+    re.IGNORECASE,
+)
 MAX_CHARS = 20_000  # the words that matter are at the top of a report
 # Several processes: DDP and its launchers, ranks, "other processes on GPU 0".
 SEVERAL_PROCESSES = re.compile(
@@ -83,6 +99,12 @@ def reports_hang_only(text: str, has_root_error: bool) -> bool:
 def affirmed(text: str) -> str:
     """The head of a report with what it denies ("no error", "没有报错") blanked out."""
     return NEGATED.sub(" ", text[:MAX_CHARS])
+
+
+def reports_launcher_only(text: str) -> bool:
+    """The report launches with a distributed launcher and never with a plain `python x.py`."""
+    head = text[:MAX_CHARS]
+    return bool(LAUNCHER.search(head)) and not PLAIN_PYTHON_LAUNCH.search(head)
 
 
 def reports_several_processes(text: str) -> bool:

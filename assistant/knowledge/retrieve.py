@@ -33,6 +33,7 @@ from assistant.knowledge.patterns import LINEAR_ENGINE, PatternSet
 from assistant.knowledge.reportkind import (
     reports_failure,
     reports_hang_only,
+    reports_launcher_only,
     reports_several_processes,
 )
 from assistant.knowledge.reports import LearnedReports
@@ -291,8 +292,9 @@ class Retriever:
 
         A report of an error or a hang contradicts the causes that never fail a
         job (`fails: false`); a report of a hang and no error contradicts the
-        causes that only ever fail with an error (`hangs: false`); a report of
-        several processes (DDP, torchrun, ranks) contradicts the causes of one
+        causes that only ever fail with an error (`hangs: false`); a report
+        launched with torchrun or another launcher contradicts a launch
+        without one (`no_launcher: true`); a report of several processes (DDP, torchrun, ranks) contradicts the causes of one
         process driving several GPUs (`one_process: true`, nn.DataParallel); a
         report that never names a tool-bound cause's tool contradicts it
         (`named_by`).
@@ -302,6 +304,8 @@ class Retriever:
             contradicted |= self.causes_where("fails", False)
         if reports_hang_only(query, clean.root_error is not None):
             contradicted |= self.causes_where("hangs", False)
+        if reports_launcher_only(query):
+            contradicted |= self.causes_where("no_launcher", True)
         if reports_several_processes(query):
             contradicted |= self.causes_where("one_process", True)
         return frozenset(contradicted | self.causes_not_named(clean))

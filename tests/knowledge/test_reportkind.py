@@ -1,5 +1,6 @@
 """A report of an error or a hang is not answered first with a cause that never fails a job,
-nor a report of a hang alone with a cause that only ever fails with an error."""
+nor a report of a hang alone with a cause that only ever fails with an error, nor a
+report launched with torchrun with a launch without it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import yaml
 from assistant.knowledge.reportkind import (
     reports_failure,
     reports_hang_only,
+    reports_launcher_only,
     reports_several_processes,
 )
 from assistant.knowledge.retrieve import lowered
@@ -142,6 +144,54 @@ def test_a_hang_alone_does_not_lead_with_an_error_only_cause(engine) -> None:
     )
     assert engine.rank_ids(hang)[0] not in error_only
     assert engine.rank_ids(error)[0] == "batch-too-small-per-gpu"
+
+
+@pytest.mark.parametrize(
+    ("text", "launcher_only"),
+    [
+        ("torchrun --nproc_per_node 2 train.py hangs at init", True),
+        ("python -m torch.distributed.launch --nproc_per_node=7 --use_env run_train.py", True),
+        ("accelerate launch src/train_sft.py --do_train", True),
+        ("deepspeed --num_gpus 4 train.py --deepspeed ds.json", True),
+        ("./tools/dist_train.sh configs/db_r18.py work_dir 2", True),
+        ("python train.py --gpus 0,1", False),  # a plain launch
+        ("python3 -u tools/train.py -d 4", False),
+        # both: the plain launch may be the one that failed
+        ("torchrun works, but python train.py fails with KeyError: 'RANK'", False),
+        ('D:\\AI\\runtime\\python.exe" s1_train.py, then torchrun', False),
+        ("python train.py --deepspeed ds_config.json", False),  # deepspeed as a flag
+        ("训练卡住了，没有启动命令", False),
+    ],
+)
+def test_a_launcher_only_report_launches_with_one_and_never_with_plain_python(
+    text: str, launcher_only: bool
+) -> None:
+    assert reports_launcher_only(text) is launcher_only
+
+
+def test_a_hostile_command_line_is_read_in_linear_time() -> None:
+    """Long flag lists after `python` must not make the plain-launch pattern backtrack."""
+    import time
+
+    for text in ("python " + "-a " * 7000, "torchrun x " + 'python -x "' * 2000):
+        started = time.perf_counter()
+        reports_launcher_only(text)
+        assert time.perf_counter() - started < 1.0
+
+
+def test_only_the_plain_launch_cause_has_no_launcher() -> None:
+    assert kb_causes_where("no_launcher", True) == {"launched-without-torchrun"}
+
+
+@pytest.mark.slow
+def test_a_torchrun_report_does_not_lead_with_a_launch_without_torchrun(engine) -> None:
+    torchrun = "torchrun --nproc_per_node 2 train.py: the ranks never start training"
+    plain = "python train.py: the ranks never start training, RANK and WORLD_SIZE are not set"
+    assert engine.rank_ids(torchrun)[0] != "launched-without-torchrun"
+    assert engine.rank_ids(plain)[0] == "launched-without-torchrun"
+    # a signature is evidence of its own: the launcher named does not outweigh it
+    log = "torchrun train.py\nKeyError: 'LOCAL_RANK'"
+    assert engine.rank_ids(log)[0] == "launched-without-torchrun"
 
 
 @pytest.mark.parametrize(
