@@ -294,10 +294,10 @@ class Retriever:
         job (`fails: false`); a report of a hang and no error contradicts the
         causes that only ever fail with an error (`hangs: false`); a report
         launched with torchrun or another launcher contradicts a launch
-        without one (`no_launcher: true`); a report of several processes (DDP, torchrun, ranks) contradicts the causes of one
-        process driving several GPUs (`one_process: true`, nn.DataParallel); a
-        report that never names a tool-bound cause's tool contradicts it
-        (`named_by`).
+        without one (`no_launcher: true`); a report of several processes
+        (DDP, torchrun, ranks) contradicts the causes of one process driving
+        several GPUs (`one_process: true`, nn.DataParallel); a report that
+        never names a tool-bound cause's tool contradicts it (`named_by`).
         """
         contradicted: set[str] = set()
         if reports_failure(query, clean.root_error is not None):

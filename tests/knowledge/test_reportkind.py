@@ -80,15 +80,6 @@ def test_the_kb_marks_only_causes_that_never_fail_a_job() -> None:
     assert not silent & {"collective-timeout", "cuda-out-of-memory", "hardcoded-device"}
 
 
-@pytest.mark.slow
-def test_an_error_report_does_not_lead_with_a_silent_cause(engine) -> None:
-    silent = engine._retriever.causes_where("fails", False)
-    error = "Errors are reported when I train with 2 GPUs instead of one, with the same batch size"
-    question = "Training with 2 GPUs instead of one gives lower accuracy with the same batch size"
-    assert engine.rank_ids(error)[0] not in silent
-    assert engine.rank_ids(question)[0] in silent
-
-
 @pytest.mark.parametrize(
     ("text", "hang_only"),
     [
@@ -133,19 +124,6 @@ def test_the_kb_marks_as_error_only_no_cause_that_can_stop_silently() -> None:
     assert not error_only & kb_causes_where("fails", False)
 
 
-@pytest.mark.slow
-def test_a_hang_alone_does_not_lead_with_an_error_only_cause(engine) -> None:
-    error_only = engine._retriever.causes_where("hangs", False)
-    hang = (
-        "With 4 GPUs and batch size 1 per GPU, training is stuck at a different batch on each rank"
-    )
-    error = (
-        "With 4 GPUs and batch size 1 per GPU: Expected more than 1 value per channel when training"
-    )
-    assert engine.rank_ids(hang)[0] not in error_only
-    assert engine.rank_ids(error)[0] == "batch-too-small-per-gpu"
-
-
 @pytest.mark.parametrize(
     ("text", "launcher_only"),
     [
@@ -169,29 +147,15 @@ def test_a_launcher_only_report_launches_with_one_and_never_with_plain_python(
     assert reports_launcher_only(text) is launcher_only
 
 
-def test_a_hostile_command_line_is_read_in_linear_time() -> None:
+@pytest.mark.timeout(10)  # milliseconds each; a backtracking pattern would take hours
+def test_a_hostile_command_line_is_read_without_backtracking() -> None:
     """Long flag lists after `python` must not make the plain-launch pattern backtrack."""
-    import time
-
-    for text in ("python " + "-a " * 7000, "torchrun x " + 'python -x "' * 2000):
-        started = time.perf_counter()
-        reports_launcher_only(text)
-        assert time.perf_counter() - started < 1.0
+    assert not reports_launcher_only("python " + "-a " * 7000)
+    assert reports_launcher_only("torchrun x " + 'python -x "' * 2000)
 
 
 def test_only_the_plain_launch_cause_has_no_launcher() -> None:
     assert kb_causes_where("no_launcher", True) == {"launched-without-torchrun"}
-
-
-@pytest.mark.slow
-def test_a_torchrun_report_does_not_lead_with_a_launch_without_torchrun(engine) -> None:
-    torchrun = "torchrun --nproc_per_node 2 train.py: the ranks never start training"
-    plain = "python train.py: the ranks never start training, RANK and WORLD_SIZE are not set"
-    assert engine.rank_ids(torchrun)[0] != "launched-without-torchrun"
-    assert engine.rank_ids(plain)[0] == "launched-without-torchrun"
-    # a signature is evidence of its own: the launcher named does not outweigh it
-    log = "torchrun train.py\nKeyError: 'LOCAL_RANK'"
-    assert engine.rank_ids(log)[0] == "launched-without-torchrun"
 
 
 @pytest.mark.parametrize(
@@ -218,12 +182,58 @@ def test_only_the_dataparallel_causes_are_one_process_causes() -> None:
     assert one_process == {"dataparallel-gather-imbalance", "dataparallel-unsafe-model"}
 
 
+# Each premise, a report that contradicts it and one that fits it: (KB field,
+# its value, the contradicting report, the fitting report, the fitting report's
+# first cause, or None where any cause of the premise may come first). Each
+# contradicting report is one whose words alone put a cause of the premise
+# first (checked by switching the rule off), so each case tests its rule.
+PREMISES = {
+    "a silent cause after an error": (
+        "fails",
+        False,
+        "DDP training on 4 GPUs fails with an error while one GPU trains, the DataLoader has no DistributedSampler",
+        "Training with 2 GPUs instead of one gives lower accuracy with the same batch size",
+        None,
+    ),
+    "an error-only cause after a hang alone": (
+        "hangs",
+        False,
+        "With 4 GPUs and batch size 1 per GPU, training is stuck at a different batch on each rank",
+        "With 4 GPUs and batch size 1 per GPU: Expected more than 1 value per channel when training",
+        "batch-too-small-per-gpu",
+    ),
+    "a launch without torchrun after a torchrun launch": (
+        "no_launcher",
+        True,
+        "torchrun --nproc_per_node=4 train.py hangs in init_process_group, the env variables look missing",
+        "python train.py: the ranks never start training, RANK and WORLD_SIZE are not set",
+        "launched-without-torchrun",
+    ),
+    "DataParallel after a DDP report": (
+        "one_process",
+        True,
+        "With DDP the outputs and loss gathered on GPU 0 make it run out of memory",
+        "With nn.DataParallel, GPU 0 holds far more memory than the other GPUs and runs out",
+        "dataparallel-gather-imbalance",
+    ),
+}
+
+
 @pytest.mark.slow
-def test_a_ddp_report_does_not_lead_with_dataparallel(engine) -> None:
-    ddp = "With DDP and torchrun, GPU 0 holds far more memory than the other GPUs and runs out"
-    dp = "With nn.DataParallel, GPU 0 holds far more memory than the other GPUs and runs out"
-    assert engine.rank_ids(ddp)[0] != "dataparallel-gather-imbalance"
-    assert engine.rank_ids(dp)[0] == "dataparallel-gather-imbalance"
+@pytest.mark.parametrize("premise", sorted(PREMISES))
+def test_a_report_that_contradicts_a_premise_does_not_lead_with_its_causes(engine, premise) -> None:
+    field, value, contradicting, fitting, first = PREMISES[premise]
+    causes = engine._retriever.causes_where(field, value)
+    assert engine.rank_ids(contradicting)[0] not in causes
+    fitting_first = engine.rank_ids(fitting)[0]
+    assert fitting_first in causes if first is None else fitting_first == first
+
+
+@pytest.mark.slow
+def test_a_signature_outweighs_the_launcher_named(engine) -> None:
+    """A signature is evidence of its own: torchrun named beside it does not lower it."""
+    log = "torchrun train.py\nKeyError: 'LOCAL_RANK'"
+    assert engine.rank_ids(log)[0] == "launched-without-torchrun"
 
 
 NAMED_BY = {
