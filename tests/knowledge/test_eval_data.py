@@ -168,6 +168,8 @@ THREAD_SITES = (
     "https://2.zoppoz.workers.dev/",
     # holdout33: an English copy of a CSDN post in which the author fixes their own failure
     "https://programs.wiki/",
+    # holdout39: an offline (kiwix) mirror of a Stack Overflow question and its accepted answer
+    "https://kiwix.lema.org/",
 )
 
 
