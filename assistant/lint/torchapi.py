@@ -80,6 +80,41 @@ LIGHTNING_COLLECTIVES = frozenset({"all_gather", "all_reduce", "barrier", "broad
 LIGHTNING_OWNERS = re.compile(r"^(self|fabric|strategy|\w*_strategy)$")
 
 
+# A torchmetrics metric (or MetricCollection) gathers every rank's state when
+# it computes (sync_on_compute, on by default once a process group exists):
+# `metric.compute()` is a collective, and under `if rank == 0:` rank 0 waits for
+# ranks that never call it (the torchmetrics docs ask for compute on every rank).
+METRIC_LIBRARY = "torchmetrics"
+METRIC_SYNC = "compute"
+
+
+def metric_objects(script: Script) -> frozenset[str]:
+    """The names and attributes a file assigns a torchmetrics object to
+    (`auroc = BinaryAUROC(...)`, `self.acc = torchmetrics.Accuracy(...)`)."""
+    return frozenset(
+        target
+        for target, values in script.assigned_values.items()
+        if any(constructed_by(script, value).split(".")[0] == METRIC_LIBRARY for value in values)
+    )
+
+
+def constructed_by(script: Script, value: ast.expr) -> str:
+    """What made `value`: the call at the start of a chain (`BinaryAUROC().to(device)`
+    is BinaryAUROC's), resolved through imports; "" when it is not a call."""
+    while isinstance(value, ast.Call):
+        name = script.name_of(value.func)
+        if name or not isinstance(value.func, ast.Attribute):
+            return name
+        value = value.func.value
+    return ""
+
+
+def syncs_metric(name: str, metrics: frozenset[str]) -> bool:
+    """`name` is `<a torchmetrics object>.compute`, which all-gathers its state."""
+    owner, _, method = name.rpartition(".")
+    return method == METRIC_SYNC and owner in metrics
+
+
 def is_dist_call(name: str, functions: frozenset[str] | set[str]) -> bool:
     """`torch.distributed.<one of functions>` (not a method of a submodule)."""
     return name.startswith(DIST + ".") and short(name) in functions and name.count(".") == 2

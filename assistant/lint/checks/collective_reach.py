@@ -16,7 +16,7 @@ from assistant.lint.ranks import (
     some_rank_runs,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective, is_distributed
+from assistant.lint.torchapi import is_collective, is_distributed, metric_objects, syncs_metric
 from assistant.lint.tracer import TracedCall, same_file_callees
 from assistant.results import Finding
 
@@ -26,11 +26,23 @@ Kind = TypeVar("Kind")
 @check("collective-mismatch")
 def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
     """A collective that only rank 0 (or only the other ranks) reaches: the rest hang."""
-    for call, lonely, _ in lonely_calls(script, lambda call: is_collective(call.name)):
+    metrics = metric_objects(script) if is_distributed(script) else frozenset()
+
+    def kind(call: TracedCall) -> str | None:
+        if is_collective(call.name):
+            return "collective"
+        return "metric" if syncs_metric(call.name, metrics) else None
+
+    for call, lonely, found in lonely_calls(script, kind):
+        what = (
+            f"{short(call.name)}()"
+            if found == "collective"
+            else f"{call.name}() (a torchmetrics metric gathers every rank's state when it computes)"
+        )
         yield script.finding(
             "collective-mismatch",
             call.node,
-            f"{short(call.name)}() runs on {lonely.side} (the `if` on line "
+            f"{what} runs on {lonely.side} (the `if` on line "
             f"{lonely.test_if.lineno}); every rank must call each collective, or the others hang",
         )
 
