@@ -91,6 +91,8 @@ METRIC_SYNC = "compute"
 def metric_objects(script: Script) -> frozenset[str]:
     """The names and attributes a file assigns a torchmetrics object to
     (`auroc = BinaryAUROC(...)`, `self.acc = torchmetrics.Accuracy(...)`)."""
+    if not any(name.split(".")[0] == METRIC_LIBRARY for name in script.aliases.values()):
+        return frozenset()  # nothing imported from torchmetrics: no assignment to read
     return frozenset(
         target
         for target, values in script.assigned_values.items()

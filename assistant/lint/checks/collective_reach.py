@@ -28,17 +28,17 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
     """A collective that only rank 0 (or only the other ranks) reaches: the rest hang."""
     metrics = metric_objects(script) if is_distributed(script) else frozenset()
 
-    def kind(call: TracedCall) -> str | None:
+    def shown_as(call: TracedCall) -> str | None:
+        """How the finding names the call, when it is a collective."""
         if is_collective(call.name):
-            return "collective"
-        return "metric" if syncs_metric(call.name, metrics) else None
+            return f"{short(call.name)}()"
+        if syncs_metric(call.name, metrics):
+            return (
+                f"{call.name}() (a torchmetrics metric gathers every rank's state when it computes)"
+            )
+        return None
 
-    for call, lonely, found in lonely_calls(script, kind):
-        what = (
-            f"{short(call.name)}()"
-            if found == "collective"
-            else f"{call.name}() (a torchmetrics metric gathers every rank's state when it computes)"
-        )
+    for call, lonely, what in lonely_calls(script, shown_as):
         yield script.finding(
             "collective-mismatch",
             call.node,
