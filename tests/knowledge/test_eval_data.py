@@ -170,6 +170,8 @@ THREAD_SITES = (
     "https://programs.wiki/",
     # holdout39: an offline (kiwix) mirror of a Stack Overflow question and its accepted answer
     "https://kiwix.lema.org/",
+    # holdout40: a Chinese blog post, its author's own two-GPU checkpoint failure and fix
+    "https://www.maxssl.com/",
 )
 
 
