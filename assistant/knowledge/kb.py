@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from assistant.config import contract_ids
 from assistant.errors import ExitCode, UserError
@@ -129,6 +136,13 @@ class Cause(Strict):
     # answered with it first on word likeness alone (retrieve.py); its
     # signatures still count in full.
     named_by: list[SignatureText] = []
+    # Causes this one is a special case of: their signature is the error this
+    # one prints too ("Default process group has not been initialized" from a
+    # SyncBatchNorm layer). A report that names this cause (`named_by`, which
+    # it must have) and matches such a signature is answered with this cause
+    # (retrieve.py): the general error names the general cause only when the
+    # report says nothing more specific.
+    refines: list[str] = []
 
     _nonempty = field_validator(
         "id", "title", "title_zh", "summary", "summary_zh", "why", "fix", "fix_code", "risks"
@@ -140,6 +154,19 @@ class Cause(Strict):
         if not re.match(ID_PATTERN, value):
             raise ValueError("must be lowercase words joined by '-'")
         return value
+
+    @field_validator("refines")
+    @classmethod
+    def _refines_named_causes(cls, values: list[str], info: ValidationInfo) -> list[str]:
+        # named_by and id are declared earlier, so they are validated already.
+        if values and not info.data.get("named_by"):
+            raise ValueError(
+                "needs named_by (the words that tell a report of this cause "
+                "from one of the causes it refines)"
+            )
+        if info.data.get("id") in values:
+            raise ValueError("a cause cannot refine itself")
+        return values
 
     @field_validator("symptoms", "references")
     @classmethod
@@ -385,6 +412,15 @@ class _LayeredLoader:
         for name, thread in zip(self.thread_names, self.threads):
             self.problems.extend(_thread_problems(name, thread, known))
 
+    def check_refines(self) -> None:
+        """`refines` names causes of any layer, so it is checked once all are read."""
+        known = set(self.causes) | self.broken
+        for cid, cause in self.causes.items():
+            for other in cause.refines:
+                if other not in known:
+                    name = self.name(self.files[cid], self.sources[cid])
+                    self.problems.append(f"{name}: refines: unknown cause {other!r}")
+
     def check_contract(self) -> None:
         known = set(self.causes) | self.broken
         missing = [cid for cid in contract_ids() if cid not in known]
@@ -418,6 +454,7 @@ def load_kb(layers: Layers, require_contract: bool = True) -> KnowledgeBase:
     for root in roots:
         loader.load_layer(root)
     loader.check_threads()
+    loader.check_refines()
     if require_contract:
         loader.check_contract()
     if loader.problems:

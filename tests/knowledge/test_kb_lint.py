@@ -31,6 +31,8 @@ EXPECTED = {
     "causes/not-yaml.yaml": "(file): not valid YAML",
     "causes/extends-unknown-cause.yaml": "extends: unknown cause 'cosmic-rays'",
     "causes/extends-overrides-scalar.yaml": "fix: an extension cannot override 'fix'",
+    "causes/refines-unknown-cause.yaml": "refines: unknown cause 'cosmic-rays'",
+    "causes/refines-without-named-by.yaml": "refines: needs named_by",
     "threads/unknown-cause.yaml": "answers.0.claims: unknown cause 'cosmic-rays'",
     "threads/duplicate-answer-id.yaml": "answers.1.id: duplicate answer id 'a1'",
 }

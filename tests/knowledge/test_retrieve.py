@@ -106,3 +106,30 @@ def test_asking_for_more_gpus_than_there_are_is_named_from_the_error_text(engine
     # The signature signal alone: the labelled reports already hold such logs.
     scores = engine._retriever.signature_scores(clean_log(log))
     assert max(scores, key=scores.get) == "world-size-exceeds-devices"
+
+
+GENERAL_ERROR = (
+    "Traceback (most recent call last):\n"
+    '  File "tools/train.py", line 120, in main\n'
+    "    model(images)\n"
+    "RuntimeError: Default process group has not been initialized, "
+    "please make sure to call init_process_group."
+)
+
+
+def test_a_report_that_names_the_special_case_gets_the_general_signature(engine):
+    """kb refines: the error a missing process group prints is SyncBN's in a report
+    that names SyncBN, and stays the general cause's in one that does not."""
+    retriever = engine._retriever
+    assert retriever.refines["syncbn-without-process-group"] == ("process-group-not-initialized",)
+    named = f"Training the config with norm_cfg=dict(type='SyncBN') on one GPU:\n{GENERAL_ERROR}"
+    scores = retriever.signature_scores(clean_log(named))
+    assert scores.get("syncbn-without-process-group", 0) >= 3.0  # a root-error hit, handed over
+    assert "process-group-not-initialized" not in scores
+    assert engine.rank_ids(named)[:2] == [
+        "syncbn-without-process-group",
+        "process-group-not-initialized",
+    ]
+    plain = f"Training on one GPU:\n{GENERAL_ERROR}"
+    assert engine.rank_ids(plain)[0] == "process-group-not-initialized"
+    assert "syncbn-without-process-group" not in retriever.signature_scores(clean_log(plain))
