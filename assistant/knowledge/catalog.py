@@ -53,6 +53,19 @@ def kb_signatures() -> dict[str, list[str]]:
     return {cause_id: list(cause.signatures) for cause_id, cause in knowledge.causes.items()}
 
 
+def kb_refinements() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Per cause that refines others (kb Cause.refines): (the causes it refines,
+    its named_by words); empty when the KB cannot load."""
+    knowledge = load_quietly()
+    if knowledge is None:
+        return {}
+    return {
+        cause_id: (tuple(cause.refines), tuple(cause.named_by))
+        for cause_id, cause in knowledge.causes.items()
+        if cause.refines and cause.named_by
+    }
+
+
 def load_quietly():
     """The KB (all its layers), or None when it cannot be loaded right now."""
     return _load_layers(tuple(kb_layers()))

@@ -158,7 +158,7 @@ def report_of(queries: list[dict], answers: Answers, fused: list[list[str]]) -> 
         if run == "fused":
             rankings = fused
         else:
-            rankings = [[r.id for r in fuse({s: p[s] for s in signals})] for p in per_query]
+            rankings = [[r.id for r in fuse({s: p.get(s, {}) for s in signals})] for p in per_query]
         report[run] = mean_scores(queries, rankings)
     report["misses"] = [
         {"id": item["id"], "want": item["causes"], "got": ranked[:3]}

@@ -329,8 +329,8 @@ class Retriever:
             vector = self.query_vector(bridged, context)
             if "dense" in embedded:
                 per_signal["dense"] = self.dense_scores_of(vector, clean)
-            if "neighbours" in embedded and self.asks_neighbours(query):
-                nearest = self.neighbours.scores(vector, self.held_out)
+            if "neighbours" in embedded:
+                nearest = self.neighbour_scores(query, vector, context)
                 if nearest:
                     per_signal["neighbours"] = nearest
         if "reports" in signals and self.reports is not None:
@@ -344,10 +344,23 @@ class Retriever:
             self._last_full = (key, dict(per_signal))
         return per_signal
 
-    def asks_neighbours(self, query: str) -> bool:
-        """Whether the labelled reports nearest the question vote: not on Chinese
-        questions, which the English model places poorly (neighbours.py)."""
-        return detect_lang(query) != "zh" and self.neighbours is not None
+    def neighbour_scores(
+        self, query: str, vector: np.ndarray, context: str | None
+    ) -> dict[str, float]:
+        """The votes of the labelled reports nearest the question (neighbours.py).
+
+        None on Chinese questions, which the English model places poorly. In a
+        conversation the first report is what the labelled reports are like,
+        so the earlier turns (`context`) are what the neighbours are found
+        for, not the reply: ranked from the reply, the answers of the second
+        turn lost what the neighbours had found in the first (session 27).
+        """
+        asked = context if context else query
+        if self.neighbours is None or detect_lang(asked[:2000]) == "zh":
+            return {}
+        if context:
+            vector = self.embedder.encode([context[:DENSE_TEXT_LIMIT]])
+        return self.neighbours.scores(vector, self.held_out)
 
     def contradicted_causes(self, query: str, clean: CleanLog) -> frozenset[str]:
         """Causes whose premise the report itself contradicts (reportkind.py).

@@ -8,7 +8,7 @@ from assistant.probing.registry import PROBES
 from assistant.results import VERDICT_RANK, AnswerRef, CauseResult, Finding, ProbeRun, Result
 from assistant.verdicts.devices import advice_outcomes
 from assistant.verdicts.inputs import judge
-from assistant.verdicts.signatures import Signatures, kb_signatures
+from assistant.verdicts.signatures import Signatures, as_refined, kb_refinements, kb_signatures
 
 # --- the reading order -------------------------------------------------------------------
 
@@ -116,6 +116,9 @@ def apply_verdicts(
     query = result.query or ""
     if signatures is None:
         signatures = kb_signatures() if (result.root_error or query) else {}
+    if signatures and query:
+        # A special case the report names reads its general cause's error (kb refines).
+        signatures = as_refined(signatures, kb_refinements(), query)
     refuted, confirmed = advice_outcomes(by_name)
     judged = []
     for cause in result.causes:

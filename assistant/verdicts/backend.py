@@ -303,6 +303,11 @@ JUDGES["process-group-not-initialized"] = by_error(
     "the error says a torch.distributed call ran before init_process_group: {error}",
     "报错说在 init_process_group 之前就调用了 torch.distributed：{error}",
 )
+JUDGES["syncbn-without-process-group"] = by_error(
+    "syncbn-without-process-group",
+    "the error is SyncBatchNorm's, run without a process group or off the GPU: {error}",
+    "报错来自没有进程组或不在 GPU 上运行的 SyncBatchNorm：{error}",
+)
 JUDGES["ddp-wrapper-attribute"] = by_error(
     "ddp-wrapper-attribute",
     "the error is the DDP / DataParallel wrapper lacking an attribute of the model it wraps: {error}",

@@ -49,3 +49,29 @@ def kb_signatures() -> dict[str, list[str]]:
     from assistant.knowledge.catalog import kb_signatures as read_kb_signatures
 
     return read_kb_signatures()
+
+
+def kb_refinements() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The KB's refinements (catalog.kb_refinements), read as kb_signatures is."""
+    from assistant.knowledge.catalog import kb_refinements as read_kb_refinements
+
+    return read_kb_refinements()
+
+
+def as_refined(signatures: Signatures, refinements: Mapping, text: str) -> Signatures:
+    """The signatures as retrieval reads `text`: a cause that refines others and
+    that the text names (its named_by words) takes their signatures, and they
+    lose them (retrieve.Retriever.refined: SyncBatchNorm's "Default process
+    group has not been initialized" is SyncBN's error in a report naming it).
+    """
+    result = {cause_id: list(patterns) for cause_id, patterns in signatures.items()}
+    for cause_id, (general, named_by) in refinements.items():
+        taken = [g for g in general if result.get(g)]
+        if not taken or cause_id not in result or not text:
+            continue
+        if compiled(tuple(named_by)).search(text) is None:
+            continue
+        for g in taken:
+            result[cause_id] = list(dict.fromkeys([*result[cause_id], *result[g]]))
+            result[g] = []
+    return result

@@ -104,6 +104,33 @@ def test_both_wordings_of_an_uninitialised_process_group_are_confirmed_by_the_er
     assert verdict.evidence[0].startswith("the error says a torch.distributed call ran before")
 
 
+def test_a_special_case_named_in_the_report_takes_the_general_error_as_its_own():
+    """kb refines: in a report that names SyncBN, "Default process group is not
+    initialized" is SyncBatchNorm's error, as retrieval reads it too; without
+    SyncBN named it stays the general cause's."""
+    error = "AssertionError: Default process group is not initialized"
+    named = f"Inference with MMSyncBN in the config fails:\n{error}"
+    general = CauseResult(id="process-group-not-initialized", title="", score=0.6)
+    special = CauseResult(id="syncbn-without-process-group", title="", score=0.8)
+    root = clean_log(error).root_error
+    answer = apply_verdicts(Result(query=named, causes=[general, special], root_error=root), [], [])
+    first, second = answer.causes
+    assert first.id == "syncbn-without-process-group"
+    assert (first.verdict.verdict, first.verdict.source) == ("confirmed", "error")
+    assert "SyncBatchNorm" in first.verdict.evidence[0] and error in first.verdict.evidence[0]
+    assert second.verdict.verdict == "not_run"
+    plain = apply_verdicts(
+        Result(query=f"Training fails:\n{error}", causes=[general, special], root_error=root),
+        [],
+        [],
+    )
+    verdicts = {c.id: c.verdict.verdict for c in plain.causes}
+    assert verdicts == {
+        "process-group-not-initialized": "confirmed",
+        "syncbn-without-process-group": "not_run",
+    }
+
+
 def test_a_verdict_follows_the_kb_signatures_it_is_given():
     error = RootError("RuntimeError", "Something brand new went wrong")
     own = {"process-group-not-initialized": ["brand new"]}
