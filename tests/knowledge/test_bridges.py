@@ -131,13 +131,7 @@ def retrievers(engine):
     from assistant.knowledge.retrieve import Retriever
 
     with_bridge = engine._retriever
-    without = Retriever(
-        with_bridge.index,
-        with_bridge.embedder,
-        EMPTY,
-        with_bridge.reports,
-        neighbours=lambda: with_bridge.neighbours,
-    )
+    without = Retriever(with_bridge.index, with_bridge.embedder, EMPTY, with_bridge.reports)
     return with_bridge, without
 
 
