@@ -139,9 +139,11 @@ class Cause(Strict):
     # Causes this one is a special case of: their signature is the error this
     # one prints too ("Default process group has not been initialized" from a
     # SyncBatchNorm layer). A report that names this cause (`named_by`, which
-    # it must have) and matches such a signature is answered with this cause
-    # (retrieve.py): the general error names the general cause only when the
-    # report says nothing more specific.
+    # it must have) and matches such a signature is answered with this cause:
+    # retrieval hands it the match (retrieve.Retriever.refined) and the
+    # verdicts read the error as its own (verdicts.signatures.as_refined). The
+    # general error names the general cause only when the report says nothing
+    # more specific.
     refines: list[str] = []
 
     _nonempty = field_validator(
