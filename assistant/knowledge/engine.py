@@ -10,6 +10,7 @@ and verdicts are applied afterwards by assistant.verdicts.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 from collections.abc import Callable
@@ -31,8 +32,9 @@ from assistant.knowledge.index import (
     build_index,
     open_index,
 )
+from assistant.knowledge.neighbours import VECTORS_FILE, ReportNeighbours
 from assistant.knowledge.reports import MODEL_FILE, REPORTS_FOLDER, LearnedReports, text_key
-from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever
+from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever, embedded_text
 from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
 MAX_ANSWERS_PER_CAUSE = 6
@@ -98,7 +100,13 @@ class Engine:
                 {cid: list(data.get("symptoms", [])) for cid, data in index.causes.items()}
             )
             self._index = index
-            self._retriever = Retriever(index, self.embedder, bridge, reports)
+            self._retriever = Retriever(
+                index,
+                self.embedder,
+                bridge,
+                reports,
+                neighbours=lambda: self.report_neighbours(reports, bridge, index.kb_hash),
+            )
 
     def learned_reports(self, symptoms: dict[str, list[str]]) -> LearnedReports:
         """The reports signal for these causes (id -> its symptoms), saved beside
@@ -112,6 +120,26 @@ class Engine:
             symptoms,
             prepare=lambda text: clean_log(text).text,
         )
+
+    def report_neighbours(
+        self, learned: LearnedReports, bridge, kb_hash: str
+    ) -> ReportNeighbours | None:
+        """The labelled reports' vectors (neighbours.py), saved beside the reports
+        model; None without labelled reports."""
+        files = learned.files_key()
+        if files is None:
+            return None
+        # The bridge (a KB file) and the report files decide the texts embedded.
+        key = hashlib.sha256(f"{kb_hash}\0{files}".encode()).hexdigest()
+
+        def texts() -> list[tuple[str, tuple[str, ...], str]]:
+            return [
+                (embedded_text(clean_log(text), bridge), causes, report_key)
+                for text, causes, report_key in learned.labelled()
+            ]
+
+        caches = [path.with_name(VECTORS_FILE) for path in learned.caches]
+        return ReportNeighbours.load_or_embed(key, texts, self.embedder, caches)
 
     def _open_or_rebuild(self) -> LoadedIndex:
         kb_hash = content_hash(self.kb_root)
@@ -151,8 +179,9 @@ class Engine:
                 "set ASSISTANT_BUILD to a writable folder",
                 ExitCode.FAILED,
             ) from None
-        # Fitted now, so the first question does not wait for it.
+        # Fitted and embedded now, so the first question does not wait for them.
         learned = self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()})
+        self.report_neighbours(learned, load_bridge(self.kb_root), kb.content_hash)
         return replace(report, learned=learned.describe(learned.model()))
 
     def rebuild(self) -> str:

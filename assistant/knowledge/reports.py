@@ -481,7 +481,7 @@ class LearnedReports:
     @cached_property
     def whole(self) -> ReportModel | None:
         """The whole pool's model: the saved one when its key matches, else fitted and saved."""
-        key = self._files_key()
+        key = self.files_key()
         if key is None:
             return None
         for cache in self.caches:
@@ -496,7 +496,7 @@ class LearnedReports:
     def pool(self) -> ReportPool:
         """The counted pool: the saved one when its key matches, else counted and saved."""
         if self._pool is None:
-            key = self._files_key()
+            key = self.files_key()
             saved_pools = [cache.with_name(POOL_FILE) for cache in self.caches] if key else []
             self._pool = next(filter(None, (ReportPool.load(f, key) for f in saved_pools)), None)
             if self._pool is None:
@@ -504,22 +504,27 @@ class LearnedReports:
                 any(self._pool.save(path, key) for path in saved_pools)
         return self._pool
 
-    def _pool_texts(self) -> list[tuple[str, tuple[str, ...], str]]:
-        """(text as searched, causes best first, key) of every labelled report and KB symptom."""
+    def labelled(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """(text as written, causes best first, key) of every labelled report whose
+        first cause the KB knows, its other causes kept only where the KB knows them."""
         known = set(self.causes)  # a team's KB may lack some of the labelled causes
-        reports = [
-            (self.prepare(text), tuple(cause for cause in causes if cause in known), text_key(text))
+        return [
+            (text, tuple(cause for cause in causes if cause in known), text_key(text))
             for folder in self.folders
             for text, causes in read_reports(folder)
             if causes[0] in known
         ]
+
+    def _pool_texts(self) -> list[tuple[str, tuple[str, ...], str]]:
+        """(text as searched, causes best first, key) of every labelled report and KB symptom."""
+        reports = [(self.prepare(text), causes, key) for text, causes, key in self.labelled()]
         # The KB's own examples are never held out: the other signals search them too.
         examples = [
             (self.prepare(text), (cause,), "kb:" + text_key(text)) for text, cause in self.symptoms
         ]
         return reports + examples
 
-    def _files_key(self) -> str | None:
+    def files_key(self) -> str | None:
         """The pool's files, the causes, the model's settings and the code that
         counts a text, hashed; None without files."""
         files = [path for folder in self.folders for path in report_files(folder)]

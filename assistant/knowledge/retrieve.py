@@ -10,6 +10,8 @@ dense      sentence-transformers + FAISS over the same chunks, plus (for a
 reports    a ridge model over the n-grams of labelled real user reports
            (data/eval), fitted leave-the-evaluated-set-out for `kb eval`
            (reports.py)
+neighbours the causes of the labelled reports nearest the question's dense
+           vector, for questions that are not Chinese (neighbours.py)
 
 Each signal scores chunks; a cause takes the best score of its chunks
 (weighted by chunk kind), so the ranking is over causes, not text pieces.
@@ -17,6 +19,7 @@ Each signal scores chunks; a cause takes the best score of its chunks
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -29,6 +32,7 @@ from assistant.knowledge.bridges import Bridge, load_bridge
 from assistant.knowledge.centroids import CauseCentroids
 from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
+from assistant.knowledge.neighbours import ReportNeighbours
 from assistant.knowledge.patterns import LINEAR_ENGINE, PatternSet
 from assistant.knowledge.reportkind import (
     reports_failure,
@@ -39,7 +43,7 @@ from assistant.knowledge.reportkind import (
 from assistant.knowledge.reports import LearnedReports
 from assistant.knowledge.textsearch import fts_query
 
-SIGNALS = ("signature", "lexical", "dense", "reports")
+SIGNALS = ("signature", "lexical", "dense", "reports", "neighbours")
 # The labelled reports weighed 1 until session 15; with 1416 of them in the pool
 # they weigh 1.5: each labelled set scored by a reports model that never saw it,
 # the traffic-like sets (holdout8-24, 925) went 0.589 -> 0.601 first, 11 sets
@@ -47,7 +51,13 @@ SIGNALS = ("signature", "lexical", "dense", "reports")
 # 0.953 again with holdout25 in the pool).
 # With 801 reports (session 14) the same change gained half a point: the signal
 # grows with its pool, and its weight may again when the pool has.
-SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0, "reports": 1.5}
+# The neighbours (session 27) weigh 0.5: each labelled file held out, the
+# traffic-like sets (holdout8-40, 1,487 reports) went 0.658 / 0.808 -> 0.663 /
+# 0.823 (0.3: 0.662 / 0.818; 1.0: 0.660 / 0.820); they vote with the reports
+# signal more often than not, so a full weight counts the same evidence twice.
+SIGNAL_WEIGHTS = {"signature": 2.0, "lexical": 1.0, "dense": 1.0, "reports": 1.5, "neighbours": 0.5}
+# The signals that read the question's embedding: skipped together (needs_dense).
+EMBEDDED = ("dense", "neighbours")
 RRF_K = 3  # small: there are tens of causes, and the top few must stand apart
 # A signal's near-ties are noise: one KB edit anywhere moves bm25's term weights
 # and the classifier, and 1.687 against 1.677 became rank 2 against rank 3,
@@ -118,10 +128,13 @@ class Retriever:
         embedder,
         bridge: Bridge | None = None,
         reports: LearnedReports | None = None,
+        neighbours: Callable[[], ReportNeighbours | None] | None = None,
     ):
         self.index = index
         self.embedder = embedder
         self.reports = reports
+        # Loaded on the first question that embeds: a signature hit never waits for it.
+        self._neighbours = neighbours
         # Texts (reports.text_key) an evaluation scores: never learned from.
         self.held_out: frozenset[str] = frozenset()
         # Chinese questions also search with the English of their DDP terms (bridges.py).
@@ -147,6 +160,10 @@ class Retriever:
             for cid, data in index.causes.items()
             if (general := data.get("refines")) and cid in self.named_by
         }
+
+    @cached_property
+    def neighbours(self) -> ReportNeighbours | None:
+        return self._neighbours() if self._neighbours is not None else None
 
     @cached_property
     def classifier(self) -> CauseClassifier | None:
@@ -217,14 +234,24 @@ class Retriever:
         # Equal parts of the best chunk and the whole cause, each scaled by its best.
         return summed_shares(best_chunks, self.centroids.scores(text))
 
-    def dense_scores(
-        self, text: str, context: str | None = None, clean: CleanLog | None = None
-    ) -> dict[str, float]:
-        """Nearest chunks per cause, plus the KB classifier's vote when `clean` allows it."""
+    def query_vector(self, text: str, context: str | None = None) -> np.ndarray:
+        """The question's embedding (1 x dimensions), pulled toward a follow-up's earlier turns."""
         vector = self.embedder.encode([text[:DENSE_TEXT_LIMIT]])
         if context:
             vector = vector + CONTEXT_WEIGHT * self.embedder.encode([context[:DENSE_TEXT_LIMIT]])
             vector /= float((vector**2).sum()) ** 0.5
+        return vector
+
+    def dense_scores(
+        self, text: str, context: str | None = None, clean: CleanLog | None = None
+    ) -> dict[str, float]:
+        """Nearest chunks per cause, plus the KB classifier's vote when `clean` allows it."""
+        return self.dense_scores_of(self.query_vector(text, context), clean)
+
+    def dense_scores_of(
+        self, vector: np.ndarray, clean: CleanLog | None = None
+    ) -> dict[str, float]:
+        """`dense_scores` for a question already embedded."""
         sims, ids = self.index.faiss_index.search(vector, CHUNK_HITS)
         hits = ((int(i), float(s)) for i, s in zip(ids[0], sims[0]) if i >= 0 and s >= DENSE_FLOOR)
         scores = self._by_cause(hits)
@@ -289,9 +316,7 @@ class Retriever:
             # The shortcut only leaves dense out, and word lowering never
             # touches the signatures that decide it: the same scores either way.
             return with_shortcut(dict(last[1])) if shortcut else dict(last[1])
-        query = clean.focus or clean.text[:2000]
-        # The English of its Chinese terms: the KB and the model are mostly English.
-        # Appended, so it reaches the model only when the question is short.
+        query = question_text(clean)
         bridged = self.bridge.expand(query)
         per_signal: dict[str, dict[str, float]] = {}
         if "signature" in signals:
@@ -299,8 +324,15 @@ class Retriever:
         if "lexical" in signals:
             lexical_text = f"{bridged}\n{context}" if context else bridged
             per_signal["lexical"] = self.lexical_scores(lexical_text)
-        if "dense" in signals and (not shortcut or needs_dense(per_signal)):
-            per_signal["dense"] = self.dense_scores(bridged, context, clean)
+        embedded = [name for name in EMBEDDED if name in signals]
+        if embedded and (not shortcut or needs_dense(per_signal)):
+            vector = self.query_vector(bridged, context)
+            if "dense" in embedded:
+                per_signal["dense"] = self.dense_scores_of(vector, clean)
+            if "neighbours" in embedded:
+                nearest = self.neighbour_scores(query, vector, context)
+                if nearest:
+                    per_signal["neighbours"] = nearest
         if "reports" in signals and self.reports is not None:
             learned = self.reports.scores(clean.text, self.held_out)
             if learned:
@@ -311,6 +343,22 @@ class Retriever:
         if not shortcut:
             self._last_full = (key, dict(per_signal))
         return per_signal
+
+    def neighbour_scores(
+        self, query: str, vector: np.ndarray, context: str | None
+    ) -> dict[str, float]:
+        """The votes of the labelled reports nearest the question (neighbours.py).
+
+        None on Chinese questions, which the English model places poorly, and
+        none for a reply in a conversation: the labelled reports are first
+        reports, and the first report's own answer, which the reply's ranking
+        is merged with (pipeline.with_earlier_answer), already holds their
+        votes; found again from the reply, they counted twice and pulled the
+        thread toward whatever the reply's words resembled (session 28).
+        """
+        if context or self.neighbours is None or detect_lang(query[:2000]) == "zh":
+            return {}
+        return self.neighbours.scores(vector, self.held_out)
 
     def contradicted_causes(self, query: str, clean: CleanLog) -> frozenset[str]:
         """Causes whose premise the report itself contradicts (reportkind.py).
@@ -357,6 +405,20 @@ class Retriever:
         return self._causes_where[key]
 
 
+def question_text(clean: CleanLog) -> str:
+    """What the word signals search: the failure's own lines when the log has them."""
+    return clean.focus or clean.text[:2000]
+
+
+def embedded_text(clean: CleanLog, bridge: Bridge) -> str:
+    """What the dense signal embeds of a question (or a labelled report, neighbours.py).
+
+    The English of its Chinese terms is appended (the KB and the model are
+    mostly English), so it reaches the model only when the question is short.
+    """
+    return bridge.expand(question_text(clean))[:DENSE_TEXT_LIMIT]
+
+
 def any_of(patterns: list[str]) -> PatternSet | None:
     """A cause's `named_by` words as one alternation: one pass over a long log
     instead of one per word (48 -> 9 ms on 370 KB). Words that do not compile
@@ -397,7 +459,7 @@ def with_words_lowered(
     Only the words are scaled: a signature names the failure it prints.
     """
     scaled = dict(per_signal)
-    for signal in ("lexical", "dense", "reports"):
+    for signal in ("lexical", "dense", "reports", "neighbours"):
         if signal in scaled:
             scaled[signal] = {
                 cid: lowered(score) if cid in causes else score
@@ -426,9 +488,9 @@ def needs_dense(per_signal: dict[str, dict[str, float]]) -> bool:
 
 
 def with_shortcut(per_signal: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """The signals the product fuses, given all three were computed."""
+    """The signals the product fuses, given all were computed."""
     if "signature" in per_signal and not needs_dense(per_signal):
-        return {name: scores for name, scores in per_signal.items() if name != "dense"}
+        return {name: scores for name, scores in per_signal.items() if name not in EMBEDDED}
     return per_signal
 
 

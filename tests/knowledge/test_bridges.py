@@ -131,7 +131,13 @@ def retrievers(engine):
     from assistant.knowledge.retrieve import Retriever
 
     with_bridge = engine._retriever
-    without = Retriever(with_bridge.index, with_bridge.embedder, EMPTY, with_bridge.reports)
+    without = Retriever(
+        with_bridge.index,
+        with_bridge.embedder,
+        EMPTY,
+        with_bridge.reports,
+        neighbours=lambda: with_bridge.neighbours,
+    )
     return with_bridge, without
 
 

@@ -17,7 +17,10 @@ from assistant.knowledge.revision import layer_at_revision
 
 REPO_KB = Path(__file__).resolve().parents[2] / "kb"
 DUPLICATE = "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"
-ODD_ERROR = "zqxv-acme-error 4711"  # no cause of the real KB knows it
+# No cause of the real KB knows it. An exception line, so the signature names the
+# root error and decides the ranking: a bare token's match is one signal of five,
+# and the other four's votes on nonsense are noise this test does not measure.
+ODD_ERROR = "RuntimeError: zqxv-acme-error 4711"
 ODD_SIGNATURE = "  - 'zqxv-acme-error \\d+'\n"
 
 

@@ -166,7 +166,7 @@ def test_the_saved_model_scores_as_the_fitted_one_and_a_stale_or_damaged_file_is
     fitted = learned.model()
     assert (tmp_path / MODEL_FILE).is_file()
     again = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
-    key = again._files_key()
+    key = again.files_key()
     saved = ReportModel.load(tmp_path / MODEL_FILE, key)
     text = "NCCL timeout on rank 3 after the first epoch, training hangs"
     a, b = fitted.scores(text), saved.scores(text)
@@ -185,7 +185,7 @@ def test_the_counted_pool_is_saved_and_a_stale_or_damaged_one_is_counted_again(
     learned = LearnedReports([folder], [tmp_path / MODEL_FILE], symptoms)
     counted = learned.pool()
     assert (tmp_path / POOL_FILE).is_file()
-    key = learned._files_key()
+    key = learned.files_key()
     saved = ReportPool.load(tmp_path / POOL_FILE, key)
     assert (saved.labels, saved.also, saved.keys, saved.terms) == (
         counted.labels,
@@ -337,7 +337,7 @@ def test_a_team_layers_reports_join_the_pool_and_refit_the_model(engine, mini_kb
     )
     symptoms = {cid: engine.cause(cid)["symptoms"] for cid in engine.cause_ids()}
     before = team.learned_reports(symptoms)
-    size, key = len(before.pool().labels), before._files_key()
+    size, key = len(before.pool().labels), before.files_key()
     (mini_kb / "reports").mkdir()
     ticket = {
         "id": "feedback-1",
@@ -347,4 +347,4 @@ def test_a_team_layers_reports_join_the_pool_and_refit_the_model(engine, mini_kb
     (mini_kb / "reports" / "tickets.jsonl").write_text(json.dumps(ticket) + "\n", encoding="utf-8")
     after = team.learned_reports(symptoms)
     assert len(after.pool().labels) == size + 1
-    assert after._files_key() != key  # a saved model of the old pool is not reused
+    assert after.files_key() != key  # a saved model of the old pool is not reused

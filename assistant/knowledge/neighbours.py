@@ -1,0 +1,149 @@
+"""A fifth signal: the causes of the labelled reports that read most like this one.
+
+The reports signal (reports.py) learns which n-grams go with which resolved
+cause; this one asks the embedding model which labelled reports mean the
+same as the question, and lets each of the nearest vote for its causes: a
+report in other words than any the n-grams know ("the second card sits
+idle" beside "only GPU 0 trains") still finds its neighbours. The question's
+vector is the dense signal's own, so the signal costs a matrix product.
+
+English only: the bundled model is English, and on Chinese questions the
+neighbours it found lost more than they found (data/eval/README.md, session
+27). The KB's own symptoms are not in it: the dense signal already searches
+them.
+
+The reports' vectors are kept in the build folder and in the user's cache
+under the model's fingerprint, with the key of the KB and report files they
+were made for (a process loads them as they are) and each text's hash: a
+build embeds only texts no build on this machine has seen (the first build
+embeds them all, about half a minute here).
+An evaluation masks the reports it scores (`held_out`), as the reports signal
+refits without them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from assistant.knowledge.reports import load_arrays, save_arrays
+
+VECTORS_FILE = "reports_vectors.npz"
+NEAREST = 10  # reports that vote
+FLOOR = 0.2  # cosine below this is noise for MiniLM (retrieve.DENSE_FLOOR)
+ALSO_VOTE = 0.5  # a report's later labels vote half (reports.ALSO_TARGET)
+
+
+class ReportNeighbours:
+    """Unit vectors of the labelled reports, their identities and their causes."""
+
+    def __init__(self, vectors: np.ndarray, keys: list[str], labels: list[tuple[str, ...]]):
+        self.vectors = vectors  # reports x dimensions, float32, unit length
+        self.keys = np.array(keys)
+        self.labels = labels
+
+    def scores(
+        self, vector: np.ndarray, held_out: frozenset[str] = frozenset()
+    ) -> dict[str, float]:
+        """Per cause, the summed cosine of the nearest reports that name it (later labels half)."""
+        if not len(self.labels):
+            return {}
+        similarity = self.vectors @ np.asarray(vector, dtype=np.float32).reshape(-1)
+        if held_out:
+            similarity[np.isin(self.keys, list(held_out))] = -1.0
+        nearest = np.argsort(-similarity, kind="stable")[:NEAREST]
+        votes: dict[str, float] = {}
+        for row in nearest.tolist():
+            cosine = float(similarity[row])
+            if cosine < FLOOR:
+                break  # sorted: the rest are further
+            for place, cause in enumerate(self.labels[row]):
+                votes[cause] = votes.get(cause, 0.0) + cosine * (1.0 if place == 0 else ALSO_VOTE)
+        return votes
+
+    @classmethod
+    def load_or_embed(
+        cls,
+        key: str,
+        reports: Callable[[], list[tuple[str, tuple[str, ...], str]]],
+        embedder,
+        caches: list[Path],
+    ) -> ReportNeighbours:
+        """The saved neighbours when `key` (the model, the KB, the report files)
+        matches, else `reports()` embedded and saved.
+
+        `reports()`: (text as the dense signal embeds it, causes best first,
+        key). Only texts no saved vector was made from are embedded: a KB
+        edit that changes no report's text costs their cleaning, not the model.
+        Every cache is read and written: the build folder's, and the user's,
+        which every build folder of this machine shares (a fresh clone, `kb
+        eval --compare`'s temporary index and a test's private KB embed only
+        what no earlier build did).
+        """
+        fingerprint = str(embedder.fingerprint)
+        known: dict[str, np.ndarray] = {}
+        for cache in caches:
+            saved = read_saved(cache, fingerprint)
+            if saved is None:
+                continue
+            header, vectors = saved
+            if header.get("set") == key:
+                neighbours = cls.from_saved(header, vectors)
+                if neighbours is not None:
+                    return neighbours
+            known.update(zip(header["hashes"], vectors))
+        texts = reports()
+        hashes = [text_hash(text) for text, _, _ in texts]
+        missing = list(
+            {h: text for h, (text, _, _) in zip(hashes, texts) if h not in known}.items()
+        )
+        if missing:
+            fresh = embedder.encode([text for _, text in missing])
+            known.update({h: vector for (h, _), vector in zip(missing, fresh)})
+        dimensions = next(iter(known.values())).shape[0] if known else 0
+        vectors = np.zeros((len(hashes), dimensions), dtype=np.float32)
+        for row, digest in enumerate(hashes):
+            vectors[row] = known[digest]
+        header = {
+            "key": fingerprint,
+            "set": key,
+            "hashes": hashes,
+            "keys": [report_key for _, _, report_key in texts],
+            "labels": [list(causes) for _, causes, _ in texts],
+        }
+        for cache in caches:
+            save_arrays(cache, header, vectors=vectors)  # False (read-only) is fine
+        return cls(vectors, header["keys"], [tuple(c) for c in header["labels"]])
+
+    @classmethod
+    def from_saved(cls, header: dict, vectors: np.ndarray) -> ReportNeighbours | None:
+        keys, labels = header.get("keys"), header.get("labels")
+        if not (isinstance(keys, list) and isinstance(labels, list)):
+            return None
+        if not len(keys) == len(labels) == len(vectors):
+            return None
+        if not all(
+            isinstance(row, list) and all(isinstance(c, str) for c in row) for row in labels
+        ):
+            return None
+        return cls(vectors, keys, [tuple(row) for row in labels])
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def read_saved(path: Path, fingerprint: str) -> tuple[dict, np.ndarray] | None:
+    """(header, vectors) saved for this model; None when missing, damaged or another model's."""
+    loaded = load_arrays(path, fingerprint, ("vectors",))
+    if loaded is None:
+        return None
+    header, arrays = loaded
+    vectors = arrays["vectors"]
+    hashes = header.get("hashes")
+    if not isinstance(hashes, list) or vectors.ndim != 2 or len(hashes) != len(vectors):
+        return None
+    return header, vectors.astype(np.float32)
