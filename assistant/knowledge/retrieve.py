@@ -34,6 +34,7 @@ from assistant.knowledge.classifier import CauseClassifier
 from assistant.knowledge.index import KIND_WEIGHTS, LoadedIndex
 from assistant.knowledge.neighbours import ReportNeighbours
 from assistant.knowledge.patterns import LINEAR_ENGINE, PatternSet
+from assistant.knowledge.refines import taken_over
 from assistant.knowledge.reportkind import (
     reports_failure,
     reports_hang_only,
@@ -204,11 +205,12 @@ class Retriever:
         SyncBN cause's (5 of the 5 labelled reports with both, over four sets).
         The general cause keeps its words, so it stays a close second.
         """
-        for cid, general in self.refines.items():
-            taken = [scores[g] for g in general if g in scores]
-            if not taken or self.named_by[cid].search(body) is None:
-                continue
-            scores[cid] = max(scores.get(cid, 0.0), *taken)
+
+        def names(cid: str) -> bool:
+            return self.named_by[cid].search(body) is not None
+
+        for cid, general in taken_over(self.refines, scores, names).items():
+            scores[cid] = max(scores.get(cid, 0.0), *(scores[g] for g in general))
             for g in general:
                 scores.pop(g, None)
         return scores

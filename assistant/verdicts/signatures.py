@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from functools import lru_cache
 
 from assistant.knowledge.patterns import PatternSet
+from assistant.knowledge.refines import taken_over
 
 Signatures = Mapping[str, Iterable[str]]  # cause id -> regex sources, as the KB gives them
 
@@ -65,13 +66,16 @@ def as_refined(signatures: Signatures, refinements: Mapping, text: str) -> Signa
     group has not been initialized" is SyncBN's error in a report naming it).
     """
     result = {cause_id: list(patterns) for cause_id, patterns in signatures.items()}
-    for cause_id, (general, named_by) in refinements.items():
-        taken = [g for g in general if result.get(g)]
-        if not taken or cause_id not in result or not text:
-            continue
-        if compiled(tuple(named_by)).search(text) is None:
-            continue
-        for g in taken:
+    if not text:
+        return result
+    refines = {cid: general for cid, (general, _) in refinements.items() if cid in result}
+    matched = [cause_id for cause_id, patterns in result.items() if patterns]
+
+    def names(cause_id: str) -> bool:
+        return compiled(tuple(refinements[cause_id][1])).search(text) is not None
+
+    for cause_id, general in taken_over(refines, matched, names).items():
+        for g in general:
             result[cause_id] = list(dict.fromkeys([*result[cause_id], *result[g]]))
             result[g] = []
     return result
