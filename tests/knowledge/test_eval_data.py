@@ -110,6 +110,7 @@ SMALL_SETS = {
     "real_reports_holdout36.jsonl",  # 7: session 23's third round, the search budget spent
     "real_reports_holdout37.jsonl",  # 13: session 24, three collectors at 90 look-ups each
     "real_reports_holdout38.jsonl",  # 17: session 25, three collectors at 90 look-ups each
+    "real_reports_holdout41.jsonl",  # 17: session 28, three collectors, ~550 look-ups
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
@@ -121,7 +122,11 @@ SMALL_SETS = {
     "real_reports_new_causes7.jsonl",
 }
 # Sets whose Chinese collectors found nothing new (data/eval/README.md).
-ENGLISH_ONLY = {"real_reports_holdout25.jsonl", "real_reports_holdout30.jsonl"}
+ENGLISH_ONLY = {
+    "real_reports_holdout25.jsonl",
+    "real_reports_holdout30.jsonl",
+    "real_reports_holdout41.jsonl",  # its one Chinese report was a thread the KB cites
+}
 
 
 def kb_cause_ids() -> set[str]:
