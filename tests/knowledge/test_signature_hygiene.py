@@ -179,3 +179,40 @@ def test_generic_lines_name_no_cause(kb, text):
         if PatternSet.from_patterns(cause.signatures).search(text)
     ]
     assert not named, named
+
+
+# An attribute missing on the DDP / DataParallel wrapper: a public name (or the
+# compiled model's _orig_mod) is user code reading the model through the wrapper;
+# a private one is a library calling torch internals another release has or lacks.
+WRAPPER_ATTRIBUTES = [
+    (
+        "AttributeError: 'DistributedDataParallel' object has no attribute 'generate'",
+        "ddp-wrapper-attribute",
+    ),
+    (
+        "ModuleAttributeError: 'DataParallel' object has no attribute 'encode'",
+        "ddp-wrapper-attribute",
+    ),
+    (
+        "AttributeError: 'DistributedDataParallel' object has no attribute '_orig_mod'",
+        "ddp-wrapper-attribute",
+    ),
+    (
+        "AttributeError: 'MMDistributedDataParallel' object has no attribute '_sync_params'",
+        "library-version-mismatch",
+    ),
+    (
+        "AttributeError: 'DistributedDataParallel' object has no attribute '_module_copies'",
+        "library-version-mismatch",
+    ),
+]
+
+
+@pytest.mark.parametrize("text, cause_id", WRAPPER_ATTRIBUTES)
+def test_a_wrapper_attribute_names_one_cause_by_whose_name_it_is(kb, text, cause_id):
+    named = [
+        other
+        for other in ("ddp-wrapper-attribute", "library-version-mismatch")
+        if PatternSet.from_patterns(kb.causes[other].signatures).search(text)
+    ]
+    assert named == [cause_id], text
