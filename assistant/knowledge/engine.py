@@ -124,8 +124,8 @@ class Engine:
     def report_neighbours(
         self, learned: LearnedReports, bridge, kb_hash: str
     ) -> ReportNeighbours | None:
-        """The labelled reports' vectors (neighbours.py), saved beside the reports
-        model; None without labelled reports."""
+        """The labelled reports' vectors (neighbours.py), saved where the reports
+        model is (the build folder, the user's cache); None without labelled reports."""
         files = learned.files_key()
         if files is None:
             return None
