@@ -5,8 +5,10 @@
 - index: compiling the KB into one SQLite file (FTS5 + FAISS blob);
 - embed, onnxembed: the sentence-transformers model and its ONNX export;
 - textsearch: tokens for the lexical signal (Latin words, CJK bigrams);
-- retrieve: the four signals fused into a ranking of causes;
+- retrieve: the five signals fused into a ranking of causes;
 - reports: the fourth signal, a model of the labelled real reports;
+- neighbours: the fifth, the labelled reports nearest the question's vector;
+- refines: a special case taking its general cause's error (kb Cause.refines);
 - engine: loads index and model once, answers many questions;
 - stats, evaluate: coverage and retrieval quality for KB maintainers.
 """

@@ -1,4 +1,4 @@
-"""Retrieval: four signals, each ranking causes, fused by reciprocal rank.
+"""Retrieval: five signals, each ranking causes, fused by reciprocal rank.
 
 signature  the KB's regexes over the cleaned log; exact, so it weighs most,
            and a match in the root error counts three times
