@@ -129,8 +129,10 @@ class Engine:
         files = learned.files_key()
         if files is None:
             return None
-        # The bridge (a KB file) and the report files decide the texts embedded.
-        key = hashlib.sha256(f"{kb_hash}\0{files}".encode()).hexdigest()
+        # The bridge (a KB file), the report files and the code that prepares a text
+        # for the model (retrieve.embedded_text, the bridge's expansion) decide the
+        # texts embedded; a changed text is embedded again, the others are reused.
+        key = hashlib.sha256(f"{kb_hash}\0{files}\0{text_preparation()}".encode()).hexdigest()
 
         def texts() -> list[tuple[str, tuple[str, ...], str]]:
             return [
@@ -280,3 +282,21 @@ class Engine:
             limit=MAX_ANSWERS_PER_CAUSE,
             query=query[:QUERY_CHARS_FOR_ANSWERS],
         )
+
+
+def text_preparation() -> str:
+    """The code that turns a labelled report into the text the model embeds, and
+    its length limit: part of the neighbours' key, so a change re-embeds."""
+    import inspect
+
+    from assistant.knowledge import bridges, retrieve
+
+    bridge = bridges.Bridge
+    parts = (
+        retrieve.question_text,
+        retrieve.embedded_text,
+        bridge.expand,
+        bridge.english,
+        bridge.found,
+    )
+    return "".join(inspect.getsource(part) for part in parts) + str(retrieve.DENSE_TEXT_LIMIT)

@@ -418,10 +418,17 @@ class _LayeredLoader:
         """`refines` names causes of any layer, so it is checked once all are read."""
         known = set(self.causes) | self.broken
         for cid, cause in self.causes.items():
+            name = self.name(self.files[cid], self.sources[cid])
             for other in cause.refines:
                 if other not in known:
-                    name = self.name(self.files[cid], self.sources[cid])
                     self.problems.append(f"{name}: refines: unknown cause {other!r}")
+                elif other in self.causes and self.causes[other].refines:
+                    # One step only: retrieval and the verdicts hand a general cause's
+                    # error over once, so a chain's last link would depend on order.
+                    self.problems.append(
+                        f"{name}: refines: {other!r} refines other causes itself; "
+                        "refine the general cause it refines instead"
+                    )
 
     def check_contract(self) -> None:
         known = set(self.causes) | self.broken

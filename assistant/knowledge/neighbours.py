@@ -35,6 +35,10 @@ VECTORS_FILE = "reports_vectors.npz"
 NEAREST = 10  # reports that vote
 FLOOR = 0.2  # cosine below this is noise for MiniLM (retrieve.DENSE_FLOOR)
 ALSO_VOTE = 0.5  # a report's later labels vote half (reports.ALSO_TARGET)
+# Vectors a saved file keeps: the set it was made for, then texts other sets
+# embedded (another KB's layers, an older revision under `kb eval --compare`),
+# so switching back embeds nothing. 10,000 x 384 floats is 15 MB.
+KEPT_VECTORS = 10_000
 
 
 class ReportNeighbours:
@@ -103,33 +107,37 @@ class ReportNeighbours:
         if missing:
             fresh = embedder.encode([text for _, text in missing])
             known.update({h: vector for (h, _), vector in zip(missing, fresh)})
+        # The set's rows first (from_saved reads them), then others' texts, kept.
+        in_set = set(hashes)
+        others = [digest for digest in known if digest not in in_set]
+        rows = hashes + others[: max(0, KEPT_VECTORS - len(hashes))]
         dimensions = next(iter(known.values())).shape[0] if known else 0
-        vectors = np.zeros((len(hashes), dimensions), dtype=np.float32)
-        for row, digest in enumerate(hashes):
+        vectors = np.zeros((len(rows), dimensions), dtype=np.float32)
+        for row, digest in enumerate(rows):
             vectors[row] = known[digest]
         header = {
             "key": fingerprint,
             "set": key,
-            "hashes": hashes,
+            "hashes": rows,
             "keys": [report_key for _, _, report_key in texts],
             "labels": [list(causes) for _, causes, _ in texts],
         }
         for cache in caches:
             save_arrays(cache, header, vectors=vectors)  # False (read-only) is fine
-        return cls(vectors, header["keys"], [tuple(c) for c in header["labels"]])
+        return cls(vectors[: len(hashes)], header["keys"], [tuple(c) for c in header["labels"]])
 
     @classmethod
     def from_saved(cls, header: dict, vectors: np.ndarray) -> ReportNeighbours | None:
         keys, labels = header.get("keys"), header.get("labels")
         if not (isinstance(keys, list) and isinstance(labels, list)):
             return None
-        if not len(keys) == len(labels) == len(vectors):
+        if not len(keys) == len(labels) <= len(vectors):
             return None
-        if not all(
+        if not all(isinstance(k, str) for k in keys) or not all(
             isinstance(row, list) and all(isinstance(c, str) for c in row) for row in labels
         ):
             return None
-        return cls(vectors, keys, [tuple(row) for row in labels])
+        return cls(vectors[: len(keys)], keys, [tuple(row) for row in labels])
 
 
 def text_hash(text: str) -> str:
@@ -146,4 +154,6 @@ def read_saved(path: Path, fingerprint: str) -> tuple[dict, np.ndarray] | None:
     hashes = header.get("hashes")
     if not isinstance(hashes, list) or vectors.ndim != 2 or len(hashes) != len(vectors):
         return None
+    if not all(isinstance(digest, str) for digest in hashes):
+        return None  # damaged: embedded again rather than failing on a list as a key
     return header, vectors.astype(np.float32)

@@ -209,8 +209,11 @@ class Retriever:
         def names(cid: str) -> bool:
             return self.named_by[cid].search(body) is not None
 
-        for cid, general in taken_over(self.refines, scores, names).items():
-            scores[cid] = max(scores.get(cid, 0.0), *(scores[g] for g in general))
+        handed = taken_over(self.refines, scores, names)
+        general_scores = dict(scores)  # read before any is handed over: two may share one
+        for cid, general in handed.items():
+            scores[cid] = max(scores.get(cid, 0.0), *(general_scores[g] for g in general))
+        for general in handed.values():
             for g in general:
                 scores.pop(g, None)
         return scores

@@ -74,8 +74,12 @@ def as_refined(signatures: Signatures, refinements: Mapping, text: str) -> Signa
     def names(cause_id: str) -> bool:
         return compiled(tuple(refinements[cause_id][1])).search(text) is not None
 
-    for cause_id, general in taken_over(refines, matched, names).items():
+    handed = taken_over(refines, matched, names)
+    general_patterns = {cause_id: list(patterns) for cause_id, patterns in result.items()}
+    for cause_id, general in handed.items():  # two special cases may share one general cause
         for g in general:
-            result[cause_id] = list(dict.fromkeys([*result[cause_id], *result[g]]))
+            result[cause_id] = list(dict.fromkeys([*result[cause_id], *general_patterns[g]]))
+    for general in handed.values():
+        for g in general:
             result[g] = []
     return result

@@ -34,6 +34,8 @@ EXPECTED = {
     "causes/refines-unknown-cause.yaml": "refines: unknown cause 'cosmic-rays'",
     "causes/refines-without-named-by.yaml": "refines: needs named_by",
     "causes/refines-itself.yaml": "refines: a cause cannot refine itself",
+    "causes/refines-a-special-case.yaml": "refines: 'syncbn-without-process-group' refines "
+    "other causes itself",
     "threads/unknown-cause.yaml": "answers.0.claims: unknown cause 'cosmic-rays'",
     "threads/duplicate-answer-id.yaml": "answers.1.id: duplicate answer id 'a1'",
 }

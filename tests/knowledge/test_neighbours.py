@@ -89,6 +89,32 @@ def test_a_new_build_folder_embeds_nothing_another_folder_of_the_machine_has(eng
     assert counting.embedded == [] and other[0].exists() and again.vectors.shape[0] == 2
 
 
+def test_a_smaller_set_keeps_the_vectors_a_larger_one_embedded(engine, tmp_path):
+    """A KB with fewer causes (a team layer, an old revision under `kb eval
+    --compare`) saves its set beside the texts others embedded, not over them."""
+    shared = tmp_path / "user-cache" / "reports_vectors.npz"
+    counting = Counting(engine.embedder)
+    ReportNeighbours.load_or_embed("all", lambda: REPORTS, counting, [shared])
+    subset = ReportNeighbours.load_or_embed("one", lambda: REPORTS[:1], counting, [shared])
+    assert subset.vectors.shape[0] == 1 and subset.labels == [REPORTS[0][1]]
+    counting.embedded.clear()
+    again = ReportNeighbours.load_or_embed("all-again", lambda: REPORTS, counting, [shared])
+    assert counting.embedded == [] and again.vectors.shape[0] == 2
+
+
+def test_a_well_formed_file_with_damaged_hashes_is_embedded_again(engine, tmp_path):
+    from assistant.knowledge.neighbours import read_saved
+    from assistant.knowledge.reports import save_arrays
+
+    cache = tmp_path / "reports_vectors.npz"
+    header = {"key": str(engine.embedder.fingerprint), "set": "x", "hashes": [["not", "a"], "h"]}
+    save_arrays(cache, header, vectors=np.zeros((2, 3), dtype=np.float32))
+    assert read_saved(cache, str(engine.embedder.fingerprint)) is None
+    counting = Counting(engine.embedder)
+    ReportNeighbours.load_or_embed("set", lambda: REPORTS, counting, [cache])
+    assert len(counting.embedded) == 2
+
+
 def test_a_damaged_cache_is_embedded_again_and_an_unwritable_one_is_no_error(engine, tmp_path):
     cache = tmp_path / "reports_vectors.npz"
     cache.write_bytes(b"not an npz file")
