@@ -38,8 +38,15 @@ def reading_key(
     """Sort key of a judged cause: (tier, -(relative score - verdict steps))."""
     relative = cause.score / best_score if best_score > 0 else 1.0
     verdict = cause.verdict
-    tier = 0 if verdict.verdict == "confirmed" and explains_failure(cause, root_error) else 1
-    steps = VERDICT_RANK[verdict.verdict] / (len(VERDICT_RANK) - 1)
+    explains = verdict.verdict == "confirmed" and explains_failure(cause, root_error)
+    tier = 0 if explains else 1
+    rank = VERDICT_RANK[verdict.verdict]
+    if verdict.source == "script" and not explains:
+        # A true fact about the script, not this error's explanation: read at its
+        # score, without a confirmation's step (with the neighbours signal the
+        # leading scores sit closer, and the step alone put such a finding first).
+        rank = VERDICT_RANK["not_run"]
+    steps = rank / (len(VERDICT_RANK) - 1)
     return tier, -(relative - VERDICT_MARGIN * steps)
 
 
