@@ -299,4 +299,13 @@ def text_preparation() -> str:
         bridge.english,
         bridge.found,
     )
-    return "".join(inspect.getsource(part) for part in parts) + str(retrieve.DENSE_TEXT_LIMIT)
+    try:
+        source = "".join(inspect.getsource(part) for part in parts)
+    except (OSError, TypeError):  # installed without sources: the package's version keys it
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            source = version("ddp-assistant")
+        except PackageNotFoundError:
+            source = "unknown"
+    return source + str(retrieve.DENSE_TEXT_LIMIT)

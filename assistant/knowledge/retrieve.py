@@ -361,7 +361,8 @@ class Retriever:
         votes; found again from the reply, they counted twice and pulled the
         thread toward whatever the reply's words resembled (session 28).
         """
-        if context or self.neighbours is None or detect_lang(query[:2000]) == "zh":
+        # Checked before `self.neighbours`, which loads (or first embeds) the reports.
+        if context or detect_lang(query[:2000]) == "zh" or self.neighbours is None:
             return {}
         return self.neighbours.scores(vector, self.held_out)
 

@@ -161,3 +161,30 @@ def test_a_labelled_report_held_out_does_not_find_itself(engine):
     with_it = neighbours.scores(vector)
     own_cause = neighbours.labels[row][0]
     assert with_it[own_cause] > alone.get(own_cause, 0.0)
+
+
+def test_a_chinese_question_or_a_reply_never_loads_the_reports_vectors():
+    from assistant.knowledge.retrieve import Retriever
+
+    def never():
+        raise AssertionError("loading (or first embedding) the reports was not needed")
+
+    retriever = Retriever.__new__(Retriever)  # only what neighbour_scores reads
+    retriever._neighbours = never
+    vector = unit(1, 0, 0)
+    assert retriever.neighbour_scores("四张卡训练时卡在第一个 barrier 不动", vector, None) == {}
+    assert retriever.neighbour_scores("it still hangs", vector, "DDP hangs at barrier") == {}
+
+
+def test_the_neighbours_key_survives_an_install_without_sources(monkeypatch):
+    import inspect
+
+    from assistant.knowledge.engine import text_preparation
+
+    assert "def embedded_text" in text_preparation()
+
+    def no_source(_):
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", no_source)
+    assert text_preparation()  # a key all the same: the package's version
