@@ -41,7 +41,7 @@ def reading_key(
     explains = verdict.verdict == "confirmed" and explains_failure(cause, root_error)
     tier = 0 if explains else 1
     rank = VERDICT_RANK[verdict.verdict]
-    if verdict.source == "script" and not explains:
+    if verdict.verdict == "confirmed" and verdict.source == "script" and not explains:
         # A true fact about the script, not this error's explanation: read at its
         # score, without a confirmation's step (with the neighbours signal the
         # leading scores sit closer, and the step alone put such a finding first).

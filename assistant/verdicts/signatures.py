@@ -69,6 +69,8 @@ def as_refined(signatures: Signatures, refinements: Mapping, text: str) -> Signa
     if not text:
         return result
     refines = {cid: general for cid, (general, _) in refinements.items() if cid in result}
+    # Every cause with patterns counts as matched: a pattern handed over only
+    # decides a verdict where it matches the text, so matching twice gains nothing.
     matched = [cause_id for cause_id, patterns in result.items() if patterns]
 
     def names(cause_id: str) -> bool:
