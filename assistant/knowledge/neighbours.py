@@ -97,6 +97,11 @@ class ReportNeighbours:
             if header.get("set") == key:
                 neighbours = cls.from_saved(header, vectors)
                 if neighbours is not None:
+                    # A cache that is not there yet (a user cache cleared, or a build
+                    # folder older than it) gets the file, so the next folder finds it.
+                    for other in caches:
+                        if not other.exists():
+                            save_arrays(other, header, vectors=vectors)
                     return neighbours
             known.update(zip(header["hashes"], vectors))
         texts = reports()

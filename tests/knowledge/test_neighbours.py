@@ -89,6 +89,25 @@ def test_a_new_build_folder_embeds_nothing_another_folder_of_the_machine_has(eng
     assert counting.embedded == [] and other[0].exists() and again.vectors.shape[0] == 2
 
 
+def test_a_matching_build_folder_refills_a_missing_user_cache(engine, tmp_path):
+    """A build folder made before the user cache existed (or after it was
+    cleared) still answers at once, and leaves the next folder its vectors."""
+    build, shared = tmp_path / "build" / "reports_vectors.npz", tmp_path / "user" / "r.npz"
+    counting = Counting(engine.embedder)
+    ReportNeighbours.load_or_embed("kb", lambda: REPORTS, counting, [build])
+    assert not shared.exists()
+
+    def never():
+        raise AssertionError("the build folder's matching set is read, not recomputed")
+
+    ReportNeighbours.load_or_embed("kb", never, counting, [build, shared])
+    assert shared.exists()
+    counting.embedded.clear()
+    fresh = [tmp_path / "build-2" / "reports_vectors.npz", shared]
+    ReportNeighbours.load_or_embed("kb", never, counting, fresh)
+    assert counting.embedded == [] and fresh[0].exists()
+
+
 def test_a_smaller_set_keeps_the_vectors_a_larger_one_embedded(engine, tmp_path):
     """A KB with fewer causes (a team layer, an old revision under `kb eval
     --compare`) saves its set beside the texts others embedded, not over them."""
