@@ -136,6 +136,9 @@ def retrievers(engine):
         with_bridge.embedder,
         EMPTY,
         with_bridge.reports,
+        # Shared on purpose: these tests are about how a question is read. The
+        # labelled reports' vectors (Chinese ones embedded with the bridge's
+        # English) are data of the build, like the index both retrievers share.
         neighbours=lambda: with_bridge.neighbours,
     )
     return with_bridge, without
