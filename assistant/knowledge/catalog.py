@@ -114,11 +114,13 @@ def claiming_answers(
 
 def best_first(answers: list[AnswerRef], lang: str, query: str = "") -> list[AnswerRef]:
     """Stance first: an answer its own thread judged wrong must not lead because it is
-    in the reader's language or close to the question. Then the threads whose
-    question shares most terms with `query` (a generic "process group not
-    initialized" is better answered by its own thread than by one about SyncBN
-    on one GPU that ends in the same error), then the reader's language, the
-    finer stance, the shorter text. Ties keep the KB's order."""
+    in the reader's language or close to the question. Then the reader's
+    language: an English question answered first by a Chinese thread that
+    shares "DDP" and "device" with it helps nobody who cannot read it. Then
+    the threads whose question shares most terms with `query` (a generic
+    "process group not initialized" is better answered by its own thread than
+    by one about SyncBN on one GPU that ends in the same error), the finer
+    stance, the shorter text. Ties keep the KB's order."""
     asked = set(search_tokens(query)) if query else set()
     shared: dict[str, int] = {}
 
@@ -131,8 +133,8 @@ def best_first(answers: list[AnswerRef], lang: str, query: str = "") -> list[Ans
         answers,
         key=lambda a: (
             STANCE_GROUP.get(a.stance, 1),
-            -closeness(a) if asked else 0,
             a.lang != lang,
+            -closeness(a) if asked else 0,
             STANCE_ORDER.get(a.stance, 9),
             len(a.text),
         ),

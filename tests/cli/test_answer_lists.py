@@ -153,3 +153,28 @@ def test_within_a_stance_the_thread_that_asked_the_same_thing_leads():
     ]
     # without a question the shorter answer leads, as before
     assert ids(claiming_answers(threads, "c", order="best"))[0] == "syncbn#a1"
+
+
+def test_the_readers_language_leads_a_closer_thread_in_another():
+    """An English question that shares more terms with a Chinese thread's question
+    still gets the English answers first (and a Chinese reader the Chinese ones)."""
+    threads = [
+        {
+            "id": "zh-thread",
+            "question": "DDP 报错 device_ids 找不到设备 device",
+            "answers": [answer("a1", "right", lang="zh", text="先 .cuda(local_rank) 再包 DDP")],
+        },
+        {
+            "id": "en-thread",
+            "question": "wrapping the model fails",
+            "answers": [answer("a1", "right", text="move the model to its GPU before wrapping")],
+        },
+    ]
+    query = "DDP can't find the device: device_ids error"
+    assert ids(claiming_answers(threads, "c", order="best", lang="en", query=query)) == [
+        "en-thread#a1",
+        "zh-thread#a1",
+    ]
+    assert ids(claiming_answers(threads, "c", order="best", lang="zh", query=query))[0] == (
+        "zh-thread#a1"
+    )
