@@ -168,6 +168,8 @@ GENERIC = [
     ),
     "torch.distributed.DistStoreError: Timed out after 1801 seconds waiting for clients. 1/2 clients joined.",
     "RuntimeError: CUDA error: out of memory",
+    # DataParallel's wrapper of any replica's exception: the exception names the cause
+    "RuntimeError: Caught RuntimeError in replica 1 on device 1.",
 ]
 
 
@@ -214,3 +216,14 @@ def test_a_wrapper_attribute_names_its_cause_by_whose_name_it_is(kb, text, cause
         if PatternSet.from_patterns(kb.causes[other].signatures).search(text)
     ]
     assert named == cause_ids, text
+
+
+def test_a_replica_stopiteration_names_the_dataparallel_forward_contract(kb):
+    """next(self.parameters()) in forward: empty in a DataParallel replica since torch 1.5."""
+    text = "StopIteration: Caught StopIteration in replica 1 on device 1."
+    named = [
+        cause.id
+        for cause in kb.causes.values()
+        if PatternSet.from_patterns(cause.signatures).search(text)
+    ]
+    assert named == ["dataparallel-unsafe-model"]
