@@ -218,12 +218,24 @@ def test_a_wrapper_attribute_names_its_cause_by_whose_name_it_is(kb, text, cause
     assert named == cause_ids, text
 
 
-def test_a_replica_stopiteration_names_the_dataparallel_forward_contract(kb):
-    """next(self.parameters()) in forward: empty in a DataParallel replica since torch 1.5."""
-    text = "StopIteration: Caught StopIteration in replica 1 on device 1."
-    named = [
+def signature_owners(kb, text: str) -> list[str]:
+    return [
         cause.id
         for cause in kb.causes.values()
         if PatternSet.from_patterns(cause.signatures).search(text)
     ]
-    assert named == ["dataparallel-unsafe-model"]
+
+
+def test_a_replica_stopiteration_names_the_dataparallel_forward_contract(kb):
+    """next(self.parameters()) in forward: empty in a DataParallel replica since torch 1.5."""
+    text = "StopIteration: Caught StopIteration in replica 1 on device 1."
+    assert signature_owners(kb, text) == ["dataparallel-unsafe-model"]
+
+
+def test_the_old_gather_assert_on_cpu_outputs_names_the_dataparallel_forward_contract(kb):
+    """PyTorch 1.2 and older checked DataParallel's gathered outputs with a bare assert."""
+    text = (
+        '  File "torch/nn/parallel/_functions.py", line 54, in forward\n'
+        "    assert all(map(lambda i: i.is_cuda, inputs))\nAssertionError"
+    )
+    assert signature_owners(kb, text) == ["dataparallel-unsafe-model"]
