@@ -80,7 +80,8 @@ SALIENT = re.compile(
 # Lines that carry no meaning for retrieval: source lines of a traceback,
 # torchrun's failure-summary fields, separators.
 FOCUS_NOISE = re.compile(
-    r"^(?:raise |return |Sending process|error_file|time\s*:|host\s*:|traceback\s*:\s*To enable"
+    r"^(?:raise |return |Sending process|error_file|time\s*:|host\s*:|traceback\s*:"
+    r"|rank\s*:\s*\d+\s*\(local_rank|exitcode\s*:\s*-?\d+\s*\(pid"
     r"|Failures:|Root Cause|\[\d+\]:$|[=\-^~ ]+$|.*ChildFailedError|.* FAILED$)"
 )
 MAX_FOCUS_LINES = 24

@@ -61,6 +61,26 @@ Root Cause (first observed failure):
     assert "exitcode: -9" in root.message
 
 
+def test_torchruns_summary_fields_are_not_searched():
+    """Every torchrun failure prints them: "local_rank" and "exitcode" there say nothing
+    of the cause, yet searched they pulled local-rank and killed-rank causes forward."""
+    log = """The 'No space left on device' error occurred during a TorchTitan run.
+It fails at the first broadcast, on every node:
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-01-13_09:20:58
+  host      : node-0
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 1016)
+  error_file: /tmp/torchelastic_x/attempt_0/0/error.json
+  traceback : Traceback (most recent call last):
+    torch.distributed.broadcast(seed_tensor, src=0)
+"""
+    focus = clean_log(log).focus
+    assert "No space left on device" in focus and "first broadcast" in focus
+    assert "local_rank" not in focus and "exitcode" not in focus and "Traceback" not in focus
+
+
 def test_argparse_error_is_a_root_error():
     log = "[rank0]: usage: train.py [-h] [--local_rank LOCAL_RANK]\n[rank0]: train.py: error: unrecognized arguments: --local-rank=0"
     root = clean_log(log).root_error
