@@ -14,7 +14,8 @@ Measures, in one run so that the ratios compare like with like:
   - the same on a synthetic 100,000-chunk index (target: <= 50 ms)
   - `assistant kb eval` of the whole eval set, cold (target: < 10 s)
   - one held-out fit of the reports model (`kb eval` and the CI floors fit
-    once per labelled file; 2.6 s before session 24; target: < 2.0 s)
+    once per labelled file; 2.6 s before session 24, 1.33 s before session
+    30's float32 solve, 0.76 s after; target: < 1.0 s)
   - `assistant kb build` of the whole KB from nothing, export included (target: <= 20 s)
   - `assistant --help` and `assistant kb lint` (target: < 1 s each)
 """
@@ -255,7 +256,7 @@ TARGETS = {
     "warm_median_100k_ms": 50,
     "warm_median_100k_questions_ms": 50,
     "kb_eval_s": 10,
-    "held_out_fit_s": 2.0,
+    "held_out_fit_s": 1.0,
     "kb_build_s": 20,
     "help_s": 1,
     "kb_lint_s": 1,

@@ -67,7 +67,7 @@ COMMON_SHARE = 1 / 25
 MIN_REPORTS = 20
 MAX_LABELS = 3  # a report's causes: the first, then at most two it also fits (label policy)
 MAX_FILE_BYTES = 50_000_000  # a labelled set is a few hundred KB; a dump this size is not one
-MODEL_VERSION = 4
+MODEL_VERSION = 5  # 5: fitted in float32
 WORD = re.compile(r"[a-z_][a-z0-9_]+")
 # One vocabulary, two kinds of term: a word term starts with NUL, which the
 # text itself is cleared of, so no character n-gram can take its place.
@@ -277,8 +277,11 @@ class ReportPool:
             return None
         counts = self.counts[rows]
         columns, idf = self._vocabulary(counts)
-        x = self._weighted(counts[:, columns], idf, self.is_word[columns])
-        y = -np.ones((len(rows), len(causes)))
+        # Solved in float32, the precision the model is saved in: the weights move
+        # by under 1e-6 of their largest, and a fit (one per file in `kb eval`)
+        # takes 0.7 s instead of 1.5-2.5 s on two cores (session 30).
+        x = self._weighted(counts[:, columns], idf, self.is_word[columns]).astype(np.float32)
+        y = -np.ones((len(rows), len(causes)), dtype=np.float32)
         index = {cause: k for k, cause in enumerate(causes)}
         for r, i in enumerate(rows):
             for cause in self.also[i]:
@@ -286,7 +289,8 @@ class ReportPool:
                     y[r, index[cause]] = ALSO_TARGET
             y[r, index[self.labels[i]]] = 1.0
         bias = y.mean(axis=0)
-        gram = gram_matrix(x) + RIDGE * np.eye(len(rows))
+        gram = gram_matrix(x)
+        gram[np.diag_indices_from(gram)] += RIDGE  # in place: no second n x n matrix
         # Symmetric positive definite: Cholesky, not LU (the same solution, ~2.5x faster).
         dual = cho_solve(cho_factor(gram, check_finite=False), y - bias, check_finite=False)
         weights = np.asarray(x.T @ dual)
