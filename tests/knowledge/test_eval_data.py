@@ -130,6 +130,7 @@ ENGLISH_ONLY = {
     "real_reports_holdout25.jsonl",
     "real_reports_holdout30.jsonl",
     "real_reports_holdout41.jsonl",  # its one Chinese report was a thread the KB cites
+    "real_reports_holdout46.jsonl",  # the Chinese collector found no thread not already used
 }
 
 
