@@ -339,7 +339,7 @@ class Retriever:
                 if nearest:
                     per_signal["neighbours"] = nearest
         if "reports" in signals and self.reports is not None:
-            learned = self.reports.scores(clean.text, self.held_out)
+            learned = self.reports.scores(reports_text(clean), self.held_out)
             if learned:
                 per_signal["reports"] = learned
         contradicted = self.contradicted_causes(query, clean)
@@ -414,6 +414,23 @@ class Retriever:
 def question_text(clean: CleanLog) -> str:
     """What the word signals search: the failure's own lines when the log has them."""
     return clean.focus or clean.text[:2000]
+
+
+def reports_text(clean: CleanLog) -> str:
+    """What the labelled reports' model reads: the whole log, its first searched
+    line once more.
+
+    That line is the root error, or in a report without one its title: what
+    the person, or the failing rank, says the failure is. Read twice its words
+    weigh more than the environment dumps, launch lines and config around
+    them. Each labelled file held out (2,249 queries, session 30): 0.733 / 0.868
+    -> 0.739 / 0.871 (19 first now, 5 no longer; traffic-like 0.670 / 0.833 ->
+    0.677 / 0.834); three copies gave 0.740 / 0.869, and a report's title twice
+    in the lexical search as well 0.741 / 0.866.
+    """
+    root = clean.root_error
+    first = f"{root.type}: {root.message}" if root else question_text(clean).split("\n", 1)[0]
+    return f"{first}\n{clean.text}"
 
 
 def embedded_text(clean: CleanLog, bridge: Bridge) -> str:

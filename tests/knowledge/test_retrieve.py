@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from assistant.clean import clean_log
-from assistant.knowledge.retrieve import any_of, fuse, needs_dense, soft_ranks, with_shortcut
+from assistant.knowledge.retrieve import (
+    any_of,
+    fuse,
+    needs_dense,
+    reports_text,
+    soft_ranks,
+    with_shortcut,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -133,3 +140,21 @@ def test_a_report_that_names_the_special_case_gets_the_general_signature(engine)
     plain = f"Training on one GPU:\n{GENERAL_ERROR}"
     assert engine.rank_ids(plain)[0] == "process-group-not-initialized"
     assert "syncbn-without-process-group" not in retriever.signature_scores(clean_log(plain))
+
+
+def test_the_reports_model_reads_the_title_or_the_root_error_twice():
+    """What the person (or the failing rank) says the failure is weighs more
+    than the config and launch lines around it."""
+    titled = (
+        "Training hangs after the first epoch on 4 GPUs\n\n"
+        "### System Info\n- `transformers` version: 4.37.2\n"
+        "deepspeed --num_gpus 4 train.py --deepspeed ds_config.json\n"
+    )
+    text = reports_text(clean_log(titled))
+    assert text.startswith("Training hangs after the first epoch on 4 GPUs\n")
+    assert text.count("Training hangs after the first epoch") == 2
+    assert "ds_config.json" in text  # the rest is all still read, once
+
+    log = "[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: boom on rank one\n"
+    first = reports_text(clean_log(log)).split("\n", 1)[0]
+    assert first == "ValueError: boom on rank one"
