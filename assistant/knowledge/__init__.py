@@ -6,7 +6,7 @@
 - embed, onnxembed: the sentence-transformers model and its ONNX export;
 - textsearch: tokens for the lexical signal (Latin words, CJK bigrams);
 - retrieve: the five signals fused into a ranking of causes;
-- reports: the fourth signal, a model of the labelled real reports;
+- reports: the fourth signal, a model of the labelled real reports (n-grams and vectors);
 - neighbours: the fifth, the labelled reports nearest the question's vector;
 - refines: a special case taking its general cause's error (kb Cause.refines);
 - engine: loads index and model once, answers many questions;

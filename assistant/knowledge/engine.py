@@ -11,11 +11,13 @@ and verdicts are applied afterwards by assistant.verdicts.
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import cache
 from pathlib import Path
 
 from assistant import config
@@ -33,7 +35,14 @@ from assistant.knowledge.index import (
     open_index,
 )
 from assistant.knowledge.neighbours import VECTORS_FILE, ReportNeighbours
-from assistant.knowledge.reports import MODEL_FILE, REPORTS_FOLDER, LearnedReports, text_key
+from assistant.knowledge.reports import (
+    MODEL_FILE,
+    REPORTS_FOLDER,
+    LearnedReports,
+    PoolVectors,
+    example_key,
+    text_key,
+)
 from assistant.knowledge.retrieve import SIGNALS, RankedCause, Retriever, embedded_text
 from assistant.results import AnswerRef, CauseDoc, CauseResult, Result
 
@@ -99,18 +108,15 @@ class Engine:
             reports = self.learned_reports(
                 {cid: list(data.get("symptoms", [])) for cid, data in index.causes.items()}
             )
+            # One load of the pooled texts' vectors, for both signals that read them.
+            neighbours = cache(lambda: self.report_neighbours(reports, bridge, index.kb_hash))
+            reports.vectors = PoolVectors(key=lambda: self.vectors_key(bridge), load=neighbours)
             self._index = index
-            self._retriever = Retriever(
-                index,
-                self.embedder,
-                bridge,
-                reports,
-                neighbours=lambda: self.report_neighbours(reports, bridge, index.kb_hash),
-            )
+            self._retriever = Retriever(index, self.embedder, bridge, reports, neighbours)
 
     def learned_reports(self, symptoms: dict[str, list[str]]) -> LearnedReports:
         """The reports signal for these causes (id -> its symptoms), saved beside
-        the index (reports.py)."""
+        the index (reports.py); its vectors are attached by the caller."""
         # The labelled sets, and each team layer's reports/ (e.g. `assistant kb
         # feedback --export <layer>/reports/tickets.jsonl`: the answers users confirmed).
         teams = [layer / REPORTS_FOLDER for layer in as_layers(self.kb_root)]
@@ -124,24 +130,46 @@ class Engine:
     def report_neighbours(
         self, learned: LearnedReports, bridge, kb_hash: str
     ) -> ReportNeighbours | None:
-        """The labelled reports' vectors (neighbours.py), saved where the reports
-        model is (the build folder, the user's cache); None without labelled reports."""
-        files = learned.files_key()
-        if files is None:
+        """The vectors of the labelled reports and the KB's symptoms (neighbours.py),
+        saved where the reports model is (the build folder, the user's cache);
+        None without labelled reports."""
+        key = self.texts_key(learned, kb_hash)
+        if key is None:
             return None
-        # The bridge (a KB file), the report files and the code that prepares a text
-        # for the model (retrieve.embedded_text, the bridge's expansion) decide the
-        # texts embedded; a changed text is embedded again, the others are reused.
-        key = hashlib.sha256(f"{kb_hash}\0{files}\0{text_preparation()}".encode()).hexdigest()
 
         def texts() -> list[tuple[str, tuple[str, ...], str]]:
-            return [
+            reports = [
                 (embedded_text(clean_log(text), bridge), causes, report_key)
                 for text, causes, report_key in learned.labelled()
             ]
+            examples = [
+                (embedded_text(clean_log(text), bridge), (cause,), example_key(text))
+                for text, cause in learned.symptoms
+            ]
+            return reports + examples
 
         caches = [path.with_name(VECTORS_FILE) for path in learned.caches]
         return ReportNeighbours.load_or_embed(key, texts, self.embedder, caches)
+
+    @staticmethod
+    def texts_key(learned: LearnedReports, kb_hash: str) -> str | None:
+        """What decides the texts embedded: the bridge (a KB file), the report
+        files and the code that prepares a text for the model
+        (retrieve.embedded_text, the bridge's expansion). A changed text is
+        embedded again, the others are reused."""
+        files = learned.files_key()
+        if files is None:
+            return None
+        return hashlib.sha256(f"{kb_hash}\0{files}\0{text_preparation()}".encode()).hexdigest()
+
+    def vectors_key(self, bridge) -> str:
+        """What the pooled texts' vectors depend on beyond the texts (which the
+        reports model's own key holds): the embedding model, the bridge that
+        expands a Chinese text and the code that prepares one. Not the whole
+        KB's hash: an edit of a thread changes no vector and refits nothing."""
+        terms = json.dumps(sorted(bridge.terms.items()), ensure_ascii=False)
+        prepared = hashlib.sha256(f"{terms}\0{text_preparation()}".encode()).hexdigest()
+        return f"{self.embedder.fingerprint} {prepared}"
 
     def _open_or_rebuild(self) -> LoadedIndex:
         kb_hash = content_hash(self.kb_root)
@@ -183,7 +211,9 @@ class Engine:
             ) from None
         # Fitted and embedded now, so the first question does not wait for them.
         learned = self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()})
-        self.report_neighbours(learned, load_bridge(self.kb_root), kb.content_hash)
+        bridge = load_bridge(self.kb_root)
+        neighbours = self.report_neighbours(learned, bridge, kb.content_hash)
+        learned.vectors = PoolVectors(key=lambda: self.vectors_key(bridge), load=lambda: neighbours)
         return replace(report, learned=learned.describe(learned.model()))
 
     def rebuild(self) -> str:

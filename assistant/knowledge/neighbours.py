@@ -9,8 +9,9 @@ vector is the dense signal's own, so the signal costs a matrix product.
 
 English only: the bundled model is English, and on Chinese questions the
 neighbours it found lost more than they found (data/eval/README.md, session
-27). The KB's own symptoms are not in it: the dense signal already searches
-them.
+27). The KB's own symptoms are embedded beside the reports, for the reports
+model's vector block (reports.py), but never vote: the dense signal already
+searches them.
 
 The reports' vectors are kept in the build folder and in the user's cache
 under the model's fingerprint, with the key of the KB and report files they
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from assistant.knowledge.reports import load_arrays, save_arrays
+from assistant.knowledge.reports import is_example_key, load_arrays, save_arrays
 
 VECTORS_FILE = "reports_vectors.npz"
 NEAREST = 10  # reports that vote
@@ -48,6 +49,16 @@ class ReportNeighbours:
         self.vectors = vectors  # reports x dimensions, float32, unit length
         self.keys = np.array(keys)
         self.labels = labels
+        # The KB's examples (reports.example_key) are there for the reports model only.
+        self.voters = np.fromiter((not is_example_key(k) for k in keys), dtype=bool, count=len(keys))
+
+    def rows_for(self, keys: list[str]) -> np.ndarray | None:
+        """The vectors of these texts (by key) in their order; None when one is missing."""
+        row_of = {key: row for row, key in enumerate(self.keys.tolist())}
+        rows = [row_of.get(key) for key in keys]
+        if any(row is None for row in rows):
+            return None
+        return self.vectors[np.array(rows, dtype=np.int64)]
 
     def scores(
         self, vector: np.ndarray, held_out: frozenset[str] = frozenset()
@@ -56,6 +67,7 @@ class ReportNeighbours:
         if not len(self.labels):
             return {}
         similarity = self.vectors @ np.asarray(vector, dtype=np.float32).reshape(-1)
+        similarity[~self.voters] = -1.0
         if held_out:
             similarity[np.isin(self.keys, list(held_out))] = -1.0
         nearest = np.argsort(-similarity, kind="stable")[:NEAREST]

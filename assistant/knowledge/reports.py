@@ -20,6 +20,12 @@ set), fused as a fourth signal of weight 1: top-1 0.557 -> 0.581, recall@3
 0.704 -> 0.721 (data/eval/README.md, session 11). Its weight is 1.5 since
 session 15, when the pool had grown to 1416 reports (retrieve.SIGNAL_WEIGHTS).
 
+Beside the n-grams, each text's embedding (the dense signal's model, the
+vector the neighbours signal holds for it) is a block of features weighted
+VECTOR_WEIGHT: the n-grams know the words, the vectors what reports in other
+words than any labelled one mean. The question's own vector, computed for
+the dense signal, is its block at query time.
+
 An evaluation must never score a report with a model that learned it, so
 `LearnedReports.model(held_out)` is the model fitted on the pool less those
 texts; `kb eval` holds out each file it scores (evaluate.held_out_groups).
@@ -42,9 +48,12 @@ import re
 import tempfile
 import zipfile
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise, repeat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +76,16 @@ COMMON_SHARE = 1 / 25
 MIN_REPORTS = 20
 MAX_LABELS = 3  # a report's causes: the first, then at most two it also fits (label policy)
 MAX_FILE_BYTES = 50_000_000  # a labelled set is a few hundred KB; a dump this size is not one
-MODEL_VERSION = 5  # 5: fitted in float32
+MODEL_VERSION = 6  # 5: fitted in float32; 6: the vector block
+# The embedding block's weight beside the n-grams' two unit-length blocks.
+# Each labelled file held out (2,249 queries, session 31), fused: 0 (n-grams
+# only) 0.739 / 0.870, 1.0 0.743 / 0.872, 1.5 0.747 / 0.872, 2.0 0.747 / 0.870,
+# 3.0 0.746 / 0.869; traffic-like (holdout8-46) 0.678 -> 0.687 at 1.5; the
+# signal alone 0.706 -> 0.716. The fusion weights stayed best as they were.
+VECTOR_WEIGHT = 1.5
+# The key prefix of the KB's own symptoms in the pool: never held out, never
+# a neighbour that votes (neighbours.py), but learned from as examples.
+EXAMPLE_PREFIX = "kb:"
 WORD = re.compile(r"[a-z_][a-z0-9_]+")
 # One vocabulary, two kinds of term: a word term starts with NUL, which the
 # text itself is cleared of, so no character n-gram can take its place.
@@ -115,7 +133,8 @@ def weighted(counts: Counter, vocabulary: dict[str, int], idf: np.ndarray, words
 
 
 class ReportModel:
-    """Per-cause weights over an n-gram vocabulary."""
+    """Per-cause weights over an n-gram vocabulary, and over the embedding's
+    dimensions when the pool had vectors."""
 
     def __init__(
         self,
@@ -124,19 +143,26 @@ class ReportModel:
         weights: np.ndarray,
         bias: np.ndarray,
         causes: list[str],
+        vector_weights: np.ndarray | None = None,
     ):
         self.vocabulary = vocabulary
         self.idf = idf
         self.weights = weights  # vocabulary x causes
         self.bias = bias
         self.causes = causes
+        self.vector_weights = vector_weights  # dimensions x causes, VECTOR_WEIGHT included
         # Word terms sort before every character n-gram (WORD_MARK is NUL).
         self.words = sum(1 for term in vocabulary if term[0] == WORD_MARK)
 
-    def scores(self, text: str) -> dict[str, float]:
-        """Every cause's score for one report (higher: more like that cause's reports)."""
+    def scores(self, text: str, vector: np.ndarray | None = None) -> dict[str, float]:
+        """Every cause's score for one report (higher: more like that cause's
+        reports); `vector`, its embedding, counts when the model learned vectors."""
         columns, values = weighted(features(text), self.vocabulary, self.idf, self.words)
         out = self.bias + (values @ self.weights[columns] if len(columns) else 0.0)
+        if vector is not None and self.vector_weights is not None:
+            query = VECTOR_WEIGHT * np.asarray(vector, dtype=np.float32).reshape(-1)
+            if query.shape[0] == self.vector_weights.shape[0]:  # another model's vector: n-grams only
+                out = out + query @ self.vector_weights
         return {cause: float(score) for cause, score in zip(self.causes, out)}
 
     # -- persistence -----------------------------------------------------------
@@ -147,18 +173,22 @@ class ReportModel:
         for term, column in self.vocabulary.items():
             terms[column] = term
         header = {"key": key, "causes": self.causes, "terms": terms}
+        no_vectors = np.zeros((0, len(self.causes)), dtype=np.float32)
         return save_arrays(
             path,
             header,
             idf=self.idf.astype(np.float32),
             bias=self.bias.astype(np.float32),
             weights=self.weights.astype(np.float32),
+            vector_weights=(
+                no_vectors if self.vector_weights is None else self.vector_weights.astype(np.float32)
+            ),
         )
 
     @classmethod
     def load(cls, path: Path, key: str) -> ReportModel | None:
         """The saved model when it was fitted on this pool and these causes, else None."""
-        loaded = load_arrays(path, key, ("idf", "weights", "bias"))
+        loaded = load_arrays(path, key, ("idf", "weights", "bias", "vector_weights"))
         if loaded is None:
             return None  # missing, damaged or foreign: fitted again
         header, data = loaded
@@ -170,10 +200,14 @@ class ReportModel:
                 data["weights"],
                 data["bias"].astype(np.float64),
                 header["causes"],
+                data["vector_weights"] if len(data["vector_weights"]) else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             return None
         if model.weights.shape != (len(terms), len(model.causes)) or len(model.idf) != len(terms):
+            return None
+        vectors = model.vector_weights
+        if vectors is not None and (vectors.ndim != 2 or vectors.shape[1] != len(model.causes)):
             return None
         return model
 
@@ -267,8 +301,14 @@ class ReportPool:
         except (KeyError, TypeError, ValueError, IndexError):
             return None
 
-    def fit(self, held_out: frozenset[str] = frozenset()) -> ReportModel | None:
-        """Ridge on every report but those whose text key is in `held_out`; None when too few."""
+    def fit(
+        self, held_out: frozenset[str] = frozenset(), vectors: np.ndarray | None = None
+    ) -> ReportModel | None:
+        """Ridge on every report but those whose text key is in `held_out`; None when too few.
+
+        `vectors`: every pooled text's embedding, in the pool's order (a block
+        of features weighted VECTOR_WEIGHT), or None for the n-grams alone.
+        """
         from scipy.linalg import cho_factor, cho_solve  # fitting only, like scipy.sparse
 
         rows = [i for i, key in enumerate(self.keys) if key not in held_out]
@@ -290,12 +330,19 @@ class ReportPool:
             y[r, index[self.labels[i]]] = 1.0
         bias = y.mean(axis=0)
         gram = gram_matrix(x)
+        embedded = None
+        if vectors is not None:
+            embedded = VECTOR_WEIGHT * np.asarray(vectors, dtype=np.float32)[rows]
+            gram += embedded @ embedded.T  # the kernel of the joined features
         gram[np.diag_indices_from(gram)] += RIDGE  # in place: no second n x n matrix
         # Symmetric positive definite: Cholesky, not LU (the same solution, ~2.5x faster).
         dual = cho_solve(cho_factor(gram, check_finite=False), y - bias, check_finite=False)
         weights = np.asarray(x.T @ dual)
+        vector_weights = None if embedded is None else (embedded.T @ dual).astype(np.float32)
         vocabulary = {self.terms[c]: j for j, c in enumerate(columns.tolist())}
-        return ReportModel(vocabulary, idf, weights.astype(np.float32), bias, causes)
+        return ReportModel(
+            vocabulary, idf, weights.astype(np.float32), bias, causes, vector_weights
+        )
 
     def _vocabulary(self, counts) -> tuple[np.ndarray, np.ndarray]:
         """The columns kept (n-grams of at least MIN_DOCUMENTS reports, the
@@ -393,6 +440,15 @@ def text_key(text: str) -> str:
     return hashlib.sha256(SPACE.sub(" ", text).strip().encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def example_key(symptom: str) -> str:
+    """A KB symptom's identity in the pool: never a labelled report's."""
+    return EXAMPLE_PREFIX + text_key(symptom)
+
+
+def is_example_key(key: str) -> bool:
+    return key.startswith(EXAMPLE_PREFIX)
+
+
 def read_reports(folder: Path) -> list[tuple[str, tuple[str, ...]]]:
     """(text, its causes best first) of every labelled query in the folder's JSON-lines files.
 
@@ -421,6 +477,16 @@ def read_reports(folder: Path) -> list[tuple[str, tuple[str, ...]]]:
     return reports
 
 
+@dataclass(frozen=True)
+class PoolVectors:
+    """Where the pooled texts' embeddings come from (engine.report_neighbours):
+    `key()` names what they depend on (the embedding model, the KB, how a text
+    is prepared) without embedding anything; `load()` embeds or reads them."""
+
+    key: Callable[[], str]
+    load: Callable[[], Any]  # a neighbours.ReportNeighbours (rows_for), or None
+
+
 MODEL_FILE = "reports_model.npz"
 POOL_FILE = "reports_pool.npz"  # the counted pool, beside the model: `kb eval` fits from it
 REPORTS_FOLDER = "reports"  # in a team's KB layer: its own labelled reports
@@ -434,6 +500,9 @@ class LearnedReports:
     process and only when no saved pool has its key (an evaluation's held-out
     fits start from it). The saved model and pool go to the first of `caches`
     that can be written: the build folder, else the user's cache.
+
+    `vectors`, when set (engine.py), gives the pooled texts' embeddings: the
+    model then learns its vector block too, and is saved under their key.
     """
 
     def __init__(
@@ -455,10 +524,16 @@ class LearnedReports:
         # time, and each model is the size of the saved one (~18 MB).
         self._held: tuple[frozenset[str], ReportModel | None] | None = None
         self._pool: ReportPool | None = None
+        self.vectors: PoolVectors | None = None
 
-    def scores(self, text: str, held_out: frozenset[str] = frozenset()) -> dict[str, float]:
+    def scores(
+        self,
+        text: str,
+        held_out: frozenset[str] = frozenset(),
+        vector: np.ndarray | None = None,
+    ) -> dict[str, float]:
         model = self.model(held_out)
-        return model.scores(text) if model is not None else {}
+        return model.scores(text, vector) if model is not None else {}
 
     def model(self, held_out: frozenset[str] = frozenset()) -> ReportModel | None:
         if held_out:  # only what the pool holds changes the model
@@ -466,7 +541,7 @@ class LearnedReports:
         if not held_out:
             return self.whole
         if self._held is None or self._held[0] != held_out:
-            self._held = (held_out, self.pool().fit(held_out))
+            self._held = (held_out, self.pool().fit(held_out, self.pool_vectors))
         return self._held[1]
 
     def describe(self, model: ReportModel | None) -> str:
@@ -485,17 +560,31 @@ class LearnedReports:
     @cached_property
     def whole(self) -> ReportModel | None:
         """The whole pool's model: the saved one when its key matches, else fitted and saved."""
-        key = self.files_key()
+        key = self.model_key()
         if key is None:
             return None
         for cache in self.caches:
             saved = ReportModel.load(cache, key)
             if saved is not None:
                 return saved
-        model = self.pool().fit()
+        model = self.pool().fit(vectors=self.pool_vectors)
         if model is not None:
             any(model.save(cache, key) for cache in self.caches)
         return model
+
+    @cached_property
+    def pool_vectors(self) -> np.ndarray | None:
+        """Every pooled text's embedding in the pool's order; None without a
+        source, or when it lacks one of them (the n-grams alone are then learned)."""
+        loaded = self.vectors.load() if self.vectors is not None else None
+        return loaded.rows_for(self.pool().keys) if loaded is not None else None
+
+    def model_key(self) -> str | None:
+        """The files' key, and the vectors' (the model and the texts embedded)."""
+        files = self.files_key()
+        if files is None or self.vectors is None:
+            return files
+        return f"{files} {VECTOR_WEIGHT} {self.vectors.key()}"
 
     def pool(self) -> ReportPool:
         """The counted pool: the saved one when its key matches, else counted and saved."""
@@ -524,7 +613,7 @@ class LearnedReports:
         reports = [(self.prepare(text), causes, key) for text, causes, key in self.labelled()]
         # The KB's own examples are never held out: the other signals search them too.
         examples = [
-            (self.prepare(text), (cause,), "kb:" + text_key(text)) for text, cause in self.symptoms
+            (self.prepare(text), (cause,), example_key(text)) for text, cause in self.symptoms
         ]
         return reports + examples
 

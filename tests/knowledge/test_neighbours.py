@@ -7,6 +7,7 @@ import pytest
 
 from assistant.clean import clean_log
 from assistant.knowledge.neighbours import FLOOR, NEAREST, ReportNeighbours
+from assistant.knowledge.reports import example_key
 
 
 def unit(*values: float) -> np.ndarray:
@@ -32,6 +33,16 @@ def test_the_nearest_reports_vote_for_their_causes_and_later_labels_half():
 def test_a_held_out_report_never_votes():
     votes = three_reports().scores(unit(1, 0, 0), held_out=frozenset({"a", "b"}))
     assert votes == {}
+
+
+def test_the_kbs_examples_are_held_for_the_reports_model_and_never_vote():
+    vectors = np.vstack([unit(1, 0, 0), unit(1, 0.01, 0), unit(0, 1, 0)])
+    keys = ["a", example_key("NCCL hangs"), "c"]
+    neighbours = ReportNeighbours(vectors, keys, [("oom-killed",), ("p2p-hang",), ("p2p-hang",)])
+    assert neighbours.scores(unit(1, 0, 0)) == {"oom-killed": pytest.approx(1.0)}
+    rows = neighbours.rows_for(["c", keys[1], "a"])
+    assert np.array_equal(rows, vectors[[2, 1, 0]])
+    assert neighbours.rows_for(["a", "never embedded"]) is None
 
 
 def test_no_reports_no_votes():

@@ -113,6 +113,89 @@ def test_a_query_is_weighted_exactly_as_the_reports_the_model_learned_from(pool)
         assert np.allclose(dense, matrix[row].toarray()[0]), row
 
 
+def unit_rows(matrix: np.ndarray) -> np.ndarray:
+    return (matrix / np.linalg.norm(matrix, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_a_held_out_set_leaves_its_vectors_out_too(pool, causes):
+    """The vector block is sliced with the rows: holding a set out equals a pool
+    built without it, each text keeping its own vector."""
+    held = held_out_keys(HOLDOUT)
+    vectors = unit_rows(np.random.default_rng(1).normal(size=(len(pool.keys), 16)))
+    kept = [row for row, key in enumerate(pool.keys) if key not in held]
+    without = ReportPool(
+        [pool.labels[r] for r in kept],
+        [pool.keys[r] for r in kept],
+        pool.terms,
+        pool.counts[kept],
+        [pool.also[r] for r in kept],
+    )
+    query = load_queries(HOLDOUT)[0]["query"]
+    vector = vectors[0]
+    fitted, rebuilt = pool.fit(held, vectors), without.fit(vectors=vectors[kept])
+    a, b = fitted.scores(query, vector), rebuilt.scores(query, vector)
+    assert all(abs(a[c] - b[c]) < 1e-4 for c in a)
+    assert fitted.vector_weights.shape == (16, len(fitted.causes))
+
+
+def test_the_questions_vector_pulls_toward_the_causes_of_the_reports_it_lies_near(pool):
+    """Vectors that say each report's cause (one direction per cause): a question
+    whose words say nothing is ranked by where its vector points."""
+    index = {cause: k for k, cause in enumerate(sorted(set(pool.labels)))}
+    vectors = np.zeros((len(pool.keys), len(index)), dtype=np.float32)
+    vectors[np.arange(len(pool.keys)), [index[label] for label in pool.labels]] = 1.0
+    model = pool.fit(vectors=vectors)
+    words = "it does not work, please help"
+    for cause in ("oom-killed", "windows-libuv", "state-dict-module-prefix"):
+        pointing = np.zeros(len(index), dtype=np.float32)
+        pointing[index[cause]] = 1.0
+        scores = model.scores(words, pointing)
+        assert max(scores, key=scores.get) == cause
+        assert scores[cause] > model.scores(words)[cause]  # without a vector: n-grams only
+    other_model = np.ones(len(index) + 1, dtype=np.float32)  # another embedding model's size
+    assert model.scores(words, other_model) == model.scores(words)
+
+
+def test_a_model_with_vectors_is_saved_and_read_back_with_them(tmp_path, pool):
+    vectors = unit_rows(np.random.default_rng(2).normal(size=(len(pool.keys), 8)))
+    text, vector = "NCCL timeout on rank 3", vectors[5]
+    for fitted in (pool.fit(vectors=vectors), pool.fit()):
+        path = tmp_path / MODEL_FILE
+        assert fitted.save(path, "key")
+        saved = ReportModel.load(path, "key")
+        assert (saved.vector_weights is None) == (fitted.vector_weights is None)
+        a, b = fitted.scores(text, vector), saved.scores(text, vector)
+        assert all(abs(a[c] - b[c]) < 1e-4 for c in a)
+
+
+def test_the_engines_model_learned_the_embedding_models_vectors(engine):
+    """A real build: the labelled reports and the KB's symptoms embedded, the
+    block learned, and the saved model keyed by the embedding model."""
+    learned = engine._retriever.reports
+    model = learned.model()
+    assert model.vector_weights is not None
+    assert model.vector_weights.shape[1] == len(model.causes)
+    assert learned.pool_vectors.shape == (len(learned.pool().keys), model.vector_weights.shape[0])
+    assert engine.embedder.fingerprint in learned.model_key()
+
+
+def test_where_a_signature_names_the_root_error_the_vector_is_not_read(engine):
+    """No signal reads the question's vector there (retrieve.needs_dense), so
+    an evaluation, which embeds every question, ranks as `ask` does."""
+    from assistant.clean import clean_log
+    from assistant.knowledge.retrieve import reports_text
+
+    learned, retriever = engine._retriever.reports, engine._retriever
+    named = "RuntimeError: Address already in use\ntorchrun failed to start"
+    vague = "DDP training hangs on two GPUs and works on one"
+    for question, reads_vector in ((named, False), (vague, True)):
+        clean = clean_log(question)
+        vector = retriever.query_vector(retriever.bridge.expand(clean.focus or clean.text))
+        expected = learned.scores(reports_text(clean), vector=vector if reads_vector else None)
+        got = engine.signal_scores(question)["reports"]
+        assert all(abs(got[c] - expected[c]) < 1e-5 for c in expected), question
+
+
 def read_texts() -> list[str]:
     return [text for text, _ in read_reports(eval_dir())]
 
