@@ -344,8 +344,11 @@ class Retriever:
         if "reports" in signals and self.reports is not None:
             # Where a signature named the root error no signal reads the vector
             # (needs_dense): an evaluation, which embeds every question, must
-            # rank as `ask` does.
-            reports_vector = vector if needs_dense(per_signal) else None
+            # rank as `ask` does. Nor does a reply's: the labelled reports are
+            # first reports, and the first report's answer, merged with the
+            # reply's, already holds what they say (as for the neighbours).
+            reads_vector = needs_dense(per_signal) and not context
+            reports_vector = vector if reads_vector else None
             learned = self.reports.scores(reports_text(clean), self.held_out, reports_vector)
             if learned:
                 per_signal["reports"] = learned

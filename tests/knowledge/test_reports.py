@@ -179,9 +179,10 @@ def test_the_engines_model_learned_the_embedding_models_vectors(engine):
     assert engine.embedder.fingerprint in learned.model_key()
 
 
-def test_where_a_signature_names_the_root_error_the_vector_is_not_read(engine):
-    """No signal reads the question's vector there (retrieve.needs_dense), so
-    an evaluation, which embeds every question, ranks as `ask` does."""
+def test_where_a_signature_names_the_root_error_or_for_a_reply_the_vector_is_not_read(engine):
+    """No signal reads the question's vector where a signature named the root
+    error (retrieve.needs_dense), so an evaluation, which embeds every
+    question, ranks as `ask` does."""
     from assistant.clean import clean_log
     from assistant.knowledge.retrieve import reports_text
 
@@ -194,6 +195,12 @@ def test_where_a_signature_names_the_root_error_the_vector_is_not_read(engine):
         expected = learned.scores(reports_text(clean), vector=vector if reads_vector else None)
         got = engine.signal_scores(question)["reports"]
         assert all(abs(got[c] - expected[c]) < 1e-5 for c in expected), question
+    # A reply in a conversation neither: the first report's answer holds what
+    # the labelled reports say (as for the neighbours signal).
+    clean = clean_log(vague)
+    reply = retriever.signal_scores(clean, context="GPU 0 uses more memory", shortcut=False)
+    expected = learned.scores(reports_text(clean))
+    assert all(abs(reply["reports"][c] - expected[c]) < 1e-5 for c in expected)
 
 
 def read_texts() -> list[str]:
