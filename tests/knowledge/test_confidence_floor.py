@@ -75,8 +75,10 @@ def test_high_confidence_is_right_nine_times_in_ten_on_traffic_like_reports(repo
     assert right >= 0.9, fresh
     # measured 0.236, 0.325 since session 16, 0.389 since session 20, 0.367 in
     # session 23 (holdout34 in, six signatures symptoms), 0.403 in session 30
-    # (holdout45-46 in, 1,609 reports, 648 "high"); the target is 0.4
-    assert share >= 0.38, fresh
+    # (holdout45-46 in, 1,609 reports, 648 "high"), 0.427 in session 31 (the
+    # reports model's vector block, holdout47 in: 1,655 reports, 706 "high");
+    # the target is 0.4, and the floor now is the target
+    assert share >= 0.40, fresh
 
 
 def test_high_is_far_more_often_right_than_low_over_all_real_reports(reports):
