@@ -50,7 +50,9 @@ class ReportNeighbours:
         self.keys = np.array(keys)
         self.labels = labels
         # The KB's examples (reports.example_key) are there for the reports model only.
-        self.voters = np.fromiter((not is_example_key(k) for k in keys), dtype=bool, count=len(keys))
+        self.voters = np.fromiter(
+            (not is_example_key(k) for k in keys), dtype=bool, count=len(keys)
+        )
 
     def rows_for(self, keys: list[str]) -> np.ndarray | None:
         """The vectors of these texts (by key) in their order; None when one is missing."""

@@ -32,10 +32,10 @@ texts; `kb eval` holds out each file it scores (evaluate.held_out_groups).
 
 The fitted model for the whole pool is kept in the build folder (vocabulary
 and weights, keyed by a hash of the report files, the KB's symptoms, the
-settings and the code that counts a text), so a query only tokenises itself
-and reads the rows of the weight matrix its n-grams hit. The counted pool is
-kept beside it under the same key: `kb eval` fits a model per held-out file
-from it without counting every report again.
+settings and the code that counts a text, and by what the vectors depend on),
+so a query only tokenises itself and reads the rows of the weight matrix its
+n-grams hit. The counted pool is kept beside it under the same key: `kb eval`
+fits a model per held-out file from it without counting every report again.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ class ReportModel:
         out = self.bias + (values @ self.weights[columns] if len(columns) else 0.0)
         if vector is not None and self.vector_weights is not None:
             query = VECTOR_WEIGHT * np.asarray(vector, dtype=np.float32).reshape(-1)
-            if query.shape[0] == self.vector_weights.shape[0]:  # another model's vector: n-grams only
+            # Another embedding model's vector (another size): the n-grams alone.
+            if query.shape[0] == self.vector_weights.shape[0]:
                 out = out + query @ self.vector_weights
         return {cause: float(score) for cause, score in zip(self.causes, out)}
 
@@ -181,7 +182,9 @@ class ReportModel:
             bias=self.bias.astype(np.float32),
             weights=self.weights.astype(np.float32),
             vector_weights=(
-                no_vectors if self.vector_weights is None else self.vector_weights.astype(np.float32)
+                no_vectors
+                if self.vector_weights is None
+                else self.vector_weights.astype(np.float32)
             ),
         )
 
@@ -480,8 +483,9 @@ def read_reports(folder: Path) -> list[tuple[str, tuple[str, ...]]]:
 @dataclass(frozen=True)
 class PoolVectors:
     """Where the pooled texts' embeddings come from (engine.report_neighbours):
-    `key()` names what they depend on (the embedding model, the KB, how a text
-    is prepared) without embedding anything; `load()` embeds or reads them."""
+    `key()` names what they depend on beyond the texts (the embedding model,
+    the bridge, how a text is prepared) without embedding anything; `load()`
+    embeds or reads them."""
 
     key: Callable[[], str]
     load: Callable[[], Any]  # a neighbours.ReportNeighbours (rows_for), or None
