@@ -108,15 +108,13 @@ class Engine:
             reports = self.learned_reports(
                 {cid: list(data.get("symptoms", [])) for cid, data in index.causes.items()}
             )
-            # One load of the pooled texts' vectors, for both signals that read them.
-            neighbours = cache(lambda: self.report_neighbours(reports, bridge, index.kb_hash))
-            reports.vectors = PoolVectors(key=lambda: self.vectors_key(bridge), load=neighbours)
+            neighbours = self.with_vectors(reports, bridge, index.kb_hash)
             self._index = index
             self._retriever = Retriever(index, self.embedder, bridge, reports, neighbours)
 
     def learned_reports(self, symptoms: dict[str, list[str]]) -> LearnedReports:
         """The reports signal for these causes (id -> its symptoms), saved beside
-        the index (reports.py); its vectors are attached by the caller."""
+        the index (reports.py); `with_vectors` gives it its texts' vectors."""
         # The labelled sets, and each team layer's reports/ (e.g. `assistant kb
         # feedback --export <layer>/reports/tickets.jsonl`: the answers users confirmed).
         teams = [layer / REPORTS_FOLDER for layer in as_layers(self.kb_root)]
@@ -126,6 +124,15 @@ class Engine:
             symptoms,
             prepare=lambda text: clean_log(text).text,
         )
+
+    def with_vectors(
+        self, learned: LearnedReports, bridge, kb_hash: str
+    ) -> Callable[[], ReportNeighbours | None]:
+        """Give `learned` its texts' vectors; returns their loader, which the
+        neighbours signal shares (one load for both signals that read them)."""
+        neighbours = cache(lambda: self.report_neighbours(learned, bridge, kb_hash))
+        learned.vectors = PoolVectors(key=lambda: self.vectors_key(bridge), load=neighbours)
+        return neighbours
 
     def report_neighbours(
         self, learned: LearnedReports, bridge, kb_hash: str
@@ -211,9 +218,7 @@ class Engine:
             ) from None
         # Fitted and embedded now, so the first question does not wait for them.
         learned = self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()})
-        bridge = load_bridge(self.kb_root)
-        neighbours = self.report_neighbours(learned, bridge, kb.content_hash)
-        learned.vectors = PoolVectors(key=lambda: self.vectors_key(bridge), load=lambda: neighbours)
+        self.with_vectors(learned, load_bridge(self.kb_root), kb.content_hash)()
         return replace(report, learned=learned.describe(learned.model()))
 
     def rebuild(self) -> str:

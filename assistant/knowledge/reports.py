@@ -53,11 +53,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import pairwise, repeat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from assistant import clean
+
+if TYPE_CHECKING:  # neighbours.py imports this module
+    from assistant.knowledge.neighbours import ReportNeighbours
 
 REPORT_CHARS = 6_000  # a long log's head names the failure; the rest is more of the same
 CHAR_NGRAMS = (2, 4)
@@ -488,7 +491,7 @@ class PoolVectors:
     embeds or reads them."""
 
     key: Callable[[], str]
-    load: Callable[[], Any]  # a neighbours.ReportNeighbours (rows_for), or None
+    load: Callable[[], ReportNeighbours | None]
 
 
 MODEL_FILE = "reports_model.npz"

@@ -184,14 +184,14 @@ def test_where_a_signature_names_the_root_error_or_for_a_reply_the_vector_is_not
     error (retrieve.needs_dense), so an evaluation, which embeds every
     question, ranks as `ask` does."""
     from assistant.clean import clean_log
-    from assistant.knowledge.retrieve import reports_text
+    from assistant.knowledge.retrieve import question_text, reports_text
 
     learned, retriever = engine._retriever.reports, engine._retriever
     named = "RuntimeError: Address already in use\ntorchrun failed to start"
     vague = "DDP training hangs on two GPUs and works on one"
     for question, reads_vector in ((named, False), (vague, True)):
         clean = clean_log(question)
-        vector = retriever.query_vector(retriever.bridge.expand(clean.focus or clean.text))
+        vector = retriever.query_vector(retriever.bridge.expand(question_text(clean)))
         expected = learned.scores(reports_text(clean), vector=vector if reads_vector else None)
         got = engine.signal_scores(question)["reports"]
         assert all(abs(got[c] - expected[c]) < 1e-5 for c in expected), question
