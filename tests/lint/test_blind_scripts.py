@@ -21,7 +21,11 @@ c3468cb: 8 of 16 found, 1 other finding, none on a correct script. Sets k
 and j (session 22: production trainers at companies; rushed paper code)
 were measured one after the other: k at ba9defa, 8 of 16 found, 1 other
 finding, none on a correct script; j at c8aec5e, after what k taught, 10 of
-16 found, 3 other findings, one on a correct script. What they
+16 found, 3 other findings, one on a correct script. Sets l and m (session
+32: 2025-2026 idioms, FSDP2, torch.compile, streaming data, TRL-style loops;
+scientists outside core ML adapting single-GPU code) were measured once at
+d59a5ee: l 9 of 16 found, no other finding; m 11 of 16 found, 1 other
+finding; none on a correct script. What they
 taught was then
 fixed in general words (data/eval/README.md, "Session 18", "Session 19");
 these floors keep it. Causes no static
@@ -40,10 +44,10 @@ from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # of 176 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
-# k 8/16; j 10/16)
-FOUND_FLOOR = 157
-# measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3
-OTHER_FINDINGS_CEILING = 25
+# k 8/16; j 10/16; l 9/16; m 11/16)
+FOUND_FLOOR = 177
+# measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1
+OTHER_FINDINGS_CEILING = 26
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -61,8 +65,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 176
-    assert sum(label["cause"] is None for label in labels) == 44
+    assert sum(label["cause"] is not None for label in labels) == 208
+    assert sum(label["cause"] is None for label in labels) == 52
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):
