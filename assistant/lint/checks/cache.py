@@ -16,8 +16,9 @@ in (the hand-written "rank 0 first" pattern), or in a Lightning
 
 The same race, made by the script itself: a cache of parsed annotations or
 features built when its file is missing (`if not os.path.exists(cache):
-... pickle.dump(items, f)`), which every rank misses on the first run and
-writes at once. Quiet in the same turn-taking cases, and for a file per rank.
+... pickle.dump(items, f)`, or a `build_or_load` helper that returns the
+file when it exists and builds and saves it after), which every rank misses
+on the first run and writes at once. Quiet in the same turn-taking cases, and for a file per rank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterator
 
+from assistant.lint.checks.collective_reach import statement_blocks
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
@@ -166,8 +168,8 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
         yield script.finding(
             "dataset-cache-race",
             call.node,
-            f"{writer or 'this call'}() writes a cache file that the `if` on line "
-            f"{built[id(call.node)]} builds when it is missing, on every rank at once: on the "
+            f"{writer or 'this call'}() writes a cache file, built when the test on line "
+            f"{built[id(call.node)]} finds it missing, on every rank at once: on the "
             "first run N processes write it together and one can read it half-written "
             "(EOFError, UnpicklingError); build it on rank 0 while the others wait in a "
             "barrier, then every rank loads it",
@@ -175,20 +177,45 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
 
 
 def cache_writes(script: Script) -> dict[int, int]:
-    """ids of the file writes inside an `if` that tests whether a path exists
-    (the build-when-missing branch), with the line of that `if`."""
+    """ids of the file writes in the branch that builds a cache when its file
+    is missing, with the line of the `if` that tests whether the file exists."""
     writes: dict[int, int] = {}
+    for test, branch in build_when_missing(script):
+        tested = tested_paths(test.test)
+        if not tested or not all(shared_file(script, path) for path in tested):
+            continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
+        for statement in branch:
+            for inner in ast.walk(statement):
+                if isinstance(inner, ast.Call) and writes_file(script, inner):
+                    writes.setdefault(id(inner), test.lineno)
+    return writes
+
+
+def build_when_missing(script: Script) -> Iterator[tuple[ast.If, list[ast.stmt]]]:
+    """Each `if` with the statements that run when it tests a file missing.
+
+    Two shapes: the `if` itself (`if not exists(p): build; save` or
+    `if exists(p): load else: build; save`), and an early return (`if
+    exists(p): return load(p)`, then the build and the save after it in the
+    same block), the way a `build_or_load_cache()` helper is written.
+    """
+    blocks = statement_blocks(script)
     for node in script.nodes:
         if not isinstance(node, ast.If):
             continue
-        tested = tested_paths(node.test)
-        if not tested or not all(shared_file(script, path) for path in tested):
-            continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
-        for statement in [*node.body, *node.orelse]:
-            for inner in ast.walk(statement):
-                if isinstance(inner, ast.Call) and writes_file(script, inner):
-                    writes.setdefault(id(inner), node.lineno)
-    return writes
+        branch = [*node.body, *node.orelse]
+        if not node.orelse and returns(node.body):
+            block = blocks.get(id(node), [])
+            branch += block[block.index(node) + 1 :]
+        yield node, branch
+
+
+def returns(block: list[ast.stmt]) -> bool:
+    """The block ends in a return, also from inside `with open(p) as f: return load(f)`."""
+    last = block[-1]
+    if isinstance(last, (ast.With, ast.AsyncWith)):
+        return returns(last.body)
+    return isinstance(last, ast.Return)
 
 
 def tested_paths(test: ast.expr) -> list[ast.expr]:
