@@ -13,6 +13,11 @@ Read only where the file itself says stage 3 (a DeepSpeed config dict with
 `"zero_optimization": {"stage": 3}`, or `zero_stage=3`), and only of the
 engine `deepspeed.initialize` returned; quiet inside a `with
 ...GatheredParameters(...)` block.
+
+The same sharding makes every forward a collective: ZeRO-3 and FSDP (FSDP1's
+wrapper, FSDP2's `fully_shard`) all-gather each layer's parameters from every
+rank as it runs. A forward or `generate()` on rank 0 only (printing samples,
+a quick evaluation) waits for ranks that never enter it, and hangs.
 """
 
 from __future__ import annotations
@@ -20,12 +25,18 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.collective_reach import lonely_calls
 from assistant.lint.model import Script, short, source_text
 from assistant.lint.registry import check
+from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
 STAGE_KEYS = frozenset({"stage", "zero_stage"})
 GATHERING_CONTEXTS = frozenset({"GatheredParameters"})
+FSDP_WRAPPERS = frozenset({"FullyShardedDataParallel", "FSDP"})
+FSDP2_SHARD = "fully_shard"
+# What runs the model's forward: calling it, or these methods.
+FORWARD_METHODS = frozenset({"forward", "generate"})
 
 
 @check("zero3-partitioned-parameters")
@@ -55,6 +66,55 @@ def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
             "(stage3_gather_16bit_weights_on_model_save), read inside "
             "deepspeed.zero.GatheredParameters, or convert a save_checkpoint with zero_to_fp32",
         )
+
+
+@check("zero3-partitioned-parameters")
+def check_sharded_forward_on_some_ranks(script: Script) -> Iterator[Finding]:
+    """A forward or generate() of a sharded model (ZeRO-3, FSDP, fully_shard)
+    that only some ranks make: its parameter all-gathers wait for the others."""
+    sharded = sharded_models(script)
+    if not sharded:
+        return
+
+    def runs_sharded(call: TracedCall) -> str | None:
+        func = call.node.func
+        if isinstance(func, ast.Attribute) and func.attr in FORWARD_METHODS:
+            func = func.value
+            if isinstance(func, ast.Attribute) and func.attr == "module":
+                func = func.value  # engine.module.generate()
+        return sharded.get(source_text(func))
+
+    for call, lonely, how in lonely_calls(script, runs_sharded):
+        yield script.finding(
+            "zero3-partitioned-parameters",
+            call.node,
+            f"{source_text(call.node.func)}() runs on {lonely.side} (the `if` on line "
+            f"{lonely.test_if.lineno}), but the model is sharded ({how}): each layer's "
+            "forward all-gathers its parameters from every rank, so this waits for ranks "
+            "that never call it and hangs; run it on every rank and print on rank 0",
+        )
+
+
+def sharded_models(script: Script) -> dict[str, str]:
+    """Names of the sharded models the file binds, with how they were sharded."""
+    sharded: dict[str, str] = {}
+    for node in script.nodes:
+        if not isinstance(node, ast.Call):
+            continue
+        name = short(script.name_of(node.func))
+        if name == FSDP2_SHARD and node.args:
+            sharded[source_text(node.args[0])] = f"fully_shard on line {node.lineno}"
+    for node in script.nodes:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            name = short(script.name_of(node.value.func))
+            if name in FSDP_WRAPPERS or name == FSDP2_SHARD:
+                for target in node.targets:
+                    sharded[source_text(target)] = f"{name} on line {node.lineno}"
+    stage = zero3_stage(script)
+    if stage is not None:
+        for engine in engine_names(script):
+            sharded[engine] = f"DeepSpeed ZeRO stage 3, line {stage.lineno}"
+    return sharded
 
 
 def zero3_stage(script: Script) -> ast.AST | None:
