@@ -47,6 +47,10 @@ MAX_LINEAGE = 16
 FILE_LIST = re.compile(r"file|shard|path", re.IGNORECASE)
 LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
 ITERABLE_BASES = frozenset({"IterableDataset", "IterDataPipe"})
+# Names in the making of a stream split between ranks (or in the code of a stream class).
+STREAM_SPLIT_WORDS = re.compile(
+    r"split_dataset_by_node|shard|rank|world_size|replica", re.IGNORECASE
+)
 # How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...):
 # files[rank::world] read, split, then wrapped in a Dataset is four steps back.
 ORIGIN_DEPTH = 5
@@ -71,7 +75,20 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
             continue
         if only_shuffled and not shuffles(node):
             continue
-        if data.may_be_iterable(dataset) or data.sharded_by_rank(dataset):
+        if data.sharded_by_rank(dataset):
+            continue
+        if data.may_be_iterable(dataset):
+            # A stream takes no sampler: it is split in its own making, or not at all.
+            if data.unsplit_training_stream(node, dataset):
+                yield script.finding(
+                    "missing-distributed-sampler",
+                    node,
+                    f"DataLoader over {source_text(dataset)}, a stream (an IterableDataset) "
+                    "that nothing splits by rank: a DistributedSampler cannot cut it, so "
+                    "every rank trains on the same examples in the same order; split it "
+                    "(datasets' split_dataset_by_node(ds, rank=rank, world_size=world), "
+                    ".shard(num_shards=world, index=rank), or skip by rank in __iter__)",
+                )
             continue
         if data.rank_zero_only(node):
             continue
@@ -528,14 +545,39 @@ class DataFlow:
                     return True
         return False
 
-    def trains_on(self, loader: ast.Call) -> bool:
-        """A `for ... in loader` loop (by a name bound to it) with a backward in it."""
+    def unsplit_training_stream(self, loader: ast.Call, dataset: ast.expr) -> bool:
+        """A training loader over a stream that nothing in its making splits by rank.
+
+        Training: the stream is shuffled, or a loop over the loader runs backward.
+        Split: a name of splitting or of the rank in its making
+        (`split_dataset_by_node`, `.shard(...)`, `sharding_filter`, `rank`), or
+        in the code of a same-file IterableDataset class it builds.
+        """
+        if self.rank_zero_only(loader):
+            return False
+        origin = self.origin(dataset)
+        names = {name for value in origin for name in identifiers(value)}
+        for value in origin:
+            for node in ast.walk(value):
+                if self.constructs_iterable_class(node):
+                    names |= identifiers(self.classes[node.func.id])
+        if any(STREAM_SPLIT_WORDS.search(name) for name in names):
+            return False
+        return "shuffle" in names or self.trains_on(loader, capped=True)
+
+    @cached_property
+    def classes(self) -> dict[str, ast.ClassDef]:
+        return {n.name: n for n in self.script.tree.body if isinstance(n, ast.ClassDef)}
+
+    def trains_on(self, loader: ast.Call, capped: bool = False) -> bool:
+        """A `for ... in loader` loop (by a name bound to it) with a backward in it;
+        one a `break` caps counts only when `capped`."""
         names = set(self.names_bound_to(loader))
         for node in self.script.nodes:
             if not (isinstance(node, ast.For) and iterated_name(node.iter) in names):
                 continue
             calls = [n for s in node.body for n in ast.walk(s)]
-            if any(isinstance(n, ast.Break) for n in calls):
+            if not capped and any(isinstance(n, ast.Break) for n in calls):
                 return False  # a step cap
             if any(
                 isinstance(n, ast.Call)
@@ -1023,3 +1065,12 @@ def words_in(node: ast.AST) -> Iterator[str]:
             yield part.arg
         elif isinstance(part, ast.Constant) and isinstance(part.value, str):
             yield part.value
+
+
+def identifiers(node: ast.AST) -> set[str]:
+    """The names and attribute names `node` holds (`ds.shard(n, rank)` -> ds, shard, n, rank)."""
+    return {
+        n.id if isinstance(n, ast.Name) else n.attr
+        for n in ast.walk(node)
+        if isinstance(n, (ast.Name, ast.Attribute))
+    }
