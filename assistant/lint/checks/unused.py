@@ -8,6 +8,11 @@ gradient, and DDP built without find_unused_parameters=True fails at the next
 step: "Expected to have finished reduction in the prior iteration before
 starting a new one ... parameters that were not used in producing loss".
 
+The same with a flag of forward (`def forward(self, x, return_feat=False)`,
+`if return_feat: ... self.proj(f)`) that training passes as a value of the
+step (`use_feat = step % k == 0`, a random draw): the projector is left out
+on the other steps.
+
 Three more ways a step leaves submodules out: a forward that runs one member
 of a ModuleDict / ModuleList picked by an input (`self.heads[task](x)`, one
 task head per step), a submodule under a flag of the model that the script
@@ -47,43 +52,78 @@ class OptionalBranch:
 def check_submodule_skipped_by_a_none_input(script: Script) -> Iterator[Finding]:
     """The wrapped model is called with None for an input its forward needs to
     reach a submodule, under a DDP that does not look for unused parameters."""
+    branches = [b for cls in model_classes(script) for b in optional_branches(cls)]
+    if not branches:
+        return
+    for node, nodes, ddp in training_calls(script):
+        set_to_none = none_assignments(nodes)
+        for branch in branches:
+            given = argument_for(node, branch)
+            if given is None:
+                continue
+            where = none_line(given, set_to_none)
+            if where is None:
+                continue
+            yield script.finding(
+                "unused-parameters",
+                where,
+                f"{source_text(given)} is None on some steps, so forward skips "
+                f"{branch.submodule} (the `if {branch.parameter} is not None` on line "
+                f"{branch.line}) and its parameters get no gradient; DDP (line "
+                f"{ddp.lineno}) expects every parameter each step and fails with "
+                '"Expected to have finished reduction in the prior iteration": pass '
+                "find_unused_parameters=True, or keep the submodule in the graph (a "
+                "learned null input instead of None)",
+            )
+            break
+
+
+@check("unused-parameters")
+def check_submodule_behind_a_flag_of_the_step(script: Script) -> Iterator[Finding]:
+    """The wrapped model is called with a flag its forward needs to reach a
+    submodule (`return_feat=step % k == 0`), true on some steps only."""
+    branches = [b for cls in model_classes(script) for b in flag_branches(cls)]
+    if not branches:
+        return
+    reported: set[int] = set()
+    for node, nodes, ddp in training_calls(script):
+        for branch in branches:
+            given = argument_for(node, branch)
+            where = varying_line(given, nodes) if given is not None else None
+            if where is None or where in reported:
+                continue
+            reported.add(where)
+            yield script.finding(
+                "unused-parameters",
+                where,
+                f"{source_text(given)} changes from step to step, and forward runs "
+                f"{branch.submodule} only when {branch.parameter} is true (the `if` on line "
+                f"{branch.line}): on the other steps its parameters get no gradient; DDP "
+                f"(line {ddp.lineno}) expects every parameter each step and fails with "
+                '"Expected to have finished reduction in the prior iteration": pass '
+                "find_unused_parameters=True, or run the submodule every step and weight "
+                "its loss by zero",
+            )
+
+
+def training_calls(script: Script) -> Iterator[tuple[ast.Call, list[ast.AST], ast.Call]]:
+    """Each call of a model wrapped by a DDP that expects every parameter, outside
+    no_grad, with its scope's nodes and that DDP call."""
     strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
     if not strict:
         return
     wrapped = set().union(*(wrapped_by(script, ddp, set())[0] for ddp in strict))
-    branches = [b for cls in model_classes(script) for b in optional_branches(cls)]
-    if not branches:
-        return
     for scope in script.all_scopes:
         if without_gradients(scope):
             continue
         nodes = list(own_nodes(scope))
-        set_to_none = none_assignments(nodes)
         no_grad = inside_no_grad(nodes)
         for node in nodes:
             if not (isinstance(node, ast.Call) and source_text(node.func) in wrapped):
                 continue
             if id(node) in no_grad:
                 continue  # sampling or evaluation: no backward, nothing to reduce
-            for branch in branches:
-                given = argument_for(node, branch)
-                if given is None:
-                    continue
-                where = none_line(given, set_to_none)
-                if where is None:
-                    continue
-                yield script.finding(
-                    "unused-parameters",
-                    where,
-                    f"{source_text(given)} is None on some steps, so forward skips "
-                    f"{branch.submodule} (the `if {branch.parameter} is not None` on line "
-                    f"{branch.line}) and its parameters get no gradient; DDP (line "
-                    f"{strict[0].lineno}) expects every parameter each step and fails with "
-                    '"Expected to have finished reduction in the prior iteration": pass '
-                    "find_unused_parameters=True, or keep the submodule in the graph (a "
-                    "learned null input instead of None)",
-                )
-                break
+            yield node, nodes, strict[0]
 
 
 NO_GRAD = frozenset({"no_grad", "inference_mode"})
@@ -153,6 +193,35 @@ def optional_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
             yield OptionalBranch(parameter, positional.index(parameter), submodule, node.lineno)
 
 
+def flag_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
+    """`def forward(self, x, return_feat=False)` ... `if return_feat: ... self.proj(f)`,
+    where forward calls that submodule nowhere else."""
+    forward = forward_of(cls)
+    positional = [a.arg for a in forward.args.args[1:]]
+    defaults = forward.args.defaults
+    with_defaults = forward.args.args[len(forward.args.args) - len(defaults) :]
+    flags = {
+        arg.arg
+        for arg, default in zip(with_defaults, defaults, strict=True)
+        if isinstance(default, ast.Constant) and isinstance(default.value, bool)
+    }
+    for node in ast.walk(forward):
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Name)):
+            continue
+        if node.test.id not in flags:
+            continue
+        inside = {id(c) for s in node.body for c in ast.walk(s)}
+        called = [c for c in ast.walk(forward) if self_call(c)]
+        used_outside = {source_text(c.func) for c in called if id(c) not in inside}
+        submodule = next(
+            (source_text(c.func) for c in called if id(c) in inside),
+            None,
+        )
+        if submodule is not None and submodule not in used_outside:
+            parameter = node.test.id
+            yield OptionalBranch(parameter, positional.index(parameter), submodule, node.lineno)
+
+
 def not_none_test(test: ast.expr) -> str | None:
     """`y is not None` -> "y"."""
     if (
@@ -205,6 +274,25 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
         return given.lineno
     if isinstance(given, ast.Name):
         return set_to_none.get(given.id)
+    return None
+
+
+def varying_line(given: ast.expr, nodes: list[ast.AST]) -> int | None:
+    """Where an argument is decided per step: a step counter's modulo or a random
+    draw in it, or in what the scope assigns to its name."""
+    values = [given]
+    if isinstance(given, ast.Name):
+        values += [
+            node.value
+            for node in nodes
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == given.id for t in node.targets)
+        ]
+    for value in values:
+        for node in ast.walk(value):
+            modulo = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
+            if modulo or (isinstance(node, ast.Call) and draws_random(node)):
+                return value.lineno
     return None
 
 
