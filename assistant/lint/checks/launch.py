@@ -1,4 +1,5 @@
-"""Launch checks: the main guard, where the local rank comes from, a fixed world size."""
+"""Launch checks: the main guard, where the local rank comes from, a fixed world size,
+Slurm's rank beside torchrun's local rank."""
 
 from __future__ import annotations
 
@@ -251,3 +252,80 @@ def module_int_constants(script: Script) -> dict[str, int]:
                 if isinstance(target, ast.Name):
                     values[target.id] = node.value.value
     return {name: value for name, value in values.items() if assigned[name] == 1}
+
+
+# Environment variables only torchrun (or torch.distributed.launch) sets, and
+# the ones srun sets for the same thing.
+SLURM_RANK = "SLURM_PROCID"
+SLURM_LOCAL_RANK = "SLURM_LOCALID"
+TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
+
+
+@check("slurm-without-torchrun")
+def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Finding]:
+    """The script takes its rank from SLURM_PROCID, so srun starts it without
+    torchrun, but its GPU from LOCAL_RANK, which only torchrun sets: under srun
+    every task on a node falls back to the default (GPU 0), or fails on the key.
+
+    Quiet when the file reads SLURM_LOCALID anywhere, when the LOCAL_RANK read
+    sits in a branch that tests for Slurm (the torchrun path of an if/else),
+    or when its default is computed (`get("LOCAL_RANK", rank % gpus)`).
+    """
+    if not reads_env(script, SLURM_RANK) or reads_env(script, SLURM_LOCAL_RANK):
+        return
+    in_slurm_branches = nodes_under_slurm_tests(script)
+    for node in script.nodes:
+        default = env_default(script, node, TORCHRUN_LOCAL_RANK)
+        if default is None or id(node) in in_slurm_branches:
+            continue
+        if not isinstance(default, ast.Constant):
+            continue  # a computed fallback: maybe the Slurm one
+        outcome = "fails on the missing key" if default.value is None else "takes the default GPU"
+        yield script.finding(
+            "slurm-without-torchrun",
+            node,
+            f"the rank comes from {SLURM_RANK} (srun starts the tasks, not torchrun), but the "
+            f"GPU from {TORCHRUN_LOCAL_RANK}, which only torchrun sets: under srun every task "
+            f"on a node {outcome}; read {SLURM_LOCAL_RANK} there "
+            f"(int(os.environ.get('{TORCHRUN_LOCAL_RANK}', os.environ['{SLURM_LOCAL_RANK}']))), "
+            "or launch with torchrun",
+        )
+
+
+def env_default(script: Script, node: ast.AST, variable: str) -> ast.expr | None:
+    """What reading `variable` falls back to: None when `node` does not read it, a
+    None constant when nothing (`os.environ["X"]`, `os.getenv("X")`), else the
+    default of `os.environ.get("X", d)` / `os.getenv("X", d)`."""
+    nothing = ast.Constant(value=None)
+    if (
+        isinstance(node, ast.Subscript)
+        and is_literal(node.slice, variable)
+        and script.name_of(node.value) == "os.environ"
+        and isinstance(node.ctx, ast.Load)
+    ):
+        return nothing
+    if (
+        isinstance(node, ast.Call)
+        and node.args
+        and is_literal(node.args[0], variable)
+        and script.name_of(node.func) in ("os.environ.get", "os.getenv")
+    ):
+        return node.args[1] if len(node.args) > 1 else nothing
+    return None
+
+
+def is_literal(node: ast.AST, text: str) -> bool:
+    return isinstance(node, ast.Constant) and node.value == text
+
+
+def nodes_under_slurm_tests(script: Script) -> set[int]:
+    """ids of the nodes in either arm of an `if` whose test names a Slurm variable."""
+    inside: set[int] = set()
+    for node in script.nodes:
+        if isinstance(node, ast.If) and any(
+            isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("SLURM")
+            for n in ast.walk(node.test)
+        ):
+            for statement in [*node.body, *node.orelse]:
+                inside.update(id(n) for n in ast.walk(statement))
+    return inside
