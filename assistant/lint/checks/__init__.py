@@ -44,6 +44,9 @@ lines it must report.
   (model-differs-across-ranks);
 - wrapper: the model's own methods and fields read through the DDP /
   DataParallel wrapper instead of `.module` (ddp-wrapper-attribute);
+- dataparallel: a model whose forward returns its scalar loss, run through
+  nn.DataParallel, with backward() straight on the gathered vector
+  (dataparallel-unsafe-model);
 - spawn: mp.spawn's args that is not a tuple, or does not fit the worker's
   parameters after the process index, and a worker called instead of
   passed (mp-spawn-arguments);
@@ -68,6 +71,7 @@ from assistant.lint.checks import (
     collective_reach,
     collective_saves,
     data,
+    dataparallel,
     devices,
     fork,
     gather_sizes,
@@ -92,6 +96,7 @@ __all__ = [
     "collective_reach",
     "collective_saves",
     "data",
+    "dataparallel",
     "devices",
     "fork",
     "gather_sizes",

@@ -1,0 +1,105 @@
+"""A model whose forward returns its scalar loss, run through nn.DataParallel
+(dataparallel-unsafe-model).
+
+DataParallel runs one replica per GPU and gathers their outputs along
+dimension 0. A replica that returns a 0-d loss gives N scalars, which the
+gather turns into a vector of N ("Was asked to gather along dimension 0, but
+all input tensors were scalars; will instead unsqueeze and return a
+vector"), and `loss.backward()` on it fails: "grad can be implicitly created
+only for scalar outputs". One GPU hides it: a single replica's scalar comes
+back as it is.
+
+Read only where the file shows all three: the model's class (built into the
+DataParallel call, or into the name it wraps), a `return` in its forward of
+a loss function's value or a bare `.mean()` / `.sum()`, and a `.backward()`
+straight on what calling the wrapper returned (no `.mean()` in between).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from assistant.lint.checks.unused import forward_of, model_classes, wrapped_by
+from assistant.lint.model import Script, called_name, own_nodes, short, source_text
+from assistant.lint.registry import check
+from assistant.results import Finding
+
+DATA_PARALLEL = "DataParallel"
+# A call whose value is a loss: torch's losses (mse_loss, cross_entropy, nll_loss...),
+# a criterion, a `loss_fn`.
+LOSS_CALL = re.compile(r"(loss|criterion|cross_entropy|kl_div)$", re.IGNORECASE)
+REDUCTIONS = frozenset({"mean", "sum"})
+
+
+@check("dataparallel-unsafe-model")
+def check_scalar_loss_gathered_by_data_parallel(script: Script) -> Iterator[Finding]:
+    """`loss = model(x, y); loss.backward()` where model is nn.DataParallel over a
+    class whose forward returns the scalar loss: the gather makes it a vector."""
+    wrappers = [node for node, name in script.call_names if short(name) == DATA_PARALLEL]
+    if not wrappers:
+        return
+    classes = {cls.name: cls for cls in model_classes(script)}
+    for wrapper in wrappers:
+        names, built = wrapped_by(script, wrapper, set(classes))
+        returns = [line for name in built if (line := scalar_return(classes[name])) is not None]
+        if not returns:
+            continue
+        for backward, call in backward_on_wrapper_output(script, names):
+            yield script.finding(
+                "dataparallel-unsafe-model",
+                backward,
+                f"{source_text(call.func)}() is nn.DataParallel (line {wrapper.lineno}) over a "
+                f"model whose forward returns its scalar loss (line {returns[0]}): each GPU's "
+                "replica returns one, the gather makes them a vector, and backward() fails "
+                'with "grad can be implicitly created only for scalar outputs"; take '
+                ".mean() of it first, or return the outputs and compute the loss outside",
+            )
+
+
+def scalar_return(cls: ast.ClassDef) -> int | None:
+    """The line of a `return` in forward of a loss's value or a bare `.mean()` / `.sum()`."""
+    for node in ast.walk(forward_of(cls)):
+        if not (isinstance(node, ast.Return) and isinstance(node.value, ast.Call)):
+            continue
+        call = node.value
+        name = called_name(call) or ""
+        if LOSS_CALL.search(name):
+            return node.lineno
+        if name in REDUCTIONS and not call.args and not call.keywords:
+            return node.lineno
+    return None
+
+
+def backward_on_wrapper_output(
+    script: Script, wrappers: set[str]
+) -> Iterator[tuple[ast.Call, ast.Call]]:
+    """(the backward call, the wrapper's call) for `wrapper(...).backward()`, and for
+    `loss = wrapper(...)` ... `loss.backward()` where the scope binds `loss` nowhere else."""
+    for scope in script.all_scopes:
+        nodes = list(own_nodes(scope))
+        bound: dict[str, list[ast.expr]] = {}
+        for node in nodes:
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Name):
+                        bound.setdefault(target.id, []).append(node.value)
+        for node in nodes:
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "backward"
+                and not node.args
+                and not node.keywords
+            ):
+                continue
+            receiver = node.func.value
+            values = bound.get(receiver.id, []) if isinstance(receiver, ast.Name) else [receiver]
+            if values and all(is_wrapper_call(v, wrappers) for v in values):
+                yield node, values[0]
+
+
+def is_wrapper_call(value: ast.expr | None, wrappers: set[str]) -> bool:
+    return isinstance(value, ast.Call) and source_text(value.func) in wrappers
