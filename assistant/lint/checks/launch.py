@@ -4,6 +4,7 @@ Slurm's rank beside torchrun's local rank."""
 from __future__ import annotations
 
 import ast
+import re
 from collections import Counter
 from collections.abc import Iterator
 
@@ -259,6 +260,7 @@ def module_int_constants(script: Script) -> dict[str, int]:
 SLURM_RANK = "SLURM_PROCID"
 SLURM_LOCAL_RANK = "SLURM_LOCALID"
 TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
+ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
 @check("slurm-without-torchrun")
@@ -268,15 +270,16 @@ def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Findin
     every task on a node falls back to the default (GPU 0), or fails on the key.
 
     Quiet when the file reads SLURM_LOCALID anywhere, when the LOCAL_RANK read
-    sits in a branch that tests for Slurm (the torchrun path of an if/else),
-    or when its default is computed (`get("LOCAL_RANK", rank % gpus)`).
+    sits in a branch that tests an environment variable (the torchrun arm of
+    `if "RANK" in os.environ: ... elif "SLURM_PROCID" in os.environ:`), or
+    when its default is computed (`get("LOCAL_RANK", rank % gpus)`).
     """
     if not reads_env(script, SLURM_RANK) or reads_env(script, SLURM_LOCAL_RANK):
         return
-    in_slurm_branches = nodes_under_slurm_tests(script)
+    in_launcher_branches = nodes_under_launcher_tests(script)
     for node in script.nodes:
         default = env_default(script, node, TORCHRUN_LOCAL_RANK)
-        if default is None or id(node) in in_slurm_branches:
+        if default is None or id(node) in in_launcher_branches:
             continue
         if not isinstance(default, ast.Constant):
             continue  # a computed fallback: maybe the Slurm one
@@ -318,12 +321,14 @@ def is_literal(node: ast.AST, text: str) -> bool:
     return isinstance(node, ast.Constant) and node.value == text
 
 
-def nodes_under_slurm_tests(script: Script) -> set[int]:
-    """ids of the nodes in either arm of an `if` whose test names a Slurm variable."""
+def nodes_under_launcher_tests(script: Script) -> set[int]:
+    """ids of the nodes in either arm of an `if` that tests an environment variable
+    (`if "SLURM_PROCID" in os.environ:`, `if "RANK" in os.environ:` ... `elif`): the
+    script picks its launcher there, and each arm reads that launcher's variables."""
     inside: set[int] = set()
     for node in script.nodes:
         if isinstance(node, ast.If) and any(
-            isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.startswith("SLURM")
+            isinstance(n, ast.Constant) and isinstance(n.value, str) and ENV_NAME.fullmatch(n.value)
             for n in ast.walk(node.test)
         ):
             for statement in [*node.body, *node.orelse]:

@@ -1,4 +1,4 @@
-"""Under srun the GPU comes from SLURM_LOCALID, under torchrun from LOCAL_RANK."""
+"""Under srun the GPU comes from the Slurm rank, under torchrun from LOCAL_RANK."""
 
 import os
 
@@ -21,6 +21,17 @@ def init_distributed():
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", rank=rank, world_size=world_size)
     return local_rank
+
+
+def init_distributed_mode(args):
+    """torchvision's references: torchrun's variables first, then srun's."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        args.rank = int(os.environ["RANK"])
+        args.gpu = int(os.environ["LOCAL_RANK"])
+    elif "SLURM_PROCID" in os.environ:
+        args.rank = int(os.environ["SLURM_PROCID"])
+        args.gpu = args.rank % torch.cuda.device_count()
+    torch.cuda.set_device(args.gpu)
 
 
 def main():
