@@ -110,7 +110,10 @@ class Question:
 
 # How much a reply to "what would decide?" weighs against the answer that asked
 # for it: the first report stays the main evidence (see with_earlier_answer).
-REPLY_WEIGHT = 0.5
+REPLY_WEIGHT = 0.25
+# A reply that shows an error of its own (a traceback, an NCCL line) is evidence
+# the first report lacked: it weighs as it did before replies were weighed down.
+ROOT_REPLY_WEIGHT = 0.5
 REPLY_POOL = 50  # causes the reply is ranked over before the merge (the engine's most)
 
 
@@ -141,18 +144,25 @@ def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int)
     cause first for 27, the replies ranked so for 23; scoring each cause
     (earlier + REPLY_WEIGHT x reply) / (1 + REPLY_WEIGHT) gave 27 again and
     kept the replies that decided (a traceback, an NCCL log; data/eval/README.md,
-    "Session 13"); the plain mean gave 26. `reply` should hold every cause the
-    reply ranks (a cause it did not rank counts 0). A cause kept from the
-    earlier answer is judged afresh (its verdict reset). The best `top` are kept.
+    "Session 13"); the plain mean gave 26. Measured again on 98 (session 32):
+    first answers 54 first; REPLY_WEIGHT 0.5 gave 52 (3 fixed, 5 lost), 0.25
+    gave 55 (the same 3 fixed, 2 lost; recall@3 69 -> 68), 0.15 55 too: a
+    reply is mostly a thin line, and weighed half it undid first answers. A
+    reply with a root error of its own keeps ROOT_REPLY_WEIGHT: it decides.
+
+    `reply` should hold every cause the reply ranks (a cause it did not rank
+    counts 0). A cause kept from the earlier answer is judged afresh (its
+    verdict reset). The best `top` are kept.
     """
     mine = {cause.id: cause for cause in reply.causes}
     theirs = {cause.id: cause for cause in earlier}
+    weight = REPLY_WEIGHT if reply.root_error is None else ROOT_REPLY_WEIGHT
     merged = []
     for cause_id in dict.fromkeys([*mine, *theirs]):
         own, old = mine.get(cause_id), theirs.get(cause_id)
-        total = (old.score if old else 0.0) + REPLY_WEIGHT * (own.score if own else 0.0)
+        total = (old.score if old else 0.0) + weight * (own.score if own else 0.0)
         base = own if own is not None else replace(old, verdict=Verdict("not_run"))
-        merged.append(replace(base, score=total / (1 + REPLY_WEIGHT)))
+        merged.append(replace(base, score=total / (1 + weight)))
     merged.sort(key=lambda cause: -cause.score)  # stable: the reply's order breaks ties
     return replace(reply, causes=merged[:top])
 

@@ -234,11 +234,11 @@ def test_a_reply_is_averaged_with_the_answer_that_asked_for_it():
     merged = with_earlier_answer(reply, earlier, top=2)
     # (earlier + REPLY_WEIGHT x reply) / (1 + REPLY_WEIGHT), the best two kept
     assert [(c.id, round(c.score, 3)) for c in merged.causes] == [
-        ("set-device-order", 0.55),  # (0.6 + 0.5 x 0.45) / 1.5
-        ("checkpoint-map-location", 0.533),  # 0.8 / 1.5: the reply did not rank it
+        ("checkpoint-map-location", 0.64),  # 0.8 / 1.25: the reply did not rank it
+        ("set-device-order", 0.57),  # (0.6 + 0.25 x 0.45) / 1.25
     ]
     assert [c.id for c in reply.causes] == ["oom", "set-device-order"]
-    assert merged.causes[1].verdict.verdict == "not_run"  # judged afresh in this turn
+    assert merged.causes[0].verdict.verdict == "not_run"  # judged afresh in this turn
     assert earlier[0].verdict.verdict == "confirmed"
 
 

@@ -131,14 +131,15 @@ async def test_an_unsure_answer_asks_one_question_and_the_reply_is_a_follow_up()
         assert "Earlier question: DDP keeps saying it can't find the device" in context
 
         # The reply adds to the report: its causes are merged with the earlier answer's,
-        # (earlier + 0.5 x reply) / 1.5 (pipeline.with_earlier_answer).
+        # (earlier + 0.25 x reply) / 1.25 for a reply with no error of its own
+        # (pipeline.with_earlier_answer).
         reply = await ask(app, pilot, "what if I use gloo?")
         scores = {c.id: round(c.score, 3) for c in reply.turn.result.causes}
         assert scores == {
             "duplicate-gpu-per-rank": 0.74,
-            "set-device-order": 0.54,
-            "master-endpoint-mismatch": 0.267,
-            "nccl-with-cpu-tensors": 0.22,
+            "set-device-order": 0.648,
+            "master-endpoint-mismatch": 0.32,
+            "nccl-with-cpu-tensors": 0.132,
         }
 
 
