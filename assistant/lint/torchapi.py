@@ -159,6 +159,20 @@ def is_distributed(script: Script) -> bool:
     return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
 
 
+def runs_a_process_per_gpu(script: Script) -> bool:
+    """The script is written to run as several processes: it starts a process
+    group or wraps in DDP itself, or leaves that to Accelerate, DeepSpeed or the
+    Hugging Face Trainer and says so (an `Accelerator()`, a DeepSpeed import, a
+    `local_rank` it reads from the launcher)."""
+    if is_distributed(script) or uses_deepspeed(script):
+        return True
+    if any(short(name) == "Accelerator" for _node, name in script.call_names):
+        return True
+    return reads_env(script, "LOCAL_RANK") or any(
+        isinstance(node, ast.Attribute) and node.attr == "local_rank" for node in script.nodes
+    )
+
+
 def one_process_group(script: Script) -> bool:
     """Every init_process_group says world_size=1: one process, nothing to race."""
     inits = init_calls(script)

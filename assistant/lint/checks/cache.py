@@ -30,10 +30,12 @@ from assistant.lint.checks.collective_reach import statement_blocks
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
-from assistant.lint.torchapi import SPAWNERS, is_distributed
+from assistant.lint.torchapi import SPAWNERS, is_distributed, runs_a_process_per_gpu
 from assistant.lint.tracer import TracedCall, once_per_call
 from assistant.results import Finding
 
+# How many levels of same-file helpers, called only while taking turns, take turns too.
+TURN_DEPTH = 3
 # Hooks a framework runs on one process only (per node).
 ONE_PROCESS_HOOKS = frozenset({"prepare_data"})
 
@@ -114,7 +116,9 @@ def sides(path: RankPath) -> set[str]:
 
 
 def nodes_taking_turns(script: Script) -> set[int]:
-    """Ids of the nodes inside `with ...first(...):` blocks and one-process hooks."""
+    """Ids of the nodes inside `with ...first(...):` blocks and one-process hooks,
+    and in the same-file functions called only from there (`with
+    args.main_process_first(): items = build_cache(...)`)."""
     inside: set[int] = set()
     for node in script.nodes:
         if isinstance(node, (ast.With, ast.AsyncWith)) and any(
@@ -127,6 +131,20 @@ def nodes_taking_turns(script: Script) -> set[int]:
             and node.name in ONE_PROCESS_HOOKS
         ):
             inside.update(id(n) for n in ast.walk(node))
+    calls: dict[str, list[ast.Call]] = {}
+    for node in script.nodes:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            calls.setdefault(node.func.id, []).append(node)
+    for _ in range(TURN_DEPTH):  # helpers of helpers, a few levels down
+        more = {
+            id(n)
+            for name, function in script.functions.items()
+            if calls.get(name) and all(id(call) in inside for call in calls[name])
+            for n in ast.walk(function)
+        }
+        if more <= inside:
+            break
+        inside |= more
     return inside
 
 
@@ -138,9 +156,12 @@ def context_call(expr: ast.expr) -> ast.expr:
 # --- a cache file built by every rank ----------------------------------------------
 
 # Calls that write a file: (callable, position of the file or path argument).
-# torch.save is checkpoint.py's (it tells a data cache from a checkpoint).
+# torch.save in a script that starts its own process group is checkpoint.py's
+# (it tells a data cache from a checkpoint); here it counts where Accelerate, the
+# Trainer or DeepSpeed start the processes.
 FILE_WRITERS = {
     "pickle.dump": 1,
+    "torch.save": 1,
     "json.dump": 1,
     "numpy.save": 0,
     "numpy.savez": 0,
@@ -157,9 +178,10 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
     that every rank reaches: on the first run all N processes miss the file and
     write it at once, and a rank that starts a moment later finds it half-written
     (EOFError, "Ran out of input", UnpicklingError)."""
-    if not is_distributed(script) or not script.traces:
+    if not runs_a_process_per_gpu(script) or not script.traces:
         return
-    built = cache_writes(script)
+    # torch.save under a process group of the script's own is checkpoint.py's.
+    built = cache_writes(script, torch_save=not is_distributed(script))
     if not built:
         return
     writes = every_rank_reaches(script.traces[0], lambda call: id(call.node) in built)
@@ -176,9 +198,10 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
         )
 
 
-def cache_writes(script: Script) -> dict[int, int]:
+def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
     """ids of the file writes in the branch that builds a cache when its file
-    is missing, with the line of the `if` that tests whether the file exists."""
+    is missing (torch.save among them when `torch_save`), with the line of the
+    `if` that tests whether the file exists."""
     writes: dict[int, int] = {}
     for test, branch in build_when_missing(script):
         tested = tested_paths(test.test)
@@ -186,7 +209,9 @@ def cache_writes(script: Script) -> dict[int, int]:
             continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
         for statement in branch:
             for inner in ast.walk(statement):
-                if isinstance(inner, ast.Call) and writes_file(script, inner):
+                if not (isinstance(inner, ast.Call) and writes_file(script, inner)):
+                    continue
+                if torch_save or script.name_of(inner.func) != "torch.save":
                     writes.setdefault(id(inner), test.lineno)
     return writes
 
