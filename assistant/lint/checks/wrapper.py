@@ -299,13 +299,22 @@ def is_prepare(node: ast.Call) -> bool:
     )
 
 
+# What only a module is asked for (an optimizer also has state_dict and zero_grad).
+MODULE_ONLY_API = frozenset(
+    {"parameters", "named_parameters", "train", "eval", "requires_grad_", "modules",
+     "named_modules", "get_input_embeddings", "resize_token_embeddings",
+     "gradient_checkpointing_enable"}
+)  # fmt: skip
+
+
 def is_module(script: Script, expr: ast.expr) -> bool:
-    """A name the script treats as an nn.Module: it asks for its parameters."""
+    """A name the script treats as an nn.Module: it asks for its parameters,
+    switches it to train or eval, or reads its embeddings."""
     if not isinstance(expr, ast.Name):
         return False
     return any(
         isinstance(node, ast.Attribute)
-        and node.attr in ("parameters", "named_parameters")
+        and node.attr in MODULE_ONLY_API
         and isinstance(node.value, ast.Name)
         and node.value.id == expr.id
         for node in script.nodes
