@@ -18,6 +18,11 @@ main_process_first():`), for a path that depends on the rank (one file per
 rank, as sharded state dicts are saved), an in-memory buffer, and a process
 group of one process (`world_size=1`). The wrapper's state_dict() loaded
 into a model not wrapped there is state_dict.py's.
+
+Accelerate starts the processes itself, and its scripts save with Hugging
+Face's `save_pretrained(folder)`: one every process reaches (not under
+`accelerator.is_main_process`, and not told `is_main_process=`) writes the
+same weights and config files N times at once.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.cache import every_rank_reaches, shared_file, without_turns
-from assistant.lint.model import Script, keyword, source_text
+from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
+from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_distributed, one_process_group
@@ -84,6 +89,44 @@ def every_rank_saves(script: Script, call: TracedCall) -> bool:
         return False
     target = call.node.args[1] if len(call.node.args) > 1 else keyword(call.node, "f")
     return target is not None and shared_file(script, target)
+
+
+@check("checkpoint-written-by-every-rank")
+def check_save_pretrained_on_every_process(script: Script) -> Iterator[Finding]:
+    """`model.save_pretrained(folder)` that every process of an Accelerate script reaches."""
+    if not script.traces or not any(
+        short(name) == "Accelerator" for _node, name in script.call_names
+    ):
+        return
+    # Not every_rank_reaches: a save on rank 0 earlier (a periodic checkpoint)
+    # does not make a later save of every process safe, as it does a download.
+    saves = (
+        call
+        for call in script.traces[0]
+        if saves_pretrained_on_every_process(call)
+        and not sides(call.rank_path) & {RANK_ZERO, NO_RANKS}
+    )
+    for call in without_turns(script, saves):
+        yield script.finding(
+            "checkpoint-written-by-every-rank",
+            call.node,
+            f"{source_text(call.node.func)}() runs on every process Accelerate started: "
+            "each writes the same weights and config files into one folder at once, and "
+            "a reader (or an upload) can find them half-written; save under `if "
+            "accelerator.is_main_process:` after accelerator.wait_for_everyone(), or pass "
+            "is_main_process=accelerator.is_main_process",
+        )
+
+
+def saves_pretrained_on_every_process(call: TracedCall) -> bool:
+    """`x.save_pretrained(...)` on a path some rank runs, not told which process is main."""
+    func = call.node.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "save_pretrained"
+        and keyword(call.node, "is_main_process") is None
+        and some_rank_runs(call.rank_path)
+    )
 
 
 @check("checkpoint-map-location")
