@@ -206,11 +206,13 @@ def flag_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
         if isinstance(default, ast.Constant) and isinstance(default.value, bool)
     }
     for node in ast.walk(forward):
-        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Name)):
+        # `if return_feat: ...` or `mel + self.postnet(mel) if use_postnet else mel`
+        if not (isinstance(node, (ast.If, ast.IfExp)) and isinstance(node.test, ast.Name)):
             continue
         if node.test.id not in flags:
             continue
-        inside = {id(c) for s in node.body for c in ast.walk(s)}
+        body = node.body if isinstance(node, ast.If) else [node.body]
+        inside = {id(c) for s in body for c in ast.walk(s)}
         called = [c for c in ast.walk(forward) if self_call(c)]
         used_outside = {source_text(c.func) for c in called if id(c) not in inside}
         submodule = next(
@@ -278,8 +280,9 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
 
 
 def varying_line(given: ast.expr, nodes: list[ast.AST]) -> int | None:
-    """Where an argument is decided per step: a step counter's modulo or a random
-    draw in it, or in what the scope assigns to its name."""
+    """Where an argument is decided per step: a modulo, a random draw, or a
+    comparison of a step counter (a loop variable, a name `+=`'d) in it, or in
+    what the scope assigns to its name."""
     values = [given]
     if isinstance(given, ast.Name):
         values += [
@@ -288,10 +291,21 @@ def varying_line(given: ast.expr, nodes: list[ast.AST]) -> int | None:
             if isinstance(node, ast.Assign)
             and any(isinstance(t, ast.Name) and t.id == given.id for t in node.targets)
         ]
+    counters = {
+        target.id
+        for node in nodes
+        if isinstance(node, (ast.For, ast.AugAssign))
+        for target in ast.walk(node.target)
+        if isinstance(target, ast.Name)
+    }
     for value in values:
         for node in ast.walk(value):
             modulo = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
-            if modulo or (isinstance(node, ast.Call) and draws_random(node)):
+            drawn = isinstance(node, ast.Call) and draws_random(node)
+            counted = isinstance(node, ast.Compare) and any(
+                isinstance(n, ast.Name) and n.id in counters for n in ast.walk(node)
+            )
+            if modulo or drawn or counted:
                 return value.lineno
     return None
 
