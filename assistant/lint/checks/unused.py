@@ -29,7 +29,7 @@ its function sets to None.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from assistant.lint.model import Script, called_name, keyword, own_nodes, source_text
@@ -172,14 +172,7 @@ def model_classes(script: Script) -> list[ast.ClassDef]:
 def optional_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
     """`def forward(self, x, y=None)` ... `if y is not None: ... self.y_embed(y)`."""
     forward = forward_of(cls)
-    positional = [a.arg for a in forward.args.args[1:]]
-    defaults = forward.args.defaults
-    with_defaults = forward.args.args[len(forward.args.args) - len(defaults) :]
-    optional = {
-        arg.arg
-        for arg, default in zip(with_defaults, defaults, strict=True)
-        if isinstance(default, ast.Constant) and default.value is None
-    }
+    positional, optional = parameters_defaulting(forward, lambda value: value is None)
     for node in ast.walk(forward):
         if not isinstance(node, ast.If):
             continue
@@ -193,18 +186,26 @@ def optional_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
             yield OptionalBranch(parameter, positional.index(parameter), submodule, node.lineno)
 
 
+def parameters_defaulting(
+    forward: ast.FunctionDef, wanted: Callable[[object], bool]
+) -> tuple[list[str], set[str]]:
+    """forward's parameters after self, and those whose constant default is `wanted`."""
+    positional = [a.arg for a in forward.args.args[1:]]
+    defaults = forward.args.defaults
+    with_defaults = forward.args.args[len(forward.args.args) - len(defaults) :]
+    chosen = {
+        arg.arg
+        for arg, default in zip(with_defaults, defaults, strict=True)
+        if isinstance(default, ast.Constant) and wanted(default.value)
+    }
+    return positional, chosen
+
+
 def flag_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
     """`def forward(self, x, return_feat=False)` ... `if return_feat: ... self.proj(f)`,
     where forward calls that submodule nowhere else."""
     forward = forward_of(cls)
-    positional = [a.arg for a in forward.args.args[1:]]
-    defaults = forward.args.defaults
-    with_defaults = forward.args.args[len(forward.args.args) - len(defaults) :]
-    flags = {
-        arg.arg
-        for arg, default in zip(with_defaults, defaults, strict=True)
-        if isinstance(default, ast.Constant) and isinstance(default.value, bool)
-    }
+    positional, flags = parameters_defaulting(forward, lambda value: isinstance(value, bool))
     for node in ast.walk(forward):
         # `if return_feat: ...` or `mel + self.postnet(mel) if use_postnet else mel`
         if not (isinstance(node, (ast.If, ast.IfExp)) and isinstance(node.test, ast.Name)):
