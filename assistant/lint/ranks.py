@@ -85,13 +85,16 @@ def some_rank_runs(path: RankPath) -> bool:
     return NO_RANKS not in sides and not {RANK_ZERO, OTHER_RANKS} <= sides
 
 
+RANK_CALLS = frozenset({"get_rank", "get_local_rank", "rank", "local_rank"})
+
+
 def is_rank_expr(expr: ast.expr, script: Script) -> bool:
     """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`, `os.environ["RANK"]`."""
     variable = environment_variable(expr, script)
     if variable is not None:
         return variable in RANK_VARIABLES
-    if isinstance(expr, ast.Call):
-        return short(script.name_of(expr.func)) in ("get_rank", "get_local_rank")
+    if isinstance(expr, ast.Call):  # Horovod's (and its ports') hvd.rank() too
+        return short(script.name_of(expr.func)) in RANK_CALLS
     if isinstance(expr, ast.Name):
         return bool(RANK_NAME.search(expr.id))
     if isinstance(expr, ast.Attribute):

@@ -59,17 +59,34 @@ def check_scalar_loss_gathered_by_data_parallel(script: Script) -> Iterator[Find
 
 
 def scalar_return(cls: ast.ClassDef) -> int | None:
-    """The line of a `return` in forward of a loss's value or a bare `.mean()` / `.sum()`."""
-    for node in ast.walk(forward_of(cls)):
-        if not (isinstance(node, ast.Return) and isinstance(node.value, ast.Call)):
+    """The line of a `return` in forward of a loss's value or a bare `.mean()` /
+    `.sum()`, directly or through the name forward assigned it to."""
+    forward = forward_of(cls)
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    assigned.setdefault(target.id, []).append(node.value)
+    for node in ast.walk(forward):
+        if not isinstance(node, ast.Return) or node.value is None:
             continue
-        call = node.value
-        name = called_name(call) or ""
-        if LOSS_CALL.search(name):
-            return node.lineno
-        if name in REDUCTIONS and not call.args and not call.keywords:
+        values = [node.value]
+        if isinstance(node.value, ast.Name):
+            values = assigned.get(node.value.id, [])
+        if values and all(is_scalar_loss(value) for value in values):
             return node.lineno
     return None
+
+
+def is_scalar_loss(value: ast.expr) -> bool:
+    """A loss function's value, or a bare `.mean()` / `.sum()`."""
+    if not isinstance(value, ast.Call):
+        return False
+    name = called_name(value) or ""
+    if LOSS_CALL.search(name):
+        return True
+    return name in REDUCTIONS and not value.args and not value.keywords
 
 
 def backward_on_wrapper_output(

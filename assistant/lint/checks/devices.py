@@ -37,6 +37,8 @@ CURRENT_DEVICE = (
 @check("hardcoded-device")
 def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     """A fixed GPU ("cuda:0", device_ids=[0]) instead of the rank's own device."""
+    if single_process_data_parallel(script):
+        return  # one process drives every GPU; DataParallel's home is cuda:0
     current_device_is_cuda0 = current_device_left_at_cuda0(script)
     rank_zero_only = rank_zero_only_calls(script)
     for node, name in script.call_names:
@@ -303,6 +305,13 @@ def current_device_left_at_cuda0(script: Script) -> bool:
     if init_calls(script):
         return True
     return any(is_ddp(name) for name in names) and not calls_external_setup(script)
+
+
+def single_process_data_parallel(script: Script) -> bool:
+    """nn.DataParallel in a file that starts no process group and no DDP: one
+    process, its replicas scattered from cuda:0, where the batch must start."""
+    names = [short(name) for _node, name in script.call_names]
+    return "DataParallel" in names and not is_distributed(script)
 
 
 def rank_zero_only_calls(script: Script) -> set[int]:

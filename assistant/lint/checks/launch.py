@@ -258,6 +258,10 @@ def module_int_constants(script: Script) -> dict[str, int]:
 # Environment variables only torchrun (or torch.distributed.launch) sets, and
 # the ones srun sets for the same thing.
 SLURM_RANK = "SLURM_PROCID"
+# What srun tells each task of the job's layout: a script that reads these for
+# its rank or world size is started by srun, not by torchrun (SLURM_JOB_ID and
+# the like are read under torchrun too, for names and logs).
+SLURM_LAYOUT = (SLURM_RANK, "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NODEID")
 SLURM_LOCAL_RANK = "SLURM_LOCALID"
 TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
@@ -265,16 +269,20 @@ ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 @check("slurm-without-torchrun")
 def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Finding]:
-    """The script takes its rank from SLURM_PROCID, so srun starts it without
-    torchrun, but its GPU from LOCAL_RANK, which only torchrun sets: under srun
-    every task on a node falls back to the default (GPU 0), or fails on the key.
+    """The script takes its rank or world size from srun's variables
+    (SLURM_PROCID, SLURM_NTASKS), so srun starts it without torchrun, but its
+    GPU from LOCAL_RANK, which only torchrun sets: under srun every task on a
+    node falls back to the default (GPU 0), or fails on the key.
 
     Quiet when the file reads SLURM_LOCALID anywhere, when the LOCAL_RANK read
     sits in a branch that tests an environment variable (the torchrun arm of
     `if "RANK" in os.environ: ... elif "SLURM_PROCID" in os.environ:`), or
     when its default is computed (`get("LOCAL_RANK", rank % gpus)`).
     """
-    if not reads_env(script, SLURM_RANK) or reads_env(script, SLURM_LOCAL_RANK):
+    if reads_env(script, SLURM_LOCAL_RANK):
+        return
+    layout = next((name for name in SLURM_LAYOUT if reads_env(script, name)), None)
+    if layout is None:
         return
     in_launcher_branches = nodes_under_launcher_tests(script)
     for node in script.nodes:
@@ -287,7 +295,7 @@ def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Findin
         yield script.finding(
             "slurm-without-torchrun",
             node,
-            f"the rank comes from {SLURM_RANK} (srun starts the tasks, not torchrun), but the "
+            f"the job's layout comes from {layout} (srun starts the tasks, not torchrun), but the "
             f"GPU from {TORCHRUN_LOCAL_RANK}, which only torchrun sets: under srun every task "
             f"on a node {outcome}; read {SLURM_LOCAL_RANK} there "
             f"(int(os.environ.get('{TORCHRUN_LOCAL_RANK}', os.environ['{SLURM_LOCAL_RANK}']))), "

@@ -26,7 +26,8 @@ class Classifier(nn.Module):
         self.criterion = nn.CrossEntropyLoss()
 
     def forward(self, x, y):
-        return self.criterion(self.net(x), y)
+        loss = self.criterion(self.net(x), y)
+        return loss
 
 
 def main():

@@ -22,6 +22,15 @@ def init_distributed():
     return local_rank
 
 
+def setup_from_ntasks():
+    """World size from srun, rank and GPU from torchrun's names: every task is rank 0 on GPU 0."""
+    world_size = int(os.environ.get("SLURM_NTASKS", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))  # expect: slurm-without-torchrun
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", init_method="env://", world_size=world_size, rank=rank)
+
+
 def main():
     local_rank = init_distributed()
     model = DDP(nn.Linear(4, 1).cuda(), device_ids=[local_rank])
