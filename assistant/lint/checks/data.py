@@ -3,8 +3,11 @@ a training loader over the files each rank takes for itself (uneven shares).
 
 Both mistakes are silent (no error, only wasted or repeated work), so both
 checks stay quiet whenever the script may handle it some other way: a
-sampler of its own, a dataset sharded by rank, an IterableDataset, Lightning
-or Accelerate building the sampler, or a loader only rank 0 reads.
+sampler of its own, a dataset sharded by rank, Lightning or Accelerate
+building the sampler, or a loader only rank 0 reads. A stream (an
+IterableDataset, a streamed Hugging Face dataset) takes no sampler: a
+training loader over one is reported only when nothing in its making, nor
+in its class's code, names a rank or a split.
 """
 
 from __future__ import annotations
