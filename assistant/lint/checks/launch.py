@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from assistant.lint.model import Script, is_int, keyword, short, source_text
+from assistant.lint.ranks import environment_variable
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LOCAL_RANK_FLAGS,
@@ -307,26 +308,12 @@ def env_default(script: Script, node: ast.AST, variable: str) -> ast.expr | None
     """What reading `variable` falls back to: None when `node` does not read it, a
     None constant when nothing (`os.environ["X"]`, `os.getenv("X")`), else the
     default of `os.environ.get("X", d)` / `os.getenv("X", d)`."""
-    nothing = ast.Constant(value=None)
-    if (
-        isinstance(node, ast.Subscript)
-        and is_literal(node.slice, variable)
-        and script.name_of(node.value) == "os.environ"
-        and isinstance(node.ctx, ast.Load)
-    ):
-        return nothing
-    if (
-        isinstance(node, ast.Call)
-        and node.args
-        and is_literal(node.args[0], variable)
-        and script.name_of(node.func) in ("os.environ.get", "os.getenv")
-    ):
-        return node.args[1] if len(node.args) > 1 else nothing
-    return None
-
-
-def is_literal(node: ast.AST, text: str) -> bool:
-    return isinstance(node, ast.Constant) and node.value == text
+    if not isinstance(node, ast.expr) or environment_variable(node, script) != variable:
+        return None
+    if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
+        return None  # os.environ["X"] = ...: a write
+    has_default = isinstance(node, ast.Call) and len(node.args) > 1
+    return node.args[1] if has_default else ast.Constant(value=None)
 
 
 def nodes_under_launcher_tests(script: Script) -> set[int]:
