@@ -166,7 +166,7 @@ def runs_a_process_per_gpu(script: Script) -> bool:
     `local_rank` it reads from the launcher)."""
     if is_distributed(script) or uses_deepspeed(script):
         return True
-    if any(short(name) == "Accelerator" for _node, name in script.call_names):
+    if "Accelerator" in script.called_short_names:
         return True
     return reads_env(script, "LOCAL_RANK") or any(
         isinstance(node, ast.Attribute) and node.attr == "local_rank" for node in script.nodes

@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_distributed, one_process_group
@@ -94,9 +94,7 @@ def every_rank_saves(script: Script, call: TracedCall) -> bool:
 @check("checkpoint-written-by-every-rank")
 def check_save_pretrained_on_every_process(script: Script) -> Iterator[Finding]:
     """`model.save_pretrained(folder)` that every process of an Accelerate script reaches."""
-    if not script.traces or not any(
-        short(name) == "Accelerator" for _node, name in script.call_names
-    ):
+    if not script.traces or "Accelerator" not in script.called_short_names:
         return
     # Not every_rank_reaches: a save on rank 0 earlier (a periodic checkpoint)
     # does not make a later save of every process safe, as it does a download.

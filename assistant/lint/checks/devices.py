@@ -310,8 +310,7 @@ def current_device_left_at_cuda0(script: Script) -> bool:
 def single_process_data_parallel(script: Script) -> bool:
     """nn.DataParallel in a file that starts no process group and no DDP: one
     process, its replicas scattered from cuda:0, where the batch must start."""
-    names = [short(name) for _node, name in script.call_names]
-    return "DataParallel" in names and not is_distributed(script)
+    return "DataParallel" in script.called_short_names and not is_distributed(script)
 
 
 def rank_zero_only_calls(script: Script) -> set[int]:
