@@ -18,7 +18,8 @@ The same race, made by the script itself: a cache of parsed annotations or
 features built when its file is missing (`if not os.path.exists(cache):
 ... pickle.dump(items, f)`, or a `build_or_load` helper that returns the
 file when it exists and builds and saves it after), which every rank misses
-on the first run and writes at once. Quiet in the same turn-taking cases, and for a file per rank.
+on the first run and writes at once. Quiet in the same turn-taking cases
+(also in a helper called only from inside them), and for a file per rank.
 """
 
 from __future__ import annotations

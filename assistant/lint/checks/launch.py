@@ -256,15 +256,14 @@ def module_int_constants(script: Script) -> dict[str, int]:
     return {name: value for name, value in values.items() if assigned[name] == 1}
 
 
-# Environment variables only torchrun (or torch.distributed.launch) sets, and
-# the ones srun sets for the same thing.
-SLURM_RANK = "SLURM_PROCID"
 # What srun tells each task of the job's layout: a script that reads these for
 # its rank or world size is started by srun, not by torchrun (SLURM_JOB_ID and
 # the like are read under torchrun too, for names and logs).
-SLURM_LAYOUT = (SLURM_RANK, "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NODEID")
+SLURM_LAYOUT = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NODEID")
+# The local rank as srun sets it, and as only torchrun (or launch.py) sets it.
 SLURM_LOCAL_RANK = "SLURM_LOCALID"
 TORCHRUN_LOCAL_RANK = "LOCAL_RANK"
+# A string that names an environment variable in an `if` test ("RANK", "SLURM_PROCID").
 ENV_NAME = re.compile(r"[A-Z][A-Z0-9_]*")
 
 

@@ -9,9 +9,10 @@ step: "Expected to have finished reduction in the prior iteration before
 starting a new one ... parameters that were not used in producing loss".
 
 The same with a flag of forward (`def forward(self, x, return_feat=False)`,
-`if return_feat: ... self.proj(f)`) that training passes as a value of the
-step (`use_feat = step % k == 0`, a random draw): the projector is left out
-on the other steps.
+`if return_feat: ... self.proj(f)`, or `x + self.postnet(x) if use_postnet
+else x`) that training passes as a value of the step (`use_feat = step % k
+== 0`, a random draw, `step >= start`): the submodule is left out on the
+other steps.
 
 Three more ways a step leaves submodules out: a forward that runs one member
 of a ModuleDict / ModuleList picked by an input (`self.heads[task](x)`, one
