@@ -21,6 +21,8 @@ lines it must report.
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
 - backend: CPU tensors handed to NCCL collectives;
+- buffers: a DDP model with BatchNorm called twice before one backward while
+  DDP broadcasts buffers at each forward (ddp-broadcast-buffers-inplace);
 - data: a DataLoader with no DistributedSampler in a DDP script
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
   never called in the epoch loop (sampler-set-epoch);
@@ -66,6 +68,7 @@ lines it must report.
 
 from assistant.lint.checks import (
     backend,
+    buffers,
     cache,
     checkpoint,
     collective_reach,
@@ -91,6 +94,7 @@ from assistant.lint.checks import (
 
 __all__ = [
     "backend",
+    "buffers",
     "cache",
     "checkpoint",
     "collective_reach",

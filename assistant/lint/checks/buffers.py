@@ -1,0 +1,192 @@
+"""A DDP model with BatchNorm called twice before one backward
+(ddp-broadcast-buffers-inplace).
+
+With broadcast_buffers=True (the default) DDP copies rank 0's buffers into
+every rank's at the start of each forward. BatchNorm's backward keeps its
+running statistics, and autograd checks their version counter: the second
+forward's in-place copy moves it, and backward fails with "one of the
+variables needed for gradient computation has been modified by an inplace
+operation". GANs (the discriminator on real, then on fake) and two-view
+contrastive training do exactly this. PyTorch releases built after
+pytorch/pytorch#175851 (merged in February 2026) preserve the counters during
+the copy, so the same code trains there; older ones fail, and the finding says
+so.
+
+Read only where the file shows it all: the wrapped model builds a BatchNorm
+(in one of the file's classes or functions, or a torchvision model made of
+them), DDP is not told broadcast_buffers=False, no SyncBatchNorm conversion,
+and two calls of the wrapper in one function, the first kept for backward
+(outside no_grad, not detached), with no backward between them and one after.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from collections.abc import Iterator
+
+from assistant.lint.checks.unused import inside_no_grad, wrapped_by
+from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_ddp
+from assistant.results import Finding
+
+BATCH_NORM = re.compile(r"^BatchNorm([123]d)?$")
+# torchvision's models built of BatchNorm layers (convnext and the ViTs use LayerNorm).
+TORCHVISION_BN_MODELS = re.compile(
+    r"^(resnet|resnext|wide_resnet|densenet|mobilenet|efficientnet|regnet|vgg\d+_bn|"
+    r"inception|googlenet|shufflenet|mnasnet|deeplabv3|fcn_|lraspp)"
+)
+SYNC_CONVERSION = "convert_sync_batchnorm"
+BACKWARDS = frozenset({"backward", "manual_backward"})
+# How many of the file's classes and functions the model's build is followed through.
+MAX_BUILDERS = 64
+
+
+@check("ddp-broadcast-buffers-inplace")
+def check_batchnorm_model_called_twice_before_backward(script: Script) -> Iterator[Finding]:
+    """`d_real = D(real); d_fake = D(fake); loss.backward()` with D a DDP over
+    BatchNorm layers and broadcast_buffers left at True."""
+    if SYNC_CONVERSION in script.called_short_names:
+        return
+    for ddp in (node for node, name in script.call_names if is_ddp(name)):
+        if not broadcasts_buffers(ddp):
+            continue
+        names = wrapper_names(script, ddp)
+        norm = batch_norm_built(script, ddp, wrapped_by(script, ddp, set())[0])
+        if norm is None:
+            continue
+        for scope in script.all_scopes:
+            for first, second in second_calls_before_backward(script, scope, names):
+                yield script.finding(
+                    "ddp-broadcast-buffers-inplace",
+                    second,
+                    f"{source_text(second.func)}() runs again (line {first.lineno} ran it) before "
+                    f"backward; it is DDP (line {ddp.lineno}) over BatchNorm (line {norm}) with "
+                    "broadcast_buffers=True, so each forward copies rank 0's running statistics "
+                    "in place and, on PyTorch older than the 2026 fix (pytorch/pytorch#175851), "
+                    'backward fails with "modified by an inplace operation": pass '
+                    "broadcast_buffers=False (with SyncBatchNorm to keep the statistics "
+                    "in step), or run both inputs in one call (torch.cat)",
+                )
+
+
+def broadcasts_buffers(ddp: ast.Call) -> bool:
+    """DDP left at broadcast_buffers=True: not given, or given True (`**options` may set it)."""
+    value = keyword(ddp, "broadcast_buffers")
+    if value is not None:
+        return isinstance(value, ast.Constant) and value.value is True
+    return not any(given.arg is None for given in ddp.keywords)
+
+
+def wrapper_names(script: Script, ddp: ast.Call) -> set[str]:
+    """The names the DDP call is assigned to (`disc = DDP(...)`, `self.model = DDP(...)`):
+    calls of the module it wraps, by its own name, go around DDP and sync nothing."""
+    return {
+        source_text(target)
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and node.value is ddp
+        for target in node.targets
+    }
+
+
+def batch_norm_built(script: Script, ddp: ast.Call, names: set[str]) -> int | None:
+    """The line of a BatchNorm the wrapped model builds: in the expressions that
+    make it, through the file's classes and functions they call, transitively."""
+    values: list[ast.AST] = [ddp.args[0]] if ddp.args else []
+    values += [v for name in names for v in script.assigned_values.get(name, [])]
+    builders = {
+        node.name: node
+        for node in script.tree.body
+        if isinstance(node, ast.ClassDef | ast.FunctionDef)
+    }
+    seen: set[str] = set()
+    while values:
+        value = values.pop()
+        for node in ast.walk(value):
+            if not isinstance(node, ast.Call):
+                continue
+            name = script.name_of(node.func) or source_text(node.func)
+            if BATCH_NORM.match(short(name)) or torchvision_bn_model(name):
+                return node.lineno
+            called = node.func.id if isinstance(node.func, ast.Name) else None
+            if called in builders and called not in seen and len(seen) < MAX_BUILDERS:
+                seen.add(called)
+                values.append(builders[called])
+    return None
+
+
+def torchvision_bn_model(name: str) -> bool:
+    owner, _, function = name.rpartition(".")
+    return owner.startswith("torchvision.models") and bool(TORCHVISION_BN_MODELS.match(function))
+
+
+def second_calls_before_backward(
+    script: Script, scope: ast.AST, names: set[str]
+) -> Iterator[tuple[ast.Call, ast.Call]]:
+    """Pairs of consecutive wrapper calls in `scope`, the first kept for
+    backward, with no backward between them and one after the second, on
+    the same path (not the two arms of one `if`)."""
+    nodes = script.scope_nodes(scope)
+    no_grad = inside_no_grad(nodes)
+    detached = {
+        id(node.value)
+        for node in nodes
+        if isinstance(node, ast.Attribute) and node.attr in ("detach", "item")
+    }
+    calls = [
+        node for node in nodes if isinstance(node, ast.Call) and source_text(node.func) in names
+    ]
+    backwards = [position(node) for node in nodes if is_backward(node)]
+    if len(calls) < 2 or not backwards:
+        return
+    arms = branch_arms(scope)
+    calls.sort(key=position)
+    for first, second in itertools.pairwise(calls):
+        if id(first) in no_grad or id(first) in detached:
+            continue
+        if any(position(first) < b < position(second) for b in backwards):
+            continue
+        if not any(b > position(second) for b in backwards):
+            continue
+        if exclusive(arms.get(id(first), ()), arms.get(id(second), ())):
+            continue
+        yield first, second
+
+
+def position(node: ast.AST) -> tuple[int, int]:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
+def is_backward(node: ast.AST) -> bool:
+    """`loss.backward()`, `scaler.scale(loss).backward()`, `accelerator.backward(loss)`."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in BACKWARDS
+    )
+
+
+def branch_arms(scope: ast.AST) -> dict[int, tuple[tuple[int, str], ...]]:
+    """For each node of the scope, the `if` arms it sits in: (id of the If, "body" or "orelse")."""
+    arms: dict[int, tuple[tuple[int, str], ...]] = {}
+    stack: list[tuple[ast.AST, tuple[tuple[int, str], ...]]] = [(scope, ())]
+    while stack:
+        node, path = stack.pop()
+        arms[id(node)] = path
+        if isinstance(node, ast.If | ast.IfExp):
+            stack.append((node.test, path))
+            body = node.body if isinstance(node.body, list) else [node.body]
+            orelse = node.orelse if isinstance(node.orelse, list) else [node.orelse]
+            stack += [(child, (*path, (id(node), "body"))) for child in body]
+            stack += [(child, (*path, (id(node), "orelse"))) for child in orelse]
+            continue
+        stack += [(child, path) for child in ast.iter_child_nodes(node)]
+    return arms
+
+
+def exclusive(first: tuple[tuple[int, str], ...], second: tuple[tuple[int, str], ...]) -> bool:
+    """The two nodes sit in different arms of the same `if`: one runs, not both."""
+    taken = dict(first)
+    return any(branch in taken and taken[branch] != arm for branch, arm in second)

@@ -1,0 +1,131 @@
+"""ddp-broadcast-buffers-inplace: a DDP model with BatchNorm called twice before
+one backward while DDP broadcasts its buffers at every forward."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "gan_batchnorm_discriminator_called_twice.py"
+FIXED = SCRIPTS / "correct_gan_discriminator_without_buffer_broadcast.py"
+INPLACE_ERROR = "modified by an inplace operation"
+
+HEADER = """
+import torch
+import torchvision
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+class Disc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    def forward(self, x):
+        return self.net(x)
+"""
+
+
+def reported_lines(body: str) -> list[int]:
+    return [line for line, _ in lint_snippet(HEADER, body, ["ddp-broadcast-buffers-inplace"])]
+
+
+def sync_preserves_version_counters() -> bool:
+    """The installed torch's DDP keeps the buffers' version counters while it
+    broadcasts them (pytorch/pytorch#175851): two forwards then train."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return "_unsafe_preserve_version_counter" in inspect.getsource(
+        DistributedDataParallel._sync_buffers
+    )
+
+
+@pytest.mark.slow
+def test_the_fixture_fails_only_on_a_torch_without_the_fix_and_its_twin_runs(torchrun):
+    """The finding says the error depends on the PyTorch release: so does the run."""
+    broken = torchrun(BROKEN)
+    if sync_preserves_version_counters():
+        assert broken.returncode == 0, broken.stderr[-2000:]
+        assert broken.stdout.count("trained rank") == 2
+    else:
+        assert broken.returncode != 0
+        assert INPLACE_ERROR in broken.stderr
+    fixed = torchrun(FIXED)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("trained rank") == 2
+
+
+def test_two_views_of_a_torchvision_resnet_inside_autocast_are_reported():
+    lines = reported_lines(
+        """
+        model = DDP(torchvision.models.resnet18().cuda(), device_ids=[0])
+        for v1, v2 in loader:
+            with torch.autocast("cuda"):
+                z1 = model(v1)
+                z2 = model(v2)
+            scaler.scale(loss_fn(z1, z2)).backward()
+        """
+    )
+    assert lines == [6]
+
+
+def test_a_model_built_through_a_helper_and_a_self_field_is_reported():
+    lines = reported_lines(
+        """
+        def build():
+            return Disc()
+
+        class Trainer:
+            def __init__(self):
+                self.d = DDP(build())
+            def step(self, real, fake):
+                loss = self.d(real).mean() - self.d(fake).mean()
+                loss.backward()
+        """
+    )
+    assert lines == [9]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # told not to broadcast, or a SyncBatchNorm conversion
+        "D = DDP(Disc(), broadcast_buffers=False)\nloss = D(a).mean() + D(b).mean()\nloss.backward()",
+        (
+            "D = DDP(nn.SyncBatchNorm.convert_sync_batchnorm(Disc()))\n"
+            "loss = D(a).mean() + D(b).mean()\nloss.backward()"
+        ),
+        # options DDP may take from elsewhere
+        "D = DDP(Disc(), **ddp_options)\nloss = D(a).mean() + D(b).mean()\nloss.backward()",
+        # no BatchNorm in the model
+        (
+            "D = DDP(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)))\n"
+            "loss = D(a).mean() + D(b).mean()\nloss.backward()"
+        ),
+        # a backward between the two calls
+        "D = DDP(Disc())\nD(a).mean().backward()\nD(b).mean().backward()",
+        # the first call saves nothing for backward
+        "D = DDP(Disc())\nwith torch.no_grad():\n    t = D(a)\nD(b).mean().backward()",
+        "D = DDP(Disc())\nt = D(a).detach()\n(D(b) - t).mean().backward()",
+        # one call or the other, never both
+        "D = DDP(Disc())\nif real:\n    out = D(a)\nelse:\n    out = D(b)\nout.mean().backward()",
+        # the module called by its own name goes around DDP
+        "net = Disc()\nD = DDP(net)\nloss = net(a).mean() + net(b).mean()\nloss.backward()",
+    ],
+    ids=[
+        "no-broadcast",
+        "syncbn",
+        "options",
+        "no-batchnorm",
+        "backward-between",
+        "first-under-no-grad",
+        "first-detached",
+        "two-arms",
+        "unwrapped-module",
+    ],
+)
+def test_quiet_where_nothing_moves_a_saved_buffer(body: str):
+    assert reported_lines(body) == []
