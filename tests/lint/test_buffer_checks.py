@@ -129,3 +129,71 @@ def test_a_model_built_through_a_helper_and_a_self_field_is_reported():
 )
 def test_quiet_where_nothing_moves_a_saved_buffer(body: str):
     assert reported_lines(body) == []
+
+
+def unsynced_lines(body: str) -> list[int]:
+    return [line for line, _ in lint_snippet(HEADER, body, ["batchnorm-not-synced"])]
+
+
+def test_a_monai_unet_with_batch_norm_and_two_crops_per_gpu_is_reported():
+    lines = unsynced_lines(
+        """
+        import argparse
+        from monai.networks.nets import UNet
+        from monai.networks.layers import Norm
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--batch-size", type=int, default=2)
+        args = parser.parse_args()
+        loader = DataLoader(ds, batch_size=args.batch_size, sampler=DistributedSampler(ds))
+        net = UNet(spatial_dims=3, in_channels=4, out_channels=3, channels=(16, 32), strides=(2,), norm=Norm.BATCH)
+        model = DDP(net.cuda(), device_ids=[0])
+        """
+    )
+    assert lines == [10]
+
+
+def test_a_torchvision_deeplab_with_a_literal_batch_of_two_is_reported():
+    lines = unsynced_lines(
+        """
+        from torchvision.models.segmentation import deeplabv3_resnet101
+        train_loader = DataLoader(ds, 2, shuffle=True)
+        model = DDP(deeplabv3_resnet101(weights=None).cuda())
+        """
+    )
+    assert lines == [4]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # enough samples per GPU
+        "loader = DataLoader(ds, batch_size=32, shuffle=True)\nmodel = DDP(Disc())",
+        # SyncBatchNorm behind a flag: the author chose
+        (
+            "loader = DataLoader(ds, batch_size=2, shuffle=True)\nnet = Disc()\n"
+            "if args.sync_bn:\n    net = nn.SyncBatchNorm.convert_sync_batchnorm(net)\nmodel = DDP(net)"
+        ),
+        # only an evaluation loader, or a fixed-order one (Fisher, saliency)
+        "val_loader = DataLoader(ds, batch_size=1, shuffle=True)\nmodel = DDP(Disc())",
+        "loader = DataLoader(ds, batch_size=1, shuffle=False)\nmodel = DDP(Disc())",
+        # no BatchNorm: LayerNorm, or torchvision's detection models (frozen BatchNorm)
+        "loader = DataLoader(ds, batch_size=2, shuffle=True)\nmodel = DDP(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)))",
+        (
+            "loader = DataLoader(ds, batch_size=2, shuffle=True)\n"
+            "model = DDP(torchvision.models.detection.fasterrcnn_resnet50_fpn())"
+        ),
+        # a batch size the file does not fix
+        "loader = DataLoader(ds, batch_size=args.batch_size, shuffle=True)\nmodel = DDP(Disc())",
+    ],
+    ids=[
+        "large-batch",
+        "syncbn-flag",
+        "val-loader",
+        "fixed-order",
+        "layernorm",
+        "detection",
+        "unknown-size",
+    ],
+)
+def test_quiet_where_batch_norm_sees_enough_or_is_synced(body: str):
+    assert unsynced_lines(body) == []

@@ -21,8 +21,9 @@ lines it must report.
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
 - backend: CPU tensors handed to NCCL collectives;
-- buffers: a DDP model with BatchNorm called twice before one backward while
-  DDP broadcasts buffers at each forward (ddp-broadcast-buffers-inplace);
+- batchnorm: a DDP model with BatchNorm called twice before one backward while
+  DDP broadcasts buffers at each forward (ddp-broadcast-buffers-inplace), and
+  plain BatchNorm over a per-GPU batch of a few samples (batchnorm-not-synced);
 - data: a DataLoader with no DistributedSampler in a DDP script
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
   never called in the epoch loop (sampler-set-epoch);
@@ -68,7 +69,7 @@ lines it must report.
 
 from assistant.lint.checks import (
     backend,
-    buffers,
+    batchnorm,
     cache,
     checkpoint,
     collective_reach,
@@ -94,7 +95,7 @@ from assistant.lint.checks import (
 
 __all__ = [
     "backend",
-    "buffers",
+    "batchnorm",
     "cache",
     "checkpoint",
     "collective_reach",

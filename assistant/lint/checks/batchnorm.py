@@ -1,5 +1,6 @@
-"""A DDP model with BatchNorm called twice before one backward
-(ddp-broadcast-buffers-inplace).
+"""BatchNorm under DDP: a model called twice before one backward while DDP
+broadcasts its buffers (ddp-broadcast-buffers-inplace), and plain BatchNorm
+over a per-GPU batch of a few samples (batchnorm-not-synced).
 
 With broadcast_buffers=True (the default) DDP copies rank 0's buffers into
 every rank's at the start of each forward. BatchNorm's backward keeps its
@@ -17,6 +18,13 @@ Read only where the file shows it all: the wrapped model builds a BatchNorm
 them), DDP is not told broadcast_buffers=False, no SyncBatchNorm conversion,
 and two calls of the wrapper in one function, the first kept for backward
 (outside no_grad, not detached), with no backward between them and one after.
+
+Plain BatchNorm normalises each GPU's share of the batch alone. Segmentation,
+detection and 3D models train with two to four samples per GPU, where those
+statistics are noise, and their recipes convert to SyncBatchNorm; a file that
+shows a BatchNorm model under DDP, a training DataLoader of at most
+SMALL_PER_GPU_BATCH samples (a literal, or an argparse default), and no
+SyncBatchNorm anywhere (not even behind a flag) is reported.
 """
 
 from __future__ import annotations
@@ -39,6 +47,18 @@ TORCHVISION_BN_MODELS = re.compile(
     r"inception|googlenet|shufflenet|mnasnet|deeplabv3|fcn_|lraspp)"
 )
 SYNC_CONVERSION = "convert_sync_batchnorm"
+# Where a file may turn synchronised BatchNorm on: torch's class and converter,
+# mmcv's norm_cfg type, Lightning's Trainer flag.
+SYNC_NAMES = frozenset({"SyncBatchNorm", SYNC_CONVERSION, "sync_batchnorm"})
+SYNC_STRINGS = frozenset({"SyncBN", "SyncBatchNorm"})
+# A keyword that picks a builder's normalisation: MONAI's norm=Norm.BATCH,
+# torchvision's norm_layer=nn.BatchNorm2d, mmcv's norm_cfg=dict(type="BN").
+NORM_KEYWORDS = frozenset({"norm", "norm_layer", "norm_type", "norm_cfg"})
+BATCH_NORM_SETTING = re.compile(r"batch|['\"]BN['\"]", re.IGNORECASE)
+# Samples per GPU at which BatchNorm's statistics are noise (segmentation and 3D
+# recipes train with 2-4 per GPU and convert to SyncBatchNorm).
+SMALL_PER_GPU_BATCH = 4
+EVALUATION_LOADER = re.compile(r"val|test|eval|dev", re.IGNORECASE)
 BACKWARDS = frozenset({"backward", "manual_backward"})
 # How many of the file's classes and functions the model's build is followed through.
 MAX_BUILDERS = 64
@@ -70,6 +90,104 @@ def check_batchnorm_model_called_twice_before_backward(script: Script) -> Iterat
                     "broadcast_buffers=False (with SyncBatchNorm to keep the statistics "
                     "in step), or run both inputs in one call (torch.cat)",
                 )
+
+
+@check("batchnorm-not-synced")
+def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Finding]:
+    """`model = DDP(deeplabv3_resnet101())` trained by a DataLoader of
+    `--batch_size` default 2, with no SyncBatchNorm in the file."""
+    if may_sync_batchnorm(script):
+        return
+    loaders = small_training_loaders(script)
+    if not loaders:
+        return
+    loader, size = loaders[0]
+    for ddp in (node for node, name in script.call_names if is_ddp(name)):
+        norm = batch_norm_built(script, ddp, wrapped_by(script, ddp, set())[0])
+        if norm is None:
+            continue
+        yield script.finding(
+            "batchnorm-not-synced",
+            ddp,
+            f"DDP wraps a model with plain BatchNorm (line {norm}) trained on {size} "
+            f"sample{'s' if size != 1 else ''} per process (the DataLoader on line "
+            f"{loader.lineno}): each GPU's BatchNorm normalises over those alone, so its "
+            "statistics are noise and the model trains worse than one GPU with the same "
+            "global batch; convert it before DDP: "
+            "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+        )
+        return
+
+
+def may_sync_batchnorm(script: Script) -> bool:
+    """SyncBatchNorm appears anywhere, even behind a flag: the author chose."""
+    if SYNC_STRINGS & script.string_constants:
+        return True
+    return any(
+        (isinstance(node, ast.Name) and node.id in SYNC_NAMES)
+        or (isinstance(node, ast.Attribute) and node.attr in SYNC_NAMES)
+        or (isinstance(node, ast.keyword) and node.arg in SYNC_NAMES)
+        for node in script.nodes
+    )
+
+
+def small_training_loaders(script: Script) -> list[tuple[ast.Call, int]]:
+    """Training DataLoaders (drawing through a sampler or shuffling, not assigned
+    to a val / test name) whose batch size resolves to at most SMALL_PER_GPU_BATCH."""
+    evaluation = {
+        id(node.value)
+        for node in script.nodes
+        if isinstance(node, ast.Assign)
+        and any(EVALUATION_LOADER.search(source_text(t)) for t in node.targets)
+    }
+    found = []
+    for node, name in script.call_names:
+        if short(name) != "DataLoader" or id(node) in evaluation or not shuffles(node):
+            continue
+        given = keyword(node, "batch_size") or (node.args[1] if len(node.args) > 1 else None)
+        size = resolved_int(script, given)
+        if size is not None and 0 < size <= SMALL_PER_GPU_BATCH:
+            found.append((node, size))
+    return found
+
+
+def shuffles(loader: ast.Call) -> bool:
+    """A sampler (DistributedSampler, in a DDP script) or shuffle=True: a training
+    loader; a fixed-order one of one sample is for scoring (Fisher, saliency)."""
+    shuffle = keyword(loader, "shuffle")
+    given_true = isinstance(shuffle, ast.Constant) and shuffle.value is True
+    return keyword(loader, "sampler") is not None or given_true
+
+
+def resolved_int(script: Script, expr: ast.expr | None, follow: bool = True) -> int | None:
+    """An int the expression surely holds: a literal, `args.<dest>` with an int
+    argparse default, or a name assigned one of those once."""
+    if isinstance(expr, ast.Constant) and type(expr.value) is int:
+        return expr.value
+    if isinstance(expr, ast.Attribute):
+        return argparse_default(script, expr.attr)
+    if isinstance(expr, ast.Name) and follow:
+        values = script.assigned_values.get(expr.id, [])
+        return resolved_int(script, values[0], follow=False) if len(values) == 1 else None
+    return None
+
+
+def argparse_default(script: Script, dest: str) -> int | None:
+    """The int default of the add_argument whose dest is `dest` (`--batch-size` -> batch_size)."""
+    for node, name in script.call_names:
+        if short(name) != "add_argument":
+            continue
+        flags = [
+            a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+        ]
+        given_dest = keyword(node, "dest")
+        dests = {f.lstrip("-").replace("-", "_") for f in flags}
+        if isinstance(given_dest, ast.Constant):
+            dests = {given_dest.value}
+        if dest in dests:
+            default = keyword(node, "default")
+            return resolved_int(script, default, follow=False) if default is not None else None
+    return None
 
 
 def broadcasts_buffers(ddp: ast.Call) -> bool:
@@ -109,6 +227,11 @@ def batch_norm_built(script: Script, ddp: ast.Call, names: set[str]) -> int | No
                 continue
             name = script.name_of(node.func) or source_text(node.func)
             if BATCH_NORM.match(short(name)) or torchvision_bn_model(name):
+                return node.lineno
+            if any(
+                given.arg in NORM_KEYWORDS and BATCH_NORM_SETTING.search(source_text(given.value))
+                for given in node.keywords
+            ):
                 return node.lineno
             called = node.func.id if isinstance(node.func, ast.Name) else None
             if called in builders and called not in seen and len(seen) < MAX_BUILDERS:
