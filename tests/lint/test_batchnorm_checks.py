@@ -1,5 +1,6 @@
-"""ddp-broadcast-buffers-inplace: a DDP model with BatchNorm called twice before
-one backward while DDP broadcasts its buffers at every forward."""
+"""BatchNorm under DDP: a model called twice before one backward while DDP
+broadcasts its buffers (ddp-broadcast-buffers-inplace), and plain BatchNorm
+over a few samples per GPU (batchnorm-not-synced)."""
 
 from __future__ import annotations
 
