@@ -21,6 +21,8 @@ lines it must report.
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
 - backend: CPU tensors handed to NCCL collectives;
+- batching: a batch sampler that shards the samples by rank, then batches
+  each rank's share by length or bucket on its own (uneven-inputs);
 - batchnorm: a DDP model with BatchNorm called twice before one backward while
   DDP broadcasts buffers at each forward (ddp-broadcast-buffers-inplace), and
   plain BatchNorm over a per-GPU batch of a few samples (batchnorm-not-synced);
@@ -69,6 +71,7 @@ lines it must report.
 
 from assistant.lint.checks import (
     backend,
+    batching,
     batchnorm,
     cache,
     checkpoint,
@@ -95,6 +98,7 @@ from assistant.lint.checks import (
 
 __all__ = [
     "backend",
+    "batching",
     "batchnorm",
     "cache",
     "checkpoint",

@@ -1,0 +1,218 @@
+"""A batch sampler that shards the samples by rank, then batches each rank's
+share on its own by length or by bucket (uneven-inputs).
+
+Speech, translation and diffusion trainers batch by length (as many
+utterances as fit a frame or token budget) or by bucket (images of one
+aspect ratio together). Done after `indices[rank::world]`, each rank packs
+its own share: one rank's long utterances make fewer batches, another's
+bucket leaves a partial one. The ranks then run different numbers of steps;
+the first to finish leaves the epoch (for the evaluation's barrier, the next
+epoch's first collective) while the others wait in DDP's gradient all-reduce
+until the timeout.
+
+Read only where the file shows it all: a class with `__iter__` that strides
+its samples by rank (`[rank::world]`, `range(rank, n, world)`) and groups
+them by data (a dict of lists, or an `if` against a `max_*` budget), with no
+collective in it to agree on a count, passed as a DataLoader's
+batch_sampler in a DDP script without `join`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_collective, is_distributed
+from assistant.results import Finding
+
+RANK_WORD = re.compile(r"rank", re.IGNORECASE)
+WORLD_WORD = re.compile(r"world|replicas|nranks|num_gpus|n_gpus|ngpus", re.IGNORECASE)
+# A budget a length-based batch is packed against: max_frames, max_tokens, self.limit.
+BUDGET_WORD = re.compile(r"max|limit|budget|capacity", re.IGNORECASE)
+GROUPING_FACTORIES = frozenset({"defaultdict"})
+BATCH_ADDS = frozenset({"append", "extend"})
+
+
+@check("uneven-inputs")
+def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Finding]:
+    """`shard = order[self.rank::self.world]` and then batches packed by
+    `max_frames` or grouped by bucket, as a DataLoader's batch_sampler."""
+    if not is_distributed(script) or joins_uneven_inputs(script):
+        return
+    used = batch_sampler_classes(script)
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in used):
+        if not any(isinstance(s, ast.FunctionDef) and s.name == "__iter__" for s in cls.body):
+            continue
+        stride = rank_stride(cls)
+        cut = data_grouping(cls)
+        if stride is None or cut is None or agrees_on_a_count(script, cls):
+            continue
+        where, grouping = cut
+        if position(where) < position(stride):
+            continue  # batches cut over all samples, then shared out: the counts agree
+        yield script.finding(
+            "uneven-inputs",
+            stride,
+            f"{cls.name} gives each rank its share of the samples here, then batches that "
+            f"share by itself ({grouping}): ranks get different numbers of batches, and the "
+            "first to finish its epoch moves on while the others wait in DDP's gradient "
+            "all-reduce (a hang until the timeout); form the batches over all samples and "
+            "give each rank the same count (batches[rank::world], trimmed to a multiple of "
+            "the world size), or agree on the smallest count with "
+            "all_reduce(op=ReduceOp.MIN), or train inside `with model.join():`",
+        )
+
+
+def batch_sampler_classes(script: Script) -> set[str]:
+    """The classes whose instances a DataLoader takes as batch_sampler: directly
+    (`batch_sampler=LengthSampler(...)`) or through a name (`sampler = ...`)."""
+    used = set()
+    for node, name in script.call_names:
+        given = keyword(node, "batch_sampler") if short(name) == "DataLoader" else None
+        if given is None:
+            continue
+        values = [given]
+        if isinstance(given, ast.Name):
+            values += script.assigned_values.get(given.id, [])
+        used |= {
+            v.func.id for v in values if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)
+        }
+    return used
+
+
+def rank_stride(cls: ast.ClassDef) -> ast.AST | None:
+    """`items[self.rank::self.world]` or `range(rank, n, world)` in the class."""
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Slice)
+            and node.lower is not None
+            and node.step is not None
+            and names_rank_and_world(node.lower, node.step)
+        ):
+            return node
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "range"
+            and len(node.args) == 3
+            and names_rank_and_world(node.args[0], node.args[2])
+        ):
+            return node
+    return None
+
+
+def names_rank_and_world(start: ast.expr, step: ast.expr) -> bool:
+    return bool(RANK_WORD.search(source_text(start)) and WORLD_WORD.search(source_text(step)))
+
+
+def data_grouping(cls: ast.ClassDef) -> tuple[ast.AST, str] | None:
+    """Where and how the class cuts batches by data: a loop over a dict of lists
+    ("grouped by bucket"), or an `if` against a max_* budget that closes a batch
+    ("packed up to ..."); None if neither."""
+    buckets = bucket_dicts(cls)
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.For)
+            and isinstance(node.iter, ast.Call)
+            and isinstance(node.iter.func, ast.Attribute)
+            and node.iter.func.attr in ("values", "items")
+            and source_text(node.iter.func.value) in buckets
+        ):
+            return node, "grouped by bucket"
+        if isinstance(node, ast.If) and (budget := budget_name(node.test)) and closes_a_batch(node):
+            return node, f"packed up to {budget}"
+    return None
+
+
+def bucket_dicts(cls: ast.ClassDef) -> set[str]:
+    """Names and fields the class fills as a dict of lists: `defaultdict(list)`,
+    `d.setdefault(key, []).append(i)`."""
+    found = set()
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and short(called(node.value)) in GROUPING_FACTORIES
+        ):
+            found |= {source_text(target) for target in node.targets}
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "setdefault"
+        ):
+            found.add(source_text(node.func.value))
+    return found
+
+
+def position(node: ast.AST) -> tuple[int, int]:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
+def called(node: ast.Call) -> str:
+    return source_text(node.func)
+
+
+def budget_name(test: ast.expr) -> str | None:
+    """`self.max_frames` in `if total + n > self.max_frames:`: a name or field
+    of a compared side (not the max() function)."""
+    for node in ast.walk(test):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in (node.left, *node.comparators):
+            for part in ast.walk(side):
+                if isinstance(part, ast.Name | ast.Attribute) and names_a_budget(part):
+                    return source_text(part)
+    return None
+
+
+def names_a_budget(part: ast.Name | ast.Attribute) -> bool:
+    word = part.attr if isinstance(part, ast.Attribute) else part.id
+    return bool(BUDGET_WORD.search(word)) and word not in ("max", "min")
+
+
+def joins_uneven_inputs(script: Script) -> bool:
+    """DDP's own answer to uneven inputs: `with model.join():` or `Join([model])`."""
+    for node in script.nodes:
+        if isinstance(node, ast.withitem):
+            context = node.context_expr
+            if (
+                isinstance(context, ast.Call)
+                and isinstance(context.func, ast.Attribute)
+                and context.func.attr == "join"
+                and not context.args
+            ):
+                return True
+    return "Join" in script.called_short_names
+
+
+def closes_a_batch(branch: ast.If) -> bool:
+    """The branch yields a batch or appends one to a list of batches."""
+    for statement in branch.body:
+        for node in ast.walk(statement):
+            if isinstance(node, ast.Yield | ast.YieldFrom):
+                return True
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in BATCH_ADDS
+            ):
+                return True
+    return False
+
+
+def agrees_on_a_count(script: Script, cls: ast.ClassDef) -> bool:
+    """A collective in the class, or a count padded or trimmed to a multiple of
+    the world size (`len(b) % self.world`): the ranks settle on one number."""
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
+            return True
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Mod | ast.FloorDiv)
+            and WORLD_WORD.search(source_text(node.right))
+        ):
+            return True
+    return False

@@ -1,0 +1,127 @@
+"""uneven-inputs: a batch sampler that shards the samples by rank, then batches
+each rank's share on its own by length or bucket."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "length_batches_packed_per_rank.py"
+FIXED = SCRIPTS / "correct_length_batches_packed_then_shared.py"
+
+HEADER = """
+from collections import defaultdict
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+dist.init_process_group("nccl")
+model = DDP(net)
+"""
+
+BUCKETS = """
+class BucketSampler:
+    def __init__(self, sizes, batch_size, rank, world):
+        self.batch_size = batch_size
+        self.by_bucket = defaultdict(list)
+        for idx in range(rank, len(sizes), world):
+            self.by_bucket[sizes[idx]].append(idx)
+    def __iter__(self):
+        for idxs in self.by_bucket.values():
+            for i in range(0, len(idxs), self.batch_size):
+                yield idxs[i : i + self.batch_size]
+"""
+
+
+def reported_lines(body: str) -> list[int]:
+    return [line for line, _ in lint_snippet(HEADER, body, ["uneven-inputs"])]
+
+
+@pytest.mark.slow
+def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
+    assert_broken_fails_and_twin_runs(torchrun, BROKEN, "Timed out waiting", FIXED, "trained rank")
+
+
+def test_aspect_buckets_filled_from_a_rank_stride_are_reported():
+    lines = reported_lines(
+        BUCKETS + "loader = DataLoader(ds, batch_sampler=BucketSampler(sizes, 4, rank, world))\n"
+    )
+    assert lines == [6]
+
+
+def test_a_sampler_held_in_a_name_is_followed():
+    lines = reported_lines(
+        BUCKETS
+        + "train_bs = BucketSampler(sizes, 4, rank, world)\nloader = DataLoader(ds, batch_sampler=train_bs)\n"
+    )
+    assert lines == [6]
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        # DDP's own answer to uneven inputs
+        "loader = DataLoader(ds, batch_sampler=BucketSampler(sizes, 4, rank, world))\nwith model.join():\n    train(loader)\n",
+        # a sampler class defined but never a DataLoader's batch_sampler
+        "sampler = BucketSampler(sizes, 4, rank, world)\n",
+    ],
+    ids=["join", "unused"],
+)
+def test_quiet_where_the_counts_cannot_differ_in_training(tail: str):
+    assert reported_lines(BUCKETS + tail) == []
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        # batches cut over all samples first, then shared out by rank
+        """
+        class Shared:
+            def __init__(self, sizes, rank, world):
+                self.rank, self.world = rank, world
+                self.by_bucket = defaultdict(list)
+                for i, s in enumerate(sizes):
+                    self.by_bucket[s].append(i)
+            def __iter__(self):
+                batches = [b for idxs in self.by_bucket.values() for b in (idxs[:4], idxs[4:8])]
+                for b in self.bucket_list(batches):
+                    yield b
+            def bucket_list(self, batches):
+                return batches[self.rank :: self.world]
+        """,
+        # the ranks agree on the smallest count
+        """
+        class Shared:
+            def __init__(self, sizes, rank, world):
+                self.by_bucket = defaultdict(list)
+                for idx in range(rank, len(sizes), world):
+                    self.by_bucket[sizes[idx]].append(idx)
+            def __iter__(self):
+                batches = [idxs for idxs in self.by_bucket.values()]
+                n = torch.tensor(len(batches))
+                dist.all_reduce(n, op=dist.ReduceOp.MIN)
+                return iter(batches[: int(n)])
+        """,
+        # a plain stride with a fixed batch size: no grouping by data
+        """
+        class Shared:
+            def __init__(self, n, rank, world):
+                self.idx = list(range(n))[rank::world]
+            def __iter__(self):
+                for i in range(0, len(self.idx), 4):
+                    yield self.idx[i : i + 4]
+        """,
+    ],
+    ids=["cut-then-shared", "min-count", "fixed-size"],
+)
+def test_quiet_where_every_rank_gets_the_same_count(sampler: str):
+    import textwrap
+
+    body = (
+        textwrap.dedent(sampler)
+        + "loader = DataLoader(ds, batch_sampler=Shared(sizes, rank, world))\n"
+    )
+    assert reported_lines(body) == []
