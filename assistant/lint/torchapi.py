@@ -80,6 +80,19 @@ LIGHTNING_COLLECTIVES = frozenset({"all_gather", "all_reduce", "barrier", "broad
 LIGHTNING_OWNERS = re.compile(r"^(self|fabric|strategy|\w*_strategy)$")
 
 
+# Frameworks that start the processes themselves (framework_processes).
+LIGHTNING_PACKAGES = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
+LIGHTNING_LAUNCHERS = frozenset({"Trainer", "Fabric"})
+OTHER_LAUNCHERS = frozenset(
+    {
+        ("ray", "TorchTrainer"),
+        ("ray", "prepare_model"),
+        ("ray", "prepare_data_loader"),
+        ("composer", "Trainer"),
+    }
+)
+
+
 # A torchmetrics metric (or MetricCollection) gathers every rank's state when
 # it computes (sync_on_compute, on by default once a process group exists):
 # `metric.compute()` is a collective, and under `if rank == 0:` rank 0 waits for
@@ -161,15 +174,42 @@ def is_distributed(script: Script) -> bool:
 
 def runs_a_process_per_gpu(script: Script) -> bool:
     """The script is written to run as several processes: it starts a process
-    group or wraps in DDP itself, or leaves that to Accelerate, DeepSpeed or the
-    Hugging Face Trainer and says so (an `Accelerator()`, a DeepSpeed import, a
-    `local_rank` it reads from the launcher)."""
-    if is_distributed(script) or uses_deepspeed(script):
+    group or wraps in DDP itself, or leaves that to a framework and says so (an
+    `Accelerator()`, a DeepSpeed import, a `local_rank` it reads from the
+    launcher, a Lightning Trainer or Fabric not pinned to one device, Ray
+    Train, Composer)."""
+    if is_distributed(script) or uses_deepspeed(script) or framework_processes(script):
         return True
     if "Accelerator" in script.called_short_names:
         return True
     return reads_env(script, "LOCAL_RANK") or any(
         isinstance(node, ast.Attribute) and node.attr == "local_rank" for node in script.nodes
+    )
+
+
+def framework_processes(script: Script) -> bool:
+    """A framework starts one process per device and wraps the model out of
+    sight: Lightning's Trainer or Fabric not pinned to one device (their default
+    takes every GPU, with DDP), Ray Train's TorchTrainer / prepare_model,
+    Composer's Trainer (run by `composer -n N`)."""
+    for node, name in script.call_names:
+        package, function = name.split(".")[0], short(name)
+        if package in LIGHTNING_PACKAGES and function in LIGHTNING_LAUNCHERS:
+            if not pinned_to_one_device(node):
+                return True
+        elif (package, function) in OTHER_LAUNCHERS:
+            return True
+    return False
+
+
+def pinned_to_one_device(launcher: ast.Call) -> bool:
+    """`Trainer(devices=1)`, `Fabric(gpus=1)`, or a CPU accelerator: one process."""
+    accelerator = keyword(launcher, "accelerator")
+    if isinstance(accelerator, ast.Constant) and accelerator.value == "cpu":
+        return True
+    return any(
+        isinstance(value := keyword(launcher, flag), ast.Constant) and value.value in (1, "1")
+        for flag in ("devices", "gpus")
     )
 
 

@@ -31,14 +31,23 @@ from assistant.lint.checks.collective_reach import statement_blocks
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
-from assistant.lint.torchapi import SPAWNERS, is_distributed, runs_a_process_per_gpu
-from assistant.lint.tracer import TracedCall, once_per_call
+from assistant.lint.torchapi import (
+    SPAWNERS,
+    framework_processes,
+    is_distributed,
+    runs_a_process_per_gpu,
+)
+from assistant.lint.tracer import Shared, TracedCall, Tracer, once_per_call
 from assistant.results import Finding
 
 # How many levels of same-file helpers, called only while taking turns, take turns too.
 TURN_DEPTH = 3
 # Hooks a framework runs on one process only (per node).
 ONE_PROCESS_HOOKS = frozenset({"prepare_data"})
+# Hooks Lightning calls on every process, out of the file's sight (no call to
+# them in the file): what they build, every rank builds at once.
+EVERY_PROCESS_HOOKS = frozenset({"setup"})
+LIGHTNING_HOOK_OWNERS = ("LightningDataModule", "LightningModule")
 
 
 @check("dataset-cache-race")
@@ -185,18 +194,41 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
     built = cache_writes(script, torch_save=not is_distributed(script))
     if not built:
         return
-    writes = every_rank_reaches(script.traces[0], lambda call: id(call.node) in built)
-    for call in without_turns(script, writes):
-        writer = call.name if call.name in FILE_WRITERS else short(call.name)
-        yield script.finding(
-            "dataset-cache-race",
-            call.node,
-            f"{writer or 'this call'}() writes a cache file, built when the test on line "
-            f"{built[id(call.node)]} finds it missing, on every rank at once: on the "
-            "first run N processes write it together and one can read it half-written "
-            "(EOFError, UnpicklingError); build it on rank 0 while the others wait in a "
-            "barrier, then every rank loads it",
-        )
+    for trace, hook in [(script.traces[0], None), *lightning_hook_traces(script)]:
+        writes = every_rank_reaches(trace, lambda call: id(call.node) in built)
+        for call in without_turns(script, writes):
+            writer = call.name if call.name in FILE_WRITERS else short(call.name)
+            where = (
+                f" (Lightning runs {hook}() on every process; prepare_data() runs on one "
+                "per node, the place to build it)"
+                if hook
+                else ""
+            )
+            yield script.finding(
+                "dataset-cache-race",
+                call.node,
+                f"{writer or 'this call'}() writes a cache file, built when the test on line "
+                f"{built[id(call.node)]} finds it missing, on every rank at once{where}: on "
+                "the first run N processes write it together and one can read it "
+                "half-written (EOFError, UnpicklingError); build it on rank 0 while the "
+                "others wait in a barrier, then every rank loads it",
+            )
+
+
+def lightning_hook_traces(script: Script) -> list[tuple[list[TracedCall], str]]:
+    """A trace from each hook Lightning runs on every process (a DataModule's
+    setup), with the hook's name, where a Trainer runs a process per GPU."""
+    if not framework_processes(script):
+        return []
+    traces = []
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        if not any(short(script.name_of(b)).endswith(LIGHTNING_HOOK_OWNERS) for b in cls.bases):
+            continue
+        for hook in sorted(EVERY_PROCESS_HOOKS):
+            if f"{cls.name}.{hook}" in script.functions:
+                trace = Tracer(script, Shared(script)).run_function(f"{cls.name}.{hook}")
+                traces.append((trace, hook))
+    return traces
 
 
 def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:

@@ -6,14 +6,24 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Function, Script, is_int, keyword, short, source_text
+from assistant.lint.model import (
+    Function,
+    Script,
+    is_int,
+    keyword,
+    self_attribute,
+    short,
+    source_text,
+)
 from assistant.lint.ranks import RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
     FIXED_CUDA,
+    TENSOR_FACTORIES,
     backend_of,
     calls_external_setup,
+    framework_processes,
     imported_callee,
     init_calls,
     is_ddp,
@@ -67,6 +77,58 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     yield from fixed_device_variables(script, rank_zero_only)
     yield from fixed_device_fields(script, rank_zero_only)
     yield from fixed_device_parameters(script, rank_zero_only)
+
+
+# What makes a plain tensor (not a module, which Lightning moves with the model).
+TENSOR_MAKERS = TENSOR_FACTORIES | {"as_tensor", "from_numpy", "linspace", "eye", "FloatTensor"}
+LIGHTNING_MODULE = "LightningModule"
+
+
+@check("hardcoded-device")
+def check_tensor_on_the_gpu_in_a_lightning_module(script: Script) -> Iterator[Finding]:
+    """`self.pos_weight = torch.tensor([w]).cuda()` in a LightningModule's
+    __init__, in a file whose Trainer runs a process per GPU."""
+    if not framework_processes(script):
+        return
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        if not any(short(script.name_of(base)).endswith(LIGHTNING_MODULE) for base in cls.bases):
+            continue
+        for init in (
+            s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"
+        ):
+            for node in ast.walk(init):
+                if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                    continue
+                field = self_attribute(node.targets[0])
+                if field and tensor_on_the_current_gpu(script, node.value):
+                    yield script.finding(
+                        "hardcoded-device",
+                        node,
+                        f"self.{field} is a plain tensor put on the GPU in __init__: every "
+                        "process builds the module before Lightning gives it its GPU, so on "
+                        "every rank it lands on cuda:0, and Lightning moves parameters and "
+                        'buffers, not plain tensors; ranks 1+ fail with "Expected all '
+                        'tensors to be on the same device": register it as a buffer '
+                        f'(self.register_buffer("{field}", ...), without .cuda())',
+                    )
+
+
+def tensor_on_the_current_gpu(script: Script, value: ast.expr) -> bool:
+    """`torch.tensor(x).cuda()`, `.to("cuda")`, `torch.ones(3, device="cuda")`: a tensor
+    made here and placed on the current GPU (cuda:0 until someone sets it)."""
+    chain, node = [], value
+    while isinstance(node, ast.Call):
+        chain.append(node)
+        node = node.func.value if isinstance(node.func, ast.Attribute) else None
+    if not chain or short(script.name_of(chain[-1].func)) not in TENSOR_MAKERS:
+        return False
+    for call in chain:
+        if is_method(call, "cuda") and not call.args and not call.keywords:
+            return True
+        target = call.args[0] if is_method(call, "to") and call.args else keyword(call, "device")
+        if isinstance(target, ast.Constant) and target.value == "cuda":
+            return True
+    return False
 
 
 def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:

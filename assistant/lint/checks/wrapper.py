@@ -7,6 +7,12 @@ wrapped model as `.module`, nothing else. `model.generate(...)`,
 (the same for nn.DataParallel). FSDP is left alone: it forwards unknown
 attributes to the wrapped module.
 
+The Hugging Face Trainer wraps the model out of sight: under torchrun or
+`accelerate launch` its hooks (compute_loss, training_step, prediction_step)
+get the DDP wrapper as `model`, and nn.DataParallel when one process sees
+several GPUs; `model.config` there fails the same way, only with more than
+one GPU.
+
 Quiet where the script may know better: an attribute the script sets on the
 wrapper itself, one it looks up by name (`hasattr(model, "generate")`,
 `getattr(model, "config", None)`), and a name rebound to something else
@@ -62,9 +68,12 @@ DATA_PARALLEL_API = frozenset(
     {"module", "device_ids", "output_device", "dim", "src_device_obj", "gather", "scatter",
      "replicate", "parallel_apply"}
 )  # fmt: skip
+# What a Trainer hook's `model` holds with more than one GPU: either wrapper.
+TRAINER_WRAPPED = "Trainer's wrapped model"
 WRAPPERS = {
     "DistributedDataParallel": MODULE_API | DDP_API,
     "DataParallel": MODULE_API | DATA_PARALLEL_API,
+    TRAINER_WRAPPED: MODULE_API | DDP_API | DATA_PARALLEL_API,
 }
 
 
@@ -86,16 +95,27 @@ class Bindings:
         return self.wrappers[at] if at >= 0 else None
 
 
+# Packages whose Trainer hands its hooks the wrapped model, and those hooks.
+TRAINER_PACKAGES = frozenset({"transformers", "trl"})
+TRAINER_HOOKS = frozenset({"compute_loss", "training_step", "prediction_step"})
+
+
 @check("ddp-wrapper-attribute")
 def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
     """`model.generate()` after `model = DDP(model)`: the wrapper has no such attribute."""
-    if not any(short(name) in WRAPPERS or is_prepare(node) for node, name in script.call_names):
+    hooks = trainer_hooks(script)
+    if not hooks and not any(
+        short(name) in WRAPPERS or is_prepare(node) for node, name in script.call_names
+    ):
         return
     guarded = attributes_probed(script)
     scopes = {
         id(scope): ScopeFacts(script, script.scope_nodes(scope)) for scope in script.all_scopes
     }
     bind_wrapped_parameters(script, scopes)
+    for hook in hooks:
+        model = hook.args.args[1]  # after self: the model the Trainer passes
+        scopes[id(hook)].bind(model.arg, hook.lineno, TRAINER_WRAPPED)
     for facts in scopes.values():
         yield from facts.wrapper_reads(script, guarded)
     for cls in (node for node in script.tree.body if isinstance(node, ast.ClassDef)):
@@ -145,6 +165,18 @@ class ScopeFacts:
                 or (name, attribute) in self.set_on
             ):
                 continue
+            if wrapper == TRAINER_WRAPPED:
+                yield script.finding(
+                    "ddp-wrapper-attribute",
+                    node,
+                    f"{name}.{attribute}: with more than one GPU the Trainer passes this hook "
+                    f"the wrapped model (DistributedDataParallel under torchrun or accelerate "
+                    f"launch, DataParallel in one process), which has no attribute "
+                    f"{attribute!r}: AttributeError on the first step, though one GPU works; "
+                    f"read self.model.{attribute} (the Trainer keeps the unwrapped model "
+                    "there)",
+                )
+                continue
             yield script.finding(
                 "ddp-wrapper-attribute",
                 node,
@@ -157,6 +189,27 @@ class ScopeFacts:
                     else ""
                 ),
             )
+
+
+def trainer_hooks(script: Script) -> list[ast.FunctionDef]:
+    """compute_loss / training_step / prediction_step of a Hugging Face Trainer
+    subclass, which the Trainer calls with the wrapped model as their `model`."""
+    hooks = []
+    for cls in (node for node in script.tree.body if isinstance(node, ast.ClassDef)):
+        if not any(
+            script.name_of(base).split(".")[0] in TRAINER_PACKAGES
+            and short(script.name_of(base)).endswith("Trainer")
+            for base in cls.bases
+        ):
+            continue
+        hooks += [
+            method
+            for method in cls.body
+            if isinstance(method, ast.FunctionDef)
+            and method.name in TRAINER_HOOKS
+            and len(method.args.args) > 1
+        ]
+    return hooks
 
 
 def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> None:

@@ -1,0 +1,43 @@
+"""The LightningModule of lightning_tensor_moved_to_gpu_in_init.py with the fix:
+the tensors are registered as buffers (made on the CPU), so Lightning moves
+them with the module to each rank's own GPU."""
+
+import argparse
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, positive_share=0.02):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).cuda()
+        weight = (1 - positive_share) / positive_share
+        self.register_buffer("pos_weight", torch.tensor([weight]))
+        self.register_buffer("label_smoothing", torch.full((1,), 0.1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        targets = y * (1 - self.label_smoothing) + 0.5 * self.label_smoothing
+        loss = F.binary_cross_entropy_with_logits(self.net(x).squeeze(1), targets, pos_weight=self.pos_weight)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpus", type=int, default=4)
+    args = parser.parse_args()
+    data = torch.utils.data.TensorDataset(torch.randn(512, 32), torch.randint(0, 2, (512,)).float())
+    loader = torch.utils.data.DataLoader(data, batch_size=64, shuffle=True)
+    trainer = pl.Trainer(accelerator="gpu", devices=args.gpus, strategy="ddp", max_epochs=2)
+    trainer.fit(Classifier(), loader)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Mistakes at the seam between a framework that starts the processes and wraps
+the model out of sight (Lightning, the Hugging Face Trainer) and the author's
+code: a tensor put on the GPU in a LightningModule's __init__ (hardcoded-device),
+a cache built in a DataModule's setup() (dataset-cache-race), the wrapped model's
+attributes read in a Trainer hook (ddp-wrapper-attribute)."""
+
+from __future__ import annotations
+
+import pytest
+from snippets import lint_snippet
+
+from assistant.lint.model import parse_script
+from assistant.lint.torchapi import framework_processes
+
+LIGHTNING = """
+import os
+import torch
+import lightning.pytorch as pl
+from torch import nn
+"""
+
+MODULE = """
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 1).cuda()
+        self.weight = {placement}
+"""
+
+HF = """
+from transformers import Trainer
+import torch
+"""
+
+
+def lines(prelude: str, body: str, cause: str) -> list[int]:
+    return [line for line, _ in lint_snippet(prelude, body, [cause])]
+
+
+@pytest.mark.parametrize(
+    ("launch", "several"),
+    [
+        ("pl.Trainer(devices=4, strategy='ddp')", True),
+        ("pl.Trainer()", True),  # devices="auto": every GPU, with DDP
+        ("pl.Trainer(**cfg.trainer)", True),
+        ("pl.Trainer(devices=1)", False),
+        ("pl.Trainer(accelerator='cpu')", False),
+        ("L.Fabric(devices=8)", True),
+        ("ray.train.torch.TorchTrainer(loop, scaling_config=cfg)", True),
+        ("composer.Trainer(model=m)", True),
+        ("torch.optim.SGD(params)", False),
+    ],
+)
+def test_which_frameworks_start_a_process_per_gpu(launch: str, several: bool):
+    source = "import lightning as L\nimport lightning.pytorch as pl\nimport ray.train.torch\nimport composer\nimport torch\n"
+    assert framework_processes(parse_script(source + launch + "\n")) is several
+
+
+@pytest.mark.parametrize(
+    "placement",
+    ["torch.tensor([3.0]).cuda()", 'torch.ones(3).to("cuda")', 'torch.zeros(3, device="cuda")'],
+)
+def test_a_tensor_on_the_gpu_in_a_lightning_module_init_is_reported(placement: str):
+    body = MODULE.format(placement=placement) + "pl.Trainer(devices=4).fit(Net())\n"
+    assert lines(LIGHTNING, body, "hardcoded-device") == [6]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # one device: cuda:0 is the process's own GPU
+        MODULE.format(placement="torch.tensor([3.0]).cuda()")
+        + "pl.Trainer(devices=1).fit(Net())\n",
+        # a buffer (Lightning moves it), a CPU tensor, an explicit GPU of its own
+        MODULE.format(placement="torch.tensor([3.0])") + "pl.Trainer(devices=4).fit(Net())\n",
+        MODULE.format(placement="torch.tensor([3.0]).cuda(local_rank)")
+        + "pl.Trainer(devices=4).fit(Net())\n",
+        # not a LightningModule: a plain module is placed by the script itself
+        (
+            "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+            "        self.w = torch.ones(3).cuda()\npl.Trainer(devices=4)\n"
+        ),
+    ],
+    ids=["one-device", "cpu-tensor", "own-gpu", "plain-module"],
+)
+def test_quiet_where_the_tensor_ends_on_its_rank(body: str):
+    assert lines(LIGHTNING, body, "hardcoded-device") == []
+
+
+DATAMODULE = """
+class Data(pl.LightningDataModule):
+    def {hook}(self, stage=None):
+        if not os.path.exists("cache.pt"):
+            torch.save(build(), "cache.pt")
+        self.data = torch.load("cache.pt")
+"""
+
+
+def test_a_cache_built_in_setup_is_reported():
+    body = (
+        DATAMODULE.format(hook="setup") + "pl.Trainer(devices=2).fit(Model(), datamodule=Data())\n"
+    )
+    assert lines(LIGHTNING, body, "dataset-cache-race") == [5]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        DATAMODULE.format(hook="prepare_data")
+        + "pl.Trainer(devices=2).fit(Model(), datamodule=Data())\n",
+        DATAMODULE.format(hook="setup") + "pl.Trainer(devices=1).fit(Model(), datamodule=Data())\n",
+        DATAMODULE.format(hook="setup").replace(
+            "        if not", "        if self.trainer.is_global_zero and not"
+        )
+        + "pl.Trainer(devices=2).fit(Model(), datamodule=Data())\n",
+    ],
+    ids=["prepare-data", "one-device", "rank-zero"],
+)
+def test_quiet_where_one_process_builds_the_cache(body: str):
+    assert lines(LIGHTNING, body, "dataset-cache-race") == []
+
+
+HOOKED = """
+class MyTrainer(Trainer):
+    def {hook}(self, model, inputs, *args, **kwargs):
+        out = model(**inputs)
+        {read}
+        return out.loss
+"""
+
+
+@pytest.mark.parametrize("hook", ["compute_loss", "training_step", "prediction_step"])
+def test_the_wrapped_models_own_attribute_in_a_trainer_hook_is_reported(hook: str):
+    assert lines(
+        HF, HOOKED.format(hook=hook, read="n = model.config.num_labels"), "ddp-wrapper-attribute"
+    ) == [5]
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        "n = self.model.config.num_labels",  # the unwrapped model the Trainer keeps
+        "n = sum(p.numel() for p in model.parameters())",  # nn.Module's API
+        "n = (model.module if hasattr(model, 'module') else model).config",
+        "n = getattr(model, 'config', None)",
+    ],
+    ids=["self-model", "module-api", "probed-module", "getattr"],
+)
+def test_quiet_where_the_hook_reads_what_the_wrapper_has(read: str):
+    assert lines(HF, HOOKED.format(hook="compute_loss", read=read), "ddp-wrapper-attribute") == []
+
+
+def test_a_trainer_class_of_the_files_own_is_not_the_hugging_face_one():
+    own = "class Trainer:\n    pass\n" + HOOKED.format(hook="compute_loss", read="n = model.config")
+    assert lines("import torch\n", own, "ddp-wrapper-attribute") == []
