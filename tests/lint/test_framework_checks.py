@@ -153,3 +153,37 @@ def test_quiet_where_the_hook_reads_what_the_wrapper_has(read: str):
 def test_a_trainer_class_of_the_files_own_is_not_the_hugging_face_one():
     own = "class Trainer:\n    pass\n" + HOOKED.format(hook="compute_loss", read="n = model.config")
     assert lines("import torch\n", own, "ddp-wrapper-attribute") == []
+
+
+def test_reentrant_checkpointing_under_lightnings_find_unused_strategy_is_reported():
+    body = """
+    from transformers import AutoModel
+    class Net(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.encoder = AutoModel.from_pretrained("bert-base-uncased")
+            self.encoder.gradient_checkpointing_enable()
+    pl.Trainer(devices=8, strategy="ddp_find_unused_parameters_true").fit(Net())
+    """
+    assert lines(LIGHTNING, body, "ddp-reentrant-checkpoint") == [7]
+    quiet = body.replace("ddp_find_unused_parameters_true", "ddp")
+    assert lines(LIGHTNING, quiet, "ddp-reentrant-checkpoint") == []
+
+
+FABRIC_RESUME = """
+import lightning as L
+fabric = L.Fabric(devices=4)
+fabric.launch()
+model = Net()
+ckpt = torch.load("last.ckpt"{options})
+model.load_state_dict(ckpt["model"])
+model = fabric.setup(model)
+"""
+
+
+def test_a_checkpoint_every_fabric_process_loads_onto_cuda0_is_reported():
+    assert lines("import torch\n", FABRIC_RESUME.format(options=""), "checkpoint-map-location") == [
+        6
+    ]
+    placed = FABRIC_RESUME.format(options=', map_location="cpu"')
+    assert lines("import torch\n", placed, "checkpoint-map-location") == []

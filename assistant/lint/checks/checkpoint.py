@@ -35,7 +35,7 @@ from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, 
 from assistant.lint.model import Script, keyword, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed, one_process_group
+from assistant.lint.torchapi import is_distributed, one_process_group, runs_a_process_per_gpu
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
@@ -132,7 +132,7 @@ def check_load_without_map_location(script: Script) -> Iterator[Finding]:
     """`torch.load(checkpoint)` with no map_location that every rank runs, its result
     loaded into a model: each rank puts the tensors back on the GPU they were saved
     from, rank 0's cuda:0, so GPU 0 holds N copies."""
-    if not is_distributed(script) or one_process_group(script) or not script.traces:
+    if not runs_a_process_per_gpu(script) or one_process_group(script) or not script.traces:
         return
     scope_of = {
         id(node): scope for scope in script.all_scopes for node in script.scope_nodes(scope)

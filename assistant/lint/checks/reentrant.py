@@ -63,7 +63,8 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
     module several times per forward, and no static graph."""
     configs = [node for node, name in script.call_names if short(name) in DDP_CONFIGS]
     trainer_args = [node for node, name in script.call_names if short(name) == "TrainingArguments"]
-    if not (configs or trainer_args) or static_graph(script, configs):
+    lightning_unused = LIGHTNING_FIND_UNUSED in script.string_constants
+    if not (configs or trainer_args or lightning_unused) or static_graph(script, configs):
         return
     unused = unused_parameters_setting(script, configs)
     patched = patches_checkpoint(script)
