@@ -187,3 +187,41 @@ def test_a_checkpoint_every_fabric_process_loads_onto_cuda0_is_reported():
     ]
     placed = FABRIC_RESUME.format(options=', map_location="cpu"')
     assert lines("import torch\n", placed, "checkpoint-map-location") == []
+
+
+ARGUMENTS = """
+from transformers import TrainingArguments
+ds = {{"train_micro_batch_size_per_gpu": {micro}, "gradient_accumulation_steps": "auto"}}
+args = TrainingArguments(output_dir="out", {fields}deepspeed=ds)
+"""
+
+
+@pytest.mark.parametrize(
+    ("micro", "fields", "reported"),
+    [
+        (16, "per_device_train_batch_size=32, ", [3]),
+        (16, "", [3]),  # TrainingArguments' default is 8 per device
+        (8, "", []),
+        ('"auto"', "per_device_train_batch_size=32, ", []),
+        (16, "per_device_train_batch_size=16, ", []),
+        (16, "per_device_train_batch_size=batch, ", []),  # a value the file does not fix
+        (16, "**overrides, ", []),
+    ],
+)
+def test_a_deepspeed_batch_size_that_contradicts_the_arguments(micro, fields, reported):
+    source = ARGUMENTS.format(micro=micro, fields=fields)
+    assert lines("", source, "deepspeed-config-mismatch") == reported
+
+
+def test_a_local_rank_flag_that_only_reaches_training_arguments_is_not_every_ranks_default():
+    body = """
+    import argparse
+    from transformers import TrainingArguments
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local-rank", "--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    TrainingArguments(output_dir="out", local_rank=args.local_rank)
+    """
+    assert lines("", body, "local-rank-not-from-env") == []
+    own_use = body + "torch.cuda.set_device(args.local_rank)\n"
+    assert lines("import torch\n", own_use, "local-rank-not-from-env") == [5]

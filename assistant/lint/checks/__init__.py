@@ -52,6 +52,8 @@ lines it must report.
 - dataparallel: a model whose forward returns its scalar loss, run through
   nn.DataParallel, with backward() straight on the gathered vector
   (dataparallel-unsafe-model);
+- deepspeed_config: a DeepSpeed config dict in the file whose batch size or
+  accumulation contradicts the Trainer's arguments (deepspeed-config-mismatch);
 - spawn: mp.spawn's args that is not a tuple, or does not fit the worker's
   parameters after the process index, and a worker called instead of
   passed (mp-spawn-arguments);
@@ -79,6 +81,7 @@ from assistant.lint.checks import (
     collective_saves,
     data,
     dataparallel,
+    deepspeed_config,
     devices,
     fork,
     gather_sizes,
@@ -106,6 +109,7 @@ __all__ = [
     "collective_saves",
     "data",
     "dataparallel",
+    "deepspeed_config",
     "devices",
     "fork",
     "gather_sizes",

@@ -48,6 +48,10 @@ def positive_workers(call: ast.Call) -> bool:
     return is_int(workers) and workers.value > 0
 
 
+# Packages whose argument classes read LOCAL_RANK themselves.
+HF_ARGUMENT_PACKAGES = frozenset({"transformers", "trl"})
+
+
 @check("local-rank-not-from-env")
 def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
     """A local rank from an argparse default or a constant: every rank picks one GPU."""
@@ -114,13 +118,31 @@ def is_required(node: ast.Call) -> bool:
 
 
 def flag_value_read(script: Script, node: ast.Call) -> bool:
-    """The parsed local rank is used in this file: `args.local_rank`, `opt["local_rank"]`."""
+    """The parsed local rank is used in this file: `args.local_rank`, `opt["local_rank"]`;
+    not when it only goes to the Hugging Face arguments, which take LOCAL_RANK from
+    the environment over it (`TrainingArguments(local_rank=args.local_rank)`)."""
     dest = keyword(node, "dest")
     name = dest.value if isinstance(dest, ast.Constant) else "local_rank"
+    overridden = hf_local_rank_values(script)
     return name in script.string_constants or any(
-        isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.ctx, ast.Load)
+        isinstance(n, ast.Attribute)
+        and n.attr == name
+        and isinstance(n.ctx, ast.Load)
+        and id(n) not in overridden
         for n in script.nodes
     )
+
+
+def hf_local_rank_values(script: Script) -> set[int]:
+    """ids of the values given as local_rank= to TrainingArguments (or trl's
+    *Config): its __post_init__ takes LOCAL_RANK from the environment when set."""
+    return {
+        id(value)
+        for node, name in script.call_names
+        if name.split(".")[0] in HF_ARGUMENT_PACKAGES
+        and (short(name).endswith("TrainingArguments") or short(name).endswith("Config"))
+        and (value := keyword(node, "local_rank")) is not None
+    }
 
 
 @check("world-size-mismatch")

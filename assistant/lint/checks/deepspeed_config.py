@@ -1,0 +1,82 @@
+"""A DeepSpeed config written in the file whose batch sizes contradict the
+Trainer's (deepspeed-config-mismatch).
+
+The Hugging Face Trainer fills a DeepSpeed config's "auto" values from its
+TrainingArguments and checks the rest against them: a
+`train_micro_batch_size_per_gpu` or `gradient_accumulation_steps` written as
+a number that differs from per_device_train_batch_size or
+gradient_accumulation_steps stops the run before the first step ("Please
+correct the following DeepSpeed config values that mismatch TrainingArguments
+values"). People copy a config from another run, or change the arguments and
+not the dict beside them.
+
+Read only where the file shows both sides as numbers: a dict literal with
+those keys, handed to TrainingArguments(deepspeed=...) by name or inline,
+and the arguments' values as literals or argparse defaults.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.values import resolved_int
+from assistant.results import Finding
+
+# DeepSpeed's key, and the TrainingArguments field the Trainer checks it against.
+CHECKED_KEYS = {
+    "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+}
+# TrainingArguments' defaults, used when the call leaves a field out.
+ARGUMENT_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1}
+
+
+@check("deepspeed-config-mismatch")
+def check_config_against_training_arguments(script: Script) -> Iterator[Finding]:
+    """`ds = {"train_micro_batch_size_per_gpu": 16, ...}` and
+    `TrainingArguments(per_device_train_batch_size=32, deepspeed=ds)`."""
+    for arguments in (n for n, name in script.call_names if short(name) == "TrainingArguments"):
+        config = config_dict(script, keyword(arguments, "deepspeed"))
+        if config is None or any(given.arg is None for given in arguments.keywords):
+            continue  # no config in the file, or **options may set the fields
+        for key, value in zip(config.keys, config.values, strict=True):
+            if not (isinstance(key, ast.Constant) and key.value in CHECKED_KEYS):
+                continue
+            field = CHECKED_KEYS[key.value]
+            written = resolved_int(script, value)
+            given = keyword(arguments, field)
+            expected = ARGUMENT_DEFAULTS[field] if given is None else resolved_int(script, given)
+            if written is None or expected is None or written == expected:
+                continue
+            yield script.finding(
+                "deepspeed-config-mismatch",
+                key,
+                f'the DeepSpeed config says "{key.value}": {written}, TrainingArguments '
+                f"(line {arguments.lineno}) {field}={expected}"
+                + (
+                    f" ({source_text(given)})"
+                    if given is not None and not is_literal(given)
+                    else ""
+                )
+                + ': the Trainer stops before the first step ("Please correct the following '
+                'DeepSpeed config values that mismatch TrainingArguments values"); write "auto" '
+                "in the config and let the arguments decide",
+            )
+
+
+def config_dict(script: Script, given: ast.expr | None) -> ast.Dict | None:
+    """The dict literal handed as deepspeed=: inline, or a name assigned it once."""
+    if isinstance(given, ast.Dict):
+        return given
+    if isinstance(given, ast.Name):
+        values = script.assigned_values.get(given.id, [])
+        if len(values) == 1 and isinstance(values[0], ast.Dict):
+            return values[0]
+    return None
+
+
+def is_literal(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Constant)

@@ -1,0 +1,34 @@
+"""A Trainer run with a DeepSpeed config written beside it, copied from a run
+with another batch size: the config says 16 samples per GPU and no
+accumulation, the arguments 32 and 2. The Trainer checks the config against
+its arguments and stops before the first step ("Please correct the following
+DeepSpeed config values that mismatch TrainingArguments values")."""
+
+import argparse
+
+from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+
+DS_CONFIG = {
+    "zero_optimization": {"stage": 2, "overlap_comm": True},
+    "bf16": {"enabled": "auto"},
+    "train_micro_batch_size_per_gpu": 16,  # expect: deepspeed-config-mismatch
+    "gradient_accumulation_steps": 1,  # expect: deepspeed-config-mismatch
+    "train_batch_size": "auto",
+}
+
+
+def main(train_set):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1)
+    args = parser.parse_args()
+    model = AutoModelForSequenceClassification.from_pretrained("xlm-roberta-base", num_labels=4)
+    training_args = TrainingArguments(
+        output_dir="out",
+        per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=2,
+        bf16=True,
+        deepspeed=DS_CONFIG,
+        local_rank=args.local_rank,
+    )
+    Trainer(model=model, args=training_args, train_dataset=train_set).train()
