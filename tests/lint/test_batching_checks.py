@@ -125,3 +125,29 @@ def test_quiet_where_every_rank_gets_the_same_count(sampler: str):
         + "loader = DataLoader(ds, batch_sampler=Shared(sizes, rank, world))\n"
     )
     assert reported_lines(body) == []
+
+
+ITERABLE = """
+class FrameBatcher(torch.utils.data.IterableDataset):
+    def __init__(self, shards, max_frames):
+        self.shards, self.max_frames = shards, max_frames
+    def __iter__(self):
+        batch, frames = [], 0
+        for utt in read(self.shards):
+            if frames + len(utt) > self.max_frames:
+                yield batch
+                batch, frames = [], 0
+            batch.append(utt)
+            frames += len(utt)
+my_shards = all_shards[rank::world]
+"""
+
+
+def test_an_iterable_batcher_handed_a_ranks_shards_is_reported():
+    body = ITERABLE + "loader = DataLoader(FrameBatcher(my_shards, 20000), batch_size=None)\n"
+    assert reported_lines(body) == [13]
+
+
+def test_an_iterable_dataset_the_loader_batches_by_count_is_left_alone():
+    body = ITERABLE + "loader = DataLoader(FrameBatcher(my_shards, 20000), batch_size=8)\n"
+    assert reported_lines(body) == []

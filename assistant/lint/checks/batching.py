@@ -11,10 +11,11 @@ epoch's first collective) while the others wait in DDP's gradient all-reduce
 until the timeout.
 
 Read only where the file shows it all: a class with `__iter__` that strides
-its samples by rank (`[rank::world]`, `range(rank, n, world)`) and groups
-them by data (a dict of lists, or an `if` against a `max_*` budget), with no
-collective in it to agree on a count, passed as a DataLoader's
-batch_sampler in a DDP script without `join`.
+its samples by rank (`[rank::world]`, `range(rank, n, world)`), or is handed
+a rank's share made so, and groups them by data (a dict of lists, or an `if`
+against a `max_*` budget), with no collective in it to agree on a count,
+passed as a DataLoader's batch_sampler (or as the dataset of a loader with
+batch_size=None, which yields whole batches) in a DDP script without `join`.
 """
 
 from __future__ import annotations
@@ -39,24 +40,29 @@ BATCH_ADDS = frozenset({"append", "extend"})
 @check("uneven-inputs")
 def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Finding]:
     """`shard = order[self.rank::self.world]` and then batches packed by
-    `max_frames` or grouped by bucket, as a DataLoader's batch_sampler."""
+    `max_frames` or grouped by bucket, in a DataLoader's batch_sampler or in
+    the iterable dataset that yields the batches itself (batch_size=None)."""
     if not is_distributed(script) or joins_uneven_inputs(script):
         return
-    used = batch_sampler_classes(script)
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in used):
+    made = batching_classes(script)
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in made):
         if not any(isinstance(s, ast.FunctionDef) and s.name == "__iter__" for s in cls.body):
             continue
-        stride = rank_stride(cls)
         cut = data_grouping(cls)
-        if stride is None or cut is None or agrees_on_a_count(script, cls):
+        if cut is None or agrees_on_a_count(script, cls):
             continue
         where, grouping = cut
-        if position(where) < position(stride):
+        stride = rank_stride(cls)
+        if stride is None:
+            stride = next(filter(None, (strided_argument(script, c) for c in made[cls.name])), None)
+        elif position(where) < position(stride):
             continue  # batches cut over all samples, then shared out: the counts agree
+        if stride is None:
+            continue
         yield script.finding(
             "uneven-inputs",
             stride,
-            f"{cls.name} gives each rank its share of the samples here, then batches that "
+            f"{cls.name} gets each rank's share of the data here, then batches that "
             f"share by itself ({grouping}): ranks get different numbers of batches, and the "
             "first to finish its epoch moves on while the others wait in DDP's gradient "
             "all-reduce (a hang until the timeout); form the batches over all samples and "
@@ -66,26 +72,45 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
         )
 
 
-def batch_sampler_classes(script: Script) -> set[str]:
-    """The classes whose instances a DataLoader takes as batch_sampler: directly
-    (`batch_sampler=LengthSampler(...)`) or through a name (`sampler = ...`)."""
-    used = set()
+def batching_classes(script: Script) -> dict[str, list[ast.Call]]:
+    """The classes that cut a DataLoader's batches, with the calls that make them:
+    its batch_sampler (`batch_sampler=LengthSampler(...)`, or through a name), or
+    the dataset of a loader that batches nothing itself (batch_size=None)."""
+    made: dict[str, list[ast.Call]] = {}
     for node, name in script.call_names:
-        given = keyword(node, "batch_sampler") if short(name) == "DataLoader" else None
+        if short(name) != "DataLoader":
+            continue
+        given = keyword(node, "batch_sampler")
+        size = keyword(node, "batch_size")
+        if given is None and isinstance(size, ast.Constant) and size.value is None:
+            given = keyword(node, "dataset") or (node.args[0] if node.args else None)
         if given is None:
             continue
         values = [given]
         if isinstance(given, ast.Name):
             values += script.assigned_values.get(given.id, [])
-        used |= {
-            v.func.id for v in values if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)
-        }
-    return used
+        for value in values:
+            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+                made.setdefault(value.func.id, []).append(value)
+    return made
 
 
-def rank_stride(cls: ast.ClassDef) -> ast.AST | None:
-    """`items[self.rank::self.world]` or `range(rank, n, world)` in the class."""
-    for node in ast.walk(cls):
+def strided_argument(script: Script, made: ast.Call) -> ast.AST | None:
+    """A rank's share handed to the class: `Batcher(shards[rank::world])`, or a
+    name assigned one (`my_shards = all_shards[rank::world]`)."""
+    for argument in [*made.args, *(k.value for k in made.keywords)]:
+        candidates: list[ast.AST] = [argument]
+        if isinstance(argument, ast.Name):
+            candidates += script.assigned_values.get(argument.id, [])
+        for candidate in candidates:
+            if stride := rank_stride(candidate):
+                return stride
+    return None
+
+
+def rank_stride(tree: ast.AST) -> ast.AST | None:
+    """`items[self.rank::self.world]` or `range(rank, n, world)` in the tree."""
+    for node in ast.walk(tree):
         if (
             isinstance(node, ast.Slice)
             and node.lower is not None
