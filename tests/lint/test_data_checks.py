@@ -729,3 +729,47 @@ def test_an_own_sampler_whose_code_reads_the_rank_is_quiet():
     )
     body = splitting + "loader = DataLoader(data, batch_size=8, sampler=BucketSampler([3, 1]))\n"
     assert findings(DDP_PRELUDE, body) == []
+
+
+EPOCH_SEEDED_SAMPLER = """
+class BucketBatchSampler(torch.utils.data.Sampler):
+    def __init__(self, lengths, rank, world, seed=0):
+        self.lengths, self.rank, self.world, self.seed = lengths, rank, world, seed
+        self.epoch = 0
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+    def __iter__(self):
+        rng = random.Random(self.seed + self.epoch)
+        order = list(range(len(self.lengths)))[self.rank :: self.world]
+        rng.shuffle(order)
+        return iter([order[i : i + 8] for i in range(0, len(order), 8)])
+sampler = BucketBatchSampler(lengths, rank, world_size)
+loader = DataLoader(data, batch_sampler=sampler)
+for epoch in range(10):
+    for batch in loader:
+        model(batch).sum().backward()
+"""
+
+
+def test_the_files_own_sampler_seeded_by_its_epoch_needs_set_epoch_too() -> None:
+    found = lint_snippet("import random\n" + DDP_PRELUDE, EPOCH_SEEDED_SAMPLER, ["sampler-set-epoch"])
+    assert [line for line, _ in found] == [13]
+    assert "BucketBatchSampler shuffles with a seed of its epoch" in found[0][1].message
+    called = EPOCH_SEEDED_SAMPLER.replace(
+        "for epoch in range(10):\n", "for epoch in range(10):\n    sampler.set_epoch(epoch)\n"
+    )
+    assert lint_snippet("import random\n" + DDP_PRELUDE, called, ["sampler-set-epoch"]) == []
+
+
+def test_a_comprehensions_own_names_are_not_the_files_other_names() -> None:
+    """`vocab` is built from every rank's full list; `t` in its comprehension is
+    not the `t` that another function reads from the rank."""
+    body = """
+    def shard(items):
+        t = items[rank::world_size]
+        return t
+    items = read_all("train.tsv")
+    vocab = sorted({t for _, t in items})
+    model = DDP(torch.nn.Embedding(len(vocab), 8))
+    """
+    assert lint_snippet(DDP_PRELUDE, body, ["model-differs-across-ranks"]) == []

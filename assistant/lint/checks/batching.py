@@ -24,6 +24,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.data import equalizes_steps
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_collective, is_distributed
@@ -42,7 +43,7 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
     """`shard = order[self.rank::self.world]` and then batches packed by
     `max_frames` or grouped by bucket, in a DataLoader's batch_sampler or in
     the iterable dataset that yields the batches itself (batch_size=None)."""
-    if not is_distributed(script) or joins_uneven_inputs(script):
+    if not is_distributed(script) or equalizes_steps(script):
         return
     made = batching_classes(script)
     for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in made):
@@ -196,21 +197,6 @@ def budget_name(test: ast.expr) -> str | None:
 def names_a_budget(part: ast.Name | ast.Attribute) -> bool:
     word = part.attr if isinstance(part, ast.Attribute) else part.id
     return bool(BUDGET_WORD.search(word)) and word not in ("max", "min")
-
-
-def joins_uneven_inputs(script: Script) -> bool:
-    """DDP's own answer to uneven inputs: `with model.join():` or `Join([model])`."""
-    for node in script.nodes:
-        if isinstance(node, ast.withitem):
-            context = node.context_expr
-            if (
-                isinstance(context, ast.Call)
-                and isinstance(context.func, ast.Attribute)
-                and context.func.attr == "join"
-                and not context.args
-            ):
-                return True
-    return "Join" in script.called_short_names
 
 
 def closes_a_batch(branch: ast.If) -> bool:

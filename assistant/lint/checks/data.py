@@ -115,20 +115,46 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
     data = DataFlow(script)
     if data.calls_set_epoch:
         return
-    for sampler in data.sampler_calls:
+    own = epoch_seeded_samplers(script)
+    for sampler in [*data.sampler_calls, *own]:
         if shuffle_off(sampler):
             continue
         loaders = data.loaders_of(sampler)
         loop = data.epoch_loop_over(loaders, near=sampler)
         if loop is None or data.reseeded_each_pass(sampler, loaders):
             continue
+        kind = "DistributedSampler" if sampler not in own else source_text(sampler.func)
         yield script.finding(
             "sampler-set-epoch",
             sampler,
-            f"DistributedSampler shuffles with a seed of its epoch, but set_epoch is never "
+            f"{kind} shuffles with a seed of its epoch, but set_epoch is never "
             f"called while the loop on line {loop.lineno} runs the epochs, so every epoch "
             "sees the same order: call sampler.set_epoch(epoch) at the start of each epoch",
         )
+
+
+def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
+    """Calls of the file's own sampler classes that shuffle by their epoch: the
+    class defines set_epoch and reads self.epoch elsewhere (a seed + epoch)."""
+    classes = set()
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        methods = [m for m in cls.body if isinstance(m, ast.FunctionDef)]
+        if not any(m.name == "set_epoch" for m in methods):
+            continue
+        if any(
+            self_attribute(node) == "epoch" and isinstance(node.ctx, ast.Load)
+            for m in methods
+            if m.name not in ("set_epoch", "__init__")
+            for node in ast.walk(m)
+        ):
+            classes.add(cls.name)
+    return [
+        node
+        for node in script.nodes
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in classes
+    ]
 
 
 @check("uneven-inputs")
@@ -157,6 +183,19 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
             "leaves the others waiting in DDP's gradient all-reduce; agree on the step "
             "count (all_reduce it with ReduceOp.MIN and stop there) or use DDP's join()",
         )
+
+
+def names_bound_inside(value: ast.expr) -> set[str]:
+    """Names a comprehension's targets or a lambda's parameters bind within `value`."""
+    local: set[str] = set()
+    for node in ast.walk(value):
+        if isinstance(node, ast.comprehension):
+            local |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Lambda):
+            local |= {
+                a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)
+            }
+    return local
 
 
 def equalizes_steps(script: Script) -> bool:
@@ -462,10 +501,15 @@ class DataFlow:
 
     @memoized
     def assigned_names_in(self, value: ast.expr) -> list[str]:
-        """The names read in `value` that the file assigns to or loops over."""
+        """The names read in `value` that the file assigns to or loops over; not
+        those a comprehension or lambda in `value` binds itself (`t` in `[t for
+        _, t in items]` is not the file's other `t`s)."""
         bound = self.assignments.keys() | self.loop_sources.keys()
+        local = names_bound_inside(value)
         return [
-            name for name in map(read_name, outside_placements(self.script, value)) if name in bound
+            name
+            for name in map(read_name, outside_placements(self.script, value))
+            if name in bound and name not in local
         ]
 
     @cached_property
@@ -714,7 +758,7 @@ class DataFlow:
         """A loader's sampler (the call's id, or the name it is read from) -> the loader's names."""
         found: dict[int | str, set[str]] = {}
         for loader in self.loader_calls:
-            given = keyword(loader, "sampler")
+            given = keyword(loader, "sampler") or keyword(loader, "batch_sampler")
             if given is None and len(loader.args) > SAMPLER_POSITION:
                 given = loader.args[SAMPLER_POSITION]
             if given is None:
