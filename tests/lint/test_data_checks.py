@@ -752,7 +752,9 @@ for epoch in range(10):
 
 
 def test_the_files_own_sampler_seeded_by_its_epoch_needs_set_epoch_too() -> None:
-    found = lint_snippet("import random\n" + DDP_PRELUDE, EPOCH_SEEDED_SAMPLER, ["sampler-set-epoch"])
+    found = lint_snippet(
+        "import random\n" + DDP_PRELUDE, EPOCH_SEEDED_SAMPLER, ["sampler-set-epoch"]
+    )
     assert [line for line, _ in found] == [13]
     assert "BucketBatchSampler shuffles with a seed of its epoch" in found[0][1].message
     called = EPOCH_SEEDED_SAMPLER.replace(

@@ -225,3 +225,32 @@ def test_a_local_rank_flag_that_only_reaches_training_arguments_is_not_every_ran
     assert lines("", body, "local-rank-not-from-env") == []
     own_use = body + "torch.cuda.set_device(args.local_rank)\n"
     assert lines("import torch\n", own_use, "local-rank-not-from-env") == [5]
+
+
+RAY = """
+import torch
+import torch.distributed as dist
+import ray.train.torch
+from ray.train import ScalingConfig
+from ray.train.torch import TorchTrainer
+
+def train_loop(config):
+    model = ray.train.torch.prepare_model(Net())
+    torch.save({"model": model.state_dict()}, "model.pt")
+    total = torch.tensor([1.0, 2.0])
+    dist.all_reduce(total)
+
+def export():
+    state = torch.load("model.pt", map_location="cpu")
+    model = Net()
+    model.load_state_dict(state["model"])
+
+TorchTrainer(train_loop, scaling_config=ScalingConfig(num_workers=4, use_gpu=GPU))
+"""
+
+
+def test_ray_trains_prepared_models_in_ddp_and_on_nccl_with_gpus():
+    source = RAY.replace("GPU", "True")
+    assert lines("", source, "state-dict-module-prefix") == [17]
+    assert lines("", source, "nccl-with-cpu-tensors") == [12]
+    assert lines("", RAY.replace("GPU", "False"), "nccl-with-cpu-tensors") == []  # gloo on CPUs

@@ -34,7 +34,8 @@ CPU_CONSTRUCTORS = frozenset(
 @check("nccl-with-cpu-tensors")
 def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
     """A collective on the nccl backend gets a tensor created on the CPU."""
-    if not any((backend_of(c) or "").startswith("nccl") for c in init_calls(script)):
+    nccl = any((backend_of(c) or "").startswith("nccl") for c in init_calls(script))
+    if not (nccl or ray_trains_on_nccl(script)):
         return
     for scope in script.all_scopes:
         nodes = script.scope_nodes(scope)
@@ -107,3 +108,19 @@ def made_on_cpu_before(assignments: list[tuple[int, bool]], line: int) -> int | 
     if before and all(on_cpu for _at, on_cpu in before):
         return before[0][0]
     return None
+
+
+def ray_trains_on_nccl(script: Script) -> bool:
+    """Ray Train's workers on GPUs (`ScalingConfig(use_gpu=True)`): its TorchConfig
+    starts the process group on NCCL unless the file names another backend."""
+    on_gpus = backend_named = False
+    for node, name in script.call_names:
+        if name.split(".")[0] != "ray":
+            continue
+        if short(name) == "ScalingConfig":
+            use_gpu = keyword(node, "use_gpu")
+            on_gpus |= isinstance(use_gpu, ast.Constant) and use_gpu.value is True
+        elif short(name) == "TorchConfig":
+            backend = keyword(node, "backend")
+            backend_named |= not (isinstance(backend, ast.Constant) and backend.value == "nccl")
+    return on_gpus and not backend_named

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.checks.wrapper import (
-    WRAPPERS,
     ScopeFacts,
     bind_wrapped_parameters,
     is_prepare,
@@ -58,7 +57,7 @@ class SavedEntry:
 def check_wrapper_state_dict_loaded_unwrapped(script: Script) -> Iterator[Finding]:
     """A checkpoint of `ddp_model.state_dict()` loaded strictly into a plain model."""
     names = {short(name) for _node, name in script.call_names}
-    wraps = names & set(WRAPPERS) or any(is_prepare(node) for node, _name in script.call_names)
+    wraps = any(wrapper_of(script, node) or is_prepare(node) for node, _name in script.call_names)
     if not (wraps and "load_state_dict" in names and "save" in names) or strips_prefix(script):
         return
     where = Places(script)

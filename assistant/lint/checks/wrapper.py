@@ -375,11 +375,14 @@ def is_module(script: Script, expr: ast.expr) -> bool:
 
 
 def wrapper_of(script: Script, value: ast.expr) -> str | None:
-    """The wrapper class `value` constructs (DDP(...), nn.DataParallel(...)), if any."""
+    """The wrapper class `value` constructs (DDP(...), nn.DataParallel(...)), if any;
+    Ray Train's prepare_model(model) returns DDP when it runs more than one worker."""
     if isinstance(value, ast.Call):
-        wrapper = short(script.name_of(value.func))
-        if wrapper in WRAPPERS:
-            return wrapper
+        name = script.name_of(value.func)
+        if short(name) in WRAPPERS:
+            return short(name)
+        if name.split(".")[0] == "ray" and short(name) == "prepare_model":
+            return "DistributedDataParallel"
     return None
 
 
