@@ -254,3 +254,31 @@ def test_ray_trains_prepared_models_in_ddp_and_on_nccl_with_gpus():
     assert lines("", source, "state-dict-module-prefix") == [17]
     assert lines("", source, "nccl-with-cpu-tensors") == [12]
     assert lines("", RAY.replace("GPU", "False"), "nccl-with-cpu-tensors") == []  # gloo on CPUs
+
+
+SYNCED_LOG = """
+class Net(pl.LightningModule):
+    def on_validation_epoch_end(self):
+        mae = torch.stack(self.errors).mean()
+        if {test}:
+            self.log("val/mae", mae, {options})
+"""
+
+
+@pytest.mark.parametrize("test", ["self.trainer.is_global_zero", "self.global_rank == 0"])
+def test_a_synced_log_on_rank_zero_only_is_reported(test: str):
+    body = SYNCED_LOG.format(test=test, options="sync_dist=True")
+    assert lines(LIGHTNING, body, "experiment-logger-ddp") == [6]
+
+
+@pytest.mark.parametrize(
+    ("test", "options"),
+    [
+        ("self.trainer.is_global_zero", "rank_zero_only=True"),  # what Lightning asks for there
+        ("self.current_epoch > 3", "sync_dist=True"),  # every rank takes the same branch
+        ("self.trainer.is_global_zero", ""),
+    ],
+)
+def test_quiet_where_every_rank_logs_or_nothing_syncs(test: str, options: str):
+    body = SYNCED_LOG.format(test=test, options=options)
+    assert lines(LIGHTNING, body, "experiment-logger-ddp") == []

@@ -17,6 +17,11 @@ folder or comment names the rank. Framework loggers (Lightning's
 WandbLogger, `accelerator.init_trackers`) handle the ranks themselves and
 are not read here, nor a method nothing in the file calls, nor a process
 group of one process (`world_size=1`).
+
+One logging call is a collective itself: Lightning's `self.log(...,
+sync_dist=True)` all-reduces the value across ranks, so under `if
+self.trainer.is_global_zero:` rank 0 waits for ranks that never call it and
+the epoch's end hangs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.model import Script, keyword, short
-from assistant.lint.ranks import RANK_ZERO, is_rank_expr, rank_branch_sides, some_rank_runs
+from assistant.lint.ranks import (
+    OTHER_RANKS,
+    RANK_ZERO,
+    is_rank_expr,
+    rank_branch_sides,
+    some_rank_runs,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_distributed, one_process_group
 from assistant.lint.tracer import TracedCall
@@ -34,8 +45,56 @@ from assistant.results import Finding
 WANDB_INIT = "wandb.init"
 WANDB_LOG = "wandb.log"
 WRITERS = frozenset({"SummaryWriter"})
+LIGHTNING_LOGS = frozenset({"log", "log_dict"})
 # What makes a script run once per rank without a process group of its own.
 LAUNCHING_OBJECTS = frozenset({"Accelerator"})
+
+
+@check("experiment-logger-ddp")
+def check_synced_log_on_one_rank(script: Script) -> Iterator[Finding]:
+    """`if self.trainer.is_global_zero: self.log("val/mae", mae, sync_dist=True)`."""
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        if not any(short(script.name_of(b)).endswith("LightningModule") for b in cls.bases):
+            continue
+        for method in (m for m in cls.body if isinstance(m, ast.FunctionDef)):
+            for call, test in synced_logs_on_one_side(script, method):
+                yield script.finding(
+                    "experiment-logger-ddp",
+                    call,
+                    f"self.{call.func.attr}(..., sync_dist=True) all-reduces the value over "
+                    f"every rank, but only some ranks reach it here (the `if` on line "
+                    f"{test.lineno}): they wait in that all-reduce for ranks that never call it, "
+                    "and the job hangs at the end of the epoch; log on every rank with "
+                    "sync_dist=True, or keep the branch and pass rank_zero_only=True instead",
+                )
+
+
+def synced_logs_on_one_side(
+    script: Script, method: ast.FunctionDef
+) -> Iterator[tuple[ast.Call, ast.If]]:
+    """`self.log(..., sync_dist=True)` calls in a branch only rank 0 (or only the
+    other ranks) takes, with that branch's `if`."""
+    stack: list[tuple[ast.AST, ast.If | None]] = [(s, None) for s in method.body]
+    while stack:
+        node, branch = stack.pop()
+        if isinstance(node, ast.If):
+            body, orelse = rank_branch_sides(node.test, script)
+            one_sided = (RANK_ZERO, OTHER_RANKS)
+            stack += [(s, node if body in one_sided else branch) for s in node.body]
+            stack += [(s, node if orelse in one_sided else branch) for s in node.orelse]
+            continue
+        if (
+            branch is not None
+            and isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in LIGHTNING_LOGS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "self"
+            and isinstance(synced := keyword(node, "sync_dist"), ast.Constant)
+            and synced.value is True
+        ):
+            yield node, branch
+        stack += [(child, branch) for child in ast.iter_child_nodes(node)]
 
 
 @check("experiment-logger-ddp")
