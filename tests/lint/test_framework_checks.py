@@ -282,3 +282,23 @@ def test_a_synced_log_on_rank_zero_only_is_reported(test: str):
 def test_quiet_where_every_rank_logs_or_nothing_syncs(test: str, options: str):
     body = SYNCED_LOG.format(test=test, options=options)
     assert lines(LIGHTNING, body, "experiment-logger-ddp") == []
+
+
+FABRIC_SAVE = """
+import lightning as L
+from lightning.fabric.strategies import FSDPStrategy
+fabric = L.Fabric(devices=4, strategy=STRATEGY)
+fabric.launch()
+model, opt = fabric.setup(Net(), torch.optim.AdamW(params))
+if fabric.global_rank == 0:
+    torch.save(model.state_dict(), "best.pt")
+"""
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reported"),
+    [("FSDPStrategy()", [8]), ('"fsdp"', [8]), ('"ddp"', [])],
+)
+def test_a_fabric_fsdp_models_state_dict_on_rank_zero_only(strategy: str, reported: list[int]):
+    source = FABRIC_SAVE.replace("STRATEGY", strategy)
+    assert lines("import torch\n", source, "fsdp-state-dict") == reported

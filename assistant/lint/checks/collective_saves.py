@@ -36,6 +36,19 @@ from assistant.lint.torchapi import imports_package
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
+FABRIC_SETUPS = frozenset({"setup", "setup_module"})
+
+
+def is_fabric_setup(call: ast.Call) -> bool:
+    """`fabric.setup(model, ...)` / `fabric.setup_module(model)`."""
+    func = call.func
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr in FABRIC_SETUPS
+        and "fabric" in source_text(func.value).lower()
+    )
+
+
 DEEPSPEED_ENGINE_COLLECTIVES = frozenset({"save_checkpoint", "load_checkpoint", "save_16bit_model"})
 LIGHTNING_TRAINER = re.compile(r"(^|[._])trainer$", re.IGNORECASE)
 FABRIC = re.compile(r"(^|[._])fabric$", re.IGNORECASE)
@@ -90,14 +103,33 @@ class Receivers:
 
     @cached_property
     def fsdp_models(self) -> set[str]:
-        """Names bound to `FSDP(...)` (`model = FSDP(model)`, `self.model = FSDP(...)`)."""
+        """Names bound to `FSDP(...)` (`model = FSDP(model)`, `self.model = FSDP(...)`),
+        or to what Fabric's setup returns under an FSDP strategy (`model, opt =
+        fabric.setup(model, opt)`: the model comes first)."""
         bound = set()
+        fabric_fsdp = self.fabric_shards
         for node in self.script.nodes:
             if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
                 continue
             if short(self.script.name_of(node.value.func)) == FSDP_CLASS:
                 bound.update(source_text(target) for target in node.targets)
+            elif fabric_fsdp and is_fabric_setup(node.value):
+                for target in node.targets:
+                    first = target.elts[0] if isinstance(target, ast.Tuple | ast.List) else target
+                    bound.add(source_text(first))
         return bound
+
+    @cached_property
+    def fabric_shards(self) -> bool:
+        """Fabric runs an FSDP strategy: `FSDPStrategy(...)`, or strategy="fsdp"."""
+        for node, name in self.script.call_names:
+            if short(name) == "FSDPStrategy":
+                return True
+            if short(name) == "Fabric":
+                strategy = keyword(node, "strategy")
+                if isinstance(strategy, ast.Constant) and "fsdp" in str(strategy.value):
+                    return True
+        return False
 
     @cached_property
     def full_state_dict_options(self) -> bool:
