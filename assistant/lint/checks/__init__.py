@@ -54,6 +54,8 @@ lines it must report.
   (dataparallel-unsafe-model);
 - deepspeed_config: a DeepSpeed config dict in the file whose batch size or
   accumulation contradicts the Trainer's arguments (deepspeed-config-mismatch);
+- schedules: a learning-rate schedule whose length counts the whole dataset's
+  steps while each process reads a share (effective-batch-size-changed);
 - spawn: mp.spawn's args that is not a tuple, or does not fit the worker's
   parameters after the process index, and a worker called instead of
   passed (mp-spawn-arguments);
@@ -92,6 +94,7 @@ from assistant.lint.checks import (
     process_group,
     rank_dependent,
     reentrant,
+    schedules,
     spawn,
     state_dict,
     unused,
@@ -120,6 +123,7 @@ __all__ = [
     "process_group",
     "rank_dependent",
     "reentrant",
+    "schedules",
     "spawn",
     "state_dict",
     "unused",

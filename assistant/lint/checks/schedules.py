@@ -1,0 +1,141 @@
+"""A learning-rate schedule sized in one GPU's steps while every GPU runs a
+process (effective-batch-size-changed).
+
+`total_steps = len(train_ds) // batch_size * epochs` is how many steps one
+process takes over the whole dataset. Under DDP each of N processes reads a
+1/N share (its DistributedSampler, or the framework's), so an epoch has N
+times fewer steps per process and the schedule stops 1/N of the way through:
+OneCycleLR never leaves its warm-up, a cosine never anneals, a linear decay
+ends at a high learning rate. Nothing fails; the run converges worse than on
+one GPU.
+
+Read within one function: the schedule's length argument, back through the
+names assigned there, counts `len()` of a dataset (not of a loader, which is
+already the process's share) and divides by nothing that names the number of
+processes (world_size, num_devices, trainer.estimated_stepping_batches...),
+in a file written to run as a process per GPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import runs_a_process_per_gpu
+from assistant.results import Finding
+
+# Schedules and the arguments that say how many steps they run.
+SCHEDULE_LENGTHS = {
+    "OneCycleLR": ("total_steps", "steps_per_epoch"),
+    "get_linear_schedule_with_warmup": ("num_training_steps",),
+    "get_cosine_schedule_with_warmup": ("num_training_steps",),
+    "get_polynomial_decay_schedule_with_warmup": ("num_training_steps",),
+    "get_scheduler": ("num_training_steps",),
+    "CosineAnnealingLR": ("T_max",),
+    "LinearLR": ("total_iters",),
+    "PolynomialLR": ("total_iters",),
+}
+# What a dataset is called, and what a loader (already one process's share) is.
+DATASET_WORDS = re.compile(r"(^|_|\.)(ds|dataset|data|set|samples|examples|items|series)s?$")
+LOADER_WORDS = re.compile(r"loader|dl\b|_dl|batches|iterator", re.IGNORECASE)
+# Anything that names the number of processes or asks the framework for the count.
+PROCESS_COUNT = re.compile(
+    r"world|num_devices|devices|num_gpus|n_gpus|ngpus|gpus|num_processes|nprocs|"
+    r"replicas|stepping_batches|num_nodes",
+    re.IGNORECASE,
+)
+MAX_DEPTH = 5  # assignments followed back from the schedule's argument
+
+
+@check("effective-batch-size-changed")
+def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding]:
+    """`OneCycleLR(opt, total_steps=len(train_ds) // bs * epochs)` under DDP."""
+    if not runs_a_process_per_gpu(script):
+        return
+    for scope in script.all_scopes:
+        nodes = list(own_nodes(scope))
+        assigned = scope_assignments(nodes)
+        for node in nodes:
+            if not isinstance(node, ast.Call):
+                continue
+            lengths = SCHEDULE_LENGTHS.get(short(script.name_of(node.func)))
+            for argument in (keyword(node, name) for name in lengths or ()):
+                if argument is None:
+                    continue
+                expanded = expand(argument, assigned)
+                counted = dataset_length(expanded)
+                if counted is None or any(
+                    PROCESS_COUNT.search(text) for text in names_in(expanded)
+                ):
+                    continue
+                yield script.finding(
+                    "effective-batch-size-changed",
+                    node,
+                    f"{short(script.name_of(node.func))} runs for a step count built from "
+                    f"len({source_text(counted)}), the whole dataset: one GPU's steps. Each of "
+                    "the N processes reads a 1/N share, so its epochs have N times fewer steps "
+                    "and the schedule stops 1/N of the way (a warm-up never left, a decay never "
+                    "reached), silently worse than one GPU; count len(train_loader) after its "
+                    "DistributedSampler, or divide by the world size (Lightning: "
+                    "self.trainer.estimated_stepping_batches)",
+                )
+                break
+
+
+def scope_assignments(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
+    """name -> the values assigned to it in the scope (`steps = ...`, `self.total = ...`)."""
+    found: dict[str, list[ast.expr]] = {}
+    for node in nodes:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                found.setdefault(source_text(target), []).append(node.value)
+    return found
+
+
+def expand(argument: ast.expr, assigned: dict[str, list[ast.expr]]) -> list[ast.expr]:
+    """The argument and, a few assignments back, the values of the names it reads."""
+    found = [argument]
+    frontier = [argument]
+    for _ in range(MAX_DEPTH):
+        frontier = [
+            value
+            for expr in frontier
+            for name in names_in([expr])
+            for value in assigned.get(name, [])
+            if value not in found
+        ]
+        found += frontier
+        if not frontier:
+            break
+    return found
+
+
+def names_in(exprs: list[ast.expr]) -> set[str]:
+    """The names and dotted fields read in the expressions (`steps`, `cfg.trainer.devices`)."""
+    return {
+        source_text(node)
+        for expr in exprs
+        for node in ast.walk(expr)
+        if isinstance(node, ast.Name | ast.Attribute)
+    }
+
+
+def dataset_length(exprs: list[ast.expr]) -> ast.expr | None:
+    """X in a `len(X)` of the expressions, where X is named like a dataset, not a loader."""
+    for expr in exprs:
+        for node in ast.walk(expr):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "len"
+                and node.args
+            ):
+                measured = source_text(node.args[0])
+                if LOADER_WORDS.search(measured):
+                    continue
+                if DATASET_WORDS.search(measured.lower()):
+                    return node.args[0]
+    return None

@@ -1,0 +1,43 @@
+"""The trainer of schedule_counted_in_one_gpus_steps.py with the fix: the
+schedule counts the steps of this rank's loader (its DistributedSampler's
+share), so the run uses all of it on every rank."""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    train_set = TensorDataset(torch.randn(128, 4), torch.randn(128, 1))
+    sampler = DistributedSampler(train_set)
+    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+    model = DDP(nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    total_steps = len(train_loader) * args.epochs
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+    steps = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in train_loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            steps += 1
+    print(f"rank {dist.get_rank()} used {100 * steps // total_steps}% of the schedule")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""effective-batch-size-changed: a learning-rate schedule sized in one GPU's steps
+(len of the whole dataset) while every GPU runs a process that reads a share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "schedule_counted_in_one_gpus_steps.py"
+FIXED = SCRIPTS / "correct_schedule_counted_in_the_loaders_steps.py"
+
+HEADER = """
+import torch
+import torch.distributed as dist
+from transformers import get_linear_schedule_with_warmup
+dist.init_process_group("nccl")
+"""
+
+
+def reported(body: str) -> list[int]:
+    return [line for line, _ in lint_snippet(HEADER, body, ["effective-batch-size-changed"])]
+
+
+@pytest.mark.slow
+def test_the_fixture_uses_half_its_schedule_on_two_ranks_and_its_twin_all(torchrun):
+    broken = torchrun(BROKEN)
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert broken.stdout.count("used 50% of the schedule") == 2
+    fixed = torchrun(FIXED)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("used 100% of the schedule") == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "steps = len(train_dataset) // 32 * 3\nget_linear_schedule_with_warmup(opt, 100, num_training_steps=steps)",
+        "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=len(train_ds) // bs)",
+        (
+            "per_epoch = len(self.trainer.datamodule.train_set) // cfg.batch_size\n"
+            "total = per_epoch * cfg.epochs\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=total)"
+        ),
+    ],
+    ids=["hf-warmup", "steps-per-epoch", "through-names"],
+)
+def test_a_schedule_counted_from_the_whole_dataset_is_reported(body: str):
+    assert len(reported(body)) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # the loader's length: already this process's share
+        "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=len(train_loader) * 3)",
+        # divided by the number of processes
+        (
+            "steps = len(train_ds) // (bs * dist.get_world_size())\n"
+            "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=steps)"
+        ),
+        "steps = len(train_ds) // bs // world_size\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=steps)",
+        # a count of epochs, not of steps
+        "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)",
+    ],
+    ids=["loader", "world-size", "world-name", "epochs"],
+)
+def test_quiet_where_the_count_is_the_process_share(body: str):
+    assert reported(body) == []
+
+
+def test_a_single_process_script_is_not_read():
+    source = "import torch\nsteps = len(train_ds) // 32\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=steps)\n"
+    assert lint_snippet("", source, ["effective-batch-size-changed"]) == []
