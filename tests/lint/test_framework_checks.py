@@ -302,3 +302,27 @@ if fabric.global_rank == 0:
 def test_a_fabric_fsdp_models_state_dict_on_rank_zero_only(strategy: str, reported: list[int]):
     source = FABRIC_SAVE.replace("STRATEGY", strategy)
     assert lines("import torch\n", source, "fsdp-state-dict") == reported
+
+
+SRUN_DOC = '''"""Cluster job:
+    LAUNCH
+"""
+import os
+world_size = int(os.environ.get("WORLD_SIZE", 1))
+'''
+
+
+@pytest.mark.parametrize(
+    ("launch", "reported"),
+    [
+        ("srun python train.py --epochs 10", [5]),
+        ("srun --ntasks-per-node=4 python3 -u train.py", [5]),
+        ("srun torchrun --nnodes 2 --nproc_per_node 4 train.py", []),
+        ("srun python -m torch.distributed.run --nproc_per_node 4 train.py", []),
+        ("torchrun --nproc_per_node 4 train.py", []),
+    ],
+)
+def test_a_file_that_says_srun_starts_it_but_reads_torchruns_variables(
+    launch: str, reported: list[int]
+):
+    assert lines("", SRUN_DOC.replace("LAUNCH", launch), "slurm-without-torchrun") == reported

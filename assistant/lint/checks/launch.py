@@ -325,6 +325,50 @@ def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Findin
         )
 
 
+# A launch line in the file's own text (its docstring) that runs Python under
+# srun without torchrun: `srun python train.py ...`.
+SRUN_PYTHON = re.compile(r"^[^\n]*\bsrun\b[^\n]*\bpython3?\b[^\n]*$", re.MULTILINE)
+TORCHRUN_LAUNCH = re.compile(
+    r"\btorchrun\b|\btorch\.distributed\.(run|launch)\b|\baccelerate\s+launch\b|\bdeepspeed\b"
+)
+TORCHRUN_LAYOUT = ("RANK", "WORLD_SIZE")
+
+
+@check("slurm-without-torchrun")
+def check_srun_start_with_torchrun_variables(script: Script) -> Iterator[Finding]:
+    """The file says srun starts it (`srun python train.py` in its docstring) but
+    takes its rank and world size from RANK / WORLD_SIZE with defaults, which only
+    torchrun sets: under srun every task is rank 0 of a world of one and trains
+    alone. Quiet when it reads any SLURM_ variable (it knows srun)."""
+    launch = srun_python_line(script)
+    if launch is None or any(reads_env(script, name) for name in (*SLURM_LAYOUT, SLURM_LOCAL_RANK)):
+        return
+    for node in script.nodes:
+        for variable in TORCHRUN_LAYOUT:
+            default = env_default(script, node, variable)
+            if not isinstance(default, ast.Constant) or default.value is None:
+                continue
+            yield script.finding(
+                "slurm-without-torchrun",
+                node,
+                f"the file's own launch line starts it with srun (`{launch.strip()[:60]}`), but "
+                f"{variable} comes from the environment with the default {default.value!r}: only "
+                "torchrun sets it, so under srun every task takes the default (rank 0 of a "
+                "world of 1) and trains alone, N copies of one run; read SLURM_PROCID / "
+                "SLURM_NTASKS / SLURM_LOCALID, or start torchrun from srun",
+            )
+            return  # one finding: the same launch explains every such read
+
+
+def srun_python_line(script: Script) -> str | None:
+    """A line of the file's text that runs Python under srun, not through torchrun."""
+    for text in script.string_constants:
+        for match in SRUN_PYTHON.finditer(text):
+            if not TORCHRUN_LAUNCH.search(match.group(0)):
+                return match.group(0)
+    return None
+
+
 def env_default(script: Script, node: ast.AST, variable: str) -> ast.expr | None:
     """What reading `variable` falls back to: None when `node` does not read it, a
     None constant when nothing (`os.environ["X"]`, `os.getenv("X")`), else the
