@@ -99,3 +99,51 @@ def test_a_random_branch_under_a_ddp_that_finds_unused_parameters_is_not():
         """
     )
     assert lines == []
+
+
+DISCARDED = SCRIPTS / "output_discarded_by_the_training_step.py"
+EVERY_OUTPUT = SCRIPTS / "correct_every_output_trained.py"
+
+
+@pytest.mark.slow
+def test_an_output_thrown_away_fails_under_torchrun_and_its_twin_runs(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        DISCARDED,
+        "Expected to have finished reduction in the prior iteration",
+        EVERY_OUTPUT,
+        "trained rank",
+    )
+
+
+HEADS = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.aux = nn.Linear(4, 1)
+    def forward(self, x):
+        h = self.body(x)
+        return self.head(h), AUX
+model = DDP(Net()OPTIONS)
+for x in loader:
+    UNPACK = model(x)
+    loss_fn(out).backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("aux", "unpack", "options", "reported"),
+    [
+        ("self.aux(h)", "out, _", "", [13]),
+        ("self.aux(h)", "out, aux", "", []),  # both kept
+        ("h.mean()", "out, _", "", []),  # the discarded output runs no submodule of its own
+        ("self.head(h).sum()", "out, _", "", []),  # its submodule also feeds the kept output
+        ("self.aux(h)", "out, _", ", find_unused_parameters=True", []),
+    ],
+    ids=["discarded-head", "kept", "no-submodule", "shared", "find-unused"],
+)
+def test_an_output_the_step_throws_away(aux, unpack, options, reported):
+    body = HEADS.replace("AUX", aux).replace("UNPACK", unpack).replace("OPTIONS", options)
+    assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == reported

@@ -33,7 +33,14 @@ import ast
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from assistant.lint.model import Script, called_name, keyword, own_nodes, source_text
+from assistant.lint.model import (
+    Script,
+    called_name,
+    keyword,
+    own_nodes,
+    self_attribute,
+    source_text,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
 from assistant.results import Finding
@@ -363,6 +370,92 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
                     f"only when it holds (the `if` on line {test_line}): from then on its "
                     f"parameters get no gradient; {why}",
                 )
+
+
+@check("unused-parameters")
+def check_output_the_step_throws_away(script: Script) -> Iterator[Finding]:
+    """`mlm_logits, _ = model(x)` where forward returns (mlm_logits, nsp_logits)
+    and nsp_logits alone runs self.pooler and self.nsp_head: under a DDP that
+    expects every parameter, those heads' parameters never get a gradient."""
+    classes = {cls.name: cls for cls in model_classes(script)}
+    if not classes:
+        return
+    for call, nodes, ddp in training_calls(script):
+        unpacked = discarded_positions(call, nodes)
+        if not unpacked:
+            continue
+        _, built = wrapped_by(script, ddp, set(classes))
+        for name in sorted(built):
+            returned = returned_elements(forward_of(classes[name]))
+            if returned is None or len(returned) != len(unpacked[1]):
+                continue
+            kept = set().union(*(used for i, used in enumerate(returned) if i not in unpacked[0]))
+            only_discarded = sorted(set().union(*(returned[i] for i in unpacked[0])) - kept)
+            if not only_discarded:
+                continue
+            shown = ", ".join(f"self.{member}" for member in only_discarded[:3])
+            yield script.finding(
+                "unused-parameters",
+                unpacked[2],
+                f"the step throws away what forward returns in position "
+                f"{min(unpacked[0]) + 1} (`_`), the only output that runs {shown}: their "
+                "parameters never get a gradient, and DDP (line "
+                f"{ddp.lineno}) expects one for every parameter each step and fails with "
+                '"Expected to have finished reduction in the prior iteration"; drop those '
+                "heads (or skip them in training), or pass find_unused_parameters=True",
+            )
+            break
+
+
+def discarded_positions(
+    call: ast.Call, nodes: list[ast.AST]
+) -> tuple[set[int], list[ast.expr], ast.Assign] | None:
+    """`a, _ = model(x)`: the positions bound to `_`, the targets, the assignment."""
+    for node in nodes:
+        if isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Tuple | ast.List):
+                dropped = {
+                    i
+                    for i, element in enumerate(target.elts)
+                    if isinstance(element, ast.Name) and element.id == "_"
+                }
+                if dropped and len(dropped) < len(target.elts):
+                    return dropped, target.elts, node
+    return None
+
+
+def returned_elements(forward: ast.FunctionDef) -> list[set[str]] | None:
+    """For forward's one `return a, b`: the submodules (`self.x(...)`) each element's
+    value runs, following the names assigned in forward. None if it returns otherwise."""
+    returns = [n for n in ast.walk(forward) if isinstance(n, ast.Return)]
+    if len(returns) != 1 or not isinstance(returns[0].value, ast.Tuple):
+        return None
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                    assigned.setdefault(name, []).append(node.value)
+    return [submodules_run(element, assigned) for element in returns[0].value.elts]
+
+
+def submodules_run(expr: ast.expr, assigned: dict[str, list[ast.expr]]) -> set[str]:
+    """`self.x` fields called (or whose weights are read) in the value of `expr`."""
+    found: set[str] = set()
+    seen: set[str] = set()
+    pending = [expr]
+    while pending:
+        current = pending.pop()
+        for node in ast.walk(current):
+            if isinstance(node, ast.Call) and (member := self_attribute(node.func)):
+                found.add(member)
+            elif isinstance(node, ast.Attribute) and (member := self_attribute(node.value)):
+                found.add(member)  # self.word_embeddings.weight, self.bias
+            elif isinstance(node, ast.Name) and node.id not in seen:
+                seen.add(node.id)
+                pending += assigned.get(node.id, [])
+    return found
 
 
 # Calls that draw a random number: `random.random()`, `np.random.rand()`, `torch.rand(1)`.
