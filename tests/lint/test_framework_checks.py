@@ -326,3 +326,21 @@ def test_a_file_that_says_srun_starts_it_but_reads_torchruns_variables(
     launch: str, reported: list[int]
 ):
     assert lines("", SRUN_DOC.replace("LAUNCH", launch), "slurm-without-torchrun") == reported
+
+
+COMPOSER = """
+from composer import Trainer
+from composer.utils import dist
+from torch.utils.data import DataLoader
+train_dl = DataLoader(train_ds, batch_size=64, shuffle=True{sampler})
+Trainer(model=model, train_dataloader=train_dl, max_duration="3ep").fit()
+"""
+
+
+def test_composer_leaves_the_sampler_to_the_script():
+    missing = COMPOSER.format(sampler="")
+    assert lines("", missing, "missing-distributed-sampler") == [5]
+    given = COMPOSER.format(sampler=", sampler=dist.get_sampler(train_ds)").replace(
+        "shuffle=True", "shuffle=False"
+    )
+    assert lines("", given, "missing-distributed-sampler") == []

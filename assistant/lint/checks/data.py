@@ -315,8 +315,13 @@ class DataFlow:
 
     @cached_property
     def is_distributed(self) -> bool:
-        """The script starts a process group or wraps a model in DDP."""
-        return is_distributed(self.script)
+        """The script starts a process group or wraps a model in DDP, or trains
+        with Composer's Trainer, which runs a process per GPU (`composer -n N`)
+        but leaves the samplers to the script (composer.utils.dist.get_sampler)."""
+        return is_distributed(self.script) or any(
+            name.split(".")[0] == "composer" and short(name) == "Trainer"
+            for _node, name in self.script.call_names
+        )
 
     @cached_property
     def mentions_distributed_sampler(self) -> bool:
