@@ -6,6 +6,11 @@ attributes read in a Trainer hook (ddp-wrapper-attribute)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from snippets import lint_snippet
 
@@ -344,3 +349,53 @@ def test_composer_leaves_the_sampler_to_the_script():
         "shuffle=True", "shuffle=False"
     )
     assert lines("", given, "missing-distributed-sampler") == []
+
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+
+
+def run_spawning(script: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_a_lambda_handed_to_spawn_fails_to_pickle_and_the_partial_twin_runs(tmp_path):
+    broken = run_spawning(SCRIPTS / "spawn_object_holding_a_lambda.py", tmp_path)
+    assert broken.returncode != 0
+    assert "Can't pickle local object" in broken.stderr
+    fixed = run_spawning(SCRIPTS / "correct_spawn_object_holding_a_partial.py", tmp_path)
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("trained rank") == 2
+
+
+SPAWNED_MODULE = """
+class Data(pl.LightningDataModule):
+    def __init__(self, width):
+        super().__init__()
+        def pad(rows):
+            return rows
+        self.collate = FIELD
+pl.Trainer(devices=4, strategy=STRATEGY).fit(model, datamodule=Data(8))
+"""
+
+
+@pytest.mark.parametrize(
+    ("field", "strategy", "reported"),
+    [
+        ("lambda rows: rows", '"ddp_spawn"', [7]),
+        ("pad", '"ddp_spawn"', [7]),  # a function defined inside the method
+        ("lambda rows: rows", '"ddp"', []),  # each process builds its own object
+        ("functools.partial(pad_rows, width=width)", '"ddp_spawn"', []),
+    ],
+)
+def test_an_unpicklable_field_under_a_spawn_strategy(field, strategy, reported):
+    body = SPAWNED_MODULE.replace("FIELD", field).replace("STRATEGY", strategy)
+    assert lines(LIGHTNING, body, "spawn-pickle-error") == reported

@@ -376,3 +376,80 @@ def rebound_names(script: Script) -> frozenset[str]:
                 names.add(node.name)
             defined.add(node.name)
     return frozenset(names | set(script.aliases) | set(script.assigned_values))
+
+
+# What pickle cannot send to a spawned process: a lambda, a function defined
+# inside another function.
+SPAWN_STRATEGY = re.compile(r"spawn", re.IGNORECASE)
+LIGHTNING_OBJECTS = ("LightningModule", "LightningDataModule")
+
+
+@check("spawn-pickle-error")
+def check_unpicklable_field_sent_to_spawned_processes(script: Script) -> Iterator[Finding]:
+    """`self.collate = lambda rows: ...` in a LightningModule or DataModule that
+    a Trainer(strategy="ddp_spawn") sends to new processes, or in an object of the
+    file's own class handed to mp.spawn's args: pickle cannot send it ("Can't
+    pickle <function <lambda>>", "Can't pickle local object")."""
+    spawned = spawned_classes(script)
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in spawned):
+        for field, node in unpicklable_fields(cls):
+            yield script.finding(
+                "spawn-pickle-error",
+                node,
+                f"self.{field} holds a lambda or a function defined inside a method, and "
+                f"{spawned[cls.name]} pickles this {cls.name} to send it to each new process: "
+                "pickle cannot send it, and the start fails with \"Can't pickle <function "
+                '<lambda>>" (or "Can\'t pickle local object"); use a function defined at '
+                'module level (functools.partial of it for the arguments), or strategy="ddp"',
+            )
+
+
+def spawned_classes(script: Script) -> dict[str, str]:
+    """The file's classes whose objects a spawn start pickles, with who does it:
+    Lightning's modules under a spawn strategy, the classes built into mp.spawn's args."""
+    found: dict[str, str] = {}
+    spawn_strategy = any(
+        short(name) == "Trainer"
+        and isinstance(strategy := keyword(node, "strategy"), ast.Constant)
+        and isinstance(strategy.value, str)
+        and SPAWN_STRATEGY.search(strategy.value)
+        for node, name in script.call_names
+    )
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        if spawn_strategy and any(
+            short(script.name_of(b)).endswith(LIGHTNING_OBJECTS) for b in cls.bases
+        ):
+            found[cls.name] = 'the Trainer\'s spawn strategy ("ddp_spawn")'
+    for node, name in script.call_names:
+        if name not in SPAWN_CALLS:
+            continue
+        args, _ = spawn_args(node)
+        for value in ast.walk(args) if args is not None else ():
+            values = [value]
+            if isinstance(value, ast.Name):
+                values += script.assigned_values.get(value.id, [])
+            for made in values:
+                if isinstance(made, ast.Call) and isinstance(made.func, ast.Name):
+                    found.setdefault(made.func.id, "mp.spawn")
+    return found
+
+
+def unpicklable_fields(cls: ast.ClassDef) -> Iterator[tuple[str, ast.Assign]]:
+    """`self.x = lambda ...`, or `self.x = inner` for a function defined in the method."""
+    for method in (m for m in cls.body if isinstance(m, ast.FunctionDef)):
+        local = {
+            n.name for n in ast.walk(method) if isinstance(n, ast.FunctionDef) and n is not method
+        }
+        for node in ast.walk(method):
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                continue
+            target = node.targets[0]
+            if not (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                continue
+            value = node.value
+            if isinstance(value, ast.Lambda) or (isinstance(value, ast.Name) and value.id in local):
+                yield target.attr, node
