@@ -51,6 +51,9 @@ class Script:
     functions: dict[str, Function]
     traces: list[list[TracedCall]] = field(default_factory=list)
     scope_nodes_cache: dict[int, list[ast.AST]] = field(default_factory=dict, repr=False)
+    # ranks.assigned_side per flag name, worked out once: a field assigned in many
+    # places from other such fields otherwise costs exponential time.
+    assigned_sides: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     def scope_nodes(self, scope: ast.AST) -> list[ast.AST]:
         """`own_nodes(scope)`, computed once per scope for all checks."""

@@ -170,13 +170,19 @@ def assigned_side(test: ast.expr, script: Script, depth: int) -> str | None:
     that disagree make it any rank's."""
     if not isinstance(test, (ast.Name, ast.Attribute)):
         return None
-    values = script.assigned_values.get(source_text(test), [])
+    name = source_text(test)
+    if name in script.assigned_sides:
+        return script.assigned_sides[name]  # known, or being worked out (a cycle): None
+    script.assigned_sides[name] = None
+    values = script.assigned_values.get(name, [])
     sides = {
         rank_branch_sides(value, script, depth + 1)[0]
         for value in values
         if not isinstance(value, ast.Constant)
     }
-    return sides.pop() if len(sides) == 1 and sides <= {RANK_ZERO, OTHER_RANKS} else None
+    side = sides.pop() if len(sides) == 1 and sides <= {RANK_ZERO, OTHER_RANKS} else None
+    script.assigned_sides[name] = side
+    return side
 
 
 def all_hold_sides(parts: list[tuple[str | None, str | None]]) -> tuple[str | None, str | None]:

@@ -8,21 +8,28 @@ import ast
 
 from assistant.lint.model import Script, keyword, short
 
+# How many hops (a name's one assignment, an argparse default) a value is followed:
+# `args.bs` -> `default=BATCH` -> `BATCH = 2`. A default that names itself
+# (`default=args.batch_size`) ends here instead of looping.
+MAX_HOPS = 3
 
-def resolved_int(script: Script, expr: ast.expr | None, follow: bool = True) -> int | None:
+
+def resolved_int(script: Script, expr: ast.expr | None, hops: int = MAX_HOPS) -> int | None:
     """An int the expression surely holds: a literal, `args.<dest>` with an int
     argparse default, or a name assigned one of those once."""
     if isinstance(expr, ast.Constant) and type(expr.value) is int:
         return expr.value
+    if hops <= 0:
+        return None
     if isinstance(expr, ast.Attribute):
-        return argparse_default(script, expr.attr)
-    if isinstance(expr, ast.Name) and follow:
+        return argparse_default(script, expr.attr, hops - 1)
+    if isinstance(expr, ast.Name):
         values = script.assigned_values.get(expr.id, [])
-        return resolved_int(script, values[0], follow=False) if len(values) == 1 else None
+        return resolved_int(script, values[0], hops - 1) if len(values) == 1 else None
     return None
 
 
-def argparse_default(script: Script, dest: str) -> int | None:
+def argparse_default(script: Script, dest: str, hops: int = MAX_HOPS) -> int | None:
     """The int default of the add_argument whose dest is `dest` (`--batch-size` -> batch_size)."""
     for node, name in script.call_names:
         if short(name) != "add_argument":
@@ -35,6 +42,5 @@ def argparse_default(script: Script, dest: str) -> int | None:
         if isinstance(given_dest, ast.Constant):
             dests = {given_dest.value}
         if dest in dests:
-            default = keyword(node, "default")
-            return resolved_int(script, default, follow=False) if default is not None else None
+            return resolved_int(script, keyword(node, "default"), hops)
     return None

@@ -775,3 +775,21 @@ def test_a_comprehensions_own_names_are_not_the_files_other_names() -> None:
     model = DDP(torch.nn.Embedding(len(vocab), 8))
     """
     assert lint_snippet(DDP_PRELUDE, body, ["model-differs-across-ranks"]) == []
+
+
+def test_a_shuffled_loader_only_a_forward_only_helper_reads_is_not_a_training_loader() -> None:
+    """SWA's BatchNorm recalibration: the same seeded order on every rank on purpose."""
+    body = """
+    from torch.utils.data import DistributedSampler
+    train = DataLoader(data, batch_size=8, sampler=DistributedSampler(data))
+    def bn_update(loader, net):
+        for x, in loader:
+            net(x)
+    bn_loader = DataLoader(data, batch_size=8, shuffle=True)
+    bn_update(bn_loader, model)
+    """
+    assert lint_snippet(DDP_PRELUDE, body, ["missing-distributed-sampler"]) == []
+    training = body.replace("net(x)", "net(x).sum().backward()")
+    assert [
+        line for line, _ in lint_snippet(DDP_PRELUDE, training, ["missing-distributed-sampler"])
+    ] == [7]

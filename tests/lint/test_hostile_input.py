@@ -254,3 +254,35 @@ def test_thousands_of_skips_in_one_training_loop_are_each_judged() -> None:
     skips = "".join(f"    if torch.isnan(loss{i}):\n        continue\n" for i in range(3000))
     findings = lint_source(start + skips + "    loss.backward()\n")
     assert [f.cause_id for f in findings] == ["uneven-inputs"] * 3000
+
+
+def test_an_argparse_default_that_names_its_own_dest_is_linted_not_looped() -> None:
+    """`add_argument("--bs", default=CFG.bs)` and a loader of `args.bs`: the default
+    names the dest it defines; resolving it must end (a blind script looped here)."""
+    source = (
+        "import argparse\nimport torch\nimport torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader\n"
+        "ap = argparse.ArgumentParser()\nap.add_argument('--bs', type=int, default=CFG.bs)\n"
+        "args = ap.parse_args()\ndist.init_process_group('nccl')\n"
+        "loader = DataLoader(ds, batch_size=args.bs, shuffle=True)\n"
+        "model = torch.nn.parallel.DistributedDataParallel(net)\n"
+    )
+    assert {f.cause_id for f in lint_source(source)} <= {
+        "missing-distributed-sampler",
+        "set-device-order",
+    }
+
+
+def test_a_class_whose_fields_are_assigned_from_each_other_is_linted_quickly() -> None:
+    """Rank tests read through fields assigned in many places from other such
+    fields (torchmetrics' Metric) were worked out again at every use: exponential."""
+    fields = "\n".join(
+        f"        self.f{i} = self.f{i - 1} or self.f{(i * 7) % 40} and self.f{(i * 3) % 40}"
+        for i in range(1, 40)
+    )
+    checks = "\n".join(f"        if self.f{i}:\n            dist.barrier()" for i in range(40))
+    source = (
+        "import torch.distributed as dist\nclass M:\n    def __init__(self, rank):\n"
+        f"        self.f0 = rank == 0\n{fields}\n    def step(self):\n{checks}\n"
+    )
+    lint_source(source)  # finishes; before the fix this ran for minutes

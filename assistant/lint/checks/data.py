@@ -76,7 +76,7 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         dataset = node.args[0] if node.args else keyword(node, "dataset")
         if dataset is None or has_sampler(node) or data.prepared(node):
             continue
-        if only_shuffled and not shuffles(node):
+        if only_shuffled and (not shuffles(node) or data.only_scored(node)):
             continue
         if data.sharded_by_rank(dataset):
             continue
@@ -621,6 +621,31 @@ class DataFlow:
     def classes(self) -> dict[str, ast.ClassDef]:
         return {n.name: n for n in self.script.tree.body if isinstance(n, ast.ClassDef)}
 
+    def only_scored(self, loader: ast.Call) -> bool:
+        """Every use of the loader is known and none trains: it is handed only to
+        the file's own functions, whose loops over it run no backward (a
+        BatchNorm recalibration for SWA weights, a calibration pass)."""
+        names = set(self.names_bound_to(loader))
+        uses = [
+            (node, position)
+            for node in self.script.nodes
+            if isinstance(node, ast.Call)
+            for position, arg in enumerate(node.args)
+            if read_name(arg) in names and arg is not loader
+        ]
+        if not names or not uses or self.trains_on(loader):
+            return False
+        for call, position in uses:
+            function = self.script.functions.get(read_name(call.func) or "")
+            if function is None:
+                return False  # handed to a framework or an import: it may train
+            parameters = function.args.posonlyargs + function.args.args
+            if position >= len(parameters) or loops_with_backward(
+                function, parameters[position].arg
+            ):
+                return False
+        return True
+
     def trains_on(self, loader: ast.Call, capped: bool = False) -> bool:
         """A `for ... in loader` loop (by a name bound to it) with a backward in it;
         one a `break` caps counts only when `capped`."""
@@ -1058,6 +1083,21 @@ def without_int(value: ast.expr) -> ast.expr:
 
 def line_of(node: ast.stmt) -> int:
     return node.lineno
+
+
+def loops_with_backward(function: ast.AST, name: str) -> bool:
+    """A loop of `function` over `name` (or over anything, when it hands `name` on)
+    with a backward in it."""
+    for node in ast.walk(function):
+        if isinstance(node, ast.For | ast.While) and any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "backward"
+            for statement in node.body
+            for n in ast.walk(statement)
+        ):
+            return True
+    return False
 
 
 def iterated_name(items: ast.expr) -> str | None:
