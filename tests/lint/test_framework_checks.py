@@ -399,3 +399,36 @@ pl.Trainer(devices=4, strategy=STRATEGY).fit(model, datamodule=Data(8))
 def test_an_unpicklable_field_under_a_spawn_strategy(field, strategy, reported):
     body = SPAWNED_MODULE.replace("FIELD", field).replace("STRATEGY", strategy)
     assert lines(LIGHTNING, body, "spawn-pickle-error") == reported
+
+
+RAY_LOOP = """
+import torch
+import ray.train.torch
+from ray.train.torch import TorchTrainer
+from torch.utils.data import DataLoader
+DEVICE = "cuda:0"
+
+def train_loop(config):
+    model = ray.train.torch.prepare_model(Net())
+    train_loader = DataLoader(train_set, batch_size=64, shuffle=True)
+    PREPARE
+    dev_loader = DataLoader(dev_set, batch_size=256)
+    for x, y in train_loader:
+        loss_fn(model(x.to(DEVICE)), y.to(DEVICE)).backward()
+
+TorchTrainer(train_loop).fit()
+"""
+
+
+def test_ray_workers_need_prepared_loaders_and_their_own_devices():
+    unprepared = RAY_LOOP.replace("PREPARE", "pass")
+    found = lint_snippet("", unprepared, ["missing-distributed-sampler"])
+    assert [line for line, _ in found] == [10, 12]
+    assert "ray.train.torch.prepare_data_loader" in found[0][1].message
+    prepared = RAY_LOOP.replace(
+        "PREPARE", "train_loader = ray.train.torch.prepare_data_loader(train_loader)"
+    )
+    assert (
+        lines("", prepared, "missing-distributed-sampler") == []
+    )  # the dev loader reads all on purpose
+    assert lines("", prepared, "hardcoded-device") == [6]

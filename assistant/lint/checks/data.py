@@ -39,6 +39,8 @@ SEEDING_METHODS = frozenset({"manual_seed", "seed"})
 # Frameworks that give every loader they build or prepare a distributed sampler
 # (Lightning's Trainer), or that shard the stream themselves (webdataset).
 SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
+# Launchers that start a process per GPU but give no loader a sampler themselves.
+SCRIPT_SAMPLED_LAUNCHERS = frozenset({("composer", "Trainer"), ("ray", "TorchTrainer")})
 # `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
 PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
 # Words of a sampler that splits by rank (`self.rank`, `num_replicas`,
@@ -71,7 +73,9 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
     # Where the script uses a DistributedSampler, a loader without one may be
     # meant to read everything (an evaluation on every rank); a loader that
     # shuffles is a training loader.
-    only_shuffled = data.mentions_distributed_sampler
+    only_shuffled = data.mentions_distributed_sampler or bool(
+        PREPARERS & script.called_short_names
+    )  # a loader prepared (Ray, Accelerate, Fabric) is split like one with a sampler
     for node in data.loader_calls:
         dataset = node.args[0] if node.args else keyword(node, "dataset")
         if dataset is None or has_sampler(node) or data.prepared(node):
@@ -105,7 +109,7 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
             "missing-distributed-sampler",
             node,
             f"DataLoader over {shown} {why}: every rank iterates the whole dataset, so N ranks "
-            f"do N times the work with no speedup; pass sampler=DistributedSampler({shown})",
+            f"do N times the work with no speedup; {sampler_fix(script, shown)}",
         )
 
 
@@ -196,6 +200,16 @@ def names_bound_inside(value: ast.expr) -> set[str]:
                 a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)
             }
     return local
+
+
+def sampler_fix(script: Script, dataset: str) -> str:
+    """How this script's launcher wants a loader split: Ray's and Composer's own way."""
+    packages = {name.split(".")[0] for _node, name in script.call_names}
+    if "ray" in packages:
+        return "pass the loader through ray.train.torch.prepare_data_loader(...)"
+    if "composer" in packages:
+        return f"pass sampler=composer.utils.dist.get_sampler({dataset})"
+    return f"pass sampler=DistributedSampler({dataset})"
 
 
 def equalizes_steps(script: Script) -> bool:
@@ -316,10 +330,11 @@ class DataFlow:
     @cached_property
     def is_distributed(self) -> bool:
         """The script starts a process group or wraps a model in DDP, or trains
-        with Composer's Trainer, which runs a process per GPU (`composer -n N`)
-        but leaves the samplers to the script (composer.utils.dist.get_sampler)."""
+        with Composer's Trainer (`composer -n N`) or Ray Train's TorchTrainer,
+        which run a process per GPU but leave the samplers to the script
+        (composer.utils.dist.get_sampler, ray.train.torch.prepare_data_loader)."""
         return is_distributed(self.script) or any(
-            name.split(".")[0] == "composer" and short(name) == "Trainer"
+            (name.split(".")[0], short(name)) in SCRIPT_SAMPLED_LAUNCHERS
             for _node, name in self.script.call_names
         )
 
