@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from snippets import lint_snippet
 
+from assistant.lint import lint_source
+
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "checkpoint_saved_by_every_rank.py"
 FIXED = SCRIPTS / "correct_checkpoint_saved_once_or_per_rank.py"
@@ -131,3 +133,33 @@ def test_a_save_every_rank_reaches_through_a_spawned_worker_is_reported():
         """
     )
     assert found == [7]
+
+
+READ_AFTER_SAVE = """
+import torch
+import torch.distributed as dist
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+if rank == 0:
+    torch.save(model.state_dict(), "best.pt")
+BETWEEN
+state = torch.load(LOADED, map_location="cpu")
+"""
+
+
+@pytest.mark.parametrize(
+    ("between", "loaded", "reported"),
+    [
+        ("pass", '"best.pt"', [9]),
+        ("dist.barrier()", '"best.pt"', []),
+        ("dist.all_reduce(total)", '"best.pt"', []),  # a collective waits for rank 0 too
+        ("pass", '"other.pt"', []),
+    ],
+    ids=["no-barrier", "barrier", "collective", "another-file"],
+)
+def test_a_file_every_rank_loads_right_after_rank_zero_saved_it(between, loaded, reported):
+    source = READ_AFTER_SAVE.replace("BETWEEN", between).replace("LOADED", loaded)
+    found = [
+        f.line for f in lint_source(source) if f.cause_id == "checkpoint-written-by-every-rank"
+    ]
+    assert found == reported

@@ -32,13 +32,19 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
-from assistant.lint.model import Script, keyword, source_text
+from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed, one_process_group, runs_a_process_per_gpu
+from assistant.lint.torchapi import (
+    is_collective,
+    is_distributed,
+    one_process_group,
+    runs_a_process_per_gpu,
+)
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
+BARRIERS = frozenset({"barrier", "monitored_barrier", "wait_for_everyone"})
 # A saved file named like preprocessed data, not a model: HF's load_and_cache_examples.
 DATA_CACHE = re.compile(r"cache|features|dataset|processed|examples", re.IGNORECASE)
 
@@ -125,6 +131,36 @@ def saves_pretrained_on_every_process(call: TracedCall) -> bool:
         and keyword(call.node, "is_main_process") is None
         and some_rank_runs(call.rank_path)
     )
+
+
+@check("checkpoint-written-by-every-rank")
+def check_load_before_rank_zero_finished_saving(script: Script) -> Iterator[Finding]:
+    """`if rank == 0: torch.save(state, best_path)` ... then every rank
+    `torch.load(best_path)` with no barrier or other collective between: the
+    other ranks open the file while rank 0 may still be writing it."""
+    if not runs_a_process_per_gpu(script) or one_process_group(script) or not script.traces:
+        return
+    pending: dict[str, TracedCall] = {}  # saved path's text -> rank 0's save
+    for call in script.traces[0]:
+        if is_collective(call.name) or short(call.name) in BARRIERS:
+            pending.clear()  # every rank waits here for rank 0, whose save is done
+        elif call.name == "torch.save" and len(call.node.args) > 1:
+            if RANK_ZERO in sides(call.rank_path):
+                pending[source_text(call.node.args[1])] = call
+        elif call.name == "torch.load" and call.node.args and every_rank_runs(call):
+            save = pending.get(source_text(call.node.args[0]))
+            if save is None:
+                continue
+            yield script.finding(
+                "checkpoint-written-by-every-rank",
+                call.node,
+                f"every rank loads {source_text(call.node.args[0])} here, right after rank 0 "
+                f"saved it (line {save.node.lineno}), with no barrier between: the other ranks "
+                'can open it while rank 0 is still writing it ("PytorchStreamReader failed '
+                'reading zip archive") or read the previous version; call dist.barrier() '
+                "(fabric.barrier(), accelerator.wait_for_everyone()) after the save",
+            )
+            del pending[source_text(call.node.args[0])]
 
 
 @check("checkpoint-map-location")

@@ -1,0 +1,32 @@
+"""Rank 0 saves the best checkpoint during training; after the last epoch
+every rank loads it to evaluate, with no barrier in between. The other ranks
+can open the file while rank 0 is still writing it ("PytorchStreamReader
+failed reading zip archive"), or read the previous epoch's version."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    best, best_path = float("inf"), "best.pt"
+    for _epoch in range(5):
+        loss = model(torch.randn(32, 8)).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if rank == 0 and loss.item() < best:
+            best = loss.item()
+            torch.save(model.module.state_dict(), best_path)
+    state = torch.load(best_path, map_location="cpu")  # expect: checkpoint-written-by-every-rank
+    model.module.load_state_dict(state)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
