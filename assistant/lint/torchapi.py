@@ -202,6 +202,23 @@ def framework_processes(script: Script) -> bool:
     return False
 
 
+LIGHTNING_MODULES = ("LightningModule",)
+LIGHTNING_HOOKED = ("LightningModule", "LightningDataModule")
+
+
+def lightning_classes(
+    script: Script, kinds: tuple[str, ...] = LIGHTNING_MODULES
+) -> list[ast.ClassDef]:
+    """The file's classes built on Lightning's (`class Net(pl.LightningModule)`):
+    Lightning calls their hooks, on every process, out of the file's sight."""
+    return [
+        node
+        for node in script.nodes
+        if isinstance(node, ast.ClassDef)
+        and any(short(script.name_of(base)).endswith(kinds) for base in node.bases)
+    ]
+
+
 def pinned_to_one_device(launcher: ast.Call) -> bool:
     """`Trainer(devices=1)`, `Fabric(gpus=1)`, or a CPU accelerator: one process."""
     accelerator = keyword(launcher, "accelerator")

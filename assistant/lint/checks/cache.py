@@ -32,9 +32,11 @@ from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
+    LIGHTNING_HOOKED,
     SPAWNERS,
     framework_processes,
     is_distributed,
+    lightning_classes,
     runs_a_process_per_gpu,
 )
 from assistant.lint.tracer import Shared, TracedCall, Tracer, once_per_call
@@ -47,7 +49,6 @@ ONE_PROCESS_HOOKS = frozenset({"prepare_data"})
 # Hooks Lightning calls on every process, out of the file's sight (no call to
 # them in the file): what they build, every rank builds at once.
 EVERY_PROCESS_HOOKS = frozenset({"setup"})
-LIGHTNING_HOOK_OWNERS = ("LightningDataModule", "LightningModule")
 
 
 @check("dataset-cache-race")
@@ -221,9 +222,7 @@ def lightning_hook_traces(script: Script) -> list[tuple[list[TracedCall], str]]:
     if not framework_processes(script):
         return []
     traces = []
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
-        if not any(short(script.name_of(b)).endswith(LIGHTNING_HOOK_OWNERS) for b in cls.bases):
-            continue
+    for cls in lightning_classes(script, LIGHTNING_HOOKED):
         for hook in sorted(EVERY_PROCESS_HOOKS):
             if f"{cls.name}.{hook}" in script.functions:
                 trace = Tracer(script, Shared(script)).run_function(f"{cls.name}.{hook}")

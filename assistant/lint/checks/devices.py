@@ -32,6 +32,7 @@ from assistant.lint.torchapi import (
     is_init,
     is_method,
     is_set_device,
+    lightning_classes,
     sets_visible_devices_per_process,
     uses_cuda,
 )
@@ -81,7 +82,6 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
 
 # What makes a plain tensor (not a module, which Lightning moves with the model).
 TENSOR_MAKERS = TENSOR_FACTORIES | {"as_tensor", "from_numpy", "linspace", "eye", "FloatTensor"}
-LIGHTNING_MODULE = "LightningModule"
 
 
 @check("hardcoded-device")
@@ -90,9 +90,7 @@ def check_tensor_on_the_gpu_in_a_lightning_module(script: Script) -> Iterator[Fi
     __init__, in a file whose Trainer runs a process per GPU."""
     if not framework_processes(script):
         return
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
-        if not any(short(script.name_of(base)).endswith(LIGHTNING_MODULE) for base in cls.bases):
-            continue
+    for cls in lightning_classes(script):
         for init in (
             s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"
         ):

@@ -38,7 +38,7 @@ from assistant.lint.ranks import (
     some_rank_runs,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed, one_process_group
+from assistant.lint.torchapi import is_distributed, lightning_classes, one_process_group
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
 
@@ -53,9 +53,7 @@ LAUNCHING_OBJECTS = frozenset({"Accelerator"})
 @check("experiment-logger-ddp")
 def check_synced_log_on_one_rank(script: Script) -> Iterator[Finding]:
     """`if self.trainer.is_global_zero: self.log("val/mae", mae, sync_dist=True)`."""
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
-        if not any(short(script.name_of(b)).endswith("LightningModule") for b in cls.bases):
-            continue
+    for cls in lightning_classes(script):
         for method in (m for m in cls.body if isinstance(m, ast.FunctionDef)):
             for call, test in synced_logs_on_one_side(script, method):
                 yield script.finding(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from assistant.lint.checks.collective_reach import parent_map
 from assistant.lint.model import Function, Script, keyword, short, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective, is_distributed
+from assistant.lint.torchapi import is_collective, is_distributed, lightning_classes
 from assistant.results import Finding
 
 # Methods that add a batch's result to a running total or list.
@@ -85,9 +85,7 @@ def check_lightning_epoch_metric_of_one_share(script: Script) -> Iterator[Findin
     and a checkpoint or early stop on it watches part of the data."""
     if one_device_trainers(script):
         return
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
-        if not any(short(script.name_of(b)).endswith("LightningModule") for b in cls.bases):
-            continue
+    for cls in lightning_classes(script):
         methods = {
             m.name: m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
         }

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 from assistant.lint.model import Function, Script, called_name, is_int, keyword, short, source_text
 from assistant.lint.registry import check
+from assistant.lint.torchapi import LIGHTNING_HOOKED, lightning_classes
 from assistant.results import Finding
 
 SPAWN_CALLS = frozenset({"torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"})
@@ -381,7 +382,6 @@ def rebound_names(script: Script) -> frozenset[str]:
 # What pickle cannot send to a spawned process: a lambda, a function defined
 # inside another function.
 SPAWN_STRATEGY = re.compile(r"spawn", re.IGNORECASE)
-LIGHTNING_OBJECTS = ("LightningModule", "LightningDataModule")
 
 
 @check("spawn-pickle-error")
@@ -415,11 +415,8 @@ def spawned_classes(script: Script) -> dict[str, str]:
         and SPAWN_STRATEGY.search(strategy.value)
         for node, name in script.call_names
     )
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
-        if spawn_strategy and any(
-            short(script.name_of(b)).endswith(LIGHTNING_OBJECTS) for b in cls.bases
-        ):
-            found[cls.name] = 'the Trainer\'s spawn strategy ("ddp_spawn")'
+    for cls in lightning_classes(script, LIGHTNING_HOOKED) if spawn_strategy else []:
+        found[cls.name] = 'the Trainer\'s spawn strategy ("ddp_spawn")'
     for node, name in script.call_names:
         if name not in SPAWN_CALLS:
             continue
