@@ -129,7 +129,7 @@ def tensor_on_the_current_gpu(script: Script, value: ast.expr) -> bool:
     return False
 
 
-def runs_a_process_per_gpu_here(script: Script) -> bool:
+def places_work_per_process(script: Script) -> bool:
     """A process group or DDP of the file's own, or Ray Train's workers (each on
     its own GPU, from ray.train.torch.get_device())."""
     return is_distributed(script) or any(
@@ -141,7 +141,7 @@ def runs_a_process_per_gpu_here(script: Script) -> bool:
 def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
     """`device = "cuda:0"` (a single-GPU config left in), never set per rank, then
     used to place the model or tensors in a distributed script."""
-    if not runs_a_process_per_gpu_here(script):
+    if not places_work_per_process(script):
         return
     for name, values in script.assigned_values.items():
         fixed = [fixed_gpu_of(value) for value in values]
