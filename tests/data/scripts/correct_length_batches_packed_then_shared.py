@@ -43,7 +43,7 @@ class FrameBudgetSampler(Sampler):
 
 
 def main():
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     loader = DataLoader(Utterances(), batch_sampler=FrameBudgetSampler(FRAMES, 25, rank, world))
     model = DDP(nn.Linear(4, 1))
