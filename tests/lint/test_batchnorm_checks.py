@@ -198,3 +198,35 @@ def test_a_torchvision_deeplab_with_a_literal_batch_of_two_is_reported():
 )
 def test_quiet_where_batch_norm_sees_enough_or_is_synced(body: str):
     assert unsynced_lines(body) == []
+
+
+LIGHTNING_SEG = """
+import argparse
+import lightning.pytorch as pl
+from torchvision.models.segmentation import deeplabv3_resnet50
+from torch.utils.data import DataLoader
+parser = argparse.ArgumentParser()
+parser.add_argument("--batch-size", type=int, default=2)
+args = parser.parse_args()
+class Seg(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = deeplabv3_resnet50(weights=None)
+loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True)
+pl.Trainer(devices=DEVICES, strategy="ddp"SYNC).fit(Seg(), loader)
+"""
+
+
+@pytest.mark.parametrize(
+    ("devices", "sync", "reported"),
+    [
+        ("8", "", [14]),
+        ("8", ", sync_batchnorm=False", [14]),
+        ("8", ", sync_batchnorm=True", []),
+        ("8", ", sync_batchnorm=args.sync_bn", []),  # the author chose, behind a flag
+        ("1", "", []),  # one process: nothing to synchronise
+    ],
+)
+def test_lightning_ddp_over_batchnorm_with_two_samples_per_gpu(devices, sync, reported):
+    source = LIGHTNING_SEG.replace("DEVICES", devices).replace("SYNC", sync)
+    assert [line for line, _ in lint_snippet("", source, ["batchnorm-not-synced"])] == reported

@@ -37,7 +37,12 @@ from collections.abc import Iterator
 from assistant.lint.checks.unused import inside_no_grad, wrapped_by
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp
+from assistant.lint.torchapi import (
+    LIGHTNING_PACKAGES,
+    framework_processes,
+    is_ddp,
+    lightning_classes,
+)
 from assistant.lint.values import resolved_int
 from assistant.results import Finding
 
@@ -118,16 +123,49 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
             "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
         )
         return
+    yield from lightning_trainers_without_sync(script, loader, size)
+
+
+def lightning_trainers_without_sync(
+    script: Script, loader: ast.Call, size: int
+) -> Iterator[Finding]:
+    """The same under Lightning: its Trainer runs DDP over a LightningModule that
+    builds BatchNorm, and sync_batchnorm=True is what converts it."""
+    if not framework_processes(script):
+        return
+    norm = next(
+        (line for cls in lightning_classes(script) if (line := batch_norm_in(script, [cls]))),
+        None,
+    )
+    if norm is None:
+        return
+    for node, name in script.call_names:
+        if name.split(".")[0] in LIGHTNING_PACKAGES and short(name) == "Trainer":
+            yield script.finding(
+                "batchnorm-not-synced",
+                node,
+                f"the Trainer runs a process per GPU over a LightningModule with plain BatchNorm "
+                f"(line {norm}) trained on {size} sample{'s' if size != 1 else ''} per process "
+                f"(the DataLoader on line {loader.lineno}): each GPU's BatchNorm normalises "
+                "over those alone, so its statistics are noise and the model trains worse "
+                "than one GPU with the same global batch; pass sync_batchnorm=True",
+            )
+            return
 
 
 def may_sync_batchnorm(script: Script) -> bool:
-    """SyncBatchNorm appears anywhere, even behind a flag: the author chose."""
+    """SyncBatchNorm appears anywhere, even behind a flag (`sync_batchnorm=args.sync_bn`):
+    the author chose. Lightning's `sync_batchnorm=False` says the opposite."""
     if SYNC_STRINGS & script.string_constants:
         return True
     return any(
         (isinstance(node, ast.Name) and node.id in SYNC_NAMES)
         or (isinstance(node, ast.Attribute) and node.attr in SYNC_NAMES)
-        or (isinstance(node, ast.keyword) and node.arg in SYNC_NAMES)
+        or (
+            isinstance(node, ast.keyword)
+            and node.arg in SYNC_NAMES
+            and not (isinstance(node.value, ast.Constant) and node.value.value is False)
+        )
         for node in script.nodes
     )
 
@@ -184,6 +222,13 @@ def batch_norm_built(script: Script, ddp: ast.Call, names: set[str]) -> int | No
     make it, through the file's classes and functions they call, transitively."""
     values: list[ast.AST] = [ddp.args[0]] if ddp.args else []
     values += [v for name in names for v in script.assigned_values.get(name, [])]
+    return batch_norm_in(script, values)
+
+
+def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
+    """The line of a BatchNorm built in `values`, or in the file's classes and
+    functions they call, transitively."""
+    values = list(values)
     builders = {
         node.name: node
         for node in script.tree.body
