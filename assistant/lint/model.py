@@ -277,6 +277,11 @@ def depth_of(node: ast.AST, limit: int) -> int:
     return deepest
 
 
+def position(node: ast.AST) -> tuple[int, int]:
+    """Where a node starts, to compare nodes in source order."""
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
 def source_text(expr: ast.AST) -> str:
     """`expr` as source text for a message or a comparison; long or deep ones abbreviated.
 

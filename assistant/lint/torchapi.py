@@ -83,14 +83,15 @@ LIGHTNING_OWNERS = re.compile(r"^(self|fabric|strategy|\w*_strategy)$")
 # Frameworks that start the processes themselves (framework_processes).
 LIGHTNING_PACKAGES = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
 LIGHTNING_LAUNCHERS = frozenset({"Trainer", "Fabric"})
-OTHER_LAUNCHERS = frozenset(
-    {
-        ("ray", "TorchTrainer"),
-        ("ray", "prepare_model"),
-        ("ray", "prepare_data_loader"),
-        ("composer", "Trainer"),
-    }
+# (package, function) of the calls that start them.
+RAY_TRAIN = frozenset(
+    {("ray", "TorchTrainer"), ("ray", "prepare_model"), ("ray", "prepare_data_loader")}
 )
+COMPOSER = frozenset({("composer", "Trainer")})
+OTHER_LAUNCHERS = RAY_TRAIN | COMPOSER
+# What runs backward: `loss.backward()`, `scaler.scale(loss).backward()`,
+# `accelerator.backward(loss)`, Lightning's `self.manual_backward(loss)`.
+BACKWARDS = frozenset({"backward", "manual_backward"})
 
 
 # A torchmetrics metric (or MetricCollection) gathers every rank's state when
@@ -200,6 +201,21 @@ def framework_processes(script: Script) -> bool:
         elif (package, function) in OTHER_LAUNCHERS:
             return True
     return False
+
+
+def calls_any(script: Script, calls: frozenset[tuple[str, str]]) -> bool:
+    """The file calls one of `calls`, each (package, function): `ray.train.torch.TorchTrainer`
+    is ("ray", "TorchTrainer")."""
+    return any((name.split(".")[0], short(name)) in calls for _node, name in script.call_names)
+
+
+def is_backward(node: ast.AST) -> bool:
+    """A call that runs backward (BACKWARDS), on whatever it is called on."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in BACKWARDS
+    )
 
 
 LIGHTNING_MODULES = ("LightningModule",)

@@ -5,6 +5,7 @@ library and through the command line (`lint`, `ask --script`)."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -285,4 +286,14 @@ def test_a_class_whose_fields_are_assigned_from_each_other_is_linted_quickly() -
         "import torch.distributed as dist\nclass M:\n    def __init__(self, rank):\n"
         f"        self.f0 = rank == 0\n{fields}\n    def step(self):\n{checks}\n"
     )
-    lint_source(source)  # finishes; before the fix this ran for minutes
+
+    def too_slow(*_args: object) -> None:
+        raise TimeoutError("linting 40 cross-assigned fields took over 20 s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(20)  # before the fix this ran for minutes; now well under a second
+    try:
+        lint_source(source)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.data import equalizes_steps
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, position, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_collective, is_distributed
 from assistant.results import Finding
@@ -171,10 +171,6 @@ def bucket_dicts(cls: ast.ClassDef) -> set[str]:
         ):
             found.add(source_text(node.func.value))
     return found
-
-
-def position(node: ast.AST) -> tuple[int, int]:
-    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
 
 
 def called(node: ast.Call) -> str:

@@ -35,11 +35,12 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import inside_no_grad, wrapped_by
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, position, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
     framework_processes,
+    is_backward,
     is_ddp,
     lightning_classes,
 )
@@ -65,7 +66,6 @@ BATCH_NORM_SETTING = re.compile(r"batch|['\"]BN['\"]", re.IGNORECASE)
 # recipes train with 2-4 per GPU and convert to SyncBatchNorm).
 SMALL_PER_GPU_BATCH = 4
 EVALUATION_LOADER = re.compile(r"val|test|eval|dev", re.IGNORECASE)
-BACKWARDS = frozenset({"backward", "manual_backward"})
 # How many of the file's classes and functions the model's build is followed through.
 MAX_BUILDERS = 64
 
@@ -291,19 +291,6 @@ def second_calls_before_backward(
         if exclusive(arms.get(id(first), ()), arms.get(id(second), ())):
             continue
         yield first, second
-
-
-def position(node: ast.AST) -> tuple[int, int]:
-    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
-
-
-def is_backward(node: ast.AST) -> bool:
-    """`loss.backward()`, `scaler.scale(loss).backward()`, `accelerator.backward(loss)`."""
-    return (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr in BACKWARDS
-    )
 
 
 def branch_arms(scope: ast.AST) -> dict[int, tuple[tuple[int, str], ...]]:

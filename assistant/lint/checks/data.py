@@ -24,7 +24,14 @@ from assistant.lint.checks.rank_dependent import is_placement
 from assistant.lint.model import Script, called_name, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
-from assistant.lint.torchapi import imports_package, is_distributed, is_method
+from assistant.lint.torchapi import (
+    COMPOSER,
+    calls_any,
+    imports_package,
+    is_backward,
+    is_distributed,
+    is_method,
+)
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -40,7 +47,7 @@ SEEDING_METHODS = frozenset({"manual_seed", "seed"})
 # (Lightning's Trainer), or that shard the stream themselves (webdataset).
 SAMPLER_FRAMEWORKS = ("lightning", "pytorch_lightning", "webdataset")
 # Launchers that start a process per GPU but give no loader a sampler themselves.
-SCRIPT_SAMPLED_LAUNCHERS = frozenset({("composer", "Trainer"), ("ray", "TorchTrainer")})
+SCRIPT_SAMPLED_LAUNCHERS = COMPOSER | {("ray", "TorchTrainer")}
 # `accelerator.prepare(loader)`, `fabric.setup_dataloaders(loader)`: rebuilt with a sampler.
 PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
 # Words of a sampler that splits by rank (`self.rank`, `num_replicas`,
@@ -333,10 +340,7 @@ class DataFlow:
         with Composer's Trainer (`composer -n N`) or Ray Train's TorchTrainer,
         which run a process per GPU but leave the samplers to the script
         (composer.utils.dist.get_sampler, ray.train.torch.prepare_data_loader)."""
-        return is_distributed(self.script) or any(
-            (name.split(".")[0], short(name)) in SCRIPT_SAMPLED_LAUNCHERS
-            for _node, name in self.script.call_names
-        )
+        return is_distributed(self.script) or calls_any(self.script, SCRIPT_SAMPLED_LAUNCHERS)
 
     @cached_property
     def mentions_distributed_sampler(self) -> bool:
@@ -655,9 +659,7 @@ class DataFlow:
             if function is None:
                 return False  # handed to a framework or an import: it may train
             parameters = function.args.posonlyargs + function.args.args
-            if position >= len(parameters) or loops_with_backward(
-                function, parameters[position].arg
-            ):
+            if position >= len(parameters) or loops_with_backward(function):
                 return False
         return True
 
@@ -671,12 +673,7 @@ class DataFlow:
             calls = [n for s in node.body for n in ast.walk(s)]
             if not capped and any(isinstance(n, ast.Break) for n in calls):
                 return False  # a step cap
-            if any(
-                isinstance(n, ast.Call)
-                and isinstance(n.func, ast.Attribute)
-                and n.func.attr == "backward"
-                for n in calls
-            ):
+            if any(is_backward(n) for n in calls):
                 return True
         return False
 
@@ -1100,19 +1097,14 @@ def line_of(node: ast.stmt) -> int:
     return node.lineno
 
 
-def loops_with_backward(function: ast.AST, name: str) -> bool:
-    """A loop of `function` over `name` (or over anything, when it hands `name` on)
-    with a backward in it."""
-    for node in ast.walk(function):
-        if isinstance(node, ast.For | ast.While) and any(
-            isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute)
-            and n.func.attr == "backward"
-            for statement in node.body
-            for n in ast.walk(statement)
-        ):
-            return True
-    return False
+def loops_with_backward(function: ast.AST) -> bool:
+    """A loop of `function` with a backward in it: over the loader it was handed,
+    or over anything (it may hand the loader on), so a trainer, not a scorer."""
+    return any(
+        isinstance(node, ast.For | ast.While)
+        and any(is_backward(n) for statement in node.body for n in ast.walk(statement))
+        for node in ast.walk(function)
+    )
 
 
 def iterated_name(items: ast.expr) -> str | None:

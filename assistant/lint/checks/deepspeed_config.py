@@ -58,7 +58,7 @@ def check_config_against_training_arguments(script: Script) -> Iterator[Finding]
                 f"(line {arguments.lineno}) {field}={expected}"
                 + (
                     f" ({source_text(given)})"
-                    if given is not None and not is_literal(given)
+                    if given is not None and not isinstance(given, ast.Constant)
                     else ""
                 )
                 + ': the Trainer stops before the first step ("Please correct the following '
@@ -76,7 +76,3 @@ def config_dict(script: Script, given: ast.expr | None) -> ast.Dict | None:
         if len(values) == 1 and isinstance(values[0], ast.Dict):
             return values[0]
     return None
-
-
-def is_literal(expr: ast.expr) -> bool:
-    return isinstance(expr, ast.Constant)

@@ -20,8 +20,10 @@ from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
     FIXED_CUDA,
+    RAY_TRAIN,
     TENSOR_FACTORIES,
     backend_of,
+    calls_any,
     calls_external_setup,
     framework_processes,
     imported_callee,
@@ -132,10 +134,7 @@ def tensor_on_the_current_gpu(script: Script, value: ast.expr) -> bool:
 def places_work_per_process(script: Script) -> bool:
     """A process group or DDP of the file's own, or Ray Train's workers (each on
     its own GPU, from ray.train.torch.get_device())."""
-    return is_distributed(script) or any(
-        name.split(".")[0] == "ray" and short(name) in ("TorchTrainer", "prepare_model")
-        for _node, name in script.call_names
-    )
+    return is_distributed(script) or calls_any(script, RAY_TRAIN)
 
 
 def fixed_device_variables(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:

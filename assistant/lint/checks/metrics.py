@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from assistant.lint.checks.collective_reach import parent_map
 from assistant.lint.model import Function, Script, keyword, short, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective, is_distributed, lightning_classes
+from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
 from assistant.results import Finding
 
 # Methods that add a batch's result to a running total or list.
@@ -282,10 +282,7 @@ def iterated_name(expr: ast.expr) -> str | None:
 
 
 def trains(loop: ast.For) -> bool:
-    return any(
-        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
-        for n in ast.walk(loop)
-    )
+    return any(is_backward(n) for n in ast.walk(loop))
 
 
 def accumulated_names(loop: ast.For) -> set[str]:

@@ -22,6 +22,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.gather_sizes import scope_values
 from assistant.lint.model import Script, keyword, own_nodes, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
@@ -57,7 +58,7 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
         return
     for scope in script.all_scopes:
         nodes = list(own_nodes(scope))
-        assigned = scope_assignments(nodes)
+        assigned = scope_values(nodes)
         for node in nodes:
             if not isinstance(node, ast.Call):
                 continue
@@ -83,16 +84,6 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                     "self.trainer.estimated_stepping_batches)",
                 )
                 break
-
-
-def scope_assignments(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
-    """name -> the values assigned to it in the scope (`steps = ...`, `self.total = ...`)."""
-    found: dict[str, list[ast.expr]] = {}
-    for node in nodes:
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                found.setdefault(source_text(target), []).append(node.value)
-    return found
 
 
 def expand(argument: ast.expr, assigned: dict[str, list[ast.expr]]) -> list[ast.expr]:
