@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A lint check that raises is skipped for users (and named); here it must fail the test.
+os.environ["ASSISTANT_LINT_RAISE"] = "1"
 # The tests never write into the user's own cache (`assistant run` logs and their
 # pruning, re-exported graphs): every session gets a cache of its own, removed at exit.
 TEST_CACHE = tempfile.mkdtemp(prefix="ddp-assistant-test-cache-")

@@ -15,7 +15,8 @@ from assistant.errors import ExitCode
 @click.argument("script", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print findings as JSON.")
 def lint(script, as_json):
-    """Check a training script statically (never runs it); exit 1 on findings.
+    """Check a training script statically (never runs it); exit 1 on findings
+    or when a check failed on the file (it is named on stderr).
 
     \b
     assistant lint train.py
@@ -30,5 +31,8 @@ def lint(script, as_json):
         for f in findings:
             click.echo(f"{f.path or script}:{f.line}: [{f.cause_id}] {f.message}")
         click.echo(f"{len(findings)} finding(s)")
-    if findings:
+    for skipped in findings.skipped_checks:
+        # A check that failed proves nothing either way: say which cause went unchecked.
+        click.echo(f"assistant lint: not checked, the check failed here: {skipped}", err=True)
+    if findings or findings.skipped_checks:
         sys.exit(int(ExitCode.FAILED))

@@ -8,11 +8,15 @@ yields `Finding`s named by contract cause ids (data/causes.yaml).
 
 Checks prefer silence to guessing: a correct modern torchrun script must
 produce no findings (tests/data/scripts/correct_*.py). Hostile input ends in
-findings or in one `UserError` line, never a traceback or a hang.
+findings or in one `UserError` line, never a traceback or a hang. A check that
+fails on a shape of file nobody foresaw is skipped and named in
+`Findings.skipped_checks`, so the person still gets every other check and is
+told which cause went unchecked; the tests set RAISE_CHECK_ERRORS to see the bug.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import assistant.lint.checks  # noqa: F401  (importing it registers every check)
@@ -22,15 +26,28 @@ from assistant.lint.registry import CHECKS
 from assistant.lint.tracer import trace_script
 from assistant.results import Finding
 
+RAISE_CHECK_ERRORS = os.environ.get("ASSISTANT_LINT_RAISE") == "1"
+"""Let a failing check raise instead of being skipped: the tests, and anyone
+debugging a check, set ASSISTANT_LINT_RAISE=1."""
 
-def lint_script(path: str | Path) -> list[Finding]:
+
+class Findings(list):
+    """The findings of one file, sorted, and the checks that failed on it."""
+
+    def __init__(self, findings=(), skipped_checks: tuple[str, ...] = ()):
+        super().__init__(findings)
+        self.skipped_checks = skipped_checks
+        """'module.check (Error: message)' for each check that raised and was skipped."""
+
+
+def lint_script(path: str | Path) -> Findings:
     """Lint a training script on disk; UserError if it is missing, unreadable or not Python."""
     return lint_source(read_script(path), str(path))
 
 
 def lint_source(
     source: str, path: str = "<string>", assumed_imports: dict[str, str] | None = None
-) -> list[Finding]:
+) -> Findings:
     """Lint Python source text; findings sorted by line, then cause id.
 
     `assumed_imports`: names a fragment uses without importing them (`dist`
@@ -41,9 +58,36 @@ def lint_source(
         script.aliases.setdefault(name, module)
     try:
         script.traces = trace_script(script)
-        findings = {finding for check in CHECKS for finding in check.run(script)}
+        findings, skipped = run_checks(script)
     except RecursionError:
         # Every walk here is iterative or bounded; this is the last line of
         # defence for a shape of file nobody foresaw, so it stays one line.
         raise UserError(f"{path}: nested too deeply to lint") from None
-    return sorted(findings, key=lambda f: (f.line, f.cause_id, f.message))
+    except Exception as exc:  # the tracer itself: nothing could be checked
+        if RAISE_CHECK_ERRORS:
+            raise
+        raise UserError(f"{path}: the linter failed to read this file ({describe(exc)})") from None
+    ordered = sorted(findings, key=lambda f: (f.line, f.cause_id, f.message))
+    return Findings(ordered, tuple(skipped))
+
+
+def run_checks(script) -> tuple[set[Finding], list[str]]:
+    """Every check's findings, and the checks that raised (their partial findings dropped)."""
+    findings: set[Finding] = set()
+    skipped: list[str] = []
+    for registered in CHECKS:
+        try:
+            findings.update(list(registered.run(script)))
+        except RecursionError:
+            raise
+        except Exception as exc:
+            if RAISE_CHECK_ERRORS:
+                raise
+            skipped.append(f"{registered.name} ({describe(exc)})")
+    return findings, skipped
+
+
+def describe(exc: Exception) -> str:
+    """'ValueError: message', cut to one short line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:120]}" if text else type(exc).__name__

@@ -297,3 +297,66 @@ def test_a_class_whose_fields_are_assigned_from_each_other_is_linted_quickly() -
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+# ---------------------------------------------------------------- a check that fails
+
+
+@pytest.fixture
+def a_failing_check(monkeypatch):
+    """One more registered check that raises on every file, as a check with a bug
+    would on a shape of file nobody foresaw; failures are skipped, as for users."""
+    from assistant.lint import registry, script
+
+    def explodes(_script):
+        yield from ()
+        raise KeyError("a node nobody foresaw")
+
+    monkeypatch.setattr(script, "RAISE_CHECK_ERRORS", False)
+    monkeypatch.setattr(
+        registry, "CHECKS", [*registry.CHECKS, registry.RegisteredCheck(("x",), explodes)]
+    )
+    monkeypatch.setattr(script, "CHECKS", registry.CHECKS)
+    return "explodes"
+
+
+def test_a_check_that_fails_is_skipped_and_named_while_the_others_still_run(
+    a_failing_check,
+) -> None:
+    source = call_chain(3)
+    findings = lint_source(source)
+    assert [f.cause_id for f in findings] == ["collective-mismatch"]
+    assert len(findings.skipped_checks) == 1
+    assert a_failing_check in findings.skipped_checks[0]
+    assert "KeyError: 'a node nobody foresaw'" in findings.skipped_checks[0]
+
+
+def test_cli_lint_names_the_failed_check_on_one_line_and_never_says_clean(
+    tmp_path: Path, a_failing_check
+) -> None:
+    path = write(tmp_path, HEADER + "dist.init_process_group('gloo')\n")
+    result = CliRunner().invoke(main, ["lint", str(path)])
+    assert result.exit_code == ExitCode.FAILED
+    assert "Traceback" not in result.output
+    assert result.stdout.strip().endswith("0 finding(s)")
+    [note] = result.stderr.strip().splitlines()
+    assert note.startswith("assistant lint: not checked, the check failed here: ")
+    assert a_failing_check in note
+
+
+def test_a_tracer_that_fails_is_one_user_error_line(monkeypatch) -> None:
+    from assistant.lint import script
+
+    def broken_tracer(_script):
+        raise TypeError("unexpected node")
+
+    monkeypatch.setattr(script, "RAISE_CHECK_ERRORS", False)
+    monkeypatch.setattr(script, "trace_script", broken_tracer)
+    message = one_line_error(lambda: lint_source(HEADER, "train.py"))
+    assert message == "train.py: the linter failed to read this file (TypeError: unexpected node)"
+
+
+def test_the_tests_see_a_failing_check_raise() -> None:
+    from assistant.lint import script
+
+    assert script.RAISE_CHECK_ERRORS, "tests/conftest.py sets ASSISTANT_LINT_RAISE=1"
