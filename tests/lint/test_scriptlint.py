@@ -212,6 +212,22 @@ def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported(
         assert findings_of(source) == [("ddp-device-ids-cpu-module", 9)], build
 
 
+@pytest.mark.parametrize("moved", [True, False])
+@pytest.mark.parametrize(
+    "wrap",
+    ["nn.SyncBatchNorm.convert_sync_batchnorm({})", "torch.compile({})", "{}"],
+)
+def test_device_ids_look_through_wrappers_that_keep_the_module_where_it_is(wrap, moved) -> None:
+    # convert_sync_batchnorm builds its SyncBatchNorm layers from the moved parameters
+    source = (
+        DDP_HEADER + "model = nn.Linear(4, 4)\n"
+        + ("model = model.to(int(os.environ['LOCAL_RANK']))\n" if moved else "\n")
+        + f"model = DDP({wrap.format('model')}, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    expected = [] if moved else [("ddp-device-ids-cpu-module", 7)]
+    assert findings_of(source) == expected, wrap
+
+
 @pytest.mark.parametrize(
     "setup, test",
     [

@@ -521,7 +521,7 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
         ids = keyword(node, "device_ids")
         if ids is None or (isinstance(ids, ast.Constant) and ids.value is None):
             continue
-        module = node.args[0]
+        module = unwrapped_module(script, node.args[0])
         if is_move(module) or source_text(module) in moved or built_elsewhere(script, module):
             continue
         yield script.finding(
@@ -530,6 +530,22 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             f"DDP gets device_ids but {source_text(module)} is never moved to a device "
             "(.to(device) / .cuda(local_rank)): move it first, or drop device_ids on CPU",
         )
+
+
+# Calls that return their module argument, or one built from its parameters,
+# on the device it was on: DDP(convert_sync_batchnorm(model)) is on model's device.
+DEVICE_KEEPING_WRAPPERS = ("convert_sync_batchnorm", "convert_syncbn_model", "compile")
+
+
+def unwrapped_module(script: Script, module: ast.expr) -> ast.expr:
+    """The module inside device-keeping wrappers around DDP's argument."""
+    while (
+        isinstance(module, ast.Call)
+        and module.args
+        and short(script.name_of(module.func)) in DEVICE_KEEPING_WRAPPERS
+    ):
+        module = module.args[0]
+    return module
 
 
 # Imported model factories (detectron2's build_model(cfg), a repository's
