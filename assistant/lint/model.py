@@ -54,6 +54,7 @@ class Script:
     # ranks.assigned_side per flag name, worked out once: a field assigned in many
     # places from other such fields otherwise costs exponential time.
     assigned_sides: dict[str, str | None] = field(default_factory=dict, repr=False)
+    source: str = field(default="", repr=False)  # the text: its docstring's launch lines
 
     def scope_nodes(self, scope: ast.AST) -> list[ast.AST]:
         """`own_nodes(scope)`, computed once per scope for all checks."""
@@ -180,6 +181,7 @@ def parse_script(source: str, path: str = "<string>") -> Script:
         nodes=nodes,
         aliases=import_aliases(nodes),
         functions=functions_of(tree),
+        source=source,
     )
 
 

@@ -18,11 +18,13 @@ A fragment is a fenced block (```), or a run of code-looking lines, dedented
 and trimmed at its ends until it parses. It is parsed after as many blank
 lines as precede it, so a finding's line numbers are the question's own.
 
-A pasted launch line is read too: `CUDA_VISIBLE_DEVICES=0,1 torchrun
---nproc_per_node=4 ...` starts more ranks per node than it lets them see
-(world-size-exceeds-devices). Over every labelled query, the three such lines
-were all on reports the thread resolved so; an earlier `export` was not
-counted (it matched one report whose job ran elsewhere).
+Pasted launch lines are read too (assistant.lint.launchtext):
+`CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node=4 ...` starts more ranks
+per node than it lets them see (world-size-exceeds-devices; over every
+labelled query, the three such lines were all on reports the thread
+resolved so; an earlier `export` was not counted: it matched one report
+whose job ran elsewhere), and `srun torchrun` under several tasks per node
+starts torchrun's processes once per task (slurm-without-torchrun).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from assistant.errors import UserError
+from assistant.lint.launchtext import launch_problems
 from assistant.results import Finding
 
 FRAGMENT_CHECKS = frozenset(
@@ -63,12 +66,6 @@ CODE_LINE = re.compile(
 )
 
 
-# One launch line: the GPUs it shows (CUDA_VISIBLE_DEVICES=...) and the ranks
-# it starts on each node (torchrun / torch.distributed.launch --nproc_per_node).
-VISIBLE_DEVICES = re.compile(r"CUDA_VISIBLE_DEVICES\s*=\s*['\"]?(\d+(?:\s*,\s*\d+)*)")
-RANKS_PER_NODE = re.compile(r"--nproc[_-]per[_-]node(?:\s*=\s*|\s+)['\"]?(\d+)\b")
-
-
 def lint_pasted(text: str) -> list[Finding]:
     """Findings in the code and launch lines pasted into `text` (source "question")."""
     text = text[:MAX_QUESTION_CHARS]
@@ -91,24 +88,11 @@ def lint_pasted(text: str) -> list[Finding]:
 
 
 def launch_line_findings(text: str) -> list[Finding]:
-    """A launch line that starts more ranks per node than GPUs it makes visible."""
-    findings = []
-    for number, line in enumerate(text.splitlines(), 1):
-        visible, ranks = VISIBLE_DEVICES.search(line), RANKS_PER_NODE.search(line)
-        if not (visible and ranks):
-            continue
-        gpus = len(visible.group(1).split(","))
-        per_node = int(ranks.group(1))
-        if per_node > gpus:
-            message = (
-                f"the launch starts {per_node} ranks per node (--nproc_per_node={per_node}) "
-                f"but CUDA_VISIBLE_DEVICES={visible.group(1).replace(' ', '')} shows them "
-                f"{gpus} GPU{'s' if gpus > 1 else ''}"
-            )
-            findings.append(
-                Finding("world-size-exceeds-devices", number, message, source="question")
-            )
-    return findings
+    """Pasted launch lines that contradict themselves (assistant.lint.launchtext)."""
+    return [
+        Finding(cause_id, number, message, source="question")
+        for number, cause_id, message in launch_problems(text)
+    ]
 
 
 def pasted_code(text: str) -> Iterator[str]:

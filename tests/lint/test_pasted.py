@@ -121,3 +121,26 @@ def test_launch_lines_that_fit_or_set_the_gpus_elsewhere_find_nothing():
     automatic = "CUDA_VISIBLE_DEVICES=0 torchrun --nproc_per_node=gpu train.py"
     for text in (fits, fewer, exported, automatic):
         assert lint_pasted(text) == [], text
+
+
+def test_a_launch_split_by_backslashes_is_read_as_one_line_from_its_first() -> None:
+    text = "Launch:\nCUDA_VISIBLE_DEVICES=0,1 \\\n    torchrun --standalone \\\n    --nproc_per_node=4 train.py\n"
+    assert [(f.cause_id, f.line) for f in lint_pasted(text)] == [("world-size-exceeds-devices", 2)]
+
+
+@pytest.mark.parametrize(
+    "tasks, srun, flagged",
+    [
+        ("#SBATCH --ntasks-per-node=8", "srun torchrun --nproc_per_node=8 train.py", True),
+        ("", "srun --ntasks-per-node=2 python -m torch.distributed.run train.py", True),
+        ("#SBATCH --ntasks-per-node=1", "srun torchrun --nproc_per_node=8 train.py", False),
+        ("#SBATCH --ntasks-per-node=8", "srun python train.py", False),
+        ("", "srun torchrun --nproc_per_node=8 train.py", False),
+    ],
+)
+def test_srun_tasks_per_node_times_torchrun_processes(tasks, srun, flagged) -> None:
+    # The nearest tasks-per-node above (or on) the srun line counts: an sbatch may
+    # show both ways of starting, each with its own.
+    text = f"#!/bin/bash\n#SBATCH --nodes=2\n{tasks}\n{srun}\n"
+    found = [(f.cause_id, f.line) for f in lint_pasted(text)]
+    assert found == ([("slurm-without-torchrun", 4)] if flagged else [])

@@ -1,5 +1,5 @@
 """Launch checks: the main guard, where the local rank comes from, a fixed world size,
-Slurm's rank beside torchrun's local rank."""
+Slurm's rank beside torchrun's local rank, the file's own launch lines."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
+from assistant.lint.launchtext import launch_problems
 from assistant.lint.model import Script, is_int, keyword, short, source_text
 from assistant.lint.ranks import environment_variable
 from assistant.lint.registry import check
@@ -394,3 +395,12 @@ def nodes_under_launcher_tests(script: Script) -> set[int]:
             for statement in [*node.body, *node.orelse]:
                 inside.update(id(n) for n in ast.walk(statement))
     return inside
+
+
+@check("world-size-exceeds-devices", "slurm-without-torchrun")
+def check_the_files_own_launch_lines(script: Script) -> Iterator[Finding]:
+    """The launch the file writes down (docstring, comments: `CUDA_VISIBLE_DEVICES=0,1
+    torchrun --nproc_per_node=4`, an sbatch header over `srun torchrun`) contradicts
+    itself (assistant.lint.launchtext)."""
+    for line, cause_id, message in launch_problems(script.source):
+        yield script.finding(cause_id, line, f"the file's own launch line: {message}")

@@ -1,0 +1,94 @@
+"""Launch commands written as text: lines pasted into a question, and a script's
+own docstring and comments (its `torchrun ...` line, its sbatch header).
+
+People write down how they launch: the launch is often where the mistake is,
+and no Python statement shows it. Each reading yields (line number, cause id,
+message) for a line the text itself contradicts:
+- a launch that starts more ranks per node than GPUs it makes visible
+  (`CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node=4`);
+- srun starting several tasks per node where each task runs torchrun, which
+  starts its own process per GPU (`#SBATCH --ntasks-per-node=8` then
+  `srun torchrun --nproc_per_node=8`: 64 processes per node).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+# The GPUs a launch line shows and the ranks it starts on each node.
+VISIBLE_DEVICES = re.compile(r"CUDA_VISIBLE_DEVICES\s*=\s*['\"]?(\d+(?:\s*,\s*\d+)*)")
+RANKS_PER_NODE = re.compile(r"--nproc[_-]per[_-]node(?:\s*=\s*|\s+)['\"]?(\d+)\b")
+# Slurm's tasks per node (an #SBATCH line or srun's own option) and srun running torchrun.
+TASKS_PER_NODE = re.compile(r"--ntasks-per-node(?:\s*=\s*|\s+)(\d+)\b")
+SRUN_TORCHRUN = re.compile(r"\bsrun\b.*(?:\btorchrun\b|\btorch\.distributed\.(?:run|launch)\b)")
+
+Problem = tuple[int, str, str]
+
+
+def launch_problems(text: str) -> Iterator[Problem]:
+    """Every contradiction in the launch lines of `text`, by the line it starts on."""
+    lines = logical_lines(text)
+    yield from ranks_beyond_visible_gpus(lines)
+    yield from torchrun_under_many_srun_tasks(lines)
+
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """Shell lines with their `\\` continuations joined, each with its first line number.
+
+    Comment markers and indentation stay in: a docstring's or a comment's
+    command reads the same through them."""
+    joined: list[tuple[int, str]] = []
+    first, parts = 0, []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not parts:
+            first = number
+        continued = line.rstrip().endswith("\\")
+        parts.append(line.rstrip()[:-1] if continued else line)
+        if not continued:
+            joined.append((first, " ".join(parts)))
+            parts = []
+    if parts:
+        joined.append((first, " ".join(parts)))
+    return joined
+
+
+def ranks_beyond_visible_gpus(lines: list[tuple[int, str]]) -> Iterator[Problem]:
+    for number, line in lines:
+        visible, ranks = VISIBLE_DEVICES.search(line), RANKS_PER_NODE.search(line)
+        if not (visible and ranks):
+            continue
+        gpus = len(visible.group(1).split(","))
+        per_node = int(ranks.group(1))
+        if per_node > gpus:
+            yield (
+                number,
+                "world-size-exceeds-devices",
+                (
+                    f"the launch starts {per_node} ranks per node (--nproc_per_node={per_node}) "
+                    f"but CUDA_VISIBLE_DEVICES={visible.group(1).replace(' ', '')} shows them "
+                    f"{gpus} GPU{'s' if gpus > 1 else ''}"
+                ),
+            )
+
+
+def torchrun_under_many_srun_tasks(lines: list[tuple[int, str]]) -> Iterator[Problem]:
+    tasks = None  # the tasks per node last set above (#SBATCH), or on the srun line itself
+    for number, line in lines:
+        set_here = TASKS_PER_NODE.search(line)
+        if set_here:
+            tasks = int(set_here.group(1))
+        if not SRUN_TORCHRUN.search(line) or tasks is None or tasks < 2:
+            continue
+        ranks = RANKS_PER_NODE.search(line)
+        per_task = f"--nproc_per_node={ranks.group(1)}" if ranks else "its processes"
+        total = f" ({tasks * int(ranks.group(1))} processes per node)" if ranks else ""
+        yield (
+            number,
+            "slurm-without-torchrun",
+            (
+                f"srun starts {tasks} tasks per node (--ntasks-per-node={tasks}) and each runs "
+                f"torchrun, which starts {per_task} itself{total}: with torchrun ask Slurm for "
+                "one task per node (--ntasks-per-node=1), or drop torchrun and read SLURM_PROCID"
+            ),
+        )
