@@ -23,6 +23,15 @@ RANKS_PER_NODE = re.compile(r"--nproc[_-]per[_-]node(?:\s*=\s*|\s+)['\"]?(\d+)\b
 TASKS_PER_NODE = re.compile(r"--ntasks-per-node(?:\s*=\s*|\s+)(\d+)\b")
 SRUN_TORCHRUN = re.compile(r"\bsrun\b.*(?:\btorchrun\b|\btorch\.distributed\.(?:run|launch)\b)")
 
+# The processes a launch starts: per node and nodes (torchrun, torch.distributed.launch,
+# deepspeed), or in all (accelerate launch --num_processes).
+LAUNCHER = re.compile(
+    r"\btorchrun\b|\btorch\.distributed\.(?:run|launch)\b|\bdeepspeed\b|\baccelerate\s+launch\b"
+)
+PER_NODE = re.compile(r"--(?:nproc[_-]per[_-]node|num[_-]gpus)(?:\s*=\s*|\s+)['\"]?(\S+)")
+NODES = re.compile(r"--(?:nnodes|num[_-]nodes)(?:\s*=\s*|\s+)['\"]?(\S+)")
+IN_ALL = re.compile(r"--num[_-]processes(?:\s*=\s*|\s+)['\"]?(\S+)")
+
 Problem = tuple[int, str, str]
 
 
@@ -92,3 +101,29 @@ def torchrun_under_many_srun_tasks(lines: list[tuple[int, str]]) -> Iterator[Pro
                 "one task per node (--ntasks-per-node=1), or drop torchrun and read SLURM_PROCID"
             ),
         )
+
+
+def launched_world_size(text: str) -> int | None:
+    """The number of processes the launch lines of `text` start, when every such line
+    gives it as digits and they agree (None: no launch line, a variable, or several)."""
+    sizes = {
+        launch_size(line)
+        for _number, line in logical_lines(text)
+        if LAUNCHER.search(line) and " --" in line  # a command, not `import deepspeed`
+    }
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def launch_size(line: str) -> int | None:
+    in_all, per_node, nodes = IN_ALL.search(line), PER_NODE.search(line), NODES.search(line)
+    if in_all:
+        return digits(in_all.group(1))
+    if per_node is None:
+        return None
+    count, node_count = digits(per_node.group(1)), digits(nodes.group(1)) if nodes else 1
+    return count * node_count if count and node_count else None
+
+
+def digits(value: str) -> int | None:
+    value = value.strip("'\"")
+    return int(value) if value.isdigit() else None

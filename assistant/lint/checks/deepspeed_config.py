@@ -13,6 +13,11 @@ not the dict beside them.
 Read only where the file shows both sides as numbers: a dict literal with
 those keys, handed to TrainingArguments(deepspeed=...) by name or inline,
 and the arguments' values as literals or argparse defaults.
+
+DeepSpeed itself asserts train_batch_size == micro batch x accumulation x
+world size when a config gives all three. A config that fixes all three as
+numbers fits one world size only: none at all when the product does not
+divide the total, or not the one the file's own launch line starts.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.launchtext import launched_world_size
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.values import resolved_int
@@ -76,3 +82,52 @@ def config_dict(script: Script, given: ast.expr | None) -> ast.Dict | None:
         if len(values) == 1 and isinstance(values[0], ast.Dict):
             return values[0]
     return None
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@check("deepspeed-config-mismatch")
+def check_batch_sizes_against_world_size(script: Script) -> Iterator[Finding]:
+    """`{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 4}` launched on 8 GPUs: 8 x 4 x 8 = 256."""
+    world = None
+    for config in (n for n in script.nodes if isinstance(n, ast.Dict)):
+        sizes = batch_sizes(script, config)
+        if sizes is None:
+            continue
+        (total_key, total), micro, accumulation = sizes
+        per_rank = micro * accumulation
+        if total % per_rank:
+            fits = "no world size fits it"
+        else:
+            world = world if world is not None else launched_world_size(script.source)
+            if world is None or total == per_rank * world:
+                continue
+            fits = (
+                f"the file's launch line starts {world} processes: "
+                f"{micro} x {accumulation} x {world} = {per_rank * world}"
+            )
+        yield script.finding(
+            "deepspeed-config-mismatch",
+            total_key,
+            f"the DeepSpeed config fixes train_batch_size={total}, micro batch {micro} and "
+            f"accumulation {accumulation}; DeepSpeed asserts train_batch_size == micro x "
+            f"accumulation x world size, and {fits}; leave train_batch_size out (or "
+            '"auto" under the Trainer) so it is computed',
+        )
+
+
+def batch_sizes(script: Script, config: ast.Dict) -> tuple[tuple[ast.expr, int], int, int] | None:
+    """The three batch keys of a DeepSpeed config dict, all resolved to numbers."""
+    found: dict[str, tuple[ast.expr, int]] = {}
+    for key, value in zip(config.keys, config.values, strict=True):
+        if isinstance(key, ast.Constant) and key.value in BATCH_KEYS:
+            number = resolved_int(script, value)
+            if number is None or number <= 0:
+                return None
+            found[key.value] = (key, number)
+    if len(found) < len(BATCH_KEYS):
+        return None
+    total, micro, accumulation = (found[name] for name in BATCH_KEYS)
+    return total, micro[1], accumulation[1]
