@@ -220,7 +220,8 @@ def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported(
 def test_device_ids_look_through_wrappers_that_keep_the_module_where_it_is(wrap, moved) -> None:
     # convert_sync_batchnorm builds its SyncBatchNorm layers from the moved parameters
     source = (
-        DDP_HEADER + "model = nn.Linear(4, 4)\n"
+        DDP_HEADER
+        + "model = nn.Linear(4, 4)\n"
         + ("model = model.to(int(os.environ['LOCAL_RANK']))\n" if moved else "\n")
         + f"model = DDP({wrap.format('model')}, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
     )
@@ -303,6 +304,30 @@ def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None
         "    return t\n"
     )
     assert findings_of(source, "nccl-with-cpu-tensors") == [("nccl-with-cpu-tensors", 6)]
+
+
+@pytest.mark.parametrize(
+    "made, flagged",
+    [
+        # a stack or cat keeps its parts' device: one CPU part makes it CPU
+        ("torch.stack([loss.sum(), torch.tensor(float(n))]).double()", True),
+        ("torch.cat([torch.zeros(2), torch.ones(2)])", True),
+        ("rewards.sum()", True),  # rewards below is made on the CPU
+        ("scores.cpu().mean()", True),
+        ("torch.stack([loss.sum(), torch.tensor(float(n), device=loss.device)])", False),
+        ("rewards.sum().to(loss.device)", False),
+        ("torch.stack([loss.sum(), loss.mean()])", False),
+    ],
+)
+def test_a_tensor_built_from_cpu_tensors_is_on_the_cpu(made, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def sync(loss, scores, n, reward_list):\n"
+        "    rewards = torch.tensor(reward_list)\n"
+        f"    moments = {made}\n"
+        "    dist.all_reduce(moments)\n"
+    )
+    expected = [("nccl-with-cpu-tensors", 7)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected, made
 
 
 def test_a_tensor_made_on_the_gpu_in_one_branch_is_not_judged() -> None:

@@ -74,30 +74,59 @@ def tensor_sent(call: ast.Call, collective: str) -> ast.Name | None:
 
 
 def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple[int, bool]]]:
-    """For each name assigned among `nodes`: (line, made by a torch factory on the CPU)
-    of every assignment, in line order. `t = t.cuda()` is an assignment too."""
+    """For each name assigned among `nodes`: (line, made on the CPU) of every
+    assignment, in line order. `t = t.cuda()` is an assignment too; a value made
+    from a name is on the CPU when that name's last assignment above was."""
     origins: dict[str, list[tuple[int, bool]]] = {}
-    for node in nodes:
-        if not isinstance(node, ast.Assign):
-            continue
-        on_cpu = makes_cpu_tensor(script, node.value)
+
+    def on_cpu_so_far(name: str) -> bool:
+        assignments = origins.get(name)
+        return bool(assignments) and assignments[-1][1]
+
+    for node in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+        on_cpu = makes_cpu_tensor(script, node.value, on_cpu_so_far)
         for target in node.targets:
             if isinstance(target, ast.Name):
                 origins.setdefault(target.id, []).append((node.lineno, on_cpu))
-    for assignments in origins.values():
-        assignments.sort()
     return origins
 
 
-def makes_cpu_tensor(script: Script, value: ast.expr) -> bool:
-    """`torch.zeros(n)` with no device, `torch.from_numpy(a)`, `torch.LongTensor(x)`, `t.cpu()`."""
+# Joining tensors keeps their device (and fails on mixed ones); so do these methods.
+JOINS = frozenset({"torch.stack", "torch.cat", "torch.concat", "torch.vstack", "torch.hstack"})
+DEVICE_KEEPING_METHODS = frozenset(
+    {"sum", "mean", "float", "double", "long", "int", "half", "bfloat16", "clone", "detach"}
+    | {"view", "reshape", "flatten", "unsqueeze", "squeeze", "contiguous", "abs", "sqrt"}
+)
+MAX_DEPTH = 12
+
+
+def makes_cpu_tensor(
+    script: Script, value: ast.expr, cpu_name=lambda _name: False, depth=0
+) -> bool:
+    """`torch.zeros(n)` with no device, `torch.from_numpy(a)`, `torch.LongTensor(x)`,
+    `t.cpu()`; a stack or cat with such a tensor in it; `.sum()` / `.double()` of one;
+    a name `cpu_name` says was made so."""
+    if depth > MAX_DEPTH:
+        return False
+    if isinstance(value, ast.Name):
+        return cpu_name(value.id)
     if not isinstance(value, ast.Call):
         return False
     name = script.name_of(value.func)
     if name in TORCH_FACTORIES:
         return keyword(value, "device") is None
-    moved_to_cpu = isinstance(value.func, ast.Attribute) and value.func.attr == "cpu"
-    return name in CPU_CONSTRUCTORS or moved_to_cpu
+    if name in CPU_CONSTRUCTORS:
+        return True
+    if name in JOINS and value.args and isinstance(value.args[0], ast.List | ast.Tuple):
+        return any(
+            makes_cpu_tensor(script, part, cpu_name, depth + 1) for part in value.args[0].elts
+        )
+    if isinstance(value.func, ast.Attribute):
+        if value.func.attr == "cpu":
+            return True
+        if value.func.attr in DEVICE_KEEPING_METHODS:
+            return makes_cpu_tensor(script, value.func.value, cpu_name, depth + 1)
+    return False
 
 
 def made_on_cpu_before(assignments: list[tuple[int, bool]], line: int) -> int | None:
