@@ -179,7 +179,10 @@ FILE_WRITERS = {
     "numpy.savez_compressed": 0,
 }
 # Methods that write their object to the path they are given first.
-WRITING_METHODS = frozenset({"to_pickle", "to_parquet", "to_feather", "save_to_disk"})
+WRITING_METHODS = frozenset({"to_pickle", "to_parquet", "to_feather", "save_to_disk", "tofile"})
+# numpy.memmap(path, mode="w+") creates the file and writes through it.
+MEMMAP_CREATING_MODES = frozenset({"w+"})
+HELPER_DEPTH = 3  # same-file functions followed from the building branch
 EXISTENCE_TESTS = frozenset({"exists", "isfile", "isdir", "is_file", "is_dir"})
 
 
@@ -241,11 +244,26 @@ def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
             continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
         for statement in branch:
             for inner in ast.walk(statement):
-                if not (isinstance(inner, ast.Call) and writes_file(script, inner)):
+                if not isinstance(inner, ast.Call):
                     continue
-                if torch_save or script.name_of(inner.func) != "torch.save":
+                if writes_cache(script, inner, torch_save, HELPER_DEPTH):
                     writes.setdefault(id(inner), test.lineno)
     return writes
+
+
+def writes_cache(script: Script, call: ast.Call, torch_save: bool, depth: int) -> bool:
+    """The call writes a file (torch.save only when `torch_save`), or is a function
+    of this file that does, itself or through the functions it calls (up to
+    `depth` calls deep): `build_token_cache(cache_dir)`."""
+    if writes_file(script, call):
+        return torch_save or script.name_of(call.func) != "torch.save"
+    function = script.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
+    if function is None or depth == 0:
+        return False
+    return any(
+        isinstance(inner, ast.Call) and writes_cache(script, inner, torch_save, depth - 1)
+        for inner in ast.walk(function)
+    )
 
 
 def build_when_missing(script: Script) -> Iterator[tuple[ast.If, list[ast.stmt]]]:
@@ -291,6 +309,9 @@ def writes_file(script: Script, call: ast.Call) -> bool:
     name = script.name_of(call.func)
     if name in FILE_WRITERS:
         return len(call.args) > FILE_WRITERS[name]
+    if name == "numpy.memmap":
+        mode = keyword(call, "mode")
+        return isinstance(mode, ast.Constant) and mode.value in MEMMAP_CREATING_MODES
     func = call.func
     return isinstance(func, ast.Attribute) and func.attr in WRITING_METHODS and bool(call.args)
 
