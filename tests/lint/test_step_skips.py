@@ -46,3 +46,30 @@ def test_a_skip_on_the_step_count_or_on_a_value_every_rank_agreed_on_is_quiet():
         model(x).sum().backward()
     """
     assert skipped_lines(body) == []
+
+
+def test_a_rollout_value_compared_after_a_reduction_is_a_skip_on_local_data():
+    # RL loops draw their batch inside the loop (`next(it)`, a rollout): the skip
+    # reads a value the rank computed, not a loader's item.
+    body = """
+    for step in range(1000):
+        rewards = rollout(next(it))
+        adv = rewards - rewards.mean()
+        if adv.abs().sum() == 0:
+            continue
+        model(adv).sum().backward()
+    """
+    assert skipped_lines(body) == [5]
+
+
+def test_a_compared_reduction_every_rank_agreed_on_is_quiet():
+    body = """
+    for step in range(1000):
+        adv = rollout(next(it))
+        flat = adv.abs().sum()
+        dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+        if flat.sum() == 0:
+            continue
+        model(adv).sum().backward()
+    """
+    assert skipped_lines(body) == []

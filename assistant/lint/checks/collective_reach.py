@@ -223,7 +223,9 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         if not isinstance(node, ast.If) or not ends_iteration(node.body):
             continue
         loop = enclosing_loop(node, parents)
-        if loop is None or not reads_local_value(node.test, batch_names(loop)):
+        if loop is None or not (
+            reads_local_value(node.test, batch_names(loop)) or compares_a_reduction(node.test)
+        ):
             continue
         steps = steps or StepFacts(script, parents)
         if steps.agreed_before(node, loop):
@@ -283,12 +285,15 @@ def check_collective_on_local_data(script: Script) -> Iterator[Finding]:
 def reads_own_tensor(test: ast.expr) -> bool:
     """The test reads a value of this rank's tensors: isfinite / isnan / .item(),
     or a comparison of a reduction (`score.mean() > thr`, `loss.item() < best`)."""
-    if reads_local_value(test, set()):
-        return True
+    return reads_local_value(test, set()) or compares_a_reduction(test)
+
+
+def compares_a_reduction(test: ast.expr) -> bool:
+    """`score.mean() > thr`, `adv.abs().sum() == 0`: a tensor's method (not the
+    builtin max(a, b)) reduced and compared, a value of this rank's tensors."""
     for node in ast.walk(test):
         if isinstance(node, ast.Compare):
             for side in [node.left, *node.comparators]:
-                # a tensor's method (`score.mean()`), not the builtin max(a, b)
                 if (
                     isinstance(side, ast.Call)
                     and isinstance(side.func, ast.Attribute)
