@@ -151,3 +151,37 @@ def test_an_iterable_batcher_handed_a_ranks_shards_is_reported():
 def test_an_iterable_dataset_the_loader_batches_by_count_is_left_alone():
     body = ITERABLE + "loader = DataLoader(FrameBatcher(my_shards, 20000), batch_size=8)\n"
     assert reported_lines(body) == []
+
+
+DEALT = """
+class TokenBatches:
+    def __init__(self, lengths, max_tokens, rank, world):
+        self.lengths, self.max_tokens = lengths, max_tokens
+        self.rank, self.num_replicas = rank, world
+    def batches(self):
+        out, cur = [], []
+        for i in sorted(range(len(self.lengths)), key=self.lengths.__getitem__):
+            if cur and self.lengths[i] * (len(cur) + 1) > self.max_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        out.append(cur){trim}
+        return out
+    def __iter__(self):
+        return iter(self.batches()[self.rank :: self.num_replicas])
+loader = DataLoader(ds, batch_sampler=TokenBatches(lengths, 4096, rank, world))
+"""
+
+
+@pytest.mark.parametrize(
+    "trim, reported",
+    [
+        ("", [16]),
+        ("\n        out = out[: len(out) - len(out) % self.num_replicas]", []),
+        ("\n        out += out[: -len(out) % self.num_replicas]", []),
+    ],
+    ids=["untrimmed", "trimmed", "padded"],
+)
+def test_batches_cut_over_all_samples_must_be_trimmed_before_they_are_dealt_out(trim, reported):
+    # len(out) % world batches left over: those ranks run one step more than the others
+    assert reported_lines(DEALT.format(trim=trim)) == reported

@@ -57,7 +57,11 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
         if stride is None:
             stride = next(filter(None, (strided_argument(script, c) for c in made[cls.name])), None)
         elif position(where) < position(stride):
-            continue  # batches cut over all samples, then shared out: the counts agree
+            # batches cut over all samples, then dealt out: equal counts only when
+            # the count is trimmed or padded to a multiple of the world size
+            if not evens_the_count(cls):
+                yield dealt_out_untrimmed(script, cls, stride)
+            continue
         if stride is None:
             continue
         yield script.finding(
@@ -71,6 +75,30 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
             "the world size), or agree on the smallest count with "
             "all_reduce(op=ReduceOp.MIN), or train inside `with model.join():`",
         )
+
+
+def evens_the_count(cls: ast.ClassDef) -> bool:
+    """Arithmetic with the world size on a count (`n - n % world`, `n // world *
+    world`, `ceil(n / replicas)`): the batches are trimmed or padded to share out."""
+    return any(
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Mod | ast.FloorDiv | ast.Div | ast.Mult)
+        and any(WORLD_WORD.search(source_text(side)) for side in (node.left, node.right))
+        for node in ast.walk(cls)
+    )
+
+
+def dealt_out_untrimmed(script: Script, cls: ast.ClassDef, stride: ast.AST) -> Finding:
+    return script.finding(
+        "uneven-inputs",
+        stride,
+        f"{cls.name} cuts its batches over all samples, then deals them out by rank "
+        "without trimming the count to a multiple of the world size: when it is not one, "
+        "some ranks get one batch more, and their extra step waits in DDP's gradient "
+        "all-reduce for ranks that already left the epoch (a hang until the timeout); "
+        "drop the last len(batches) % world batches (or repeat the first ones) before "
+        "`batches[rank::world]`",
+    )
 
 
 def batching_classes(script: Script) -> dict[str, list[ast.Call]]:
