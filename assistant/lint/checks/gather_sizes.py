@@ -16,8 +16,11 @@ the lists appended to that made it, must hold such a content-sized step;
 the receive buffers must be sized from the tensor itself (`zeros_like(t)`);
 and the function must not exchange sizes first (a collective on a tensor
 built from `len()`, `.shape`, `.size()` or `.numel()`), which is how a
-padded gather starts. A tensor with one row per sample (logits, features)
-is the same size on every rank under a DistributedSampler, and stays quiet.
+padded gather starts. A tensor made from a parameter is followed to what
+the file's callers pass for it, two calls up (a loader over a strided share
+built in main(), handed down to the function that gathers). A tensor with
+one row per sample (logits, features) is the same size on every rank under
+a DistributedSampler, and stays quiet.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.wrapper import plain_names
-from assistant.lint.model import Script, called_name, own_nodes, short, source_text
+from assistant.lint.model import Script, called_name, keyword, own_nodes, short, source_text
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
@@ -70,7 +73,11 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 continue
             if not sized_like(values, buffers, tensor.id):
                 continue
+            if padded_to_a_common_size(values, tensor):
+                continue
             step = content_sized_step(script, values, tensor)
+            if step is None and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+                step = content_sized_by_callers(script, scope, values, tensor)
             if step is not None:
                 yield script.finding(
                     "collective-mismatch",
@@ -125,6 +132,39 @@ def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.ex
             return
 
 
+# Padding made of "the common size minus mine": `torch.zeros(per - x.size(0), d)`, F.pad.
+PADDING_CALLS = frozenset(
+    {"zeros", "empty", "full", "ones", "new_zeros", "new_full", "new_empty", "pad"}
+)
+
+
+def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr) -> bool:
+    """The tensor is cut or padded to a size every rank shares before the gather:
+    its making holds a padding sized by a difference with its own size."""
+    for value in origin(values, tensor):
+        for node in ast.walk(value):
+            if not (isinstance(node, ast.Call) and called_name(node) in PADDING_CALLS):
+                continue
+            for inner in ast.walk(node):
+                if (
+                    isinstance(inner, ast.BinOp)
+                    and isinstance(inner.op, ast.Sub)
+                    and reads_own_size(inner.right)
+                ):
+                    return True
+    return False
+
+
+def reads_own_size(expr: ast.expr) -> bool:
+    """`x.size(0)`, `x.shape[0]`, `len(x)`, `x.numel()`."""
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Call) and called_name(node) in SIZE_READS:
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "shape":
+            return True
+    return False
+
+
 def content_sized_step(
     script: Script, values: dict[str, list[ast.expr]], tensor: ast.expr
 ) -> ast.expr | None:
@@ -134,6 +174,58 @@ def content_sized_step(
             if is_content_sized(node) or is_rank_stride(script, node):
                 return node
     return None
+
+
+CALLER_LEVELS = 2  # main() -> knn_monitor(loader) -> gather_features(loader)
+
+
+def content_sized_by_callers(
+    script: Script,
+    function: ast.FunctionDef | ast.AsyncFunctionDef,
+    values: dict[str, list[ast.expr]],
+    tensor: ast.expr,
+    levels: int = CALLER_LEVELS,
+) -> ast.expr | None:
+    """The content-sized step in what this file's callers pass for a parameter the
+    tensor is made from: `gather_features(encoder, loader)` called with a loader
+    over `Subset(ds, range(rank, n, world))`, up to CALLER_LEVELS calls up."""
+    parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+    used = {n.id for v in origin(values, tensor) for n in ast.walk(v) if isinstance(n, ast.Name)}
+    for parameter in (p for p in parameters if p in used):
+        index = parameters.index(parameter)
+        for scope, caller_values, argument in caller_arguments(
+            script, function.name, parameter, index
+        ):
+            step = content_sized_step(script, caller_values, argument)
+            if (
+                step is None
+                and levels > 1
+                and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
+            ):
+                step = content_sized_by_callers(script, scope, caller_values, argument, levels - 1)
+            if step is not None:
+                return step
+    return None
+
+
+def caller_arguments(script: Script, name: str, parameter: str, index: int):
+    """(the calling scope, its values, the argument) for each call `name(...)` in the file."""
+    for scope in script.all_scopes:
+        nodes = script.scope_nodes(scope)
+        calls = [
+            n
+            for n in nodes
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+        ]
+        if not calls:
+            continue
+        values = scope_values(nodes)
+        for call in calls:
+            given = keyword(call, parameter)
+            if given is None and index < len(call.args):
+                given = call.args[index]
+            if given is not None and not isinstance(given, ast.Starred):
+                yield scope, values, given
 
 
 def is_rank_stride(script: Script, node: ast.AST) -> bool:

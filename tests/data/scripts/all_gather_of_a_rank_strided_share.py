@@ -3,7 +3,9 @@
 corpus[rank::world] holds one item more on the first len % world ranks, so
 the embeddings differ in rows across ranks while every rank receives into
 buffers shaped like its own. The same through a loader over
-Subset(ds, range(rank, len(ds), world)), its batches embedded and concatenated.
+Subset(ds, range(rank, len(ds), world)), its batches embedded and concatenated,
+also where main() builds that loader and hands it down two calls to the
+function that gathers.
 """
 
 import os
@@ -11,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 
 @torch.no_grad()
@@ -35,6 +37,21 @@ def embed_split(model, ds, rank, world, device):
     return torch.cat(gathered)
 
 
+@torch.no_grad()
+def gather_features(model, loader, device):
+    feats = []
+    for x, _ in loader:
+        feats.append(model(x.to(device)))
+    feats = torch.cat(feats)
+    out = [torch.zeros_like(feats) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, feats)  # expect: collective-mismatch
+    return torch.cat(out)
+
+
+def knn_monitor(model, bank_loader, device):
+    return gather_features(model, bank_loader, device).norm(dim=1)
+
+
 def main():
     dist.init_process_group("nccl")
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -43,8 +60,12 @@ def main():
     encoder = nn.Linear(16, 8).to(device)
     corpus = [torch.randn(16) for _ in range(1001)]
     index = embed_corpus(encoder, corpus, dist.get_rank(), dist.get_world_size(), device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bank = TensorDataset(torch.randn(1001, 16), torch.zeros(1001))
+    bank_loader = DataLoader(Subset(bank, range(rank, len(bank), world)), batch_size=64)
+    norms = knn_monitor(encoder, bank_loader, device)
     if dist.get_rank() == 0:
-        print(index.shape)
+        print(index.shape, norms.shape)
     dist.destroy_process_group()
 
 

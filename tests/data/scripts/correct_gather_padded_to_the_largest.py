@@ -1,5 +1,7 @@
 """Gathering rows whose count differs per rank the right way: the sizes
-first, then every rank pads to the largest; and per-sample logits, which a
+first, then every rank pads to the largest (also a strided share built in
+main() and padded to the common ceil(n / world) rows where it is gathered,
+two calls down); and per-sample logits, which a
 DistributedSampler makes the same size on every rank, also when they come
 batch by batch from its loader."""
 
@@ -46,6 +48,20 @@ def gather_features(model, ds, world_size):
     return torch.cat(everyone)
 
 
+@torch.no_grad()
+def embed_share(model, texts, per, device):
+    x = model(torch.stack(texts).to(device))
+    pad = torch.zeros(per - x.size(0), x.size(1), device=device)
+    x = torch.cat([x, pad])
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, x)
+    return torch.stack(gathered, 1).reshape(-1, x.size(1))
+
+
+def evaluate(model, texts, per, device):
+    return embed_share(model, texts, per, device)
+
+
 def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -54,6 +70,10 @@ def main():
     batches = [torch.randn(4, 8, device=f"cuda:{local_rank}") for _ in range(2)]
     logits = gather_logits(model, batches, dist.get_world_size())
     gather_confident(logits.softmax(-1).max(-1).values, dist.get_world_size())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = [torch.randn(8) for _ in range(101)]
+    per = (len(corpus) + world - 1) // world
+    evaluate(model.module, corpus[rank::world], per, f"cuda:{local_rank}")
     dist.destroy_process_group()
 
 
