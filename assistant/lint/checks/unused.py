@@ -407,6 +407,87 @@ def check_output_the_step_throws_away(script: Script) -> Iterator[Finding]:
             break
 
 
+@check("unused-parameters")
+def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Finding]:
+    """`graph_logits, atom_logits = model(batch)` where only atom_logits runs
+    self.atom_head, and the loss takes atom_logits only under `if step >= aux_start:`
+    (a step count, a modulo, a random draw): on the other steps the head's
+    parameters get no gradient, under a DDP that expects every parameter."""
+    classes = {cls.name: cls for cls in model_classes(script)}
+    if not classes:
+        return
+    reported: set[int] = set()
+    for call, nodes, ddp in training_calls(script):
+        assigned = unpacked_assignment(call, nodes)
+        if assigned is None:
+            continue
+        targets, assign = assigned
+        _, built = wrapped_by(script, ddp, set(classes))
+        for name in sorted(built):
+            returned = returned_elements(forward_of(classes[name]))
+            if returned is None or len(returned) != len(targets):
+                continue
+            for position, target in enumerate(targets):
+                others = set().union(*(r for i, r in enumerate(returned) if i != position))
+                only_here = sorted(returned[position] - others)
+                if not (isinstance(target, ast.Name) and target.id != "_" and only_here):
+                    continue
+                gate = per_step_gate(target.id, nodes, assign)
+                if gate is None or gate.lineno in reported:
+                    continue
+                reported.add(gate.lineno)
+                shown = ", ".join(f"self.{member}" for member in only_here[:3])
+                yield script.finding(
+                    "unused-parameters",
+                    gate,
+                    f"{target.id} (the output of forward that alone runs {shown}) reaches the "
+                    f"loss only on the steps where `{source_text(gate.test)}` holds: on the "
+                    "others those parameters get no gradient, and DDP (line "
+                    f"{ddp.lineno}) expects one for every parameter each step and fails with "
+                    '"Expected to have finished reduction in the prior iteration"; add the '
+                    "term every step with weight 0 while it is off, or pass "
+                    "find_unused_parameters=True",
+                )
+
+
+def unpacked_assignment(
+    call: ast.Call, nodes: list[ast.AST]
+) -> tuple[list[ast.expr], ast.Assign] | None:
+    """`a, b = model(x)`: the targets and the assignment."""
+    for node in nodes:
+        if isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Tuple | ast.List):
+                return target.elts, node
+    return None
+
+
+def per_step_gate(name: str, nodes: list[ast.AST], assign: ast.Assign) -> ast.If | None:
+    """The `if` deciding per step (varying_line) inside whose body every later read
+    of `name` sits; None when a read is outside such an `if`, or there is none."""
+    gates = [
+        node
+        for node in nodes
+        if isinstance(node, ast.If) and varying_line(node.test, nodes) is not None
+    ]
+    inside = {id(n): gate for gate in gates for s in gate.body for n in ast.walk(s)}
+    reads = [
+        node
+        for node in nodes
+        if isinstance(node, ast.Name)
+        and node.id == name
+        and isinstance(node.ctx, ast.Load)
+        and position_after(node, assign)
+    ]
+    if not reads or any(id(read) not in inside for read in reads):
+        return None
+    return inside[id(reads[0])]
+
+
+def position_after(node: ast.AST, assign: ast.Assign) -> bool:
+    return (node.lineno, node.col_offset) > (assign.lineno, assign.col_offset)
+
+
 def discarded_positions(
     call: ast.Call, nodes: list[ast.AST]
 ) -> tuple[set[int], list[ast.expr], ast.Assign] | None:

@@ -1,0 +1,49 @@
+"""A model with an auxiliary head whose output the loss takes only after a
+warmup (and only when the batch has masked atoms): before that the head's
+parameters get no gradient, and DDP, told to expect one for every parameter,
+fails on the second step with "Expected to have finished reduction in the
+prior iteration". Runs on CPU ranks (gloo)."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+AUX_START = 1000
+
+
+class MultiTask(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.graph_head = nn.Linear(16, 1)
+        self.atom_head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.graph_head(h).squeeze(-1), self.atom_head(h)
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(MultiTask())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = 0
+    for _ in range(3):
+        x, y, atoms = torch.randn(16, 8), torch.randn(16), torch.randint(0, 4, (16,))
+        mask = torch.rand(16) < 0.15
+        graph_out, atom_logits = model(x)
+        loss = nn.functional.mse_loss(graph_out, y)
+        if step >= AUX_START and mask.any():  # expect: unused-parameters
+            loss = loss + 0.1 * nn.functional.cross_entropy(atom_logits[mask], atoms[mask])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+    print(f"trained rank {dist.get_rank()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
