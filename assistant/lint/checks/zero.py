@@ -18,6 +18,11 @@ The same sharding makes every forward a collective: ZeRO-3 and FSDP (FSDP1's
 wrapper, FSDP2's `fully_shard`) all-gather each layer's parameters from every
 rank as it runs. A forward or `generate()` on rank 0 only (printing samples,
 a quick evaluation) waits for ranks that never enter it, and hangs.
+
+The placeholders are what a loop over the engine's parameters reads too:
+`for name, p in engine.module.named_parameters(): client.update_named_param(name,
+p.data)`, an RL trainer pushing its weights to a generation server, sends
+torch.Size([0]) tensors unless the loop runs inside GatheredParameters.
 """
 
 from __future__ import annotations
@@ -66,6 +71,72 @@ def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
             "(stage3_gather_16bit_weights_on_model_save), read inside "
             "deepspeed.zero.GatheredParameters, or convert a save_checkpoint with zero_to_fp32",
         )
+
+
+PARAMETER_ITERATORS = frozenset({"named_parameters", "parameters"})
+# Reading a parameter's values, not its flags: what a weight sync or a copy does.
+VALUE_READS = frozenset({"data", "detach", "clone", "cpu", "to", "numpy", "tolist"})
+
+
+@check("zero3-partitioned-parameters")
+def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
+    """`for name, p in engine.module.named_parameters(): send(name, p.data)` in a
+    ZeRO-3 script, outside a gather: each p is this rank's placeholder."""
+    stage = zero3_stage(script)
+    engines = engine_names(script) if stage is not None else set()
+    if not engines:
+        return
+    gathered = gathered_nodes(script)
+    for loop in (n for n in script.nodes if isinstance(n, ast.For) and id(n) not in gathered):
+        if not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Attribute)):
+            continue
+        if loop.iter.func.attr not in PARAMETER_ITERATORS:
+            continue
+        receiver = loop.iter.func.value
+        if isinstance(receiver, ast.Attribute) and receiver.attr == "module":
+            receiver = receiver.value
+        if source_text(receiver) not in engines:
+            continue
+        parameter = loop_parameter(loop)
+        if parameter is None or not reads_values(loop, parameter, gathered):
+            continue
+        yield script.finding(
+            "zero3-partitioned-parameters",
+            loop,
+            f"{source_text(loop.iter)} under ZeRO stage 3 (line {stage.lineno}) yields this "
+            f"rank's placeholders (torch.Size([0])), and the loop reads {parameter}'s values: "
+            "what it copies or sends is empty; run the loop inside "
+            "`with deepspeed.zero.GatheredParameters(list(...parameters()), modifier_rank=None):` "
+            "on every rank (one parameter or layer at a time for a large model)",
+        )
+
+
+def loop_parameter(loop: ast.For) -> str | None:
+    """`for name, p in ...named_parameters()` -> "p"; `for p in ...parameters()` -> "p"."""
+    target = loop.target
+    if isinstance(target, ast.Tuple) and len(target.elts) == 2:
+        target = target.elts[1]
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def reads_values(loop: ast.For, parameter: str, gathered: set[int]) -> bool:
+    """The loop body reads the parameter's values (`p.data`, `p.detach()`) or hands
+    the parameter to a call (`send(name, p)`), not only its flags, outside a gather."""
+    body = (n for s in loop.body for n in ast.walk(s) if id(n) not in gathered)
+    for node in body:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == parameter
+            and node.attr in VALUE_READS
+        ):
+            return True
+        if isinstance(node, ast.Call) and any(
+            isinstance(a, ast.Name) and a.id == parameter
+            for a in [*node.args, *(k.value for k in node.keywords)]
+        ):
+            return True
+    return False
 
 
 @check("zero3-partitioned-parameters")

@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-3 weights saved the ways DeepSpeed documents (no finding expected).
 
 save_16bit_model on every rank, save_checkpoint on every rank, and a
-state_dict read inside GatheredParameters.
+state_dict read inside GatheredParameters; a weight sync that gathers one
+parameter at a time on every rank, and a loop that only sets flags.
 """
 
 import os
@@ -18,6 +19,10 @@ DS_CONFIG = {
 }
 
 
+def push_to_server(name, tensor):
+    print(name, tuple(tensor.shape))
+
+
 def main():
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -29,6 +34,12 @@ def main():
         loss = engine(torch.randn(8, 64, device=engine.device)).pow(2).mean()
         engine.backward(loss)
         engine.step()
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                if dist.get_rank() == 0:
+                    push_to_server(name, param.data)
+    for param in engine.module.parameters():
+        param.requires_grad_(False)
     engine.save_16bit_model("export", "model.bin")
     engine.save_checkpoint("checkpoints")
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):

@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO-3: rank 0 saves engine.module.state_dict(), whose parameters
-are torch.Size([0]) placeholders outside the engine's own gathers."""
+are torch.Size([0]) placeholders outside the engine's own gathers; and a weight
+sync to a generation server that sends each parameter's placeholder."""
 
 import os
 
@@ -16,6 +17,10 @@ DS_CONFIG = {
 }
 
 
+def push_to_server(name, tensor):
+    print(name, tuple(tensor.shape))
+
+
 def main():
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -27,6 +32,12 @@ def main():
         loss = engine(torch.randn(8, 64, device=engine.device)).pow(2).mean()
         engine.backward(loss)
         engine.step()
+        if dist.get_rank() == 0:
+            for (
+                name,
+                param,
+            ) in engine.module.named_parameters():  # expect: zero3-partitioned-parameters
+                push_to_server(name, param.data)
     if dist.get_rank() == 0:
         torch.save(engine.module.state_dict(), "model.bin")  # expect: zero3-partitioned-parameters
 
