@@ -21,6 +21,11 @@ def push_to_server(name, tensor):
     print(name, tuple(tensor.shape))
 
 
+def sync_weights(engine):
+    for name, param in engine.module.named_parameters():  # expect: zero3-partitioned-parameters
+        push_to_server(name, param.data)
+
+
 def main():
     deepspeed.init_distributed()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -33,11 +38,7 @@ def main():
         engine.backward(loss)
         engine.step()
         if dist.get_rank() == 0:
-            for (
-                name,
-                param,
-            ) in engine.module.named_parameters():  # expect: zero3-partitioned-parameters
-                push_to_server(name, param.data)
+            sync_weights(engine)
     if dist.get_rank() == 0:
         torch.save(engine.module.state_dict(), "model.bin")  # expect: zero3-partitioned-parameters
 
