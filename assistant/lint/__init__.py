@@ -5,6 +5,7 @@
 - torchapi: names of PyTorch's collectives, spawners, tensor factories;
 - ranks: which ranks run a branch (`if rank == 0:` and its relatives);
 - tracer: the rough execution order of calls, stepping into same-file functions;
+- launchtext: launch commands written as text (a docstring's, a pasted one);
 - registry: `@check("cause-id")` and CHECKS;
 - checks/: the checks, one module per area (see its docstring to add one).
 """
