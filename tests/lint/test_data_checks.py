@@ -793,3 +793,50 @@ def test_a_shuffled_loader_only_a_forward_only_helper_reads_is_not_a_training_lo
     assert [
         line for line, _ in lint_snippet(DDP_PRELUDE, training, ["missing-distributed-sampler"])
     ] == [7]
+
+
+@pytest.mark.parametrize(
+    "helper, reported",
+    [
+        # the rank only decides who downloads first: every rank still gets everything
+        (
+            (
+                "def get_datasets(root, rank):\n"
+                "    if rank != 0:\n"
+                "        dist.barrier()\n"
+                "    ds = torchvision.datasets.CIFAR10(root, download=(rank == 0))\n"
+                "    if rank == 0:\n"
+                "        dist.barrier()\n"
+                "    return ds\n"
+            ),
+            True,
+        ),
+        # the rank picks this rank's share
+        (
+            (
+                "def get_datasets(root, rank):\n"
+                "    ds = torchvision.datasets.CIFAR10(root)\n"
+                "    return Subset(ds, range(rank, len(ds), 8))\n"
+            ),
+            False,
+        ),
+        (
+            (
+                "def get_datasets(root, rank):\n"
+                "    ds = torchvision.datasets.CIFAR10(root)\n"
+                "    return Subset(ds, [i for i in range(len(ds)) if i % 8 == rank])\n"
+            ),
+            False,
+        ),
+    ],
+    ids=["rank-compared", "rank-strided", "rank-modulo"],
+)
+def test_a_helper_given_the_rank_only_to_compare_it_does_not_shard(helper, reported) -> None:
+    body = (
+        "import torchvision\n"
+        + helper
+        + "train = get_datasets('data', rank)\n"
+        + "loader = DataLoader(train, batch_size=8, shuffle=True)\n"
+    )
+    found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
+    assert ("missing-distributed-sampler" in found) == reported

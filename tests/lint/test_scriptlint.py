@@ -656,3 +656,32 @@ def test_each_misplaced_spawn_argument_names_the_parameter_and_why() -> None:
     [annotated] = lint_script(SCRIPTS / "spawn_arguments_against_their_annotations.py")
     assert "hands config to train_worker's parameter world_size" in annotated.message
     assert "annotated int but given an object of TrainConfig" in annotated.message
+
+
+@pytest.mark.parametrize(
+    "step, reported",
+    [
+        ("_, loss = model(x, y)\nloss.backward()\n", True),
+        ("_, loss = model(x, y)\nloss.mean().backward()\n", False),
+        ("pred = model(x)\ntorch.nn.functional.mse_loss(pred, y).backward()\n", False),
+    ],
+    ids=["unpacked-loss", "averaged", "loss-outside"],
+)
+def test_a_loss_returned_beside_the_prediction_is_gathered_into_a_vector(step, reported) -> None:
+    # forward returns (pred, self.loss_fn(pred, y)): DataParallel gathers one loss per GPU
+    source = (
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.head = nn.Linear(4, 1)\n"
+        "        self.loss_fn = nn.SmoothL1Loss()\n"
+        "    def forward(self, x, y=None):\n"
+        "        pred = self.head(x)\n"
+        "        if y is not None:\n"
+        "            return pred, self.loss_fn(pred, y)\n"
+        "        return pred\n"
+        "model = nn.DataParallel(Net()).cuda()\n" + step  # a move keeps the wrapper
+    )
+    found = findings_of(source, "dataparallel-unsafe-model")
+    assert bool(found) == reported, found

@@ -582,8 +582,38 @@ class DataFlow:
         }
 
     def sharded_by_rank(self, dataset: ast.expr) -> bool:
-        """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`."""
-        return any(map(self.value_reads_rank, self.origin(dataset)))
+        """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`;
+        a rank tested against a constant (`download=(rank == 0)`) cuts nothing."""
+        return any(
+            self.value_indexes_by_rank(value)
+            and not is_rank_expr(value, self.script)  # the rank's own making (`dist.get_rank()`)
+            and not self.helper_only_compares_rank(value)
+            for value in self.origin(dataset)
+        )
+
+    def helper_only_compares_rank(self, value: ast.expr) -> bool:
+        """`get_datasets(root, rank)`: a function of this file that only compares the
+        rank it is given (`if rank != 0: dist.barrier()`, `download=(rank == 0)`)."""
+        if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
+            return False
+        function = self.script.functions.get(value.func.id)
+        if function is None:
+            return False
+        parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+        given = [*enumerate(value.args), *((k.arg, k.value) for k in value.keywords)]
+        rank_parameters = []
+        for key, argument in given:
+            if not self.value_reads_rank(argument):
+                continue
+            if isinstance(key, int) and key < len(parameters):
+                rank_parameters.append(parameters[key])
+            elif isinstance(key, str):
+                rank_parameters.append(key)
+            else:
+                return False  # into *args or **kwargs: cannot tell
+        return bool(rank_parameters) and all(
+            only_compared(function, name) for name in rank_parameters
+        )
 
     def files_split_by_rank(self, dataset: ast.expr) -> ast.Subscript | None:
         """`files[rank::world]` in the dataset's making, where `files` is a list of
@@ -679,8 +709,17 @@ class DataFlow:
 
     @memoized
     def value_reads_rank(self, value: ast.expr) -> bool:
+        return self.reads_rank_outside(value, set())
+
+    @memoized
+    def value_indexes_by_rank(self, value: ast.expr) -> bool:
+        """The value reads the rank other than to test it against a constant."""
+        return self.reads_rank_outside(value, constant_tests(value))
+
+    def reads_rank_outside(self, value: ast.expr, skipped: set[int]) -> bool:
         return any(
             isinstance(n, ast.expr)
+            and id(n) not in skipped
             and (is_rank_expr(n, self.script) or read_name(n) in self.rank_holders)
             for n in outside_placements(self.script, value)
         )
@@ -1173,3 +1212,37 @@ def identifiers(node: ast.AST) -> set[str]:
         for n in ast.walk(node)
         if isinstance(n, (ast.Name, ast.Attribute))
     }
+
+
+def constant_tests(value: ast.expr) -> set[int]:
+    """ids of the nodes compared with constants in `value` (`rank == 0`, `rank in (-1, 0)`):
+    a test of which rank this is, not an index that picks data."""
+    tested: set[int] = set()
+    for node in ast.walk(value):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        constant = [is_constant(side) for side in sides]
+        if any(constant):
+            for side, is_const in zip(sides, constant, strict=True):
+                if not is_const:
+                    tested.update(id(n) for n in ast.walk(side))
+    return tested
+
+
+def is_constant(expr: ast.expr) -> bool:
+    if isinstance(expr, ast.Constant):
+        return True
+    if isinstance(expr, ast.UnaryOp):
+        return is_constant(expr.operand)
+    return isinstance(expr, ast.Tuple | ast.List | ast.Set) and all(map(is_constant, expr.elts))
+
+
+def only_compared(function: ast.AST, name: str) -> bool:
+    """Every read of `name` in `function` is a side of a comparison with a constant."""
+    tested = constant_tests(function)
+    return all(
+        id(n) in tested
+        for n in ast.walk(function)
+        if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    )

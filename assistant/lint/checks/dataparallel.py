@@ -11,8 +11,11 @@ back as it is.
 
 Read only where the file shows all three: the model's class (built into the
 DataParallel call, or into the name it wraps), a `return` in its forward of
-a loss function's value or a bare `.mean()` / `.sum()`, and a `.backward()`
-straight on what calling the wrapper returned (no `.mean()` in between).
+a loss function's value or a bare `.mean()` / `.sum()` (alone, or as one
+element of a returned tuple: `return pred, self.loss_fn(pred, y)`), and a
+`.backward()` straight on what calling the wrapper returned, or on that
+element unpacked from it (`_, loss = model(x, y)`), with no `.mean()` in
+between.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from assistant.results import Finding
 DATA_PARALLEL = "DataParallel"
 # A call whose value is a loss: torch's losses (mse_loss, cross_entropy, nll_loss...),
 # a criterion, a `loss_fn`.
-LOSS_CALL = re.compile(r"(loss|criterion|cross_entropy|kl_div)$", re.IGNORECASE)
+LOSS_CALL = re.compile(
+    r"(loss|loss_fn|loss_func|loss_fct|criterion|cross_entropy|kl_div)$", re.IGNORECASE
+)
 REDUCTIONS = frozenset({"mean", "sum"})
 
 
@@ -43,24 +48,30 @@ def check_scalar_loss_gathered_by_data_parallel(script: Script) -> Iterator[Find
     classes = {cls.name: cls for cls in model_classes(script)}
     for wrapper in wrappers:
         names, built = wrapped_by(script, wrapper, set(classes))
-        returns = [line for name in built if (line := scalar_return(classes[name])) is not None]
+        returns: dict[int | None, int] = {}
+        for name in built:
+            for position, line in scalar_returns(classes[name]).items():
+                returns.setdefault(position, line)
         if not returns:
             continue
-        for backward, call in backward_on_wrapper_output(script, names):
+        for backward, call, position in backward_on_wrapper_output(script, names):
+            if position not in returns:
+                continue
             yield script.finding(
                 "dataparallel-unsafe-model",
                 backward,
                 f"{source_text(call.func)}() is nn.DataParallel (line {wrapper.lineno}) over a "
-                f"model whose forward returns its scalar loss (line {returns[0]}): each GPU's "
-                "replica returns one, the gather makes them a vector, and backward() fails "
+                f"model whose forward returns its scalar loss (line {returns[position]}): each "
+                "GPU's replica returns one, the gather makes them a vector, and backward() fails "
                 'with "grad can be implicitly created only for scalar outputs"; take '
                 ".mean() of it first, or return the outputs and compute the loss outside",
             )
 
 
-def scalar_return(cls: ast.ClassDef) -> int | None:
-    """The line of a `return` in forward of a loss's value or a bare `.mean()` /
-    `.sum()`, directly or through the name forward assigned it to."""
+def scalar_returns(cls: ast.ClassDef) -> dict[int | None, int]:
+    """Where forward returns a loss's value or a bare `.mean()` / `.sum()`, directly or
+    through the name forward assigned it to: {None: line} for the whole return value,
+    {i: line} for element i of a returned tuple."""
     forward = forward_of(cls)
     assigned: dict[str, list[ast.expr]] = {}
     for node in ast.walk(forward):
@@ -68,15 +79,22 @@ def scalar_return(cls: ast.ClassDef) -> int | None:
             for target in node.targets:
                 if isinstance(target, ast.Name):
                     assigned.setdefault(target.id, []).append(node.value)
+
+    def scalar(value: ast.expr) -> bool:
+        values = assigned.get(value.id, []) if isinstance(value, ast.Name) else [value]
+        return bool(values) and all(is_scalar_loss(v) for v in values)
+
+    found: dict[int | None, int] = {}
     for node in ast.walk(forward):
         if not isinstance(node, ast.Return) or node.value is None:
             continue
-        values = [node.value]
-        if isinstance(node.value, ast.Name):
-            values = assigned.get(node.value.id, [])
-        if values and all(is_scalar_loss(value) for value in values):
-            return node.lineno
-    return None
+        if isinstance(node.value, ast.Tuple):
+            for position, element in enumerate(node.value.elts):
+                if scalar(element):
+                    found.setdefault(position, node.lineno)
+        elif scalar(node.value):
+            found.setdefault(None, node.lineno)
+    return found
 
 
 def is_scalar_loss(value: ast.expr) -> bool:
@@ -91,18 +109,24 @@ def is_scalar_loss(value: ast.expr) -> bool:
 
 def backward_on_wrapper_output(
     script: Script, wrappers: set[str]
-) -> Iterator[tuple[ast.Call, ast.Call]]:
-    """(the backward call, the wrapper's call) for `wrapper(...).backward()`, and for
-    `loss = wrapper(...)` ... `loss.backward()` where the scope binds `loss` nowhere else."""
+) -> Iterator[tuple[ast.Call, ast.Call, int | None]]:
+    """(the backward call, the wrapper's call, the position of the output) for
+    `wrapper(...).backward()`, `loss = wrapper(...)` ... `loss.backward()` (position
+    None), and `_, loss = wrapper(...)` ... `loss.backward()` (position 1), where the
+    scope binds `loss` nowhere else."""
     for scope in script.all_scopes:
         nodes = list(own_nodes(scope))
-        bound: dict[str, list[ast.expr]] = {}
+        bound: dict[str, list[tuple[ast.expr | None, int | None]]] = {}
         for node in nodes:
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     if isinstance(target, ast.Name):
-                        bound.setdefault(target.id, []).append(node.value)
+                        bound.setdefault(target.id, []).append((node.value, None))
+                    elif isinstance(target, ast.Tuple):
+                        for position, element in enumerate(target.elts):
+                            if isinstance(element, ast.Name):
+                                bound.setdefault(element.id, []).append((node.value, position))
         for node in nodes:
             if not (
                 isinstance(node, ast.Call)
@@ -113,9 +137,16 @@ def backward_on_wrapper_output(
             ):
                 continue
             receiver = node.func.value
-            values = bound.get(receiver.id, []) if isinstance(receiver, ast.Name) else [receiver]
-            if values and all(is_wrapper_call(v, wrappers) for v in values):
-                yield node, values[0]
+            values = (
+                bound.get(receiver.id, []) if isinstance(receiver, ast.Name) else [(receiver, None)]
+            )
+            positions = {position for _value, position in values}
+            if (
+                values
+                and len(positions) == 1
+                and all(is_wrapper_call(value, wrappers) for value, _p in values)
+            ):
+                yield node, values[0][0], positions.pop()
 
 
 def is_wrapper_call(value: ast.expr | None, wrappers: set[str]) -> bool:

@@ -27,8 +27,9 @@ from assistant.results import Finding
 @check("missing-main-guard")
 def check_missing_main_guard(script: Script) -> Iterator[Finding]:
     """Processes started at import time: spawn children re-run the module."""
+    reported: set[int] = set()  # one finding per top-level line: the spawn, or the loader in it
     for call in script.traces[0]:
-        if call.guarded:
+        if call.guarded or call.top_line in reported:
             continue
         if call.name in SPAWNERS:
             what = f"{short(call.name)}() (line {call.node.lineno})"
@@ -36,6 +37,7 @@ def check_missing_main_guard(script: Script) -> Iterator[Finding]:
             what = f"a DataLoader with worker processes (line {call.node.lineno})"
         else:
             continue
+        reported.add(call.top_line)
         yield script.finding(
             "missing-main-guard",
             call.top_line,

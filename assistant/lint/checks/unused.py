@@ -613,7 +613,7 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
     names |= {
         source_text(target)
         for node in script.nodes
-        if isinstance(node, ast.Assign) and node.value is ddp
+        if isinstance(node, ast.Assign) and unmoved(node.value) is ddp
         for target in node.targets
     }
     built = {
@@ -625,6 +625,20 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
         and node.func.id in classes
     }
     return names, built
+
+
+MOVES = frozenset({"cuda", "to", "float", "half", "bfloat16"})
+
+
+def unmoved(value: ast.expr) -> ast.expr:
+    """`nn.DataParallel(net).cuda()` -> the DataParallel call: a move keeps the wrapper."""
+    while (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr in MOVES
+    ):
+        value = value.func.value
+    return value
 
 
 def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
