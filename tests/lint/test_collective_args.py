@@ -273,3 +273,29 @@ def test_one_walk_of_the_data_flow_yields_both_kinds_of_finding(monkeypatch) -> 
         ("uneven-inputs", last),
     ]
     assert walked == [1]  # both cause ids from one walk of the script's data flow
+
+
+@pytest.mark.parametrize(
+    "returned, reported",
+    [("meta['step']", False), ("meta['step'] + rank", True)],
+    ids=["shared-step", "step-from-rank"],
+)
+def test_a_helper_given_the_rank_taints_its_result_only_through_what_it_returns(
+    returned, reported
+) -> None:
+    # load_checkpoint reads this rank's shard, but every rank resumes at the same step
+    source = (
+        "import json\nimport torch\nimport torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\nrank = dist.get_rank()\n"
+        "def load_checkpoint(model, rank):\n"
+        "    meta = json.load(open('latest.json'))\n"
+        "    shard = torch.load(f'shard_rank{rank}.pt')\n"
+        "    model.load_state_dict(shard)\n"
+        f"    return {returned}\n"
+        "step = load_checkpoint(model, rank)\n"
+        "while step < 100:\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "    step += 1\n"
+    )
+    found = [f.cause_id for f in lint_source(source)]
+    assert ("uneven-inputs" in found) == reported, found

@@ -840,3 +840,13 @@ def test_a_helper_given_the_rank_only_to_compare_it_does_not_shard(helper, repor
     )
     found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
     assert ("missing-distributed-sampler" in found) == reported
+
+
+def test_a_dataset_that_splits_itself_over_the_ranks_needs_no_sampler() -> None:
+    # mosaicml-streaming's StreamingDataset reads RANK / WORLD_SIZE and partitions itself
+    body = (
+        "from streaming import StreamingDataset\n"
+        "train = StreamingDataset(remote='s3://bucket/mds', local='/tmp/mds', shuffle=True)\n"
+        "loader = DataLoader(train, batch_size=8)\n"
+    )
+    assert findings(DDP_PRELUDE, body) == []

@@ -58,6 +58,8 @@ MAX_LINEAGE = 16
 # A name that holds a list of files or shards.
 FILE_LIST = re.compile(r"file|shard|path", re.IGNORECASE)
 LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
+# Packages whose datasets split the samples over the ranks themselves.
+SELF_SPLITTING_PACKAGES = ("streaming.",)
 ITERABLE_BASES = frozenset({"IterableDataset", "IterDataPipe"})
 # Names in the making of a stream split between ranks (or in the code of a stream class).
 STREAM_SPLIT_WORDS = re.compile(
@@ -585,10 +587,20 @@ class DataFlow:
         """The dataset is cut per rank already: `Subset(ds, idx[rank::world])`, `.shard(...)`;
         a rank tested against a constant (`download=(rank == 0)`) cuts nothing."""
         return any(
-            self.value_indexes_by_rank(value)
-            and not is_rank_expr(value, self.script)  # the rank's own making (`dist.get_rank()`)
-            and not self.helper_only_compares_rank(value)
+            self.splits_itself(value)
+            or (
+                self.value_indexes_by_rank(value)
+                and not is_rank_expr(value, self.script)  # the rank's making (dist.get_rank())
+                and not self.helper_only_compares_rank(value)
+            )
             for value in self.origin(dataset)
+        )
+
+    def splits_itself(self, value: ast.expr) -> bool:
+        """A dataset class that partitions its samples over the ranks itself
+        (mosaicml-streaming's StreamingDataset reads RANK / WORLD_SIZE)."""
+        return isinstance(value, ast.Call) and self.script.name_of(value.func).startswith(
+            SELF_SPLITTING_PACKAGES
         )
 
     def helper_only_compares_rank(self, value: ast.expr) -> bool:

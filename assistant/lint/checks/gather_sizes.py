@@ -123,13 +123,26 @@ def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.ex
         following: list[ast.expr] = []
         for current in frontier:
             yield current
+            local = comprehension_names(current)
             for node in ast.walk(current):
-                if isinstance(node, ast.Name) and node.id not in seen:
+                if isinstance(node, ast.Name) and node.id not in seen | local:
                     seen.add(node.id)
                     following.extend(values.get(node.id, []))
         frontier = following
         if not frontier:
             return
+
+
+def comprehension_names(expr: ast.expr) -> set[str]:
+    """Names a comprehension in `expr` binds (`for _ in range(world)`): its own, not the
+    scope's assignments of the same name."""
+    return {
+        name.id
+        for node in ast.walk(expr)
+        if isinstance(node, ast.comprehension)
+        for name in ast.walk(node.target)
+        if isinstance(name, ast.Name)
+    }
 
 
 # Padding made of "the common size minus mine": `torch.zeros(per - x.size(0), d)`, F.pad.

@@ -453,7 +453,7 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             if isinstance(node.func, ast.Attribute):
                 stack.append(node.func.value)
             if not is_placement(flow.script, node):
-                stack.extend(node.args)
+                stack.extend(arguments_returned(flow.script, node))
             continue
         if isinstance(node, ast.Constant) and node.value in RANK_VARIABLES:
             return True  # os.environ["RANK"]
@@ -463,6 +463,49 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
                 return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
         stack.extend(ast.iter_child_nodes(node))
     return False
+
+
+def arguments_returned(script: Script, call: ast.Call) -> list[ast.expr]:
+    """The positional arguments whose value can reach what the call returns: all of
+    them, except for a function of this file, whose returns are followed back to
+    its parameters (`load_checkpoint(model, opt, rank)` that reads a per-rank
+    shard but returns the step every rank shares)."""
+    function = script.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
+    if function is None or function.args.vararg is not None:
+        return list(call.args)
+    parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+    returned = parameters_returned(function)
+    return [
+        argument
+        for index, argument in enumerate(call.args)
+        if index >= len(parameters) or parameters[index] in returned
+    ]
+
+
+def parameters_returned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names whose value can reach a `return` of `function`, followed back through
+    its assignments, loop and with targets (a name reached is all of its values)."""
+    sources: dict[str, list[ast.AST]] = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and node.value:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                    sources.setdefault(name, []).append(node.value)
+        elif isinstance(node, ast.For):
+            for name in (n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)):
+                sources.setdefault(name, []).append(node.iter)
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            for name in (n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name)):
+                sources.setdefault(name, []).append(node.context_expr)
+    reached: set[str] = set()
+    pending = [n.value for n in ast.walk(function) if isinstance(n, ast.Return) and n.value]
+    while pending:
+        for node in ast.walk(pending.pop()):
+            if isinstance(node, ast.Name) and node.id not in reached:
+                reached.add(node.id)
+                pending.extend(sources.get(node.id, []))
+    return reached
 
 
 def reads_a_feature_size(node: ast.AST) -> bool:

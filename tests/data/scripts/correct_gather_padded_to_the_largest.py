@@ -1,7 +1,8 @@
 """Gathering rows whose count differs per rank the right way: the sizes
 first, then every rank pads to the largest (also a strided share built in
 main() and padded to the common ceil(n / world) rows where it is gathered,
-two calls down); and per-sample logits, which a
+two calls down); per-sample scores whose function reuses their name and `_`
+after the gather (the comprehension's `_` is its own); and per-sample logits, which a
 DistributedSampler makes the same size on every rank, also when they come
 batch by batch from its loader."""
 
@@ -49,6 +50,16 @@ def gather_features(model, ds, world_size):
 
 
 @torch.no_grad()
+def gather_scores(model, batches, world_size):
+    scores = torch.cat([model(x).sigmoid() for x in batches])
+    parts = [torch.empty_like(scores) for _ in range(world_size)]
+    dist.all_gather(parts, scores)
+    scores = torch.cat(parts)
+    _, order = torch.unique(scores, return_inverse=True)
+    return scores, order
+
+
+@torch.no_grad()
 def embed_share(model, texts, per, device):
     x = model(torch.stack(texts).to(device))
     pad = torch.zeros(per - x.size(0), x.size(1), device=device)
@@ -69,6 +80,7 @@ def main():
     model = DDP(nn.Linear(8, 3).cuda(local_rank), device_ids=[local_rank])
     batches = [torch.randn(4, 8, device=f"cuda:{local_rank}") for _ in range(2)]
     logits = gather_logits(model, batches, dist.get_world_size())
+    gather_scores(model, batches, dist.get_world_size())
     gather_confident(logits.softmax(-1).max(-1).values, dist.get_world_size())
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus = [torch.randn(8) for _ in range(101)]
