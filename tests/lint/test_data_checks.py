@@ -850,3 +850,25 @@ def test_a_dataset_that_splits_itself_over_the_ranks_needs_no_sampler() -> None:
         "loader = DataLoader(train, batch_size=8)\n"
     )
     assert findings(DDP_PRELUDE, body) == []
+
+
+@pytest.mark.parametrize(
+    "stages, reported",
+    [
+        (
+            "wds.SimpleShardList(urls), wds.shuffle(100), wds.split_by_worker, wds.tarfile_to_samples()",
+            True,
+        ),
+        (
+            "wds.SimpleShardList(urls), wds.split_by_node, wds.split_by_worker, wds.shuffle(100)",
+            False,
+        ),
+        ("wds.ResampledShards(urls), wds.tarfile_to_samples(), wds.shuffle(100)", False),
+        ("wds.SimpleShardList(urls), wds.split_by_worker, wds.tarfile_to_samples()", False),
+    ],
+    ids=["training-unsplit", "split-by-node", "resampled", "evaluation-in-order"],
+)
+def test_a_webdataset_training_pipeline_needs_a_node_splitter(stages, reported) -> None:
+    body = f"import webdataset as wds\npipeline = wds.DataPipeline({stages})\n"
+    found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
+    assert found == (["missing-distributed-sampler"] if reported else [])

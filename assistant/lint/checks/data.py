@@ -122,6 +122,38 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         )
 
 
+# webdataset's pipelines: a list of stages from the shard list to the samples.
+WEBDATASET_PIPELINES = frozenset({"webdataset.DataPipeline"})
+# What gives each rank its own shards: a node splitter, or shards drawn at random per rank.
+NODE_SPLITS = re.compile(r"split_by_node|nodesplitter|ResampledShards|resampled", re.IGNORECASE)
+SHUFFLES = re.compile(r"shuffle", re.IGNORECASE)
+
+
+@check("missing-distributed-sampler")
+def check_webdataset_not_split_by_node(script: Script) -> Iterator[Finding]:
+    """`wds.DataPipeline(wds.SimpleShardList(urls), wds.shuffle(...), ...)` for training
+    in a distributed script with no `wds.split_by_node` (or resampled shards): a
+    DistributedSampler cannot cut a stream, so every rank reads every shard."""
+    if not is_distributed(script):
+        return
+    for node, name in script.call_names:
+        if name not in WEBDATASET_PIPELINES:
+            continue
+        stages = source_text(node) if len(node.args) < 2 else " ".join(
+            ast.unparse(stage) for stage in node.args
+        )
+        if NODE_SPLITS.search(stages) or not SHUFFLES.search(stages):
+            continue  # split by rank, or an evaluation pipeline read in order
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            "this webdataset pipeline shuffles (a training stream) but has no node "
+            "splitter: every rank reads every shard, so the ranks train on the same "
+            "samples and an epoch is N times the data; add wds.split_by_node after the "
+            "shard list (before split_by_worker), or draw shards with ResampledShards",
+        )
+
+
 @check("sampler-set-epoch")
 def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
     """A shuffling DistributedSampler whose set_epoch is never called in an epoch loop."""
