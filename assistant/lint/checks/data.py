@@ -139,8 +139,10 @@ def check_webdataset_not_split_by_node(script: Script) -> Iterator[Finding]:
     for node, name in script.call_names:
         if name not in WEBDATASET_PIPELINES:
             continue
-        stages = source_text(node) if len(node.args) < 2 else " ".join(
-            ast.unparse(stage) for stage in node.args
+        stages = (
+            source_text(node)
+            if len(node.args) < 2
+            else " ".join(ast.unparse(stage) for stage in node.args)
         )
         if NODE_SPLITS.search(stages) or not SHUFFLES.search(stages):
             continue  # split by rank, or an evaluation pipeline read in order
