@@ -226,6 +226,21 @@ def called_name(call: ast.Call) -> str:
     return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
 
 
+def bound_arguments(function: Function, call: ast.Call) -> list[tuple[str | None, ast.expr]]:
+    """(parameter, argument) for each argument of a call of `function`: positional
+    ones by place, keywords by name; None where it lands in *args / **kwargs
+    or past the parameters."""
+    parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+    named = parameters + [a.arg for a in function.args.kwonlyargs]
+    bound: list[tuple[str | None, ast.expr]] = [
+        (parameters[index] if index < len(parameters) else None, argument)
+        for index, argument in enumerate(call.args)
+        if not isinstance(argument, ast.Starred)
+    ]
+    bound += [(k.arg if k.arg in named else None, k.value) for k in call.keywords]
+    return bound
+
+
 def keyword(call: ast.Call, name: str) -> ast.expr | None:
     """The value of `name=` in a call, None if absent."""
     return next((k.value for k in call.keywords if k.arg == name), None)

@@ -21,7 +21,15 @@ from itertools import islice
 from typing import TypeVar
 
 from assistant.lint.checks.rank_dependent import is_placement
-from assistant.lint.model import Script, called_name, keyword, self_attribute, short, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    keyword,
+    self_attribute,
+    short,
+    source_text,
+)
 from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -645,18 +653,13 @@ class DataFlow:
         function = self.script.functions.get(value.func.id)
         if function is None:
             return False
-        parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
-        given = [*enumerate(value.args), *((k.arg, k.value) for k in value.keywords)]
-        rank_parameters = []
-        for key, argument in given:
-            if not self.value_reads_rank(argument):
-                continue
-            if isinstance(key, int) and key < len(parameters):
-                rank_parameters.append(parameters[key])
-            elif isinstance(key, str):
-                rank_parameters.append(key)
-            else:
-                return False  # into *args or **kwargs: cannot tell
+        rank_parameters = [
+            parameter
+            for parameter, argument in bound_arguments(function, value)
+            if self.value_reads_rank(argument)
+        ]
+        if None in rank_parameters:
+            return False  # into *args or **kwargs: cannot tell
         return bool(rank_parameters) and all(
             only_compared(function, name) for name in rank_parameters
         )

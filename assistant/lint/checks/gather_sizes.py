@@ -29,7 +29,14 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.wrapper import plain_names
-from assistant.lint.model import Script, called_name, keyword, own_nodes, short, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    own_nodes,
+    short,
+    source_text,
+)
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
@@ -202,43 +209,39 @@ def content_sized_by_callers(
     """The content-sized step in what this file's callers pass for a parameter the
     tensor is made from: `gather_features(encoder, loader)` called with a loader
     over `Subset(ds, range(rank, n, world))`, up to CALLER_LEVELS calls up."""
-    parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
     used = {n.id for v in origin(values, tensor) for n in ast.walk(v) if isinstance(n, ast.Name)}
-    for parameter in (p for p in parameters if p in used):
-        index = parameters.index(parameter)
-        for scope, caller_values, argument in caller_arguments(
-            script, function.name, parameter, index
+    for scope, caller_values, argument in caller_arguments(script, function, used):
+        step = content_sized_step(script, caller_values, argument)
+        if (
+            step is None
+            and levels > 1
+            and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
         ):
-            step = content_sized_step(script, caller_values, argument)
-            if (
-                step is None
-                and levels > 1
-                and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef)
-            ):
-                step = content_sized_by_callers(script, scope, caller_values, argument, levels - 1)
-            if step is not None:
-                return step
+            step = content_sized_by_callers(script, scope, caller_values, argument, levels - 1)
+        if step is not None:
+            return step
     return None
 
 
-def caller_arguments(script: Script, name: str, parameter: str, index: int):
-    """(the calling scope, its values, the argument) for each call `name(...)` in the file."""
+def caller_arguments(script: Script, function: ast.AST, parameters: set[str]):
+    """(the calling scope, its values, the argument) for each argument that a call of
+    `function` in the file passes to one of `parameters`."""
     for scope in script.all_scopes:
         nodes = script.scope_nodes(scope)
         calls = [
             n
             for n in nodes
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name)
+            and n.func.id == function.name
         ]
         if not calls:
             continue
         values = scope_values(nodes)
         for call in calls:
-            given = keyword(call, parameter)
-            if given is None and index < len(call.args):
-                given = call.args[index]
-            if given is not None and not isinstance(given, ast.Starred):
-                yield scope, values, given
+            for parameter, argument in bound_arguments(function, call):
+                if parameter in parameters:
+                    yield scope, values, argument
 
 
 def is_rank_stride(script: Script, node: ast.AST) -> bool:

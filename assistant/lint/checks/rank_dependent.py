@@ -31,7 +31,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.model import Script, bound_arguments, keyword, own_nodes, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_VARIABLES, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
@@ -473,12 +473,12 @@ def arguments_returned(script: Script, call: ast.Call) -> list[ast.expr]:
     function = script.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
     if function is None or function.args.vararg is not None:
         return list(call.args)
-    parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
     returned = parameters_returned(function)
+    positional = {id(argument) for argument in call.args}  # keywords configure (see above)
     return [
         argument
-        for index, argument in enumerate(call.args)
-        if index >= len(parameters) or parameters[index] in returned
+        for parameter, argument in bound_arguments(function, call)
+        if id(argument) in positional and (parameter is None or parameter in returned)
     ]
 
 

@@ -492,18 +492,12 @@ def discarded_positions(
     call: ast.Call, nodes: list[ast.AST]
 ) -> tuple[set[int], list[ast.expr], ast.Assign] | None:
     """`a, _ = model(x)`: the positions bound to `_`, the targets, the assignment."""
-    for node in nodes:
-        if isinstance(node, ast.Assign) and node.value is call and len(node.targets) == 1:
-            target = node.targets[0]
-            if isinstance(target, ast.Tuple | ast.List):
-                dropped = {
-                    i
-                    for i, element in enumerate(target.elts)
-                    if isinstance(element, ast.Name) and element.id == "_"
-                }
-                if dropped and len(dropped) < len(target.elts):
-                    return dropped, target.elts, node
-    return None
+    assigned = unpacked_assignment(call, nodes)
+    if assigned is None:
+        return None
+    targets, node = assigned
+    dropped = {i for i, t in enumerate(targets) if isinstance(t, ast.Name) and t.id == "_"}
+    return (dropped, targets, node) if dropped and len(dropped) < len(targets) else None
 
 
 def returned_elements(forward: ast.FunctionDef) -> list[set[str]] | None:

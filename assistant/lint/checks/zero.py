@@ -57,10 +57,7 @@ def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
     for node, _name in script.call_names:
         if not (isinstance(node.func, ast.Attribute) and node.func.attr == "state_dict"):
             continue
-        receiver = node.func.value
-        if isinstance(receiver, ast.Attribute) and receiver.attr == "module":
-            receiver = receiver.value
-        if source_text(receiver) not in engines or id(node) in gathered:
+        if engine_of(node.func.value) not in engines or id(node) in gathered:
             continue
         yield script.finding(
             "zero3-partitioned-parameters",
@@ -92,10 +89,7 @@ def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
             continue
         if loop.iter.func.attr not in PARAMETER_ITERATORS:
             continue
-        receiver = loop.iter.func.value
-        if isinstance(receiver, ast.Attribute) and receiver.attr == "module":
-            receiver = receiver.value
-        if source_text(receiver) not in engines:
+        if engine_of(loop.iter.func.value) not in engines:
             continue
         parameter = loop_parameter(loop)
         if parameter is None or not reads_values(loop, parameter, gathered):
@@ -109,6 +103,13 @@ def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
             "`with deepspeed.zero.GatheredParameters(list(...parameters()), modifier_rank=None):` "
             "on every rank (one parameter or layer at a time for a large model)",
         )
+
+
+def engine_of(receiver: ast.expr) -> str:
+    """`engine.module` and `engine` both name the engine."""
+    if isinstance(receiver, ast.Attribute) and receiver.attr == "module":
+        receiver = receiver.value
+    return source_text(receiver)
 
 
 def loop_parameter(loop: ast.For) -> str | None:
