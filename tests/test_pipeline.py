@@ -12,6 +12,7 @@ import pytest
 
 from assistant.errors import UserError
 from assistant.pipeline import Observer, Pipeline, Question
+from assistant.probing.recorded import RecordedRunner
 from assistant.results import Finding
 
 FACTS = Path(__file__).parent / "fixtures" / "facts"
@@ -29,32 +30,10 @@ DUPLICATE_GPU = (
 pytestmark = pytest.mark.slow
 
 
-class ReplayRunner:
-    """Answers run() with recorded runs; remembers every call, reports progress."""
-
-    def __init__(self, scenario: str):
-        from assistant.probing.recorded import load_runs
-
-        self.recorded = {run.name: run for run in load_runs(FACTS / f"{scenario}.json")}
-        self.calls: list[list[str]] = []
-        self.started = threading.Event()
-
-    def run(self, names, on_progress=None, cancel=None):
-        from assistant.probing.runner import ProgressEvent
-
-        self.calls.append(list(names))
-        self.started.set()
-        for name in names:
-            if on_progress:
-                on_progress(ProgressEvent(name, "started", 0.0))
-                on_progress(ProgressEvent(name, "finished", 0.1, self.recorded[name].status))
-        return [self.recorded[name] for name in names]
-
-
 class SlowEngine:
     """The real engine, answering only once the probe launch has started."""
 
-    def __init__(self, engine, runner: ReplayRunner):
+    def __init__(self, engine, runner: RecordedRunner):
         self.engine, self.runner = engine, runner
 
     def ask(self, query, top=5, context=None):
@@ -66,7 +45,7 @@ class SlowEngine:
 
 
 def test_ask_runs_the_whole_flow_and_returns_judged_causes(engine):
-    runner = ReplayRunner("cpu_2ranks")
+    runner = RecordedRunner(FACTS / "cpu_2ranks.json")
     result = Pipeline(engine=engine, runner=runner).ask(PG_ERROR)
     assert result.causes[0].id == "process-group-not-initialized"
     assert result.causes[0].verdict.verdict != "not_run"
@@ -75,14 +54,14 @@ def test_ask_runs_the_whole_flow_and_returns_judged_causes(engine):
 
 
 def test_the_probe_launch_starts_before_retrieval_ends(engine):
-    runner = ReplayRunner("cpu_2ranks")
+    runner = RecordedRunner(FACTS / "cpu_2ranks.json")
     pipeline = Pipeline(engine=SlowEngine(engine, runner), runner=runner)
     result = pipeline.ask(PG_ERROR)  # SlowEngine fails the test if probes had not started
     assert result.probes and len(runner.calls) == 1
 
 
 def test_causes_are_reported_before_probe_progress(engine):
-    runner = ReplayRunner("cpu_2ranks")
+    runner = RecordedRunner(FACTS / "cpu_2ranks.json")
     events: list[str] = []
     observer = Observer(
         on_causes=lambda result: events.append(f"causes:{result.causes[0].verdict.verdict}"),
@@ -94,7 +73,7 @@ def test_causes_are_reported_before_probe_progress(engine):
 
 
 def test_ask_never_changes_what_it_was_given(engine):
-    pipeline = Pipeline(engine=engine, runner=ReplayRunner("two_ranks_one_gpu"))
+    pipeline = Pipeline(engine=engine, runner=RecordedRunner(FACTS / "two_ranks_one_gpu.json"))
     ranked = engine.ask(DUPLICATE_GPU)
     before = copy.deepcopy(ranked)
     runs = pipeline.runner.run(["devices", "launch_env"])
@@ -105,7 +84,7 @@ def test_ask_never_changes_what_it_was_given(engine):
 
 
 def test_known_runs_are_reused_not_relaunched(engine):
-    runner = ReplayRunner("cpu_2ranks")
+    runner = RecordedRunner(FACTS / "cpu_2ranks.json")
     pipeline = Pipeline(engine=engine, runner=runner)
     first = pipeline.ask(PG_ERROR)
     second = pipeline.ask(Question(DUPLICATE_GPU, known_runs=first.probes))
@@ -125,7 +104,7 @@ def test_without_a_runner_every_verdict_rests_on_text_or_script(engine):
 def test_a_failed_retrieval_cancels_the_early_launch(engine):
     seen: list[threading.Event] = []
 
-    class Waiting(ReplayRunner):
+    class Waiting(RecordedRunner):
         def run(self, names, on_progress=None, cancel=None):
             seen.append(cancel)
             cancel.wait(30)
@@ -141,7 +120,7 @@ def test_a_failed_retrieval_cancels_the_early_launch(engine):
             return {}
 
     with pytest.raises(UserError):
-        Pipeline(engine=Broken(), runner=Waiting("cpu_2ranks")).ask(PG_ERROR)
+        Pipeline(engine=Broken(), runner=Waiting(FACTS / "cpu_2ranks.json")).ask(PG_ERROR)
     assert seen[0].wait(5), "the launch was left running"
 
 
@@ -153,7 +132,7 @@ def test_an_empty_question_is_a_user_error(engine):
 def test_doctor_judges_every_contract_cause_with_no_question():
     from assistant.config import contract_ids
 
-    result = Pipeline(runner=ReplayRunner("two_ranks_one_gpu")).doctor()
+    result = Pipeline(runner=RecordedRunner(FACTS / "two_ranks_one_gpu.json")).doctor()
     assert {c.id for c in result.causes} >= set(contract_ids())
     assert result.query is None and result.confidence is None
     assert result.causes[0].verdict.verdict == "confirmed"

@@ -14,6 +14,7 @@ The rank records are the probes' own (probe_protocol.RankRecord reads them).
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 from assistant.probing.protocol import FORMAT
@@ -49,3 +50,32 @@ def load_runs(path: Path) -> list[ProbeRun]:
         ProbeRun(r["name"], r["status"], float(r["seconds"]), list(r["ranks"]), r.get("detail", ""))
         for r in data["runs"]
     ]
+
+
+class RecordedRunner:
+    """Answers run() with the probe runs of a facts file, as the real runner would.
+
+    Stands in for ProbeRunner where the machine is not this one: a launch
+    recorded on a GPU machine is diagnosed with the probe facts recorded
+    there, and tests judge machines this project does not have. Progress is
+    reported like the real runner's; every call's names are kept (`calls`),
+    and `started` is set on the first. A probe the file does not hold is left
+    out of the answer, as if it had not run: nothing is made up for it.
+    """
+
+    def __init__(self, path: Path):
+        self.runs = {run.name: run for run in load_runs(path)}
+        self.calls: list[list[str]] = []
+        self.started = threading.Event()
+
+    def run(self, names, on_progress=None, cancel=None) -> list[ProbeRun]:
+        from assistant.probing.runner import ProgressEvent
+
+        self.calls.append(list(names))
+        self.started.set()
+        names = [name for name in names if name in self.runs]
+        for name in names:
+            if on_progress:
+                on_progress(ProgressEvent(name, "started", 0.0))
+                on_progress(ProgressEvent(name, "finished", 0.1, self.runs[name].status))
+        return [self.runs[name] for name in names]

@@ -323,6 +323,13 @@ JUDGES["interactive-launch"] = by_error(
     "the error is a launcher refusing, or failing, to start ranks from an interactive session: {error}",
     "报错是启动器拒绝或无法在交互式会话里启动多个 rank：{error}",
 )
+# "device-side assert triggered" is the kernel's own check failing: the cause
+# itself, whatever line (a collective, a later .item()) it surfaced at.
+JUDGES["device-side-assert"] = by_error(
+    "device-side-assert",
+    "the error is a CUDA kernel's assert (an index or label out of range): {error}",
+    "报错是 CUDA kernel 的断言失败（索引或标签越界）：{error}",
+)
 JUDGES["dataset-cache-race"] = by_error(
     "dataset-cache-race",
     "the error is a dataset cache file that is missing or cut short while ranks build or read it: {error}",

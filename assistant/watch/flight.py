@@ -26,6 +26,9 @@ class LastCollective:
     op: str
     state: str
     retired: bool = False
+    # When the default group has none: the rank's last entry on another group
+    # ("gloo:barrier on group 1 (scheduled)"), so a line never says it issued nothing.
+    elsewhere: str = ""
 
     def to_json(self) -> dict:
         return {"seq": self.seq, "op": self.op, "state": self.state}
@@ -56,21 +59,28 @@ NONE_YET = LastCollective(0, "none", "none")  # a recorder that saw no collectiv
 def last_collective(record: dict | None) -> LastCollective | None:
     """The last non-p2p entry of a rank's dump on the default group (id "0").
 
-    None when there is no recorder to read; NONE_YET when it saw no collective.
+    None when there is no recorder to read; NONE_YET when it holds no
+    collective of the default group (with `elsewhere` naming its last entry
+    on another group, if any). A NCCL collective enters the recorder only
+    once its communicator is up: a rank blocked in the communicator's setup
+    (its first collective, a peer that never joins) shows none, while its
+    stack waits in the collective (seen on an H200, tests/fixtures/gpu/runs.json).
     """
     if not record or not record.get("available"):
         return None
+    elsewhere = ""
     for entry in reversed(record.get("entries") or []):
-        group = entry.get("process_group") or ["0"]
-        if entry.get("is_p2p") or str(group[0]) != "0":
+        if entry.get("is_p2p"):
+            continue
+        group = str((entry.get("process_group") or ["0"])[0])
+        op, state = str(entry.get("profiling_name") or "?"), str(entry.get("state") or "?")
+        if group != "0":
+            elsewhere = elsewhere or f"{op} on group {group} ({state})"
             continue
         return LastCollective(
-            int(entry.get("collective_seq_id") or 0),
-            str(entry.get("profiling_name") or "?"),
-            str(entry.get("state") or "?"),
-            bool(entry.get("retired")),
+            int(entry.get("collective_seq_id") or 0), op, state, bool(entry.get("retired"))
         )
-    return NONE_YET
+    return LastCollective(0, "none", "none", elsewhere=elsewhere) if elsewhere else NONE_YET
 
 
 def compare(last: dict[int, LastCollective]) -> list[str]:
@@ -80,7 +90,8 @@ def compare(last: dict[int, LastCollective]) -> list[str]:
     lines = [
         f"flight recorder: rank {rank} issued collective #{c.seq} {c.op} ({c.state})"
         if c.seq
-        else f"flight recorder: rank {rank} issued no collective yet"
+        else f"flight recorder: rank {rank} has recorded no collective on the default group"
+        + (f"; its last entry: {c.elsewhere}" if c.elsewhere else "")
         for rank, c in sorted(last.items())
     ]
     top = max(c.seq for c in last.values())

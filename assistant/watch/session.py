@@ -135,8 +135,14 @@ def diagnose(
     engine,
     callbacks: RunCallbacks | None = None,
     cancel: threading.Event | None = None,
+    runner=None,
 ) -> RunOutcome:
-    """The pipeline's answer for a failed or hung launch."""
+    """The pipeline's answer for a failed or hung launch.
+
+    runner: what runs the probes (default: probe_runner, launched as the
+    user launched); a launch recorded elsewhere is answered with the
+    probe facts recorded on its machine.
+    """
     from assistant.pipeline import Observer, Pipeline, Question
 
     callbacks = callbacks or RunCallbacks()
@@ -144,7 +150,7 @@ def diagnose(
     findings = linted or []
     if launch.hang is not None:
         findings = list(launch.hang.findings) + findings
-    pipeline = Pipeline(engine=engine, runner=probe_runner(launch, options))
+    pipeline = Pipeline(engine=engine, runner=runner or probe_runner(launch, options))
     question = Question(
         question_text(launch),
         top=options.top,

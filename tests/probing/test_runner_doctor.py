@@ -1,6 +1,6 @@
 """Pipeline.doctor and run_named, fed with recorded facts (no launch).
 
-ReplayRunner plays recorded probe runs back through the runner's interface,
+RecordedRunner plays recorded probe runs back through the runner's interface,
 so these tests check how doctor assembles and judges a machine we do not
 have; the real runner is tested in test_runner.py.
 """
@@ -17,28 +17,10 @@ import pytest
 
 from assistant.config import contract_ids
 from assistant.pipeline import Pipeline
-from assistant.probing.recorded import load_runs
+from assistant.probing.recorded import RecordedRunner
 from assistant.probing.registry import probe_names
 
 FACTS = Path(__file__).parents[1] / "fixtures" / "facts"
-
-
-class ReplayRunner:
-    """Answers run() with recorded ProbeRuns, reporting progress like the real runner."""
-
-    def __init__(self, path: Path):
-        self.runs = {run.name: run for run in load_runs(path)}
-        self.asked: list[str] = []
-
-    def run(self, names, on_progress=None, cancel=None):
-        from assistant.probing.runner import ProgressEvent
-
-        self.asked = list(names)
-        for name in names:
-            if on_progress:
-                on_progress(ProgressEvent(name, "started", 0.0))
-                on_progress(ProgressEvent(name, "finished", 0.1, self.runs[name].status))
-        return [self.runs[name] for name in names]
 
 
 CAUSE = """\
@@ -81,22 +63,22 @@ def order_kb(tmp_path, monkeypatch) -> Path:
 
 
 def test_doctor_judges_every_contract_cause_confirmed_first(order_kb):
-    runner = ReplayRunner(FACTS / "busy_port.json")
+    runner = RecordedRunner(FACTS / "busy_port.json")
     result = Pipeline(runner=runner).doctor()
-    assert runner.asked == probe_names()  # every registered probe, in the protocol's order
+    assert runner.calls[-1] == probe_names()  # every registered probe, in the protocol's order
     assert set(runner.runs) == set(probe_names())
     assert sorted(c.id for c in result.causes) == sorted(contract_ids())
     assert result.causes[0].id == "master-port-in-use"
     assert result.causes[0].verdict.verdict == "confirmed"
     assert result.causes[-1].verdict.verdict == "ruled_out"
     assert result.query is None and result.root_error is None
-    assert [p.name for p in result.probes] == runner.asked
+    assert [p.name for p in result.probes] == runner.calls[-1]
     payload = result.to_json()
     assert payload["query"] is None and len(payload["causes"]) == len(contract_ids())
 
 
 def test_doctor_settles_the_seed_advice_with_the_set_device_probe(order_kb):
-    result = Pipeline(runner=ReplayRunner(FACTS / "healthy_8gpu.json")).doctor()
+    result = Pipeline(runner=RecordedRunner(FACTS / "healthy_8gpu.json")).doctor()
     cause = next(c for c in result.causes if c.id == "set-device-order")
     assert cause.title == "set_device comes too late or not at all"
     assert cause.probes == ["set_device_order"]
@@ -110,7 +92,7 @@ def test_doctor_settles_the_seed_advice_with_the_set_device_probe(order_kb):
 
 def test_doctor_falls_back_to_ids_when_the_kb_does_not_load(tmp_path, monkeypatch):
     monkeypatch.setenv("ASSISTANT_KB", str(tmp_path / "missing"))
-    result = Pipeline(runner=ReplayRunner(FACTS / "cvd_empty.json")).doctor(lang="zh")
+    result = Pipeline(runner=RecordedRunner(FACTS / "cvd_empty.json")).doctor(lang="zh")
     assert all(c.title == c.id for c in result.causes)
     top = result.causes[0]
     assert top.verdict.verdict == "confirmed"
@@ -119,7 +101,7 @@ def test_doctor_falls_back_to_ids_when_the_kb_does_not_load(tmp_path, monkeypatc
 
 
 def test_run_named_runs_just_those_probes():
-    runner = ReplayRunner(FACTS / "shm_64mb.json")
+    runner = RecordedRunner(FACTS / "shm_64mb.json")
     runs = Pipeline(runner=runner).run_named(["system", "devices"])
     assert [r.name for r in runs] == ["system", "devices"]
 
@@ -138,9 +120,9 @@ def test_runner_verdicts_and_doctor_work_without_the_heavy_stack():
 
         sys.meta_path.insert(0, Missing())
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_runner_doctor import ReplayRunner
+        from assistant.probing.recorded import RecordedRunner
         from assistant.pipeline import Pipeline
-        result = Pipeline(runner=ReplayRunner(__import__("pathlib").Path({str(FACTS / "two_ranks_one_gpu.json")!r}))).doctor()
+        result = Pipeline(runner=RecordedRunner(__import__("pathlib").Path({str(FACTS / "two_ranks_one_gpu.json")!r}))).doctor()
         print(json.dumps([c.id for c in result.causes if c.verdict.verdict == "confirmed"]))
         """
     )
