@@ -108,6 +108,11 @@ class Script:
                     values.setdefault(source_text(target), []).append(node.value)
         return values
 
+    @cached_property
+    def parents(self) -> dict[int, ast.AST]:
+        """Each node's parent by the child's id, for checks that look outward from a node."""
+        return {id(child): node for node in self.nodes for child in ast.iter_child_nodes(node)}
+
     def name_of(self, expr: ast.expr) -> str:
         """The dotted name of `expr` with its first part resolved through imports."""
         parts: list[str] = []
@@ -258,6 +263,11 @@ def is_int(expr: ast.expr | None) -> bool:
 def short(name: str) -> str:
     """The last part of a dotted name."""
     return name.split(".")[-1]
+
+
+def is_none(expr: ast.expr) -> bool:
+    """The literal None."""
+    return isinstance(expr, ast.Constant) and expr.value is None
 
 
 def own_nodes(scope: ast.AST) -> Iterator[ast.AST]:

@@ -13,7 +13,7 @@ import ast
 import re
 from dataclasses import dataclass
 
-from assistant.lint.model import Script, is_int, short, source_text
+from assistant.lint.model import Script, is_int, is_none, short, source_text
 from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
 
 # Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
@@ -145,7 +145,75 @@ def rank_branch_sides(
         or assigned_side(test, script, depth)
         or returned_side(test, script, depth)
     )
+    if side is None and rank_zero_value_test(test, script, depth):
+        return RANK_ZERO, None  # the else branch: the other ranks, and rank 0 when it set none
     return side, other_side(side)
+
+
+def rank_zero_value_test(test: ast.expr, script: Script, depth: int) -> bool:
+    """`if vae is not None:` (or `if vae:`) where, in the test's own function, `vae`
+    is set to None everywhere but inside rank-0 branches (`vae = None; if rank == 0:
+    vae = load(...)`): only rank 0 can pass the test."""
+    name = test
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.IsNot)
+        and is_none(test.comparators[0])
+    ):
+        name = test.left
+    if not isinstance(name, ast.Name):
+        return False
+    scope = enclosing_scope(test, script)
+    if scope is None or name.id in parameter_names(scope):
+        return False
+    stores = [
+        node
+        for node in script.scope_nodes(scope)
+        if isinstance(node, ast.Name) and node.id == name.id and isinstance(node.ctx, ast.Store)
+    ]
+    set_on_rank_zero = False
+    for store in stores:
+        assign = script.parents.get(id(store))
+        if not (isinstance(assign, ast.Assign) and assign.targets == [store]):
+            return False  # a loop variable, an unpacking, a `with ... as`: any rank's
+        if is_none(assign.value):
+            continue
+        if not inside_rank_zero_branch(assign, scope, script, depth):
+            return False
+        set_on_rank_zero = True
+    return set_on_rank_zero
+
+
+def inside_rank_zero_branch(node: ast.AST, scope: ast.AST, script: Script, depth: int) -> bool:
+    """Whether an `if` around `node`, within `scope`, runs that branch on rank 0 only."""
+    child, parent = node, script.parents.get(id(node))
+    while parent is not None and parent is not scope:
+        if isinstance(parent, ast.If) and child is not parent.test:
+            body, orelse = rank_branch_sides(parent.test, script, depth + 1)
+            if (body if child in parent.body else orelse) == RANK_ZERO:
+                return True
+        child, parent = parent, script.parents.get(id(parent))
+    return False
+
+
+def enclosing_scope(node: ast.AST, script: Script) -> ast.AST | None:
+    """The function (or the module) whose own statements hold `node`."""
+    parent = script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(parent, (ast.ClassDef, ast.Lambda)):
+            return None
+        parent = script.parents.get(id(parent))
+    return parent or script.tree
+
+
+def parameter_names(scope: ast.AST) -> set[str]:
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return set()
+    arguments = scope.args
+    every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+    every += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+    return {argument.arg for argument in every}
 
 
 def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:

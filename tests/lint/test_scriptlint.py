@@ -602,6 +602,33 @@ def test_a_logger_only_a_dead_method_or_a_one_process_group_reaches_is_not_repor
     assert "experiment-logger-ddp" not in {cause for cause, _line in findings_of(one)}
 
 
+def test_a_value_only_rank_zero_sets_makes_its_none_test_a_rank_zero_branch() -> None:
+    # `vae = None; if rank == 0: vae = load()` ... `if vae is not None: log()`: only rank 0
+    # can pass; an argument, or a value set on every rank, is any rank's.
+    header = (
+        "import torch.distributed as dist\nimport wandb\n"
+        'dist.init_process_group("gloo")\n'
+        "if dist.get_rank() == 0:\n    wandb.init(project='p')\n"
+        "def sample(vae):\n    wandb.log({'x': vae})\n"
+    )
+    rank_zero_set = (
+        "def main():\n    vae = None\n    if dist.get_rank() == 0:\n        vae = object()\n"
+        "    if vae is not None:\n        sample(vae)\n"
+        "    if vae:\n        dist.barrier()\n"
+        "main()\n"
+    )
+    found = findings_of(header + rank_zero_set)
+    assert ("experiment-logger-ddp", 7) not in found
+    assert ("collective-mismatch", 15) in found  # the barrier only rank 0 reaches
+    every_rank_set = rank_zero_set.replace("if dist.get_rank() == 0:", "if True:")
+    assert ("experiment-logger-ddp", 7) in findings_of(header + every_rank_set)
+    parameter = rank_zero_set.replace(
+        "def main():\n    vae = None", "def main(vae=None):\n    pass"
+    )
+    parameter = parameter.replace("main()\n", "main(object())\n")
+    assert ("experiment-logger-ddp", 7) in findings_of(header + parameter)
+
+
 def test_a_dataclass_post_init_runs_where_the_config_is_built() -> None:
     # the generated __init__ calls __post_init__: built before init_process_group,
     # its get_world_size() has no group to ask

@@ -6,7 +6,7 @@ import ast
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from assistant.lint.model import Script, called_name, short, source_text
+from assistant.lint.model import Script, called_name, is_none, short, source_text
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
@@ -453,10 +453,6 @@ def is_none_test(node: ast.AST) -> bool:
 
 def names_in(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-
-
-def is_none(node: ast.expr) -> bool:
-    return isinstance(node, ast.Constant) and node.value is None
 
 
 def enclosing_blocks(

@@ -64,7 +64,11 @@ SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.
 # How many same-file base classes of a sampler are read (a cycle of bases ends here).
 MAX_LINEAGE = 16
 # A name that holds a list of files or shards.
-FILE_LIST = re.compile(r"file|shard|path", re.IGNORECASE)
+# Lists whose items hold different amounts of data: files and shards, and the
+# episodes, demos, trajectories, videos and recordings a dataset cuts into windows.
+FILE_LIST = re.compile(
+    r"file|shard|path|episode|demo|traj|video|clip|recording|rollout", re.IGNORECASE
+)
 LOADER_PACKAGES = ("torch.", "torch_geometric.", "monai.")
 # Packages whose datasets split the samples over the ranks themselves.
 SELF_SPLITTING_PACKAGES = ("streaming.",)
@@ -214,7 +218,7 @@ def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
 
 @check("uneven-inputs")
 def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]:
-    """A training DataLoader over the files this rank takes (`files[rank::world]`):
+    """A training DataLoader over the files (or episodes, videos) this rank takes (`files[rank::world]`):
     the ranks hold different numbers of batches, and the first to run out
     leaves the others waiting in DDP's gradient all-reduce. Quiet where the
     script agrees on a step count (an all_reduce with ReduceOp.MIN, DDP's
@@ -232,9 +236,10 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
         yield script.finding(
             "uneven-inputs",
             node,
-            f"DataLoader over {source_text(dataset)} reads this rank's own files "
-            f"(`{source_text(split)}`, line {split.lineno}): files hold different amounts "
-            "of data, so ranks run different numbers of steps and the first to finish "
+            f"DataLoader over {source_text(dataset)} reads this rank's own share of "
+            f"{source_text(split.value)} (`{source_text(split)}`, line {split.lineno}): "
+            "its items (files, episodes, videos) hold different amounts of data, so ranks "
+            "run different numbers of steps and the first to finish "
             "leaves the others waiting in DDP's gradient all-reduce; agree on the step "
             "count (all_reduce it with ReduceOp.MIN and stop there) or use DDP's join()",
         )
