@@ -323,6 +323,18 @@ JUDGES["interactive-launch"] = by_error(
     "the error is a launcher refusing, or failing, to start ranks from an interactive session: {error}",
     "报错是启动器拒绝或无法在交互式会话里启动多个 rank：{error}",
 )
+# CUDA refused in a forked child: torch's "Cannot re-initialize CUDA in forked
+# subprocess", or CUDA's own "initialization error" (seen on an H200 from a
+# DataLoader worker reading CUDA tensors its parent made). The bare CUDA error
+# is also what a driver that failed to load prints, so the error alone only
+# points at the fork; the script's finding (lint) is what confirms it.
+JUDGES["cuda-init-before-fork"] = by_error(
+    "cuda-init-before-fork",
+    "the error is CUDA refused in a process, as in one forked after CUDA was set up "
+    "(a DataLoader worker): {error}",
+    "报错是进程里无法使用 CUDA，CUDA 初始化之后 fork 出来的进程（比如 DataLoader worker）就会这样：{error}",
+    "inconclusive",
+)
 # "device-side assert triggered" is the kernel's own check failing: the cause
 # itself, whatever line (a collective, a later .item()) it surfaced at.
 JUDGES["device-side-assert"] = by_error(

@@ -72,6 +72,18 @@ CASES = [
         "labels beyond the classes reach cross_entropy on the GPU: a device-side assert",
     ),
     Case(
+        "cuda_tensors_in_forked_workers",
+        "cuda_tensors_in_forked_workers.py",
+        1,
+        "a dataset holding CUDA tensors made in the parent, read by 2 forked DataLoader workers",
+    ),
+    Case(
+        "cuda_in_forked_worker_getitem",
+        "cuda_in_forked_worker_getitem.py",
+        1,
+        "forked DataLoader workers calling .cuda() in __getitem__ after the parent set CUDA up",
+    ),
+    Case(
         "rank0_only_all_reduce_hang",
         "rank0_only_all_reduce.py",
         2,

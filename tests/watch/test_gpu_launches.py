@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from assistant.probing.recorded import RecordedRunner
+from assistant.results import RootError
 from assistant.watch.flight import compare, last_collective
 from assistant.watch.hang import RankPosition, analyse
 from assistant.watch.recorded import load_launches, report_from_json, report_to_json
@@ -52,6 +53,21 @@ def test_every_recorded_report_reads_back_unchanged(launches):
     for run in launches.values():
         data = report_to_json(run["report"])
         assert report_to_json(report_from_json(data)) == data
+
+
+def test_cudas_initialization_error_in_a_forked_worker_points_at_the_fork(launches):
+    """The recorded error alone (no script): CUDA's "initialization error" from a
+    DataLoader worker points at the fork, and only points (a driver that failed to
+    load prints it too); the script's finding confirms it (EXPECTED above)."""
+    from assistant.verdicts import judge
+
+    root = launches["cuda_tensors_in_forked_workers"]["report"].root_error
+    assert "CUDA error: initialization error" in root.message
+    found = judge("cuda-init-before-fork", {}, root, [])
+    assert (found.verdict, found.source) == ("inconclusive", "error")
+    assert judge("cuda-init-before-fork", {}, RootError("RuntimeError", "boom"), []).verdict == (
+        "not_run"
+    )
 
 
 def test_a_clean_cuda_job_under_the_hook_is_no_failure(launches):
@@ -105,6 +121,10 @@ EXPECTED = {
     "cuda_oom": ("cuda-out-of-memory", "confirmed", "error", "high"),
     "label_out_of_range": ("device-side-assert", "confirmed", "error", "high"),
     "local_rank_beyond_gpus": ("world-size-exceeds-devices", "inconclusive", "error", "high"),
+    # CUDA tensors a dataset made in the parent, read in forked workers: "CUDA error:
+    # initialization error"; .cuda() in a forked worker: "Cannot re-initialize CUDA"
+    "cuda_tensors_in_forked_workers": ("cuda-init-before-fork", "confirmed", "script", "high"),
+    "cuda_in_forked_worker_getitem": ("cuda-init-before-fork", "confirmed", "script", "high"),
     HANG: ("collective-mismatch", "confirmed", "probe", "high"),
     # a gloo timeout on rank 1 is the root error; the script shows why, not the error
     "rank0_only_all_reduce_timeout": ("collective-mismatch", "confirmed", "script", "medium"),

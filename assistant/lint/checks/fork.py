@@ -8,7 +8,9 @@ the GPU dies with "Cannot re-initialize CUDA in forked subprocess".
 
 Reported: a Dataset's `__getitem__` / `__getitems__` / `__iter__` (and the
 file's functions they call), or a `collate_fn`, that moves something to a
-CUDA device, read by a DataLoader given workers. Quiet where the script
+CUDA device, read by a DataLoader given workers; or a field its `__init__`
+put on the GPU and those methods read (the worker then fails with "CUDA
+error: initialization error", seen on an H200: tests/fixtures/gpu/runs.json). Quiet where the script
 chose another start method (`multiprocessing_context=`, `set_start_method`),
 where the workers are a literal 0, and where the device is said to be the CPU.
 """
@@ -20,7 +22,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.devices import is_cpu
-from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.model import Function, Script, keyword, self_attribute, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_distributed
 from assistant.lint.tracer import same_file_callees
@@ -45,7 +47,13 @@ def check_cuda_in_forked_workers(script: Script) -> Iterator[Finding]:
     for loader in forking_loaders(script):
         for owner, functions in worker_code(script, classes, loader):
             move = first_gpu_move(functions)
-            if move is None or id(move) in reported:
+            if move is None:
+                held = gpu_held_attribute(script, owner, functions)
+                if held is not None and id(held[0]) not in reported:
+                    reported.add(id(held[0]))
+                    yield held_on_gpu(script, owner, loader, *held)
+                continue
+            if id(move) in reported:
                 continue
             reported.add(id(move))
             yield script.finding(
@@ -57,6 +65,47 @@ def check_cuda_in_forked_workers(script: Script) -> Iterator[Finding]:
                 "subprocess'; return CPU tensors and move the batch in the training loop, "
                 "or pass multiprocessing_context='spawn'",
             )
+
+
+def gpu_held_attribute(
+    script: Script, owner: str, functions: list[Function]
+) -> tuple[ast.Call, str] | None:
+    """(the GPU move, the field) where the dataset's __init__ puts a field on the GPU
+    (`self.x = torch.randn(n, d, device=device)`) that its worker methods read."""
+    init = script.functions.get(f"{owner.split('.')[0]}.__init__") if "." in owner else None
+    if init is None:
+        return None
+    read = {
+        self_attribute(node)
+        for function in functions
+        for node in ast.walk(function)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+    }
+    for node in ast.walk(init):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        field = self_attribute(node.targets[0])
+        if field is None or field not in read:
+            continue
+        calls = (c for c in ast.walk(node.value) if isinstance(c, ast.Call))
+        move = next((c for c in calls if moves_to_gpu(c)), None)
+        if move is not None:
+            return move, field
+    return None
+
+
+def held_on_gpu(
+    script: Script, owner: str, loader: ast.Call, move: ast.Call, field: str
+) -> Finding:
+    return script.finding(
+        "cuda-init-before-fork",
+        move,
+        f"the dataset keeps self.{field} on the GPU, and {owner} reads it inside the "
+        f"DataLoader's workers (line {loader.lineno}), which are forked after this process "
+        "initialised CUDA: a forked worker cannot use CUDA ('CUDA error: initialization "
+        "error'); keep the dataset's tensors on the CPU and move each batch in the "
+        "training loop, or pass multiprocessing_context='spawn'",
+    )
 
 
 def forking_loaders(script: Script) -> Iterator[ast.Call]:
