@@ -121,6 +121,7 @@ SMALL_SETS = {
     "real_reports_holdout51.jsonl",  # 26: session 34, five collectors, ~570 look-ups
     "real_reports_holdout52.jsonl",  # 12: session 34's second round, three collectors, ~360
     "real_reports_holdout53.jsonl",  # 15: session 35, four collectors, ~515 look-ups, threads used up
+    "real_reports_holdout54.jsonl",  # 10: session 35's second round, three collectors, ~350
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
@@ -137,6 +138,7 @@ ENGLISH_ONLY = {
     "real_reports_holdout30.jsonl",
     "real_reports_holdout41.jsonl",  # its one Chinese report was a thread the KB cites
     "real_reports_holdout46.jsonl",  # the Chinese collector found no thread not already used
+    "real_reports_holdout54.jsonl",  # its three slices (torch 1.x era, Hugging Face, NCCL/infra) were English
 }
 
 
