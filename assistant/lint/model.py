@@ -201,6 +201,16 @@ def functions_of(tree: ast.Module) -> dict[str, Function]:
     for cls in (node for node in tree.body if isinstance(node, ast.ClassDef)):
         for method in (node for node in cls.body if isinstance(node, defs)):
             functions[f"{cls.name}.{method.name}"] = method
+    # A function defined inside another (`def save(tag):` in main) is called by its
+    # plain name there: it is known by that name when no other function has it.
+    nested: dict[str, list[Function]] = {}
+    for outer in list(functions.values()):
+        for node in ast.walk(outer):
+            if node is not outer and isinstance(node, defs):
+                nested.setdefault(node.name, []).append(node)
+    for name, found in nested.items():
+        if len(found) == 1 and name not in functions:
+            functions[name] = found[0]
     return functions
 
 
@@ -263,6 +273,37 @@ def is_int(expr: ast.expr | None) -> bool:
 def short(name: str) -> str:
     """The last part of a dotted name."""
     return name.split(".")[-1]
+
+
+def returned_calls(script: Script, call: ast.expr) -> list[ast.Call]:
+    """The calls a same-file function returns, as `call` of it builds them:
+    `return FSDP(model, ...)`, or `wrapped = FSDP(...)` ... `return wrapped`."""
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+        return []
+    function = script.functions.get(call.func.id)
+    if function is None:
+        return []
+    own = script.scope_nodes(function)
+    found: list[ast.Call] = []
+    for node in own:
+        if not (isinstance(node, ast.Return) and node.value is not None):
+            continue
+        if isinstance(node.value, ast.Call):
+            found.append(node.value)
+        elif isinstance(node.value, ast.Name):
+            found += [
+                assign.value
+                for assign in own
+                if isinstance(assign, ast.Assign)
+                and isinstance(assign.value, ast.Call)
+                and any(isinstance(t, ast.Name) and t.id == node.value.id for t in assign.targets)
+            ]
+    return found
+
+
+def names_in(node: ast.AST) -> set[str]:
+    """Every plain name read or bound anywhere in `node`."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
 def is_none(expr: ast.expr) -> bool:

@@ -106,6 +106,7 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
         return
     loaders = small_training_loaders(script)
     if not loaders:
+        yield from contrastive_without_sync(script)
         return
     loader, size = loaders[0]
     for ddp in (node for node, name in script.call_names if is_ddp(name)):
@@ -124,6 +125,47 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
         )
         return
     yield from lightning_trainers_without_sync(script, loader, size)
+
+
+def contrastive_without_sync(script: Script) -> Iterator[Finding]:
+    """A loss over embeddings gathered from every rank with autograd (SimCLR's
+    NT-Xent, CLIP's InfoNCE: torch.distributed.nn's all_gather, or a file's own
+    autograd Function that all_gathers) computed by a DDP model with plain
+    BatchNorm: each GPU's BatchNorm statistics tell its own samples apart, a
+    shortcut the contrastive loss learns (SimCLR and BYOL use global BN)."""
+    gather = gradient_gather(script)
+    if gather is None:
+        return
+    for ddp in (node for node, name in script.call_names if is_ddp(name)):
+        norm = batch_norm_built(script, ddp, wrapped_by(script, ddp, set())[0])
+        if norm is None:
+            continue
+        yield script.finding(
+            "batchnorm-not-synced",
+            ddp,
+            f"DDP wraps a model with plain BatchNorm (line {norm}) whose outputs enter a "
+            f"loss over every rank's batch (the all_gather on line {gather.lineno}): each "
+            "GPU's BatchNorm normalises its own samples alone, and a contrastive loss learns "
+            "from those per-GPU statistics instead of the images (SimCLR and BYOL train with "
+            "global BatchNorm); convert it before DDP: "
+            "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+        )
+        return
+
+
+def gradient_gather(script: Script) -> ast.Call | None:
+    """An all_gather gradients flow back through: torch.distributed.nn's, or one
+    inside a file's own torch.autograd.Function (SimCLR's GatherLayer)."""
+    for node, name in script.call_names:
+        if short(name) == "all_gather" and name.startswith("torch.distributed.nn"):
+            return node
+    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+        if not any(short(script.name_of(base)) == "Function" for base in cls.bases):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "all_gather":
+                return node
+    return None
 
 
 def lightning_trainers_without_sync(

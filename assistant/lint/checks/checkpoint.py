@@ -32,7 +32,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, names_in, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -163,6 +163,11 @@ def check_load_before_rank_zero_finished_saving(script: Script) -> Iterator[Find
             del pending[source_text(call.node.args[0])]
 
 
+# How many assignments a loaded checkpoint is followed through before it reaches
+# load_state_dict (`ckpt` -> `state = {...ckpt...}` -> `state = strip(state)`).
+MADE_FROM_HOPS = 3
+
+
 @check("checkpoint-map-location")
 def check_load_without_map_location(script: Script) -> Iterator[Finding]:
     """`torch.load(checkpoint)` with no map_location that every rank runs, its result
@@ -224,15 +229,22 @@ def knows_map_location(script: Script, scope: ast.AST, load: ast.Call) -> bool:
 
 def loaded_into_a_model(script: Script, scope: ast.AST, load: ast.Call) -> bool:
     """The loaded object goes into `load_state_dict(...)`, directly or through the
-    name it is bound to (`ckpt = torch.load(p)`, `model.load_state_dict(ckpt["model"])`)."""
+    names it is bound to (`ckpt = torch.load(p)`, `model.load_state_dict(ckpt["model"])`),
+    and the names made from those (`state = {k[7:]: v for k, v in ckpt.items()}`)."""
     nodes = script.scope_nodes(scope)
-    bound = {
-        target.id
-        for node in nodes
-        if isinstance(node, ast.Assign) and node.value is load
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    assigns = [node for node in nodes if isinstance(node, ast.Assign)]
+    bound: set[str] = set()
+    for _ in range(MADE_FROM_HOPS):
+        grown = {
+            target.id
+            for node in assigns
+            if node.value is load or names_in(node.value) & bound
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        if grown <= bound:
+            break
+        bound |= grown
     for node in nodes:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue

@@ -6,7 +6,7 @@ import ast
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from assistant.lint.model import Script, called_name, is_none, short, source_text
+from assistant.lint.model import Script, called_name, is_none, names_in, short, source_text
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
@@ -449,10 +449,6 @@ def is_none_test(node: ast.AST) -> bool:
         and isinstance(node.ops[0], ast.Is)
         and is_none(node.comparators[0])
     )
-
-
-def names_in(node: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
 
 
 def enclosing_blocks(

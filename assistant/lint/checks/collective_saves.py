@@ -30,7 +30,7 @@ from functools import cached_property
 
 from assistant.lint.checks.collective_reach import lonely_calls
 from assistant.lint.checks.zero import engine_names
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, returned_calls, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
 from assistant.lint.tracer import TracedCall
@@ -103,7 +103,8 @@ class Receivers:
 
     @cached_property
     def fsdp_models(self) -> set[str]:
-        """Names bound to `FSDP(...)` (`model = FSDP(model)`, `self.model = FSDP(...)`),
+        """Names bound to `FSDP(...)` (`model = FSDP(model)`, `self.model = FSDP(...)`,
+        `model = wrap(model)` where the file's `wrap` returns one),
         or to what Fabric's setup returns under an FSDP strategy (`model, opt =
         fabric.setup(model, opt)`: the model comes first)."""
         bound = set()
@@ -111,7 +112,8 @@ class Receivers:
         for node in self.script.nodes:
             if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
                 continue
-            if short(self.script.name_of(node.value.func)) == FSDP_CLASS:
+            built = [node.value, *returned_calls(self.script, node.value)]  # or a helper's
+            if any(short(self.script.name_of(call.func)) == FSDP_CLASS for call in built):
                 bound.update(source_text(target) for target in node.targets)
             elif fabric_fsdp and is_fabric_setup(node.value):
                 for target in node.targets:
