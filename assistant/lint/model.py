@@ -301,6 +301,16 @@ def returned_calls(script: Script, call: ast.expr) -> list[ast.Call]:
     return found
 
 
+def parameter_names(scope: ast.AST) -> set[str]:
+    """Every name a function's parameters bind (none for the module)."""
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return set()
+    arguments = scope.args
+    every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+    every += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+    return {argument.arg for argument in every}
+
+
 def names_in(node: ast.AST) -> set[str]:
     """Every plain name read or bound anywhere in `node`."""
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}

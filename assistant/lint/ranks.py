@@ -13,7 +13,7 @@ import ast
 import re
 from dataclasses import dataclass
 
-from assistant.lint.model import Script, is_int, is_none, short, source_text
+from assistant.lint.model import Script, is_int, is_none, parameter_names, short, source_text
 from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
 
 # Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
@@ -205,15 +205,6 @@ def enclosing_scope(node: ast.AST, script: Script) -> ast.AST | None:
             return None
         parent = script.parents.get(id(parent))
     return parent or script.tree
-
-
-def parameter_names(scope: ast.AST) -> set[str]:
-    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return set()
-    arguments = scope.args
-    every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
-    every += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
-    return {argument.arg for argument in every}
 
 
 def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:

@@ -10,9 +10,10 @@ Reported: a Dataset's `__getitem__` / `__getitems__` / `__iter__` (and the
 file's functions they call), or a `collate_fn`, that moves something to a
 CUDA device, read by a DataLoader given workers; or a field its `__init__`
 put on the GPU and those methods read (the worker then fails with "CUDA
-error: initialization error", seen on an H200: tests/fixtures/gpu/runs.json). Quiet where the script
-chose another start method (`multiprocessing_context=`, `set_start_method`),
-where the workers are a literal 0, and where the device is said to be the CPU.
+error: initialization error", seen on an H200: tests/fixtures/gpu/runs.json).
+Quiet where the script chose another start method (`multiprocessing_context=`,
+`set_start_method`), where the workers are a literal 0, and where the device
+is said to be the CPU.
 """
 
 from __future__ import annotations
