@@ -218,7 +218,7 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
     if not is_distributed(script):
         return
     steps: StepFacts | None = None
-    parents = parent_map(script)
+    parents = script.parents
     for node in script.nodes:
         if not isinstance(node, ast.If) or not ends_iteration(node.body):
             continue
@@ -385,10 +385,6 @@ class StepFacts:
             if isinstance(node, ast.Call) and is_collective(self.script.name_of(node.func)):
                 names |= argument_names(node)
         return frozenset(names)
-
-
-def parent_map(script: Script) -> dict[int, ast.AST]:
-    return {id(child): node for node in script.nodes for child in ast.iter_child_nodes(node)}
 
 
 def ends_iteration(body: list[ast.stmt]) -> bool:

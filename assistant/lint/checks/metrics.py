@@ -23,7 +23,6 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from assistant.lint.checks.collective_reach import parent_map
 from assistant.lint.model import Function, Script, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
@@ -37,6 +36,8 @@ REPORTERS = frozenset(
 )
 # An imported helper that combines the ranks' values: `utils.reduce_tensor(x)`, `all_gather(x)`.
 COMBINING_HELPER = re.compile(r"reduce|gather|sync|all_", re.IGNORECASE)
+# Libraries whose functions named like a collective are tensor operations.
+TENSOR_LIBRARIES = frozenset({"torch", "numpy", "functools", "operator", "math"})
 # Collectives that combine nothing: waiting is not reducing.
 WAITS = frozenset({"barrier", "monitored_barrier", "wait_for_everyone"})
 # Assignments followed from a total to what is shown: `acc = correct / total`,
@@ -358,7 +359,13 @@ def collective_call(script: Script, node: ast.AST) -> bool:
     method = node.func.attr if isinstance(node.func, ast.Attribute) else short(name)
     if method in WAITS:
         return False
-    return is_collective(name) or bool(COMBINING_HELPER.search(method or ""))
+    if is_collective(name):
+        return True
+    if name.split(".")[0] in TENSOR_LIBRARIES and not name.startswith("torch.distributed"):
+        return False  # torch.gather, torch.scatter_reduce, functools.reduce: no ranks met
+    if method == "gather" and (len(node.args) >= 2 or keyword(node, "dim") is not None):
+        return False  # Tensor.gather(dim, index), as a kNN monitor picks labels
+    return bool(COMBINING_HELPER.search(method or ""))
 
 
 def first_shown(after: list[ast.AST], derived: set[str]) -> ast.AST | None:
@@ -390,7 +397,7 @@ def returns_any(function: Function, derived: set[str]) -> bool:
 
 def shown_by_callers(script: Script, function: str, owners: dict[int, str]) -> ast.AST | None:
     """Where a caller shows what `function` returned, unreduced."""
-    parents = parent_map(script)
+    parents = script.parents
     for node, name in script.call_names:
         assigned = parents.get(id(node))
         if name != function or not (isinstance(assigned, ast.Assign) and assigned.value is node):
