@@ -20,12 +20,22 @@ padded gather starts. A tensor made from a parameter is followed to what
 the file's callers pass for it, two calls up (a loader over a strided share
 built in main(), handed down to the function that gathers). A tensor with
 one row per sample (logits, features) is the same size on every rank under
-a DistributedSampler, and stays quiet.
+a DistributedSampler, and stays quiet: so is a batch's own field (a
+classifier's `batch["labels"]`, one per sample, unlike a detector's
+per-image `out["labels"]`), unless the file pads each batch to its longest
+sequence (`padding=True`, a Hugging Face DataCollator, `pad_sequence`) and
+the field is gathered batch by batch (not first concatenated over the
+batches, which needs one length per rank anyway); and whatever a DistributedSampler's loader was
+built over (it pads every rank to the same count, whichever rows the
+dataset kept). `generate()` output is as long as the longest sequence of
+this rank's batch: gathered into buffers like it, it needs padding to a
+common length (`pad_across_processes`, or a pad by the difference).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.wrapper import plain_names
@@ -42,10 +52,14 @@ from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
 from assistant.results import Finding
 
-# Calls whose result has as many rows as the data makes: a selection, not a map.
+# Calls whose result has as many rows as the data makes: a selection, not a map;
+# and generation, as long as this rank's longest answer.
 CONTENT_SIZED_CALLS = frozenset(
-    {"nonzero", "masked_select", "unique", "nms", "batched_nms", "argwhere"}
+    {"nonzero", "masked_select", "unique", "nms", "batched_nms", "argwhere", "generate"}
 )
+# Padding to a size every rank shares, by name: Accelerate's.
+COMMON_PADDING = frozenset({"pad_across_processes"})
+LOADERS = frozenset({"DataLoader"})
 # Per-image detection outputs (torchvision, detectron2, mmdet): as many rows as
 # objects kept.
 DETECTION_KEYS = frozenset({"boxes", "scores", "labels", "masks", "keypoints", "pred_boxes"})
@@ -89,8 +103,8 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 yield script.finding(
                     "collective-mismatch",
                     node,
-                    f"all_gather({source_text(buffers)}, {tensor.id}): {tensor.id} has as "
-                    f"many rows as this rank's data gives (`{source_text(step)}`, line "
+                    f"all_gather({source_text(buffers)}, {tensor.id}): the size of {tensor.id} "
+                    f"comes from this rank's data (`{source_text(step)}`, line "
                     f"{step.lineno}), but every rank receives into buffers shaped like its "
                     "own: the sizes differ across ranks (error, hang or garbage); all_gather "
                     "the sizes first and pad to the largest, or use all_gather_object",
@@ -123,7 +137,8 @@ def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
 
 
 def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.expr]:
-    """`expr` and the values of the names in it, MAX_DEPTH assignments back, each once."""
+    """`expr` and the values of the names in it, MAX_DEPTH assignments back, each once;
+    not into what a DistributedSampler's loader was built over (equal_share_walk)."""
     seen: set[str] = set()
     frontier = [expr]
     for _ in range(MAX_DEPTH):
@@ -131,13 +146,40 @@ def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.ex
         for current in frontier:
             yield current
             local = comprehension_names(current)
-            for node in ast.walk(current):
+            for node in equal_share_walk(values, current):
                 if isinstance(node, ast.Name) and node.id not in seen | local:
                     seen.add(node.id)
                     following.extend(values.get(node.id, []))
         frontier = following
         if not frontier:
             return
+
+
+def equal_share_walk(values: dict[str, list[ast.expr]], expr: ast.AST) -> Iterator[ast.AST]:
+    """ast.walk, but not into a DataLoader whose sampler is a DistributedSampler:
+    it pads every rank to the same number of samples, so the rows its dataset
+    kept (a mask, a fold, a rank's stride) no longer differ by rank."""
+    pending = [expr]
+    while pending:
+        node = pending.pop()
+        yield node
+        if is_equal_share_loader(values, node):
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+
+
+def is_equal_share_loader(values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
+    """`DataLoader(ds, sampler=DistributedSampler(ds))`, the sampler also by name."""
+    if not (isinstance(node, ast.Call) and called_name(node) in LOADERS):
+        return False
+    sampler = next((k.value for k in node.keywords if k.arg == "sampler"), None)
+    if sampler is None:
+        return False
+    made = [sampler, *values.get(sampler.id, [])] if isinstance(sampler, ast.Name) else [sampler]
+    return any(
+        isinstance(value, ast.Call) and called_name(value) == "DistributedSampler"
+        for value in made
+    )
 
 
 def comprehension_names(expr: ast.expr) -> set[str]:
@@ -163,6 +205,8 @@ def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr)
     its making holds a padding sized by a difference with its own size."""
     for value in origin(values, tensor):
         for node in ast.walk(value):
+            if isinstance(node, ast.Call) and called_name(node) in COMMON_PADDING:
+                return True
             if not (isinstance(node, ast.Call) and called_name(node) in PADDING_CALLS):
                 continue
             for inner in ast.walk(node):
@@ -188,12 +232,91 @@ def reads_own_size(expr: ast.expr) -> bool:
 def content_sized_step(
     script: Script, values: dict[str, list[ast.expr]], tensor: ast.expr
 ) -> ast.expr | None:
-    """The step in the tensor's making whose row count depends on the data."""
+    """The step in the tensor's making whose size depends on the data."""
+    batches = loader_batches(values)
+    lengths_differ = pads_to_the_longest(script) and gathered_per_batch(values, tensor, batches)
     for value in origin(values, tensor):
-        for node in ast.walk(value):
+        for node in equal_share_walk(values, value):
+            if is_batch_field(node, batches):
+                if lengths_differ:
+                    return node  # (batch, its longest sequence): rows agree, lengths not
+                continue  # batch["labels"]: one per sample
             if is_content_sized(node) or is_rank_stride(script, node):
                 return node
     return None
+
+
+# A collation that pads each batch to its own longest sequence.
+PADS_TO_LONGEST = re.compile(
+    r"padding\s*=\s*(?:True|['\"]longest['\"])|\bDataCollator\w*|\bpad_sequence\b"
+)
+CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "vstack", "hstack"})
+
+
+def pads_to_the_longest(script: Script) -> bool:
+    return bool(PADS_TO_LONGEST.search(script.source))
+
+
+def gathered_per_batch(
+    values: dict[str, list[ast.expr]], tensor: ast.expr, batches: set[str]
+) -> bool:
+    """A batch's field reaches the tensor without a concatenation over batches."""
+    seen: set[str] = set()
+    frontier = [tensor]
+    for _ in range(MAX_DEPTH):
+        following: list[ast.expr] = []
+        for current in frontier:
+            pending: list[ast.AST] = [current]
+            while pending:
+                node = pending.pop()
+                if isinstance(node, ast.Call) and called_name(node) in CONCATENATIONS:
+                    continue
+                if is_batch_field(node, batches):
+                    return True
+                if isinstance(node, ast.Name) and node.id not in seen:
+                    seen.add(node.id)
+                    following.extend(values.get(node.id, []))
+                pending.extend(ast.iter_child_nodes(node))
+        frontier = following
+    return False
+
+
+LOADER_NAME = re.compile(r"loader|(?<![a-z])dl(?![a-z])", re.IGNORECASE)
+
+
+def loader_batches(values: dict[str, list[ast.expr]]) -> set[str]:
+    """Names a loop binds to a loader's batches: `for batch in val_loader` (a loader by
+    its name or by its making: a DataLoader, Accelerate's prepare)."""
+    return {
+        name
+        for name, made in values.items()
+        for value in made
+        if is_loader(values, value)
+    }
+
+
+def is_loader(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
+    if isinstance(expr, ast.Name | ast.Attribute):
+        named = expr.id if isinstance(expr, ast.Name) else expr.attr
+        if LOADER_NAME.search(named):
+            return True
+        if isinstance(expr, ast.Name):
+            return any(
+                isinstance(v, ast.Call) and called_name(v) in LOADERS
+                for v in values.get(expr.id, [])
+            )
+    return isinstance(expr, ast.Call) and called_name(expr) in LOADERS
+
+
+def is_batch_field(node: ast.AST, batches: set[str]) -> bool:
+    """`batch["labels"]` read off a loader's collated batch: a tensor with one row
+    per sample, not a detector's per-image list."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in batches
+        and isinstance(node.slice, ast.Constant)
+    )
 
 
 CALLER_LEVELS = 2  # main() -> knn_monitor(loader) -> gather_features(loader)

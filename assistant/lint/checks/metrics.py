@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
 from assistant.results import Finding
@@ -226,7 +227,7 @@ class EvaluationLoop:
         derived = derive([*ast.walk(self.node), *after], set(self.totals))
         if combined(script, after, derived):
             return None
-        shown = first_shown(after, derived)
+        shown = first_shown(script, after, derived)
         if shown is not None or self.function is None:
             return shown
         if not returns_any(script.functions[self.function], derived):
@@ -368,8 +369,10 @@ def collective_call(script: Script, node: ast.AST) -> bool:
     return bool(COMBINING_HELPER.search(method or ""))
 
 
-def first_shown(after: list[ast.AST], derived: set[str]) -> ast.AST | None:
-    """The first print / log / `if` that reads a derived value."""
+def first_shown(script: Script, after: list[ast.AST], derived: set[str]) -> ast.AST | None:
+    """The first print / log / `if` that reads a derived value. A print or log that
+    also names the rank (`"rank %d wrote %d", rank, n`) shows a per-rank figure
+    on purpose, and is passed over."""
     for node in after:
         if isinstance(node, ast.If) and names_in(node.test) & derived:
             return node
@@ -377,9 +380,21 @@ def first_shown(after: list[ast.AST], derived: set[str]) -> ast.AST | None:
             isinstance(node, ast.Call)
             and shows(node)
             and any(names_in(argument) & derived for argument in all_arguments(node))
+            and not names_the_rank(script, node)
         ):
             return node
     return None
+
+
+def names_the_rank(script: Script, call: ast.Call) -> bool:
+    """An argument of the call is or formats the rank: `rank`, `dist.get_rank()`,
+    `f"[rank {rank}] ..."`."""
+    return any(
+        is_rank_expr(node, script)
+        for argument in all_arguments(call)
+        for node in ast.walk(argument)
+        if isinstance(node, ast.expr)
+    )
 
 
 def shows(call: ast.Call) -> bool:
@@ -409,7 +424,7 @@ def shown_by_callers(script: Script, function: str, owners: dict[int, str]) -> a
         derived = derive(after, received)
         if combined(script, after, derived):
             continue
-        shown = first_shown(after, derived)
+        shown = first_shown(script, after, derived)
         if shown is not None:
             return shown
     return None
