@@ -177,8 +177,7 @@ def is_equal_share_loader(values: dict[str, list[ast.expr]], node: ast.AST) -> b
         return False
     made = [sampler, *values.get(sampler.id, [])] if isinstance(sampler, ast.Name) else [sampler]
     return any(
-        isinstance(value, ast.Call) and called_name(value) == "DistributedSampler"
-        for value in made
+        isinstance(value, ast.Call) and called_name(value) == "DistributedSampler" for value in made
     )
 
 
@@ -287,12 +286,7 @@ LOADER_NAME = re.compile(r"loader|(?<![a-z])dl(?![a-z])", re.IGNORECASE)
 def loader_batches(values: dict[str, list[ast.expr]]) -> set[str]:
     """Names a loop binds to a loader's batches: `for batch in val_loader` (a loader by
     its name or by its making: a DataLoader, Accelerate's prepare)."""
-    return {
-        name
-        for name, made in values.items()
-        for value in made
-        if is_loader(values, value)
-    }
+    return {name for name, made in values.items() for value in made if is_loader(values, value)}
 
 
 def is_loader(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
