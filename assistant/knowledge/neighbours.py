@@ -45,10 +45,20 @@ KEPT_VECTORS = 10_000
 class ReportNeighbours:
     """Unit vectors of the labelled reports, their identities and their causes."""
 
-    def __init__(self, vectors: np.ndarray, keys: list[str], labels: list[tuple[str, ...]]):
+    def __init__(
+        self,
+        vectors: np.ndarray,
+        keys: list[str],
+        labels: list[tuple[str, ...]],
+        hashes: list[str] | None = None,
+    ):
         self.vectors = vectors  # reports x dimensions, float32, unit length
         self.keys = np.array(keys)
         self.labels = labels
+        # text_hash of each row's embedded text: a question that is one of these
+        # texts (every query of `kb eval`) reads its vector instead of running
+        # the model again (vector_of).
+        self.row_of_text = {digest: row for row, digest in enumerate(hashes or [])}
         # The KB's examples (reports.example_key) are there for the reports model only.
         self.voters = np.fromiter(
             (not is_example_key(k) for k in keys), dtype=bool, count=len(keys)
@@ -61,6 +71,12 @@ class ReportNeighbours:
         if any(row is None for row in rows):
             return None
         return self.vectors[np.array(rows, dtype=np.int64)]
+
+    def vector_of(self, text: str) -> np.ndarray | None:
+        """The saved vector of exactly this embedded text (1 x dimensions), if any:
+        the model made it from the same text, so the question needs no new one."""
+        row = self.row_of_text.get(text_hash(text))
+        return None if row is None else self.vectors[row : row + 1]
 
     def scores(
         self, vector: np.ndarray, held_out: frozenset[str] = frozenset()
@@ -143,7 +159,8 @@ class ReportNeighbours:
         }
         for cache in caches:
             save_arrays(cache, header, vectors=vectors)  # False (read-only) is fine
-        return cls(vectors[: len(hashes)], header["keys"], [tuple(c) for c in header["labels"]])
+        labels = [tuple(c) for c in header["labels"]]
+        return cls(vectors[: len(hashes)], header["keys"], labels, hashes)
 
     @classmethod
     def from_saved(cls, header: dict, vectors: np.ndarray) -> ReportNeighbours | None:
@@ -156,7 +173,12 @@ class ReportNeighbours:
             isinstance(row, list) and all(isinstance(c, str) for c in row) for row in labels
         ):
             return None
-        return cls(vectors[: len(keys)], keys, [tuple(row) for row in labels])
+        hashes = header.get("hashes")
+        if not (isinstance(hashes, list) and all(isinstance(h, str) for h in hashes)):
+            hashes = None  # an older file: every question is embedded
+        else:
+            hashes = hashes[: len(keys)]
+        return cls(vectors[: len(keys)], keys, [tuple(row) for row in labels], hashes)
 
 
 def text_hash(text: str) -> str:

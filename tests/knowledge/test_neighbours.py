@@ -218,3 +218,39 @@ def test_the_neighbours_key_survives_an_install_without_sources(monkeypatch):
 
     monkeypatch.setattr(inspect, "getsource", no_source)
     assert text_preparation()  # a key all the same: the package's version
+
+
+def test_a_saved_text_gives_its_own_vector_and_any_other_text_none(engine, tmp_path):
+    counting = Counting(engine.embedder)
+    cache = tmp_path / "reports_vectors.npz"
+    embedded = ReportNeighbours.load_or_embed("set", lambda: REPORTS, counting, [cache])
+    loaded = ReportNeighbours.load_or_embed("set", lambda: [], counting, [cache])
+    for neighbours in (embedded, loaded):  # as first embedded, and as read back
+        vector = neighbours.vector_of(REPORTS[1][0])
+        assert vector is not None and vector.shape == (1, embedded.vectors.shape[1])
+        assert np.array_equal(vector[0], embedded.vectors[1])
+        assert neighbours.vector_of(REPORTS[1][0] + " ") is None
+    assert three_reports().vector_of("a") is None  # made without the texts' hashes
+
+
+@pytest.mark.slow
+def test_a_labelled_report_asked_again_reads_its_saved_vector_not_the_model(engine):
+    """`kb eval` asks every labelled report: its vector is the saved one, the
+    same the model gives, and the model is not run for it."""
+    from assistant.knowledge.retrieve import Retriever, embedded_text
+
+    retriever: Retriever = engine._retriever
+    neighbours = retriever.neighbours  # loaded, as after any English question
+    text, _, _ = next(iter(retriever.reports.labelled()))
+    question = embedded_text(clean_log(text), retriever.bridge)
+    counting = Counting(engine.embedder)
+    retriever.embedder = counting
+    try:
+        saved = retriever.query_vector(question)
+        fresh = retriever.query_vector(question + " (asked again)")
+    finally:
+        retriever.embedder = engine.embedder
+    assert counting.embedded == [question + " (asked again)"]
+    model = engine.embedder.encode([question])
+    assert float(saved[0] @ model[0]) == pytest.approx(1.0, abs=1e-5)
+    assert neighbours.vector_of(question) is not None and fresh.shape == saved.shape
