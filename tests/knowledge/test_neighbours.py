@@ -224,7 +224,7 @@ def test_a_saved_text_gives_its_own_vector_and_any_other_text_none(engine, tmp_p
     counting = Counting(engine.embedder)
     cache = tmp_path / "reports_vectors.npz"
     embedded = ReportNeighbours.load_or_embed("set", lambda: REPORTS, counting, [cache])
-    loaded = ReportNeighbours.load_or_embed("set", lambda: [], counting, [cache])
+    loaded = ReportNeighbours.load_or_embed("set", list, counting, [cache])
     for neighbours in (embedded, loaded):  # as first embedded, and as read back
         vector = neighbours.vector_of(REPORTS[1][0])
         assert vector is not None and vector.shape == (1, embedded.vectors.shape[1])
