@@ -17,7 +17,10 @@ versions, what it was told: nnodes, nproc per node, the master endpoint)
 into the rendezvous store, reads everyone's, tries a TCP connection to
 every address of every other node, and runs a cross-node all_reduce on gloo
 (and NCCL where every node has a GPU), timing its bandwidth. Every node
-ends with every node's facts.
+ends with every node's facts. With PROBE_STORAGE_DIR each node also writes a
+small marker file into that folder (the job's output or checkpoint folder),
+looks for every other node's marker there, and removes its own at the end:
+a folder on each machine's own disk shows only its own marker.
 
 The exchange goes through the rendezvous store itself, not a process
 group: a node whose GLOO_SOCKET_IFNAME names no interface cannot create a
@@ -62,6 +65,8 @@ from probe_protocol import (
     NODES_PROBE,
     NPROC_TOLD_ENV,
     RDZV_ENDPOINT_ENV,
+    STORAGE_DIR_ENV,
+    STORAGE_MARKER_PREFIX,
 )
 from system import gloo_interfaces, nccl_interfaces
 
@@ -81,6 +86,23 @@ def collect(ctx) -> dict:
     exchange = Exchange(_rendezvous_store(), group_rank, joined, _exchange_timeout())
     listener = Listener()
     me = this_node(ctx, group_rank, listener.port)
+    marker = storage_marker(group_rank)
+    me["storage"] = write_marker(marker)  # before the facts go out: peers look for it next
+    try:
+        facts, nodes = _exchange_all(ctx, exchange, me, group_rank, told_nnodes, joined)
+    finally:
+        remove_marker(marker)  # also when the exchange fails: nothing left in the user's folder
+        listener.close()
+    facts["nodes"] = _ordered(nodes)
+    facts["silent"] = sorted(set(range(joined)) - set(nodes))
+    facts["missing"] = missing_node_ranks(told_nnodes, facts["nodes"])
+    facts["problems"] = _problems(facts)
+    facts["summary"] = _summary(facts)
+    return facts
+
+
+def _exchange_all(ctx, exchange, me: dict, group_rank: int, told_nnodes, joined: int):
+    """The exchange steps: facts, reachability, storage markers, collectives."""
     facts = {
         "node_rank": me["node_rank"],
         "expected_nnodes": told_nnodes,
@@ -92,18 +114,16 @@ def collect(ctx) -> dict:
     me["reach"] = reach_peers(me, nodes)
     for rank, reach in exchange.share("reach", me["reach"]).items():
         nodes[rank]["reach"] = reach
+    if me["storage"]:
+        me["storage"]["sees"] = markers_seen(me, nodes)
+    for rank, storage in exchange.share("storage", me["storage"]).items():
+        nodes[rank]["storage"] = storage
     ctx.checkpoint({**facts, "nodes": _ordered(nodes)})
     collectives = run_collectives(group_rank, nodes, joined)
     for rank, result in exchange.share("collectives", collectives).items():
         nodes[rank].update(result)
     exchange.share("done", True)  # nobody leaves while another still reads the store
-    listener.close()
-    facts["nodes"] = _ordered(nodes)
-    facts["silent"] = sorted(set(range(joined)) - set(nodes))
-    facts["missing"] = missing_node_ranks(told_nnodes, facts["nodes"])
-    facts["problems"] = _problems(facts)
-    facts["summary"] = _summary(facts)
-    return facts
+    return facts, nodes
 
 
 # --- this node ---------------------------------------------------------------
@@ -296,6 +316,58 @@ def reach_peers(me: dict, nodes: dict) -> dict:
     for thread in threads:
         thread.join(CONNECT_SECONDS + 1)
     return results
+
+
+# --- shared storage ----------------------------------------------------------------
+
+
+def storage_marker(group_rank: int, run: str | None = None) -> Path | None:
+    """This node's marker in the folder to check (None when no folder was given).
+
+    Named by the rendezvous run and the node's group rank, so every node knows
+    the others' names and an earlier run's leftovers are never mistaken for them."""
+    folder = os.environ.get(STORAGE_DIR_ENV)
+    if not folder:
+        return None
+    run = run or os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in run)[:64]
+    return Path(folder) / f"{STORAGE_MARKER_PREFIX}-{safe}-{group_rank}"
+
+
+def write_marker(marker: Path | None) -> dict:
+    """{"dir", "wrote", "error"}: the marker written and closed (visible to NFS peers)."""
+    if marker is None:
+        return {}
+    try:
+        with open(marker, "x", encoding="utf-8") as out:
+            out.write(f"{socket.gethostname()} {os.getpid()}\n")
+    except OSError as exc:
+        return {"dir": str(marker.parent), "wrote": False, "error": one_line(exc)}
+    return {"dir": str(marker.parent), "wrote": True, "error": None}
+
+
+def markers_seen(me: dict, nodes: dict) -> dict:
+    """{peer group rank: whether its marker is in this node's folder} for each peer that
+    wrote one. Only names are looked up: nothing of the folder is listed or read."""
+    own = me.get("storage") or {}
+    if not own.get("dir"):
+        return {}
+    seen = {}
+    for rank, peer in nodes.items():
+        if rank == me["group_rank"] or not (peer.get("storage") or {}).get("wrote"):
+            continue
+        marker = storage_marker(int(rank))
+        seen[str(rank)] = marker is not None and marker.exists()
+    return seen
+
+
+def remove_marker(marker: Path | None) -> None:
+    if marker is None:
+        return
+    try:
+        marker.unlink()
+    except OSError:
+        pass  # never written, or the folder went away: nothing of the user's is touched
 
 
 # --- collectives -----------------------------------------------------------------

@@ -81,6 +81,11 @@ EXCHANGE_TIMEOUT_ENV = "PROBE_EXCHANGE_TIMEOUT"
 DEFAULT_EXCHANGE_TIMEOUT = 20.0
 # The keys the nodes exchange their facts under, in the rendezvous store.
 NODES_KEY_PREFIX = "ddp-assistant/nodes"
+# The folder each node checks is shared with the others (the job's output or
+# checkpoint folder as the node sees it): each node writes a marker there and
+# looks for the others'. Unset: no storage check.
+STORAGE_DIR_ENV = "PROBE_STORAGE_DIR"
+STORAGE_MARKER_PREFIX = ".ddp-assistant-storage-check"
 
 # --- the probes -----------------------------------------------------------------
 
@@ -515,6 +520,8 @@ class NodeFacts(Facts):
     listen_port: int | None = None
     # peer group rank (as a string) -> {address: "ok" | "refused" | "timeout" | error}
     reach: dict = field(default_factory=dict)
+    # The storage check: {"dir", "wrote", "error", "sees": {peer group rank (str): bool}}
+    storage: dict = field(default_factory=dict)
     gloo: NodeCollective | None = field(default=None, metadata=_one(NodeCollective))
     nccl: NodeCollective | None = field(default=None, metadata=_one(NodeCollective))
 

@@ -365,6 +365,12 @@ def _batch_item(batch: Path, number: int, line: str) -> tuple:
     help="Seconds the nodes wait for each other before naming the missing ones.",
 )
 @click.option("--nodes-only", is_flag=True, help="Multi-node: skip this node's own probes.")
+@click.option(
+    "--storage-dir",
+    metavar="DIR",
+    help="Multi-node: the folder checked for being shared by the nodes (the job's output or "
+    "checkpoint folder; default: the current folder).",
+)
 def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout, **nodes):
     """Run every probe on this machine and judge every cause; with --nnodes, across nodes.
 
@@ -376,7 +382,7 @@ def doctor(as_json, lang, python_path, nproc_per_node, probe_timeout, **nodes):
     assistant doctor
     assistant doctor --json --nproc-per-node 2
     assistant doctor --nnodes 2 --node-rank 0 --master-addr node-1 --master-port 29500
-    srun --ntasks-per-node=1 assistant doctor --slurm
+    srun --ntasks-per-node=1 assistant doctor --slurm --storage-dir ./checkpoints
     """
     import os
 

@@ -47,6 +47,7 @@ from assistant.probing.protocol import (
     NODES_PROBE,
     NPROC_TOLD_ENV,
     RDZV_ENDPOINT_ENV,
+    STORAGE_DIR_ENV,
     NodesFacts,
     new_record,
 )
@@ -90,6 +91,9 @@ class NodesPlan:
     # torchrun's --local-addr, as the job passes it: the address the first
     # node gives the ranks for their store (default: its host name).
     local_addr: str | None = None
+    # The folder whose sharing across the nodes is checked (the job's output or
+    # checkpoint folder, as this node sees it); None: no storage check.
+    storage_dir: str | None = None
 
     @property
     def endpoint(self) -> str:
@@ -341,6 +345,8 @@ class NodesRunner:
                 EXCHANGE_TIMEOUT_ENV: f"{EXCHANGE_SECONDS:g}",
             }
         )
+        if self.plan.storage_dir:
+            env[STORAGE_DIR_ENV] = self.plan.storage_dir
         return env
 
 
@@ -514,6 +520,7 @@ def plan_from_options(
     join_timeout: float = DEFAULT_JOIN_TIMEOUT,
     nproc_per_node: int | None = None,
     local_addr: str | None = None,
+    storage_dir: str | None = None,
 ) -> NodesPlan | None:
     """doctor's options -> a NodesPlan, or None for the single-machine doctor."""
     if slurm:
@@ -522,7 +529,7 @@ def plan_from_options(
                 "--slurm reads the node count and rank from SLURM_*: drop --nnodes, --node-rank and --rdzv-endpoint"
             )
         plan = NodesPlan.from_slurm(env, master_addr, master_port, join_timeout, nproc_per_node)
-        return replace(plan, local_addr=local_addr)
+        return replace(plan, local_addr=local_addr, storage_dir=storage_folder(storage_dir))
     if nnodes is None:
         given = [
             name
@@ -537,7 +544,7 @@ def plan_from_options(
         if given:
             raise UserError(f"{', '.join(given)} need --nnodes (or --slurm)")
         return None
-    return NodesPlan.from_options(
+    plan = NodesPlan.from_options(
         nnodes,
         node_rank,
         master_addr,
@@ -547,3 +554,13 @@ def plan_from_options(
         nproc_per_node,
         local_addr=local_addr,
     )
+    return replace(plan, storage_dir=storage_folder(storage_dir))
+
+
+def storage_folder(given: str | None) -> str | None:
+    """The folder to check for sharing, absolute: --storage-dir, or the current folder
+    (where relative output and checkpoint paths land). A UserError when it is no folder."""
+    folder = Path(given) if given else Path.cwd()
+    if not folder.is_dir():
+        raise UserError(f"--storage-dir {given}: no such folder on this node")
+    return str(folder.resolve())

@@ -26,7 +26,7 @@ from assistant.results import ProbeRun, Verdict
 
 # The areas whose judges are extended here register them on import.
 from assistant.verdicts import launch, network, system, versions  # noqa: F401
-from assistant.verdicts.inputs import JUDGES, Inputs, Judge, not_run, verdict
+from assistant.verdicts.inputs import JUDGES, Inputs, Judge, no_probe, not_run, verdict
 from assistant.verdicts.versions import VERSION_KEYS
 
 CROSS_NODE_CAUSES = (
@@ -35,6 +35,7 @@ CROSS_NODE_CAUSES = (
     "master-endpoint-mismatch",
     "master-port-in-use",
     "world-size-mismatch",
+    "checkpoint-on-node-local-disk",
 )
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -52,6 +53,9 @@ class NodeFinding:
     node_rank: int | None
     problem: bool
     text: str
+    # False for a check that could not be made (a folder a node could not write
+    # in): no problem, but nothing ruled out either.
+    settles: bool = True
 
 
 def gathered(runs: dict[str, ProbeRun]) -> NodesFacts | None:
@@ -69,6 +73,7 @@ def findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
         + interface_findings(facts, say)
         + master_findings(facts, say)
         + size_findings(facts, say)
+        + storage_findings(facts, say)
     )
 
 
@@ -459,6 +464,53 @@ def _told_sizes(facts: NodesFacts, say: Say) -> list[NodeFinding]:
     return found
 
 
+# --- shared storage --------------------------------------------------------------------------
+
+
+def storage_findings(facts: NodesFacts, say: Say) -> list[NodeFinding]:
+    """Whether the folder each node checked (its marker file, probes/nodes.py) shows the
+    other nodes' markers: a node that misses one keeps that folder on its own disk."""
+    by_group = {node.group_rank: node for node in facts.nodes}
+    checked = [node for node in facts.nodes if node.storage.get("dir")]
+    found: list[NodeFinding] = []
+    for node in checked:
+        storage = node.storage
+        if not storage.get("wrote"):
+            text = say(
+                "{node} could not write in {dir} to check it is shared: {error}",
+                "{node} 无法在 {dir} 里写文件来检查它是否共享：{error}",
+                node=label(node), dir=storage["dir"], error=storage.get("error") or "?",
+            )  # fmt: skip
+            found.append(
+                NodeFinding("checkpoint-on-node-local-disk", node.node_rank, False, text, False)
+            )
+            continue
+        unseen = [
+            by_group[int(rank)]
+            for rank, seen in sorted((storage.get("sees") or {}).items())
+            if not seen and int(rank) in by_group
+        ]
+        if unseen:
+            text = say(
+                "{node} does not see the file {others} wrote in {dir}: that folder is on "
+                "each machine's own disk, so what one node saves there is missing on the others",
+                "{node} 看不到 {others} 在 {dir} 里写的文件：这个目录在每台机器自己的盘上，"
+                "一个节点保存在这里的东西，其他节点上没有",
+                node=label(node), others=", ".join(label(o) for o in unseen), dir=storage["dir"],
+            )  # fmt: skip
+            found.append(NodeFinding("checkpoint-on-node-local-disk", node.node_rank, True, text))
+    writers = [node for node in checked if node.storage.get("wrote")]
+    everyone_sees = all(all((n.storage.get("sees") or {}).values()) for n in writers)
+    if len(writers) > 1 and len(writers) == len(facts.nodes) and everyone_sees:
+        text = say(
+            "every node sees the files the others wrote in {dirs}: the folder is shared",
+            "每个节点都能看到其他节点在 {dirs} 里写的文件：这个目录是共享的",
+            dirs=", ".join(sorted({n.storage["dir"] for n in writers})),
+        )
+        found.append(NodeFinding("checkpoint-on-node-local-disk", None, False, text))
+    return found
+
+
 # --- verdicts ------------------------------------------------------------------------------
 
 
@@ -491,7 +543,8 @@ def cross_node_verdict(i: Inputs, cause_id: str, single: Judge) -> Verdict:
         )
         return verdict("inconclusive", notes + [alone], source="probe")
     if notes:
-        return verdict("ruled_out", notes, source="probe")
+        settled = all(f.settles for f in found)
+        return verdict("ruled_out" if settled else "inconclusive", notes, source="probe")
     return local if local is not None else not_run()
 
 
@@ -576,6 +629,8 @@ def node_verdicts(facts: NodesFacts, say: Say) -> dict[int | None, list[dict]]:
                 value, evidence = "inconclusive", [f.text for f in job if f.problem]
             elif rank in facts.missing:
                 value, evidence = "not_run", []
+            elif not all(f.settles for f in own + job):
+                value, evidence = "inconclusive", [f.text for f in own + job]
             else:
                 value, evidence = "ruled_out", [f.text for f in own + job]
             entries.append({"id": cause_id, "verdict": value, "evidence": evidence})
@@ -583,6 +638,8 @@ def node_verdicts(facts: NodesFacts, say: Say) -> dict[int | None, list[dict]]:
     return result
 
 
+# Causes only the nodes decide have no single-machine judge of their own.
+JUDGES.setdefault("checkpoint-on-node-local-disk", no_probe)
 for _cause in CROSS_NODE_CAUSES:
     extend_judge(_cause)
 

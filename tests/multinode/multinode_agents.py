@@ -57,8 +57,10 @@ def start_agent(
     env: dict[str, str] | None = None,
     netns: str | None = None,
     node_rank: bool = True,
+    prefix: list[str] | None = None,
 ) -> Agent:
-    """`assistant doctor --json --nodes-only ARGS --node-rank R`, in a network namespace if given.
+    """`assistant doctor --json --nodes-only ARGS --node-rank R`, in a network namespace if given,
+    after `prefix` (a command that ends by running the rest, as `unshare ... sh -c '...; exec "$@"'`).
 
     node_rank=False leaves --node-rank out (--slurm reads it from SLURM_NODEID).
     """
@@ -66,6 +68,7 @@ def start_agent(
     command += ["--node-rank", str(rank)] if node_rank else []
     if netns:
         command = ["ip", "netns", "exec", netns, *command]
+    command = [*(prefix or []), *command]  # e.g. a mount namespace of its own
     full_env = {**os.environ, **(env or {})}
     process = subprocess.Popen(
         command,

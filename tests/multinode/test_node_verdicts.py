@@ -67,6 +67,53 @@ def test_healthy_nodes_confirm_nothing():
     assert "2 nodes agree" in found["world-size-mismatch"].evidence[0]
 
 
+def test_a_folder_every_node_sees_rules_out_node_local_checkpoints():
+    found = verdicts(runs_of("healthy_2"))["checkpoint-on-node-local-disk"]
+    assert found.verdict == "ruled_out" and found.source == "probe"
+    assert "the folder is shared" in found.evidence[0]
+
+
+def test_a_folder_on_a_nodes_own_disk_is_confirmed_for_each_node_that_misses_a_file():
+    """Recorded: node 1 in its own mount namespace, a tmpfs over the same path."""
+    runs = runs_of("local_disk_2")
+    found = verdicts(runs)["checkpoint-on-node-local-disk"]
+    assert found.verdict == "confirmed" and found.source == "probe"
+    folder = gathered(runs).nodes[0].storage["dir"]
+    assert all(folder in line and "own disk" in line for line in found.evidence)
+    assert {line.split(" (")[0] for line in found.evidence} == {"node 0", "node 1"}
+    assert per_node(runs)[0]["checkpoint-on-node-local-disk"] == "confirmed"
+    # the other causes are untouched by the storage check
+    assert verdicts(runs)["network-interface"].verdict == "ruled_out"
+
+
+def test_a_node_that_could_not_write_its_marker_leaves_the_folder_undecided():
+    """healthy_2 with node 1's write refused (a read-only folder), one value changed."""
+
+    def refused(facts):
+        node = next(n for n in facts["nodes"] if n["node_rank"] == 1)
+        node["storage"] = {"dir": node["storage"]["dir"], "wrote": False,
+                           "error": "PermissionError: [Errno 13] Permission denied"}  # fmt: skip
+        for other in facts["nodes"]:
+            other["storage"].get("sees", {}).pop(str(node["group_rank"]), None)
+
+    runs = changed("healthy_2", refused)
+    found = verdicts(runs)["checkpoint-on-node-local-disk"]
+    assert found.verdict == "inconclusive"
+    assert "could not write" in found.evidence[0] and "Permission denied" in found.evidence[0]
+    assert per_node(runs)[1]["checkpoint-on-node-local-disk"] == "inconclusive"
+
+
+def test_nodes_without_a_storage_check_leave_the_cause_unjudged():
+    """Older records (and a doctor given no folder) carry no storage facts."""
+
+    def unchecked(facts):
+        for node in facts["nodes"]:
+            node.pop("storage", None)
+
+    found = verdicts(changed("healthy_2", unchecked))["checkpoint-on-node-local-disk"]
+    assert found.verdict == "not_run"
+
+
 def test_bogus_gloo_ifname_is_confirmed_for_that_node_only():
     runs = runs_of("bogus_ifname")
     found = verdicts(runs)["network-interface"]

@@ -8,7 +8,7 @@ own, as on two nodes. No fakes: real torchrun, real store, real gloo.
 from __future__ import annotations
 
 import pytest
-from multinode_agents import confirmed, start_agent
+from multinode_agents import REPO, confirmed, start_agent
 
 from assistant.probing.machine import free_port
 from assistant.probing.multinode import JOIN_MARGIN_SECONDS, RDZV_GRACE_SECONDS
@@ -40,7 +40,11 @@ def test_two_healthy_nodes_confirm_nothing_and_reduce_across_nodes():
             gloo = node["collectives"]["gloo"]
             assert gloo["result"] == "ok" and gloo["gbps"] > 0
         assert agent.cause("world-size-mismatch")["verdict"] == "ruled_out"
+        # both agents run in the repository: one folder, so it is shared
+        for entry in agent.nodes().values():
+            assert node_verdict(entry, "checkpoint-on-node-local-disk")["verdict"] == "ruled_out"
         assert {p["name"] for p in agent.result["probes"]} == {"nodes"}
+    assert not list(REPO.glob(".ddp-assistant-storage-check*"))  # the markers are gone
 
 
 def test_a_bogus_gloo_ifname_is_confirmed_for_that_node():
@@ -143,3 +147,46 @@ def test_a_stranger_on_the_endpoint_port_is_named_and_nothing_hangs():
     # the port only the rendezvous is waited for, not the start allowance on top
     # (START_SECONDS, for a slow interpreter): join + margin + grace + its start.
     assert agent.seconds < join + JOIN_MARGIN_SECONDS + RDZV_GRACE_SECONDS + 20
+
+
+def node_verdict(entry: dict, cause_id: str) -> dict:
+    """One node's verdict on a cross-node cause, from `doctor --json`'s "nodes"."""
+    return next(v for v in entry["verdicts"] if v["id"] == cause_id)
+
+
+def private_mount_unavailable() -> str | None:
+    """Why a mount namespace with a tmpfs of its own cannot be made here, or None."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return "a private mount needs root and unshare"
+    probe = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+             "mount -t tmpfs none /mnt"]  # fmt: skip
+    done = subprocess.run(probe, capture_output=True, text=True, check=False)
+    return None if done.returncode == 0 else f"unshare --mount fails here: {done.stderr.strip()}"
+
+
+def test_a_checkpoint_folder_on_one_nodes_own_disk_is_named_and_nothing_is_left(tmp_path):
+    """Node 1 sees another disk at the same path (its own mount namespace, a tmpfs
+    over the folder), as a second machine's local disk: both nodes name it."""
+    reason = private_mount_unavailable()
+    if reason:
+        pytest.skip(reason)
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    args = [*pair_args(), "--storage-dir", str(folder)]
+    private = ["unshare", "--mount", "--propagation", "private",
+               "sh", "-c", 'mount -t tmpfs none "$0" && exec "$@"', str(folder)]  # fmt: skip
+    agents = [start_agent(0, args), start_agent(1, args, prefix=private)]
+    for agent in agents:
+        agent.finish()
+    for agent in agents:
+        assert agent.code == 0, agent.stderr[-2000:]
+        for entry in agent.nodes().values():  # each node misses the other's file
+            found = node_verdict(entry, "checkpoint-on-node-local-disk")
+            assert found["verdict"] == "confirmed"
+            assert str(folder) in found["evidence"][0] and "own disk" in found["evidence"][0]
+            assert node_verdict(entry, "network-interface")["verdict"] == "ruled_out"
+    assert list(folder.iterdir()) == []  # node 0's marker removed; node 1's was on its tmpfs
