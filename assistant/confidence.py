@@ -257,6 +257,12 @@ DECIDERS = {
     "fsdp-state-dict": ("script", "traceback"),
     # this launch's GPUs and nodes against the saved run's, and the loader that raises
     "resume-different-world-size": ("launch", "traceback"),
+    # whether a file one node writes in the folder is seen by the others (doctor
+    # --nnodes --storage-dir), and which launch spans several machines
+    "checkpoint-on-node-local-disk": ("nodes", "launch"),
+    # where the script splits, shuffles or numbers its data (a seed, sorted()) and
+    # that it runs on several ranks
+    "rank-divergent-data-split": ("script", "launch"),
 }
 DEFAULT_DECIDERS = ("traceback", "launch")
 # torchrun's failure summary ("failed (exitcode: 1)", ChildFailedError) only says

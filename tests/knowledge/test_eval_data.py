@@ -133,6 +133,7 @@ SMALL_SETS = {
     "real_reports_new_causes5.jsonl",
     "real_reports_new_causes6.jsonl",
     "real_reports_new_causes7.jsonl",
+    "real_reports_new_causes8.jsonl",  # 16: session 36, two causes collectors kept finding
 }
 # Sets whose Chinese collectors found nothing new (data/eval/README.md).
 ENGLISH_ONLY = {
