@@ -70,7 +70,10 @@ lines it must report.
   inside DataLoader workers forked after CUDA started (cuda-init-before-fork);
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
-  (unused-parameters).
+  (unused-parameters);
+- splits: a random split every rank draws unseeded (or seeded with its rank),
+  and a set of class names numbered in its iteration order
+  (rank-divergent-data-split).
 """
 
 from assistant.lint.checks import (
@@ -96,6 +99,7 @@ from assistant.lint.checks import (
     reentrant,
     schedules,
     spawn,
+    splits,
     state_dict,
     unused,
     wrapper,
@@ -125,6 +129,7 @@ __all__ = [
     "reentrant",
     "schedules",
     "spawn",
+    "splits",
     "state_dict",
     "unused",
     "wrapper",

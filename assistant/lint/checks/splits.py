@@ -1,0 +1,170 @@
+"""Each rank draws its own split or numbers its own classes (rank-divergent-data-split).
+
+Under DDP every process runs the data-setup code itself, and nothing one
+process computes reaches the others. A random split drawn from an unseeded
+generator (torch's default generator, numpy's and Python's global state are
+seeded from the OS in every process) or from one seeded with the rank gives
+each rank another train / validation split: the validation samples of one
+rank are the training samples of the others, and the metrics look too good.
+A class-to-index map built by numbering a set of strings gives each rank its
+own order (Python salts string hashes per process), so the same class gets
+another label on every rank.
+
+Reported, in a script run as several processes:
+- `random_split(ds, lengths)` without `generator=` (torch), sklearn's
+  `train_test_split(...)` without `random_state=`, a Hugging Face dataset's
+  `.train_test_split(...)` without `seed=`, when the file sets no common seed
+  (a `manual_seed` / `seed_everything` / `set_seed` / `np.random.seed` /
+  `random.seed` call whose argument involves no rank), or seeds with the rank;
+- `enumerate(set(...))` (or of `list(set(...))`, or of a name made so)
+  numbering a set into a mapping: `sorted(set(...))` is the fix.
+Quiet on rank 0 only, and where the split is seeded explicitly.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, keyword, short
+from assistant.lint.ranks import enclosing_scope, inside_rank_zero_branch, is_rank_expr
+from assistant.lint.registry import check
+from assistant.lint.torchapi import runs_a_process_per_gpu
+from assistant.results import Finding
+
+CAUSE = "rank-divergent-data-split"
+# Calls that seed a generator every later unseeded draw of the process reads.
+SEEDING = frozenset({"manual_seed", "seed_everything", "set_seed", "seed", "manual_seed_all"})
+# split call (short name) -> the keyword that seeds it explicitly, and the position it may take
+SPLITS = {"random_split": ("generator", 2), "train_test_split": ("random_state", None)}
+HF_SPLIT_SEED = "seed"  # datasets.Dataset.train_test_split(test_size=..., seed=42)
+
+
+@check(CAUSE)
+def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
+    """An unseeded (or rank-seeded) random split, run by every rank."""
+    if not runs_a_process_per_gpu(script):
+        return
+    common, per_rank = seeds(script)
+    for node, name in script.call_names:
+        seeded_here = explicitly_seeded(node, name)
+        if seeded_here is None or seeded_here or on_rank_zero_only(node, script):
+            continue
+        ranked_seed = seed_in_force(node, script, common, per_rank)
+        if ranked_seed is False:
+            continue
+        if ranked_seed is None:
+            why = "no seed is set, so each process starts from its own random state"
+        elif enclosing_scope(ranked_seed, script) is enclosing_scope(node, script):
+            why = f"the process was just seeded with its rank (line {ranked_seed.lineno})"
+        else:
+            why = f"the file seeds only with the rank (line {ranked_seed.lineno})"
+        yield script.finding(
+            CAUSE,
+            node,
+            f"{short(name)}() runs in every process and {why}: each rank draws another "
+            "split, so one rank's validation samples are the others' training samples; "
+            "seed the split itself (random_split(..., generator=torch.Generator()"
+            ".manual_seed(42)), train_test_split(..., random_state=42)) or split once "
+            "and save it",
+        )
+    yield from numbered_sets(script)
+
+
+def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
+    """(seeding calls with a common value, seeding calls that involve the rank)."""
+    common, per_rank = [], []
+    for node, name in script.call_names:
+        if short(name) not in SEEDING or not (node.args or node.keywords):
+            continue
+        values = [*node.args, *(k.value for k in node.keywords)]
+        ranked = any(
+            is_rank_expr(part, script)
+            for value in values
+            for part in ast.walk(value)
+            if isinstance(part, ast.expr)
+        )
+        (per_rank if ranked else common).append(node)
+    return common, per_rank
+
+
+def seed_in_force(
+    split: ast.Call, script: Script, common: list[ast.Call], per_rank: list[ast.Call]
+) -> ast.Call | bool | None:
+    """What seeds the split's draw: False for a common seed (quiet), the per-rank
+    seeding call, or None for no seed. The last seeding call before the split in
+    its own function decides; without one, the file's: a common seed anywhere
+    (set in main before the helpers run), else a per-rank one."""
+    scope = enclosing_scope(split, script)
+    before = [
+        call
+        for call in (*common, *per_rank)
+        if enclosing_scope(call, script) is scope and call.lineno < split.lineno
+    ]
+    if before:
+        last = max(before, key=lambda call: (call.lineno, call.col_offset))
+        return last if last in per_rank else False
+    if common:
+        return False
+    return per_rank[0] if per_rank else None
+
+
+def explicitly_seeded(node: ast.Call, name: str) -> bool | None:
+    """None: not a split; else whether the call seeds its own draw."""
+    called = short(name)
+    if called in SPLITS:
+        word, position = SPLITS[called]
+        if keyword(node, word) is not None:
+            return True
+        # A Hugging Face dataset's method (`ds.train_test_split(test_size=0.1)`),
+        # unless the name resolves to sklearn's function.
+        hf_method = isinstance(node.func, ast.Attribute) and not name.startswith("sklearn")
+        if called == "train_test_split" and hf_method:
+            return keyword(node, HF_SPLIT_SEED) is not None
+        return position is not None and len(node.args) > position
+    return None
+
+
+def on_rank_zero_only(node: ast.AST, script: Script) -> bool:
+    scope = enclosing_scope(node, script) or script.tree
+    return inside_rank_zero_branch(node, scope, script, 0)
+
+
+def numbered_sets(script: Script) -> Iterator[Finding]:
+    """`{c: i for i, c in enumerate(set(names))}`: a set's order, numbered."""
+    made_of_set = {
+        target.id
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and is_set_order(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    for node in script.nodes:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+            continue
+        if node.func.id != "enumerate" or not node.args:
+            continue
+        numbered = node.args[0]
+        if is_set_order(numbered) or (
+            isinstance(numbered, ast.Name) and numbered.id in made_of_set
+        ):
+            if on_rank_zero_only(node, script):
+                continue
+            yield script.finding(
+                CAUSE,
+                node,
+                "enumerate() numbers a set in its iteration order, which differs between "
+                "processes for strings (Python salts their hashes per process): each rank "
+                "gives the same class another index; number sorted(set(...)) instead",
+            )
+
+
+def is_set_order(expr: ast.expr) -> bool:
+    """`set(x)`, `{...}` of a comprehension, or `list(set(x))` / `tuple(set(x))`."""
+    if isinstance(expr, ast.SetComp):
+        return True
+    if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name)):
+        return False
+    if expr.func.id == "set":
+        return True
+    return expr.func.id in ("list", "tuple") and len(expr.args) == 1 and is_set_order(expr.args[0])

@@ -1,0 +1,60 @@
+"""Every rank draws its own train / validation split and numbers its own classes.
+
+Under torchrun each process runs this setup itself: random_split with no
+generator draws from the process's own unseeded torch generator, sklearn's
+train_test_split with no random_state from its own numpy state, and
+enumerate(set(names)) numbers the class names in an order Python's
+per-process string hashing decides; a split after seeding with the rank
+differs as well. The ranks end up with different
+validation sets (one rank validates on what the others train on) and
+different labels for the same class. Run with two ranks, rank 0 prints
+whether the splits and the class maps agree.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset, random_split
+
+
+def split(dataset):
+    n_val = len(dataset) // 4
+    return random_split(dataset, [len(dataset) - n_val, n_val])  # expect: rank-divergent-data-split
+
+
+def split_frame(frame):
+    from sklearn.model_selection import train_test_split
+
+    return train_test_split(frame, test_size=0.1)  # expect: rank-divergent-data-split
+
+
+def split_for_this_rank(dataset, rank):
+    torch.manual_seed(1234 + rank)  # "reproducible", but another seed on every rank
+    return random_split(dataset, [300, 100])  # expect: rank-divergent-data-split
+
+
+def class_index(names):
+    return {name: i for i, name in enumerate(set(names))}  # expect: rank-divergent-data-split
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DDP(torch.nn.Linear(1, 1))
+    data = TensorDataset(torch.arange(400, dtype=torch.float32)[:, None])
+    _, val = split(data)
+    _, val_seeded = split_for_this_rank(data, rank)
+    splits = [None] * world
+    dist.all_gather_object(splits, (sorted(val.indices), sorted(val_seeded.indices)))
+    names = [f"species_{letter}" for letter in "abcdefghijklmnopqrstuvwxyz"]
+    maps = [None] * world
+    dist.all_gather_object(maps, class_index(names))
+    if rank == 0:
+        print("splits", "agree" if all(s == splits[0] for s in splits) else "differ")
+        print("class maps", "agree" if all(m == maps[0] for m in maps) else "differ")
+    del model
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""assistant/lint/checks/splits.py: a split or a class numbering each rank draws
+for itself (rank-divergent-data-split). Silent in a real run, so the fixture
+pair is run under torchrun to show the ranks really disagree, and the seeded
+or rank-0-only forms must stay quiet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+CAUSE = "rank-divergent-data-split"
+DDP_PRELUDE = """\
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import TensorDataset, random_split
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = DDP(torch.nn.Linear(4, 1))
+data = TensorDataset(torch.randn(64, 4))
+names = ["cat", "dog", "owl"]
+"""
+
+
+def lines(body: str, prelude: str = DDP_PRELUDE) -> list[int]:
+    return [line for line, _ in lint_snippet(prelude, body, {CAUSE})]
+
+
+@pytest.mark.slow
+def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torchrun):
+    broken = torchrun(SCRIPTS / "random_split_drawn_by_every_rank.py")
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert "splits differ" in broken.stdout and "class maps differ" in broken.stdout
+    fixed = torchrun(SCRIPTS / "correct_split_seeded_once_for_every_rank.py")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert "splits agree" in fixed.stdout and "class maps agree" in fixed.stdout
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "train, val = random_split(data, [48, 16])\n",
+        "torch.manual_seed(7 + rank)\ntrain, val = random_split(data, [48, 16])\n",
+        "split = hub_dataset.train_test_split(test_size=0.1)\n",
+        "index = {n: i for i, n in enumerate(set(names))}\n",
+        "order = list(set(names))\nindex = {n: i for i, n in enumerate(order)}\n",
+    ],
+)
+def test_a_split_or_numbering_each_rank_draws_is_reported(body):
+    assert len(lines(body)) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "g = torch.Generator().manual_seed(0)\ntrain, val = random_split(data, [48, 16], g)\n",
+        "torch.manual_seed(0)\ntrain, val = random_split(data, [48, 16])\n",
+        "split = hub_dataset.train_test_split(test_size=0.1, seed=3)\n",
+        "index = {n: i for i, n in enumerate(sorted(set(names)))}\n",
+        # drawn on rank 0 only (then saved or broadcast): one draw, not one per rank
+        "if rank == 0:\n    train, val = random_split(data, [48, 16])\n",
+    ],
+)
+def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):
+    assert lines(body) == []
+
+
+def test_a_script_run_as_one_process_is_not_judged():
+    single = "import torch\nfrom torch.utils.data import random_split\ndata = list(range(8))\n"
+    assert lines("train, val = random_split(data, [6, 2])\n", prelude=single) == []
