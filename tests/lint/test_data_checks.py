@@ -696,6 +696,28 @@ def test_an_own_sampler_that_never_splits_reads_everything_on_every_rank(torchru
     assert fixed.stdout.count("read 64 of 128") == 2
 
 
+@pytest.mark.slow
+def test_a_weighted_sampler_draws_a_full_epoch_on_every_rank_and_the_twin_a_share(torchrun):
+    broken = torchrun(SCRIPTS / "weighted_sampler_draws_a_full_epoch_per_rank.py")
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert broken.stdout.count("drew 128 of 128") == 2
+    fixed = torchrun(SCRIPTS / "correct_weighted_sampler_per_rank_share.py")
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("drew 64 of 128") == 2
+
+
+def test_a_whole_set_sampler_is_only_judged_for_replicas_of_a_data_parallel_model():
+    """Pipeline stages read the same batches: with no DDP / FSDP wrapper a
+    RandomSampler on every rank is no mistake."""
+    stages = DDP_PRELUDE.replace("model = DDP(torch.nn.Linear(4, 1))\n", "")
+    body = (
+        "from torch.utils.data import RandomSampler\n"
+        "loader = DataLoader(data, batch_size=8, sampler=RandomSampler(data))\n"
+    )
+    assert findings(stages, body) == []
+    assert findings(DDP_PRELUDE, body) == [("missing-distributed-sampler", 2)]
+
+
 def test_an_own_sampler_is_reported_as_sampler_or_batch_sampler_directly_or_by_name():
     body = OWN_SAMPLER + (
         "sampler = BucketSampler([3, 1, 2])\n"

@@ -63,8 +63,15 @@ def test_a_schedule_counted_from_the_whole_dataset_is_reported(body: str):
         "steps = len(train_ds) // bs // world_size\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=steps)",
         # a count of epochs, not of steps
         "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)",
+        # the loader's length, whatever its sampler was built from (a sampler that
+        # draws the whole set on every rank is missing-distributed-sampler's)
+        (
+            "sampler = WeightedRandomSampler(w, num_samples=len(train_ds))\n"
+            "train_loader = DataLoader(train_ds, batch_size=bs, sampler=sampler)\n"
+            "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=len(train_loader))"
+        ),
     ],
-    ids=["loader", "world-size", "world-name", "epochs"],
+    ids=["loader", "world-size", "world-name", "epochs", "loader-of-a-whole-set-sampler"],
 )
 def test_quiet_where_the_count_is_the_process_share(body: str):
     assert reported(body) == []

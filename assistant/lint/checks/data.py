@@ -61,6 +61,10 @@ PREPARERS = frozenset({"prepare", "prepare_data_loader", "setup_dataloaders"})
 # Words of a sampler that splits by rank (`self.rank`, `num_replicas`,
 # `get_world_size()`, "WORLD_SIZE", a shard or a part): any of them keeps it quiet.
 SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.IGNORECASE)
+# torch's samplers that draw from the whole dataset: handed to a DataLoader in a DDP
+# script, every rank draws its own full epoch (WeightedRandomSampler's num_samples
+# from every index), as with the file's own unsplit sampler.
+WHOLE_SET_SAMPLERS = frozenset({"WeightedRandomSampler", "RandomSampler"})
 # How many same-file base classes of a sampler are read (a cycle of bases ends here).
 MAX_LINEAGE = 16
 # A name that holds a list of files or shards.
@@ -302,14 +306,23 @@ def check_own_sampler_not_split(script: Script) -> Iterator[Finding]:
         if data.rank_zero_only(node):
             continue
         name = called_name(built)
-        yield script.finding(
-            "missing-distributed-sampler",
-            node,
-            f"the DataLoader's sampler, {name}(...), is this file's own and never splits the "
-            "indices by rank: every rank iterates the whole dataset (N times the work, the same "
-            "batches on every GPU when the ranks seed alike); give it the rank and the number of "
-            "replicas and keep every num_replicas-th index from rank, as DistributedSampler does",
-        )
+        if name in WHOLE_SET_SAMPLERS:
+            message = (
+                f"the DataLoader's sampler, {name}(...), draws from the whole dataset on every "
+                "rank: each rank runs a full epoch of its own (N times the work, the same "
+                "batches on every GPU when the ranks seed alike); draw num_samples // world_size "
+                "per rank from a rank-seeded generator, or use a distributed weighted sampler "
+                "(DistributedSampler over a weighted subset, or Catalyst's DistributedSamplerWrapper)"
+            )
+        else:
+            message = (
+                f"the DataLoader's sampler, {name}(...), is this file's own and never splits the "
+                "indices by rank: every rank iterates the whole dataset (N times the work, the "
+                "same batches on every GPU when the ranks seed alike); give it the rank and the "
+                "number of replicas and keep every num_replicas-th index from rank, as "
+                "DistributedSampler does"
+            )
+        yield script.finding("missing-distributed-sampler", node, message)
 
 
 def has_sampler(loader: ast.Call) -> bool:
@@ -392,6 +405,13 @@ class DataFlow:
         return is_distributed(self.script) or calls_any(self.script, SCRIPT_SAMPLED_LAUNCHERS)
 
     @cached_property
+    def data_parallel(self) -> bool:
+        """A model wrapped for data parallelism (DDP, FSDP): the ranks are replicas that
+        each need their own share, not pipeline stages that read the same batches."""
+        wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"}
+        return any(short(name) in wrappers for _node, name in self.script.call_names)
+
+    @cached_property
     def mentions_distributed_sampler(self) -> bool:
         """Any name with "distributed" and "sampler" in it: torch's, or the script's own."""
         for node in self.script.nodes:
@@ -433,7 +453,8 @@ class DataFlow:
 
     def own_sampler(self, sampler: ast.expr) -> ast.Call | None:
         """The call building `sampler` (itself, or every value of the name it is) when it
-        builds one of own_samplers with no argument that reads a rank; else None."""
+        builds one of own_samplers, or one of torch's WHOLE_SET_SAMPLERS, with no argument
+        that reads a rank; else None."""
         values = (
             self.script.assigned_values.get(sampler.id, [])
             if isinstance(sampler, ast.Name)
@@ -442,7 +463,8 @@ class DataFlow:
         calls = [v for v in values if isinstance(v, ast.Call)]
         if not calls or len(calls) != len(values):
             return None
-        if any(called_name(c) not in self.own_samplers for c in calls):
+        known = {*self.own_samplers, *(WHOLE_SET_SAMPLERS if self.data_parallel else ())}
+        if any(called_name(c) not in known for c in calls):
             return None
         if any(SPLIT_WORDS.search(word) for c in calls for word in words_in(c)):
             return None

@@ -87,7 +87,9 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
 
 
 def expand(argument: ast.expr, assigned: dict[str, list[ast.expr]]) -> list[ast.expr]:
-    """The argument and, a few assignments back, the values of the names it reads."""
+    """The argument and, a few assignments back, the values of the names it reads; not
+    a loader's making: `len(train_loader)` is the loader's own length, whatever its
+    sampler was built from (a whole-set sampler is missing-distributed-sampler's)."""
     found = [argument]
     frontier = [argument]
     for _ in range(MAX_DEPTH):
@@ -95,6 +97,7 @@ def expand(argument: ast.expr, assigned: dict[str, list[ast.expr]]) -> list[ast.
             value
             for expr in frontier
             for name in names_in([expr])
+            if not LOADER_WORDS.search(name)
             for value in assigned.get(name, [])
             if value not in found
         ]
