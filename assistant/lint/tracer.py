@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from assistant.lint.model import Script
+from assistant.lint.model import Function, Script
 from assistant.lint.ranks import NO_RANK, RankPath, narrowed, rank_branch_sides
 from assistant.lint.torchapi import SPAWNERS
 
@@ -101,6 +101,10 @@ class Tracer:
         # The class whose method is being walked (innermost), "" outside methods:
         # `self.m()` there means that class's m.
         self.owners: list[str] = [""]
+        # Per function being walked (innermost last): its parameters this call
+        # leaves falsy (`accuracy(..., reduce=False)`, or a `reduce=False` default
+        # not passed): `if reduce:` there never runs on this path.
+        self.falsy: list[frozenset[str]] = [frozenset()]
 
     def run_module(self) -> list[TracedCall]:
         drive(self.module())
@@ -117,13 +121,17 @@ class Tracer:
                 continue
             yield self.statement(stmt, Where(stmt.lineno, is_main_guard(stmt), NO_RANK))
 
-    def enter(self, name: str, func: ast.AST, where: Where) -> Step:
+    def enter(
+        self, name: str, func: ast.AST, where: Where, falsy: frozenset[str] = frozenset()
+    ) -> Step:
         if name in self.active:  # recursion: walk a function once per path
             return
         self.visited.add(name)
         self.active.add(name)
         self.owners.append(name.split(".")[0] if "." in name else self.owners[-1])
+        self.falsy.append(falsy)
         yield self.block(func.body, where)
+        self.falsy.pop()
         self.owners.pop()
         self.active.discard(name)
 
@@ -140,6 +148,10 @@ class Tracer:
             return  # nested definitions run only when called; not followed
         if isinstance(stmt, ast.If):
             yield self.expression(stmt.test, where)
+            taken = flag_branch(stmt.test, self.falsy[-1])
+            if taken is not None:  # a flag this call fixed: only one branch runs
+                yield self.block(stmt.body if taken == "body" else stmt.orelse, where)
+                return
             body_side, else_side = rank_branch_sides(stmt.test, self.script)
             yield self.block(
                 stmt.body, where.with_rank(narrowed(where.rank, stmt, "body", body_side))
@@ -175,7 +187,10 @@ class Tracer:
         if len(self.calls) > MAX_TRACED_CALLS or self.shared.calls_left < 0:
             return  # a helper called from many places: stop stepping in, keep recording
         for target in self.targets(node, name):
-            yield self.enter(target, self.script.functions[target], where)
+            func = self.script.functions[target]
+            # a spawned target gets the spawner's arguments, not this call's
+            falsy = frozenset() if name in SPAWNERS else falsy_parameters(func, node, "." in target)
+            yield self.enter(target, func, where, falsy)
 
     def targets(self, node: ast.Call, name: str) -> list[str]:
         """Same-file functions this call runs: the callee, or a spawned target."""
@@ -188,6 +203,65 @@ class Tracer:
                 if isinstance(arg, ast.Name) and arg.id in self.script.functions:
                     found.append(arg.id)
         return found
+
+
+FALSY_CONSTANTS = (False, None, 0, "")
+
+
+def falsy_parameters(func: Function, call: ast.Call, method: bool) -> frozenset[str]:
+    """The parameters of `func` this call leaves falsy: passed False / None / 0 / "",
+    or not passed with such a default; not those the function assigns again."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(
+        k.arg is None for k in call.keywords
+    ):
+        return frozenset()  # *args / **kwargs may carry anything
+    positional = [*func.args.posonlyargs, *func.args.args]
+    if method and positional and positional[0].arg in ("self", "cls"):
+        positional = positional[1:]
+    passed: dict[str, ast.expr] = {p.arg: arg for p, arg in zip(positional, call.args)}
+    passed.update({k.arg: k.value for k in call.keywords if k.arg})
+    defaults = dict(
+        zip(
+            [p.arg for p in positional][len(positional) - len(func.args.defaults) :],
+            func.args.defaults,
+        )
+    )
+    defaults.update(
+        {p.arg: d for p, d in zip(func.args.kwonlyargs, func.args.kw_defaults) if d is not None}
+    )
+    falsy = {
+        name
+        for name, value in {**defaults, **passed}.items()
+        if isinstance(value, ast.Constant)
+        and value.value in FALSY_CONSTANTS
+        and not isinstance(value.value, float)
+    }
+    return frozenset(falsy - assigned_in(func))
+
+
+def assigned_in(func: Function) -> set[str]:
+    """Plain names the function binds anew (assignments, loops, with, walrus)."""
+    return {
+        target.id
+        for node in ast.walk(func)
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.For | ast.NamedExpr)
+        for target in ast.walk(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        if isinstance(target, ast.Name)
+    }
+
+
+def flag_branch(test: ast.expr, falsy: frozenset[str]) -> str | None:
+    """ "body" / "orelse": the branch a test of a falsy flag takes; None if not one."""
+    if isinstance(test, ast.Name) and test.id in falsy:
+        return "orelse"
+    if (
+        isinstance(test, ast.UnaryOp)
+        and isinstance(test.op, ast.Not)
+        and isinstance(test.operand, ast.Name)
+        and test.operand.id in falsy
+    ):
+        return "body"
+    return None
 
 
 def calls_in_evaluation_order(node: ast.AST) -> list[ast.Call]:

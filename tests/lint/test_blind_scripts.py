@@ -65,7 +65,8 @@ Set aa (session 36: data preparation around multi-node training: splits,
 label encoders, caches, weighted samplers) was measured once at 47db108: 13
 of 16 found, 3 other findings, none on a correct script; then learned from
 (a WeightedRandomSampler or RandomSampler draws a full epoch on every
-replica; a schedule sized by len(loader) is the loader's own length).
+replica; a schedule sized by len(loader) is the loader's own length; a
+flag a call leaves False turns off the branch it guards on that path).
 What they
 taught was then fixed in general words (data/eval/README.md, "Session 18", "Session 19");
 these floors keep it. Causes no static
@@ -92,9 +93,8 @@ FOUND_FLOOR = 384  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3
 # 39 found at session 34's end, 38 after x's lessons, 39 after y's (a true one: i/15's
-# SimCLR keeps plain BatchNorm under its gathered contrastive loss), 39 after z's, 41 with
-# aa (a --local_rank default beside LOCAL_RANK on one line; an all_reduce under a flag that
-# rank 0's only caller sets to False, read as a collective on rank 0 only: false)
+# SimCLR keeps plain BatchNorm under its gathered contrastive loss), 39 after z's, 40 after
+# aa's (its --local_rank default beside LOCAL_RANK, on the labelled line)
 OTHER_FINDINGS_CEILING = 45
 
 

@@ -100,7 +100,9 @@ def test_a_loader_every_rank_reads_in_full_is_reported(case: str) -> None:
 
 
 NO_SAMPLER_CLEAN = {
-    "sampler_given": "loader = DataLoader(data, sampler=torch.utils.data.RandomSampler(data))",
+    # a sampler built elsewhere: not known to draw the whole set (torch's RandomSampler
+    # is: test_a_whole_set_sampler_is_only_judged_for_replicas_of_a_data_parallel_model)
+    "sampler_given": "loader = DataLoader(data, sampler=samplers.build(data, cfg))",
     "batch_sampler_given": "loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])",
     "sampler_by_position": "loader = DataLoader(data, 8, False, my_sampler)",
     "options_splatted": "loader = DataLoader(data, **loader_options)",
