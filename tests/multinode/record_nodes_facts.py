@@ -39,7 +39,7 @@ plan = plan_from_options({}, nnodes=2, node_rank=int(rank), master_addr="127.0.0
 run = NodesRunner(ProbeRunner(nproc_per_node=2), plan, local=False).run_nodes()
 if rank == "0":
     save_runs(Path(out), [run], scenario=scenario, description=description)
-print(run.status, run.summary if hasattr(run, "summary") else "")
+print(run.status, run.detail)
 """
 
 

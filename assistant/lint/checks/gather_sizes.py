@@ -25,9 +25,9 @@ classifier's `batch["labels"]`, one per sample, unlike a detector's
 per-image `out["labels"]`), unless the file pads each batch to its longest
 sequence (`padding=True`, a Hugging Face DataCollator, `pad_sequence`) and
 the field is gathered batch by batch (not first concatenated over the
-batches, which needs one length per rank anyway); and whatever a DistributedSampler's loader was
-built over (it pads every rank to the same count, whichever rows the
-dataset kept). `generate()` output is as long as the longest sequence of
+batches, which needs one length per rank anyway); and whatever a
+DistributedSampler's loader was built over (it pads every rank to the same
+count, whichever rows the dataset kept). `generate()` output is as long as the longest sequence of
 this rank's batch: gathered into buffers like it, it needs padding to a
 common length (`pad_across_processes`, or a pad by the difference).
 """
@@ -285,7 +285,7 @@ LOADER_NAME = re.compile(r"loader|(?<![a-z])dl(?![a-z])", re.IGNORECASE)
 
 def loader_batches(values: dict[str, list[ast.expr]]) -> set[str]:
     """Names a loop binds to a loader's batches: `for batch in val_loader` (a loader by
-    its name or by its making: a DataLoader, Accelerate's prepare)."""
+    its name, or made by a DataLoader call)."""
     return {name for name, made in values.items() for value in made if is_loader(values, value)}
 
 
