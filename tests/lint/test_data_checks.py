@@ -688,24 +688,23 @@ class BucketSampler(Sampler):
 """
 
 
+def both_ranks_print(torchrun, script: str, line: str) -> None:
+    """The fixture runs to its end on two ranks, each printing `line`."""
+    ran = torchrun(SCRIPTS / script)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.count(line) == 2, ran.stdout
+
+
 @pytest.mark.slow
 def test_an_own_sampler_that_never_splits_reads_everything_on_every_rank(torchrun):
-    broken = torchrun(SCRIPTS / "own_sampler_not_split_by_rank.py")
-    assert broken.returncode == 0, broken.stderr[-2000:]
-    assert broken.stdout.count("read 128 of 128") == 2
-    fixed = torchrun(SCRIPTS / "correct_own_sampler_split_by_rank.py")
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
-    assert fixed.stdout.count("read 64 of 128") == 2
+    both_ranks_print(torchrun, "own_sampler_not_split_by_rank.py", "read 128 of 128")
+    both_ranks_print(torchrun, "correct_own_sampler_split_by_rank.py", "read 64 of 128")
 
 
 @pytest.mark.slow
 def test_a_weighted_sampler_draws_a_full_epoch_on_every_rank_and_the_twin_a_share(torchrun):
-    broken = torchrun(SCRIPTS / "weighted_sampler_draws_a_full_epoch_per_rank.py")
-    assert broken.returncode == 0, broken.stderr[-2000:]
-    assert broken.stdout.count("drew 128 of 128") == 2
-    fixed = torchrun(SCRIPTS / "correct_weighted_sampler_per_rank_share.py")
-    assert fixed.returncode == 0, fixed.stderr[-2000:]
-    assert fixed.stdout.count("drew 64 of 128") == 2
+    both_ranks_print(torchrun, "weighted_sampler_draws_a_full_epoch_per_rank.py", "drew 128 of 128")
+    both_ranks_print(torchrun, "correct_weighted_sampler_per_rank_share.py", "drew 64 of 128")
 
 
 def test_a_whole_set_sampler_is_only_judged_for_replicas_of_a_data_parallel_model():

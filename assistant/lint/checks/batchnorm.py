@@ -109,22 +109,30 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
         yield from contrastive_without_sync(script)
         return
     loader, size = loaders[0]
+    wrapped = ddp_over_plain_batchnorm(script)
+    if wrapped is None:
+        yield from lightning_trainers_without_sync(script, loader, size)
+        return
+    ddp, norm = wrapped
+    yield script.finding(
+        "batchnorm-not-synced",
+        ddp,
+        f"DDP wraps a model with plain BatchNorm (line {norm}) trained on {size} "
+        f"sample{'s' if size != 1 else ''} per process (the DataLoader on line "
+        f"{loader.lineno}): each GPU's BatchNorm normalises over those alone, so its "
+        "statistics are noise and the model trains worse than one GPU with the same "
+        "global batch; convert it before DDP: "
+        "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+    )
+
+
+def ddp_over_plain_batchnorm(script: Script) -> tuple[ast.Call, int] | None:
+    """The first DDP call of the file whose model builds plain BatchNorm, and that line."""
     for ddp in (node for node, name in script.call_names if is_ddp(name)):
         norm = batch_norm_built(script, ddp, wrapped_by(script, ddp, set())[0])
-        if norm is None:
-            continue
-        yield script.finding(
-            "batchnorm-not-synced",
-            ddp,
-            f"DDP wraps a model with plain BatchNorm (line {norm}) trained on {size} "
-            f"sample{'s' if size != 1 else ''} per process (the DataLoader on line "
-            f"{loader.lineno}): each GPU's BatchNorm normalises over those alone, so its "
-            "statistics are noise and the model trains worse than one GPU with the same "
-            "global batch; convert it before DDP: "
-            "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
-        )
-        return
-    yield from lightning_trainers_without_sync(script, loader, size)
+        if norm is not None:
+            return ddp, norm
+    return None
 
 
 def contrastive_without_sync(script: Script) -> Iterator[Finding]:
@@ -134,12 +142,9 @@ def contrastive_without_sync(script: Script) -> Iterator[Finding]:
     BatchNorm: each GPU's BatchNorm statistics tell its own samples apart, a
     shortcut the contrastive loss learns (SimCLR and BYOL use global BN)."""
     gather = gradient_gather(script)
-    if gather is None:
-        return
-    for ddp in (node for node, name in script.call_names if is_ddp(name)):
-        norm = batch_norm_built(script, ddp, wrapped_by(script, ddp, set())[0])
-        if norm is None:
-            continue
+    wrapped = ddp_over_plain_batchnorm(script) if gather is not None else None
+    if wrapped is not None:
+        ddp, norm = wrapped
         yield script.finding(
             "batchnorm-not-synced",
             ddp,
@@ -150,7 +155,6 @@ def contrastive_without_sync(script: Script) -> Iterator[Finding]:
             "global BatchNorm); convert it before DDP: "
             "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
         )
-        return
 
 
 def gradient_gather(script: Script) -> ast.Call | None:

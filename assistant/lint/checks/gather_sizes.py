@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from assistant.lint.checks.wrapper import plain_names
 from assistant.lint.model import (
@@ -136,9 +136,18 @@ def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
     return values
 
 
-def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.expr]:
+def origin(
+    values: dict[str, list[ast.expr]],
+    expr: ast.expr,
+    stop: Callable[[ast.AST], bool] | None = None,
+) -> Iterator[ast.expr]:
     """`expr` and the values of the names in it, MAX_DEPTH assignments back, each once;
-    not into what a DistributedSampler's loader was built over (equal_share_walk)."""
+    not into what a DistributedSampler's loader was built over, nor into what `stop`
+    marks (walk_until)."""
+
+    def stops(node: ast.AST) -> bool:
+        return is_equal_share_loader(values, node) or (stop is not None and stop(node))
+
     seen: set[str] = set()
     frontier = [expr]
     for _ in range(MAX_DEPTH):
@@ -146,7 +155,7 @@ def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.ex
         for current in frontier:
             yield current
             local = comprehension_names(current)
-            for node in equal_share_walk(values, current):
+            for node in walk_until(current, stops):
                 if isinstance(node, ast.Name) and node.id not in seen | local:
                     seen.add(node.id)
                     following.extend(values.get(node.id, []))
@@ -155,17 +164,21 @@ def origin(values: dict[str, list[ast.expr]], expr: ast.expr) -> Iterator[ast.ex
             return
 
 
-def equal_share_walk(values: dict[str, list[ast.expr]], expr: ast.AST) -> Iterator[ast.AST]:
-    """ast.walk, but not into a DataLoader whose sampler is a DistributedSampler:
-    it pads every rank to the same number of samples, so the rows its dataset
-    kept (a mask, a fold, a rank's stride) no longer differ by rank."""
+def walk_until(expr: ast.AST, stop: Callable[[ast.AST], bool]) -> Iterator[ast.AST]:
+    """ast.walk, but not into the nodes `stop` marks (they are yielded themselves)."""
     pending = [expr]
     while pending:
         node = pending.pop()
         yield node
-        if is_equal_share_loader(values, node):
-            continue
-        pending.extend(ast.iter_child_nodes(node))
+        if not stop(node):
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def equal_share_walk(values: dict[str, list[ast.expr]], expr: ast.AST) -> Iterator[ast.AST]:
+    """ast.walk, but not into a DataLoader whose sampler is a DistributedSampler:
+    it pads every rank to the same number of samples, so the rows its dataset
+    kept (a mask, a fold, a rank's stride) no longer differ by rank."""
+    return walk_until(expr, lambda node: is_equal_share_loader(values, node))
 
 
 def is_equal_share_loader(values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
@@ -260,24 +273,15 @@ def gathered_per_batch(
     values: dict[str, list[ast.expr]], tensor: ast.expr, batches: set[str]
 ) -> bool:
     """A batch's field reaches the tensor without a concatenation over batches."""
-    seen: set[str] = set()
-    frontier = [tensor]
-    for _ in range(MAX_DEPTH):
-        following: list[ast.expr] = []
-        for current in frontier:
-            pending: list[ast.AST] = [current]
-            while pending:
-                node = pending.pop()
-                if isinstance(node, ast.Call) and called_name(node) in CONCATENATIONS:
-                    continue
-                if is_batch_field(node, batches):
-                    return True
-                if isinstance(node, ast.Name) and node.id not in seen:
-                    seen.add(node.id)
-                    following.extend(values.get(node.id, []))
-                pending.extend(ast.iter_child_nodes(node))
-        frontier = following
-    return False
+
+    def concatenated(node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and called_name(node) in CONCATENATIONS
+
+    return any(
+        is_batch_field(node, batches)
+        for value in origin(values, tensor, concatenated)
+        for node in walk_until(value, concatenated)
+    )
 
 
 LOADER_NAME = re.compile(r"loader|(?<![a-z])dl(?![a-z])", re.IGNORECASE)
