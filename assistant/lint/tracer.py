@@ -211,10 +211,21 @@ FALSY_CONSTANTS = (False, None, 0, "")
 def falsy_parameters(func: Function, call: ast.Call, method: bool) -> frozenset[str]:
     """The parameters of `func` this call leaves falsy: passed False / None / 0 / "",
     or not passed with such a default; not those the function assigns again."""
+    return frozenset(
+        name
+        for name, value in constant_arguments(func, call, method).items()
+        if value in FALSY_CONSTANTS and not isinstance(value, float)
+    )
+
+
+def constant_arguments(func: Function, call: ast.Call, method: bool) -> dict[str, object]:
+    """parameter -> the constant this call gives it (passed, or its default when
+    not passed); not the parameters `func` assigns again, nothing at all when
+    *args / **kwargs may carry anything."""
     if any(isinstance(a, ast.Starred) for a in call.args) or any(
         k.arg is None for k in call.keywords
     ):
-        return frozenset()  # *args / **kwargs may carry anything
+        return {}
     positional = [*func.args.posonlyargs, *func.args.args]
     if method and positional and positional[0].arg in ("self", "cls"):
         positional = positional[1:]
@@ -229,14 +240,12 @@ def falsy_parameters(func: Function, call: ast.Call, method: bool) -> frozenset[
     defaults.update(
         {p.arg: d for p, d in zip(func.args.kwonlyargs, func.args.kw_defaults) if d is not None}
     )
-    falsy = {
-        name
+    reassigned = assigned_in(func)
+    return {
+        name: value.value
         for name, value in {**defaults, **passed}.items()
-        if isinstance(value, ast.Constant)
-        and value.value in FALSY_CONSTANTS
-        and not isinstance(value.value, float)
+        if isinstance(value, ast.Constant) and name not in reassigned
     }
-    return frozenset(falsy - assigned_in(func))
 
 
 def assigned_in(func: Function) -> set[str]:

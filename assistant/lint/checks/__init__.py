@@ -71,6 +71,8 @@ lines it must report.
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters);
+- unused_paths: a training call whose own arguments (constants, defaults, a
+  flag decided per step) route forward around a submodule (unused-parameters);
 - splits: a random split every rank draws unseeded (or seeded with its rank),
   and a set of class names numbered in its iteration order
   (rank-divergent-data-split).
@@ -102,6 +104,7 @@ from assistant.lint.checks import (
     splits,
     state_dict,
     unused,
+    unused_paths,
     wrapper,
     zero,
 )
@@ -132,6 +135,7 @@ __all__ = [
     "splits",
     "state_dict",
     "unused",
+    "unused_paths",
     "wrapper",
     "zero",
 ]

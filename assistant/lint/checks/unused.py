@@ -86,34 +86,6 @@ def check_submodule_skipped_by_a_none_input(script: Script) -> Iterator[Finding]
             break
 
 
-@check("unused-parameters")
-def check_submodule_behind_a_flag_of_the_step(script: Script) -> Iterator[Finding]:
-    """The wrapped model is called with a flag its forward needs to reach a
-    submodule (`return_feat=step % k == 0`), true on some steps only."""
-    branches = [b for cls in model_classes(script) for b in flag_branches(cls)]
-    if not branches:
-        return
-    reported: set[int] = set()
-    for node, nodes, ddp in training_calls(script):
-        for branch in branches:
-            given = argument_for(node, branch)
-            where = varying_line(given, nodes) if given is not None else None
-            if where is None or where in reported:
-                continue
-            reported.add(where)
-            yield script.finding(
-                "unused-parameters",
-                where,
-                f"{source_text(given)} changes from step to step, and forward runs "
-                f"{branch.submodule} only when {branch.parameter} is true (the `if` on line "
-                f"{branch.line}): on the other steps its parameters get no gradient; DDP "
-                f"(line {ddp.lineno}) expects every parameter each step and fails with "
-                '"Expected to have finished reduction in the prior iteration": pass '
-                "find_unused_parameters=True, or run the submodule every step and weight "
-                "its loss by zero",
-            )
-
-
 def training_calls(script: Script) -> Iterator[tuple[ast.Call, list[ast.AST], ast.Call]]:
     """Each call of a model wrapped by a DDP that expects every parameter, outside
     no_grad, with its scope's nodes and that DDP call."""
@@ -207,30 +179,6 @@ def parameters_defaulting(
         if isinstance(default, ast.Constant) and wanted(default.value)
     }
     return positional, chosen
-
-
-def flag_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
-    """`def forward(self, x, return_feat=False)` ... `if return_feat: ... self.proj(f)`,
-    where forward calls that submodule nowhere else."""
-    forward = forward_of(cls)
-    positional, flags = parameters_defaulting(forward, lambda value: isinstance(value, bool))
-    for node in ast.walk(forward):
-        # `if return_feat: ...` or `mel + self.postnet(mel) if use_postnet else mel`
-        if not (isinstance(node, (ast.If, ast.IfExp)) and isinstance(node.test, ast.Name)):
-            continue
-        if node.test.id not in flags:
-            continue
-        body = node.body if isinstance(node, ast.If) else [node.body]
-        inside = {id(c) for s in body for c in ast.walk(s)}
-        called = [c for c in ast.walk(forward) if self_call(c)]
-        used_outside = {source_text(c.func) for c in called if id(c) not in inside}
-        submodule = next(
-            (source_text(c.func) for c in called if id(c) in inside),
-            None,
-        )
-        if submodule is not None and submodule not in used_outside:
-            parameter = node.test.id
-            yield OptionalBranch(parameter, positional.index(parameter), submodule, node.lineno)
 
 
 def not_none_test(test: ast.expr) -> str | None:

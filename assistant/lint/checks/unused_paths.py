@@ -1,0 +1,296 @@
+"""A training call whose own arguments route forward around a submodule.
+
+`model(feats)` leaving `return_frames=False` where only the frame branch runs
+`self.frame_head`; `agent(obs, act, mode="q")` where `if mode == "q": return
+self.q1(...), self.q2(...)` returns before the policy; `model(ids,
+value_only=True)` returning before the LM head; `model(img, use_refine)`
+with `use_refine = epoch >= start` and `if not use_refine: return [hm]`
+ahead of `self.refine`. Forward, followed with the call's constant arguments
+(or its defaults), never reaches a submodule it runs on other paths: that
+step's backward gives its parameters no gradient, and a DDP that expects
+every parameter fails at the next step with "Expected to have finished
+reduction in the prior iteration".
+
+Only calls in a function that runs a backward (a training step) are judged,
+outside no_grad, and only submodules with parameters that are not frozen.
+An argument decided per step (a step counter's comparison, a modulo, a
+random draw) is followed both ways. What forward does with a value it
+cannot decide (a test of the input, of self.training) is followed both ways
+too, so a submodule counts as reached if any path of the call may run it.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.checks.unused import (
+    expects_all,
+    forward_of,
+    inside_no_grad,
+    model_classes,
+    varying_line,
+    without_gradients,
+    wrapped_by,
+)
+from assistant.lint.model import Script, called_name, own_nodes, self_attribute, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_ddp
+from assistant.lint.tracer import constant_arguments
+from assistant.results import Finding
+
+# Layers built without parameters: leaving one out costs DDP nothing.
+WITHOUT_PARAMETERS = frozenset(
+    {
+        "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "Identity",
+        "ReLU", "ReLU6", "LeakyReLU", "GELU", "SiLU", "ELU", "SELU", "Mish", "Sigmoid",
+        "Tanh", "Softmax", "LogSoftmax", "Softplus", "Hardswish", "Hardsigmoid",
+        "Flatten", "Unflatten", "Upsample", "PixelShuffle", "PixelUnshuffle",
+        "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+        "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+        "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+        "CrossEntropyLoss", "MSELoss", "L1Loss", "BCELoss", "BCEWithLogitsLoss",
+        "NLLLoss", "SmoothL1Loss", "KLDivLoss", "CosineSimilarity",
+    }
+)  # fmt: skip
+MODEL_FACTORIES = frozenset({"from_pretrained", "from_config", "create_model"})
+BACKWARDS = frozenset({"backward", "manual_backward"})
+MAX_METHODS = 16  # own methods followed from forward (self.encode(x) ...)
+
+
+@check("unused-parameters")
+def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
+    """A training call of a DDP-wrapped model whose constant (or per-step) arguments
+    send forward past a submodule, under a DDP that expects every parameter."""
+    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    if not strict:
+        return
+    classes = {cls.name: cls for cls in model_classes(script)}
+    reported: set[int] = set()
+    for ddp in strict:
+        holders, built = wrapped_by(script, ddp, set(classes))
+        holders -= set(classes) | set(script.functions)  # `Net()` builds, it does not step
+        for name in sorted(built):
+            cls = classes[name]
+            trainable = trainable_submodules(script, cls)
+            everywhere = reached(cls, {}) & trainable
+            for call, nodes in training_calls(script, holders):
+                for left_out, where, how in routes(cls, call, nodes, everywhere):
+                    if where in reported:
+                        continue
+                    reported.add(where)
+                    shown = ", ".join(f"self.{member}" for member in sorted(left_out)[:3])
+                    yield script.finding(
+                        "unused-parameters",
+                        where,
+                        f"{how} forward never runs {shown} (it does on other calls or "
+                        "paths): that step's backward gives their parameters no gradient, "
+                        f"and DDP (line {ddp.lineno}) expects one for every parameter each "
+                        'step and fails with "Expected to have finished reduction in the '
+                        'prior iteration": pass find_unused_parameters=True, or run them '
+                        "every step and weight what they add by zero",
+                    )
+
+
+def routes(
+    cls: ast.ClassDef, call: ast.Call, nodes: list[ast.AST], everywhere: set[str]
+) -> Iterator[tuple[set[str], int, str]]:
+    """(submodules left out, line to report, how) for the call's constant arguments,
+    then for each argument decided per step, taken false and true."""
+    forward = forward_of(cls)
+    given = constant_arguments(forward, call, method=True)
+    left_out = everywhere - reached(cls, given)
+    if left_out:
+        shown = ", ".join(f"{k}={v!r}" for k, v in given.items() if k in decided_in(forward))
+        yield left_out, call.lineno, f"with {shown or 'these arguments'},"
+    for parameter, argument in per_step_arguments(forward, call, nodes):
+        for value in (False, True):
+            left_out = everywhere - reached(cls, {**given, parameter: value})
+            if left_out:
+                line = varying_line(argument, nodes) or call.lineno
+                how = f"on the steps where {source_text(argument)} is {value},"
+                yield left_out, line, how
+                break
+
+
+def per_step_arguments(
+    forward: ast.FunctionDef, call: ast.Call, nodes: list[ast.AST]
+) -> Iterator[tuple[str, ast.expr]]:
+    """(parameter, argument) for each argument of the call decided per step."""
+    parameters = [a.arg for a in forward.args.args[1:]]
+    passed = list(zip(parameters, call.args)) + [(k.arg, k.value) for k in call.keywords]
+    for parameter, argument in passed:
+        if parameter in decided_in(forward) and varying_line(argument, nodes) is not None:
+            yield parameter, argument
+
+
+def decided_in(forward: ast.FunctionDef) -> set[str]:
+    """forward's parameters that some `if` (or `x if c else y`) tests."""
+    tests = [n.test for n in ast.walk(forward) if isinstance(n, ast.If | ast.IfExp)]
+    return {n.id for test in tests for n in ast.walk(test) if isinstance(n, ast.Name)}
+
+
+def training_calls(script: Script, holders: set[str]) -> Iterator[tuple[ast.Call, list[ast.AST]]]:
+    """Calls of the wrapped model (by a name that holds it) in a function that runs a
+    backward, outside no_grad."""
+    for scope in script.all_scopes:
+        if without_gradients(scope):
+            continue
+        nodes = list(own_nodes(scope))
+        if not any(isinstance(n, ast.Call) and called_name(n) in BACKWARDS for n in nodes):
+            continue
+        no_grad = inside_no_grad(nodes)
+        for node in nodes:
+            if (
+                isinstance(node, ast.Call)
+                and source_text(node.func) in holders
+                and id(node) not in no_grad
+            ):
+                yield node, nodes
+
+
+def trainable_submodules(script: Script, cls: ast.ClassDef) -> set[str]:
+    """Fields the class's methods set to a built layer or parameter (`self.head =
+    nn.Linear(...)`, a model class of the file, a library's model), but those built
+    without parameters and those frozen anywhere in the file."""
+    built = {
+        member
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        for target in node.targets
+        if (member := self_attribute(target)) and builds_parameters(node.value)
+    }
+    return built - frozen(script)
+
+
+def builds_parameters(value: ast.Call) -> bool:
+    """A layer class (`nn.Linear`, `Head`) but a parameterless one, or a library's model."""
+    name = called_name(value)
+    return name in MODEL_FACTORIES or (name[:1].isupper() and name not in WITHOUT_PARAMETERS)
+
+
+def frozen(script: Script) -> set[str]:
+    """Fields frozen somewhere: `self.x.requires_grad_(False)`, `model.x.eval()` does
+    not count; `for p in self.x.parameters(): p.requires_grad = False` does."""
+    found: set[str] = set()
+    for node in script.nodes:
+        if isinstance(node, ast.Call) and called_name(node) == "requires_grad_":
+            found |= attributes_in(node.func)
+        elif isinstance(node, ast.For) and any(
+            isinstance(n, ast.Attribute) and n.attr == "requires_grad"
+            for s in node.body
+            for n in ast.walk(s)
+        ):
+            found |= attributes_in(node.iter)
+    return found
+
+
+def attributes_in(expr: ast.AST) -> set[str]:
+    return {n.attr for n in ast.walk(expr) if isinstance(n, ast.Attribute)}
+
+
+def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
+    """The `self.x` fields forward may use with these parameter values (a test it
+    cannot decide is followed both ways), with its own methods it calls."""
+    methods = {s.name: s for s in cls.body if isinstance(s, ast.FunctionDef)}
+    found: set[str] = set()
+    walk_block(methods["forward"].body, given, found)
+    pending = sorted(found & set(methods) - {"forward"})
+    seen = {"forward", *pending}
+    while pending and len(seen) <= MAX_METHODS:
+        method = pending.pop()
+        more: set[str] = set()
+        walk_block(methods[method].body, {}, more)
+        found |= more
+        for name in more & set(methods):
+            if name not in seen:
+                seen.add(name)
+                pending.append(name)
+    return found
+
+
+def walk_block(block: list[ast.stmt], given: dict[str, object], found: set[str]) -> bool:
+    """Add the fields the block may use to `found`; True when every path through it
+    returns (or raises)."""
+    for statement in block:
+        if isinstance(statement, ast.If):
+            found |= fields_in(statement.test, given)
+            taken = decide(statement.test, given)
+            ends_body = taken is not False and walk_block(statement.body, given, found)
+            ends_else = taken is not True and walk_block(statement.orelse, given, found)
+            if (taken is True and ends_body) or (taken is False and ends_else):
+                return True
+            if taken is None and ends_body and ends_else:
+                return True
+        elif isinstance(statement, ast.Return | ast.Raise):
+            found |= fields_in(statement, given)
+            return True
+        elif isinstance(statement, ast.For | ast.While | ast.With | ast.Try | ast.Match):
+            # loops may not run, a try may leave early: only what they use counts
+            for part in ast.iter_child_nodes(statement):
+                if isinstance(part, ast.stmt):
+                    walk_block([part], given, found)
+                elif isinstance(part, ast.expr | ast.withitem | ast.match_case):
+                    found |= fields_in(part, given)
+                elif isinstance(part, ast.excepthandler):
+                    walk_block(part.body, given, found)
+        else:
+            found |= fields_in(statement, given)
+    return False
+
+
+def fields_in(node: ast.AST, given: dict[str, object]) -> set[str]:
+    """`self.x` fields in an expression or simple statement, skipping the branch of
+    an `a if c else b` that these values rule out."""
+    found: set[str] = set()
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if isinstance(current, ast.IfExp):
+            taken = decide(current.test, given)
+            pending.append(current.test)
+            if taken is not False:
+                pending.append(current.body)
+            if taken is not True:
+                pending.append(current.orelse)
+            continue
+        if member := self_attribute(current):
+            found.add(member)
+        pending.extend(ast.iter_child_nodes(current))
+    return found
+
+
+def decide(test: ast.expr, given: dict[str, object]) -> bool | None:
+    """The test's truth from the parameters' values, None when they do not decide it."""
+    if isinstance(test, ast.Name):
+        return bool(given[test.id]) if test.id in given else None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = decide(test.operand, given)
+        return None if inner is None else not inner
+    if isinstance(test, ast.BoolOp):
+        parts = [decide(value, given) for value in test.values]
+        stop = isinstance(test.op, ast.Or)  # the value that settles an `or` (an `and`: False)
+        if stop in parts:
+            return stop
+        return None if None in parts else not stop
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.left, ast.Name)
+        and test.left.id in given
+        and isinstance(test.comparators[0], ast.Constant)
+    ):
+        return compare(test.ops[0], given[test.left.id], test.comparators[0].value)
+    return None
+
+
+def compare(op: ast.cmpop, left: object, right: object) -> bool | None:
+    if isinstance(op, ast.Eq):
+        return left == right
+    if isinstance(op, ast.NotEq):
+        return left != right
+    if isinstance(op, ast.Is):
+        return left is right
+    if isinstance(op, ast.IsNot):
+        return left is not right
+    return None

@@ -1,0 +1,52 @@
+"""The same actor-critic updates (a critic step, then an actor-critic step),
+fixed the way such code is: the critic's step runs the whole forward and
+weights the policy head's output by zero (no finding expected).
+
+Runs under torchrun: every parameter gets a gradient in each backward.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class ActorCritic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.policy = nn.Linear(16, 4)
+        self.value = nn.Linear(16, 1)
+
+    def forward(self, obs: torch.Tensor, mode: str = "both"):
+        hidden = torch.tanh(self.body(obs))
+        if mode == "value":
+            return self.value(hidden)
+        return self.policy(hidden), self.value(hidden)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(ActorCritic())
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(4):
+        obs, returns = torch.randn(8, 8), torch.randn(8, 1)
+        logits, value = model(obs)
+        value_loss = (value - returns).pow(2).mean() + 0.0 * logits.sum()
+        optimizer.zero_grad()
+        value_loss.backward()
+        optimizer.step()
+        logits, value = model(obs)
+        advantage = (returns - value).detach()
+        policy_loss = -(logits.log_softmax(-1)[:, 0:1] * advantage).mean()
+        loss = policy_loss + 0.5 * (value - returns).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print("trained", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""unused-parameters: a training call whose own arguments (constants, forward's
+defaults, a flag decided per step) route forward around a submodule, under a
+DDP that expects a gradient for every parameter (assistant/lint/checks/unused_paths.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "mode_argument_routes_forward_around_a_head.py"
+FIXED = SCRIPTS / "correct_mode_argument_with_every_head_trained.py"
+
+HEADER = """
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+"""
+
+# A model with a head only some calls reach; `{gate}` decides which.
+MODEL = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.aux = nn.Linear(4, 2)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x, with_aux=False, mode="train"):
+        h = self.drop(self.body(x))
+        {gate}
+        return self.head(h), self.aux(h)
+"""
+
+
+def reported(gate: str, step: str, ddp: str = "DDP(Net())", extra: str = "") -> list[int]:
+    body = MODEL.replace("{gate}", gate) + extra + f"\nmodel = {ddp}\n" + step
+    return [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
+
+
+EARLY_EXIT = "if not with_aux:\n            return self.head(h), None"
+STEP = """
+def train(loader, optimizer):
+    for step, (x, y) in enumerate(loader):
+        {call}
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def step_with(call: str) -> str:
+    return STEP.replace("{call}", call)
+
+
+@pytest.mark.slow
+def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        BROKEN,
+        "Expected to have finished reduction in the prior iteration",
+        FIXED,
+        "trained",
+    )
+
+
+@pytest.mark.parametrize(
+    ("gate", "call"),
+    [
+        # the default leaves the flag off: forward returns before self.aux
+        (EARLY_EXIT, "out, _ = model(x); loss = out.sum()"),
+        # passed False in so many words
+        (EARLY_EXIT, "out, _ = model(x, False); loss = out.sum()"),
+        # a string mode compared with a constant
+        (
+            'if mode == "value":\n            return self.head(h), None',
+            'out, _ = model(x, mode="value"); loss = out.sum()',
+        ),
+        # decided per step: an epoch count, a modulo
+        (EARLY_EXIT, "out, aux = model(x, with_aux=step >= 100); loss = out.sum()"),
+        (EARLY_EXIT, "use = step % 4 == 0; out, aux = model(x, with_aux=use); loss = out.sum()"),
+    ],
+)
+def test_a_call_whose_arguments_skip_a_head_is_reported(gate, call):
+    assert reported(gate, step_with(call)) != []
+
+
+@pytest.mark.parametrize(
+    ("gate", "call", "ddp", "extra"),
+    [
+        # every path runs every head
+        ("pass", "out, aux = model(x); loss = out.sum() + aux.sum()", "DDP(Net())", ""),
+        # the call turns the flag on: nothing is skipped
+        (
+            EARLY_EXIT,
+            "out, aux = model(x, with_aux=True); loss = (out + aux.sum()).sum()",
+            "DDP(Net())",
+            "",
+        ),
+        # a test of the input, not of an argument: undecided, both ways count
+        (
+            "if x.sum() > 0:\n            return self.head(h), None",
+            "out, _ = model(x); loss = out.sum()",
+            "DDP(Net())",
+            "",
+        ),
+        # DDP told to look for unused parameters
+        (
+            EARLY_EXIT,
+            "out, _ = model(x); loss = out.sum()",
+            "DDP(Net(), find_unused_parameters=True)",
+            "",
+        ),
+        # the skipped head is frozen: no gradient expected
+        (
+            EARLY_EXIT,
+            "out, _ = model(x); loss = out.sum()",
+            "DDP(net)",
+            "\nnet = Net()\nnet.aux.requires_grad_(False)\n",
+        ),
+    ],
+)
+def test_calls_that_leave_nothing_trainable_out_are_not_reported(gate, call, ddp, extra):
+    assert reported(gate, step_with(call), ddp, extra) == []
+
+
+def test_only_a_skipped_layer_without_parameters_is_not_reported():
+    gate = "if not with_aux:\n            return self.head(self.body(x)), None"
+    # the early exit skips only self.drop (a Dropout) and self.aux ... with aux frozen
+    extra = "\nnet = Net()\nfor p in net.aux.parameters():\n    p.requires_grad = False\n"
+    assert reported(gate, step_with("out, _ = model(x); loss = out.sum()"), "DDP(net)", extra) == []
+
+
+def test_calls_without_a_backward_or_under_no_grad_are_not_steps():
+    evaluate = """
+def evaluate(loader):
+    return [model(x)[0] for x in loader]
+
+def train(loader, optimizer):
+    for x in loader:
+        with torch.no_grad():
+            out, _ = model(x)
+        loss = model(x, with_aux=True)[0].sum() + model(x, with_aux=True)[1].sum()
+        loss.backward()
+"""
+    assert reported(EARLY_EXIT, evaluate) == []
+
+
+def test_the_finding_names_the_argument_and_the_skipped_head():
+    [(_, finding)] = lint_snippet(
+        HEADER,
+        MODEL.replace("{gate}", EARLY_EXIT)
+        + "\nmodel = DDP(Net())\n"
+        + step_with("out, _ = model(x); loss = out.sum()"),
+        ["unused-parameters"],
+    )
+    assert "with_aux=False" in finding.message
+    assert "self.aux" in finding.message
+    assert "self.drop" not in finding.message
+    assert "find_unused_parameters=True" in finding.message
