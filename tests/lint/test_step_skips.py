@@ -1,10 +1,16 @@
 """uneven-inputs: a step one rank skips on its own data, before the gradient
 all-reduce the other ranks wait in (the fixture holds a NaN loss and an empty
-batch; these hold a batch with no targets)."""
+batch; these hold a batch with no targets), and a loop one rank leaves on a
+flag its own signal handler set (a preemption notice)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 
 HEADER = """
 import torch
@@ -73,3 +79,84 @@ def test_a_compared_reduction_every_rank_agreed_on_is_quiet():
         model(adv).sum().backward()
     """
     assert skipped_lines(body) == []
+
+
+SIGNAL_HANDLER = """
+import signal, sys
+STOP = False
+def on_term(signum, frame):
+    global STOP
+    STOP = True
+signal.signal(signal.SIGTERM, on_term)
+"""
+
+
+@pytest.mark.parametrize(
+    ("leave", "reported"),
+    [
+        ("break", True),
+        ("sys.exit()", True),
+        ("sys.exit(0)", True),
+        ("raise SystemExit", True),
+        ("return", True),
+        # an exit with an error code: torchrun stops the other ranks, nothing waits
+        ("sys.exit(1)", False),
+        ("raise SystemExit(2)", False),
+    ],
+)
+def test_a_loop_left_on_a_flag_this_process_signal_handler_set(leave, reported):
+    body = f"""
+    def train():
+        for x in loader:
+            model(x).sum().backward()
+            if STOP:
+                save()
+                {leave}
+    """
+    lines = [line for line, _ in lint_snippet(HEADER + SIGNAL_HANDLER, body, ["uneven-inputs"])]
+    assert lines == ([5] if reported else [])
+
+
+def test_a_signal_flag_agreed_by_an_all_reduce_or_never_registered_is_quiet():
+    agreed = """
+    for x in loader:
+        model(x).sum().backward()
+        stop = torch.tensor(float(STOP))
+        dist.all_reduce(stop)
+        if stop.item():
+            break
+    """
+    assert lint_snippet(HEADER + SIGNAL_HANDLER, agreed, ["uneven-inputs"]) == []
+    unregistered = SIGNAL_HANDLER.replace("signal.signal(signal.SIGTERM, on_term)", "")
+    left = """
+    for x in loader:
+        model(x).sum().backward()
+        if STOP:
+            break
+    """
+    assert lint_snippet(HEADER + unregistered, left, ["uneven-inputs"]) == []
+
+
+def test_the_finding_says_the_flag_comes_from_a_signal():
+    [(_, finding)] = lint_snippet(
+        HEADER + SIGNAL_HANDLER,
+        """
+    for x in loader:
+        model(x).sum().backward()
+        if STOP:
+            break
+    """,
+        ["uneven-inputs"],
+    )
+    assert "signal handler" in finding.message
+    assert "leaves the loop" in finding.message
+
+
+@pytest.mark.slow
+def test_the_preemption_fixture_fails_under_torchrun_and_its_twin_stops_together(torchrun):
+    failed = torchrun(SCRIPTS / "preemption_flag_not_agreed_across_ranks.py")
+    assert failed.returncode != 0
+    assert failed.stdout.count("saved at step 3") == 1  # rank 0 alone left
+    ran = torchrun(SCRIPTS / "correct_preemption_flag_agreed_across_ranks.py")
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.count("saved at step 3") == 2

@@ -213,34 +213,84 @@ STEP_COLLECTIVE_METHODS = frozenset({"backward"})
 def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
     """`if not torch.isfinite(loss): continue` before `loss.backward()`: the rank
     whose batch gave a NaN loss (or an empty batch) skips the step alone, while
-    the others wait in DDP's gradient all-reduce. Quiet when the skip is decided
-    on a value every rank agreed on (a flag all-reduced first)."""
+    the others wait in DDP's gradient all-reduce. The same for a loop left on a
+    flag this process's own signal handler set (`if _preempted: ... sys.exit()`,
+    SIGTERM reaching the preempted node only): the other ranks go on training.
+    Quiet when the skip is decided on a value every rank agreed on (a flag
+    all-reduced first)."""
     if not is_distributed(script):
         return
     steps: StepFacts | None = None
     parents = script.parents
+    signalled = signal_flags(script)
     for node in script.nodes:
         if not isinstance(node, ast.If) or not ends_iteration(node.body):
             continue
         loop = enclosing_loop(node, parents)
-        if loop is None or not (
-            reads_local_value(node.test, batch_names(loop)) or compares_a_reduction(node.test)
-        ):
+        if loop is None:
+            continue
+        own_data = reads_local_value(node.test, batch_names(loop)) or compares_a_reduction(
+            node.test
+        )
+        own_signal = not own_data and reads_flag(node.test, signalled)
+        if not (own_data or own_signal):
             continue
         steps = steps or StepFacts(script, parents)
         if steps.agreed_before(node, loop):
             continue
+        leaves = not isinstance(node.body[-1], ast.Continue)
         work = steps.skipped_work(node, loop)
+        if work is None and leaves:
+            work = steps.work(loop.body)[0]  # left the loop: the next steps are skipped too
         if work is None:
             continue
+        decided = (
+            "a flag its own signal handler set (a signal reaches some processes only, "
+            "at different steps)"
+            if own_signal
+            else "its own data"
+        )
+        skips = "leaves the loop" if leaves and own_signal else "skips the rest of the step"
         yield script.finding(
             "uneven-inputs",
             node,
-            f"this rank skips the rest of the step on its own data (`if {source_text(node.test)}`)"
-            f", but {short(script.name_of(work.func)) or 'the step'}() on line {work.lineno} "
+            f"this rank {skips} on {decided} (`if {source_text(node.test)}`), but "
+            f"{short(script.name_of(work.func)) or 'the step'}() on line {work.lineno} "
             "all-reduces with the other ranks, which wait for it: decide the skip together "
             "(all_reduce a flag first), or zero the loss instead of skipping",
         )
+
+
+def signal_flags(script: Script) -> set[str]:
+    """Names and attributes that a handler registered with signal.signal sets
+    (`global _preempted; _preempted = True`, `self.stop = True`, `STOP.set()`)."""
+    handlers: set[str] = set()
+    for node, name in script.call_names:
+        if name == "signal.signal" and len(node.args) >= 2:
+            handler = node.args[1]
+            if isinstance(handler, ast.Name | ast.Attribute):
+                handlers.add(handler.id if isinstance(handler, ast.Name) else handler.attr)
+    flags: set[str] = set()
+    for qualified, function in script.functions.items():
+        if qualified.rsplit(".", 1)[-1] not in handlers:
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name | ast.Attribute):
+                        flags.add(target.id if isinstance(target, ast.Name) else target.attr)
+            elif isinstance(node, ast.Call) and called_name(node) == "set":
+                flags |= names_in(node.func)
+    return flags
+
+
+def reads_flag(test: ast.expr, flags: set[str]) -> bool:
+    """The test reads one of these names or attributes."""
+    return any(
+        (isinstance(node, ast.Name) and node.id in flags)
+        or (isinstance(node, ast.Attribute) and node.attr in flags)
+        for node in ast.walk(test)
+    )
 
 
 # Tensor reductions whose result an `if` compares: `if score.mean() > threshold:`.
@@ -387,9 +437,34 @@ class StepFacts:
         return frozenset(names)
 
 
+# Calls that end the process: the block leaves every loop around it.
+EXITS = frozenset({"exit", "_exit", "quit"})
+
+
 def ends_iteration(body: list[ast.stmt]) -> bool:
-    """The block leaves the loop's iteration: continue, break or return."""
-    return bool(body) and isinstance(body[-1], (ast.Continue, ast.Break, ast.Return))
+    """The block leaves the loop's iteration: continue, break, return, or the
+    process itself with success (sys.exit(), os._exit(0), raise SystemExit).
+    An exit with an error code is no skip: torchrun stops the other ranks."""
+    if not body:
+        return False
+    last = body[-1]
+    if isinstance(last, ast.Continue | ast.Break | ast.Return):
+        return True
+    if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):
+        return called_name(last.value) in EXITS and exits_cleanly(last.value.args)
+    if isinstance(last, ast.Raise) and isinstance(last.exc, ast.Name | ast.Call):
+        exc = last.exc
+        called = exc.func if isinstance(exc, ast.Call) else exc
+        arguments = exc.args if isinstance(exc, ast.Call) else []
+        return source_text(called) == "SystemExit" and exits_cleanly(arguments)
+    return False
+
+
+def exits_cleanly(arguments: list[ast.expr]) -> bool:
+    """sys.exit() / sys.exit(0) / sys.exit(None): the exit status is 0."""
+    return not arguments or (
+        isinstance(arguments[0], ast.Constant) and arguments[0].value in (0, None)
+    )
 
 
 def enclosing_loop(node: ast.AST, parents: dict[int, ast.AST]) -> ast.For | ast.While | None:
