@@ -319,6 +319,49 @@ SET_EPOCH_FLAGGED.update(
 )
 
 
+# set_epoch called once, before the epoch loop (on resuming): every epoch keeps its seed.
+SET_EPOCH_FLAGGED.update(
+    {
+        "called_once_before_the_loop": (
+            (
+                "sampler = DistributedSampler(data)\nloader = DataLoader(data, sampler=sampler)\n"
+                "sampler.set_epoch(start_epoch)\n"
+                "for epoch in range(start_epoch, 3):\n    for (x,) in loader:\n        model(x)"
+            ),
+            3,
+        ),
+        "called_once_through_the_loader_in_main": (
+            (
+                "def main():\n    loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+                "    loader.sampler.set_epoch(0)\n"
+                "    for epoch in range(3):\n        for (x,) in loader:\n            model(x)"
+            ),
+            3,
+        ),
+    }
+)
+SET_EPOCH_ONCE_CLEAN = {
+    # before the loop and again inside it
+    "also_inside_the_loop": (
+        "sampler = DistributedSampler(data)\nloader = DataLoader(data, sampler=sampler)\n"
+        "sampler.set_epoch(0)\nfor epoch in range(3):\n    sampler.set_epoch(epoch)\n"
+        "    for (x,) in loader:\n        model(x)"
+    ),
+    # in the function the loop runs each epoch
+    "in_the_epoch_function": (
+        "def train_one_epoch(loader, epoch):\n    loader.sampler.set_epoch(epoch)\n"
+        "    for (x,) in loader:\n        model(x)\n"
+        "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+        "for epoch in range(3):\n    train_one_epoch(loader, epoch)"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SET_EPOCH_ONCE_CLEAN))
+def test_set_epoch_that_runs_each_epoch_is_not_reported(case: str) -> None:
+    assert findings(SAMPLER_PRELUDE, SET_EPOCH_ONCE_CLEAN[case]) == []
+
+
 @pytest.mark.parametrize("case", sorted(SET_EPOCH_FLAGGED))
 def test_a_sampler_never_told_the_epoch_is_reported(case: str) -> None:
     body, line = SET_EPOCH_FLAGGED[case]
@@ -705,6 +748,16 @@ def test_an_own_sampler_that_never_splits_reads_everything_on_every_rank(torchru
 def test_a_weighted_sampler_draws_a_full_epoch_on_every_rank_and_the_twin_a_share(torchrun):
     both_ranks_print(torchrun, "weighted_sampler_draws_a_full_epoch_per_rank.py", "drew 128 of 128")
     both_ranks_print(torchrun, "correct_weighted_sampler_per_rank_share.py", "drew 64 of 128")
+
+
+@pytest.mark.slow
+def test_set_epoch_once_before_the_loop_replays_one_order_and_the_twin_does_not(torchrun):
+    both_ranks_print(
+        torchrun, "sampler_set_epoch_once_before_the_loop.py", "one order for every epoch: True"
+    )
+    both_ranks_print(
+        torchrun, "correct_sampler_set_epoch_each_epoch.py", "one order for every epoch: False"
+    )
 
 
 def test_a_whole_set_sampler_is_only_judged_for_replicas_of_a_data_parallel_model():

@@ -30,7 +30,7 @@ from assistant.lint.model import (
     short,
     source_text,
 )
-from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, is_rank_expr
+from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, enclosing_scope, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COMPOSER,
@@ -174,10 +174,13 @@ def check_webdataset_not_split_by_node(script: Script) -> Iterator[Finding]:
 
 @check("sampler-set-epoch")
 def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
-    """A shuffling DistributedSampler whose set_epoch is never called in an epoch loop."""
+    """A shuffling DistributedSampler whose set_epoch is never called in an epoch
+    loop: not at all, or only once before the loop (`sampler.set_epoch(start_epoch)`
+    on resuming, then `for epoch in range(start_epoch, epochs):` without it)."""
     data = DataFlow(script)
-    if data.calls_set_epoch:
-        return
+    calls = data.set_epoch_calls
+    if any(inside_a_loop(call, script) for call in calls):
+        return  # some call may run each epoch
     own = epoch_seeded_samplers(script)
     for sampler in [*data.sampler_calls, *own]:
         if shuffle_off(sampler):
@@ -187,13 +190,40 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
         if loop is None or data.reseeded_each_pass(sampler, loaders):
             continue
         kind = "DistributedSampler" if sampler not in own else source_text(sampler.func)
+        if not calls:
+            yield script.finding(
+                "sampler-set-epoch",
+                sampler,
+                f"{kind} shuffles with a seed of its epoch, but set_epoch is never "
+                f"called while the loop on line {loop.lineno} runs the epochs, so every epoch "
+                "sees the same order: call sampler.set_epoch(epoch) at the start of each epoch",
+            )
+            continue
+        scope = enclosing_scope(loop, script)
+        before = [
+            call
+            for call in calls
+            if call.lineno < loop.lineno and enclosing_scope(call, script) is scope
+        ]
+        if len(before) != len(calls):
+            continue  # called elsewhere too (a function the loop runs)
         yield script.finding(
             "sampler-set-epoch",
-            sampler,
-            f"{kind} shuffles with a seed of its epoch, but set_epoch is never "
-            f"called while the loop on line {loop.lineno} runs the epochs, so every epoch "
-            "sees the same order: call sampler.set_epoch(epoch) at the start of each epoch",
+            before[-1],
+            f"set_epoch runs once, before the loop on line {loop.lineno} runs the epochs: "
+            f"{kind} keeps that epoch's seed, so every epoch sees the same order; call "
+            "sampler.set_epoch(epoch) at the start of each epoch, inside the loop",
         )
+
+
+def inside_a_loop(node: ast.AST, script: Script) -> bool:
+    """A for / while loop of the same function holds `node`."""
+    parent = script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(parent, ast.For | ast.While | ast.AsyncFor):
+            return True
+        parent = script.parents.get(id(parent))
+    return False
 
 
 def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
@@ -475,12 +505,13 @@ class DataFlow:
         return any(imports_package(self.script, package) for package in SAMPLER_FRAMEWORKS)
 
     @cached_property
-    def calls_set_epoch(self) -> bool:
-        """Any `.set_epoch(...)`: on the sampler, `loader.sampler`, or a wrapper of either."""
-        return any(
-            short(name) == "set_epoch" or is_method(node, "set_epoch")
+    def set_epoch_calls(self) -> list[ast.Call]:
+        """Every `.set_epoch(...)`: on the sampler, `loader.sampler`, or a wrapper of either."""
+        return [
+            node
             for node, name in self.script.call_names
-        )
+            if short(name) == "set_epoch" or is_method(node, "set_epoch")
+        ]
 
     @cached_property
     def loader_calls(self) -> list[ast.Call]:
