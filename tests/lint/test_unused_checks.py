@@ -147,3 +147,97 @@ for x in loader:
 def test_an_output_the_step_throws_away(aux, unpack, options, reported):
     body = HEADS.replace("AUX", aux).replace("UNPACK", unpack).replace("OPTIONS", options)
     assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == reported
+
+
+AUX_MODEL = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.aux_head = nn.Linear(4, 1)
+    def forward(self, x):
+        f = self.body(x)
+        return self.head(f), self.aux_head(f)
+
+model = DDP(Net())
+for epoch in range(10):
+    {weight}
+    for x, y in loader:
+        out, aux = model(x)
+        loss = (out - y).pow(2).mean()
+        if aux_w > 0:
+            loss = loss + aux_w * (aux - y).pow(2).mean()
+        loss.backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("weight", "reported"),
+    [
+        # the weight a gate tests is itself decided by the epoch
+        ("aux_w = 0.5 if epoch < 3 else 0.0", [18]),
+        ("aux_w = cfg.aux_weight * (epoch >= cfg.aux_start)", [18]),
+        # a weight fixed for the whole run: every step takes the term, or none does
+        ("aux_w = cfg.aux_weight", []),
+    ],
+)
+def test_an_output_gated_by_a_weight_the_epoch_decides(weight, reported):
+    assert reported_lines(AUX_MODEL.replace("{weight}", weight)) == reported
+
+
+@pytest.mark.slow
+def test_an_aux_classifier_left_out_fails_under_torchrun_and_its_twin_runs(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "aux_classifier_left_out_after_some_epochs.py",
+        "Expected to have finished reduction in the prior iteration",
+        SCRIPTS / "correct_aux_classifier_weighted_zero_after_some_epochs.py",
+        "trained",
+    )
+
+
+LIBRARY_AUX = """
+from torchvision import models
+model = DDP(models.{build}, device_ids=[0]{options})
+for epoch in range(10):
+    use_aux = epoch < 3
+    for x, y in loader:
+        outputs = model(x)
+        loss = criterion(outputs{main}, y)
+        if {gate}:
+            loss = loss + 0.4 * criterion(outputs{aux}, y)
+        loss.backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("build", "options", "main", "aux", "gate", "reported"),
+    [
+        ("deeplabv3_resnet50(aux_loss=True)", "", '["out"]', '["aux"]', "use_aux", [9]),
+        ("inception_v3(aux_logits=True)", "", ".logits", ".aux_logits", "use_aux", [9]),
+        # every step takes the auxiliary term, or the model has no auxiliary head
+        ("deeplabv3_resnet50(aux_loss=True)", "", '["out"]', '["aux"]', "True", []),
+        ("deeplabv3_resnet50(aux_loss=False)", "", '["out"]', '["aux"]', "use_aux", []),
+        # DDP told to look for unused parameters
+        (
+            "deeplabv3_resnet50(aux_loss=True)",
+            ", find_unused_parameters=True",
+            '["out"]',
+            '["aux"]',
+            "use_aux",
+            [],
+        ),
+    ],
+)
+def test_a_library_models_aux_classifier_taken_on_some_steps(
+    build, options, main, aux, gate, reported
+):
+    body = (
+        LIBRARY_AUX.replace("{build}", build)
+        .replace("{options}", options)
+        .replace("{main}", main)
+        .replace("{aux}", aux)
+        .replace("{gate}", gate)
+    )
+    assert reported_lines(body) == reported

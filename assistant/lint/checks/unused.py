@@ -239,15 +239,15 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
 def varying_line(given: ast.expr, nodes: list[ast.AST]) -> int | None:
     """Where an argument is decided per step: a modulo, a random draw, or a
     comparison of a step counter (a loop variable, a name `+=`'d) in it, or in
-    what the scope assigns to its name."""
+    what the scope assigns to a name it reads."""
     values = [given]
-    if isinstance(given, ast.Name):
-        values += [
-            node.value
-            for node in nodes
-            if isinstance(node, ast.Assign)
-            and any(isinstance(t, ast.Name) and t.id == given.id for t in node.targets)
-        ]
+    read = {n.id for n in ast.walk(given) if isinstance(n, ast.Name)}  # `aux_w > 0` reads aux_w
+    values += [
+        node.value
+        for node in nodes
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id in read for t in node.targets)
+    ]
     counters = {
         target.id
         for node in nodes
@@ -396,6 +396,97 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                     "term every step with weight 0 while it is off, or pass "
                     "find_unused_parameters=True",
                 )
+
+
+# Library models built with an auxiliary classifier: torchvision's segmentation models
+# (`aux_loss=True`: output["aux"]) and Inception / GoogLeNet (`aux_logits=True`).
+AUX_SWITCHES = ("aux_loss", "aux_logits")
+AUX_OUTPUTS = frozenset({"aux", "aux_logits", "aux_logits1", "aux_logits2", "aux1", "aux2"})
+
+
+@check("unused-parameters")
+def check_library_aux_head_the_loss_takes_on_some_steps(script: Script) -> Iterator[Finding]:
+    """`deeplabv3_resnet50(aux_loss=True)` under DDP, with `outputs["aux"]` in the
+    loss only under `if use_aux:` (`use_aux = epoch < aux_epochs`): the auxiliary
+    classifier runs every step, but on the other steps its parameters get no gradient."""
+    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    if not strict:
+        return
+    reported: set[int] = set()
+    for call, nodes, ddp in training_calls(script):
+        if not builds_an_aux_head(script, ddp):
+            continue
+        assigned = next(
+            (
+                n.targets[0].id
+                for n in nodes
+                if isinstance(n, ast.Assign)
+                and n.value is call
+                and len(n.targets) == 1
+                and isinstance(n.targets[0], ast.Name)
+            ),
+            None,
+        )
+        if assigned is None:
+            continue
+        reads = [n for n in nodes if aux_read(n, assigned)]
+        gate = gate_around(reads, nodes)
+        if gate is None or gate.lineno in reported:
+            continue
+        reported.add(gate.lineno)
+        yield script.finding(
+            "unused-parameters",
+            gate,
+            f"the model was built with an auxiliary classifier ({source_text(reads[0])}), "
+            f"which reaches the loss only on the steps where `{source_text(gate.test)}` holds: "
+            f"on the others its parameters get no gradient, and DDP (line {ddp.lineno}) "
+            'expects one for every parameter each step and fails with "Expected to have '
+            'finished reduction in the prior iteration"; add the term every step with weight 0 '
+            "while it is off, or pass find_unused_parameters=True",
+        )
+
+
+def builds_an_aux_head(script: Script, ddp: ast.Call) -> bool:
+    """What the DDP call wraps was built with `aux_loss=True` / `aux_logits=True`."""
+    names, _ = wrapped_by(script, ddp, set())
+    values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
+    return any(
+        isinstance(node, ast.Call)
+        and any(
+            isinstance(flag := keyword(node, switch), ast.Constant) and flag.value is True
+            for switch in AUX_SWITCHES
+        )
+        for value in values
+        for node in ast.walk(value)
+    )
+
+
+def aux_read(node: ast.AST, outputs: str) -> bool:
+    """`outputs["aux"]` or `outputs.aux_logits`."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+        key = node.slice
+        return (
+            node.value.id == outputs and isinstance(key, ast.Constant) and key.value in AUX_OUTPUTS
+        )
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == outputs
+        and node.attr in AUX_OUTPUTS
+    )
+
+
+def gate_around(reads: list[ast.AST], nodes: list[ast.AST]) -> ast.If | None:
+    """The `if` decided per step (varying_line) whose body holds every one of the reads."""
+    if not reads:
+        return None
+    for node in nodes:
+        if not (isinstance(node, ast.If) and varying_line(node.test, nodes) is not None):
+            continue
+        inside = {id(n) for statement in node.body for n in ast.walk(statement)}
+        if all(id(read) in inside for read in reads):
+            return node
+    return None
 
 
 def unpacked_assignment(
