@@ -71,6 +71,9 @@ lines it must report.
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters);
+- timeouts: rank 0 walking data alone (an evaluation) while the others wait
+  in the next collective, under a process-group timeout shortened below
+  NCCL's default (collective-timeout);
 - unused_paths: a training call whose own arguments (constants, defaults, a
   flag decided per step) route forward around a submodule (unused-parameters);
 - splits: a random split every rank draws unseeded (or seeded with its rank),
@@ -103,6 +106,7 @@ from assistant.lint.checks import (
     spawn,
     splits,
     state_dict,
+    timeouts,
     unused,
     unused_paths,
     wrapper,
@@ -134,6 +138,7 @@ __all__ = [
     "spawn",
     "splits",
     "state_dict",
+    "timeouts",
     "unused",
     "unused_paths",
     "wrapper",
