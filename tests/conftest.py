@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -93,34 +93,77 @@ def mini_kb(tmp_path) -> Path:
     return root
 
 
-@pytest.fixture
-def torchrun(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
+TORCHRUN_TIMEOUT_S = 180
+
+
+class Torchrun:
     """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS...` (CPU ranks here).
 
     --standalone lets the rendezvous pick its own free port: a port chosen here
-    and released before torchrun binds it can be taken by a parallel test. It
-    runs in the test's own folder, so what a script saves stays out of the checkout.
+    and released before torchrun binds it can be taken by a parallel test. A
+    call runs in the test's own folder, so what a script saves stays out of the
+    checkout; `start` launches at once in a folder of its own, so that two
+    launches (a broken fixture and its twin) overlap: each spends most of its
+    time importing torch, and two cores import two at once.
     """
 
-    def run(script: Path, *args: str) -> subprocess.CompletedProcess:
-        logs = tmp_path / f"torchelastic-{script.stem}"
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc_per_node=2",
-                f"--log_dir={logs}",
-                str(script),
-                *args,
-            ],
-            cwd=tmp_path,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.launched: list[subprocess.Popen] = []
 
-    return run
+    def close(self) -> None:
+        """Kill what is still running (a launch whose test failed before waiting)."""
+        for process in self.launched:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+
+    def __call__(self, script: Path, *args: str) -> subprocess.CompletedProcess:
+        return self.start(script, *args, cwd=self.folder)()
+
+    def start(
+        self, script: Path, *args: str, cwd: Path | None = None
+    ) -> Callable[[], subprocess.CompletedProcess]:
+        """Launch now; the call returned waits for the run (killed past the timeout)."""
+        if cwd is None:
+            cwd = self.folder / f"run-{script.stem}"
+            cwd.mkdir(exist_ok=True)
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            f"--log_dir={self.folder / f'torchelastic-{script.stem}'}",
+            str(script),
+            *args,
+        ]
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # the agent and its workers: one group to kill
+        )
+        self.launched.append(process)
+
+        def wait() -> subprocess.CompletedProcess:
+            try:
+                out, err = process.communicate(timeout=TORCHRUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                raise
+            return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+        return wait
+
+
+@pytest.fixture
+def torchrun(tmp_path: Path) -> Iterator[Torchrun]:
+    """Runs a script under torchrun on two CPU ranks (see Torchrun)."""
+    runner = Torchrun(tmp_path)
+    yield runner
+    runner.close()

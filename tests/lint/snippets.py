@@ -21,10 +21,12 @@ def lint_snippet(prelude: str, body: str, causes: Iterable[str]) -> list[tuple[i
 def assert_broken_fails_and_twin_runs(
     torchrun: Callable, broken: Path, error: str, fixed: Path, per_rank_line: str
 ) -> None:
-    """The broken fixture fails under torchrun with `error`; its twin runs, one line per rank."""
-    failed = torchrun(broken)
+    """The broken fixture fails under torchrun with `error`; its twin runs, one line per rank.
+
+    Both are launched at once (`torchrun.start`), each in a folder of its own."""
+    wait_broken, wait_fixed = torchrun.start(broken), torchrun.start(fixed)
+    failed, ran = wait_broken(), wait_fixed()
     assert failed.returncode != 0
     assert error in failed.stderr
-    ran = torchrun(fixed)
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count(per_rank_line) == 2

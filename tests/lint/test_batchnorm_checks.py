@@ -47,14 +47,15 @@ def sync_preserves_version_counters() -> bool:
 @pytest.mark.slow
 def test_the_fixture_fails_only_on_a_torch_without_the_fix_and_its_twin_runs(torchrun):
     """The finding says the error depends on the PyTorch release: so does the run."""
-    broken = torchrun(BROKEN)
+    wait_broken, wait_fixed = torchrun.start(BROKEN), torchrun.start(FIXED)
+    broken = wait_broken()
     if sync_preserves_version_counters():
         assert broken.returncode == 0, broken.stderr[-2000:]
         assert broken.stdout.count("trained rank") == 2
     else:
         assert broken.returncode != 0
         assert INPLACE_ERROR in broken.stderr
-    fixed = torchrun(FIXED)
+    fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.count("trained rank") == 2
 

@@ -731,32 +731,40 @@ class BucketSampler(Sampler):
 """
 
 
-def both_ranks_print(torchrun, script: str, line: str) -> None:
-    """The fixture runs to its end on two ranks, each printing `line`."""
-    ran = torchrun(SCRIPTS / script)
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    assert ran.stdout.count(line) == 2, ran.stdout
+def both_ranks_print(torchrun, *expected: tuple[str, str]) -> None:
+    """Each (fixture, line): the fixture runs to its end on two ranks, each printing
+    `line`. The fixtures are launched at once (`torchrun.start`)."""
+    waits = [(torchrun.start(SCRIPTS / script), line) for script, line in expected]
+    for wait, line in waits:
+        ran = wait()
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        assert ran.stdout.count(line) == 2, ran.stdout
 
 
 @pytest.mark.slow
 def test_an_own_sampler_that_never_splits_reads_everything_on_every_rank(torchrun):
-    both_ranks_print(torchrun, "own_sampler_not_split_by_rank.py", "read 128 of 128")
-    both_ranks_print(torchrun, "correct_own_sampler_split_by_rank.py", "read 64 of 128")
+    both_ranks_print(
+        torchrun,
+        ("own_sampler_not_split_by_rank.py", "read 128 of 128"),
+        ("correct_own_sampler_split_by_rank.py", "read 64 of 128"),
+    )
 
 
 @pytest.mark.slow
 def test_a_weighted_sampler_draws_a_full_epoch_on_every_rank_and_the_twin_a_share(torchrun):
-    both_ranks_print(torchrun, "weighted_sampler_draws_a_full_epoch_per_rank.py", "drew 128 of 128")
-    both_ranks_print(torchrun, "correct_weighted_sampler_per_rank_share.py", "drew 64 of 128")
+    both_ranks_print(
+        torchrun,
+        ("weighted_sampler_draws_a_full_epoch_per_rank.py", "drew 128 of 128"),
+        ("correct_weighted_sampler_per_rank_share.py", "drew 64 of 128"),
+    )
 
 
 @pytest.mark.slow
 def test_set_epoch_once_before_the_loop_replays_one_order_and_the_twin_does_not(torchrun):
     both_ranks_print(
-        torchrun, "sampler_set_epoch_once_before_the_loop.py", "one order for every epoch: True"
-    )
-    both_ranks_print(
-        torchrun, "correct_sampler_set_epoch_each_epoch.py", "one order for every epoch: False"
+        torchrun,
+        ("sampler_set_epoch_once_before_the_loop.py", "one order for every epoch: True"),
+        ("correct_sampler_set_epoch_each_epoch.py", "one order for every epoch: False"),
     )
 
 

@@ -92,11 +92,12 @@ def test_a_script_without_a_process_group_is_quiet():
 def test_rank_zero_alone_computing_fails_under_torchrun_and_the_twin_agrees(torchrun):
     assert [f.cause_id for f in lint_source(BROKEN.read_text())] == ["collective-mismatch"]
     assert lint_source(FIXED.read_text()) == []
-    failed = torchrun(BROKEN)
+    wait_failed, wait_ran = torchrun.start(BROKEN), torchrun.start(FIXED)
+    failed = wait_failed()
     # gloo pairs rank 1's barrier with the first gather of compute(); rank 1 then
     # leaves and rank 0's next gather finds the peer gone (NCCL waits for the timeout)
     assert failed.returncode != 0
     assert "auroc" not in failed.stdout and "compute()" in failed.stderr
-    ran = torchrun(FIXED)
+    ran = wait_ran()
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count("auroc 0.781") == 2

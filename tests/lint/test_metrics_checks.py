@@ -30,14 +30,15 @@ def reported_lines(body: str) -> list[int]:
 
 @pytest.mark.slow
 def test_each_rank_prints_its_own_share_and_the_twin_prints_the_whole(torchrun):
-    broken = torchrun(BROKEN)
+    wait_broken, wait_fixed = torchrun.start(BROKEN), torchrun.start(FIXED)
+    broken = wait_broken()
     assert broken.returncode == 0, broken.stderr[-2000:]
     # the two ranks write to one pipe: their lines may come in either order, or torn
     assert sorted(re.findall(r"val acc \d\.\d{3}", broken.stdout)) == [
         "val acc 0.000",
         "val acc 0.750",
     ]
-    fixed = torchrun(FIXED)
+    fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.count("val acc 0.375") == 2
 

@@ -26,10 +26,11 @@ def reported(body: str) -> list[int]:
 
 @pytest.mark.slow
 def test_the_fixture_uses_half_its_schedule_on_two_ranks_and_its_twin_all(torchrun):
-    broken = torchrun(BROKEN)
+    wait_broken, wait_fixed = torchrun.start(BROKEN), torchrun.start(FIXED)
+    broken = wait_broken()
     assert broken.returncode == 0, broken.stderr[-2000:]
     assert broken.stdout.count("used 50% of the schedule") == 2
-    fixed = torchrun(FIXED)
+    fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.count("used 100% of the schedule") == 2
 

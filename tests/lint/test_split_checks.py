@@ -32,10 +32,12 @@ def lines(body: str, prelude: str = DDP_PRELUDE) -> list[int]:
 
 @pytest.mark.slow
 def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torchrun):
-    broken = torchrun(SCRIPTS / "random_split_drawn_by_every_rank.py")
+    wait_broken = torchrun.start(SCRIPTS / "random_split_drawn_by_every_rank.py")
+    wait_fixed = torchrun.start(SCRIPTS / "correct_split_seeded_once_for_every_rank.py")
+    broken = wait_broken()
     assert broken.returncode == 0, broken.stderr[-2000:]
     assert "splits differ" in broken.stdout and "class maps differ" in broken.stdout
-    fixed = torchrun(SCRIPTS / "correct_split_seeded_once_for_every_rank.py")
+    fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert "splits agree" in fixed.stdout and "class maps agree" in fixed.stdout
 

@@ -154,9 +154,11 @@ def test_the_finding_says_the_flag_comes_from_a_signal():
 
 @pytest.mark.slow
 def test_the_preemption_fixture_fails_under_torchrun_and_its_twin_stops_together(torchrun):
-    failed = torchrun(SCRIPTS / "preemption_flag_not_agreed_across_ranks.py")
+    wait_failed = torchrun.start(SCRIPTS / "preemption_flag_not_agreed_across_ranks.py")
+    wait_ran = torchrun.start(SCRIPTS / "correct_preemption_flag_agreed_across_ranks.py")
+    failed = wait_failed()
     assert failed.returncode != 0
     assert failed.stdout.count("saved at step 3") == 1  # rank 0 alone left
-    ran = torchrun(SCRIPTS / "correct_preemption_flag_agreed_across_ranks.py")
+    ran = wait_ran()
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count("saved at step 3") == 2
