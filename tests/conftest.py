@@ -97,7 +97,8 @@ TORCHRUN_TIMEOUT_S = 180
 
 
 class Torchrun:
-    """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS...` (CPU ranks here).
+    """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS...` (CPU ranks here;
+    `nproc=` for another count).
 
     --standalone lets the rendezvous pick its own free port: a port chosen here
     and released before torchrun binds it can be taken by a parallel test. A
@@ -118,11 +119,11 @@ class Torchrun:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.communicate()
 
-    def __call__(self, script: Path, *args: str) -> subprocess.CompletedProcess:
-        return self.start(script, *args, cwd=self.folder)()
+    def __call__(self, script: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+        return self.start(script, *args, cwd=self.folder, nproc=nproc)()
 
     def start(
-        self, script: Path, *args: str, cwd: Path | None = None
+        self, script: Path, *args: str, cwd: Path | None = None, nproc: int = 2
     ) -> Callable[[], subprocess.CompletedProcess]:
         """Launch now; the call returned waits for the run (killed past the timeout)."""
         if cwd is None:
@@ -133,8 +134,8 @@ class Torchrun:
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc_per_node=2",
-            f"--log_dir={self.folder / f'torchelastic-{script.stem}'}",
+            f"--nproc_per_node={nproc}",
+            f"--log_dir={self.folder / f'torchelastic-{script.stem}-{len(self.launched)}'}",
             str(script),
             *args,
         ]

@@ -9,6 +9,9 @@ message) for a line the text itself contradicts:
 - srun starting several tasks per node where each task runs torchrun, which
   starts its own process per GPU (`#SBATCH --ntasks-per-node=8` then
   `srun torchrun --nproc_per_node=8`: 64 processes per node).
+It also reads what a launch allows: `elastic_nodes` for a node range
+(`torchrun --nnodes=2:8`), under which the world size may change between
+restarts.
 """
 
 from __future__ import annotations
@@ -101,6 +104,19 @@ def torchrun_under_many_srun_tasks(lines: list[tuple[int, str]]) -> Iterator[Pro
                 "one task per node (--ntasks-per-node=1), or drop torchrun and read SLURM_PROCID"
             ),
         )
+
+
+NODE_RANGE = re.compile(r"--nnodes(?:\s*=\s*|\s+)['\"]?(\d+):(\d+)\b")
+
+
+def elastic_nodes(text: str) -> tuple[int, str] | None:
+    """(line, "2:8") for a launch line whose node count is a range of different
+    numbers (torchrun's elastic `--nnodes=MIN:MAX`)."""
+    for number, line in logical_lines(text):
+        found = NODE_RANGE.search(line)
+        if found and found.group(1) != found.group(2):
+            return number, f"{found.group(1)}:{found.group(2)}"
+    return None
 
 
 def launched_world_size(text: str) -> int | None:

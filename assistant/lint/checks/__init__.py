@@ -71,6 +71,9 @@ lines it must report.
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters);
+- resume: one checkpoint file per rank, saved and loaded by rank number, under
+  a launch whose node count may change between restarts (`--nnodes=2:8`)
+  (resume-different-world-size);
 - timeouts: rank 0 walking data alone (an evaluation) while the others wait
   in the next collective, under a process-group timeout shortened below
   NCCL's default (collective-timeout);
@@ -102,6 +105,7 @@ from assistant.lint.checks import (
     process_group,
     rank_dependent,
     reentrant,
+    resume,
     schedules,
     spawn,
     splits,
@@ -134,6 +138,7 @@ __all__ = [
     "process_group",
     "rank_dependent",
     "reentrant",
+    "resume",
     "schedules",
     "spawn",
     "splits",

@@ -1,0 +1,69 @@
+"""Per-rank checkpoint files under a launch that lets the world size change.
+
+`torchrun --nnodes=2:8 --max-restarts=50 ...` in the file's docstring (an
+elastic job: each restart may come back with another number of nodes), and
+each rank saving its own shard (`torch.save(state, f"shard_rank{rank}.pt")`:
+a local or sharded state dict, an optimizer's shard) that it loads back by
+its rank number on resuming: after a restart with another world size the
+shards no longer fit the ranks (size mismatches), and new ranks find no
+file and start from scratch while the others resume. Reported at the load.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.launchtext import elastic_nodes
+from assistant.lint.model import Script, short, source_text
+from assistant.lint.ranks import compared_rank
+from assistant.lint.registry import check
+from assistant.results import Finding
+
+
+@check("resume-different-world-size")
+def check_rank_files_under_an_elastic_launch(script: Script) -> Iterator[Finding]:
+    """torch.save and torch.load of one file per rank, under `--nnodes=MIN:MAX`."""
+    elastic = elastic_nodes(script.source)
+    if elastic is None:
+        return
+    launch_line, nodes = elastic
+    saves = [node for node, name in script.call_names if is_torch_io(name, "save")]
+    loads = [node for node, name in script.call_names if is_torch_io(name, "load")]
+    saved = next((s for s in saves if len(s.args) > 1 and per_rank(script, s.args[1])), None)
+    if saved is None:
+        return
+    for load in loads:
+        if load.args and per_rank(script, load.args[0]):
+            yield script.finding(
+                "resume-different-world-size",
+                load,
+                f"the launch lets the number of nodes change between restarts "
+                f"(--nnodes={nodes}, line {launch_line}), but each rank saves a file of its "
+                f"own (line {saved.lineno}) and loads the one of its rank number here: after a "
+                "restart with another world size the shards no longer fit the ranks, and "
+                "new ranks find none; save a checkpoint that does not depend on the world "
+                "size (torch.distributed.checkpoint, or a full state dict), or fix --nnodes",
+            )
+            return
+
+
+def is_torch_io(name: str, function: str) -> bool:
+    """torch.save / torch.load by any import of them."""
+    return name in (f"torch.{function}", function) or (
+        short(name) == function and name.split(".")[0] == "torch"
+    )
+
+
+def per_rank(script: Script, path: ast.expr) -> bool:
+    """The path names the rank (`f"shard_rank{rank}.pt"`, `shard_path(root, rank)`),
+    itself or through the one value its name is given."""
+    expressions = [path]
+    if isinstance(path, ast.Name | ast.Attribute):
+        expressions += script.assigned_values.get(source_text(path), [])
+    return any(
+        (isinstance(node, ast.Name) and "rank" in node.id.lower())
+        or (isinstance(node, ast.Name | ast.Attribute | ast.Call) and compared_rank(node, script))
+        for expression in expressions
+        for node in ast.walk(expression)
+    )

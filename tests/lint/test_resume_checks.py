@@ -1,0 +1,75 @@
+"""resume-different-world-size: one checkpoint file per rank, saved and loaded by
+rank number, under a launch whose node count may change between restarts
+(assistant/lint/checks/resume.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+BROKEN = SCRIPTS / "optimizer_shards_per_rank_under_an_elastic_launch.py"
+FIXED = SCRIPTS / "correct_optimizer_consolidated_under_an_elastic_launch.py"
+
+BODY = """
+import torch
+import torch.distributed as dist
+
+rank = dist.get_rank()
+path = {path}
+if resume:
+    state = torch.load(path, map_location="cpu")
+torch.save(state, path)
+"""
+
+
+def reported(launch: str, path: str) -> list[int]:
+    prelude = f'"""Launch:\n\n    {launch}\n"""\n'
+    body = BODY.replace("{path}", path)
+    return [line for line, _ in lint_snippet(prelude, body, ["resume-different-world-size"])]
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        "torchrun --nnodes=2:8 --nproc_per_node=8 --max-restarts=50 train.py",
+        "torchrun --nnodes 1:4 --nproc-per-node 4 train.py",
+    ],
+)
+def test_per_rank_files_under_an_elastic_node_range(launch):
+    assert reported(launch, 'f"shard_rank{rank}.pt"') == [8]
+
+
+@pytest.mark.parametrize(
+    ("launch", "path"),
+    [
+        # a fixed node count: restarts come back with the same world size
+        (
+            "torchrun --nnodes=4 --nproc_per_node=8 --max-restarts=3 train.py",
+            'f"shard_rank{rank}.pt"',
+        ),
+        ("torchrun --nnodes=2:2 --nproc_per_node=8 train.py", 'f"shard_rank{rank}.pt"'),
+        # one file for every rank (written elsewhere under a rank-0 test)
+        ("torchrun --nnodes=2:8 --nproc_per_node=8 train.py", '"checkpoint.pt"'),
+    ],
+)
+def test_fixed_world_sizes_or_shared_files_are_quiet(launch, path):
+    assert reported(launch, path) == []
+
+
+@pytest.mark.slow
+def test_the_shards_break_a_smaller_restart_and_the_consolidated_state_does_not(torchrun, tmp_path):
+    for script, resumed_ok in ((BROKEN, False), (FIXED, True)):
+        folder = tmp_path / script.stem
+        folder.mkdir()
+        first = torchrun.start(script, cwd=folder)()
+        assert first.returncode == 0, first.stderr[-2000:]
+        assert first.stdout.count("saved") == 2
+        restart = torchrun.start(script, cwd=folder, nproc=1)()  # the job came back smaller
+        assert (restart.returncode == 0) is resumed_ok, restart.stderr[-2000:]
+        if resumed_ok:
+            assert "resumed" in restart.stdout
+        else:
+            assert "doesn't match the size of optimizer's group" in restart.stderr
