@@ -83,8 +83,8 @@ def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
                     yield script.finding(
                         "unused-parameters",
                         where,
-                        f"{how} forward never runs {shown} (it does on other calls or "
-                        "paths): that step's backward gives their parameters no gradient, "
+                        f"{how} forward never runs {shown}, which it runs on other paths: "
+                        "that step's backward gives their parameters no gradient, "
                         f"and DDP (line {ddp.lineno}) expects one for every parameter each "
                         'step and fails with "Expected to have finished reduction in the '
                         'prior iteration": pass find_unused_parameters=True, or run them '
@@ -98,12 +98,13 @@ def routes(
     """(submodules left out, line to report, how) for the call's constant arguments,
     then for each argument decided per step, taken false and true."""
     forward = forward_of(cls)
+    decided = decided_in(forward)
     given = constant_arguments(forward, call, method=True)
     left_out = everywhere - reached(cls, given)
     if left_out:
-        shown = ", ".join(f"{k}={v!r}" for k, v in given.items() if k in decided_in(forward))
+        shown = ", ".join(f"{k}={v!r}" for k, v in given.items() if k in decided)
         yield left_out, call.lineno, f"with {shown or 'these arguments'},"
-    for parameter, argument in per_step_arguments(forward, call, nodes):
+    for parameter, argument in per_step_arguments(forward, decided, call, nodes):
         for value in (False, True):
             left_out = everywhere - reached(cls, {**given, parameter: value})
             if left_out:
@@ -114,13 +115,14 @@ def routes(
 
 
 def per_step_arguments(
-    forward: ast.FunctionDef, call: ast.Call, nodes: list[ast.AST]
+    forward: ast.FunctionDef, decided: set[str], call: ast.Call, nodes: list[ast.AST]
 ) -> Iterator[tuple[str, ast.expr]]:
-    """(parameter, argument) for each argument of the call decided per step."""
+    """(parameter, argument) for each argument of the call, of a parameter forward
+    tests (`decided`), whose value is decided per step."""
     parameters = [a.arg for a in forward.args.args[1:]]
     passed = list(zip(parameters, call.args)) + [(k.arg, k.value) for k in call.keywords]
     for parameter, argument in passed:
-        if parameter in decided_in(forward) and varying_line(argument, nodes) is not None:
+        if parameter in decided and varying_line(argument, nodes) is not None:
             yield parameter, argument
 
 
