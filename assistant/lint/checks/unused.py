@@ -89,7 +89,7 @@ def check_submodule_skipped_by_a_none_input(script: Script) -> Iterator[Finding]
 def training_calls(script: Script) -> Iterator[tuple[ast.Call, list[ast.AST], ast.Call]]:
     """Each call of a model wrapped by a DDP that expects every parameter, outside
     no_grad, with its scope's nodes and that DDP call."""
-    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    strict = strict_ddp_calls(script)
     if not strict:
         return
     wrapped = set().union(*(wrapped_by(script, ddp, set())[0] for ddp in strict))
@@ -129,6 +129,11 @@ def inside_no_grad(nodes: list[ast.AST]) -> set[int]:
         if isinstance(node, ast.With) and any(names_no_grad(i.context_expr) for i in node.items):
             inside.update(id(n) for statement in node.body for n in ast.walk(statement))
     return inside
+
+
+def strict_ddp_calls(script: Script) -> list[ast.Call]:
+    """The DDP calls that expect a gradient for every parameter each step."""
+    return [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
 
 
 def expects_all(ddp: ast.Call) -> bool:
@@ -274,7 +279,7 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
     submodule under a flag of the model that the script switches during
     training (`model.module.use_aux = epoch < warmup`), under a DDP that
     expects a gradient for every parameter each step."""
-    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    strict = strict_ddp_calls(script)
     if not strict:
         return
     classes = {cls.name: cls for cls in model_classes(script)}
@@ -409,7 +414,7 @@ def check_library_aux_head_the_loss_takes_on_some_steps(script: Script) -> Itera
     """`deeplabv3_resnet50(aux_loss=True)` under DDP, with `outputs["aux"]` in the
     loss only under `if use_aux:` (`use_aux = epoch < aux_epochs`): the auxiliary
     classifier runs every step, but on the other steps its parameters get no gradient."""
-    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    strict = strict_ddp_calls(script)
     if not strict:
         return
     reported: set[int] = set()

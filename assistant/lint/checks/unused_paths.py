@@ -25,17 +25,16 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import (
-    expects_all,
     forward_of,
     inside_no_grad,
     model_classes,
+    strict_ddp_calls,
     varying_line,
     without_gradients,
     wrapped_by,
 )
 from assistant.lint.model import Script, called_name, own_nodes, self_attribute, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp
 from assistant.lint.tracer import constant_arguments
 from assistant.results import Finding
 
@@ -62,7 +61,7 @@ MAX_METHODS = 16  # own methods followed from forward (self.encode(x) ...)
 def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
     """A training call of a DDP-wrapped model whose constant (or per-step) arguments
     send forward past a submodule, under a DDP that expects every parameter."""
-    strict = [node for node, name in script.call_names if is_ddp(name) and expects_all(node)]
+    strict = strict_ddp_calls(script)
     if not strict:
         return
     classes = {cls.name: cls for cls in model_classes(script)}
