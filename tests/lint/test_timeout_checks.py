@@ -86,9 +86,11 @@ def test_the_finding_names_the_work_and_the_timeout():
 
 @pytest.mark.slow
 def test_the_fixture_times_out_under_torchrun_and_its_twin_runs(torchrun):
-    failed = torchrun(SCRIPTS / "rank_zero_evaluates_past_a_short_timeout.py")
+    # side by side: the margins are in wall time (sleeps), which two runs share fine
+    wait_failed = torchrun.start(SCRIPTS / "rank_zero_evaluates_past_a_short_timeout.py")
+    wait_ran = torchrun.start(SCRIPTS / "correct_evaluation_shared_under_a_short_timeout.py")
+    failed, ran = wait_failed(), wait_ran()
     assert failed.returncode != 0
     assert "Timed out" in failed.stderr
-    ran = torchrun(SCRIPTS / "correct_evaluation_shared_under_a_short_timeout.py")
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count("finished") == 2
