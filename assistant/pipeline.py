@@ -298,7 +298,9 @@ class Pipeline:
         observer: Observer | None = None,
         cancel: threading.Event | None = None,
     ) -> Result:
-        """Probe this machine and judge every contract cause, with no question."""
+        """Probe this machine and judge every contract cause, with no question; with
+        a nodes check (`doctor --nnodes`), also the causes only the nodes decide
+        (a checkpoint folder on each node's own disk)."""
         from assistant.knowledge.catalog import contract_causes, kb_signatures
         from assistant.probing.registry import probe_names
         from assistant.verdicts import apply_verdicts
@@ -306,14 +308,14 @@ class Pipeline:
         if self.runner is None:
             raise UserError("doctor needs the probe runner")
         observer = observer or Observer()
-        from assistant.verdicts.nodes import nodes_problem, nodes_report
+        from assistant.verdicts.nodes import CROSS_NODE_CAUSES, nodes_problem, nodes_report
 
         runs = self.runner.run(probe_names(), on_progress=observer.probe, cancel=cancel)
-        blank = Result(query=None, root_error=None, causes=contract_causes(), lang=lang)
+        nodes = nodes_report(runs, lang)
+        causes = contract_causes(CROSS_NODE_CAUSES if nodes else ())
+        blank = Result(query=None, root_error=None, causes=causes, lang=lang)
         judged = apply_verdicts(blank, runs, [], kb_signatures())
-        return replace(
-            judged, nodes=nodes_report(runs, lang), nodes_problem=nodes_problem(runs) or ""
-        )
+        return replace(judged, nodes=nodes, nodes_problem=nodes_problem(runs) or "")
 
     def run_named(
         self,

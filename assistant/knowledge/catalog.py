@@ -27,14 +27,16 @@ STANCE_ORDER = {"right": 0, "partly_right": 1, "unverified": 2, "wrong": 3}
 STANCE_GROUP = {"right": 0, "partly_right": 0, "unverified": 1, "wrong": 2}
 
 
-def contract_causes() -> list[CauseResult]:
-    """One CauseResult per contract cause, described from the KB where it loads."""
+def contract_causes(extra: tuple[str, ...] = ()) -> list[CauseResult]:
+    """One CauseResult per contract cause, then per `extra` KB cause (one a probe of
+    this run judges), described from the KB where it loads."""
+    ids = [*contract_ids(), *(cause_id for cause_id in extra if cause_id not in contract_ids())]
     knowledge = load_quietly()
     if knowledge is None:
-        return [CauseResult(id=cause_id, title=cause_id, score=0.0) for cause_id in contract_ids()]
+        return [CauseResult(id=cause_id, title=cause_id, score=0.0) for cause_id in ids]
     threads = [thread.model_dump() for thread in knowledge.threads]
     causes = []
-    for cause_id in contract_ids():
+    for cause_id in ids:
         cause = knowledge.causes.get(cause_id)
         if cause is None:
             causes.append(CauseResult(id=cause_id, title=cause_id, score=0.0))

@@ -271,3 +271,27 @@ def test_this_nodes_own_probes_and_the_nodes_check_together():
     assert versions.verdict == "not_applicable" and "on all 2 nodes" in versions.evidence[-1]
     # the script may still fix a world size: the machine's hedge stays
     assert judge("world-size-mismatch", runs, None, [], **inputs).verdict == "inconclusive"
+
+
+def doctor_of(runs: dict[str, ProbeRun]):
+    class Recorded:  # the runner of a doctor, answering with the recorded runs
+        def run(self, names, on_progress=None, cancel=None):
+            return list(runs.values())
+
+    return Pipeline(runner=Recorded()).doctor()
+
+
+def test_doctor_lists_the_causes_only_the_nodes_decide_beside_the_contract_ones():
+    """`doctor --nnodes`'s top-level causes carry the storage check's verdict too."""
+    local = {c.id: c for c in doctor_of(runs_of("local_disk_2")).causes}
+    assert local["checkpoint-on-node-local-disk"].verdict.verdict == "confirmed"
+    assert local["checkpoint-on-node-local-disk"].verdict.source == "probe"
+    assert "network-interface" in local  # the contract's causes are all still there
+    healthy = {c.id: c for c in doctor_of(runs_of("healthy_2")).causes}
+    assert healthy["checkpoint-on-node-local-disk"].verdict.verdict == "ruled_out"
+
+
+def test_a_one_machine_doctor_lists_the_contract_causes_only():
+    one = doctor_of(runs_of("cpu_2ranks", FACTS.parent))
+    assert "checkpoint-on-node-local-disk" not in {c.id for c in one.causes}
+    assert len(one.causes) == 27
