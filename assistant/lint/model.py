@@ -344,6 +344,20 @@ def self_attribute(node: ast.AST) -> str | None:
     return None
 
 
+MOVES = frozenset({"cuda", "to", "float", "half", "bfloat16"})
+
+
+def unmoved(value: ast.expr) -> ast.expr:
+    """`nn.DataParallel(net).cuda()` -> the DataParallel call: a move keeps the wrapper."""
+    while (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr in MOVES
+    ):
+        value = value.func.value
+    return value
+
+
 def depth_of(node: ast.AST, limit: int) -> int:
     """How deep the tree under `node` goes, counting no further than `limit`."""
     deepest = 0

@@ -10,7 +10,8 @@ lines it must report.
   a spawned worker's per-process rank beside a world size of nodes;
 - devices: fixed GPUs, set_device order, DDP device_ids on a CPU module;
 - process_group: torch.distributed calls before init_process_group;
-- collective_reach: collectives only some ranks reach (collective-mismatch),
+- collective_reach: collectives only some ranks reach (collective-mismatch;
+  the DDP wrapper's forward, which broadcasts BatchNorm buffers, counts),
   also under a test of the rank's own tensor values (`if loss.mean() > t:`),
   and a step one rank skips on its own data (a NaN loss, an empty batch)
   before its backward's gradient all-reduce (uneven-inputs);

@@ -6,17 +6,38 @@ import ast
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from assistant.lint.model import Script, called_name, is_none, names_in, short, source_text
+from assistant.lint.checks.batchnorm import batch_norm_built, broadcasts_buffers
+from assistant.lint.checks.unused import wrapped_by
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    is_none,
+    names_in,
+    own_nodes,
+    parameter_names,
+    position,
+    short,
+    source_text,
+    unmoved,
+)
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
     RankBranch,
+    enclosing_scope,
     other_side,
     rank_branch_sides,
     some_rank_runs,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective, is_distributed, metric_objects, syncs_metric
+from assistant.lint.torchapi import (
+    is_collective,
+    is_ddp,
+    is_distributed,
+    metric_objects,
+    syncs_metric,
+)
 from assistant.lint.tracer import TracedCall, same_file_callees
 from assistant.results import Finding
 
@@ -27,6 +48,7 @@ Kind = TypeVar("Kind")
 def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
     """A collective that only rank 0 (or only the other ranks) reaches: the rest hang."""
     metrics = metric_objects(script) if is_distributed(script) else frozenset()
+    wrappers = buffer_broadcasting_wrappers(script)
 
     def shown_as(call: TracedCall) -> str | None:
         """How the finding names the call, when it is a collective."""
@@ -35,6 +57,12 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
         if syncs_metric(call.name, metrics):
             return (
                 f"{call.name}() (a torchmetrics metric gathers every rank's state when it computes)"
+            )
+        if call.name in wrappers and names_the_wrapper(script, call.node, call.name, wrappers):
+            return (
+                f"{call.name}(), the DDP wrapper's forward (after a training step it broadcasts "
+                "rank 0's buffers, BatchNorm statistics, to the other ranks: a collective; "
+                f"call {call.name}.module instead)"
             )
         return None
 
@@ -45,6 +73,60 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
             f"{what} runs on {lonely.side} (the `if` on line "
             f"{lonely.test_if.lineno}); every rank must call each collective, or the others hang",
         )
+
+
+def buffer_broadcasting_wrappers(script: Script) -> frozenset[str]:
+    """Names assigned a DDP wrapper that broadcasts buffers it surely has: broadcast_buffers
+    left True, over a model that builds BatchNorm (running statistics). Its forward
+    (the first after a step with gradients, or the first at all) is a collective."""
+    names: set[str] = set()
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        ddp = unmoved(node.value)
+        if not (isinstance(ddp, ast.Call) and is_ddp(script.name_of(ddp.func))):
+            continue
+        if not broadcasts_buffers(ddp):
+            continue
+        if batch_norm_built(script, ddp, wrapped_by(script, ddp, set())[0]) is None:
+            continue
+        names |= {source_text(target) for target in node.targets}
+    return frozenset(names)
+
+
+def names_the_wrapper(script: Script, node: ast.Call, name: str, wrappers: frozenset[str]) -> bool:
+    """The name holds the wrapper where this call runs: outward from the call, the
+    first scope that binds it either takes it as a parameter every caller hands a
+    wrapper (not `model.module`), or last assigned it a wrapper before the call
+    (not `model = model.module`)."""
+    scope = enclosing_scope(node, script)
+    while scope is not None:
+        if name in parameter_names(scope):
+            sites = [site for site, called in script.call_names if short(called) == scope.name]
+            given = [
+                argument
+                for site in sites
+                for parameter, argument in bound_arguments(scope, site)
+                if parameter == name
+            ]
+            return bool(given) and all(source_text(a) in wrappers for a in given)
+        assigned = [
+            n
+            for n in own_nodes(scope)
+            if isinstance(n, ast.Assign) and any(source_text(t) == name for t in n.targets)
+        ]
+        if assigned:  # what the name holds when the call runs: the last assignment before it
+            before = [n for n in assigned if n.lineno < node.lineno]
+            return bool(before) and is_ddp_value(script, max(before, key=position).value)
+        if isinstance(scope, ast.Module):
+            return False
+        scope = enclosing_scope(scope, script)
+    return False
+
+
+def is_ddp_value(script: Script, value: ast.expr) -> bool:
+    value = unmoved(value)
+    return isinstance(value, ast.Call) and is_ddp(script.name_of(value.func))
 
 
 def lonely_calls(

@@ -40,6 +40,7 @@ from assistant.lint.model import (
     own_nodes,
     self_attribute,
     source_text,
+    unmoved,
 )
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
@@ -663,20 +664,6 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
         and node.func.id in classes
     }
     return names, built
-
-
-MOVES = frozenset({"cuda", "to", "float", "half", "bfloat16"})
-
-
-def unmoved(value: ast.expr) -> ast.expr:
-    """`nn.DataParallel(net).cuda()` -> the DataParallel call: a move keeps the wrapper."""
-    while (
-        isinstance(value, ast.Call)
-        and isinstance(value.func, ast.Attribute)
-        and value.func.attr in MOVES
-    ):
-        value = value.func.value
-    return value
 
 
 def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
