@@ -67,6 +67,8 @@ lines it must report.
   wandb.log on every rank after an init on rank 0 only (experiment-logger-ddp);
 - zero: the engine's state_dict read under DeepSpeed ZeRO stage 3, outside
   GatheredParameters (zero3-partitioned-parameters);
+- endpoint: MASTER_ADDR set to each process's own host name in a file that
+  shows several nodes (master-endpoint-mismatch);
 - fork: a Dataset's item reader or a collate_fn that moves data to the GPU
   inside DataLoader workers forked after CUDA started (cuda-init-before-fork);
 - unused: a submodule forward skips when an optional input is None, called
@@ -97,6 +99,7 @@ from assistant.lint.checks import (
     dataparallel,
     deepspeed_config,
     devices,
+    endpoint,
     fork,
     gather_sizes,
     launch,
@@ -130,6 +133,7 @@ __all__ = [
     "dataparallel",
     "deepspeed_config",
     "devices",
+    "endpoint",
     "fork",
     "gather_sizes",
     "launch",
