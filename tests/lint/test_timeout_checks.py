@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from snippets import lint_snippet
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 
@@ -86,11 +86,11 @@ def test_the_finding_names_the_work_and_the_timeout():
 
 @pytest.mark.slow
 def test_the_fixture_times_out_under_torchrun_and_its_twin_runs(torchrun):
-    # side by side: the margins are in wall time (sleeps), which two runs share fine
-    wait_failed = torchrun.start(SCRIPTS / "rank_zero_evaluates_past_a_short_timeout.py")
-    wait_ran = torchrun.start(SCRIPTS / "correct_evaluation_shared_under_a_short_timeout.py")
-    failed, ran = wait_failed(), wait_ran()
-    assert failed.returncode != 0
-    assert "Timed out" in failed.stderr
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    assert ran.stdout.count("finished") == 2
+    # side by side (the helper starts both): the margins are in wall time (sleeps)
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "rank_zero_evaluates_past_a_short_timeout.py",
+        "Timed out",
+        SCRIPTS / "correct_evaluation_shared_under_a_short_timeout.py",
+        "finished",
+    )

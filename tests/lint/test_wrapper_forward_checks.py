@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from snippets import lint_snippet
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 
@@ -131,10 +131,10 @@ def test_the_finding_says_the_forward_is_a_collective():
 
 @pytest.mark.slow
 def test_the_fixture_times_out_under_torchrun_and_its_twin_runs(torchrun):
-    wait_failed = torchrun.start(SCRIPTS / "rank_zero_evaluates_through_the_ddp_wrapper.py")
-    wait_ran = torchrun.start(SCRIPTS / "correct_rank_zero_evaluates_the_wrapped_module.py")
-    failed, ran = wait_failed(), wait_ran()
-    assert failed.returncode != 0
-    assert "Timed out" in failed.stderr
-    assert ran.returncode == 0, ran.stderr[-2000:]
-    assert ran.stdout.count("trained") == 2
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "rank_zero_evaluates_through_the_ddp_wrapper.py",
+        "Timed out",
+        SCRIPTS / "correct_rank_zero_evaluates_the_wrapped_module.py",
+        "trained",
+    )
