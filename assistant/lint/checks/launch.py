@@ -363,6 +363,44 @@ def check_srun_start_with_torchrun_variables(script: Script) -> Iterator[Finding
             return  # one finding: the same launch explains every such read
 
 
+@check("slurm-without-torchrun")
+def check_srun_tasks_that_spawn(script: Script) -> Iterator[Finding]:
+    """The file's sbatch header asks for several tasks per node (`--ntasks-per-node=8`)
+    and srun starts it without torchrun, yet each task mp.spawns its own processes
+    (one per GPU): every node runs tasks x GPUs processes with repeated ranks."""
+    launch = srun_python_line(script)
+    if launch is None:
+        return
+    tasks = tasks_per_node(script)
+    if tasks is None or tasks < 2:
+        return
+    for node, name in script.call_names:
+        if name in SPAWNERS and name.endswith(("spawn", "start_processes")):
+            yield script.finding(
+                "slurm-without-torchrun",
+                node,
+                f"the file's own launch asks Slurm for {tasks} tasks per node "
+                f"(--ntasks-per-node={tasks}) and srun starts each (`{launch.strip()[:50]}`), "
+                "and each task spawns its own processes here: every node runs "
+                f"{tasks} x that many, with the same ranks again and again; either one task "
+                "per node that spawns (--ntasks-per-node=1), or one task per GPU without "
+                "spawning (rank = SLURM_PROCID)",
+            )
+            return
+
+
+TASKS_PER_NODE = re.compile(r"--ntasks-per-node(?:\s*=\s*|\s+)(\d+)\b")
+
+
+def tasks_per_node(script: Script) -> int | None:
+    """The tasks per node the file's own text asks Slurm for (an #SBATCH line)."""
+    for text in script.string_constants:
+        found = TASKS_PER_NODE.search(text)
+        if found:
+            return int(found.group(1))
+    return None
+
+
 def srun_python_line(script: Script) -> str | None:
     """A line of the file's text that runs Python under srun, not through torchrun."""
     for text in script.string_constants:

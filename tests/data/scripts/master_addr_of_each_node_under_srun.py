@@ -10,6 +10,7 @@ node rendezvous with a store on their own machine and the nodes never meet.
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 
 
@@ -22,6 +23,7 @@ def slurm_env() -> None:
 
 def main() -> None:
     slurm_env()
+    torch.cuda.set_device(int(os.environ["SLURM_LOCALID"]))
     dist.init_process_group("nccl")
     dist.barrier()
     dist.destroy_process_group()
