@@ -25,9 +25,9 @@ def reported(body: str) -> list[int]:
 @pytest.mark.parametrize(
     "body",
     [
-        'rank = int(os.environ["SLURM_PROCID"])\nos.environ["MASTER_ADDR"] = socket.gethostname()',
+        'node = int(os.environ["SLURM_NODEID"])\nos.environ["MASTER_ADDR"] = socket.gethostname()',
         (
-            'rank = int(os.environ["SLURM_PROCID"])\n'
+            'nodes = int(os.environ["SLURM_NNODES"])\n'
             'os.environ.setdefault("MASTER_ADDR", socket.gethostbyname(socket.getfqdn()))'
         ),
         (
@@ -45,9 +45,11 @@ def test_each_nodes_own_host_name_as_the_master_is_reported(body):
     [
         # one machine: its own host name is the master's
         'os.environ["MASTER_ADDR"] = socket.gethostname()',
+        # srun's task variables alone: one node may run them all
+        'rank = int(os.environ["SLURM_PROCID"])\nos.environ["MASTER_ADDR"] = socket.gethostname()',
         # rank 0's host name, sent to every process
         (
-            'rank = int(os.environ["SLURM_PROCID"])\n'
+            'node = int(os.environ["SLURM_NODEID"])\n'
             'os.environ["MASTER_ADDR"] = comm.bcast(socket.gethostname(), root=0)'
         ),
         # the job's first host

@@ -5,7 +5,8 @@
 master: the ranks of each node look for the store on their own machine and
 never meet (a rendezvous timeout, or several one-node jobs). It is right on
 one machine only, so it is reported when the file shows several nodes: a
-Slurm or node-rank variable it reads, or a launch line of more than one node.
+node's index or count it reads (SLURM_NODEID, NODE_RANK; a task's SLURM_PROCID
+is there on one node too), or a launch line of more than one node.
 A host name sent from rank 0 to the others (MPI's `bcast`) is the master's,
 not each node's own.
 """
@@ -21,8 +22,10 @@ from assistant.lint.registry import check
 from assistant.results import Finding
 
 OWN_HOST_CALLS = frozenset({"gethostname", "getfqdn", "node"})  # socket's, platform.node()
-NODE_VARIABLES = re.compile(r"SLURM_(?:PROCID|NODEID|NTASKS|NNODES|JOB_NODELIST)|NODE_RANK|NNODES")
-SEVERAL_NODES = re.compile(r"--(?:nodes|nnodes|N)[= ](?:[2-9]|\d{2,})\b")
+# What says several nodes: a node's own index or count (not a task's: srun's
+# SLURM_PROCID / SLURM_NTASKS are there on one node too), or a launch of 2+ nodes.
+NODE_VARIABLES = re.compile(r"SLURM_(?:NODEID|NNODES)|NODE_RANK|NNODES|NUM_NODES")
+SEVERAL_NODES = re.compile(r"--(?:nodes|nnodes)[= ](?:[2-9]|\d{2,})\b|\s-N\s*(?:[2-9]|\d{2,})\b")
 
 
 @check("master-endpoint-mismatch")
