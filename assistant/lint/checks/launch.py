@@ -8,7 +8,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
-from assistant.lint.launchtext import launch_problems
+from assistant.lint.launchtext import TASKS_PER_NODE, launch_problems
 from assistant.lint.model import Script, is_int, keyword, short, source_text
 from assistant.lint.ranks import environment_variable
 from assistant.lint.registry import check
@@ -387,9 +387,6 @@ def check_srun_tasks_that_spawn(script: Script) -> Iterator[Finding]:
                 "spawning (rank = SLURM_PROCID)",
             )
             return
-
-
-TASKS_PER_NODE = re.compile(r"--ntasks-per-node(?:\s*=\s*|\s+)(\d+)\b")
 
 
 def tasks_per_node(script: Script) -> int | None:

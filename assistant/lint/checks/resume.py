@@ -15,7 +15,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.launchtext import elastic_nodes
-from assistant.lint.model import Script, short, source_text
+from assistant.lint.model import Script, source_text
 from assistant.lint.ranks import compared_rank
 from assistant.lint.registry import check
 from assistant.results import Finding
@@ -28,8 +28,8 @@ def check_rank_files_under_an_elastic_launch(script: Script) -> Iterator[Finding
     if elastic is None:
         return
     launch_line, nodes = elastic
-    saves = [node for node, name in script.call_names if is_torch_io(name, "save")]
-    loads = [node for node, name in script.call_names if is_torch_io(name, "load")]
+    saves = [node for node, name in script.call_names if name == "torch.save"]
+    loads = [node for node, name in script.call_names if name == "torch.load"]
     saved = next((s for s in saves if len(s.args) > 1 and per_rank(script, s.args[1])), None)
     if saved is None:
         return
@@ -46,13 +46,6 @@ def check_rank_files_under_an_elastic_launch(script: Script) -> Iterator[Finding
                 "size (torch.distributed.checkpoint, or a full state dict), or fix --nnodes",
             )
             return
-
-
-def is_torch_io(name: str, function: str) -> bool:
-    """torch.save / torch.load by any import of them."""
-    return name in (f"torch.{function}", function) or (
-        short(name) == function and name.split(".")[0] == "torch"
-    )
 
 
 def per_rank(script: Script, path: ast.expr) -> bool:

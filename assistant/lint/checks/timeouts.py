@@ -17,10 +17,12 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.collective_reach import first_collective
+from assistant.lint.checks.unused import statement_lists
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import RANK_ZERO, rank_branch_sides
 from assistant.lint.registry import check
-from assistant.lint.torchapi import init_calls, is_collective
+from assistant.lint.torchapi import init_calls
 from assistant.lint.values import resolved_int
 from assistant.results import Finding
 
@@ -36,7 +38,7 @@ def check_rank_zero_work_past_a_short_timeout(script: Script) -> Iterator[Findin
     if timeout is None:
         return
     seconds, init = timeout
-    for block in statement_blocks(script.tree):
+    for block in statement_lists(script.tree):
         for position, statement in enumerate(block[:-1]):
             if not isinstance(statement, ast.If):
                 continue
@@ -44,7 +46,7 @@ def check_rank_zero_work_past_a_short_timeout(script: Script) -> Iterator[Findin
             if body_side != RANK_ZERO or statement.orelse:
                 continue
             work = data_walk(script, statement.body)
-            waiting = first_collective(script, block[position + 1])
+            waiting = first_collective(script, block[position + 1 : position + 2])
             if work is None or waiting is None:
                 continue
             yield script.finding(
@@ -83,14 +85,6 @@ def shortened_timeout(script: Script) -> tuple[int, ast.Call] | None:
     return None
 
 
-def statement_blocks(tree: ast.AST) -> Iterator[list[ast.stmt]]:
-    for node in ast.walk(tree):
-        for field in ("body", "orelse", "finalbody"):
-            block = getattr(node, field, None)
-            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
-                yield block
-
-
 def data_walk(script: Script, body: list[ast.stmt]) -> ast.AST | None:
     """A loop in the block, or a call of a same-file function that loops (an
     evaluation over a loader): what rank 0 spends its time on."""
@@ -104,12 +98,4 @@ def data_walk(script: Script, body: list[ast.stmt]) -> ast.AST | None:
                     isinstance(inner, ast.For | ast.While) for inner in ast.walk(function)
                 ):
                     return node
-    return None
-
-
-def first_collective(script: Script, statement: ast.stmt) -> ast.Call | None:
-    """The collective the next statement runs (a barrier, an all_reduce), if it is one."""
-    for node in ast.walk(statement):
-        if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
-            return node
     return None

@@ -619,7 +619,8 @@ def built_classes(classes: dict[str, ast.ClassDef], wrapped: str) -> list[ast.Cl
     return [classes[name] for name in found]
 
 
-def statement_lists(function: ast.FunctionDef) -> Iterator[list[ast.stmt]]:
+def statement_lists(function: ast.AST) -> Iterator[list[ast.stmt]]:
+    """Every statement list (body, else) under `function` (or a module)."""
     for node in ast.walk(function):
         for field in ("body", "orelse"):
             block = getattr(node, field, None)
