@@ -10,11 +10,14 @@ from assistant.lint import lint_source
 from assistant.results import Finding
 
 
-def lint_snippet(prelude: str, body: str, causes: Iterable[str]) -> list[tuple[int, Finding]]:
-    """(line within `body`, finding) for the findings of `causes` on `prelude + body`."""
+def lint_snippet(
+    prelude: str, body: str, causes: Iterable[str], indented: str = ""
+) -> list[tuple[int, Finding]]:
+    """(line within `body`, finding) for the findings of `causes` on `prelude + body`;
+    `indented` instead of `body` for a body that stays inside the prelude's function."""
     wanted = set(causes)
     offset = prelude.count("\n")
-    source = prelude + textwrap.dedent(body)
+    source = prelude + (indented or textwrap.dedent(body))
     return [(f.line - offset, f) for f in lint_source(source) if f.cause_id in wanted]
 
 

@@ -82,6 +82,8 @@ lines it must report.
   NCCL's default (collective-timeout);
 - unused_paths: a training call whose own arguments (constants, defaults, a
   flag decided per step) route forward around a submodule (unused-parameters);
+- seen_keys: a collective over one row per key (class, speaker) that the
+  rank's own data filled into a dict (collective-mismatch);
 - splits: a random split every rank draws unseeded (or seeded with its rank),
   and a set of class names numbered in its iteration order
   (rank-divergent-data-split).
@@ -111,6 +113,7 @@ from assistant.lint.checks import (
     reentrant,
     resume,
     schedules,
+    seen_keys,
     spawn,
     splits,
     state_dict,
@@ -145,6 +148,7 @@ __all__ = [
     "reentrant",
     "resume",
     "schedules",
+    "seen_keys",
     "spawn",
     "splits",
     "state_dict",
