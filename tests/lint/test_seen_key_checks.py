@@ -67,10 +67,14 @@ FILL_FROM_BATCHES = (
         FILL_FROM_BATCHES + "for k, n in per_class.items():\n"
         "    c = torch.tensor([n])\n    dist.all_reduce(c)\n",
         # a Counter of the labels this rank read, a set of them
-        "for x, y in loader:\n    seen = Counter(y.tolist())\n"
-        "    dist.all_reduce(torch.tensor(list(seen.values())))\n",
-        "found = set()\nfor batch in loader:\n    for t in batch['label'].tolist():\n"
-        "        found.add(t)\nflags = torch.ones(len(found))\ndist.all_reduce(flags)\n",
+        (
+            "for x, y in loader:\n    seen = Counter(y.tolist())\n"
+            "    dist.all_reduce(torch.tensor(list(seen.values())))\n"
+        ),
+        (
+            "found = set()\nfor batch in loader:\n    for t in batch['label'].tolist():\n"
+            "        found.add(t)\nflags = torch.ones(len(found))\ndist.all_reduce(flags)\n"
+        ),
     ],
 )
 def test_rows_or_calls_per_key_the_rank_saw_are_reported(body):
@@ -81,17 +85,23 @@ def test_rows_or_calls_per_key_the_rank_saw_are_reported(body):
     "body",
     [
         # one row per class of the whole set
-        "counts = torch.zeros(num_classes)\nfor x, y in loader:\n"
-        "    for t in y.tolist():\n        counts[t] += 1\ndist.all_reduce(counts)\n",
+        (
+            "counts = torch.zeros(num_classes)\nfor x, y in loader:\n"
+            "    for t in y.tolist():\n        counts[t] += 1\ndist.all_reduce(counts)\n"
+        ),
         # the number of keys, or a sum over them, is one value on every rank
         FILL_FROM_BATCHES + "dist.all_reduce(torch.tensor([len(per_class)]))\n",
         FILL_FROM_BATCHES + "dist.all_reduce(torch.tensor(sum(per_class.values())))\n",
         # keys of a fixed list, not of the data
-        "per_name = {}\nfor name in NAMES:\n    per_name[name] = 0.0\n"
-        "dist.all_reduce(torch.tensor(list(per_name.values())))\n",
+        (
+            "per_name = {}\nfor name in NAMES:\n    per_name[name] = 0.0\n"
+            "dist.all_reduce(torch.tensor(list(per_name.values())))\n"
+        ),
         # a loss dict's names are the model's, the same on every rank
-        "losses = {}\nfor k, v in model(torch.ones(1, 4)).items():\n    losses[k] = v\n"
-        "dist.all_reduce(torch.stack([losses[k] for k in sorted(losses)]))\n",
+        (
+            "losses = {}\nfor k, v in model(torch.ones(1, 4)).items():\n    losses[k] = v\n"
+            "dist.all_reduce(torch.stack([losses[k] for k in sorted(losses)]))\n"
+        ),
         # the keys exchanged as objects first
         FILL_FROM_BATCHES + "merged = [None] * 2\ndist.all_gather_object(merged, dict(per_class))\n"
         "dist.all_reduce(torch.tensor(list(per_class.values())))\n",
