@@ -4,7 +4,8 @@ ZeRO-3 partitions every parameter across the ranks and gathers a layer only
 while the engine runs it. Outside that, `engine.module.state_dict()` holds a
 placeholder of torch.Size([0]) per parameter, on every rank: the weights
 saved from it load as "size mismatch ... torch.Size([0])", and a file of a
-few megabytes. What DeepSpeed documents instead: `engine.save_16bit_model()`
+few megabytes. A Hugging Face model's `save_pretrained(dir)` reads the same
+state_dict, unless one gathered elsewhere is handed in (`state_dict=`). What DeepSpeed documents instead: `engine.save_16bit_model()`
 on every rank (with `stage3_gather_16bit_weights_on_model_save`),
 `deepspeed.zero.GatheredParameters` around the read, or `zero_to_fp32` on a
 checkpoint saved by `engine.save_checkpoint()` on every rank.
@@ -31,7 +32,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import lonely_calls
-from assistant.lint.model import Script, short, source_text
+from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -46,7 +47,8 @@ FORWARD_METHODS = frozenset({"forward", "generate"})
 
 @check("zero3-partitioned-parameters")
 def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
-    """`engine.module.state_dict()` (or the engine's own) in a ZeRO-3 script, outside a gather."""
+    """`engine.module.state_dict()` (or the engine's own, or `engine.module.save_pretrained()`)
+    in a ZeRO-3 script, outside a gather."""
     stage = zero3_stage(script)
     if stage is None:
         return
@@ -55,7 +57,7 @@ def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
         return
     gathered = gathered_nodes(script)
     for node, _name in script.call_names:
-        if not (isinstance(node.func, ast.Attribute) and node.func.attr == "state_dict"):
+        if not reads_own_state_dict(node):
             continue
         if engine_of(node.func.value) not in engines or id(node) in gathered:
             continue
@@ -63,11 +65,21 @@ def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
             "zero3-partitioned-parameters",
             node,
             f"{source_text(node)} under ZeRO stage 3 (line {stage.lineno}): each rank holds "
-            "only a shard of every parameter, so the state_dict has torch.Size([0]) "
+            "only a shard of every parameter, so the state_dict it reads has torch.Size([0]) "
             "placeholders; save with engine.save_16bit_model() on every rank "
             "(stage3_gather_16bit_weights_on_model_save), read inside "
             "deepspeed.zero.GatheredParameters, or convert a save_checkpoint with zero_to_fp32",
         )
+
+
+def reads_own_state_dict(call: ast.Call) -> bool:
+    """`x.state_dict()`, or a Hugging Face model's `x.save_pretrained(dir)`, which reads
+    its own state_dict unless one is handed in (`state_dict=` gathered elsewhere)."""
+    if not isinstance(call.func, ast.Attribute):
+        return False
+    if call.func.attr == "state_dict":
+        return True
+    return call.func.attr == "save_pretrained" and keyword(call, "state_dict") is None
 
 
 PARAMETER_ITERATORS = frozenset({"named_parameters", "parameters"})

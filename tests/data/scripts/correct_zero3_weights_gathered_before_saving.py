@@ -1,7 +1,8 @@
 """DeepSpeed ZeRO-3 weights saved the ways DeepSpeed documents (no finding expected).
 
-save_16bit_model on every rank, save_checkpoint on every rank, and a
-state_dict read inside GatheredParameters; a weight sync that gathers one
+save_16bit_model on every rank, save_checkpoint on every rank, a
+state_dict read inside GatheredParameters, and save_pretrained handed the
+16-bit state_dict the engine gathered on every rank; a weight sync that gathers one
 parameter at a time on every rank, and a loop that only sets flags.
 """
 
@@ -42,6 +43,9 @@ def main():
         param.requires_grad_(False)
     engine.save_16bit_model("export", "model.bin")
     engine.save_checkpoint("checkpoints")
+    full = engine._zero3_consolidated_16bit_state_dict()  # every rank takes part
+    if dist.get_rank() == 0:
+        engine.module.save_pretrained("export", state_dict=full)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=0):
         if dist.get_rank() == 0:
             torch.save(engine.module.state_dict(), "gathered.bin")

@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO-3: rank 0 saves engine.module.state_dict(), whose parameters
-are torch.Size([0]) placeholders outside the engine's own gathers; and a weight
-sync to a generation server that sends each parameter's placeholder."""
+are torch.Size([0]) placeholders outside the engine's own gathers, and exports
+a Hugging Face model with save_pretrained, which reads the same state_dict; and
+a weight sync to a generation server that sends each parameter's placeholder."""
 
 import os
 
@@ -41,6 +42,7 @@ def main():
             sync_weights(engine)
     if dist.get_rank() == 0:
         torch.save(engine.module.state_dict(), "model.bin")  # expect: zero3-partitioned-parameters
+        engine.module.save_pretrained("export")  # expect: zero3-partitioned-parameters
 
 
 if __name__ == "__main__":
