@@ -40,12 +40,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def spawned(script: Path, folder: Path, until: str) -> tuple[bool, str]:
+def spawned(script: Path, folder: Path, until: str, pod: bool = False) -> tuple[bool, str]:
     """(finished, what it printed): run until it exits, or until `until` is printed and
-    a few seconds more; the whole group is killed after."""
+    a few seconds more; the whole group is killed after. `pod`: started as one pod of
+    a PyTorchJob (its variables in the environment), not with --dist-url."""
     log = folder / f"{script.stem}.log"
-    command = [sys.executable, str(script), "--dist-url", f"tcp://127.0.0.1:{free_port()}"]
+    port = free_port()
+    command = [sys.executable, str(script)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if pod:
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
+                "WORLD_SIZE": "1"}  # fmt: skip
+    else:
+        command += ["--dist-url", f"tcp://127.0.0.1:{port}"]
     with log.open("w") as out:
         run = subprocess.Popen(command, cwd=folder, env=env, stdout=out,
                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -73,6 +80,48 @@ def test_rank_zero_trains_alone_and_rank_one_never_joins_while_the_twin_counts_b
     finished, out = spawned(FIXED, tmp_path, until="no line: it runs to the end")
     assert finished, out[-2000:]
     assert "rank 0 of 2: 2 processes" in out and "rank 1 of 2: 2 processes" in out
+
+
+@pytest.mark.slow
+def test_a_pods_spawned_rank_past_the_pod_count_never_joins_while_the_twin_counts_both(
+    tmp_path,
+):
+    broken = SCRIPTS / "spawn_per_pod_world_size_from_the_environment.py"
+    _finished, out = spawned(broken, tmp_path, until="rank 0 of 1: 1 processes", pod=True)
+    assert "rank 0 of 1: 1 processes" in out, out[-2000:]
+    assert "of 2" not in out and "rank 1 of 1" not in out, out[-2000:]
+    fixed = SCRIPTS / "correct_spawn_per_pod_world_size_of_processes.py"
+    finished, out = spawned(fixed, tmp_path, until="no line: it runs to the end", pod=True)
+    assert finished, out[-2000:]
+    assert "rank 0 of 2: 2 processes" in out and "rank 1 of 2: 2 processes" in out
+
+
+POD_WORKER = """
+def run(local_rank, ngpus):
+    node = int(os.environ["RANK"])
+    {world}
+    rank = node * ngpus + local_rank
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+
+def main(ngpus):
+    mp.spawn(run, nprocs=ngpus, args=(ngpus,))
+"""
+
+
+@pytest.mark.parametrize(
+    ("world", "reported"),
+    [
+        # RANK is the pod's index, so the same launcher's WORLD_SIZE counts pods
+        ("world = int(os.environ['WORLD_SIZE'])", True),
+        ("world = int(os.environ.get('WORLD_SIZE', 1))", True),
+        ("world = int(os.environ['WORLD_SIZE']) * ngpus", False),
+        ("world = ngpus * int(os.getenv('WORLD_SIZE'))", False),
+    ],
+)
+def test_a_world_size_of_pods_from_the_environment_beside_a_rank_per_process(world, reported):
+    body = POD_WORKER.format(world=world)
+    found = [line for line, _f in lint_snippet(HEADER, body, ["world-size-mismatch"])]
+    assert bool(found) == reported
 
 
 def findings(body: str) -> list[int]:

@@ -197,17 +197,60 @@ def check_world_size_of_nodes_with_process_ranks(script: Script) -> Iterator[Fin
             if not counts_processes(rank, index, assigned):
                 continue
             scaled = scaled_names(script) if scaled is None else scaled
-            if source_text(world) in scaled:
+            from_launcher = node_count_from_launcher(rank, world, assigned)
+            if source_text(world) in scaled and not from_launcher:
                 continue
+            given = (
+                "the environment's WORLD_SIZE, which the launcher that set RANK to this "
+                "node's (pod's) index set to the number of nodes"
+                if from_launcher
+                else "the number of nodes (--world-size 1)"
+            )
             yield script.finding(
                 "world-size-mismatch",
                 world,
                 f"rank={source_text(rank)} counts processes ({index} is the spawned index), but "
-                f"world_size={source_text(world)} is never multiplied by the processes per node "
-                "anywhere in the file: given the number of nodes (--world-size 1), every rank "
-                "from 1 up is outside the world, and rendezvous waits until it times out; set "
-                f"{source_text(world)} = nodes * processes per node before spawning",
+                f"world_size={source_text(world)} is never multiplied by the processes per node: "
+                f"given {given}, every rank past it is outside the world, and rendezvous waits "
+                f"until it times out; set {source_text(world)} = nodes * processes per node",
             )
+
+
+def node_count_from_launcher(
+    rank: ast.expr, world: ast.expr, assigned: dict[str, list[ast.expr]]
+) -> bool:
+    """The worker counts its rank from the environment's RANK times the processes per
+    node, and takes the environment's WORLD_SIZE as it is: the launcher that set RANK
+    to this node's (pod's) index set WORLD_SIZE to the number of nodes, not processes
+    (a Kubeflow PyTorchJob whose pods each mp.spawn one process per GPU)."""
+    world_values = assigned.get(source_text(world), [])
+    if not world_values or not all(names_env_variable(v, "WORLD_SIZE") for v in world_values):
+        return False
+    if any(
+        isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
+        for v in world_values
+        for n in ast.walk(v)
+    ):
+        return False
+    products = [
+        part
+        for value in [rank, *assigned.get(source_text(rank), [])]
+        if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add)
+        for part in (value.left, value.right)
+        if isinstance(part, ast.BinOp) and isinstance(part.op, ast.Mult)
+    ]
+    return any(
+        names_env_variable(value, "RANK")
+        for product in products
+        for name in ast.walk(product)
+        for value in [name, *assigned.get(source_text(name), [])]
+        if isinstance(name, ast.Name | ast.Call | ast.Subscript)
+    )
+
+
+def names_env_variable(expr: ast.expr, variable: str) -> bool:
+    """`os.environ["RANK"]`, `os.getenv("RANK")`, `os.environ.get("RANK", 0)` somewhere in expr."""
+    return any(isinstance(n, ast.Constant) and n.value == variable for n in ast.walk(expr))
 
 
 def spawned_workers(script: Script) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
