@@ -48,6 +48,7 @@ SHAPED_COLLECTIVES = {
     "all_gather_into_tensor": 1,
     "reduce_scatter_tensor": 1,
 }
+SHAPED_NAMES = frozenset(SHAPED_COLLECTIVES)
 # Collectives that exchange Python objects: the keys agree after one of them.
 OBJECT_COLLECTIVES = frozenset(
     {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"}
@@ -94,7 +95,7 @@ def is_object_collective(script: Script, node: ast.AST) -> bool:
 
 def shaped_collective(script: Script, node: ast.Call) -> str | None:
     name = script.name_of(node.func)
-    if not is_dist_call(name, frozenset(SHAPED_COLLECTIVES)):
+    if not is_dist_call(name, SHAPED_NAMES):
         return None
     return short(name)
 
