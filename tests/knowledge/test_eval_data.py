@@ -127,6 +127,8 @@ SMALL_SETS = {
     "real_reports_holdout57.jsonl",  # 16: session 37, three collectors, ~340 look-ups, threads used up
     "real_reports_holdout58.jsonl",  # 24: session 37's second round, three collectors, ~370
     "real_reports_holdout59.jsonl",  # 19: session 37's third round, two collectors, ~216
+    "real_reports_holdout60.jsonl",  # 26: session 38, six collectors, ~720 look-ups
+    "real_reports_holdout61.jsonl",  # 15: session 38's second round, four collectors, ~373
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
