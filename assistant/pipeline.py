@@ -149,11 +149,17 @@ def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int)
     gave 55 (the same 3 fixed, 2 lost; recall@3 69 -> 68), 0.15 55 too: a
     reply is mostly a thin line, and weighed half it undid first answers. A
     reply with a root error of its own keeps ROOT_REPLY_WEIGHT: it decides.
+    A reply whose first cause is an exact KB signature of that root error stands
+    alone (reply_decides): merged, an earlier guess from vague words could still
+    narrow its lead until a traceback that names the failure read "medium". On the
+    116 labelled reports with a followup (session 38) no second answer moved.
 
     `reply` should hold every cause the reply ranks (a cause it did not rank
     counts 0). A cause kept from the earlier answer is judged afresh (its
     verdict reset). The best `top` are kept.
     """
+    if reply_decides(reply):
+        return replace(reply, causes=reply.causes[:top])
     mine = {cause.id: cause for cause in reply.causes}
     theirs = {cause.id: cause for cause in earlier}
     weight = REPLY_WEIGHT if reply.root_error is None else ROOT_REPLY_WEIGHT
@@ -165,6 +171,15 @@ def with_earlier_answer(reply: Result, earlier: Sequence[CauseResult], top: int)
         merged.append(replace(base, score=total / (1 + weight)))
     merged.sort(key=lambda cause: -cause.score)  # stable: the reply's order breaks ties
     return replace(reply, causes=merged[:top])
+
+
+def reply_decides(reply: Result) -> bool:
+    """The reply's own root error is matched exactly by the cause it ranks first
+    (a KB signature in the error line itself): that error is the failure, and the
+    earlier answer's guesses from vaguer words no longer weigh against it."""
+    from assistant.confidence import names_the_root_error
+
+    return bool(reply.causes) and names_the_root_error(reply.causes[0])
 
 
 def with_pasted_findings(question: Question) -> Question:

@@ -221,6 +221,28 @@ def test_a_reply_is_averaged_with_the_answer_that_asked_for_it():
     assert earlier[0].verdict.verdict == "confirmed"
 
 
+def test_a_reply_whose_first_cause_names_its_own_error_stands_alone():
+    from assistant.pipeline import with_earlier_answer
+    from assistant.results import CauseResult, Result, RootError
+
+    earlier = [CauseResult(id="single-process-launch", title="s", score=0.9)]
+    named = CauseResult(id="process-group-not-initialized", title="p", score=1.0)
+    named.signals, named.root_hit = {"signature": 1}, True
+    other = CauseResult(id="launched-without-torchrun", title="l", score=0.2)
+    error = RootError(type="RuntimeError", message="Default process group has not been initialized")
+    reply = Result(query="the full log", root_error=error, causes=[named, other])
+    decided = with_earlier_answer(reply, earlier, top=5)
+    # the reply's own ranking and scores: the earlier guess no longer weighs against it
+    assert [(c.id, c.score) for c in decided.causes] == [
+        ("process-group-not-initialized", 1.0),
+        ("launched-without-torchrun", 0.2),
+    ]
+    # a root error its first cause only resembles is merged as before
+    named.signals = {"lexical": 1}
+    merged = with_earlier_answer(reply, earlier, top=5)
+    assert merged.causes[0].id == "single-process-launch"
+
+
 def test_a_thin_reply_keeps_what_the_first_report_found(engine):
     from assistant.chat.conversation import Conversation, Turn
 
