@@ -84,6 +84,11 @@ FOCUS_NOISE = re.compile(
     r"|rank\s*:\s*\d+\s*\(local_rank|exitcode\s*:\s*-?\d+\s*\(pid"
     r"|Failures:|Root Cause|\[\d+\]:$|[=\-^~ ]+$|.*ChildFailedError|.* FAILED$)"
 )
+# torch's suffix on every NCCL error ("unhandled cuda error, NCCL version 2.7.8"):
+# the library's version, printed whatever failed, read by the word signals as a
+# version problem. NCCL's own INFO line ("NCCL INFO NCCL version 2.18.1") stays:
+# versions that differ across nodes are evidence.
+NCCL_ERROR_VERSION = re.compile(r",\s*NCCL version \d+(?:\.\d+)*\S*")
 MAX_FOCUS_LINES = 24
 OPENING_LINES = 12  # of a report without a root error, always searched with
 # The scaffolding of an issue template and the environment block a report
@@ -359,7 +364,7 @@ def _focus(lines: list[str], root: RootError | None) -> str:
         opening = (line for line in (raw.strip()[:500] for raw in lines) if _prose(line))
         head = list(islice(opening, OPENING_LINES))
         picked = (head + [line for line in picked if line not in head])[:MAX_FOCUS_LINES]
-    return "\n".join(picked)
+    return NCCL_ERROR_VERSION.sub("", "\n".join(picked))
 
 
 def _prose(line: str) -> bool:

@@ -309,3 +309,13 @@ def test_template_lines_cannot_make_cleaning_slow() -> None:
     ):
         clean = clean_log(f"{line}\n{line}")
         assert clean.root_error is None
+
+
+def test_the_nccl_version_torch_appends_to_every_nccl_error_leaves_the_focus():
+    # ", NCCL version 2.7.8" ends whatever NCCL error torch raises: not evidence of a
+    # version problem. NCCL's own INFO line with its version stays (nodes may differ).
+    error = "RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:825, unhandled cuda error, NCCL version 2.7.8"
+    focus = clean_log(error).focus
+    assert "unhandled cuda error" in focus and "NCCL version" not in focus
+    info = "node1:42:42 [0] NCCL INFO NCCL version 2.18.1+cuda12.1"
+    assert "NCCL version 2.18.1+cuda12.1" in clean_log(info).focus
