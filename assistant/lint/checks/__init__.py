@@ -82,6 +82,8 @@ lines it must report.
   NCCL's default (collective-timeout);
 - unused_paths: a training call whose own arguments (constants, defaults, a
   flag decided per step) route forward around a submodule (unused-parameters);
+- weighted_heads: a LightningModule's head that only a loss weight with a
+  default of 0 runs, under strategy="ddp" (unused-parameters);
 - seen_keys: a collective over one row per key (class, speaker) that the
   rank's own data filled into a dict (collective-mismatch);
 - splits: a random split every rank draws unseeded (or seeded with its rank),
@@ -120,6 +122,7 @@ from assistant.lint.checks import (
     timeouts,
     unused,
     unused_paths,
+    weighted_heads,
     wrapper,
     zero,
 )
@@ -155,6 +158,7 @@ __all__ = [
     "timeouts",
     "unused",
     "unused_paths",
+    "weighted_heads",
     "wrapper",
     "zero",
 ]
