@@ -31,6 +31,12 @@ def resolved_int(script: Script, expr: ast.expr | None, hops: int = MAX_HOPS) ->
 
 def argparse_default(script: Script, dest: str, hops: int = MAX_HOPS) -> int | None:
     """The int default of the add_argument whose dest is `dest` (`--batch-size` -> batch_size)."""
+    flag = argparse_flag(script, dest)
+    return None if flag is None else resolved_int(script, keyword(flag, "default"), hops)
+
+
+def argparse_flag(script: Script, dest: str) -> ast.Call | None:
+    """The first add_argument call whose dest is `dest` (`--batch-size` -> batch_size)."""
     for node, name in script.call_names:
         if short(name) != "add_argument":
             continue
@@ -42,5 +48,5 @@ def argparse_default(script: Script, dest: str, hops: int = MAX_HOPS) -> int | N
         if isinstance(given_dest, ast.Constant):
             dests = {given_dest.value}
         if dest in dests:
-            return resolved_int(script, keyword(node, "default"), hops)
+            return node
     return None

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 from assistant.lint.model import Script, called_name, keyword, source_text
 from assistant.lint.registry import check
+from assistant.lint.values import argparse_flag
 from assistant.results import Finding
 
 CAUSE = "unused-parameters"
@@ -212,19 +213,10 @@ def init_defaults(cls: ast.ClassDef, weight: str) -> Iterator[ast.expr]:
 
 def flag_defaults(script: Script, weight: str) -> Iterator[ast.expr]:
     """`parser.add_argument("--recon-weight", default=0.0)` for `recon_weight`."""
-    for node, _name in script.call_names:
-        if called_name(node) != "add_argument":
-            continue
-        flags = [
-            a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
-        ]
-        dest = keyword(node, "dest")
-        names = {f.lstrip("-").replace("-", "_") for f in flags}
-        if isinstance(dest, ast.Constant):
-            names = {dest.value}
-        default = keyword(node, "default")
-        if weight in names and default is not None:
-            yield default
+    flag = argparse_flag(script, weight)
+    default = keyword(flag, "default") if flag is not None else None
+    if default is not None:
+        yield default
 
 
 def field_defaults(script: Script, weight: str) -> Iterator[ast.expr]:
