@@ -81,3 +81,44 @@ def test_quiet_where_the_count_is_the_process_share(body: str):
 def test_a_single_process_script_is_not_read():
     source = "import torch\nsteps = len(train_ds) // 32\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=steps)\n"
     assert lint_snippet("", source, ["effective-batch-size-changed"]) == []
+
+
+MODULE = """
+class Retrieval(LightningModule):
+    def __init__(self, lr, steps_per_epoch, epochs=10):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, self.hparams.lr, epochs=self.hparams.epochs,
+            steps_per_epoch=self.hparams.steps_per_epoch)
+        return [opt], [sched]
+
+
+def main(args, train_ds):
+    {steps}
+    model = Retrieval(args.lr, {passed})
+    Trainer(devices=args.devices, strategy="ddp").fit(model)
+"""
+MODULE_HEADER = "import torch\nfrom lightning.pytorch import LightningModule, Trainer\n"
+
+
+@pytest.mark.parametrize(
+    ("steps", "passed", "found"),
+    [
+        # counted in main() from the whole dataset, read back through the hyperparameters
+        ("steps = len(train_ds) // args.batch_size", "steps", True),
+        ("pass", "steps_per_epoch=len(train_ds) // args.batch_size", True),
+        # divided by the number of processes, or the loader's own length
+        ("steps = len(train_ds) // (args.batch_size * args.devices)", "steps", False),
+        ("loader = make_loader(train_ds)", "len(loader)", False),
+    ],
+)
+def test_a_modules_schedule_is_read_back_to_what_its_construction_passes(steps, passed, found):
+    body = MODULE.format(steps=steps, passed=passed)
+    lines = [
+        line for line, _ in lint_snippet(MODULE_HEADER, body, ["effective-batch-size-changed"])
+    ]
+    assert bool(lines) == found

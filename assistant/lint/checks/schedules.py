@@ -10,7 +10,8 @@ ends at a high learning rate. Nothing fails; the run converges worse than on
 one GPU.
 
 Read within one function: the schedule's length argument, back through the
-names assigned there, counts `len()` of a dataset (not of a loader, which is
+names assigned there (and, for a module's `self.hparams.steps`, what the
+file's constructions of its class pass for that parameter), counts `len()` of a dataset (not of a loader, which is
 already the process's share) and divides by nothing that names the number of
 processes (world_size, num_devices, trainer.estimated_stepping_batches...),
 in a file written to run as a process per GPU.
@@ -23,7 +24,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.gather_sizes import scope_values
-from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.model import Script, called_name, keyword, own_nodes, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
 from assistant.results import Finding
@@ -67,6 +68,8 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                 if argument is None:
                     continue
                 expanded = expand(argument, assigned)
+                if dataset_length(expanded) is None:
+                    expanded += constructed_with(script, scope, expanded)
                 counted = dataset_length(expanded)
                 if counted is None or any(
                     PROCESS_COUNT.search(text) for text in names_in(expanded)
@@ -104,6 +107,41 @@ def expand(argument: ast.expr, assigned: dict[str, list[ast.expr]]) -> list[ast.
         found += frontier
         if not frontier:
             break
+    return found
+
+
+def constructed_with(script: Script, scope: ast.AST, exprs: list[ast.expr]) -> list[ast.expr]:
+    """For a schedule built in a method that reads `self.hparams.steps` or `self.steps`:
+    what the file's constructions of the class pass for that `__init__` parameter,
+    expanded in the constructing function (`Model(steps_per_epoch=len(ds) // bs)` in
+    main(), a LightningModule's configure_optimizers reading it back)."""
+    cls = next((c for c in script.nodes if isinstance(c, ast.ClassDef) and scope in c.body), None)
+    init = (
+        next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
+        if cls is not None
+        else None
+    )
+    if init is None:
+        return []
+    positional = [a.arg for a in [*init.args.posonlyargs, *init.args.args]][1:]  # not self
+    read = {
+        node.attr
+        for expr in exprs
+        for node in ast.walk(expr)
+        if isinstance(node, ast.Attribute) and source_text(node).startswith("self.")
+    }
+    found: list[ast.expr] = []
+    for caller in script.all_scopes:
+        nodes = list(own_nodes(caller))
+        calls = [n for n in nodes if isinstance(n, ast.Call) and called_name(n) == cls.name]
+        if not calls:
+            continue
+        assigned = scope_values(nodes)
+        for call in calls:
+            passed = list(zip(positional, call.args)) + [(k.arg, k.value) for k in call.keywords]
+            for parameter, argument in passed:
+                if parameter in read:
+                    found += expand(argument, assigned)
     return found
 
 
