@@ -162,3 +162,36 @@ def test_the_preemption_fixture_fails_under_torchrun_and_its_twin_stops_together
     ran = wait_ran()
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count("saved at step 3") == 2
+
+
+ACCELERATE = """
+import torch
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+"""
+
+
+@pytest.mark.parametrize(
+    ("agreed", "reported"),
+    [
+        ("", True),
+        # the skip decided together: every rank sees the same flag
+        ("bad = accelerator.reduce(bad, reduction='sum')\n        ", False),
+    ],
+)
+def test_a_nan_step_skipped_under_accelerate_before_its_backward(agreed, reported):
+    # Accelerate wraps the model in DDP out of sight: its backward all-reduces the same way
+    body = f"""
+    for x, y in loader:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        bad = (~torch.isfinite(loss)).float()
+        {agreed}if bad.item() > 0:
+            optimizer.zero_grad()
+            continue
+        accelerator.backward(loss)
+        optimizer.step()
+    """
+    found = [line for line, _f in lint_snippet(ACCELERATE, body, ["uneven-inputs"])]
+    assert bool(found) == reported

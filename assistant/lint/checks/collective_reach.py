@@ -36,6 +36,7 @@ from assistant.lint.torchapi import (
     is_ddp,
     is_distributed,
     metric_objects,
+    runs_a_process_per_gpu,
     syncs_metric,
 )
 from assistant.lint.tracer import TracedCall, same_file_callees
@@ -299,8 +300,10 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
     flag this process's own signal handler set (`if _preempted: ... sys.exit()`,
     SIGTERM reaching the preempted node only): the other ranks go on training.
     Quiet when the skip is decided on a value every rank agreed on (a flag
-    all-reduced first)."""
-    if not is_distributed(script):
+    all-reduced first). Also under a framework that wraps the model out of sight
+    (Accelerate's `accelerator.backward`, DeepSpeed, Lightning): its backward
+    all-reduces the same way."""
+    if not runs_a_process_per_gpu(script):
         return
     steps: StepFacts | None = None
     parents = script.parents
