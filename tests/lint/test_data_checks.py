@@ -956,3 +956,33 @@ def test_a_webdataset_training_pipeline_needs_a_node_splitter(stages, reported) 
     body = f"import webdataset as wds\npipeline = wds.DataPipeline({stages})\n"
     found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
     assert found == (["missing-distributed-sampler"] if reported else [])
+
+
+RAY_TRAIN_LOOP = """
+import ray.train.torch
+from torch.utils.data import DataLoader
+
+
+def train_loop_per_worker(config):
+    loader = DataLoader(make_dataset(), batch_size=64, shuffle={shuffle})
+    loader = ray.train.torch.prepare_data_loader(loader{option})
+    model = ray.train.torch.prepare_model(make_model())
+    for epoch in range(config["epochs"]):
+        {set_epoch}for x, y in loader:
+            model(x).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("shuffle", "option", "set_epoch", "reported"),
+    [
+        ("True", "", "", True),  # Ray's DistributedSampler shuffles by its epoch
+        ("True", "", "loader.sampler.set_epoch(epoch)\n        ", False),
+        ("False", "", "", False),  # a sequential sampler: one order on purpose
+        ("True", ", add_dist_sampler=False", "", False),  # no sampler added
+    ],
+)
+def test_a_loader_ray_prepares_needs_set_epoch_each_epoch(shuffle, option, set_epoch, reported):
+    source = RAY_TRAIN_LOOP.format(shuffle=shuffle, option=option, set_epoch=set_epoch)
+    found = [f for f in lint_source(source) if f.cause_id == "sampler-set-epoch"]
+    assert bool(found) == reported

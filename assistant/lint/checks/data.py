@@ -182,14 +182,24 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
     if any(inside_a_loop(call, script) for call in calls):
         return  # some call may run each epoch
     own = epoch_seeded_samplers(script)
-    for sampler in [*data.sampler_calls, *own]:
+    prepared = ray_prepared_shuffled(data)
+    for sampler in [*data.sampler_calls, *own, *prepared]:
         if shuffle_off(sampler):
             continue
-        loaders = data.loaders_of(sampler)
+        if sampler in prepared:
+            loaders = set(data.names_bound_to(sampler))
+        else:
+            loaders = data.loaders_of(sampler)
         loop = data.epoch_loop_over(loaders, near=sampler)
-        if loop is None or data.reseeded_each_pass(sampler, loaders):
+        if loop is None or (sampler not in prepared and data.reseeded_each_pass(sampler, loaders)):
             continue
-        kind = "DistributedSampler" if sampler not in own else source_text(sampler.func)
+        kind = (
+            "the DistributedSampler ray.train.torch.prepare_data_loader adds"
+            if sampler in prepared
+            else "DistributedSampler"
+            if sampler not in own
+            else source_text(sampler.func)
+        )
         if not calls:
             yield script.finding(
                 "sampler-set-epoch",
@@ -214,6 +224,35 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
             f"{kind} keeps that epoch's seed, so every epoch sees the same order; call "
             "sampler.set_epoch(epoch) at the start of each epoch, inside the loop",
         )
+
+
+def ray_prepared_shuffled(data: DataFlow) -> list[ast.Call]:
+    """`ray.train.torch.prepare_data_loader(loader)` of a loader built with
+    shuffle=True and no sampler: Ray gives it a shuffling DistributedSampler, whose
+    epoch the script must still set (`loader.sampler.set_epoch(epoch)`)."""
+    found = []
+    for node, name in data.script.call_names:
+        if not (name.startswith("ray.") and short(name) == "prepare_data_loader" and node.args):
+            continue
+        if constant_is(keyword(node, "add_dist_sampler"), False):
+            continue
+        given = node.args[0]
+        made = [given]
+        if isinstance(given, ast.Name):
+            made += data.assignments.get(given.id, [])
+        if any(
+            isinstance(value, ast.Call)
+            and value in data.loader_calls
+            and constant_is(keyword(value, "shuffle"), True)
+            and keyword(value, "sampler") is None
+            for value in made
+        ):
+            found.append(node)
+    return found
+
+
+def constant_is(value: ast.expr | None, wanted: bool) -> bool:
+    return isinstance(value, ast.Constant) and value.value is wanted
 
 
 def inside_a_loop(node: ast.AST, script: Script) -> bool:
