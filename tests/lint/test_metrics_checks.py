@@ -168,3 +168,19 @@ def test_a_lightning_epoch_metric_from_collected_outputs_is_reported(logged):
 def test_a_gathered_synced_one_device_or_torchmetrics_epoch_metric_is_quiet(old, new):
     assert old in LIGHTNING_MODULE
     assert lightning_findings(LIGHTNING_MODULE.replace(old, new)) == []
+
+
+@pytest.mark.parametrize(
+    "summed",
+    [
+        "self.outputs += torch.bincount(self(batch[0]).argmax(1), minlength=4)",
+        "self.outputs[batch[1]] += 1",
+    ],
+)
+def test_a_lightning_epoch_metric_from_a_field_summed_in_place_is_reported(summed):
+    # a confusion matrix or per-class counts summed in validation_step: one rank's share
+    source = LIGHTNING_MODULE.replace("self.outputs.append(self(batch[0]))", summed)
+    source = source.replace("torch.cat(self.outputs)", "self.outputs.float()")
+    assert lightning_findings(source) == [len(source.splitlines())]
+    synced = source.replace("self.outputs.float()", "self.all_gather(self.outputs).sum(0)")
+    assert lightning_findings(synced) == []

@@ -131,7 +131,8 @@ def one_device_trainers(script: Script) -> bool:
 
 
 def collected_outputs(steps: list[Function]) -> set[str]:
-    """`self.x` fields the steps add to (append, extend, an `evaluate` metric's add_batch)."""
+    """`self.x` fields the steps add to (append, extend, an `evaluate` metric's add_batch),
+    or sum into in place (`self.confmat += torch.bincount(...)`, `self.hits[c] += 1`)."""
     found = set()
     for step in steps:
         for node in ast.walk(step):
@@ -142,6 +143,12 @@ def collected_outputs(steps: list[Function]) -> set[str]:
                 and isinstance(node.func.value, ast.Attribute)
             ):
                 found.add(source_text(node.func.value))
+            elif isinstance(node, ast.AugAssign):
+                target = node.target
+                while isinstance(target, ast.Subscript):
+                    target = target.value
+                if isinstance(target, ast.Attribute) and source_text(target.value) == "self":
+                    found.add(source_text(target))
     return found
 
 
