@@ -142,3 +142,25 @@ def test_the_message_names_the_call_its_rank_test_and_why():
     assert "model.state_dict() runs on rank 0 only (the `if` on line" in finding.message
     assert "all-gathers every rank's shard" in finding.message
     assert "call it on every rank" in finding.message
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reported"),
+    [
+        ('"fsdp"', True),
+        ('L.pytorch.strategies.FSDPStrategy(sharding_strategy="FULL_SHARD")', True),
+        ('"ddp"', False),  # every rank holds the whole model: its state_dict gathers nothing
+    ],
+)
+def test_a_callbacks_state_dict_of_the_module_on_global_zero_under_fsdp(strategy, reported):
+    # Lightning wrapped the module's layers in FSDP: their state_dict all-gathers
+    body = f"""
+    class Export(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            if trainer.is_global_zero:
+                weights = pl_module.model.state_dict()
+
+    trainer = L.Trainer(devices=8, strategy={strategy}, callbacks=[Export()])
+    """
+    found = findings(LIGHTNING, body)
+    assert found == ([(5, "fsdp-state-dict")] if reported else [])

@@ -53,6 +53,9 @@ DEEPSPEED_ENGINE_COLLECTIVES = frozenset({"save_checkpoint", "load_checkpoint", 
 LIGHTNING_TRAINER = re.compile(r"(^|[._])trainer$", re.IGNORECASE)
 FABRIC = re.compile(r"(^|[._])fabric$", re.IGNORECASE)
 FABRIC_COLLECTIVES = frozenset({"save", "load"})
+# A LightningModule (or a layer of it) as a callback or the trainer reaches it:
+# under an FSDP strategy Lightning has wrapped its layers, so their state_dict gathers.
+LIGHTNING_MODULE = re.compile(r"^(pl_module|trainer\.lightning_module)(\.\w+)*$")
 FSDP_CLASS = "FullyShardedDataParallel"
 FSDP_CLASS_GATHERS = frozenset(
     {"optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict",
@@ -123,11 +126,12 @@ class Receivers:
 
     @cached_property
     def fabric_shards(self) -> bool:
-        """Fabric runs an FSDP strategy: `FSDPStrategy(...)`, or strategy="fsdp"."""
+        """Fabric or Lightning's Trainer runs an FSDP strategy: `FSDPStrategy(...)`, or
+        strategy="fsdp"."""
         for node, name in self.script.call_names:
             if short(name) == "FSDPStrategy":
                 return True
-            if short(name) == "Fabric":
+            if short(name) == "Fabric" or (short(name) == "Trainer" and self.lightning):
                 strategy = keyword(node, "strategy")
                 if isinstance(strategy, ast.Constant) and "fsdp" in str(strategy.value):
                     return True
@@ -177,7 +181,9 @@ class Receivers:
                 f"Fabric's {method}() must run on every rank: the strategy decides who "
                 "writes (rank 0 under DDP, every rank under FSDP), then they synchronise",
             )
-        if method == "state_dict" and owner in self.fsdp_models:
+        if method == "state_dict" and (
+            owner in self.fsdp_models or (self.fabric_shards and LIGHTNING_MODULE.match(owner))
+        ):
             return CollectiveSave(
                 "fsdp-state-dict",
                 "FSDP's state_dict() all-gathers every rank's shard (with "
