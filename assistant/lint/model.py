@@ -241,11 +241,17 @@ def called_name(call: ast.Call) -> str:
     return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
 
 
-def bound_arguments(function: Function, call: ast.Call) -> list[tuple[str | None, ast.expr]]:
+def bound_arguments(
+    function: Function, call: ast.Call, self_bound: bool = False
+) -> list[tuple[str | None, ast.expr]]:
     """(parameter, argument) for each argument of a call of `function`: positional
     ones by place, keywords by name; None where it lands in *args / **kwargs
-    or past the parameters."""
+    or past the parameters. `self_bound`: the call binds the first parameter itself
+    (a method called through its instance, `model(x)` of forward, or a class
+    through its constructor, `Model(lr, steps)` of __init__)."""
     parameters = [a.arg for a in [*function.args.posonlyargs, *function.args.args]]
+    if self_bound:
+        parameters = parameters[1:]
     named = parameters + [a.arg for a in function.args.kwonlyargs]
     bound: list[tuple[str | None, ast.expr]] = [
         (parameters[index] if index < len(parameters) else None, argument)
@@ -254,6 +260,11 @@ def bound_arguments(function: Function, call: ast.Call) -> list[tuple[str | None
     ]
     bound += [(k.arg if k.arg in named else None, k.value) for k in call.keywords]
     return bound
+
+
+def method_of(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
+    """The class's own method `name` (not an inherited one), if it defines it."""
+    return next((s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == name), None)
 
 
 def keyword(call: ast.Call, name: str) -> ast.expr | None:

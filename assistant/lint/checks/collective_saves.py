@@ -111,7 +111,7 @@ class Receivers:
         or to what Fabric's setup returns under an FSDP strategy (`model, opt =
         fabric.setup(model, opt)`: the model comes first)."""
         bound = set()
-        fabric_fsdp = self.fabric_shards
+        fabric_fsdp = self.fsdp_strategy
         for node in self.script.nodes:
             if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
                 continue
@@ -125,7 +125,7 @@ class Receivers:
         return bound
 
     @cached_property
-    def fabric_shards(self) -> bool:
+    def fsdp_strategy(self) -> bool:
         """Fabric or Lightning's Trainer runs an FSDP strategy: `FSDPStrategy(...)`, or
         strategy="fsdp"."""
         for node, name in self.script.call_names:
@@ -182,7 +182,7 @@ class Receivers:
                 "writes (rank 0 under DDP, every rank under FSDP), then they synchronise",
             )
         if method == "state_dict" and (
-            owner in self.fsdp_models or (self.fabric_shards and LIGHTNING_MODULE.match(owner))
+            owner in self.fsdp_models or (self.fsdp_strategy and LIGHTNING_MODULE.match(owner))
         ):
             return CollectiveSave(
                 "fsdp-state-dict",

@@ -186,6 +186,8 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
     for sampler in [*data.sampler_calls, *own, *prepared]:
         if shuffle_off(sampler):
             continue
+        # Ray's sampler sits inside the loader prepare_data_loader returns: the loader is
+        # the call's own name, and it is never built anew with a seed of the epoch.
         if sampler in prepared:
             loaders = set(data.names_bound_to(sampler))
         else:
@@ -193,13 +195,10 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
         loop = data.epoch_loop_over(loaders, near=sampler)
         if loop is None or (sampler not in prepared and data.reseeded_each_pass(sampler, loaders)):
             continue
-        kind = (
-            "the DistributedSampler ray.train.torch.prepare_data_loader adds"
-            if sampler in prepared
-            else "DistributedSampler"
-            if sampler not in own
-            else source_text(sampler.func)
-        )
+        if sampler in prepared:
+            kind = "the DistributedSampler ray.train.torch.prepare_data_loader adds"
+        else:
+            kind = source_text(sampler.func) if sampler in own else "DistributedSampler"
         if not calls:
             yield script.finding(
                 "sampler-set-epoch",
@@ -234,7 +233,8 @@ def ray_prepared_shuffled(data: DataFlow) -> list[ast.Call]:
     for node, name in data.script.call_names:
         if not (name.startswith("ray.") and short(name) == "prepare_data_loader" and node.args):
             continue
-        if constant_is(keyword(node, "add_dist_sampler"), False):
+        added = keyword(node, "add_dist_sampler")
+        if isinstance(added, ast.Constant) and added.value is False:
             continue
         given = node.args[0]
         made = [given]
@@ -243,16 +243,12 @@ def ray_prepared_shuffled(data: DataFlow) -> list[ast.Call]:
         if any(
             isinstance(value, ast.Call)
             and value in data.loader_calls
-            and constant_is(keyword(value, "shuffle"), True)
-            and keyword(value, "sampler") is None
+            and shuffles(value)
+            and not has_sampler(value)
             for value in made
         ):
             found.append(node)
     return found
-
-
-def constant_is(value: ast.expr | None, wanted: bool) -> bool:
-    return isinstance(value, ast.Constant) and value.value is wanted
 
 
 def inside_a_loop(node: ast.AST, script: Script) -> bool:

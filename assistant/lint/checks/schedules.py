@@ -11,8 +11,8 @@ one GPU.
 
 Read within one function: the schedule's length argument, back through the
 names assigned there (and, for a module's `self.hparams.steps`, what the
-file's constructions of its class pass for that parameter), counts `len()` of a dataset (not of a loader, which is
-already the process's share) and divides by nothing that names the number of
+file's constructions of its class pass for that parameter), counts `len()`
+of a dataset (not of a loader, which is already the process's share) and divides by nothing that names the number of
 processes (world_size, num_devices, trainer.estimated_stepping_batches...),
 in a file written to run as a process per GPU.
 """
@@ -24,7 +24,16 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.gather_sizes import scope_values
-from assistant.lint.model import Script, called_name, keyword, own_nodes, short, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    keyword,
+    method_of,
+    own_nodes,
+    short,
+    source_text,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
 from assistant.results import Finding
@@ -116,14 +125,9 @@ def constructed_with(script: Script, scope: ast.AST, exprs: list[ast.expr]) -> l
     expanded in the constructing function (`Model(steps_per_epoch=len(ds) // bs)` in
     main(), a LightningModule's configure_optimizers reading it back)."""
     cls = next((c for c in script.nodes if isinstance(c, ast.ClassDef) and scope in c.body), None)
-    init = (
-        next((f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"), None)
-        if cls is not None
-        else None
-    )
+    init = method_of(cls, "__init__") if cls is not None else None
     if init is None:
         return []
-    positional = [a.arg for a in [*init.args.posonlyargs, *init.args.args]][1:]  # not self
     read = {
         node.attr
         for expr in exprs
@@ -138,8 +142,7 @@ def constructed_with(script: Script, scope: ast.AST, exprs: list[ast.expr]) -> l
             continue
         assigned = scope_values(nodes)
         for call in calls:
-            passed = list(zip(positional, call.args)) + [(k.arg, k.value) for k in call.keywords]
-            for parameter, argument in passed:
+            for parameter, argument in bound_arguments(init, call, self_bound=True):
                 if parameter in read:
                     found += expand(argument, assigned)
     return found

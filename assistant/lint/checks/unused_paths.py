@@ -33,7 +33,14 @@ from assistant.lint.checks.unused import (
     without_gradients,
     wrapped_by,
 )
-from assistant.lint.model import Script, called_name, own_nodes, self_attribute, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    own_nodes,
+    self_attribute,
+    source_text,
+)
 from assistant.lint.registry import check
 from assistant.lint.tracer import constant_arguments
 from assistant.results import Finding
@@ -118,9 +125,7 @@ def per_step_arguments(
 ) -> Iterator[tuple[str, ast.expr]]:
     """(parameter, argument) for each argument of the call, of a parameter forward
     tests (`decided`), whose value is decided per step."""
-    parameters = [a.arg for a in forward.args.args[1:]]
-    passed = list(zip(parameters, call.args)) + [(k.arg, k.value) for k in call.keywords]
-    for parameter, argument in passed:
+    for parameter, argument in bound_arguments(forward, call, self_bound=True):
         if parameter in decided and varying_line(argument, nodes) is not None:
             yield parameter, argument
 

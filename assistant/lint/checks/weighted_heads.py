@@ -32,8 +32,9 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, called_name, keyword, source_text
+from assistant.lint.model import Script, called_name, keyword, method_of, source_text
 from assistant.lint.registry import check
+from assistant.lint.torchapi import lightning_classes
 from assistant.lint.values import argparse_flag
 from assistant.results import Finding
 
@@ -49,7 +50,7 @@ def check_head_behind_a_zero_loss_weight(script: Script) -> Iterator[Finding]:
     strategy = strict_strategy(script)
     if strategy is None:
         return
-    for cls in lightning_modules(script):
+    for cls in lightning_classes(script):
         gates = (n for f in training_methods(cls) for n in ast.walk(f) if isinstance(n, ast.If))
         for gate in gates:
             weight = weight_tested(gate.test)
@@ -90,23 +91,10 @@ def strict_strategy(script: Script) -> ast.expr | None:
     return None
 
 
-def lightning_modules(script: Script) -> list[ast.ClassDef]:
-    return [
-        node
-        for node in script.nodes
-        if isinstance(node, ast.ClassDef)
-        and any(source_text(base).endswith("LightningModule") for base in node.bases)
-    ]
-
-
-def method(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
-    return next((s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == name), None)
-
-
 def training_methods(cls: ast.ClassDef) -> list[ast.FunctionDef]:
     """training_step and the module's own methods it calls (`self._step(batch)`),
     and theirs."""
-    step = method(cls, "training_step")
+    step = method_of(cls, "training_step")
     found = [step] if step is not None else []
     for function in found:  # grows while it is walked
         for node in ast.walk(function):
@@ -114,7 +102,7 @@ def training_methods(cls: ast.ClassDef) -> list[ast.FunctionDef]:
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
                 and source_text(node.func.value) == "self"
-                and (callee := method(cls, node.func.attr)) is not None
+                and (callee := method_of(cls, node.func.attr)) is not None
                 and callee not in found
             ):
                 found.append(callee)
@@ -198,7 +186,7 @@ def all_defaults_zero(script: Script, cls: ast.ClassDef, weight: str) -> bool:
 
 
 def init_defaults(cls: ast.ClassDef, weight: str) -> Iterator[ast.expr]:
-    init = method(cls, "__init__")
+    init = method_of(cls, "__init__")
     if init is None:
         return
     arguments = init.args
