@@ -43,7 +43,8 @@ def installed(tmp_path_factory) -> Path:
     eval_sets = [
         p.relative_to(PROJECT_ROOT).as_posix() for p in PROJECT_ROOT.glob("data/eval/*.jsonl")
     ]
-    for name in ("pyproject.toml", "README.md", "data/causes.yaml", *eval_sets):
+    shipped = ("data/eval/vectors.npz",)
+    for name in ("pyproject.toml", "README.md", "data/causes.yaml", *eval_sets, *shipped):
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(PROJECT_ROOT / name, source / name)
     run(
@@ -133,3 +134,5 @@ def test_installed_wheel_ships_the_eval_set(installed, tmp_path):
     shipped = sorted(p.name for p in Path(where).glob("*.jsonl"))
     assert "queries.jsonl" in shipped
     assert shipped == sorted(p.name for p in (PROJECT_ROOT / "data" / "eval").glob("*.jsonl"))
+    # and the vectors a first build reads instead of embedding (shipped.py)
+    assert (Path(where) / "vectors.npz").stat().st_size > 1_000_000

@@ -69,14 +69,24 @@ def kb_lint():
 @kb.command("build")
 @model_option
 @team_kb_option
-def kb_build(model):
+@click.option(
+    "--ship-vectors",
+    is_flag=True,
+    help="Also write every embedded text's vector to data/eval/vectors.npz, "
+    "so a fresh clone embeds only texts added after it (maintainers).",
+)
+def kb_build(model, ship_vectors):
     """Compile kb/ into the SQLite + FAISS index (re-embeds only what changed).
 
     \b
     assistant kb build
+    assistant kb build --ship-vectors
     """
     engine = make_engine(model)
     click.echo(engine.build().summary())
+    if ship_vectors:
+        path, count = engine.ship_vectors()
+        click.echo(f"wrote {count} vectors to {path}")
 
 
 @kb.command("stats")

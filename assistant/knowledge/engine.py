@@ -156,7 +156,15 @@ class Engine:
             return reports + examples
 
         caches = [path.with_name(VECTORS_FILE) for path in learned.caches]
-        return ReportNeighbours.load_or_embed(key, texts, self.embedder, caches)
+        return ReportNeighbours.load_or_embed(
+            key, texts, self.embedder, caches, shipped=self.shipped_vectors
+        )
+
+    def shipped_vectors(self) -> dict:
+        """The vectors shipped with the checkout for this engine's model (shipped.py)."""
+        from assistant.knowledge.shipped import read_shipped, shipped_path
+
+        return read_shipped(shipped_path(), str(self.embedder.fingerprint))
 
     @staticmethod
     def texts_key(learned: LearnedReports, kb_hash: str) -> str | None:
@@ -209,7 +217,9 @@ class Engine:
 
         kb = load_valid_kb(self.kb_root, require_contract=self.require_contract)
         try:
-            report = build_index(kb, self.embedder, self.index_path, log=self.log)
+            report = build_index(
+                kb, self.embedder, self.index_path, log=self.log, shipped=self.shipped_vectors
+            )
         except OSError as exc:  # an unwritable or missing build folder, a full disk
             raise UserError(
                 f"cannot write the index {self.index_path}: {exc.strerror or exc}; "
@@ -220,6 +230,28 @@ class Engine:
         learned = self.learned_reports({cid: list(c.symptoms) for cid, c in kb.causes.items()})
         self.with_vectors(learned, load_bridge(self.kb_root), kb.content_hash)()
         return replace(report, learned=learned.describe(learned.model()))
+
+    def ship_vectors(self) -> tuple[Path, int]:
+        """Write the vectors of every text this engine embedded (the KB's chunks,
+        the labelled reports, the symptoms) where a fresh clone reads them
+        (shipped.py); returns the file and how many it holds."""
+        from assistant.knowledge.shipped import (
+            indexed_vectors,
+            neighbour_vectors,
+            shipped_path,
+            write_shipped,
+        )
+
+        self.load()
+        assert self._retriever is not None
+        vectors = {
+            **indexed_vectors(self.index_path),
+            **neighbour_vectors(self._retriever.neighbours),
+        }
+        path = shipped_path()
+        if not vectors or not write_shipped(path, str(self.embedder.fingerprint), vectors):
+            raise UserError(f"cannot write the shipped vectors to {path}", ExitCode.FAILED)
+        return path, len(vectors)
 
     def rebuild(self) -> str:
         """Force a rebuild and reload; returns a one-line summary."""

@@ -185,12 +185,14 @@ def _earlier_build(path: Path, fingerprint: str) -> tuple[dict[str, bytes], Grap
         return {}, None
 
 
-def build_index(kb, embedder, path: Path, log=None) -> BuildReport:
+def build_index(kb, embedder, path: Path, log=None, shipped=dict) -> BuildReport:
     """Compile a validated KB into the index file at `path`, atomically.
 
     First the embedder's ONNX graph is checked (exported when there is none,
     announced through `log`) so that the build embeds on it and the first
-    query after the build needs no torch.
+    query after the build needs no torch. A chunk no earlier build embedded
+    takes its vector from `shipped()` (text hash -> vector, shipped.py) when
+    it is there, else from the model.
     """
     started = time.perf_counter()
     chunks = chunks_from_kb(kb)
@@ -200,6 +202,13 @@ def build_index(kb, embedder, path: Path, log=None) -> BuildReport:
         earlier_check, log=log or (lambda message: None), index_dir=path.parent
     )
     missing = list({c.hash: c for c in dense if c.hash not in vectors}.values())
+    if missing:
+        from assistant.knowledge.shipped import text_hash  # numpy: a build's, not a query's
+
+        known = shipped()
+        found = [(c, known.get(text_hash(c.text))) for c in missing]
+        vectors.update({c.hash: v.tobytes() for c, v in found if v is not None})
+        missing = [c for c, v in found if v is None]
     if missing:
         fresh = embedder.encode([c.text for c in missing])
         vectors.update({c.hash: v.tobytes() for c, v in zip(missing, fresh)})

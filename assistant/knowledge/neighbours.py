@@ -24,13 +24,13 @@ refits without them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from assistant.knowledge.reports import is_example_key, load_arrays, save_arrays
+from assistant.knowledge.shipped import text_hash
 
 VECTORS_FILE = "reports_vectors.npz"
 NEAREST = 10  # reports that vote
@@ -105,6 +105,7 @@ class ReportNeighbours:
         reports: Callable[[], list[tuple[str, tuple[str, ...], str]]],
         embedder,
         caches: list[Path],
+        shipped: Callable[[], dict[str, np.ndarray]] = dict,
     ) -> ReportNeighbours:
         """The saved neighbours when `key` (the model, the KB, the report files)
         matches, else `reports()` embedded and saved.
@@ -115,7 +116,9 @@ class ReportNeighbours:
         Every cache is read and written: the build folder's, and the user's,
         which every build folder of this machine shares (a fresh clone, `kb
         eval --compare`'s temporary index and a test's private KB embed only
-        what no earlier build did).
+        what no earlier build did). `shipped()`: text hash -> vector of the
+        vectors shipped with the checkout (shipped.py), read only when some
+        text has none in the caches.
         """
         fingerprint = str(embedder.fingerprint)
         known: dict[str, np.ndarray] = {}
@@ -136,6 +139,8 @@ class ReportNeighbours:
             known.update(zip(header["hashes"], vectors))
         texts = reports()
         hashes = [text_hash(text) for text, _, _ in texts]
+        if any(h not in known for h in hashes):
+            known = {**shipped(), **known}  # this machine's own vectors first
         missing = list(
             {h: text for h, (text, _, _) in zip(hashes, texts) if h not in known}.items()
         )
@@ -179,10 +184,6 @@ class ReportNeighbours:
         else:
             hashes = hashes[: len(keys)]
         return cls(vectors[: len(keys)], keys, [tuple(row) for row in labels], hashes)
-
-
-def text_hash(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def read_saved(path: Path, fingerprint: str) -> tuple[dict, np.ndarray] | None:

@@ -149,6 +149,7 @@ ENGLISH_ONLY = {
     "real_reports_holdout41.jsonl",  # its one Chinese report was a thread the KB cites
     "real_reports_holdout46.jsonl",  # the Chinese collector found no thread not already used
     "real_reports_holdout54.jsonl",  # its three slices (torch 1.x era, Hugging Face, NCCL/infra) were English
+    "real_reports_holdout63.jsonl",  # its Chinese collector found ~42 fixed threads, all already used
 }
 
 

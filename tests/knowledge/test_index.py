@@ -28,7 +28,10 @@ def make_engine(kb: Path, tmp_path: Path, messages: list[str]) -> Engine:
     )
 
 
-def test_build_then_reuse_embeddings(mini_kb, tmp_path):
+def test_build_then_reuse_embeddings(mini_kb, tmp_path, monkeypatch):
+    monkeypatch.setattr(  # as a checkout without the shipped vectors (shipped.py)
+        "assistant.knowledge.shipped.shipped_path", lambda: tmp_path / "none.npz"
+    )
     engine = make_engine(mini_kb, tmp_path, [])
     first = engine.build()
     assert first.chunks > first.dense == first.embedded > 5  # why/fix texts: lexical only
@@ -38,6 +41,12 @@ def test_build_then_reuse_embeddings(mini_kb, tmp_path):
     thread.write_text(thread.read_text().replace("own GPU.", "own GPU, always."))
     changed = engine.build()
     assert changed.embedded == 1
+
+
+def test_a_fresh_folder_embeds_only_what_the_shipped_vectors_lack(mini_kb, tmp_path):
+    first = make_engine(mini_kb, tmp_path, []).build()
+    # The real KB's cause file is shipped; the mini thread's texts are not.
+    assert first.dense > first.embedded > 0
 
 
 def test_index_records_kb_hash_and_model(mini_kb, tmp_path):
