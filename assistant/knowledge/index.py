@@ -203,7 +203,7 @@ def build_index(kb, embedder, path: Path, log=None, shipped=dict) -> BuildReport
     )
     missing = list({c.hash: c for c in dense if c.hash not in vectors}.values())
     if missing:
-        from assistant.knowledge.shipped import text_hash  # numpy: a build's, not a query's
+        from assistant.knowledge.neighbours import text_hash  # numpy: a build's, not a query's
 
         known = shipped()
         found = [(c, known.get(text_hash(c.text))) for c in missing]

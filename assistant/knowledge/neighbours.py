@@ -24,13 +24,13 @@ refits without them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from assistant.knowledge.reports import is_example_key, load_arrays, save_arrays
-from assistant.knowledge.shipped import text_hash
 
 VECTORS_FILE = "reports_vectors.npz"
 NEAREST = 10  # reports that vote
@@ -184,6 +184,11 @@ class ReportNeighbours:
         else:
             hashes = hashes[: len(keys)]
         return cls(vectors[: len(keys)], keys, [tuple(row) for row in labels], hashes)
+
+
+def text_hash(text: str) -> str:
+    """A text's identity among embedded texts (the neighbours', the index's, shipped.py's)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def read_saved(path: Path, fingerprint: str) -> tuple[dict, np.ndarray] | None:

@@ -14,13 +14,13 @@ rewritten now and then, not on every edit.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
 from assistant import config
-from assistant.knowledge.reports import load_arrays, save_arrays
+from assistant.knowledge.neighbours import read_saved, text_hash
+from assistant.knowledge.reports import save_arrays
 
 SHIPPED_FILE = "vectors.npz"
 
@@ -29,23 +29,11 @@ def shipped_path() -> Path:
     return config.eval_dir() / SHIPPED_FILE
 
 
-def text_hash(text: str) -> str:
-    """A text's identity among embedded texts (the neighbours' and the index's)."""
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
 def read_shipped(path: Path, fingerprint: str) -> dict[str, np.ndarray]:
-    """text hash -> vector of the shipped file when it was made by this model; else {}."""
-    loaded = load_arrays(path, fingerprint, ("vectors",))
-    if loaded is None:
-        return {}
-    header, arrays = loaded
-    hashes, vectors = header.get("hashes"), arrays["vectors"]
-    if not isinstance(hashes, list) or vectors.ndim != 2 or len(hashes) != len(vectors):
-        return {}  # damaged: embedded again, as without the file
-    if not all(isinstance(digest, str) for digest in hashes):
-        return {}
-    return dict(zip(hashes, vectors.astype(np.float32)))
+    """text hash -> vector of the shipped file when it was made by this model; else {}
+    (missing, damaged or another model's: everything is embedded, as without it)."""
+    saved = read_saved(path, fingerprint)
+    return {} if saved is None else dict(zip(saved[0]["hashes"], saved[1]))
 
 
 def write_shipped(path: Path, fingerprint: str, vectors: dict[str, np.ndarray]) -> bool:

@@ -27,7 +27,10 @@ sequence (`padding=True`, a Hugging Face DataCollator, `pad_sequence`) and
 the field is gathered batch by batch (not first concatenated over the
 batches, which needs one length per rank anyway); and whatever a
 DistributedSampler's loader was built over (it pads every rank to the same
-count, whichever rows the dataset kept). `generate()` output is as long as the longest sequence of
+count, whichever rows the dataset kept) -- unless the loader's collate_fn
+drops samples from each batch (`[b for b in batch if ...]`: junk pairs,
+items the dataset returned as None), which leaves each rank's batch its own
+size. `generate()` output is as long as the longest sequence of
 this rank's batch: gathered into buffers like it, it needs padding to a
 common length (`pad_across_processes`, or a pad by the difference).
 """
@@ -38,11 +41,14 @@ import ast
 import re
 from collections.abc import Callable, Iterator
 
+from assistant.lint.checks.fork import instance_classes
 from assistant.lint.checks.wrapper import plain_names
 from assistant.lint.model import (
+    Function,
     Script,
     bound_arguments,
     called_name,
+    keyword,
     own_nodes,
     short,
     source_text,
@@ -86,7 +92,7 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
             if short(script.name_of(node.func)) != "all_gather" or len(node.args) < 2:
                 sizes_exchanged |= any(reads_size(values, a) for a in node.args[:2])
                 continue
-            buffers, tensor = node.args[0], node.args[1]
+            buffers, tensor = node.args[0], gathered_name(node.args[1])
             if reads_size(values, tensor):
                 sizes_exchanged = True  # all_gather(sizes, local_size)
                 continue
@@ -99,16 +105,102 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
             step = content_sized_step(script, values, tensor)
             if step is None and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
                 step = content_sized_by_callers(script, scope, values, tensor)
+            if step is not None and dropping_collate(script, step) is not None:
+                # Batches of their own size hold rows the gather must keep apart from
+                # a scalar (a loss, gathered and stacked): only rows concatenated count.
+                step = step if rows_concatenated(nodes, buffers) else None
             if step is not None:
                 yield script.finding(
                     "collective-mismatch",
                     node,
                     f"all_gather({source_text(buffers)}, {tensor.id}): the size of {tensor.id} "
-                    f"comes from this rank's data (`{source_text(step)}`, line "
-                    f"{step.lineno}), but every rank receives into buffers shaped like its "
-                    "own: the sizes differ across ranks (error, hang or garbage); all_gather "
-                    "the sizes first and pad to the largest, or use all_gather_object",
+                    f"comes from this rank's data ({describe_step(script, step)}), but every "
+                    "rank receives into buffers shaped like its own: the sizes differ across "
+                    "ranks (error, hang or garbage); all_gather the sizes first and pad to the "
+                    "largest, or use all_gather_object",
                 )
+
+
+def rows_concatenated(nodes: list[ast.AST], buffers: ast.expr) -> bool:
+    """`torch.cat(bufs)` in the scope: the gathered parts are rows, not scalars."""
+    return isinstance(buffers, ast.Name) and any(
+        isinstance(node, ast.Call)
+        and called_name(node) in ROW_CONCATENATIONS
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+        and node.args[0].id == buffers.id
+        for node in nodes
+    )
+
+
+ROW_CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "vstack"})
+
+
+def describe_step(script: Script, step: ast.expr) -> str:
+    collate = dropping_collate(script, step)
+    if collate is not None:
+        name, function = collate
+        return (
+            f"the loader's collate_fn `{name}` (line {function.lineno}) drops samples "
+            f"from each batch, so each rank's batch has its own size"
+        )
+    return f"`{source_text(step)}`, line {step.lineno}"
+
+
+# Calls that keep a tensor's rows: `all_gather(bufs, x.detach().contiguous())` gathers x.
+ROW_KEEPING_METHODS = frozenset(
+    {"detach", "contiguous", "float", "half", "bfloat16", "clone", "to", "cuda"}
+)
+
+
+def gathered_name(tensor: ast.expr) -> ast.expr:
+    """The name a gathered expression is made of when only row-keeping methods follow it."""
+    current = tensor
+    while (
+        isinstance(current, ast.Call)
+        and isinstance(current.func, ast.Attribute)
+        and current.func.attr in ROW_KEEPING_METHODS
+    ):
+        current = current.func.value
+    return current if isinstance(current, ast.Name) else tensor
+
+
+def dropping_collate(script: Script, node: ast.AST) -> tuple[str, Function] | None:
+    """(name, function) of the collate_fn of `DataLoader(..., collate_fn=...)` when it drops samples
+    from the batch it is given: a comprehension over the batch with a condition,
+    or `filter(...)` of it."""
+    if not (isinstance(node, ast.Call) and called_name(node) in LOADERS):
+        return None
+    collate = keyword(node, "collate_fn")
+    if collate is None:
+        return None
+    candidates = [f"{name}.__call__" for name in instance_classes(script, collate)]
+    if isinstance(collate, ast.Name):
+        candidates.append(collate.id)
+    for qualified in candidates:
+        function = script.functions.get(qualified)
+        if function is not None and drops_from_its_batch(function):
+            return qualified, function
+    return None
+
+
+def drops_from_its_batch(function: Function) -> bool:
+    parameters = [a.arg for a in function.args.args if a.arg not in ("self", "cls")]
+    if not parameters:
+        return False
+    batch = parameters[0]
+
+    def over_batch(expr: ast.expr) -> bool:
+        return isinstance(expr, ast.Name) and expr.id == batch
+
+    def drops(node: ast.AST) -> bool:
+        if isinstance(node, ast.ListComp | ast.GeneratorExp):
+            return any(over_batch(c.iter) and c.ifs for c in node.generators)
+        if isinstance(node, ast.Call) and called_name(node) == "filter":
+            return any(over_batch(a) for a in node.args)
+        return False
+
+    return any(drops(node) for node in ast.walk(function))
 
 
 def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
@@ -254,6 +346,8 @@ def content_sized_step(
                     return node  # (batch, its longest sequence): rows agree, lengths not
                 continue  # batch["labels"]: one per sample
             if is_content_sized(node) or is_rank_stride(script, node):
+                return node
+            if dropping_collate(script, node) is not None:
                 return node
     return None
 

@@ -1,0 +1,123 @@
+"""assistant/lint/checks/gather_sizes.py: rows all_gathered into buffers shaped like
+the local tensor, from a loader whose collate_fn drops samples (collective-mismatch).
+A DistributedSampler gives every rank the same number of samples, but a collate
+that filters its batch (junk pairs, items the dataset returned as None) leaves each
+rank's batch its own size. The fixture pair runs under torchrun: the filtered
+batches abort gloo, the twin exchanges the sizes, pads and trains on both ranks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
+CAUSE = "collective-mismatch"
+PRELUDE = """\
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+dist.init_process_group("gloo")
+world = dist.get_world_size()
+model = torch.nn.Linear(8, 4)
+"""
+GATHER = """
+def gather_rows(x):
+    bufs = [torch.zeros_like(x) for _ in range(world)]
+    dist.all_gather(bufs, x.detach().contiguous())
+    return torch.cat(bufs, dim=0)
+
+
+def train(ds):
+    loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds), collate_fn=COLLATE)
+    for x in loader:
+        gather_rows(model(x))
+"""
+
+
+def findings(collate: str, gather: str = GATHER, name: str = "collate") -> list[int]:
+    return [
+        line
+        for line, _ in lint_snippet(PRELUDE, collate + gather.replace("COLLATE", name), {CAUSE})
+    ]
+
+
+@pytest.mark.slow
+def test_batches_a_collate_filtered_abort_the_gather_and_the_padded_twin_trains(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "contrastive_gather_after_a_collate_that_drops_pairs.py",
+        "Received data size doesn't match expected size",
+        SCRIPTS / "correct_contrastive_gather_padded_after_a_collate_that_drops_pairs.py",
+        "trained 2 steps",
+    )
+
+
+DROPPING = {
+    "a condition in a comprehension": (
+        (
+            "def collate(batch):\n"
+            "    batch = [b for b in batch if b is not None]\n"
+            "    return torch.stack(batch)\n"
+        ),
+        "collate",
+    ),
+    "filter()": (
+        "def collate(batch):\n    return torch.stack(list(filter(None, batch)))\n",
+        "collate",
+    ),
+    "a collator class": (
+        (
+            "class Collator:\n"
+            "    def __call__(self, batch):\n"
+            "        kept = [b for b in batch if b.sum() > 0]\n"
+            "        return torch.stack(kept)\n"
+        ),
+        "Collator()",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DROPPING)
+def test_a_collate_that_drops_samples_makes_the_gathered_rows_rank_sized(case):
+    collate, name = DROPPING[case]
+    gather_line = (collate + GATHER).splitlines().index(
+        "    dist.all_gather(bufs, x.detach().contiguous())"
+    ) + 1
+    assert findings(collate, name=name) == [gather_line]
+
+
+def test_the_message_names_the_collate_that_drops():
+    collate, name = DROPPING["a collator class"]
+    source = collate + GATHER.replace("COLLATE", name)
+    [(_, finding)] = lint_snippet(PRELUDE, source, {CAUSE})
+    assert "collate_fn `Collator.__call__` (line" in finding.message
+    assert "drops samples" in finding.message
+
+
+KEEPING = "def collate(batch):\n    return torch.stack([b.float() for b in batch])\n"
+SIZES_FIRST = GATHER.replace(
+    "    bufs = [torch.zeros_like(x) for _ in range(world)]\n",
+    "    size = torch.tensor([x.shape[0]])\n"
+    "    sizes = [torch.zeros_like(size) for _ in range(world)]\n"
+    "    dist.all_gather(sizes, size)\n"
+    "    bufs = [torch.zeros_like(x) for _ in range(world)]\n",
+)
+STACKED_LOSS = GATHER.replace("torch.cat(bufs, dim=0)", "torch.stack(bufs).mean()").replace(
+    "gather_rows(model(x))", "gather_rows(model(x).pow(2).mean())"
+)
+
+
+@pytest.mark.parametrize(
+    "collate, gather",
+    [
+        (KEEPING, GATHER),  # every sample kept: the sampler's equal shares stay equal
+        (DROPPING["a condition in a comprehension"][0], SIZES_FIRST),  # a padded gather starts so
+        (DROPPING["a condition in a comprehension"][0], STACKED_LOSS),  # one scalar per rank
+    ],
+    ids=["keeps every sample", "sizes exchanged first", "a scalar gathered and stacked"],
+)
+def test_quiet_when_the_rows_agree_or_the_sizes_are_exchanged(collate, gather):
+    assert findings(collate, gather) == []
