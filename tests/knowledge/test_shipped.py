@@ -8,7 +8,6 @@ from click.testing import CliRunner
 from test_neighbours import REPORTS, Counting
 
 from assistant.cli import main
-from assistant.config import kb_layers
 from assistant.knowledge.index import build_index
 from assistant.knowledge.kb import load_valid_kb
 from assistant.knowledge.neighbours import ReportNeighbours
@@ -54,8 +53,8 @@ class CountingBuilder(Counting):
         return getattr(self.embedder, name)
 
 
-def test_a_build_embeds_only_the_chunks_the_shipped_file_lacks(engine, tmp_path):
-    kb = load_valid_kb(kb_layers())
+def test_a_build_embeds_only_the_chunks_the_shipped_file_lacks(engine, mini_kb, tmp_path):
+    kb = load_valid_kb(mini_kb, require_contract=False)
     first = tmp_path / "first" / "index.sqlite"
     counting = CountingBuilder(engine.embedder)
     build_index(kb, counting, first)
