@@ -16,8 +16,9 @@ searches them.
 The reports' vectors are kept in the build folder and in the user's cache
 under the model's fingerprint, with the key of the KB and report files they
 were made for (a process loads them as they are) and each text's hash: a
-build embeds only texts no build on this machine has seen (the first build
-embeds them all, about half a minute here).
+build embeds only texts no build on this machine has seen, nor the vectors
+shipped with the checkout hold (shipped.py; without them the first build
+embeds them all, about 45 s here).
 An evaluation masks the reports it scores (`held_out`), as the reports signal
 refits without them.
 """
