@@ -172,6 +172,57 @@ def check_webdataset_not_split_by_node(script: Script) -> Iterator[Finding]:
         )
 
 
+WEBDATASET_READERS = frozenset({"webdataset.WebDataset", "webdataset.DataPipeline"})
+# What gives every rank the same number of batches whatever its shards hold: a
+# fixed epoch length (with_epoch, usually over resampled shards), webdataset's
+# old ddp_equalize, or DDP's join context for uneven inputs.
+EQUAL_STEPS = re.compile(r"\.with_epoch\(|\bddp_equalize\b|\bJoin\(|\.join\(\s*\)")
+BACKWARD = re.compile(r"\bbackward\(")
+
+
+@check("uneven-inputs")
+def check_webdataset_split_without_equal_steps(script: Script) -> Iterator[Finding]:
+    """A training stream of webdataset shards split by node (`nodesplitter=
+    wds.split_by_node`, or the stage in a DataPipeline), not resampled, in a file
+    that never fixes the epoch's length: shards hold different numbers of samples
+    (and each worker drops or keeps its own partial batch), so each rank's loader
+    runs out after its own number of steps, and the ranks still training wait in
+    the gradient all-reduce for the ones that left."""
+    if not is_distributed(script) or not BACKWARD.search(script.source):
+        return
+    if EQUAL_STEPS.search(script.source):
+        return
+    for node, name in script.call_names:
+        if name not in WEBDATASET_READERS:
+            continue
+        text = ast.unparse(node)
+        split = "split_by_node" in text and not re.search(r"resampled|ResampledShards", text)
+        if not split or not trains_on(node, name):
+            continue
+        yield script.finding(
+            "uneven-inputs",
+            node,
+            "these shards are split by node, so each rank reads its own shards, which "
+            "hold different numbers of samples; the epoch runs until the rank's loader "
+            "is exhausted, so the ranks run different numbers of steps and the ones "
+            "still training wait in the gradient all-reduce (a hang at the end of the "
+            "epoch); give every rank the same number of batches: resampled=True with "
+            ".with_epoch(n) on the loader (or .with_epoch(n) under the smallest rank's "
+            "count)",
+        )
+
+
+def trains_on(node: ast.Call, name: str) -> bool:
+    """A training stream: shards shuffled (`shardshuffle=` a number or True), or a
+    DataPipeline with a shuffle stage; an evaluation reads its shards in order."""
+    if name == "webdataset.DataPipeline":
+        return any(SHUFFLES.search(ast.unparse(stage)) for stage in node.args)
+    shuffle = keyword(node, "shardshuffle")
+    return shuffle is not None and not (
+        isinstance(shuffle, ast.Constant) and shuffle.value in (None, False, 0)
+    )
+
+
 @check("sampler-set-epoch")
 def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
     """A shuffling DistributedSampler whose set_epoch is never called in an epoch

@@ -1,6 +1,7 @@
 """The fix of webdataset_pipeline_not_split_by_node.py (no finding expected):
-wds.split_by_node gives each rank its own shards before the workers split them;
-and the rest is the same script.
+wds.split_by_node gives each rank its own shards before the workers split them,
+and with_epoch gives every rank the same number of batches; the rest is the
+same script.
 
 torchrun --nproc_per_node=8 correct_webdataset_pipeline_split_by_node.py
 """
@@ -28,7 +29,9 @@ def make_loader(batch_size):
         wds.to_tuple("jpg", "cls"),
         wds.batched(batch_size),
     )
-    return wds.WebLoader(pipeline, batch_size=None, num_workers=4)
+    # Every rank stops after the same number of batches, under the smallest rank's
+    # share: its shards hold their own number of samples (uneven-inputs otherwise).
+    return wds.WebLoader(pipeline, batch_size=None, num_workers=4).with_epoch(1000)
 
 
 def main() -> None:
