@@ -75,3 +75,11 @@ def test_a_training_stream_split_by_node_without_a_fixed_length_is_flagged(made)
 )
 def test_quiet_when_every_rank_runs_as_many_steps_or_none_trains(body):
     assert findings(body) == []
+
+
+def test_a_deep_argument_is_read_without_recursion():
+    """The stages are walked, not unparsed: 2,000 levels deep (past Python's recursion
+    limit) the script is still linted, not refused as nested too deeply."""
+    deep = "URLS" + " + URLS" * 2000
+    body = SPLIT.replace("URLS", deep, 1) + "loader = wds.WebLoader(ds)\n" + TRAIN
+    assert findings(body) == [1]

@@ -140,6 +140,7 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
 
 # webdataset's pipelines: a list of stages from the shard list to the samples.
 WEBDATASET_PIPELINES = frozenset({"webdataset.DataPipeline"})
+WEBDATASET_READERS = WEBDATASET_PIPELINES | {"webdataset.WebDataset"}
 # What gives each rank its own shards: a node splitter, or shards drawn at random per rank.
 NODE_SPLITS = re.compile(r"split_by_node|nodesplitter|ResampledShards|resampled", re.IGNORECASE)
 SHUFFLES = re.compile(r"shuffle", re.IGNORECASE)
@@ -155,12 +156,8 @@ def check_webdataset_not_split_by_node(script: Script) -> Iterator[Finding]:
     for node, name in script.call_names:
         if name not in WEBDATASET_PIPELINES:
             continue
-        stages = (
-            source_text(node)
-            if len(node.args) < 2
-            else " ".join(ast.unparse(stage) for stage in node.args)
-        )
-        if NODE_SPLITS.search(stages) or not SHUFFLES.search(stages):
+        stages = named_parts(node)
+        if any(NODE_SPLITS.search(part) for part in stages) or not trains_on(node, name):
             continue  # split by rank, or an evaluation pipeline read in order
         yield script.finding(
             "missing-distributed-sampler",
@@ -172,7 +169,6 @@ def check_webdataset_not_split_by_node(script: Script) -> Iterator[Finding]:
         )
 
 
-WEBDATASET_READERS = frozenset({"webdataset.WebDataset", "webdataset.DataPipeline"})
 # What gives every rank the same number of batches whatever its shards hold: a
 # fixed epoch length (with_epoch, usually over resampled shards), webdataset's
 # old ddp_equalize, or DDP's join context for uneven inputs.
@@ -195,8 +191,8 @@ def check_webdataset_split_without_equal_steps(script: Script) -> Iterator[Findi
     for node, name in script.call_names:
         if name not in WEBDATASET_READERS:
             continue
-        text = ast.unparse(node)
-        split = "split_by_node" in text and not re.search(r"resampled|ResampledShards", text)
+        parts = named_parts(node)
+        split = "split_by_node" in parts and not is_resampled(node, parts)
         if not split or not trains_on(node, name):
             continue
         yield script.finding(
@@ -212,15 +208,36 @@ def check_webdataset_split_without_equal_steps(script: Script) -> Iterator[Findi
         )
 
 
+def named_parts(node: ast.AST) -> set[str]:
+    """Every name, attribute and keyword named under `node` (`wds.split_by_node`,
+    `shardshuffle=`); walked, not unparsed, so a deep argument costs no recursion."""
+    parts = set()
+    for child in ast.walk(node):
+        if isinstance(child, ast.Name):
+            parts.add(child.id)
+        elif isinstance(child, ast.Attribute):
+            parts.add(child.attr)
+        elif isinstance(child, ast.keyword) and child.arg:
+            parts.add(child.arg)
+    return parts
+
+
+def is_resampled(node: ast.Call, parts: set[str]) -> bool:
+    """Shards drawn at random by every rank: `resampled=True` or ResampledShards."""
+    return "ResampledShards" in parts or not is_falsy(keyword(node, "resampled"))
+
+
+def is_falsy(value: ast.expr | None) -> bool:
+    """Absent, or a literal None, False or 0."""
+    return value is None or (isinstance(value, ast.Constant) and not value.value)
+
+
 def trains_on(node: ast.Call, name: str) -> bool:
     """A training stream: shards shuffled (`shardshuffle=` a number or True), or a
     DataPipeline with a shuffle stage; an evaluation reads its shards in order."""
-    if name == "webdataset.DataPipeline":
-        return any(SHUFFLES.search(ast.unparse(stage)) for stage in node.args)
-    shuffle = keyword(node, "shardshuffle")
-    return shuffle is not None and not (
-        isinstance(shuffle, ast.Constant) and shuffle.value in (None, False, 0)
-    )
+    if name in WEBDATASET_PIPELINES:
+        return any(SHUFFLES.search(part) for part in named_parts(node))
+    return not is_falsy(keyword(node, "shardshuffle"))
 
 
 @check("sampler-set-epoch")
