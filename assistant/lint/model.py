@@ -358,12 +358,13 @@ def self_attribute(node: ast.AST) -> str | None:
 MOVES = frozenset({"cuda", "to", "float", "half", "bfloat16"})
 
 
-def unmoved(value: ast.expr) -> ast.expr:
-    """`nn.DataParallel(net).cuda()` -> the DataParallel call: a move keeps the wrapper."""
+def unmoved(value: ast.expr, methods: frozenset[str] = MOVES) -> ast.expr:
+    """`nn.DataParallel(net).cuda()` -> the DataParallel call: a move keeps the wrapper
+    (and, with `methods`, other calls that keep what they are called on)."""
     while (
         isinstance(value, ast.Call)
         and isinstance(value.func, ast.Attribute)
-        and value.func.attr in MOVES
+        and value.func.attr in methods
     ):
         value = value.func.value
     return value

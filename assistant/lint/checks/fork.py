@@ -134,14 +134,22 @@ def worker_code(
             methods = [f"{name}.{m}" for m in WORKER_METHODS if f"{name}.{m}" in script.functions]
             if name in classes and methods:
                 yield methods[0], reached(script, name, methods)
+    for qualified, owner in collate_functions(script, loader):
+        functions = [script.functions[qualified]]
+        yield qualified, reached(script, owner, [qualified]) if owner else functions
+
+
+def collate_functions(script: Script, loader: ast.Call) -> Iterator[tuple[str, str | None]]:
+    """(qualified name, its class or None) of the file's functions that the loader's
+    collate_fn runs: `Collator(...)`'s __call__, or a function passed by name."""
     collate = keyword(loader, "collate_fn")
     if collate is None:
         return
     for name in instance_classes(script, collate):
         if f"{name}.__call__" in script.functions:
-            yield f"{name}.__call__", reached(script, name, [f"{name}.__call__"])
+            yield f"{name}.__call__", name
     if isinstance(collate, ast.Name) and collate.id in script.functions:
-        yield collate.id, [script.functions[collate.id]]
+        yield collate.id, None
 
 
 def instance_classes(script: Script, expr: ast.expr) -> list[str]:

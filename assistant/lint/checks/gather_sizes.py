@@ -41,17 +41,18 @@ import ast
 import re
 from collections.abc import Callable, Iterator
 
-from assistant.lint.checks.fork import instance_classes
+from assistant.lint.checks.fork import collate_functions
 from assistant.lint.checks.wrapper import plain_names
 from assistant.lint.model import (
+    MOVES,
     Function,
     Script,
     bound_arguments,
     called_name,
-    keyword,
     own_nodes,
     short,
     source_text,
+    unmoved,
 )
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
@@ -73,6 +74,8 @@ LIKE_BUFFERS = frozenset({"zeros_like", "empty_like", "ones_like", "clone"})
 SIZE_READS = frozenset({"len", "size", "numel"})
 SIZE_TENSORS = frozenset({"tensor", "as_tensor", "LongTensor", "IntTensor", "new_tensor", "full"})
 MAX_DEPTH = 6  # assignments followed back from the gathered tensor
+# Calls that keep a tensor's rows: `all_gather(bufs, x.detach().contiguous())` gathers x.
+ROW_KEEPING_METHODS = MOVES | {"detach", "contiguous", "clone"}
 
 
 @check("collective-mismatch")
@@ -125,7 +128,7 @@ def rows_concatenated(nodes: list[ast.AST], buffers: ast.expr) -> bool:
     """`torch.cat(bufs)` in the scope: the gathered parts are rows, not scalars."""
     return isinstance(buffers, ast.Name) and any(
         isinstance(node, ast.Call)
-        and called_name(node) in ROW_CONCATENATIONS
+        and called_name(node) in CONCATENATIONS - STACKS
         and node.args
         and isinstance(node.args[0], ast.Name)
         and node.args[0].id == buffers.id
@@ -133,7 +136,10 @@ def rows_concatenated(nodes: list[ast.AST], buffers: ast.expr) -> bool:
     )
 
 
-ROW_CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "vstack"})
+def gathered_name(tensor: ast.expr) -> ast.expr:
+    """The name a gathered expression is made of when only row-keeping calls follow it."""
+    name = unmoved(tensor, ROW_KEEPING_METHODS)
+    return name if isinstance(name, ast.Name) else tensor
 
 
 def describe_step(script: Script, step: ast.expr) -> str:
@@ -147,39 +153,15 @@ def describe_step(script: Script, step: ast.expr) -> str:
     return f"`{source_text(step)}`, line {step.lineno}"
 
 
-# Calls that keep a tensor's rows: `all_gather(bufs, x.detach().contiguous())` gathers x.
-ROW_KEEPING_METHODS = frozenset(
-    {"detach", "contiguous", "float", "half", "bfloat16", "clone", "to", "cuda"}
-)
-
-
-def gathered_name(tensor: ast.expr) -> ast.expr:
-    """The name a gathered expression is made of when only row-keeping methods follow it."""
-    current = tensor
-    while (
-        isinstance(current, ast.Call)
-        and isinstance(current.func, ast.Attribute)
-        and current.func.attr in ROW_KEEPING_METHODS
-    ):
-        current = current.func.value
-    return current if isinstance(current, ast.Name) else tensor
-
-
 def dropping_collate(script: Script, node: ast.AST) -> tuple[str, Function] | None:
     """(name, function) of the collate_fn of `DataLoader(..., collate_fn=...)` when it drops samples
     from the batch it is given: a comprehension over the batch with a condition,
     or `filter(...)` of it."""
     if not (isinstance(node, ast.Call) and called_name(node) in LOADERS):
         return None
-    collate = keyword(node, "collate_fn")
-    if collate is None:
-        return None
-    candidates = [f"{name}.__call__" for name in instance_classes(script, collate)]
-    if isinstance(collate, ast.Name):
-        candidates.append(collate.id)
-    for qualified in candidates:
-        function = script.functions.get(qualified)
-        if function is not None and drops_from_its_batch(function):
+    for qualified, _ in collate_functions(script, node):
+        function = script.functions[qualified]
+        if drops_from_its_batch(function):
             return qualified, function
     return None
 
@@ -357,6 +339,7 @@ PADS_TO_LONGEST = re.compile(
     r"padding\s*=\s*(?:True|['\"]longest['\"])|\bDataCollator\w*|\bpad_sequence\b"
 )
 CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "vstack", "hstack"})
+STACKS = frozenset({"stack", "hstack"})  # of gathered scalars too: a new axis, not more rows
 
 
 def pads_to_the_longest(script: Script) -> bool:
