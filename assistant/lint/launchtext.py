@@ -11,7 +11,8 @@ message) for a line the text itself contradicts:
   `srun torchrun --nproc_per_node=8`: 64 processes per node).
 It also reads what a launch allows: `elastic_nodes` for a node range
 (`torchrun --nnodes=2:8`), under which the world size may change between
-restarts.
+restarts, and `launched_nodes` for a job of several nodes (`#SBATCH
+--nodes=2`, `torchrun --nnodes=4`), whose nodes do not share their own disks.
 """
 
 from __future__ import annotations
@@ -143,3 +144,23 @@ def launch_size(line: str) -> int | None:
 def digits(value: str) -> int | None:
     value = value.strip("'\"")
     return int(value) if value.isdigit() else None
+
+
+# A node count: torchrun's and DeepSpeed's options (`--nnodes=2`, `--nnodes=2:8`,
+# `--num_nodes 2`) and Slurm's (`#SBATCH --nodes=2`, `-N 2`, `--nodes=2-4`).
+NODE_COUNT = re.compile(
+    r"(?:--nnodes|--num[_-]nodes|--nodes)(?:\s*=\s*|\s+)['\"]?(\d+)(?:[:-](\d+))?\b"
+    r"|(?:#SBATCH|\bsrun|\bsbatch|\bsalloc)\b.*?\s-N\s*(\d+)\b"
+)
+
+
+def launched_nodes(text: str) -> tuple[int, int] | None:
+    """(line, node count) of the first launch line of `text` that starts several nodes
+    (the range's top for a range); None when every node count shown is 1, or none is."""
+    for number, line in logical_lines(text):
+        for found in NODE_COUNT.finditer(line):
+            low, high, slurm = found.groups()
+            count = int(high or low or slurm)
+            if count > 1:
+                return number, count
+    return None

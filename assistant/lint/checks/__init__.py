@@ -74,6 +74,9 @@ lines it must report.
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters);
+- node_local: rank 0 saving a checkpoint into a folder on its own node
+  ($SLURM_TMPDIR, /tmp, a local NVMe) that every rank loads back, in a job
+  the file launches on several nodes (checkpoint-on-node-local-disk);
 - resume: one checkpoint file per rank, saved and loaded by rank number, under
   a launch whose node count may change between restarts (`--nnodes=2:8`)
   (resume-different-world-size);
@@ -110,6 +113,7 @@ from assistant.lint.checks import (
     logger,
     metrics,
     model_build,
+    node_local,
     process_group,
     rank_dependent,
     reentrant,
@@ -146,6 +150,7 @@ __all__ = [
     "logger",
     "metrics",
     "model_build",
+    "node_local",
     "process_group",
     "rank_dependent",
     "reentrant",

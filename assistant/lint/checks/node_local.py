@@ -1,0 +1,191 @@
+"""A checkpoint kept on one node's own disk, in a job of several nodes.
+
+The file shows a launch of several nodes (`#SBATCH --nodes=2`, `torchrun
+--nnodes=4`), global rank 0 saves the checkpoint into a folder that lives on
+its own node ($SLURM_TMPDIR, $TMPDIR, /tmp, /dev/shm, a local NVMe such as
+/local/nvme or /mnt/nvme0), and every rank loads that path back. The other
+nodes' ranks find no file there: FileNotFoundError, or, where the load waits
+behind `os.path.exists`, node 0's ranks resume while the rest start again from
+scratch and their collectives stop lining up. The checkpoints also go with the
+job's scratch space. Reported at the load.
+
+Quiet when the launch shows one node, when the folder is a flag or variable
+the launch sets (its value is then not the default read here), when each
+node's first rank writes its own copy (`local_rank == 0`), and when only rank 0
+loads it (to broadcast the state).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+
+from assistant.lint.launchtext import launched_nodes, logical_lines
+from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.ranks import RANK_ZERO, RankPath, environment_variable
+from assistant.lint.registry import check
+from assistant.lint.tracer import TracedCall
+from assistant.lint.values import MAX_HOPS, argparse_flag
+from assistant.results import Finding
+
+# Scheduler and system variables that name a folder on the node itself.
+NODE_LOCAL_VARIABLES = frozenset(
+    {
+        "SLURM_TMPDIR",
+        "SLURM_JOB_TMP",
+        "TMPDIR",
+        "TMP",
+        "TEMP",
+        "LOCAL_SCRATCH",
+        "LOCALSCRATCH",
+        "LSCRATCH",
+        "PBS_JOBFS",
+        "JOBTMPDIR",
+    }
+)
+# Absolute paths on the node's own disk or memory: /tmp, /var/tmp, /dev/shm, and a
+# first or second component that says local, NVMe or local scratch (/local/nvme,
+# /local_nvme/u, /mnt/nvme0, /scratch/local). Plain /scratch is a shared file system.
+NODE_LOCAL_PATH = re.compile(
+    r"^/(?:tmp|var/tmp|dev/shm)(?:/|$)"
+    r"|^/(?:[^/]+/)?(?:local(?:[_-]?(?:nvme|ssd|disk|scratch))?|nvme\d*|local_?scratch|lscratch)"
+    r"(?:/|$)",
+    re.IGNORECASE,
+)
+TEMPFILE_FOLDERS = frozenset({"gettempdir", "mkdtemp", "TemporaryDirectory"})
+LOADS = frozenset({"torch.load", "safetensors.torch.load_file"})
+# A rank test that names the node's own rank: each node's first process passes it.
+LOCAL_RANK_TEST = re.compile(r"local", re.IGNORECASE)
+
+
+@check("checkpoint-on-node-local-disk")
+def check_checkpoint_on_a_node_local_disk(script: Script) -> Iterator[Finding]:
+    """Rank 0 saves into a node-local folder and every rank loads from it, on several nodes."""
+    nodes = launched_nodes(script.source)
+    if nodes is None or not script.traces:
+        return
+    launch_line, count = nodes
+    calls = [call for trace in script.traces for call in trace]
+    saved = next(
+        (
+            (call, folder)
+            for call in calls
+            if writes_on_global_rank_zero(script, call.rank_path)
+            and (folder := node_local_argument(script, call, "torch.save"))
+        ),
+        None,
+    )
+    if saved is None:
+        return
+    save, folder = saved
+    reported: set[int] = set()
+    for call in calls:
+        if call.rank_path or id(call.node) in reported:
+            continue  # a load under any rank test is not every rank's
+        if any(node_local_argument(script, call, name) for name in LOADS):
+            reported.add(id(call.node))
+            yield script.finding(
+                "checkpoint-on-node-local-disk",
+                call.node,
+                f"the launch runs {count} nodes (line {launch_line}), rank 0 saves the "
+                f"checkpoint under {folder} (line {save.node.lineno}), a folder on its own "
+                "node's disk, and every rank loads it here: the other nodes' ranks find no "
+                "file (or an old one) and fail or start from scratch; keep checkpoints on "
+                "storage every node mounts (the project or home file system), or copy them "
+                "there before any rank loads them",
+            )
+
+
+def writes_on_global_rank_zero(script: Script, path: RankPath) -> bool:
+    """Under a rank-0 test of the global rank (`rank == 0`), not of the node's own."""
+    tests = [branch.test_if.test for branch in path if branch.side == RANK_ZERO]
+    return bool(tests) and not any(names_the_local_rank(script, test) for test in tests)
+
+
+def names_the_local_rank(script: Script, test: ast.expr) -> bool:
+    """The test, or what its names are assigned, says local (local_rank, LOCAL_RANK)."""
+    texts = [source_text(test)]
+    for node in ast.walk(test):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            texts += map(source_text, script.assigned_values.get(source_text(node), []))
+    return any(LOCAL_RANK_TEST.search(text) for text in texts)
+
+
+def node_local_argument(script: Script, call: TracedCall, wanted: str) -> str | None:
+    """The node-local folder of the file a `wanted` call (torch.save, torch.load) names:
+    in the call itself, or in an argument of a same-file helper that makes that call."""
+    if call.name == wanted:
+        target = file_argument(call.node, wanted)
+        return None if target is None else node_local_folder(script, target)
+    helper = script.functions.get(call.name)
+    if helper is None or not any(
+        isinstance(n, ast.Call) and script.name_of(n.func) == wanted for n in ast.walk(helper)
+    ):
+        return None
+    arguments = [*call.node.args, *(k.value for k in call.node.keywords)]
+    return next(filter(None, (node_local_folder(script, a) for a in arguments)), None)
+
+
+def file_argument(call: ast.Call, name: str) -> ast.expr | None:
+    if name == "torch.save":
+        return call.args[1] if len(call.args) > 1 else keyword(call, "f")
+    return call.args[0] if call.args else keyword(call, "f")
+
+
+def node_local_folder(script: Script, expr: ast.expr, hops: int = MAX_HOPS) -> str | None:
+    """How the path names a node-local folder ("$SLURM_TMPDIR", "/local/nvme/u/ckpt"),
+    itself or through a name's assigned value or a flag's default; None otherwise."""
+    pending = [expr]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if NODE_LOCAL_PATH.search(node.value):
+                return node.value
+            continue
+        variable = environment_variable(node, script)
+        if variable is not None:  # its default is not read: the launch may set it
+            if variable in NODE_LOCAL_VARIABLES:
+                return f"${variable}"
+            continue
+        if isinstance(node, ast.Call) and short(script.name_of(node.func)) in TEMPFILE_FOLDERS:
+            return f"{source_text(node.func)}()"
+        if hops > 0 and isinstance(node, (ast.Name, ast.Attribute)):
+            found = named_value(script, node, hops)
+            if found is not None:
+                return found
+        if isinstance(node, ast.JoinedStr) and node.values:
+            pending.append(node.values[0])  # f"/tmp/{run}": its start is its folder
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return None
+
+
+def named_value(script: Script, node: ast.Name | ast.Attribute, hops: int) -> str | None:
+    """The node-local folder a name is assigned, or an `args.<dest>` flag defaults to
+    when the launch line does not pass that flag."""
+    for value in script.assigned_values.get(source_text(node), []):
+        found = node_local_folder(script, value, hops - 1)
+        if found is not None:
+            return found
+    if isinstance(node, ast.Attribute):
+        flag = argparse_flag(script, node.attr)
+        default = keyword(flag, "default") if flag is not None else None
+        if default is not None and not launch_passes(script, flag):
+            return node_local_folder(script, default, hops - 1)
+    return None
+
+
+def launch_passes(script: Script, flag: ast.Call) -> bool:
+    """A launch line in the file's text sets the flag (`... train.py --work-dir /proj/x`)."""
+    names = [
+        a.value
+        for a in flag.args
+        if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("-")
+    ]
+    option = re.compile("|".join(rf"(?<![\w-]){re.escape(n)}(?![\w-])" for n in names) or "(?!)")
+    return any(
+        option.search(line)
+        for number, line in logical_lines(script.source)
+        if number != flag.lineno
+    )
