@@ -3,6 +3,8 @@ set_device order experiment with its variants."""
 
 from __future__ import annotations
 
+import re
+
 from assistant.probing.protocol import VariantOutcome
 from assistant.probing.protocol import variant_outcomes as protocol_variant_outcomes
 from assistant.results import ProbeRun, Verdict
@@ -266,9 +268,26 @@ def world_size_exceeds_devices(i: Inputs) -> Verdict:
     return verdict("inconclusive", [line] + evidence, source="probe")
 
 
+# The KB's one signature that matches what the user set, not what CUDA said: the
+# variable spelled without its S, which CUDA never reads.
+MISSPELLED_VISIBLE_DEVICES = re.compile(r"\bCUDA_VISIBLE_DEVICE\s*=")
+
+
 @judges("cuda-visible-devices-mismatch")
 def cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
+    named = i.error_names("cuda-visible-devices-mismatch")
+    misspelled = bool(named and MISSPELLED_VISIBLE_DEVICES.search(named.group()))
+    if misspelled:
+        # What this machine's GPUs look like says nothing about a name CUDA ignores.
+        said = i.error_says(
+            "cuda-visible-devices-mismatch",
+            "the error text sets CUDA_VISIBLE_DEVICE (no S), a name CUDA never reads, "
+            "so every GPU stays visible: {error}",
+            "报错文本里设的是 CUDA_VISIBLE_DEVICE（少了 S），CUDA 不读这个名字，"
+            "所有 GPU 仍然可见：{error}",
+        )
+        return verdict("confirmed", said, source="error")
     said = i.error_says(
         "cuda-visible-devices-mismatch",
         "the error is CUDA's when the visible devices change after CUDA started: {error}",

@@ -140,6 +140,20 @@ def test_empty_cuda_visible_devices():
     assert verdict_of("set-device-order", "cvd_empty").verdict == "not_applicable"
 
 
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_a_misspelled_visible_devices_variable_is_said_as_what_the_text_sets(lang):
+    # The launch line, not an error CUDA gave: the evidence names the missing S, and
+    # this machine's healthy GPUs do not turn it into "changed after CUDA started".
+    query = "OOM on three GPUs\nCUDA_VISIBLE_DEVICE=0,1,2 python train.py"
+    for machine in ("healthy_8gpu", "cpu_2ranks"):
+        found = judge("cuda-visible-devices-mismatch", runs_of(machine), None, [], lang, None, query)
+        assert (found.verdict, found.source) == ("confirmed", "error")
+        assert "CUDA_VISIBLE_DEVICE" in found.evidence[0] and "=0,1,2" in found.evidence[0]
+        words = ("no S", "never reads") if lang == "en" else ("少了 S", "不读")
+        assert all(word in found.evidence[0] for word in words), found.evidence
+        assert not any("after CUDA started" in e or "启动后" in e for e in found.evidence)
+
+
 def test_more_processes_than_gpus():
     assert confirmed("more_procs_than_gpus") == {
         "duplicate-gpu-per-rank",
