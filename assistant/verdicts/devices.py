@@ -3,8 +3,6 @@ set_device order experiment with its variants."""
 
 from __future__ import annotations
 
-import re
-
 from assistant.probing.protocol import VariantOutcome
 from assistant.probing.protocol import variant_outcomes as protocol_variant_outcomes
 from assistant.results import ProbeRun, Verdict
@@ -268,16 +266,16 @@ def world_size_exceeds_devices(i: Inputs) -> Verdict:
     return verdict("inconclusive", [line] + evidence, source="probe")
 
 
-# The KB's one signature that matches what the user set, not what CUDA said: the
-# variable spelled without its S, which CUDA never reads.
-MISSPELLED_VISIBLE_DEVICES = re.compile(r"\bCUDA_VISIBLE_DEVICE\s*=")
+# What the KB's one signature of a setting (not of an error CUDA gave) matches:
+# the variable spelled without its S, which CUDA never reads.
+MISSPELLED_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICE"
 
 
 @judges("cuda-visible-devices-mismatch")
 def cuda_visible_devices_mismatch(i: Inputs) -> Verdict:
     records = i.facts("devices", ("ok", "failed", "not_applicable"))
     named = i.error_names("cuda-visible-devices-mismatch")
-    misspelled = bool(named and MISSPELLED_VISIBLE_DEVICES.search(named.group()))
+    misspelled = bool(named) and named.group().rstrip(" \t=") == MISSPELLED_VISIBLE_DEVICES
     if misspelled:
         # What this machine's GPUs look like says nothing about a name CUDA ignores.
         said = i.error_says(

@@ -146,7 +146,9 @@ def test_a_misspelled_visible_devices_variable_is_said_as_what_the_text_sets(lan
     # this machine's healthy GPUs do not turn it into "changed after CUDA started".
     query = "OOM on three GPUs\nCUDA_VISIBLE_DEVICE=0,1,2 python train.py"
     for machine in ("healthy_8gpu", "cpu_2ranks"):
-        found = judge("cuda-visible-devices-mismatch", runs_of(machine), None, [], lang, None, query)
+        found = judge(
+            "cuda-visible-devices-mismatch", runs_of(machine), None, [], lang, None, query
+        )
         assert (found.verdict, found.source) == ("confirmed", "error")
         assert "CUDA_VISIBLE_DEVICE" in found.evidence[0] and "=0,1,2" in found.evidence[0]
         words = ("no S", "never reads") if lang == "en" else ("少了 S", "不读")
