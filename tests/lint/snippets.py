@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import textwrap
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,3 +34,10 @@ def assert_broken_fails_and_twin_runs(
     assert error in failed.stderr
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count(per_rank_line) == 2
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (for launches that cannot pick their own)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

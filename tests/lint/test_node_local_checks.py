@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from snippets import lint_snippet
+from snippets import free_port, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "best_checkpoint_on_node_local_scratch.py"
@@ -118,12 +117,6 @@ def test_shared_or_single_node_or_per_node_copies_are_quiet(path, prelude, test,
 def test_a_flag_the_launch_line_passes_is_not_read_as_its_default():
     prelude = TWO_NODES.replace("train.py", "train.py --ckpt-dir /project/ckpt")
     assert reported('os.path.join(args.ckpt_dir, "best.pt")', prelude) == []
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def two_nodes(script: Path, folder: Path) -> list[subprocess.CompletedProcess]:

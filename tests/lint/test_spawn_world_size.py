@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from snippets import lint_snippet
+from snippets import free_port, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "spawn_world_size_of_nodes.py"
@@ -32,12 +31,6 @@ def main_worker(gpu, ngpus_per_node, args):
     args.rank = args.rank * ngpus_per_node + gpu
     dist.init_process_group("nccl", world_size=args.world_size, rank=args.rank)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def spawned(script: Path, folder: Path, until: str, pod: bool = False) -> tuple[bool, str]:
