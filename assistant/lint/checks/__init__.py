@@ -77,6 +77,9 @@ lines it must report.
 - node_local: rank 0 saving a checkpoint into a folder on its own node
   ($SLURM_TMPDIR, /tmp, a local NVMe) that every rank loads back, in a job
   the file launches on several nodes (checkpoint-on-node-local-disk);
+- rollouts: a backward per minibatch of an RL rollout each rank collects
+  until its own episodes end, so ranks run different numbers of steps
+  (uneven-inputs);
 - resume: one checkpoint file per rank, saved and loaded by rank number, under
   a launch whose node count may change between restarts (`--nnodes=2:8`)
   (resume-different-world-size);
@@ -118,6 +121,7 @@ from assistant.lint.checks import (
     rank_dependent,
     reentrant,
     resume,
+    rollouts,
     schedules,
     seen_keys,
     spawn,
@@ -155,6 +159,7 @@ __all__ = [
     "rank_dependent",
     "reentrant",
     "resume",
+    "rollouts",
     "schedules",
     "seen_keys",
     "spawn",

@@ -1,0 +1,162 @@
+"""Rollouts of whole episodes: each rank's number of optimisation steps is its own.
+
+An RL trainer under DDP collects experience on every rank from its own
+environment, episode by episode (`while not done: ... = env.step(a)`), then
+cuts the rollout into minibatches and runs a backward per minibatch (`n =
+obs.shape[0]`, `for start in range(0, n, minibatch):`). An episode ends when
+the environment says so, so each rank's rollout has a length of its own, and
+with it a number of minibatches of its own: the rank with more runs a
+backward whose gradient all-reduce no other rank joins (a hang until the
+timeout, or gloo's size mismatch). uneven-inputs, reported at the loop.
+
+Quiet when the rollout's size goes through a collective before the loop
+(`all_reduce(n_t, op=MIN)`), when the loop's count does not come from the
+rollout (a fixed number of minibatches), and when collection runs a fixed
+number of steps (`for t in range(T):`, resetting episodes as they end).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from assistant.lint.model import Script, names_in, short, source_text
+from assistant.lint.registry import check
+from assistant.lint.torchapi import is_collective, is_ddp
+from assistant.results import Finding
+
+# An environment step's result unpacked into at least this many names:
+# (obs, reward, done, info) in gym, (obs, reward, terminated, truncated, info) in gymnasium.
+STEP_RESULTS = 4
+SIZE_METHODS = frozenset({"size", "numel"})
+
+
+@check("uneven-inputs")
+def check_minibatches_over_episode_rollouts(script: Script) -> Iterator[Finding]:
+    """A backward per minibatch of a rollout collected until its episodes ended."""
+    if not any(is_ddp(name) for _node, name in script.call_names):
+        return
+    collectors = episode_collectors(script)
+    if not collectors:
+        return
+    rollouts = names_assigned_from(script, collectors)
+    sizes = size_names(script, rollouts)
+    for loop in (node for node in script.nodes if isinstance(node, ast.For)):
+        agreed = sizes_through_collectives(script, sizes, before=loop.lineno)
+        count = rollout_count(script, loop.iter, rollouts, sizes - agreed)
+        if count is None or not runs_backward(loop):
+            continue
+        yield script.finding(
+            "uneven-inputs",
+            loop,
+            f"the loop runs a backward per minibatch, and its count ({count}) comes from "
+            "a rollout each rank collects until its own episodes end "
+            f"({' / '.join(sorted(collectors))}): "
+            "ranks get different numbers of minibatches, and the rank with more runs a "
+            "backward whose gradient all-reduce no other rank joins; agree on the count "
+            "first (all_reduce the rollout size with op=MIN and cut to it), or collect a "
+            "fixed number of steps per rank",
+        )
+
+
+def episode_collectors(script: Script) -> set[str]:
+    """Same-file functions that loop `while` a flag an environment step sets, and return."""
+    return {
+        name
+        for name, function in script.functions.items()
+        if any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(function))
+        and any(isinstance(n, ast.While) and runs_until_a_step_ends(n) for n in ast.walk(function))
+    }
+
+
+def runs_until_a_step_ends(loop: ast.While) -> bool:
+    """The loop's test reads a name its body sets, and its body unpacks a `.step(...)`
+    result into an environment's (obs, reward, done, ...) names."""
+    body = [node for statement in loop.body for node in ast.walk(statement)]
+    steps = any(
+        isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Tuple)
+        and len(node.targets[0].elts) >= STEP_RESULTS
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+        and node.value.func.attr == "step"
+        for node in body
+    )
+    set_here = {
+        target.id
+        for node in body
+        if isinstance(node, ast.Assign)
+        for target in ast.walk(node.targets[0])
+        if isinstance(target, ast.Name)
+    }
+    return steps and bool(names_in(loop.test) & set_here)
+
+
+def names_assigned_from(script: Script, functions: set[str]) -> set[str]:
+    """Names bound to what a call of one of `functions` returns (`obs, acts = collect(...)`)."""
+    bound: set[str] = set()
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        called = script.name_of(node.value.func)
+        if called in functions or short(called) in functions:
+            bound |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return bound
+
+
+def size_names(script: Script, rollouts: set[str]) -> set[str]:
+    """Names assigned the length of a rollout (`n = obs.shape[0]`, `n = len(batch["obs"])`)."""
+    return {
+        source_text(node.targets[0])
+        for node in script.nodes
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Name)
+        and length_of(node.value, rollouts)
+    }
+
+
+def length_of(expr: ast.expr, rollouts: set[str]) -> bool:
+    """`x.shape[0]`, `x.size(0)`, `len(x)` of a rollout value (or a field of one)."""
+    if isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Attribute):
+        measured = expr.value.value if expr.value.attr == "shape" else None
+    elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute):
+        measured = expr.func.value if expr.func.attr in SIZE_METHODS else None
+    elif isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.args:
+        measured = expr.args[0] if expr.func.id == "len" else None
+    else:
+        measured = None
+    while isinstance(measured, ast.Subscript):  # batch["obs"], obs[:, 0]
+        measured = measured.value
+    return isinstance(measured, ast.Name) and measured.id in rollouts
+
+
+def sizes_through_collectives(script: Script, sizes: set[str], before: int) -> set[str]:
+    """The sizes a collective above line `before` reads, directly or through the
+    tensor built from them (one that only logs them after the loop agrees on nothing)."""
+    agreed: set[str] = set()
+    for node, name in script.call_names:
+        if node.lineno >= before or not is_collective(name):
+            continue
+        read = {n for a in node.args for n in names_in(a)}
+        built_from = [v for n in read for v in script.assigned_values.get(n, [])]
+        agreed |= sizes & read.union(*map(names_in, built_from))
+    return agreed
+
+
+def rollout_count(
+    script: Script, items: ast.expr, rollouts: set[str], sizes: set[str]
+) -> str | None:
+    """What a loop's `range(...)` counts when a rollout's length decides it, else None."""
+    if not (isinstance(items, ast.Call) and short(script.name_of(items.func)) == "range"):
+        return None
+    for argument in items.args:
+        if names_in(argument) & sizes or length_of(argument, rollouts):
+            return source_text(argument)
+    return None
+
+
+def runs_backward(loop: ast.For) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        for n in ast.walk(loop)
+    )
