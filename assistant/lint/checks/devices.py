@@ -113,6 +113,49 @@ def check_tensor_on_the_gpu_in_a_lightning_module(script: Script) -> Iterator[Fi
                     )
 
 
+@check("hardcoded-device")
+def check_tensor_on_the_gpu_at_import(script: Script) -> Iterator[Finding]:
+    """`MEAN = torch.tensor([...]).cuda()` at module level, in a file whose processes
+    each set their own GPU: import time comes before any set_device, so it is cuda:0."""
+    if not is_distributed(script) or sets_visible_devices_per_process(script):
+        return
+    if not any(is_set_device(name) for _node, name in script.call_names):
+        return  # no rank picks a GPU of its own: current_device_uses speaks for `.cuda()`
+    for statement in script.tree.body:
+        value = statement.value if isinstance(statement, (ast.Assign, ast.AnnAssign)) else None
+        if value is None or not any(
+            tensor_on_the_current_gpu(script, operand) for operand in operands(value)
+        ):
+            continue
+        name = source_text(
+            statement.targets[0] if isinstance(statement, ast.Assign) else statement.target
+        )
+        yield script.finding(
+            "hardcoded-device",
+            statement,
+            f"{name} is a tensor put on the GPU at import time, before any rank calls "
+            "torch.cuda.set_device: it lives on cuda:0 in every process (each holds memory "
+            'there, and ranks 1+ fail with "Expected all tensors to be on the same '
+            f'device" where it meets their data); make it on the CPU and move it to the '
+            f"data's device where it is used (`{name}.to(x.device)`), or create it after "
+            "set_device",
+        )
+
+
+def operands(value: ast.expr) -> list[ast.expr]:
+    """The value, or the operands of arithmetic on it (`torch.tensor(m).cuda() * 255`)."""
+    found, pending = [], [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.BinOp):
+            pending += [node.left, node.right]
+        elif isinstance(node, ast.UnaryOp):
+            pending.append(node.operand)
+        else:
+            found.append(node)
+    return found
+
+
 def tensor_on_the_current_gpu(script: Script, value: ast.expr) -> bool:
     """`torch.tensor(x).cuda()`, `.to("cuda")`, `torch.ones(3, device="cuda")`: a tensor
     made here and placed on the current GPU (cuda:0 until someone sets it)."""

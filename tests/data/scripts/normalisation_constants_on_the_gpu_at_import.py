@@ -1,0 +1,39 @@
+"""GPU augmentation under torchrun whose normalisation constants are put on the GPU
+at import time:
+
+    torchrun --nproc_per_node=4 train.py
+
+Import runs before main() calls torch.cuda.set_device(local_rank), so MEAN and
+STD live on cuda:0 in every process: ranks 1-3 subtract a cuda:0 tensor from a
+batch on their own GPU ("Expected all tensors to be on the same device"), and
+every process holds memory on GPU 0. Needs GPUs: linted here, not run.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1).cuda() * 255.0  # expect: hardcoded-device
+STD = torch.tensor([0.229, 0.224, 0.225], device="cuda").view(1, 3, 1, 1) * 255.0  # expect: hardcoded-device
+
+
+def normalise(images: torch.Tensor) -> torch.Tensor:
+    return (images.float() - MEAN) / STD
+
+
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", local_rank)
+    model = DDP(nn.Conv2d(3, 8, 3).to(device), device_ids=[local_rank])
+    images = torch.randint(0, 256, (4, 3, 32, 32), device=device)
+    model(normalise(images)).mean().backward()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
