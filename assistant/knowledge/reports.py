@@ -76,6 +76,8 @@ RIDGE = 1.0  # 0.3 / 1 / 3 tried leave-one-set-out: 1 best, all within a point
 ALSO_TARGET = 0.5
 # An n-gram in at least this share of the reports is multiplied densely (gram_matrix).
 COMMON_SHARE = 1 / 25
+# Past this share of report pairs with an entry, the sparse part of the gram is added densely.
+DENSE_PRODUCT_SHARE = 1 / 8
 MIN_REPORTS = 20
 MAX_LABELS = 3  # a report's causes: the first, then at most two it also fits (label policy)
 MAX_FILE_BYTES = 50_000_000  # a labelled set is a few hundred KB; a dump this size is not one
@@ -399,6 +401,11 @@ def gram_matrix(x) -> np.ndarray:
     rare = x[:, np.flatnonzero(~common)]
     gram = dense @ dense.T
     product = (rare @ rare.T).tocsr()  # one entry per pair: the fancy-indexed add counts each
+    if product.nnz > DENSE_PRODUCT_SHARE * product.shape[0] ** 2:
+        # Most pairs share a rare n-gram too (43% on the labelled pool): one dense add
+        # beats indexing each entry (0.24 s -> 0.07 s a fit), with the same sums.
+        gram += product.toarray()
+        return gram
     rows = np.repeat(np.arange(product.shape[0]), np.diff(product.indptr))
     gram[rows, product.indices] += product.data
     return gram

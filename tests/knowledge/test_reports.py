@@ -59,8 +59,11 @@ def few_reports(tmp_path, symptoms) -> tuple[Path, dict[str, list[str]]]:
     return folder, {cid: symptoms[cid] for cid in sorted(symptoms)[:10]}
 
 
-def test_the_split_gram_is_the_plain_sparse_product(pool):
-    """Common n-grams multiplied densely, the rest sparsely: the same x @ x.T."""
+@pytest.mark.parametrize("dense_add", [True, False])
+def test_the_split_gram_is_the_plain_sparse_product(pool, dense_add, monkeypatch):
+    """Common n-grams multiplied densely, the rest sparsely, and that part added densely
+    or entry by entry: the same x @ x.T."""
+    monkeypatch.setattr("assistant.knowledge.reports.DENSE_PRODUCT_SHARE", 0 if dense_add else 2)
     from scipy.sparse import csr_matrix, hstack
     from scipy.sparse import random as sparse_random
 
