@@ -67,6 +67,8 @@ lines it must report.
   wandb.log on every rank after an init on rank 0 only (experiment-logger-ddp);
 - zero: the engine's state_dict read under DeepSpeed ZeRO stage 3, outside
   GatheredParameters (zero3-partitioned-parameters);
+- compile_prefix: a torch.compile'd model's checkpoint ("_orig_mod." keys)
+  loaded strictly into a model that is not compiled (torch-compile-ddp);
 - endpoint: MASTER_ADDR set to each process's own host name in a file that
   shows several nodes (master-endpoint-mismatch);
 - fork: a Dataset's item reader or a collate_fn that moves data to the GPU
@@ -105,6 +107,7 @@ from assistant.lint.checks import (
     checkpoint,
     collective_reach,
     collective_saves,
+    compile_prefix,
     data,
     dataparallel,
     deepspeed_config,
@@ -143,6 +146,7 @@ __all__ = [
     "checkpoint",
     "collective_reach",
     "collective_saves",
+    "compile_prefix",
     "data",
     "dataparallel",
     "deepspeed_config",

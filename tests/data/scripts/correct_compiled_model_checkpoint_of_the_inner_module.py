@@ -1,0 +1,42 @@
+"""A torch.compile'd model under DDP whose best checkpoint is saved from the compiled
+module's inner model (`model.module._orig_mod`) and loaded back into a fresh
+model that is not compiled, for the final test:
+
+    torchrun --nproc_per_node=2 train.py
+
+Compiled with backend="eager" so that it runs on CPU ranks without a C++
+compiler. Runs under torchrun (gloo): the keys are the plain model's, and both
+ranks load the weights.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = torch.compile(model, backend="eager")
+    model = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    best_path = os.path.join(os.getcwd(), "best.pt")
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    if rank == 0:
+        torch.save(model.module._orig_mod.state_dict(), best_path)
+    dist.barrier()
+    final = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    final.load_state_dict(torch.load(best_path, map_location="cpu"))
+    print(f"rank {rank} loaded the best weights", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
