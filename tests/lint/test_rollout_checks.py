@@ -135,3 +135,19 @@ def test_one_rank_runs_a_backward_more_and_fails_while_the_twin_agrees(torchrun)
     assert_broken_fails_and_twin_runs(
         torchrun, BROKEN, "Connection closed by peer", FIXED, "finished"
     )
+
+
+def test_a_size_named_alike_in_another_function_is_not_the_rollouts():
+    body = """
+def update(env):
+    batch = collect(env, model, 4)
+    n = batch["obs"].shape[0]
+    return n
+
+
+def finetune(loader):
+    n = len(loader)
+    for step in range(n):
+        model(next(loader)).mean().backward()
+"""
+    assert reported(body) == []

@@ -39,24 +39,29 @@ def check_minibatches_over_episode_rollouts(script: Script) -> Iterator[Finding]
     collectors = episode_collectors(script)
     if not collectors:
         return
-    rollouts = names_assigned_from(script, collectors)
-    sizes = size_names(script, rollouts)
-    for loop in (node for node in script.nodes if isinstance(node, ast.For)):
-        agreed = sizes_through_collectives(script, sizes, before=loop.lineno)
-        count = rollout_count(script, loop.iter, rollouts, sizes - agreed)
-        if count is None or not runs_backward(loop):
-            continue
-        yield script.finding(
-            "uneven-inputs",
-            loop,
-            f"the loop runs a backward per minibatch, and its count ({count}) comes from "
-            "a rollout each rank collects until its own episodes end "
-            f"({' / '.join(sorted(collectors))}): "
-            "ranks get different numbers of minibatches, and the rank with more runs a "
-            "backward whose gradient all-reduce no other rank joins; agree on the count "
-            "first (all_reduce the rollout size with op=MIN and cut to it), or collect a "
-            "fixed number of steps per rank",
-        )
+    for scope in script.all_scopes:  # a name means one thing within its own function
+        nodes = script.scope_nodes(scope)
+        rollouts = names_assigned_from(script, nodes, collectors)
+        sizes = size_names(nodes, rollouts)
+        for loop in (node for node in nodes if isinstance(node, ast.For)):
+            agreed = sizes_through_collectives(script, sizes, before=loop.lineno)
+            count = rollout_count(script, loop.iter, rollouts, sizes - agreed)
+            if count is not None and runs_backward(loop):
+                yield finding(script, loop, count, collectors)
+
+
+def finding(script: Script, loop: ast.For, count: str, collectors: set[str]) -> Finding:
+    return script.finding(
+        "uneven-inputs",
+        loop,
+        f"the loop runs a backward per minibatch, and its count ({count}) comes from "
+        "a rollout each rank collects until its own episodes end "
+        f"({' / '.join(sorted(collectors))}): "
+        "ranks get different numbers of minibatches, and the rank with more runs a "
+        "backward whose gradient all-reduce no other rank joins; agree on the count "
+        "first (all_reduce the rollout size with op=MIN and cut to it), or collect a "
+        "fixed number of steps per rank",
+    )
 
 
 def episode_collectors(script: Script) -> set[str]:
@@ -92,10 +97,10 @@ def runs_until_a_step_ends(loop: ast.While) -> bool:
     return steps and bool(names_in(loop.test) & set_here)
 
 
-def names_assigned_from(script: Script, functions: set[str]) -> set[str]:
+def names_assigned_from(script: Script, nodes: list[ast.AST], functions: set[str]) -> set[str]:
     """Names bound to what a call of one of `functions` returns (`obs, acts = collect(...)`)."""
     bound: set[str] = set()
-    for node in script.nodes:
+    for node in nodes:
         if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
             continue
         called = script.name_of(node.value.func)
@@ -104,11 +109,11 @@ def names_assigned_from(script: Script, functions: set[str]) -> set[str]:
     return bound
 
 
-def size_names(script: Script, rollouts: set[str]) -> set[str]:
+def size_names(nodes: list[ast.AST], rollouts: set[str]) -> set[str]:
     """Names assigned the length of a rollout (`n = obs.shape[0]`, `n = len(batch["obs"])`)."""
     return {
         source_text(node.targets[0])
-        for node in script.nodes
+        for node in nodes
         if isinstance(node, ast.Assign)
         and isinstance(node.targets[0], ast.Name)
         and length_of(node.value, rollouts)
