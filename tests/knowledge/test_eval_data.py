@@ -133,6 +133,7 @@ SMALL_SETS = {
     "real_reports_holdout63.jsonl",  # 8: session 39, six collectors, ~440 look-ups, threads used up
     "real_reports_holdout64.jsonl",  # 10: session 40, four collectors, ~450 look-ups
     "real_reports_holdout65.jsonl",  # 9: session 40's second round, two collectors, ~225
+    "real_reports_holdout66.jsonl",  # 10: session 40's third round, two collectors, ~200
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
@@ -152,6 +153,7 @@ ENGLISH_ONLY = {
     "real_reports_holdout46.jsonl",  # the Chinese collector found no thread not already used
     "real_reports_holdout54.jsonl",  # its three slices (torch 1.x era, Hugging Face, NCCL/infra) were English
     "real_reports_holdout63.jsonl",  # its Chinese collector found ~42 fixed threads, all already used
+    "real_reports_holdout66.jsonl",  # its Chinese-NLP collector's fixed Chinese threads were all used
 }
 
 
