@@ -403,7 +403,7 @@ def gram_matrix(x) -> np.ndarray:
     product = (rare @ rare.T).tocsr()  # one entry per pair: the fancy-indexed add counts each
     if product.nnz > DENSE_PRODUCT_SHARE * product.shape[0] ** 2:
         # Most pairs share a rare n-gram too (43% on the labelled pool): one dense add
-        # beats indexing each entry (0.24 s -> 0.07 s a fit), with the same sums.
+        # beats indexing each entry (a gram 0.78 s -> 0.66 s), with the same sums.
         gram += product.toarray()
         return gram
     rows = np.repeat(np.arange(product.shape[0]), np.diff(product.indptr))
