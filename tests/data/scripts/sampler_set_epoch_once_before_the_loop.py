@@ -25,6 +25,9 @@ def main() -> None:
             order += batch.tolist()
         orders.append(order)
     print(f"one order for every epoch: {all(o == orders[0] for o in orders)}", flush=True)
+    # No collective ran: wait until every rank is in, or rank 0 can leave while another
+    # is still connecting in init_process_group ("Connection closed by peer").
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -29,6 +29,9 @@ def main() -> None:
     val_loader = DataLoader(items, batch_size=2, sampler=DistributedSampler(items, shuffle=False))
     accuracy = evaluate(val_loader)
     print(f"val acc {accuracy:.3f}", flush=True)
+    # No collective ran: wait until every rank is in, or rank 0 can leave while another
+    # is still connecting in init_process_group ("Connection closed by peer").
+    dist.barrier()
     dist.destroy_process_group()
 
 
