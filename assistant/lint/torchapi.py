@@ -209,6 +209,16 @@ def calls_any(script: Script, calls: frozenset[tuple[str, str]]) -> bool:
     return any((name.split(".")[0], short(name)) in calls for _node, name in script.call_names)
 
 
+def saved_file(save: ast.Call) -> ast.expr | None:
+    """The file a `torch.save(obj, f)` call writes."""
+    return save.args[1] if len(save.args) > 1 else keyword(save, "f")
+
+
+def loaded_file(load: ast.Call) -> ast.expr | None:
+    """The file a `torch.load(f)` call reads."""
+    return load.args[0] if load.args else keyword(load, "f")
+
+
 def is_backward(node: ast.AST) -> bool:
     """A call that runs backward (BACKWARDS), on whatever it is called on."""
     return (

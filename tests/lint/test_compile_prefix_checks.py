@@ -64,6 +64,11 @@ def test_a_compiled_modules_checkpoint_loaded_into_a_plain_model(body):
     final = build()
     final.load_state_dict(torch.load(path), strict=False)
 """,
+        # not strict, given by position
+        """    torch.save(model.module.state_dict(), path)
+    final = build()
+    final.load_state_dict(torch.load(path), False)
+""",
         # loaded into a compiled model
         """    torch.save(model.module.state_dict(), path)
     final = torch.compile(build())

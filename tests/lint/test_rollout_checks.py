@@ -68,6 +68,16 @@ for update in range(100):
     assert reported(body) == [5]
 
 
+def test_a_backward_through_lightning_manual_optimisation_counts_too():
+    body = """
+batch = collect(env, model, 4)
+n = len(batch["obs"])
+for start in range(0, n, 64):
+    self.manual_backward(model(batch["obs"][start:start + 64]).mean())
+"""
+    assert reported(body) == [4]
+
+
 def test_a_size_logged_through_a_collective_after_the_loop_agrees_on_nothing():
     body = """
 batch = collect(env, model, 4)

@@ -40,6 +40,7 @@ from assistant.lint.torchapi import (
     is_distributed,
     one_process_group,
     runs_a_process_per_gpu,
+    saved_file,
 )
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -93,7 +94,7 @@ def every_rank_saves(script: Script, call: TracedCall) -> bool:
     """torch.save of a file every rank would name alike, on a path some rank runs."""
     if call.name != "torch.save" or not some_rank_runs(call.rank_path):
         return False
-    target = call.node.args[1] if len(call.node.args) > 1 else keyword(call.node, "f")
+    target = saved_file(call.node)
     return target is not None and shared_file(script, target)
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.state_dict import strict_load
 from assistant.lint.model import Script, keyword, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp
+from assistant.lint.torchapi import is_ddp, loaded_file
 from assistant.results import Finding
 
 COMPILED, WRAPS_COMPILED = "compiled", "DDP of a compiled model"
@@ -125,12 +126,7 @@ def is_plain_strict_load(node: ast.Call, holds: dict[str, str | None]) -> bool:
     if not (isinstance(node.func, ast.Attribute) and node.func.attr == "load_state_dict"):
         return False
     owner = node.func.value
-    strict = keyword(node, "strict")
-    return (
-        isinstance(owner, ast.Name)
-        and holds.get(owner.id) is None
-        and (strict is None or (isinstance(strict, ast.Constant) and strict.value is True))
-    )
+    return isinstance(owner, ast.Name) and holds.get(owner.id) is None and strict_load(node)
 
 
 def loaded_path(script: Script, load: ast.Call, scope: ast.AST) -> str | None:
@@ -147,10 +143,7 @@ def loaded_path(script: Script, load: ast.Call, scope: ast.AST) -> str | None:
             and any(isinstance(t, ast.Name) and t.id == state.id for t in n.targets)
         ]
         state = values[-1] if values else None
-    if (
-        isinstance(state, ast.Call)
-        and script.name_of(state.func) == "torch.load"
-        and (state.args or keyword(state, "f"))
-    ):
-        return source_text(state.args[0] if state.args else keyword(state, "f"))
+    if isinstance(state, ast.Call) and script.name_of(state.func) == "torch.load":
+        path = loaded_file(state)
+        return None if path is None else source_text(path)
     return None

@@ -25,6 +25,7 @@ from assistant.lint.launchtext import launched_nodes, logical_lines
 from assistant.lint.model import Script, keyword, short, source_text
 from assistant.lint.ranks import RANK_ZERO, RankPath, environment_variable
 from assistant.lint.registry import check
+from assistant.lint.torchapi import loaded_file, saved_file
 from assistant.lint.tracer import TracedCall
 from assistant.lint.values import MAX_HOPS, argparse_flag
 from assistant.results import Finding
@@ -116,7 +117,7 @@ def node_local_argument(script: Script, call: TracedCall, wanted: str) -> str | 
     """The node-local folder of the file a `wanted` call (torch.save, torch.load) names:
     in the call itself, or in an argument of a same-file helper that makes that call."""
     if call.name == wanted:
-        target = file_argument(call.node, wanted)
+        target = saved_file(call.node) if wanted == "torch.save" else loaded_file(call.node)
         return None if target is None else node_local_folder(script, target)
     helper = script.functions.get(call.name)
     if helper is None or not any(
@@ -125,12 +126,6 @@ def node_local_argument(script: Script, call: TracedCall, wanted: str) -> str | 
         return None
     arguments = [*call.node.args, *(k.value for k in call.node.keywords)]
     return next(filter(None, (node_local_folder(script, a) for a in arguments)), None)
-
-
-def file_argument(call: ast.Call, name: str) -> ast.expr | None:
-    if name == "torch.save":
-        return call.args[1] if len(call.args) > 1 else keyword(call, "f")
-    return call.args[0] if call.args else keyword(call, "f")
 
 
 def node_local_folder(script: Script, expr: ast.expr, hops: int = MAX_HOPS) -> str | None:

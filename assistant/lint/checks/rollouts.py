@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from assistant.lint.model import Script, names_in, short, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective, is_ddp
+from assistant.lint.torchapi import is_backward, is_collective, is_ddp
 from assistant.results import Finding
 
 # An environment step's result unpacked into at least this many names:
@@ -161,7 +161,4 @@ def rollout_count(
 
 
 def runs_backward(loop: ast.For) -> bool:
-    return any(
-        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
-        for n in ast.walk(loop)
-    )
+    return any(is_backward(n) for n in ast.walk(loop))

@@ -30,6 +30,7 @@ from assistant.lint.checks.wrapper import (
 )
 from assistant.lint.model import Script, is_int, keyword, self_attribute, short, source_text
 from assistant.lint.registry import check
+from assistant.lint.torchapi import loaded_file, saved_file
 from assistant.results import Finding
 
 # A loaded file named like someone else's weights, not the script's own checkpoint.
@@ -314,7 +315,7 @@ class Places:
         in a helper that saves its parameter (`def save_checkpoint(state, path)`),
         what the file's calls of the helper pass for it."""
         obj = call.args[0] if call.args else keyword(call, "obj")
-        path = call.args[1] if len(call.args) > 1 else keyword(call, "f")
+        path = saved_file(call)
         if obj is None:
             return []
         found = self.state_dicts_in(scope, obj, call.lineno)
@@ -418,7 +419,7 @@ class Places:
     ) -> SavedEntry | None:
         """The saved entry (of the same key) this torch.load reads: for a dict entry,
         any file not named like another model's weights; otherwise the same file."""
-        path = load.args[0] if load.args else keyword(load, "f")
+        path = loaded_file(load)
         if path is None:
             return None
         if entries[0].key is not None and not FOREIGN_WEIGHTS.search(source_text(path)):
