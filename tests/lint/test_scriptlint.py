@@ -330,6 +330,31 @@ def test_a_tensor_built_from_cpu_tensors_is_on_the_cpu(made, flagged) -> None:
     assert findings_of(source, "nccl-with-cpu-tensors") == expected, made
 
 
+@pytest.mark.parametrize(
+    "appended, flagged",
+    [
+        ("torch.sigmoid(logits).float().cpu()", True),  # blind set ae's 20
+        ("torch.sigmoid(logits).float()", False),  # stays on the GPU
+        ("logits.cpu() if i % 2 else logits", False),  # not every item is on the CPU
+    ],
+)
+def test_a_list_of_cpu_tensors_joined_then_gathered_is_on_the_cpu(appended, flagged) -> None:
+    """`scores = []`, `scores.append(p.cpu())`, `scores = torch.cat(scores)`, then
+    all_gather(..., scores): the list is no tensor; the joined one is where its items are."""
+    source = NCCL_HEADER + (
+        "def predict(model, loader, world):\n"
+        "    scores, labels = [], []\n"
+        "    for i, (x, y) in enumerate(loader):\n"
+        "        logits = model(x.cuda())\n"
+        f"        scores.append({appended})\n"
+        "    scores, n = torch.cat(scores), len(loader)\n"
+        "    gathered = [torch.empty_like(scores) for _ in range(world)]\n"
+        "    dist.all_gather(gathered, scores)\n"
+    )
+    expected = [("nccl-with-cpu-tensors", 11)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected, appended
+
+
 def test_a_tensor_made_on_the_gpu_in_one_branch_is_not_judged() -> None:
     source = NCCL_HEADER + (
         "if torch.cuda.is_available():\n"

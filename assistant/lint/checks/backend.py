@@ -76,19 +76,65 @@ def tensor_sent(call: ast.Call, collective: str) -> ast.Name | None:
 def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple[int, bool]]]:
     """For each name assigned among `nodes`: (line, made on the CPU) of every
     assignment, in line order. `t = t.cuda()` is an assignment too; a value made
-    from a name is on the CPU when that name's last assignment above was."""
+    from a name is on the CPU when that name's last assignment above was.
+
+    `a, b = x, y` pairs each name with its own value. A list being filled
+    (`scores = []`, then `scores.append(p.cpu())`) is no tensor yet: it is not
+    counted, and joining it (`torch.cat(scores)`) is on the CPU when every item
+    appended to it in the scope is.
+    """
     origins: dict[str, list[tuple[int, bool]]] = {}
+    appended = appended_items(nodes)
 
     def on_cpu_so_far(name: str) -> bool:
         assignments = origins.get(name)
         return bool(assignments) and assignments[-1][1]
 
+    def list_on_cpu(name: str) -> bool:
+        items = appended.get(name, [])
+        return bool(items) and all(makes_cpu_tensor(script, item, on_cpu_so_far) for item in items)
+
     for node in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
-        on_cpu = makes_cpu_tensor(script, node.value, on_cpu_so_far)
-        for target in node.targets:
-            if isinstance(target, ast.Name):
-                origins.setdefault(target.id, []).append((node.lineno, on_cpu))
+        for target, value in assigned_pairs(node):
+            if isinstance(value, ast.List) and not value.elts:
+                continue  # a list to fill, not a tensor
+            on_cpu = makes_cpu_tensor(script, value, on_cpu_so_far, list_on_cpu=list_on_cpu)
+            origins.setdefault(target.id, []).append((node.lineno, on_cpu))
     return origins
+
+
+def assigned_pairs(node: ast.Assign) -> list[tuple[ast.Name, ast.expr]]:
+    """(name, value) of an assignment: `t = v`, and `a, b = x, y` name by name."""
+    pairs = []
+    for target in node.targets:
+        if isinstance(target, ast.Name):
+            pairs.append((target, node.value))
+        elif (
+            isinstance(target, ast.Tuple)
+            and isinstance(node.value, ast.Tuple)
+            and len(target.elts) == len(node.value.elts)
+        ):
+            pairs += [
+                (name, value)
+                for name, value in zip(target.elts, node.value.elts)
+                if isinstance(name, ast.Name)
+            ]
+    return pairs
+
+
+def appended_items(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
+    """What `name.append(item)` puts into each list named among `nodes`."""
+    items: dict[str, list[ast.expr]] = {}
+    for node in nodes:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "append"
+            and isinstance(node.func.value, ast.Name)
+            and len(node.args) == 1
+        ):
+            items.setdefault(node.func.value.id, []).append(node.args[0])
+    return items
 
 
 # Joining tensors keeps their device (and fails on mixed ones); so do these methods.
@@ -101,11 +147,16 @@ MAX_DEPTH = 12
 
 
 def makes_cpu_tensor(
-    script: Script, value: ast.expr, cpu_name=lambda _name: False, depth=0
+    script: Script,
+    value: ast.expr,
+    cpu_name=lambda _name: False,
+    depth=0,
+    list_on_cpu=lambda _name: False,
 ) -> bool:
     """`torch.zeros(n)` with no device, `torch.from_numpy(a)`, `torch.LongTensor(x)`,
-    `t.cpu()`; a stack or cat with such a tensor in it; `.sum()` / `.double()` of one;
-    a name `cpu_name` says was made so."""
+    `t.cpu()`; a stack or cat with such a tensor in it, or of a list `list_on_cpu`
+    says holds such tensors; `.sum()` / `.double()` of one; a name `cpu_name` says
+    was made so."""
     if depth > MAX_DEPTH:
         return False
     if isinstance(value, ast.Name):
@@ -121,11 +172,15 @@ def makes_cpu_tensor(
         return any(
             makes_cpu_tensor(script, part, cpu_name, depth + 1) for part in value.args[0].elts
         )
+    if name in JOINS and value.args and isinstance(value.args[0], ast.Name):
+        return list_on_cpu(value.args[0].id)
     if isinstance(value.func, ast.Attribute):
         if value.func.attr == "cpu":
             return True
         if value.func.attr in DEVICE_KEEPING_METHODS:
-            return makes_cpu_tensor(script, value.func.value, cpu_name, depth + 1)
+            return makes_cpu_tensor(
+                script, value.func.value, cpu_name, depth + 1, list_on_cpu
+            )
     return False
 
 
