@@ -178,9 +178,7 @@ def makes_cpu_tensor(
         if value.func.attr == "cpu":
             return True
         if value.func.attr in DEVICE_KEEPING_METHODS:
-            return makes_cpu_tensor(
-                script, value.func.value, cpu_name, depth + 1, list_on_cpu
-            )
+            return makes_cpu_tensor(script, value.func.value, cpu_name, depth + 1, list_on_cpu)
     return False
 
 
