@@ -16,7 +16,8 @@ DDP_PRELUDE = """\
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import TensorDataset, random_split
+from torch.utils.data import Subset, TensorDataset, random_split
+import numpy as np
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -37,9 +38,11 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
     broken = wait_broken()
     assert broken.returncode == 0, broken.stderr[-2000:]
     assert "splits differ" in broken.stdout and "class maps differ" in broken.stdout
+    assert "permuted splits differ" in broken.stdout  # numpy seeded with the rank
     fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert "splits agree" in fixed.stdout and "class maps agree" in fixed.stdout
+    assert "permuted splits agree" in fixed.stdout
 
 
 @pytest.mark.parametrize(
@@ -50,6 +53,9 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         "split = hub_dataset.train_test_split(test_size=0.1)\n",
         "index = {n: i for i, n in enumerate(set(names))}\n",
         "order = list(set(names))\nindex = {n: i for i, n in enumerate(order)}\n",
+        # a split by hand: indices permuted from a generator each rank seeds its own way
+        "np.random.seed(7 + rank)\nidx = np.random.permutation(64)\ntrain_idx, val_idx = idx[:48], idx[48:]\n",
+        "idx = torch.randperm(64)\nval_set = Subset(data, idx[:16].tolist())\n",
     ],
 )
 def test_a_split_or_numbering_each_rank_draws_is_reported(body):
@@ -65,6 +71,12 @@ def test_a_split_or_numbering_each_rank_draws_is_reported(body):
         "index = {n: i for i, n in enumerate(sorted(set(names)))}\n",
         # drawn on rank 0 only (then saved or broadcast): one draw, not one per rank
         "if rank == 0:\n    train, val = random_split(data, [48, 16])\n",
+        "np.random.seed(7)\nidx = np.random.permutation(64)\ntrain_idx, val_idx = idx[:48], idx[48:]\n",
+        # torch seeded per rank says nothing of numpy's generator, seeded alike
+        "np.random.seed(7)\ntorch.manual_seed(7 + rank)\nidx = np.random.permutation(64)\ntrain_idx = idx[:48]\n",
+        "g = torch.Generator().manual_seed(0)\nidx = torch.randperm(64, generator=g)\ntrain_idx = idx[:48]\n",
+        # a permutation that shuffles, not a split
+        "order = torch.randperm(64)\nbatch = order[:8]\n",
     ],
 )
 def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):

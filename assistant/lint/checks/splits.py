@@ -24,6 +24,7 @@ Quiet on rank 0 only, and where the split is seeded explicitly.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from assistant.lint.model import Script, keyword, short
@@ -38,6 +39,19 @@ SEEDING = frozenset({"manual_seed", "seed_everything", "set_seed", "seed", "manu
 # split call (short name) -> the keyword that seeds it explicitly, and the position it may take
 SPLITS = {"random_split": ("generator", 2), "train_test_split": ("random_state", None)}
 HF_SPLIT_SEED = "seed"  # datasets.Dataset.train_test_split(test_size=..., seed=42)
+# Index permutations drawn from a global generator; torch's takes its own with generator=.
+PERMUTATIONS = frozenset({"numpy.random.permutation", "torch.randperm"})
+SEED_THE_SPLIT = (
+    "seed the split itself (random_split(..., generator=torch.Generator().manual_seed(42)), "
+    "train_test_split(..., random_state=42))"
+)
+SEED_THE_PERMUTATION = (
+    "draw the permutation from a generator seeded alike on every rank "
+    "(np.random.default_rng(42).permutation(n), torch.randperm(n, "
+    "generator=torch.Generator().manual_seed(42)))"
+)
+# A name that holds one part of a split.
+SPLIT_PART = re.compile(r"train|val|test|dev|holdout", re.IGNORECASE)
 
 
 @check(CAUSE)
@@ -47,10 +61,14 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
         return
     common, per_rank = seeds(script)
     for node, name in script.call_names:
-        seeded_here = explicitly_seeded(node, name)
+        seeded_here = explicitly_seeded(node, name, script)
         if seeded_here is None or seeded_here or on_rank_zero_only(node, script):
             continue
-        ranked_seed = seed_in_force(node, script, common, per_rank)
+        # A permutation reads one library's generator: only that library's seeding
+        # (or a helper that seeds them all) counts for it.
+        family = [c for c in common if seeds_generator_of(script, c, name)]
+        ranked = [c for c in per_rank if seeds_generator_of(script, c, name)]
+        ranked_seed = seed_in_force(node, script, family, ranked)
         if ranked_seed is False:
             continue
         if ranked_seed is None:
@@ -64,9 +82,8 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
             node,
             f"{short(name)}() runs in every process and {why}: each rank draws another "
             "split, so one rank's validation samples are the others' training samples; "
-            "seed the split itself (random_split(..., generator=torch.Generator()"
-            ".manual_seed(42)), train_test_split(..., random_state=42)) or split once "
-            "and save it",
+            f"{SEED_THE_PERMUTATION if name in PERMUTATIONS else SEED_THE_SPLIT} or split "
+            "once and save it",
         )
     yield from numbered_sets(script)
 
@@ -86,6 +103,25 @@ def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
         )
         (per_rank if ranked else common).append(node)
     return common, per_rank
+
+
+def seeds_generator_of(script: Script, seeding: ast.Call, split: str) -> bool:
+    """Whether a seeding call seeds the generator the split draws from: a
+    permutation reads numpy's or torch's own; the split functions any of them
+    (sklearn's reads numpy's, random_split torch's, and files seed them together)."""
+    if split not in PERMUTATIONS:
+        return True
+    library = split.split(".")[0]
+    seeder = script.name_of(seeding.func)
+    return (
+        seeder.startswith(f"{library}.")
+        or "." not in seeder
+        or short(seeder)
+        in (
+            "seed_everything",
+            "set_seed",
+        )
+    )
 
 
 def seed_in_force(
@@ -109,8 +145,12 @@ def seed_in_force(
     return per_rank[0] if per_rank else None
 
 
-def explicitly_seeded(node: ast.Call, name: str) -> bool | None:
+def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
     """None: not a split; else whether the call seeds its own draw."""
+    if name in PERMUTATIONS:
+        if not sliced_into_a_split(node, script):
+            return None
+        return keyword(node, "generator") is not None
     called = short(name)
     if called in SPLITS:
         word, position = SPLITS[called]
@@ -123,6 +163,56 @@ def explicitly_seeded(node: ast.Call, name: str) -> bool | None:
             return keyword(node, HF_SPLIT_SEED) is not None
         return position is not None and len(node.args) > position
     return None
+
+
+def sliced_into_a_split(permutation: ast.Call, script: Script) -> bool:
+    """`idx = np.random.permutation(n)`, then in the same scope slices of `idx`
+    assigned to names of a split's parts (`train_idx, val_idx = idx[:k], idx[k:]`)
+    or handed to `Subset`: a split by hand. A permutation that shuffles a batch
+    or an epoch's order is no split."""
+    assign = script.parents.get(id(permutation))
+    if not (isinstance(assign, ast.Assign) and assign.value is permutation):
+        return False
+    held = {t.id for t in assign.targets if isinstance(t, ast.Name)}
+    scope = enclosing_scope(permutation, script) or script.tree
+    for node in script.scope_nodes(scope):
+        if isinstance(node, ast.Assign):
+            for target, value in assigned_parts(node):
+                if is_slice_of(value, held) and SPLIT_PART.search(target):
+                    return True
+        handed_to_subset = (
+            isinstance(node, ast.Call) and short(script.name_of(node.func)) == "Subset"
+        )
+        if handed_to_subset and any(is_slice_of(arg, held) for arg in node.args[1:2]):
+            return True
+    return False
+
+
+def assigned_parts(node: ast.Assign) -> list[tuple[str, ast.expr]]:
+    """(target name, value) of `a = x` and, name by name, `a, b = x, y`."""
+    parts = []
+    for target in node.targets:
+        if isinstance(target, ast.Name):
+            parts.append((target.id, node.value))
+        elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+            parts += [
+                (name.id, value)
+                for name, value in zip(target.elts, node.value.elts)
+                if isinstance(name, ast.Name)
+            ]
+    return parts
+
+
+def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
+    """`idx[:k]`, `idx[a:b]` (or `.tolist()` of one) of a name among `names`."""
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and not expr.args:
+        expr = expr.func.value  # idx[:k].tolist()
+    return (
+        isinstance(expr, ast.Subscript)
+        and isinstance(expr.slice, ast.Slice)
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id in names
+    )
 
 
 def on_rank_zero_only(node: ast.AST, script: Script) -> bool:

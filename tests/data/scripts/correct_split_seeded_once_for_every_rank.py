@@ -5,10 +5,12 @@ Hugging Face dataset's train_test_split a random_state / seed; the class
 names are numbered in sorted order; and a split after a common seed for the
 whole process (torch.manual_seed(42) on every rank, as seed_everything does)
 is the same on every rank too. Per-rank seeds are set only after the split,
-for augmentation. Run with two ranks, rank 0 prints that the splits and the
+for augmentation. A split by hand permutes the indices with a generator
+seeded alike on every rank. Run with two ranks, rank 0 prints that the splits and the
 class maps agree.
 """
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -31,6 +33,12 @@ def split_hub_dataset(dataset):
     return dataset.train_test_split(test_size=0.1, seed=42)
 
 
+def split_indices(n):
+    idx = np.random.default_rng(42).permutation(n)
+    val_idx, train_idx = idx[: n // 4], idx[n // 4 :]
+    return train_idx, val_idx
+
+
 def class_index(names):
     return {name: i for i, name in enumerate(sorted(set(names)))}
 
@@ -43,14 +51,19 @@ def main():
     _, val = split(data)
     _, val_too = random_split(data, [300, 100])
     torch.manual_seed(1000 + rank)  # augmentation differs per rank, after the split
+    np.random.seed(1000 + rank)
+    _, val_idx = split_indices(len(data))
     model = DDP(torch.nn.Linear(1, 1))
     splits = [None] * world
-    dist.all_gather_object(splits, (sorted(val.indices), sorted(val_too.indices)))
+    drawn = (sorted(val.indices), sorted(val_too.indices), sorted(val_idx.tolist()))
+    dist.all_gather_object(splits, drawn)
     names = [f"species_{letter}" for letter in "abcdefghijklmnopqrstuvwxyz"]
     maps = [None] * world
     dist.all_gather_object(maps, class_index(names))
     if rank == 0:
         print("splits", "agree" if all(s == splits[0] for s in splits) else "differ")
+        permuted = [s[2] for s in splits]
+        print("permuted splits", "agree" if all(p == permuted[0] for p in permuted) else "differ")
         print("class maps", "agree" if all(m == maps[0] for m in maps) else "differ")
     del model
     dist.destroy_process_group()

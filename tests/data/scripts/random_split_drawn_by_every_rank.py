@@ -5,12 +5,14 @@ generator draws from the process's own unseeded torch generator, sklearn's
 train_test_split with no random_state from its own numpy state, and
 enumerate(set(names)) numbers the class names in an order Python's
 per-process string hashing decides; a split after seeding with the rank
-differs as well. The ranks end up with different
+differs as well, and so does a split by hand: indices permuted by numpy
+after seeding it with the rank, then sliced. The ranks end up with different
 validation sets (one rank validates on what the others train on) and
 different labels for the same class. Run with two ranks, rank 0 prints
 whether the splits and the class maps agree.
 """
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -33,6 +35,13 @@ def split_for_this_rank(dataset, rank):
     return random_split(dataset, [300, 100])  # expect: rank-divergent-data-split
 
 
+def split_indices(n, rank):
+    np.random.seed(1234 + rank)
+    idx = np.random.permutation(n)  # expect: rank-divergent-data-split
+    val_idx, train_idx = idx[: n // 4], idx[n // 4 :]
+    return train_idx, val_idx
+
+
 def class_index(names):
     return {name: i for i, name in enumerate(set(names))}  # expect: rank-divergent-data-split
 
@@ -44,13 +53,17 @@ def main():
     data = TensorDataset(torch.arange(400, dtype=torch.float32)[:, None])
     _, val = split(data)
     _, val_seeded = split_for_this_rank(data, rank)
+    _, val_idx = split_indices(len(data), rank)
     splits = [None] * world
-    dist.all_gather_object(splits, (sorted(val.indices), sorted(val_seeded.indices)))
+    drawn = (sorted(val.indices), sorted(val_seeded.indices), sorted(val_idx.tolist()))
+    dist.all_gather_object(splits, drawn)
     names = [f"species_{letter}" for letter in "abcdefghijklmnopqrstuvwxyz"]
     maps = [None] * world
     dist.all_gather_object(maps, class_index(names))
     if rank == 0:
         print("splits", "agree" if all(s == splits[0] for s in splits) else "differ")
+        permuted = [s[2] for s in splits]
+        print("permuted splits", "agree" if all(p == permuted[0] for p in permuted) else "differ")
         print("class maps", "agree" if all(m == maps[0] for m in maps) else "differ")
     del model
     dist.destroy_process_group()
