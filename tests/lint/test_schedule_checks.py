@@ -30,9 +30,11 @@ def test_the_fixture_uses_half_its_schedule_on_two_ranks_and_its_twin_all(torchr
     broken = wait_broken()
     assert broken.returncode == 0, broken.stderr[-2000:]
     assert broken.stdout.count("used 50% of the schedule") == 2
+    assert broken.stdout.count("scaled the lr for 8 samples a step; a step takes 16") == 2
     fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.count("used 100% of the schedule") == 2
+    assert fixed.stdout.count("scaled the lr for 16 samples a step; a step takes 16") == 2
 
 
 @pytest.mark.parametrize(
@@ -122,3 +124,36 @@ def test_a_modules_schedule_is_read_back_to_what_its_construction_passes(steps, 
         line for line, _ in lint_snippet(MODULE_HEADER, body, ["effective-batch-size-changed"])
     ]
     assert bool(lines) == found
+
+
+LOADER = "train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)\n"
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        "args.lr = args.lr * args.batch_size / 256",  # blind set ad's 07
+        "peak_lr = args.base_lr * (args.batch_size / 512)",
+        "optimizer = torch.optim.AdamW(params, lr=args.blr * args.batch_size / 256)",
+    ],
+)
+def test_a_learning_rate_scaled_by_one_process_batch_is_reported(scaling: str):
+    assert len(reported(LOADER + scaling)) == 1
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        # the global batch: every process's batch counted
+        "args.lr = args.lr * args.batch_size * dist.get_world_size() / 256",
+        "lr = args.lr * args.batch_size * world_size / 512",
+        "lr = args.lr * global_batch / 256",
+        # a global batch split among the processes before the loader takes it
+        "args.lr = args.lr * args.batch_size / 256\nargs.batch_size //= world_size",
+        # not a learning rate
+        "warmup = args.warmup_steps * args.batch_size / 256",
+    ],
+    ids=["world-size-call", "world-size-name", "global-batch", "batch-split-later", "not-an-lr"],
+)
+def test_quiet_where_the_rule_counts_every_process(scaling: str):
+    assert reported(LOADER + scaling) == []

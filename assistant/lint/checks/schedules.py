@@ -174,3 +174,79 @@ def dataset_length(exprs: list[ast.expr]) -> ast.expr | None:
                 if DATASET_WORDS.search(measured.lower()):
                     return node.args[0]
     return None
+
+
+# The linear scaling rule's reference batch: `lr = base_lr * batch_size / 256`.
+REFERENCE_BATCHES = frozenset({32, 64, 128, 256, 512, 1024, 2048, 4096})
+LEARNING_RATE = re.compile(r"(^|_|\.)(lr|learning_rate)$", re.IGNORECASE)
+
+
+@check("effective-batch-size-changed")
+def check_lr_scaled_by_one_process_batch(script: Script) -> Iterator[Finding]:
+    """`args.lr = args.lr * args.batch_size / 256` where `args.batch_size` is the
+    batch each process's DataLoader takes: under DDP a step averages N such
+    batches, so the rule meant for the global batch scales by 1/N of it."""
+    if not runs_a_process_per_gpu(script):
+        return
+    per_process = loader_batches(script) - rescaled_by_process_count(script)
+    if not per_process:
+        return
+    for node in script.nodes:
+        if not (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.right, ast.Constant)
+            and node.right.value in REFERENCE_BATCHES
+        ):
+            continue
+        batch = next((t for t in names_in([node.left]) if t in per_process), None)
+        scaled = scaled_learning_rate(script, node)
+        if batch is None or scaled is None or PROCESS_COUNT.search(source_text(scaled)):
+            continue
+        yield script.finding(
+            "effective-batch-size-changed",
+            node,
+            f"the learning rate is scaled by {batch} / {node.right.value}, but {batch} is "
+            "the batch of one process (its DataLoader's batch_size): each DDP step averages "
+            "the batches of all N processes, so the linear scaling rule counts 1/N of the "
+            f"real batch and the learning rate comes out N times too small; scale by "
+            f"{batch} * world_size / {node.right.value}",
+        )
+
+
+def loader_batches(script: Script) -> set[str]:
+    """The batch_size arguments of the file's DataLoaders, as written (`args.batch_size`)."""
+    return {
+        source_text(size)
+        for node, name in script.call_names
+        if short(name) == "DataLoader" and (size := keyword(node, "batch_size")) is not None
+    }
+
+
+def rescaled_by_process_count(script: Script) -> set[str]:
+    """Names the file sets from the number of processes (`args.batch_size //= world_size`,
+    `args.batch_size = int(args.batch_size / args.world_size)`): a global batch split."""
+    found = set()
+    for node in script.nodes:
+        if isinstance(node, ast.AugAssign | ast.Assign) and PROCESS_COUNT.search(
+            source_text(node.value)
+        ):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found |= {source_text(target) for target in targets}
+    return found
+
+
+def scaled_learning_rate(script: Script, node: ast.AST) -> ast.AST | None:
+    """The statement or keyword the scaling feeds when it sets a learning rate
+    (`args.lr = ...`, `lr=...` of a call), else None."""
+    parents = script.parents
+    child, parent = node, parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.stmt):
+        if isinstance(parent, ast.keyword):
+            return parent if parent.arg in ("lr", "learning_rate") else None
+        child, parent = parent, parents.get(id(parent))
+    if isinstance(parent, ast.Assign | ast.AugAssign | ast.AnnAssign) and child is parent.value:
+        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+        if any(LEARNING_RATE.search(source_text(t)) for t in targets):
+            return parent
+    return None

@@ -1,6 +1,7 @@
 """The trainer of schedule_counted_in_one_gpus_steps.py with the fix: the
 schedule counts the steps of this rank's loader (its DistributedSampler's
-share), so the run uses all of it on every rank."""
+share), so the run uses all of it on every rank; and the linear scaling rule
+counts the batch of every process, as a DDP step does."""
 
 import argparse
 
@@ -15,6 +16,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--base-lr", type=float, default=0.4)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -23,12 +25,16 @@ def main():
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     model = DDP(nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    peak_lr = args.base_lr * args.batch_size * dist.get_world_size() / 256
     total_steps = len(train_loader) * args.epochs
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total_steps)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr, total_steps=total_steps)
     steps = 0
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for x, y in train_loader:
+            if steps == 0:  # the samples one step averages over, on all ranks
+                samples = torch.tensor(len(x))
+                dist.all_reduce(samples)
             loss = nn.functional.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()
@@ -36,6 +42,8 @@ def main():
             scheduler.step()
             steps += 1
     print(f"rank {dist.get_rank()} used {100 * steps // total_steps}% of the schedule")
+    scaled_for = round(peak_lr / args.base_lr * 256)
+    print(f"rank {dist.get_rank()} scaled the lr for {scaled_for} samples a step; a step takes {int(samples)}")
     dist.destroy_process_group()
 
 
