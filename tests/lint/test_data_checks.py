@@ -986,3 +986,50 @@ def test_a_loader_ray_prepares_needs_set_epoch_each_epoch(shuffle, option, set_e
     source = RAY_TRAIN_LOOP.format(shuffle=shuffle, option=option, set_epoch=set_epoch)
     found = [f for f in lint_source(source) if f.cause_id == "sampler-set-epoch"]
     assert bool(found) == reported
+
+
+GRAPH_PRELUDE = """\
+import dgl
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch_geometric.loader import NeighborLoader
+
+dist.init_process_group("nccl")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+model = DDP(torch.nn.Linear(4, 1))
+train_idx = split_idx["train"]
+"""
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # blind set ae's 02: every rank samples the whole training split
+        "loader = NeighborLoader(data, input_nodes=train_idx, num_neighbors=[10], shuffle=True)\n",
+        "loader = dgl.dataloading.DataLoader(g, train_idx, sampler, batch_size=1024, shuffle=True)\n",
+    ],
+    ids=["pyg", "dgl"],
+)
+def test_a_graph_loader_of_every_seed_node_on_every_rank_is_reported(body: str) -> None:
+    assert findings(GRAPH_PRELUDE, body) == [("missing-distributed-sampler", 1)]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # each rank its own share of the seeds, or DGL splitting them
+        (
+            "mine = train_idx.tensor_split(world_size)[rank]\n"
+            "loader = NeighborLoader(data, input_nodes=mine, num_neighbors=[10], shuffle=True)\n"
+        ),
+        "loader = NeighborLoader(data, input_nodes=train_idx[rank::world_size], num_neighbors=[10], shuffle=True)\n",
+        "loader = dgl.dataloading.DataLoader(g, train_idx, sampler, use_ddp=True, shuffle=True)\n",
+        # an evaluation loader every rank reads whole (not shuffled), or rank 0's own
+        "loader = NeighborLoader(data, input_nodes=split_idx['test'], num_neighbors=[-1])\n",
+        "if rank == 0:\n    loader = NeighborLoader(data, input_nodes=train_idx, shuffle=True)\n",
+    ],
+    ids=["tensor-split", "strided", "use-ddp", "evaluation", "rank-zero"],
+)
+def test_a_graph_loader_split_by_rank_or_not_training_is_quiet(body: str) -> None:
+    assert findings(GRAPH_PRELUDE, body) == []

@@ -138,6 +138,45 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         )
 
 
+# Graph mini-batch loaders: each step samples the neighbourhoods of a batch of seed
+# nodes, and the seeds are the loader's own argument (PyG's `input_nodes=`, DGL's
+# second argument); no sampler splits them, and DGL splits them only with use_ddp=True.
+GRAPH_LOADERS = {
+    "torch_geometric.loader.NeighborLoader": "input_nodes",
+    "torch_geometric.loader.HGTLoader": "input_nodes",
+    "torch_geometric.loader.ShaDowKHopSampler": "node_idx",
+    "dgl.dataloading.DataLoader": None,
+    "dgl.dataloading.NodeDataLoader": None,
+}
+
+
+@check("missing-distributed-sampler")
+def check_graph_loader_seeds_not_split(script: Script) -> Iterator[Finding]:
+    """A shuffled graph loader whose seed nodes every rank takes whole: `NeighborLoader(
+    data, input_nodes=split_idx["train"], shuffle=True)` on every rank of a DDP run."""
+    data = DataFlow(script)
+    if not data.is_distributed or not data.data_parallel:
+        return
+    for node, name in script.call_names:
+        if name not in GRAPH_LOADERS or not shuffles(node) or data.rank_zero_only(node):
+            continue
+        word = GRAPH_LOADERS[name]
+        seeds = keyword(node, word) if word else (node.args[1] if len(node.args) > 1 else None)
+        if word is None and seeds is None:
+            seeds = keyword(node, "indices") or keyword(node, "train_nids")
+        if seeds is None or data.sharded_by_rank(seeds) or not is_falsy(keyword(node, "use_ddp")):
+            continue
+        fix = "pass use_ddp=True" if word is None else f"pass {word}={source_text(seeds)}.tensor_split(world_size)[rank]"
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            f"{short(name)} draws its batches from {source_text(seeds)}, every seed node, on "
+            "every rank: a graph loader takes no DistributedSampler, so each rank trains on "
+            f"the whole split and N ranks do N times the work; {fix} (each "
+            "rank its own share of the seeds)",
+        )
+
+
 # webdataset's pipelines: a list of stages from the shard list to the samples.
 WEBDATASET_PIPELINES = frozenset({"webdataset.DataPipeline"})
 WEBDATASET_READERS = WEBDATASET_PIPELINES | {"webdataset.WebDataset"}
