@@ -501,6 +501,58 @@ def test_a_class_whose_init_defaults_to_a_fixed_gpu_is_reported_where_constructe
     assert findings_of(method) == []
 
 
+def test_a_gpu_index_left_at_zero_in_a_class_that_keeps_it_is_reported() -> None:
+    """Blind set ad's 15: a prefetching loader's `local_rank=0` kept as self.local_rank
+    and used by its other methods; constructed without it, every rank prefetches to GPU 0."""
+    loader = (
+        "class Prefetcher:\n"
+        "    def __init__(self, loader, local_rank=0):\n"
+        "        self.loader, self.local_rank = loader, local_rank\n"
+        "        self.gpu = local_rank\n"
+        "        self.stream = torch.cuda.Stream(local_rank)\n"
+        "    def __iter__(self):\n"
+        "        for x in self.loader:\n"
+        "            yield x.to(device=self.gpu, non_blocking=True)\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "torch.cuda.set_device(local_rank)\n"
+        "model = DDP(nn.Linear(4, 4).cuda(), device_ids=[local_rank])\n"
+    )
+    bare = DDP_HEADER + loader + "batches = Prefetcher(train_loader)\n"
+    findings = lint_source(bare)
+    assert [(f.cause_id, f.line) for f in findings] == [("hardcoded-device", 6)]
+    assert "local_rank defaults to 0 (GPU 0)" in findings[0].message
+    given = bare.replace("Prefetcher(train_loader)", "Prefetcher(train_loader, local_rank)")
+    assert findings_of(given) == []
+    # a rank's number is no GPU's: `rank=0` is a sampler's default, not a device
+    sampler = loader.replace("local_rank=0", "rank=0").replace(
+        "= loader, local_rank", "= loader, rank"
+    )
+    sampler = sampler.replace("self.gpu = local_rank", "self.gpu = rank").replace(
+        "Stream(local_rank)", "Stream(rank)"
+    )
+    assert findings_of(DDP_HEADER + sampler + "batches = Prefetcher(train_loader)\n") == []
+
+
+def test_a_bare_cuda_default_is_gpu_zero_only_where_no_process_sets_its_device() -> None:
+    """Blind set ae's 15: tensors made on `device="cuda"` by default, in a file that
+    never calls set_device, all land on GPU 0; after set_device "cuda" is the rank's."""
+    data = (
+        "class Collocation:\n"
+        '    def __init__(self, n, device="cuda"):\n'
+        "        self.x = torch.rand(n, 2, device=device)\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "model = DDP(nn.Linear(2, 1).to(f'cuda:{local_rank}'), device_ids=[local_rank])\n"
+        "points = Collocation(1000)\n"
+    )
+    source = DDP_HEADER + data
+    assert findings_of(source) == [("hardcoded-device", 6)]
+    placed = source.replace(
+        "local_rank = int(os.environ['LOCAL_RANK'])\n",
+        "local_rank = int(os.environ['LOCAL_RANK'])\ntorch.cuda.set_device(local_rank)\n",
+    )
+    assert findings_of(placed) == []
+
+
 def test_a_sampler_chosen_by_a_conditional_expression_is_followed() -> None:
     source = (
         "import torch.distributed as dist\n"

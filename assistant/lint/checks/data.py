@@ -166,7 +166,11 @@ def check_graph_loader_seeds_not_split(script: Script) -> Iterator[Finding]:
             seeds = keyword(node, "indices") or keyword(node, "train_nids")
         if seeds is None or data.sharded_by_rank(seeds) or not is_falsy(keyword(node, "use_ddp")):
             continue
-        fix = "pass use_ddp=True" if word is None else f"pass {word}={source_text(seeds)}.tensor_split(world_size)[rank]"
+        fix = (
+            "pass use_ddp=True"
+            if word is None
+            else f"pass {word}={source_text(seeds)}.tensor_split(world_size)[rank]"
+        )
         yield script.finding(
             "missing-distributed-sampler",
             node,

@@ -233,32 +233,58 @@ def fixed_device_fields(script: Script, rank_zero_only: set[int]) -> Iterator[Fi
 def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterator[Finding]:
     """A plain function of the file whose parameter defaults to a fixed GPU
     (`def move_to_device(batch, device="cuda:0")`), or a class whose __init__'s
-    does (`class Meter: def __init__(self, n, device="cuda:0")`), places work on
-    it, and is called (constructed) somewhere without that argument: that call
-    sends every rank's work to the same GPU."""
+    does (`class Meter: def __init__(self, n, device="cuda:0")`, a prefetching
+    loader's `local_rank=0`), places work on it, and is called (constructed)
+    somewhere without that argument: that call sends every rank's work to the
+    same GPU. A bare "cuda" default is GPU 0 too where the file never gives a
+    process its own current device (current_device_left_at_cuda0)."""
     if not is_distributed(script):
         return
+    bare_cuda_is_gpu0 = current_device_left_at_cuda0(script)
     for name, function in script.functions.items():
         callee, skipped = called_as(name)
         if callee is None:
             continue  # other methods are reached through objects: their calls are not read here
-        for parameter, position, default, gpu in fixed_gpu_parameters(function):
+        body = class_of(script, callee) if skipped else function
+        for parameter, position, default, gpu in fixed_gpu_parameters(function, bare_cuda_is_gpu0):
             if position is not None:
                 position -= skipped
+            held = {parameter} | fields_set_from(function, parameter)
             placing = any(
-                isinstance(node, ast.Call) and places_on(node, parameter)
-                for node in ast.walk(function)
+                isinstance(node, ast.Call) and places_on_any(node, held)
+                for node in ast.walk(body or function)
             )
             bare = placing and call_without(script, callee, parameter, position, rank_zero_only)
             if bare:
+                shown = gpu if isinstance(gpu, str) else f'"{gpu.value}"'
                 yield script.finding(
                     "hardcoded-device",
                     default,
-                    f'{callee}()\'s {parameter} defaults to "{gpu.value}", and line {bare.lineno} '
+                    f"{callee}()'s {parameter} defaults to {shown}, and line {bare.lineno} "
                     "calls it without one: every rank's work goes to the same GPU; pass the "
                     f"rank's device there (or default {parameter} to None and use the current "
                     "device)",
                 )
+
+
+def class_of(script: Script, name: str) -> ast.ClassDef | None:
+    """The file's top-level class called `name`."""
+    return next(
+        (n for n in script.tree.body if isinstance(n, ast.ClassDef) and n.name == name), None
+    )
+
+
+def fields_set_from(function: Function, parameter: str) -> set[str]:
+    """`self.x` for each `self.x = parameter` in the function (the device kept for later)."""
+    return {
+        source_text(target)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == parameter
+        for target in node.targets
+        if self_attribute(target)
+    }
 
 
 def called_as(name: str) -> tuple[str | None, int]:
@@ -273,20 +299,40 @@ def called_as(name: str) -> tuple[str | None, int]:
     return None, 0
 
 
+# A parameter that holds a GPU's index: `local_rank=0` means GPU 0, not "this rank".
+GPU_INDEX_PARAMETER = re.compile(r"^(local_rank|gpu|gpu_id|gpu_index|device|device_id|cuda_id)$")
+
+
 def fixed_gpu_parameters(
-    function: Function,
-) -> Iterator[tuple[str, int | None, ast.expr, ast.Constant]]:
+    function: Function, bare_cuda_is_gpu0: bool = False
+) -> Iterator[tuple[str, int | None, ast.expr, ast.Constant | str]]:
     """(name, position, default, the GPU it names) of the parameters that default
-    to a fixed GPU; position None for a keyword-only one."""
+    to a fixed GPU; position None for a keyword-only one. The GPU is the constant,
+    or a description where the default names GPU 0 without saying "cuda:0"."""
     arguments = function.args
     positional = arguments.posonlyargs + arguments.args
     offset = len(positional) - len(arguments.defaults)
-    for index, default in enumerate(arguments.defaults):
-        if gpu := fixed_gpu_of(default):
-            yield positional[offset + index].arg, offset + index, default, gpu
-    for parameter, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True):
-        if default is not None and (gpu := fixed_gpu_of(default)):
-            yield parameter.arg, None, default, gpu
+    named = [(positional[offset + i], offset + i, d) for i, d in enumerate(arguments.defaults)]
+    named += [
+        (parameter, None, default)
+        for parameter, default in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True)
+        if default is not None
+    ]
+    for parameter, position, default in named:
+        if gpu := fixed_gpu_of(default) or gpu_zero_of(parameter.arg, default, bare_cuda_is_gpu0):
+            yield parameter.arg, position, default, gpu
+
+
+def gpu_zero_of(parameter: str, default: ast.expr, bare_cuda_is_gpu0: bool) -> str | None:
+    """How a default names GPU 0 without "cuda:0": index 0 for a GPU-index
+    parameter, or "cuda" where every process's current device stays GPU 0."""
+    if not isinstance(default, ast.Constant) or isinstance(default.value, bool):
+        return None
+    if default.value == 0 and GPU_INDEX_PARAMETER.match(parameter):
+        return "0 (GPU 0)"
+    if default.value == "cuda" and bare_cuda_is_gpu0:
+        return '"cuda" (GPU 0: the file never calls set_device)'
+    return None
 
 
 def call_without(
@@ -394,13 +440,26 @@ def is_fixed_cuda(value: ast.expr | None) -> bool:
 
 def places_on(node: ast.Call, name: str) -> bool:
     """`x.to(name)`, `x.cuda(name)`, `torch.device(name)` or `device=name`."""
+    return places_on_any(node, {name})
+
+
+# torch.cuda calls whose first argument is the GPU they use.
+GPU_ARGUMENT_CALLS = frozenset({"Stream", "device", "set_device"})
+
+
+def places_on_any(node: ast.Call, names: set[str]) -> bool:
+    """`places_on` for any of `names` (a parameter, or the `self.x` that keeps it);
+    also `torch.cuda.Stream(name)`, which makes a stream on that GPU."""
     given = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "device")]
-    named = any(isinstance(arg, ast.Name) and arg.id == name for arg in given)
+    named = any(
+        isinstance(arg, ast.Name | ast.Attribute) and source_text(arg) in names for arg in given
+    )
     if not named:
         return False
     func = node.func
     placing = isinstance(func, ast.Attribute) and func.attr in ("to", "cuda", "device")
-    return placing or keyword(node, "device") is not None
+    stream = isinstance(func, ast.Attribute) and func.attr in GPU_ARGUMENT_CALLS
+    return placing or stream or keyword(node, "device") is not None
 
 
 def current_device_left_at_cuda0(script: Script) -> bool:
