@@ -161,3 +161,26 @@ def test_a_model_sized_by_a_constant_is_not_sized_by_the_data_the_device_carries
         model(x)
     """
     assert reported_lines(body) == []
+
+
+SIZED_BY_A_NAME = """
+class Tabular(nn.Module):
+    def __init__(self, cardinalities, dim):
+        super().__init__()
+        self.embeds = nn.ModuleList(nn.Embedding(c, dim) for c in cardinalities)
+def main(files, columns):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    frame = pd.concat(pd.read_parquet(f) for f in files[rank::world])
+    cardinalities = [int(frame[c].max()) + 1 for c in columns]
+    model = Tabular(cardinalities, 32)
+    model = DDP(model)
+"""
+
+
+def test_embedding_sizes_measured_from_the_ranks_own_shard_through_a_name():
+    """Blind set ae's 11: the sizes are a name assigned from this rank's shard."""
+    assert reported_lines(SIZED_BY_A_NAME) == [11]
+    # measured from the whole table (read on every rank alike): the same sizes everywhere
+    whole = SIZED_BY_A_NAME.replace("files[rank::world]", "files")
+    assert reported_lines(whole) == []

@@ -202,7 +202,8 @@ def check_model_sized_by_the_ranks_own_data(script: Script) -> Iterator[Finding]
         for built in map(unmoved, script.assigned_values.get(name, [])):
             if not (isinstance(built, ast.Call) and builds_a_layer(script, built)):
                 continue
-            sized = next((e for e in size_arguments(built) if data.sharded_by_rank(e)), None)
+            measured = size_arguments(built, script.assigned_values)
+            sized = next((e for e in measured if data.sharded_by_rank(e)), None)
             if sized is None:
                 continue
             yield script.finding(
@@ -228,14 +229,32 @@ def unmoved(expr: ast.expr) -> ast.expr:
     return expr
 
 
-def size_arguments(call: ast.Call) -> Iterator[ast.expr]:
-    """What `len(x)`, `max(x)`, `x.nunique()`, `x.size(...)` measure among a call's arguments."""
-    for argument in [*call.args, *(k.value for k in call.keywords)]:
-        for node in ast.walk(argument):
-            if not isinstance(node, ast.Call):
-                continue
-            func = node.func
-            if isinstance(func, ast.Name) and func.id in SIZE_OF and node.args:
-                yield node.args[0]
-            elif isinstance(func, ast.Attribute) and func.attr in SIZE_OF:
-                yield func.value
+# How many assignments back a size argument's name is followed
+# (`cards = [df[c].max() + 1 for c in cols]`, then `Model(cards, ...)`).
+SIZE_DEPTH = 2
+
+
+def size_arguments(
+    call: ast.Call, assigned: dict[str, list[ast.expr]] | None = None
+) -> Iterator[ast.expr]:
+    """What `len(x)`, `max(x)`, `x.nunique()`, `x.size(...)` measure among a call's
+    arguments, and among the values a name argument was assigned (SIZE_DEPTH back)."""
+    arguments = [*call.args, *(k.value for k in call.keywords)]
+    seen: set[str] = set()
+    for _ in range(SIZE_DEPTH + 1):
+        names = []
+        for argument in arguments:
+            for node in ast.walk(argument):
+                if isinstance(node, ast.Name) and node.id not in seen:
+                    names.append(node.id)
+                    seen.add(node.id)
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                if isinstance(func, ast.Name) and func.id in SIZE_OF and node.args:
+                    yield node.args[0]
+                elif isinstance(func, ast.Attribute) and func.attr in SIZE_OF:
+                    yield func.value
+        if assigned is None:
+            return
+        arguments = [value for name in names for value in assigned.get(name, [])]
