@@ -241,3 +241,69 @@ def test_a_library_models_aux_classifier_taken_on_some_steps(
         .replace("{gate}", gate)
     )
     assert reported_lines(body) == reported
+
+
+BACKBONE = """
+import torchvision
+
+
+class ReID(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        base = torchvision.models.resnet50()
+        self.base = base
+        self.head = nn.Linear(2048, n)
+
+    def forward(self, x):
+        b = self.base
+        x = b.layer4(b.layer3(b.layer2(b.layer1(b.maxpool(b.relu(b.bn1(b.conv1(x))))))))
+        return self.head(x.mean((2, 3)))
+
+
+model = DDP(ReID(10))
+"""
+
+
+def test_a_library_backbone_run_piece_by_piece_without_its_head_is_reported():
+    """Blind set ad's 19: resnet50's fc is kept but never run."""
+    assert reported_lines(BACKBONE) == [8]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        (
+            "        self.base = base\n",
+            "        base.fc = nn.Identity()\n        self.base = base\n",
+        ),
+        ("        self.base = base\n", "        del base.fc\n        self.base = base\n"),
+        ("model = DDP(ReID(10))", "net = ReID(10)\nnet.base.fc = nn.Identity()\nmodel = DDP(net)"),
+        ("model = DDP(ReID(10))", "model = DDP(ReID(10), find_unused_parameters=True)"),
+        (
+            "        self.base = base\n",
+            "        base.fc.requires_grad_(False)\n        self.base = base\n",
+        ),
+        (
+            "        self.head = nn.Linear(2048, n)\n",
+            "        for p in self.base.parameters():\n            p.requires_grad = False\n",
+        ),
+        # the whole backbone runs, its fc included
+        ("        b = self.base\n", "        return self.base(x)\n        b = self.base\n"),
+        # forward reads the head itself
+        ("return self.head(x.mean((2, 3)))", "return b.fc(x.mean((2, 3)))"),
+    ],
+    ids=[
+        "identity",
+        "deleted",
+        "replaced-outside",
+        "find-unused",
+        "head-frozen",
+        "backbone-frozen",
+        "whole-model",
+        "head-read",
+    ],
+)
+def test_a_backbone_whose_head_is_removed_run_or_allowed_is_quiet(change):
+    old, new = change
+    assert old in BACKBONE
+    assert reported_lines(BACKBONE.replace(old, new)) == []

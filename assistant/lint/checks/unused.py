@@ -737,3 +737,127 @@ def self_flags(test: ast.expr) -> list[str]:
         and part.value.id == "self"
         and part.attr != "training"
     ]
+
+
+# A library classifier's own head, by the family of model that builds it: a forward
+# that runs the backbone piece by piece leaves it out unless it reads it.
+TORCHVISION_HEADS = (
+    (("resnet", "resnext", "wide_resnet", "regnet", "googlenet", "inception", "shufflenet"), "fc"),
+    (
+        ("densenet", "vgg", "alexnet", "mobilenet", "efficientnet", "convnext", "mnasnet"),
+        "classifier",
+    ),
+    (("vit_", "swin_", "maxvit"), "heads"),
+)
+
+
+@check("unused-parameters")
+def check_library_backbone_run_without_its_head(script: Script) -> Iterator[Finding]:
+    """`self.base = torchvision.models.resnet50(...)` in a model whose forward runs
+    `b.conv1 ... b.layer4` and never `b.fc`: the backbone's classifier stays a
+    parameter of the model and gets no gradient at any step, under a DDP that
+    expects one for every parameter."""
+    strict = strict_ddp_calls(script)
+    if not strict:
+        return
+    for cls in model_classes(script):
+        init = next(
+            (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None
+        )
+        if init is None:
+            continue
+        for field, built, head in library_backbones(script, init):
+            forward = forward_of(cls)
+            used = pieces_run(forward, field)
+            if used is None or head in used or head_taken_out(script, field, head):
+                continue
+            yield script.finding(
+                "unused-parameters",
+                built,
+                f"{cls.name}.forward runs {field} piece by piece ({', '.join(sorted(used)[:4])}"
+                f"{', ...' if len(used) > 4 else ''}) and never its {head}: the library's "
+                "classifier stays in the model and gets no gradient at any step, and DDP "
+                f"(line {strict[0].lineno}) expects one for every parameter and fails with "
+                '"Expected to have finished reduction in the prior iteration"; remove it '
+                f"({field}.{head} = nn.Identity()) or pass find_unused_parameters=True",
+            )
+
+
+def library_backbones(script: Script, init: ast.FunctionDef) -> Iterator[tuple[str, ast.Call, str]]:
+    """(`self.x`, the call, its head's attribute) for each torchvision classifier
+    that __init__ keeps as a field, directly or through a local name."""
+    locals_built: dict[str, ast.Call] = {}
+    for node in ast.walk(init):
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            continue
+        target, value = node.targets[0], unmoved(node.value)
+        if isinstance(value, ast.Name) and value.id in locals_built:
+            value = locals_built[value.id]
+        if not isinstance(value, ast.Call) or (head := torchvision_head(script, value)) is None:
+            continue
+        if isinstance(target, ast.Name):
+            locals_built[target.id] = value
+        elif self_attribute(target):
+            yield source_text(target), value, head
+
+
+def torchvision_head(script: Script, call: ast.Call) -> str | None:
+    """The head attribute of a torchvision classifier builder (`resnet50` -> "fc")."""
+    name = script.name_of(call.func)
+    if not name.startswith("torchvision.models."):
+        return None
+    builder = name.rsplit(".", 1)[-1]
+    for families, head in TORCHVISION_HEADS:
+        if builder.startswith(families):
+            return head
+    return None
+
+
+def pieces_run(forward: ast.FunctionDef, field: str) -> set[str] | None:
+    """The attributes of `field` forward reads (`self.base.conv1`, or `b.conv1` after
+    `b = self.base`); None when forward calls the whole model (`self.base(x)`)."""
+    aliases = {field}
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Assign) and source_text(node.value) == field:
+            aliases |= {source_text(t) for t in node.targets if isinstance(t, ast.Name)}
+    used: set[str] = set()
+    for node in ast.walk(forward):
+        if isinstance(node, ast.Call) and source_text(node.func) in aliases:
+            return None
+        if isinstance(node, ast.Attribute) and source_text(node.value) in aliases:
+            used.add(node.attr)
+    return used or None
+
+
+def head_taken_out(script: Script, field: str, head: str) -> bool:
+    """The file replaces, deletes or freezes the head, or freezes the whole backbone
+    (in the class, or on the built model: `model.base.fc = nn.Identity()`)."""
+    local = field.removeprefix("self.")
+    for node in script.nodes:
+        if isinstance(node, ast.Assign | ast.Delete):
+            targets = node.targets
+            if any(isinstance(t, ast.Attribute) and t.attr == head for t in targets):
+                return True  # `base.fc = nn.Identity()`, `del base.fc`
+        if isinstance(node, ast.Attribute) and node.attr in ("requires_grad_", "requires_grad"):
+            owner = node.value
+            if isinstance(owner, ast.Attribute) and owner.attr in (head, local):
+                return True  # `base.fc.requires_grad_(False)`, `self.base.requires_grad_(False)`
+        if isinstance(node, ast.For) and freezes_parameters_of(node, {head, local}):
+            return True
+    return False
+
+
+def freezes_parameters_of(loop: ast.For, owners: set[str]) -> bool:
+    """`for p in self.base.parameters(): p.requires_grad = False` (or of the head)."""
+    iterated = loop.iter
+    if not (isinstance(iterated, ast.Call) and isinstance(iterated.func, ast.Attribute)):
+        return False
+    owner = iterated.func.value
+    named = isinstance(owner, ast.Attribute | ast.Name) and (
+        getattr(owner, "attr", None) in owners or getattr(owner, "id", None) in owners
+    )
+    return named and any(
+        isinstance(n, ast.Attribute) and n.attr in ("requires_grad", "requires_grad_")
+        for statement in loop.body
+        for n in ast.walk(statement)
+    )
