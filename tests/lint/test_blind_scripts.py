@@ -92,7 +92,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16)
-FOUND_FLOOR = 469  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 470  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -114,7 +114,8 @@ FOUND_FLOOR = 469  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # the GPU at import time, before set_device (s's 01), a compiled model's checkpoint loaded
 # into one that is not compiled (l's 07); 461 of 496 with sets ad and ae (session 41), then
 # a list of CPU tensors joined and gathered over NCCL (ae's 20), an index permutation sliced into
-# a split after seeding with the rank (ae's 13), a learning rate scaled by one process's batch
+# a split after seeding with the rank (ae's 13), a learning rate scaled by one process's batch,
+# also through a name (j's 13, missed since session 22)
 # (ad's 07), a graph loader sampling every seed node on every rank (ae's 02), a GPU index or a
 # bare "cuda" left at its default by the construction of a class that places work on it (ad's 15,
 # ae's 15), embedding sizes assigned to a name from this rank's shard (ae's 11), a torchvision

@@ -135,6 +135,8 @@ LOADER = "train_loader = DataLoader(train_set, batch_size=args.batch_size, sampl
         "args.lr = args.lr * args.batch_size / 256",  # blind set ad's 07
         "peak_lr = args.base_lr * (args.batch_size / 512)",
         "optimizer = torch.optim.AdamW(params, lr=args.blr * args.batch_size / 256)",
+        # blind set j's 13: the batch counted in a name first (with accumulation)
+        "eff_batch = args.batch_size * args.accum_iter\nargs.lr = args.blr * eff_batch / 256",
     ],
 )
 def test_a_learning_rate_scaled_by_one_process_batch_is_reported(scaling: str):
@@ -148,12 +150,20 @@ def test_a_learning_rate_scaled_by_one_process_batch_is_reported(scaling: str):
         "args.lr = args.lr * args.batch_size * dist.get_world_size() / 256",
         "lr = args.lr * args.batch_size * world_size / 512",
         "lr = args.lr * global_batch / 256",
+        "eff_batch = args.batch_size * args.accum_iter * world_size\nargs.lr = args.blr * eff_batch / 256",
         # a global batch split among the processes before the loader takes it
         "args.lr = args.lr * args.batch_size / 256\nargs.batch_size //= world_size",
         # not a learning rate
         "warmup = args.warmup_steps * args.batch_size / 256",
     ],
-    ids=["world-size-call", "world-size-name", "global-batch", "batch-split-later", "not-an-lr"],
+    ids=[
+        "world-size-call",
+        "world-size-name",
+        "global-batch",
+        "global-batch-in-a-name",
+        "batch-split-later",
+        "not-an-lr",
+    ],
 )
 def test_quiet_where_the_rule_counts_every_process(scaling: str):
     assert reported(LOADER + scaling) == []

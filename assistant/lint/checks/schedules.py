@@ -179,6 +179,8 @@ def dataset_length(exprs: list[ast.expr]) -> ast.expr | None:
 # The linear scaling rule's reference batch: `lr = base_lr * batch_size / 256`.
 REFERENCE_BATCHES = frozenset({32, 64, 128, 256, 512, 1024, 2048, 4096})
 LEARNING_RATE = re.compile(r"(^|_|\.)(lr|learning_rate)$", re.IGNORECASE)
+# How many values of the names a scaling reads are looked into (a batch built in a name).
+MAX_BATCH_NAMES = 8
 
 
 @check("effective-batch-size-changed")
@@ -199,18 +201,22 @@ def check_lr_scaled_by_one_process_batch(script: Script) -> Iterator[Finding]:
             and node.right.value in REFERENCE_BATCHES
         ):
             continue
-        batch = next((t for t in names_in([node.left]) if t in per_process), None)
+        # `eff_batch = args.batch_size * args.accum_iter`, then `blr * eff_batch / 256`
+        counted = expand(node.left, script.assigned_values)[: 1 + MAX_BATCH_NAMES]
+        batch = next((t for t in names_in(counted) if t in per_process), None)
         scaled = scaled_learning_rate(script, node)
         if batch is None or scaled is None or PROCESS_COUNT.search(source_text(scaled)):
+            continue
+        if any(PROCESS_COUNT.search(text) for text in names_in(counted)):
             continue
         yield script.finding(
             "effective-batch-size-changed",
             node,
-            f"the learning rate is scaled by {batch} / {node.right.value}, but {batch} is "
-            "the batch of one process (its DataLoader's batch_size): each DDP step averages "
-            "the batches of all N processes, so the linear scaling rule counts 1/N of the "
-            f"real batch and the learning rate comes out N times too small; scale by "
-            f"{batch} * world_size / {node.right.value}",
+            f"the learning rate is scaled by {source_text(node)}, which counts {batch}, the "
+            "batch of one process (its DataLoader's batch_size): each DDP step averages the "
+            "batches of all N processes, so the linear scaling rule counts 1/N of the real "
+            "batch and the learning rate comes out N times too small; count the global batch "
+            f"({batch} * world_size)",
         )
 
 
