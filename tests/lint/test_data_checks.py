@@ -330,6 +330,17 @@ SET_EPOCH_FLAGGED.update(
             ),
             3,
         ),
+        # the epoch a parameter, but the loop counts the epochs from it: set once
+        "called_once_with_the_start_epoch_parameter": (
+            (
+                "def train(start_epoch):\n"
+                "    loader = DataLoader(data, sampler=DistributedSampler(data))\n"
+                "    loader.sampler.set_epoch(start_epoch)\n"
+                "    for epoch in range(start_epoch, 3):\n        for (x,) in loader:\n"
+                "            model(x)"
+            ),
+            3,
+        ),
         "called_once_through_the_loader_in_main": (
             (
                 "def main():\n    loader = DataLoader(data, sampler=DistributedSampler(data))\n"
@@ -353,6 +364,15 @@ SET_EPOCH_ONCE_CLEAN = {
         "    for (x,) in loader:\n        model(x)\n"
         "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
         "for epoch in range(3):\n    train_one_epoch(loader, epoch)"
+    ),
+    # blind set af's 03: the epoch function repeats the loader a few times per epoch
+    "epoch_function_repeating_the_loader": (
+        "class Trainer:\n    def __init__(self):\n"
+        "        self.sampler = DistributedSampler(data)\n"
+        "        self.loader = DataLoader(data, sampler=self.sampler)\n"
+        "    def train_epoch(self, epoch):\n        self.sampler.set_epoch(epoch)\n"
+        "        for _ in range(4):\n            for (x,) in self.loader:\n                model(x)\n"
+        "    def run(self):\n        for epoch in range(3):\n            self.train_epoch(epoch)"
     ),
 }
 

@@ -327,6 +327,8 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
         ]
         if len(before) != len(calls):
             continue  # called elsewhere too (a function the loop runs)
+        if epoch_from_the_caller(script, before[-1], loop):
+            continue
         yield script.finding(
             "sampler-set-epoch",
             before[-1],
@@ -334,6 +336,32 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
             f"{kind} keeps that epoch's seed, so every epoch sees the same order; call "
             "sampler.set_epoch(epoch) at the start of each epoch, inside the loop",
         )
+
+
+EPOCH_NAME = re.compile(r"epoch|^ep$|^e$", re.IGNORECASE)
+
+
+def epoch_from_the_caller(script: Script, set_epoch: ast.Call, loop: ast.AST) -> bool:
+    """`def train_epoch(self, epoch): sampler.set_epoch(epoch)`, then a loop that
+    repeats the loader within the epoch (`for _ in range(repeats_per_epoch)`): the
+    epoch is a parameter, so the function is called once per epoch by its caller.
+    Not when the loop itself counts the epochs from that value (`for epoch in
+    range(start_epoch, n)` after `set_epoch(start_epoch)`)."""
+    if not set_epoch.args or not isinstance(set_epoch.args[0], ast.Name):
+        return False
+    value = set_epoch.args[0].id
+    scope = enclosing_scope(set_epoch, script)
+    if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    if value not in {
+        a.arg for a in (*scope.args.posonlyargs, *scope.args.args, *scope.args.kwonlyargs)
+    }:
+        return False
+    if not isinstance(loop, ast.For | ast.AsyncFor):
+        return False
+    counted = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    iterated = {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}
+    return value not in iterated and not any(EPOCH_NAME.search(name) for name in counted)
 
 
 def ray_prepared_shuffled(data: DataFlow) -> list[ast.Call]:
