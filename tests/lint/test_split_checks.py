@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset, TensorDataset, random_split
 import numpy as np
+from monai.utils import set_determinism
+from sklearn.model_selection import KFold, StratifiedKFold
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -56,6 +58,14 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         # a split by hand: indices permuted from a generator each rank seeds its own way
         "np.random.seed(7 + rank)\nidx = np.random.permutation(64)\ntrain_idx, val_idx = idx[:48], idx[48:]\n",
         "idx = torch.randperm(64)\nval_set = Subset(data, idx[:16].tolist())\n",
+        # blind set af's 01: folds shuffled by numpy's generator, seeded per rank by MONAI
+        "set_determinism(seed=7 + rank)\nfolds = KFold(n_splits=5, shuffle=True)\n",
+        "folds = StratifiedKFold(5, shuffle=True)\n",
+        # blind set ag's 09: a set filled in a loop, then listed after special tokens
+        (
+            "chars = set()\nfor n in names:\n    chars.update(n)\nitos = ['<pad>'] + list(chars)\n"
+            "stoi = {c: i for i, c in enumerate(itos)}\n"
+        ),
     ],
 )
 def test_a_split_or_numbering_each_rank_draws_is_reported(body):
@@ -77,6 +87,10 @@ def test_a_split_or_numbering_each_rank_draws_is_reported(body):
         "g = torch.Generator().manual_seed(0)\nidx = torch.randperm(64, generator=g)\ntrain_idx = idx[:48]\n",
         # a permutation that shuffles, not a split
         "order = torch.randperm(64)\nbatch = order[:8]\n",
+        # folds in the data's order, or shuffled with a seed of their own
+        "folds = KFold(n_splits=5)\n",
+        "folds = KFold(n_splits=5, shuffle=True, random_state=0)\n",
+        "chars = set()\nitos = ['<pad>'] + sorted(chars)\nstoi = {c: i for i, c in enumerate(itos)}\n",
     ],
 )
 def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):

@@ -35,15 +35,21 @@ from assistant.results import Finding
 
 CAUSE = "rank-divergent-data-split"
 # Calls that seed a generator every later unseeded draw of the process reads.
-SEEDING = frozenset({"manual_seed", "seed_everything", "set_seed", "seed", "manual_seed_all"})
+SEEDING = frozenset(
+    {"manual_seed", "seed_everything", "set_seed", "seed", "manual_seed_all", "set_determinism"}
+)
 # split call (short name) -> the keyword that seeds it explicitly, and the position it may take
 SPLITS = {"random_split": ("generator", 2), "train_test_split": ("random_state", None)}
+# sklearn's fold and shuffle splitters: random unless given random_state; the K-fold
+# ones only with shuffle=True.
+SPLITTERS = frozenset({"ShuffleSplit", "StratifiedShuffleSplit", "GroupShuffleSplit"})
+FOLD_SPLITTERS = frozenset({"KFold", "StratifiedKFold", "StratifiedGroupKFold", "RepeatedKFold"})
 HF_SPLIT_SEED = "seed"  # datasets.Dataset.train_test_split(test_size=..., seed=42)
 # Index permutations drawn from a global generator; torch's takes its own with generator=.
 PERMUTATIONS = frozenset({"numpy.random.permutation", "torch.randperm"})
 SEED_THE_SPLIT = (
     "seed the split itself (random_split(..., generator=torch.Generator().manual_seed(42)), "
-    "train_test_split(..., random_state=42))"
+    "train_test_split(..., random_state=42), KFold(..., shuffle=True, random_state=42))"
 )
 SEED_THE_PERMUTATION = (
     "draw the permutation from a generator seeded alike on every rank "
@@ -152,6 +158,13 @@ def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
             return None
         return keyword(node, "generator") is not None
     called = short(name)
+    if name.startswith("sklearn.") and called in SPLITTERS | FOLD_SPLITTERS:
+        shuffle = keyword(node, "shuffle")
+        if called in FOLD_SPLITTERS and not (
+            isinstance(shuffle, ast.Constant) and shuffle.value is True
+        ):
+            return None  # folds in the data's order: the same on every rank
+        return keyword(node, "random_state") is not None
     if called in SPLITS:
         word, position = SPLITS[called]
         if keyword(node, word) is not None:
@@ -222,22 +235,14 @@ def on_rank_zero_only(node: ast.AST, script: Script) -> bool:
 
 def numbered_sets(script: Script) -> Iterator[Finding]:
     """`{c: i for i, c in enumerate(set(names))}`: a set's order, numbered."""
-    made_of_set = {
-        target.id
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and is_set_order(node.value)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    made_of_set = names_in_set_order(script)
     for node in script.nodes:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
             continue
         if node.func.id != "enumerate" or not node.args:
             continue
         numbered = node.args[0]
-        if is_set_order(numbered) or (
-            isinstance(numbered, ast.Name) and numbered.id in made_of_set
-        ):
+        if is_set_order(numbered, made_of_set):
             if on_rank_zero_only(node, script):
                 continue
             yield script.finding(
@@ -249,12 +254,41 @@ def numbered_sets(script: Script) -> Iterator[Finding]:
             )
 
 
-def is_set_order(expr: ast.expr) -> bool:
-    """`set(x)`, `{...}` of a comprehension, or `list(set(x))` / `tuple(set(x))`."""
+def names_in_set_order(script: Script) -> set[str]:
+    """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`),
+    followed through the file's assignments until nothing new is found."""
+    assignments = [
+        (target.id, node.value)
+        for node in script.nodes
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    ]
+    found: set[str] = set()
+    while True:
+        more = {
+            name for name, value in assignments if name not in found and is_set_order(value, found)
+        }
+        if not more:
+            return found
+        found |= more
+
+
+def is_set_order(expr: ast.expr, made_of_set: set[str] = frozenset()) -> bool:
+    """`set(x)`, `{...}` of a comprehension, `list(set(x))` / `tuple(set(x))`, a name
+    among `made_of_set`, or a list joined with one (`[PAD, SOS] + list(chars)`)."""
     if isinstance(expr, ast.SetComp):
         return True
+    if isinstance(expr, ast.Name):
+        return expr.id in made_of_set
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+        return is_set_order(expr.left, made_of_set) or is_set_order(expr.right, made_of_set)
     if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name)):
         return False
     if expr.func.id == "set":
         return True
-    return expr.func.id in ("list", "tuple") and len(expr.args) == 1 and is_set_order(expr.args[0])
+    return (
+        expr.func.id in ("list", "tuple")
+        and len(expr.args) == 1
+        and is_set_order(expr.args[0], made_of_set)
+    )
