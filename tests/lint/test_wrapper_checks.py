@@ -274,3 +274,36 @@ def test_accelerate_prepare_of_what_is_not_a_module_wraps_nothing():
         """
     )
     assert found == []
+
+
+CLOSURE = """
+def main():
+    model = nn.Linear(2, 2)
+    model = DDP(model)
+
+    def evaluate(batch):
+        return model.generate(batch)
+
+    evaluate(torch.ones(2))
+"""
+
+
+def test_a_closure_called_where_the_name_holds_the_wrapper_reads_the_wrapper():
+    """Blind set ag's 04: an evaluation function nested in main reads `model`,
+    which main has rebound to the DDP wrapper before every call of it."""
+    assert [line for line, _ in findings(CLOSURE)] == [7]
+
+
+def test_a_closure_called_before_the_wrapping_or_rebinding_its_name_is_not_judged():
+    before = CLOSURE.replace("    evaluate(torch.ones(2))\n", "").replace(
+        "    model = DDP(model)\n", "    evaluate(torch.ones(2))\n    model = DDP(model)\n"
+    )
+    assert findings(before) == []
+    both = CLOSURE.replace(
+        "    model = DDP(model)\n", "    evaluate(torch.ones(2))\n    model = DDP(model)\n"
+    )
+    assert findings(both) == []  # one call sees the bare model, one the wrapper
+    own = CLOSURE.replace(
+        "        return model.generate", "        model = make()\n        return model.generate"
+    )
+    assert findings(own) == []

@@ -113,6 +113,7 @@ def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
         id(scope): ScopeFacts(script, script.scope_nodes(scope)) for scope in script.all_scopes
     }
     bind_wrapped_parameters(script, scopes)
+    bind_closures(script, scopes)
     for hook in hooks:
         model = hook.args.args[1]  # after self: the model the Trainer passes
         scopes[id(hook)].bind(model.arg, hook.lineno, TRAINER_WRAPPED)
@@ -239,6 +240,38 @@ def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> No
         facts = scopes.get(id(function))
         if facts is not None:
             facts.bind(parameters[position].arg, function.lineno, next(iter(wrappers)))
+
+
+def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
+    """A nested function's free name holds the wrapper when every call of the function
+    in its enclosing function comes where that name holds the same wrapper
+    (`def evaluate(): model.generate(...)` called after `model = DDP(model)`)."""
+    from assistant.lint.ranks import enclosing_scope  # ranks imports the lint model too
+
+    for inner in script.all_scopes:
+        if not isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        outer = enclosing_scope(inner, script)
+        if not isinstance(outer, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        calls = [
+            node.lineno
+            for node in script.scope_nodes(outer)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == inner.name
+        ]
+        inner_facts, outer_facts = scopes[id(inner)], scopes[id(outer)]
+        parameters = {
+            a.arg for a in (*inner.args.posonlyargs, *inner.args.args, *inner.args.kwonlyargs)
+        }
+        free = (
+            {read.value.id for read in inner_facts.reads} - parameters - set(inner_facts.bindings)
+        )
+        for name in free:
+            held = {outer_facts.wrapper_at(name, line) for line in calls}
+            if len(held) == 1 and None not in held:
+                inner_facts.bind(name, inner.lineno, next(iter(held)))
 
 
 def called_function(script: Script, call: ast.Call) -> tuple[str, int] | None:
