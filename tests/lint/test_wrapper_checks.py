@@ -307,3 +307,53 @@ def test_a_closure_called_before_the_wrapping_or_rebinding_its_name_is_not_judge
         "        return model.generate", "        model = make()\n        return model.generate"
     )
     assert findings(own) == []
+
+
+FLAG = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(2, 2)
+        self.deep_supervision = True
+
+    def forward(self, x):
+        return [x, self.head(x)] if self.deep_supervision else self.head(x)
+
+
+def main():
+    model = DDP(Net())
+    model.deep_supervision = False
+    model(torch.ones(2))
+"""
+
+
+def test_a_flag_of_the_models_forward_set_on_the_wrapper_is_reported():
+    """Blind set af's 03: the wrapper gets a new attribute; the model keeps its own."""
+    found = findings(FLAG)
+    assert [line for line, _ in found] == [14]
+    assert "model.module.deep_supervision" in found[0][1]
+
+
+def test_a_flag_set_on_the_module_or_one_the_forward_never_reads_is_not_reported():
+    assert (
+        findings(FLAG.replace("model.deep_supervision =", "model.module.deep_supervision =")) == []
+    )
+    assert findings(FLAG.replace("model.deep_supervision = False", "model.tag = 'run-1'")) == []
+    # the wrapper's own attributes are its to set
+    assert (
+        findings(
+            FLAG.replace(
+                "model.deep_supervision = False", "model.require_backward_grad_sync = False"
+            )
+        )
+        == []
+    )
+
+
+def test_a_flag_set_on_a_field_that_only_ever_holds_the_wrapper_is_reported():
+    trainer = FLAG.replace(
+        "def main():\n    model = DDP(Net())\n    model.deep_supervision = False\n    model(torch.ones(2))\n",
+        "class Trainer:\n    def __init__(self):\n        self.net = DDP(Net())\n"
+        "    def validate(self):\n        self.net.deep_supervision = False\n",
+    )
+    assert [line for line, _ in findings(trainer)] == [16]

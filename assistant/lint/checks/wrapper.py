@@ -117,10 +117,15 @@ def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
     for hook in hooks:
         model = hook.args.args[1]  # after self: the model the Trainer passes
         scopes[id(hook)].bind(model.arg, hook.lineno, TRAINER_WRAPPED)
+    flags = model_flags(script)
     for facts in scopes.values():
         yield from facts.wrapper_reads(script, guarded)
+        for node in facts.stores:
+            wrapper = facts.wrapper_at(node.value.id, node.lineno)
+            if wrapper in WRAPPERS and node.attr in flags - WRAPPERS[wrapper]:
+                yield flag_set_on_the_wrapper(script, node, node.value.id, wrapper)
     for cls in (node for node in script.tree.body if isinstance(node, ast.ClassDef)):
-        yield from wrapper_fields(script, cls, guarded)
+        yield from wrapper_fields(script, cls, guarded, flags)
 
 
 class ScopeFacts:
@@ -131,6 +136,7 @@ class ScopeFacts:
         self.bindings: dict[str, Bindings] = {}
         self.set_on: set[tuple[str, str]] = set()  # (name, attribute) the script assigns
         self.reads: list[ast.Attribute] = []
+        self.stores: list[ast.Attribute] = []  # `name.attr = ...`, in source order
         for node in nodes:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 for name, wrapper in bound_wrappers(script, node):
@@ -146,6 +152,7 @@ class ScopeFacts:
                     self.reads.append(node)
                 else:
                     self.set_on.add((node.value.id, node.attr))
+                    self.stores.append(node)
 
     def bind(self, name: str, line: int, wrapper: str | None) -> None:
         self.bindings.setdefault(name, Bindings()).add(line, wrapper)
@@ -297,7 +304,39 @@ def called_function(script: Script, call: ast.Call) -> tuple[str, int] | None:
     return method, 0 if static else 1
 
 
-def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -> Iterator[Finding]:
+def model_flags(script: Script) -> frozenset[str]:
+    """Attributes the file's models read in their own forward (`if self.do_ds:`):
+    set on a wrapper, such a flag never reaches the model."""
+    return frozenset(
+        node.attr
+        for cls in script.nodes
+        if isinstance(cls, ast.ClassDef)
+        for forward in cls.body
+        if isinstance(forward, ast.FunctionDef) and forward.name == "forward"
+        for node in ast.walk(forward)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def flag_set_on_the_wrapper(
+    script: Script, node: ast.Attribute, held: str, wrapper: str
+) -> Finding:
+    """`model.do_ds = False` where model is the wrapper and the model's forward reads self.do_ds."""
+    return script.finding(
+        "ddp-wrapper-attribute",
+        node,
+        f"{held}.{node.attr} = ...: {held} is the {wrapper} wrapper here, so this sets a new "
+        f"attribute on the wrapper; the wrapped model's forward reads its own "
+        f"self.{node.attr}, which keeps its old value; set {held}.module.{node.attr}",
+    )
+
+
+def wrapper_fields(
+    script: Script, cls: ast.ClassDef, guarded: frozenset[str], flags: frozenset[str] = frozenset()
+) -> Iterator[Finding]:
     """`self.model.generate()` in a class whose every `self.model = ...` is a wrapper.
 
     Methods run in an order the file does not show, so a field is judged only
@@ -320,6 +359,11 @@ def wrapper_fields(script: Script, cls: ast.ClassDef, guarded: frozenset[str]) -
         ):
             set_on.add((field, node.attr))
     wrapped = {f: next(iter(k)) for f, k in kinds.items() if len(k) == 1 and None not in k}
+    for node in nodes:
+        field = self_attribute(node.value) if isinstance(node, ast.Attribute) else None
+        stored = field in wrapped and not isinstance(node.ctx, ast.Load)
+        if stored and node.attr in flags - WRAPPERS[wrapped[field]]:
+            yield flag_set_on_the_wrapper(script, node, f"self.{field}", wrapped[field])
     for node in nodes:
         if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)):
             continue
