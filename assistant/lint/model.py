@@ -267,6 +267,26 @@ def method_of(cls: ast.ClassDef, name: str) -> ast.FunctionDef | None:
     return next((s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == name), None)
 
 
+def name_value_pairs(node: ast.Assign) -> list[tuple[ast.Name, ast.expr]]:
+    """(name, value) of an assignment to plain names: `t = v`, and `a, b = x, y`
+    paired name by name (a tuple unpacked from one call pairs nothing)."""
+    pairs = []
+    for target in node.targets:
+        if isinstance(target, ast.Name):
+            pairs.append((target, node.value))
+        elif (
+            isinstance(target, ast.Tuple)
+            and isinstance(node.value, ast.Tuple)
+            and len(target.elts) == len(node.value.elts)
+        ):
+            pairs += [
+                (name, value)
+                for name, value in zip(target.elts, node.value.elts)
+                if isinstance(name, ast.Name)
+            ]
+    return pairs
+
+
 def keyword(call: ast.Call, name: str) -> ast.expr | None:
     """The value of `name=` in a call, None if absent."""
     return next((k.value for k in call.keywords if k.arg == name), None)

@@ -100,3 +100,22 @@ def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):
 def test_a_script_run_as_one_process_is_not_judged():
     single = "import torch\nfrom torch.utils.data import random_split\ndata = list(range(8))\n"
     assert lines("train, val = random_split(data, [6, 2])\n", prelude=single) == []
+
+
+def test_a_long_chain_of_names_made_from_a_set_is_followed_in_a_few_passes(monkeypatch):
+    """Hostile input: ten thousand names each listed from the one before cost a few
+    linear passes over the assignments (the first reading did one pass per name)."""
+    from assistant.lint.checks import splits
+
+    passes = []
+    follow = splits.is_set_order
+    monkeypatch.setattr(
+        splits,
+        "is_set_order",
+        lambda expr, made=frozenset(): passes.append(1) or follow(expr, made),
+    )
+    chain = "a0 = set(names)\n" + "".join(f"a{i + 1} = [0] + list(a{i})\n" for i in range(10_000))
+    found = lines(chain + "index = {n: i for i, n in enumerate(a10000)}\n")
+    assert found == [10_002]
+    # a few calls per assignment (the value's parts) and pass; one pass per name: ~10**8
+    assert len(passes) <= 8 * splits.SET_ORDER_PASSES * 10_002

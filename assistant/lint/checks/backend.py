@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, short
+from assistant.lint.model import Script, keyword, name_value_pairs, short
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
@@ -95,31 +95,12 @@ def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple
         return bool(items) and all(makes_cpu_tensor(script, item, on_cpu_so_far) for item in items)
 
     for node in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
-        for target, value in assigned_pairs(node):
+        for target, value in name_value_pairs(node):
             if isinstance(value, ast.List) and not value.elts:
                 continue  # a list to fill, not a tensor
             on_cpu = makes_cpu_tensor(script, value, on_cpu_so_far, list_on_cpu=list_on_cpu)
             origins.setdefault(target.id, []).append((node.lineno, on_cpu))
     return origins
-
-
-def assigned_pairs(node: ast.Assign) -> list[tuple[ast.Name, ast.expr]]:
-    """(name, value) of an assignment: `t = v`, and `a, b = x, y` name by name."""
-    pairs = []
-    for target in node.targets:
-        if isinstance(target, ast.Name):
-            pairs.append((target, node.value))
-        elif (
-            isinstance(target, ast.Tuple)
-            and isinstance(node.value, ast.Tuple)
-            and len(target.elts) == len(node.value.elts)
-        ):
-            pairs += [
-                (name, value)
-                for name, value in zip(target.elts, node.value.elts)
-                if isinstance(name, ast.Name)
-            ]
-    return pairs
 
 
 def appended_items(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:

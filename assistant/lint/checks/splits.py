@@ -27,7 +27,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, short
+from assistant.lint.model import Script, keyword, name_value_pairs, short
 from assistant.lint.ranks import enclosing_scope, inside_rank_zero_branch, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
@@ -190,8 +190,8 @@ def sliced_into_a_split(permutation: ast.Call, script: Script) -> bool:
     scope = enclosing_scope(permutation, script) or script.tree
     for node in script.scope_nodes(scope):
         if isinstance(node, ast.Assign):
-            for target, value in assigned_parts(node):
-                if is_slice_of(value, held) and SPLIT_PART.search(target):
+            for target, value in name_value_pairs(node):
+                if is_slice_of(value, held) and SPLIT_PART.search(target.id):
                     return True
         handed_to_subset = (
             isinstance(node, ast.Call) and short(script.name_of(node.func)) == "Subset"
@@ -199,21 +199,6 @@ def sliced_into_a_split(permutation: ast.Call, script: Script) -> bool:
         if handed_to_subset and any(is_slice_of(arg, held) for arg in node.args[1:2]):
             return True
     return False
-
-
-def assigned_parts(node: ast.Assign) -> list[tuple[str, ast.expr]]:
-    """(target name, value) of `a = x` and, name by name, `a, b = x, y`."""
-    parts = []
-    for target in node.targets:
-        if isinstance(target, ast.Name):
-            parts.append((target.id, node.value))
-        elif isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
-            parts += [
-                (name.id, value)
-                for name, value in zip(target.elts, node.value.elts)
-                if isinstance(name, ast.Name)
-            ]
-    return parts
 
 
 def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
@@ -254,24 +239,28 @@ def numbered_sets(script: Script) -> Iterator[Finding]:
             )
 
 
+# Passes over the file's assignments: one in source order follows a chain written
+# top-down; a few more catch one written out of order, and a hostile chain of ten
+# thousand names costs a few linear passes, not one per name.
+SET_ORDER_PASSES = 3
+
+
 def names_in_set_order(script: Script) -> set[str]:
     """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`),
-    followed through the file's assignments until nothing new is found."""
-    assignments = [
-        (target.id, node.value)
-        for node in script.nodes
-        if isinstance(node, ast.Assign)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    ]
+    followed through the file's assignments."""
+    assignments = sorted(
+        (node for node in script.nodes if isinstance(node, ast.Assign)),
+        key=lambda node: (node.lineno, node.col_offset),
+    )
     found: set[str] = set()
-    while True:
-        more = {
-            name for name, value in assignments if name not in found and is_set_order(value, found)
-        }
-        if not more:
-            return found
-        found |= more
+    for _ in range(SET_ORDER_PASSES):
+        before = len(found)
+        for node in assignments:
+            if is_set_order(node.value, found):
+                found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        if len(found) == before:
+            break
+    return found
 
 
 def is_set_order(expr: ast.expr, made_of_set: set[str] = frozenset()) -> bool:
