@@ -26,6 +26,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     keyword,
+    parameter_names,
     self_attribute,
     short,
     source_text,
@@ -160,12 +161,10 @@ def check_graph_loader_seeds_not_split(script: Script) -> Iterator[Finding]:
     for node, name in script.call_names:
         if name not in GRAPH_LOADERS or not shuffles(node) or data.rank_zero_only(node):
             continue
-        word = GRAPH_LOADERS[name]
-        seeds = keyword(node, word) if word else (node.args[1] if len(node.args) > 1 else None)
-        if word is None and seeds is None:
-            seeds = keyword(node, "indices") or keyword(node, "train_nids")
+        seeds = graph_loader_seeds(node, GRAPH_LOADERS[name])
         if seeds is None or data.sharded_by_rank(seeds) or not is_falsy(keyword(node, "use_ddp")):
             continue
+        word = GRAPH_LOADERS[name]
         fix = (
             "pass use_ddp=True"
             if word is None
@@ -179,6 +178,16 @@ def check_graph_loader_seeds_not_split(script: Script) -> Iterator[Finding]:
             f"the whole split and N ranks do N times the work; {fix} (each "
             "rank its own share of the seeds)",
         )
+
+
+def graph_loader_seeds(loader: ast.Call, word: str | None) -> ast.expr | None:
+    """The seed nodes a graph loader is given: PyG's by keyword (`input_nodes=`),
+    DGL's as its second argument (`indices=`, NodeDataLoader's `nids=`)."""
+    if word is not None:
+        return keyword(loader, word)
+    if len(loader.args) > 1:
+        return loader.args[1]
+    return keyword(loader, "indices") or keyword(loader, "nids")
 
 
 # webdataset's pipelines: a list of stages from the shard list to the samples.
@@ -350,12 +359,7 @@ def epoch_from_the_caller(script: Script, set_epoch: ast.Call, loop: ast.AST) ->
     if not set_epoch.args or not isinstance(set_epoch.args[0], ast.Name):
         return False
     value = set_epoch.args[0].id
-    scope = enclosing_scope(set_epoch, script)
-    if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
-        return False
-    if value not in {
-        a.arg for a in (*scope.args.posonlyargs, *scope.args.args, *scope.args.kwonlyargs)
-    }:
+    if value not in parameter_names(enclosing_scope(set_epoch, script)):
         return False
     if not isinstance(loop, ast.For | ast.AsyncFor):
         return False

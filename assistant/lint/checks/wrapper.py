@@ -26,7 +26,9 @@ import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistant.lint.model import Script, self_attribute, short
+from assistant.lint.checks.unused import forward_of, model_classes
+from assistant.lint.model import Script, parameter_names, self_attribute, short
+from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
 from assistant.results import Finding
@@ -253,8 +255,6 @@ def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
     """A nested function's free name holds the wrapper when every call of the function
     in its enclosing function comes where that name holds the same wrapper
     (`def evaluate(): model.generate(...)` called after `model = DDP(model)`)."""
-    from assistant.lint.ranks import enclosing_scope  # ranks imports the lint model too
-
     for inner in script.all_scopes:
         if not isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
@@ -269,12 +269,8 @@ def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
             and node.func.id == inner.name
         ]
         inner_facts, outer_facts = scopes[id(inner)], scopes[id(outer)]
-        parameters = {
-            a.arg for a in (*inner.args.posonlyargs, *inner.args.args, *inner.args.kwonlyargs)
-        }
-        free = (
-            {read.value.id for read in inner_facts.reads} - parameters - set(inner_facts.bindings)
-        )
+        read = {node.value.id for node in inner_facts.reads}
+        free = read - parameter_names(inner) - set(inner_facts.bindings)
         for name in free:
             held = {outer_facts.wrapper_at(name, line) for line in calls}
             if len(held) == 1 and None not in held:
@@ -309,11 +305,8 @@ def model_flags(script: Script) -> frozenset[str]:
     set on a wrapper, such a flag never reaches the model."""
     return frozenset(
         node.attr
-        for cls in script.nodes
-        if isinstance(cls, ast.ClassDef)
-        for forward in cls.body
-        if isinstance(forward, ast.FunctionDef) and forward.name == "forward"
-        for node in ast.walk(forward)
+        for cls in model_classes(script)
+        for node in ast.walk(forward_of(cls))
         if isinstance(node, ast.Attribute)
         and isinstance(node.ctx, ast.Load)
         and isinstance(node.value, ast.Name)
