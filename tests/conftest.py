@@ -22,14 +22,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["ASSISTANT_LINT_RAISE"] = "1"
 # The tests never write into the user's own cache (`assistant run` logs and their
 # pruning, re-exported graphs): every session gets a cache of its own, removed at exit.
-TEST_CACHE = tempfile.mkdtemp(prefix="ddp-assistant-test-cache-")
+# Under xdist every worker makes its own, beside the controller's (not inside its
+# TMPDIR: a Unix socket path nested that deep is too long for Chromium).
+SYSTEM_TMP = os.environ.setdefault("DDP_ASSISTANT_SYSTEM_TMP", tempfile.gettempdir())
+TEST_CACHE = tempfile.mkdtemp(prefix="ddp-assistant-test-cache-", dir=SYSTEM_TMP)
 os.environ["XDG_CACHE_HOME"] = TEST_CACHE
 atexit.register(shutil.rmtree, TEST_CACHE, ignore_errors=True)
 # Nor into the machine's /tmp: torchrun makes a torchelastic_* log folder (and
 # error-file pickles) in the TMPDIR of whatever launches it, and the tests launch
 # it often. tempfile's own default is already fixed above, so pytest's folders
 # stay where they were; only the launched processes see this one.
-TEST_TMP = tempfile.mkdtemp(prefix="ddp-assistant-test-tmp-")
+TEST_TMP = tempfile.mkdtemp(prefix="ddp-assistant-test-tmp-", dir=SYSTEM_TMP)
 os.environ["TMPDIR"] = TEST_TMP
 atexit.register(shutil.rmtree, TEST_TMP, ignore_errors=True)
 
@@ -168,3 +171,27 @@ def torchrun(tmp_path: Path) -> Iterator[Torchrun]:
     runner = Torchrun(tmp_path)
     yield runner
     runner.close()
+
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist (`-n 2 --dist loadgroup`, as README runs the tests), what is costly
+    and shared is made once: the tests that read the held-out figures of every
+    real-report set (minutes of ridge fits) run on one worker, and so do the tests
+    of a file that share a module-scoped fixture (a lint of every blind script, a
+    browser). The rest spread over the workers one by one."""
+    for item in items:
+        group = shared_fixture_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def shared_fixture_group(item: pytest.Item) -> str | None:
+    if "real_report_evaluations" in getattr(item, "fixturenames", ()):
+        return "real_report_evaluations"
+    info = getattr(item, "_fixtureinfo", None)
+    definitions = info.name2fixturedefs.values() if info else ()
+    if any(d[-1].scope in ("module", "class") for d in definitions if d):
+        return item.nodeid.split("::")[0]
+    return None

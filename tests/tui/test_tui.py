@@ -434,7 +434,8 @@ async def test_linting_a_missing_file_says_so_in_one_line(tmp_path):
         await pilot.press("enter")
         await until(pilot, done(app))
         assert turns(app)[0].phase == "failed"
-        assert "nope.py: no such file" in screen_text(app)
+        # the phase is set before the next refresh draws the message
+        await until(pilot, lambda: "nope.py: no such file" in screen_text(app))
 
 
 async def test_palette_rebuilds_the_knowledge_base():
