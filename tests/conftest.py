@@ -173,7 +173,6 @@ def torchrun(tmp_path: Path) -> Iterator[Torchrun]:
     runner.close()
 
 
-
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under xdist (`-n 2 --dist loadgroup`, as README runs the tests), what is costly

@@ -99,13 +99,16 @@ class Script:
     @cached_property
     def assigned_values(self) -> dict[str, list[ast.expr]]:
         """What each plain name or attribute (`master_process`, `self.is_master`) is
-        assigned anywhere in the file, by its source text."""
+        assigned anywhere in the file, by its source text; `a, b = x, y` name by name."""
         values: dict[str, list[ast.expr]] = {}
         for node in self.nodes:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1:
-                target = node.targets[0]
-                if isinstance(target, (ast.Name, ast.Attribute)) and depth_of(target, 8) < 8:
-                    values.setdefault(source_text(target), []).append(node.value)
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            target = node.targets[0]
+            if isinstance(target, ast.Attribute) and depth_of(target, 8) < 8:
+                values.setdefault(source_text(target), []).append(node.value)
+            for name, value in name_value_pairs(node):
+                values.setdefault(name.id, []).append(value)
         return values
 
     @cached_property

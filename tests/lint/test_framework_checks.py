@@ -333,6 +333,36 @@ def test_a_file_that_says_srun_starts_it_but_reads_torchruns_variables(
     assert lines("", SRUN_DOC.replace("LAUNCH", launch), "slurm-without-torchrun") == reported
 
 
+SLURM_INIT = """\
+import os
+import torch
+def init_distributed_mode(args):
+    if "RANK" in os.environ:
+        args.rank = int(os.environ["RANK"])
+        args.gpu = int(os.environ["LOCAL_RANK"])
+    elif "SLURM_PROCID" in os.environ:
+        args.rank = int(os.environ["SLURM_PROCID"])
+        args.gpu = GPU
+    torch.cuda.set_device(args.gpu)
+"""
+
+
+@pytest.mark.parametrize(
+    ("gpu", "reported"),
+    [
+        # blind set ai's 16: the task's index in the whole job, as the GPU
+        ("args.rank", [10]),
+        ('int(os.environ["SLURM_PROCID"])', [10]),
+        # the task's index on its node
+        ('int(os.environ["SLURM_LOCALID"])', []),
+        ("args.rank % torch.cuda.device_count()", []),
+    ],
+)
+def test_a_gpu_index_copied_from_the_global_task_index_is_reported(gpu: str, reported: list[int]):
+    source = SLURM_INIT.replace("GPU", gpu)
+    assert lines("", source, "slurm-without-torchrun") == reported
+
+
 COMPOSER = """
 from composer import Trainer
 from composer.utils import dist

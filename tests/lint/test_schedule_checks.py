@@ -151,6 +151,12 @@ def test_a_learning_rate_scaled_by_one_process_batch_is_reported(scaling: str):
         "lr = args.lr * args.batch_size * world_size / 512",
         "lr = args.lr * global_batch / 256",
         "eff_batch = args.batch_size * args.accum_iter * world_size\nargs.lr = args.blr * eff_batch / 256",
+        # the process count under a name of the script's own, set in a tuple (set ai's 13)
+        (
+            "num_tasks, global_rank = dist.get_world_size(), dist.get_rank()\n"
+            "total_batch = args.batch_size * args.update_freq * num_tasks\n"
+            "args.lr = args.lr * total_batch / 4096"
+        ),
         # a global batch split among the processes before the loader takes it
         "args.lr = args.lr * args.batch_size / 256\nargs.batch_size //= world_size",
         # not a learning rate
@@ -161,6 +167,7 @@ def test_a_learning_rate_scaled_by_one_process_batch_is_reported(scaling: str):
         "world-size-name",
         "global-batch",
         "global-batch-in-a-name",
+        "world-size-in-a-tuple-assigned-name",
         "batch-split-later",
         "not-an-lr",
     ],

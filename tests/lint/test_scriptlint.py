@@ -213,6 +213,20 @@ def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported(
 
 
 @pytest.mark.parametrize("moved", [True, False])
+def test_device_ids_follow_a_pair_of_models_built_in_one_tuple_assignment(moved) -> None:
+    # a GAN's two networks: `G, D = Gen().to(dev), Disc().to(dev)`, each wrapped on its own
+    move = ".to(int(os.environ['LOCAL_RANK']))" if moved else ""
+    source = (
+        DDP_HEADER
+        + f"netG, netD = nn.Linear(4, 4){move}, nn.Linear(4, 2){move}\n"
+        + "netG = DDP(netG, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+        + "netD = DDP(netD, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    expected = [] if moved else [("ddp-device-ids-cpu-module", 6), ("ddp-device-ids-cpu-module", 7)]
+    assert findings_of(source) == expected
+
+
+@pytest.mark.parametrize("moved", [True, False])
 @pytest.mark.parametrize(
     "wrap",
     ["nn.SyncBatchNorm.convert_sync_batchnorm({})", "torch.compile({})", "{}"],

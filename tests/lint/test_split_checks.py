@@ -13,6 +13,7 @@ from snippets import lint_snippet
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 CAUSE = "rank-divergent-data-split"
 DDP_PRELUDE = """\
+import random
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -41,10 +42,12 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
     assert broken.returncode == 0, broken.stderr[-2000:]
     assert "splits differ" in broken.stdout and "class maps differ" in broken.stdout
     assert "permuted splits differ" in broken.stdout  # numpy seeded with the rank
+    assert "shuffled file splits differ" in broken.stdout  # `random` seeded with the rank
     fixed = wait_fixed()
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert "splits agree" in fixed.stdout and "class maps agree" in fixed.stdout
     assert "permuted splits agree" in fixed.stdout
+    assert "shuffled file splits agree" in fixed.stdout
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,12 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         # a split by hand: indices permuted from a generator each rank seeds its own way
         "np.random.seed(7 + rank)\nidx = np.random.permutation(64)\ntrain_idx, val_idx = idx[:48], idx[48:]\n",
         "idx = torch.randperm(64)\nval_set = Subset(data, idx[:16].tolist())\n",
+        # blind set ai's 14: the permutation kept as a list
+        "torch.manual_seed(7 + rank)\nperm = torch.randperm(64).tolist()\ntrain_set = Subset(data, perm[16:])\n",
+        "np.random.seed(7 + rank)\nidx = list(np.random.permutation(64))\ntrain_idx = idx[:48]\n",
+        # blind set ah's 18: a list shuffled in place by `random`, then sliced into the split
+        "random.seed(7 + rank)\nitems = list(names)\nrandom.shuffle(items)\nval_items, train_items = items[:1], items[1:]\n",
+        "items = list(names)\nnp.random.shuffle(items)\ntrain_items = items[1:]\n",
         # blind set af's 01: folds shuffled by numpy's generator, seeded per rank by MONAI
         "set_determinism(seed=7 + rank)\nfolds = KFold(n_splits=5, shuffle=True)\n",
         "folds = StratifiedKFold(5, shuffle=True)\n",
@@ -87,6 +96,12 @@ def test_a_split_or_numbering_each_rank_draws_is_reported(body):
         "g = torch.Generator().manual_seed(0)\nidx = torch.randperm(64, generator=g)\ntrain_idx = idx[:48]\n",
         # a permutation that shuffles, not a split
         "order = torch.randperm(64)\nbatch = order[:8]\n",
+        "random.seed(7 + rank)\norder = list(names)\nrandom.shuffle(order)\nbatch = order[:2]\n",
+        # shuffled alike: a common seed, or a generator of its own
+        "random.seed(7)\nitems = list(names)\nrandom.shuffle(items)\ntrain_items = items[1:]\n",
+        "items = list(names)\nrandom.Random(7).shuffle(items)\ntrain_items = items[1:]\n",
+        # split before the shuffle (which then orders the training part only)
+        "random.seed(7 + rank)\nitems = list(names)\ntrain_items = items[1:]\nrandom.shuffle(items)\n",
         # folds in the data's order, or shuffled with a seed of their own
         "folds = KFold(n_splits=5)\n",
         "folds = KFold(n_splits=5, shuffle=True, random_state=0)\n",

@@ -85,11 +85,17 @@ def test_a_dataparallel_wrapper_is_read_the_same_way():
         model.config = net.config
         print(model.config)
         """,
-        # it asks first
+        # it asks for the wrapper's own attribute, and unwraps
         """
         model = DDP(net)
-        if hasattr(model, "generate"):
-            model.generate()
+        inner = model.module if hasattr(model, "module") else model
+        inner.generate()
+        """,
+        # it asks the unwrapped model
+        """
+        model = DDP(net)
+        if hasattr(model.module, "generate"):
+            model.module.generate()
         """,
         # read before the wrapping
         """
@@ -169,6 +175,42 @@ def test_every_read_of_a_big_script_is_judged_against_its_own_binding():
             lines.append("model = model.module" if i % 200 == 99 else "model = DDP(net)")
     found = findings("\n".join(lines))
     assert len(found) == 10_000  # the reads while `model` is the wrapper, half of them
+
+
+@pytest.mark.parametrize(
+    "probe, outcome",
+    [
+        ('hasattr(model, "generate")', "is False"),
+        ('getattr(model, "no_weight_decay", None)', "returns its default"),
+    ],
+)
+def test_a_probe_of_the_models_attribute_on_the_wrapper_is_reported(probe, outcome):
+    # The probe never finds the model's own method on the wrapper: the branch is
+    # skipped on every GPU run, silently (blind set ai's 07: Swin's no_weight_decay).
+    found = findings(
+        f"""
+        model = DDP(net)
+        if {probe}:
+            print("probed")
+        """
+    )
+    assert [line for line, _ in found] == [3]
+    assert outcome in found[0][1] and "model.module" in found[0][1]
+
+
+def test_a_probe_in_a_function_every_call_hands_the_wrapper_is_reported():
+    found = findings(
+        """
+        def build_optimizer(model):
+            skip = model.no_weight_decay() if hasattr(model, "no_weight_decay") else set()
+            return torch.optim.AdamW(model.parameters()), skip
+
+        def main():
+            model = DDP(nn.Linear(2, 2))
+            build_optimizer(model)
+        """
+    )
+    assert [line for line, _ in found] == [3]
 
 
 def test_the_wrapper_handed_to_a_function_is_the_wrapper_there():

@@ -425,12 +425,15 @@ async def test_palette_lints_a_script_and_the_findings_feed_the_verdicts(tmp_pat
         assert any("local_rank defaults to 0" in line for line in after.verdict.evidence)
 
 
-async def test_linting_a_missing_file_says_so_in_one_line(tmp_path):
+async def test_linting_a_missing_file_says_so_in_one_line(tmp_path, monkeypatch):
+    # A path relative to the working folder: a long temporary path (pytest-xdist's
+    # are) would wrap the one line on a 100-column screen.
+    monkeypatch.chdir(tmp_path)
     app = fake_app()
     async with app.run_test(size=(100, 30)) as pilot:
         app.action_lint()
         await pilot.pause()
-        app.screen.query_one(Input).value = str(tmp_path / "nope.py")
+        app.screen.query_one(Input).value = "nope.py"
         await pilot.press("enter")
         await until(pilot, done(app))
         assert turns(app)[0].phase == "failed"

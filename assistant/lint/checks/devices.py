@@ -11,6 +11,7 @@ from assistant.lint.model import (
     Script,
     is_int,
     keyword,
+    name_value_pairs,
     self_attribute,
     short,
     source_text,
@@ -699,6 +700,8 @@ def moved_expressions(script: Script) -> set[str]:
         if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value and is_move(node.value):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             moved.update(source_text(t) for t in targets)
+        if isinstance(node, ast.Assign):  # `G, D = Gen().to(dev), Disc().to(dev)`
+            moved.update(name.id for name, value in name_value_pairs(node) if is_move(value))
     return moved
 
 

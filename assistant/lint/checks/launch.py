@@ -17,6 +17,7 @@ from assistant.lint.torchapi import (
     LOCAL_RANK_NAME,
     SPAWNERS,
     init_calls,
+    is_set_device,
     local_rank_arguments,
     reads_env,
     uses_deepspeed,
@@ -369,6 +370,47 @@ def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Findin
             f"(int(os.environ.get('{TORCHRUN_LOCAL_RANK}', os.environ['{SLURM_LOCAL_RANK}']))), "
             "or launch with torchrun",
         )
+
+
+SLURM_GLOBAL_RANK = "SLURM_PROCID"
+MAX_HOPS = 3  # names followed back from the GPU index to the variable it copies
+
+
+@check("slurm-without-torchrun")
+def check_gpu_from_the_global_task_index(script: Script) -> Iterator[Finding]:
+    """The GPU index is srun's SLURM_PROCID, the task's index in the whole job
+    (`args.gpu = args.rank` after `args.rank = int(os.environ["SLURM_PROCID"])`):
+    on one node it is also the local index, but on the second node of 8-GPU
+    machines task 8 asks for GPU 8 (invalid device ordinal). Quiet when the
+    index is taken modulo something (`rank % torch.cuda.device_count()`)."""
+    for node, name in script.call_names:
+        if not is_set_device(name) or not node.args:
+            continue
+        index = node.args[0]
+        if copies_the_global_task_index(script, index, MAX_HOPS):
+            yield script.finding(
+                "slurm-without-torchrun",
+                node,
+                f"the GPU index {source_text(index)} is {SLURM_GLOBAL_RANK}, the task's index "
+                "in the whole job: on the first node it matches the GPUs, but from the "
+                "second node on the tasks ask for GPUs the node does not have (invalid "
+                f"device ordinal); take {SLURM_LOCAL_RANK}, the task's index on its node",
+            )
+
+
+def copies_the_global_task_index(script: Script, expr: ast.expr, hops: int) -> bool:
+    """Whether `expr` is SLURM_PROCID, read directly or through a few names
+    (`int(...)` kept; any arithmetic, like `% gpus_per_node`, makes it another number)."""
+    while isinstance(expr, ast.Call) and short(script.name_of(expr.func)) == "int" and expr.args:
+        expr = expr.args[0]
+    if environment_variable(expr, script) == SLURM_GLOBAL_RANK:
+        return True
+    if hops == 0 or not isinstance(expr, (ast.Name, ast.Attribute)):
+        return False
+    return any(
+        copies_the_global_task_index(script, value, hops - 1)
+        for value in script.assigned_values.get(source_text(expr), [])
+    )
 
 
 # A launch line in the file's own text (its docstring) that runs Python under

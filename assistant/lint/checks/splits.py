@@ -47,6 +47,11 @@ FOLD_SPLITTERS = frozenset({"KFold", "StratifiedKFold", "StratifiedGroupKFold", 
 HF_SPLIT_SEED = "seed"  # datasets.Dataset.train_test_split(test_size=..., seed=42)
 # Index permutations drawn from a global generator; torch's takes its own with generator=.
 PERMUTATIONS = frozenset({"numpy.random.permutation", "torch.randperm"})
+# A list shuffled in place by the global generator of `random` or numpy.
+IN_PLACE_SHUFFLES = frozenset({"random.shuffle", "numpy.random.shuffle"})
+RANDOM_ORDERS = PERMUTATIONS | IN_PLACE_SHUFFLES
+# What turns a permutation into another container of the same order.
+SAME_ORDER = frozenset({"tolist", "numpy", "list", "tuple"})
 SEED_THE_SPLIT = (
     "seed the split itself (random_split(..., generator=torch.Generator().manual_seed(42)), "
     "train_test_split(..., random_state=42), KFold(..., shuffle=True, random_state=42))"
@@ -54,7 +59,7 @@ SEED_THE_SPLIT = (
 SEED_THE_PERMUTATION = (
     "draw the permutation from a generator seeded alike on every rank "
     "(np.random.default_rng(42).permutation(n), torch.randperm(n, "
-    "generator=torch.Generator().manual_seed(42)))"
+    "generator=torch.Generator().manual_seed(42)), random.Random(42).shuffle(items))"
 )
 # A name that holds one part of a split.
 SPLIT_PART = re.compile(r"train|val|test|dev|holdout", re.IGNORECASE)
@@ -88,7 +93,7 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
             node,
             f"{short(name)}() runs in every process and {why}: each rank draws another "
             "split, so one rank's validation samples are the others' training samples; "
-            f"{SEED_THE_PERMUTATION if name in PERMUTATIONS else SEED_THE_SPLIT} or split "
+            f"{SEED_THE_PERMUTATION if name in RANDOM_ORDERS else SEED_THE_SPLIT} or split "
             "once and save it",
         )
     yield from numbered_sets(script)
@@ -115,7 +120,7 @@ def seeds_generator_of(script: Script, seeding: ast.Call, split: str) -> bool:
     """Whether a seeding call seeds the generator the split draws from: a
     permutation reads numpy's or torch's own; the split functions any of them
     (sklearn's reads numpy's, random_split torch's, and files seed them together)."""
-    if split not in PERMUTATIONS:
+    if split not in RANDOM_ORDERS:
         return True
     library = split.split(".")[0]
     seeder = script.name_of(seeding.func)
@@ -153,7 +158,7 @@ def seed_in_force(
 
 def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
     """None: not a split; else whether the call seeds its own draw."""
-    if name in PERMUTATIONS:
+    if name in RANDOM_ORDERS:
         if not sliced_into_a_split(node, script):
             return None
         return keyword(node, "generator") is not None
@@ -178,17 +183,18 @@ def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
     return None
 
 
-def sliced_into_a_split(permutation: ast.Call, script: Script) -> bool:
-    """`idx = np.random.permutation(n)`, then in the same scope slices of `idx`
-    assigned to names of a split's parts (`train_idx, val_idx = idx[:k], idx[k:]`)
-    or handed to `Subset`: a split by hand. A permutation that shuffles a batch
-    or an epoch's order is no split."""
-    assign = script.parents.get(id(permutation))
-    if not (isinstance(assign, ast.Assign) and assign.value is permutation):
+def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
+    """`idx = np.random.permutation(n)` (or `.tolist()` of it), or `random.shuffle(items)`,
+    then in the same scope slices of `idx` / `items` assigned to names of a split's
+    parts (`train_idx, val_idx = idx[:k], idx[k:]`) or handed to `Subset`: a split
+    by hand. A permutation that shuffles a batch or an epoch's order is no split."""
+    held = names_holding_the_order(draw, script)
+    if not held:
         return False
-    held = {t.id for t in assign.targets if isinstance(t, ast.Name)}
-    scope = enclosing_scope(permutation, script) or script.tree
+    scope = enclosing_scope(draw, script) or script.tree
     for node in script.scope_nodes(scope):
+        if getattr(node, "lineno", draw.lineno) < draw.lineno:
+            continue
         if isinstance(node, ast.Assign):
             for target, value in name_value_pairs(node):
                 if is_slice_of(value, held) and SPLIT_PART.search(target.id):
@@ -199,6 +205,34 @@ def sliced_into_a_split(permutation: ast.Call, script: Script) -> bool:
         if handed_to_subset and any(is_slice_of(arg, held) for arg in node.args[1:2]):
             return True
     return False
+
+
+def names_holding_the_order(draw: ast.Call, script: Script) -> set[str]:
+    """The list an in-place shuffle reorders, or the names a permutation is assigned
+    to, through `.tolist()` / `list(...)`."""
+    if script.name_of(draw.func) in IN_PLACE_SHUFFLES:
+        items = draw.args[0] if draw.args else None
+        return {items.id} if isinstance(items, ast.Name) else set()
+    value: ast.expr = draw
+    parent = script.parents.get(id(value))
+    while same_order_of(parent, value):
+        value, parent = parent, script.parents.get(id(parent))
+    if not (isinstance(parent, ast.Assign) and parent.value is value):
+        return set()
+    return {t.id for t in parent.targets if isinstance(t, ast.Name)}
+
+
+def same_order_of(parent: ast.AST | None, child: ast.expr) -> bool:
+    """Whether parent holds child's order: the `.tolist` of `child.tolist()`, then
+    its call, or `list(child)`."""
+    if isinstance(parent, ast.Attribute):
+        return parent.attr in SAME_ORDER
+    if not isinstance(parent, ast.Call):
+        return False
+    if parent.func is child:
+        return isinstance(child, ast.Attribute) and not parent.args
+    called = parent.func.id if isinstance(parent.func, ast.Name) else None
+    return called in SAME_ORDER and parent.args[:1] == [child]
 
 
 def is_slice_of(expr: ast.expr, names: set[str]) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.checks.unused import forward_of, model_classes
-from assistant.lint.model import Script, parameter_names, self_attribute, short
+from assistant.lint.model import Script, parameter_names, self_attribute, short, source_text
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
@@ -122,6 +122,7 @@ def check_wrapper_attribute(script: Script) -> Iterator[Finding]:
     flags = model_flags(script)
     for facts in scopes.values():
         yield from facts.wrapper_reads(script, guarded)
+        yield from facts.wrapper_probes(script)
         for node in facts.stores:
             wrapper = facts.wrapper_at(node.value.id, node.lineno)
             if wrapper in WRAPPERS and node.attr in flags - WRAPPERS[wrapper]:
@@ -139,6 +140,7 @@ class ScopeFacts:
         self.set_on: set[tuple[str, str]] = set()  # (name, attribute) the script assigns
         self.reads: list[ast.Attribute] = []
         self.stores: list[ast.Attribute] = []  # `name.attr = ...`, in source order
+        self.probes: list[ast.Call] = []  # `hasattr(name, "attr")`, `getattr(name, "attr", d)`
         for node in nodes:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 for name, wrapper in bound_wrappers(script, node):
@@ -149,6 +151,8 @@ class ScopeFacts:
                 for target in binding_targets(node):
                     for name in plain_names(target):
                         self.bind(name, node.lineno, None)
+            elif isinstance(node, ast.Call) and probed_attribute(script, node):
+                self.probes.append(node)
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 if isinstance(node.ctx, ast.Load):
                     self.reads.append(node)
@@ -199,6 +203,46 @@ class ScopeFacts:
                     else ""
                 ),
             )
+
+    def wrapper_probes(self, script: Script) -> Iterator[Finding]:
+        """Each probe of a model's attribute by string while the name holds a wrapper:
+        hasattr is False, getattr gives its default, whatever the model defines."""
+        for node in self.probes:
+            name, attribute = node.args[0].id, node.args[1].value
+            wrapper = self.wrapper_at(name, node.lineno)
+            if (
+                wrapper in (None, TRAINER_WRAPPED)  # a hook gets either: probing is handling
+                or attribute.startswith("_")
+                or attribute in WRAPPERS[wrapper]
+                or (name, attribute) in self.set_on
+            ):
+                continue
+            outcome = (
+                "is False"
+                if short(script.name_of(node.func)) == "hasattr"
+                else ("returns its default")
+            )
+            yield script.finding(
+                "ddp-wrapper-attribute",
+                node,
+                f"{source_text(node)} {outcome} here on every GPU run: {name} is the {wrapper} "
+                f"wrapper, which has no attribute {attribute!r}, so what the model defines "
+                f"under that name is silently skipped (one GPU, unwrapped, uses it); probe "
+                f"{name}.module, or pass the unwrapped model",
+            )
+
+
+def probed_attribute(script: Script, node: ast.Call) -> bool:
+    """`hasattr(name, "attr")` or `getattr(name, "attr", default)`."""
+    called = script.name_of(node.func)
+    arity = {"hasattr": 2, "getattr": 3}.get(called)
+    return (
+        arity is not None
+        and len(node.args) == arity
+        and isinstance(node.args[0], ast.Name)
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    )
 
 
 def trainer_hooks(script: Script) -> list[ast.FunctionDef]:

@@ -6,9 +6,12 @@ names are numbered in sorted order; and a split after a common seed for the
 whole process (torch.manual_seed(42) on every rank, as seed_everything does)
 is the same on every rank too. Per-rank seeds are set only after the split,
 for augmentation. A split by hand permutes the indices with a generator
-seeded alike on every rank. Run with two ranks, rank 0 prints that the splits and the
+seeded alike on every rank, and a list of files is shuffled by a
+`random.Random` of its own seeded alike. Run with two ranks, rank 0 prints that the splits and the
 class maps agree.
 """
+
+import random
 
 import numpy as np
 import torch
@@ -39,6 +42,13 @@ def split_indices(n):
     return train_idx, val_idx
 
 
+def split_files(files):
+    files = list(files)
+    random.Random(42).shuffle(files)
+    val_files, train_files = files[:4], files[4:]
+    return train_files, val_files
+
+
 def class_index(names):
     return {name: i for i, name in enumerate(sorted(set(names)))}
 
@@ -52,10 +62,12 @@ def main():
     _, val_too = random_split(data, [300, 100])
     torch.manual_seed(1000 + rank)  # augmentation differs per rank, after the split
     np.random.seed(1000 + rank)
+    random.seed(1000 + rank)
     _, val_idx = split_indices(len(data))
+    _, val_files = split_files([f"drive_{i:02d}" for i in range(16)])
     model = DDP(torch.nn.Linear(1, 1))
     splits = [None] * world
-    drawn = (sorted(val.indices), sorted(val_too.indices), sorted(val_idx.tolist()))
+    drawn = (sorted(val.indices), sorted(val_too.indices), sorted(val_idx.tolist()), sorted(val_files))
     dist.all_gather_object(splits, drawn)
     names = [f"species_{letter}" for letter in "abcdefghijklmnopqrstuvwxyz"]
     maps = [None] * world
@@ -64,6 +76,8 @@ def main():
         print("splits", "agree" if all(s == splits[0] for s in splits) else "differ")
         permuted = [s[2] for s in splits]
         print("permuted splits", "agree" if all(p == permuted[0] for p in permuted) else "differ")
+        shuffled = [s[3] for s in splits]
+        print("shuffled file splits", "agree" if all(f == shuffled[0] for f in shuffled) else "differ")
         print("class maps", "agree" if all(m == maps[0] for m in maps) else "differ")
     del model
     dist.destroy_process_group()

@@ -6,11 +6,14 @@ train_test_split with no random_state from its own numpy state, and
 enumerate(set(names)) numbers the class names in an order Python's
 per-process string hashing decides; a split after seeding with the rank
 differs as well, and so does a split by hand: indices permuted by numpy
-after seeding it with the rank, then sliced. The ranks end up with different
+after seeding it with the rank, then sliced, or a list of file names
+shuffled in place by `random` seeded with the rank. The ranks end up with different
 validation sets (one rank validates on what the others train on) and
 different labels for the same class. Run with two ranks, rank 0 prints
 whether the splits and the class maps agree.
 """
+
+import random
 
 import numpy as np
 import torch
@@ -42,6 +45,14 @@ def split_indices(n, rank):
     return train_idx, val_idx
 
 
+def split_files(files, rank):
+    random.seed(1234 + rank)
+    files = list(files)
+    random.shuffle(files)  # expect: rank-divergent-data-split
+    val_files, train_files = files[:4], files[4:]
+    return train_files, val_files
+
+
 def class_index(names):
     return {name: i for i, name in enumerate(set(names))}  # expect: rank-divergent-data-split
 
@@ -54,8 +65,9 @@ def main():
     _, val = split(data)
     _, val_seeded = split_for_this_rank(data, rank)
     _, val_idx = split_indices(len(data), rank)
+    _, val_files = split_files([f"drive_{i:02d}" for i in range(16)], rank)
     splits = [None] * world
-    drawn = (sorted(val.indices), sorted(val_seeded.indices), sorted(val_idx.tolist()))
+    drawn = (sorted(val.indices), sorted(val_seeded.indices), sorted(val_idx.tolist()), sorted(val_files))
     dist.all_gather_object(splits, drawn)
     names = [f"species_{letter}" for letter in "abcdefghijklmnopqrstuvwxyz"]
     maps = [None] * world
@@ -64,6 +76,8 @@ def main():
         print("splits", "agree" if all(s == splits[0] for s in splits) else "differ")
         permuted = [s[2] for s in splits]
         print("permuted splits", "agree" if all(p == permuted[0] for p in permuted) else "differ")
+        shuffled = [s[3] for s in splits]
+        print("shuffled file splits", "agree" if all(f == shuffled[0] for f in shuffled) else "differ")
         print("class maps", "agree" if all(m == maps[0] for m in maps) else "differ")
     del model
     dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """Rank and world size from srun's variables, the GPU from torchrun's LOCAL_RANK:
-under `srun python train.py` every task on a node lands on GPU 0."""
+under `srun python train.py` every task on a node lands on GPU 0. Or the GPU from
+the task's index in the whole job: from the second node on, a GPU the node lacks."""
 
 import os
 
@@ -29,6 +30,12 @@ def setup_from_ntasks():
     local_rank = int(os.environ.get("LOCAL_RANK", 0))  # expect: slurm-without-torchrun
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", init_method="env://", world_size=world_size, rank=rank)
+
+
+def setup_gpu_from_the_task_index(args):
+    args.rank = int(os.environ["SLURM_PROCID"])
+    args.gpu = args.rank
+    torch.cuda.set_device(args.gpu)  # expect: slurm-without-torchrun
 
 
 def main():
