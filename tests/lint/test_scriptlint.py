@@ -108,6 +108,34 @@ def test_required_local_rank_flag_is_an_arg_mismatch() -> None:
     assert causes == ["local-rank-arg-mismatch", "local-rank-not-from-env"]
 
 
+@pytest.mark.parametrize(
+    "env, reported",
+    [
+        # blind set ah's 01: LOCAL_RANK only written from the flag, never read
+        (
+            'if "LOCAL_RANK" not in os.environ:\n    os.environ["LOCAL_RANK"] = str(args.local_rank)\n',
+            True,
+        ),
+        ('os.environ["LOCAL_RANK"] = str(args.local_rank)\n', True),
+        # read: the flag falls back to it, or it overrides the flag
+        ('args.local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))\n', False),
+        (
+            'if "LOCAL_RANK" in os.environ:\n    args.local_rank = int(os.environ["LOCAL_RANK"])\n',
+            False,
+        ),
+    ],
+)
+def test_a_local_rank_flag_exported_as_local_rank_is_still_the_flags(env, reported) -> None:
+    source = (
+        "import argparse, os\nimport torch\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local_rank', '--local-rank', type=int, default=0)\n"
+        "args = p.parse_args()\n" + env + "torch.cuda.set_device(args.local_rank)\n"
+    )
+    causes = [f.cause_id for f in lint_source(source)]
+    assert ("local-rank-not-from-env" in causes) == reported, causes
+
+
 def test_spawn_at_module_level_is_reported_on_its_own_line() -> None:
     source = (
         "import torch.multiprocessing as mp\ndef work(rank):\n    pass\nmp.spawn(work, nprocs=2)\n"

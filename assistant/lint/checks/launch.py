@@ -59,7 +59,7 @@ HF_ARGUMENT_PACKAGES = frozenset({"transformers", "trl"})
 @check("local-rank-not-from-env")
 def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
     """A local rank from an argparse default or a constant: every rank picks one GPU."""
-    if reads_env(script, "LOCAL_RANK") or uses_deepspeed(script):
+    if reads_the_value_of(script, TORCHRUN_LOCAL_RANK) or uses_deepspeed(script):
         return  # the `deepspeed` launcher passes --local_rank=N
     for node, _flags in local_rank_arguments(script):
         if not is_required(node) and not flag_value_read(script, node):
@@ -82,6 +82,25 @@ def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
                         f"{target.id} is the constant {node.value.value}: every process "
                         'uses the same GPU; use int(os.environ["LOCAL_RANK"])',
                     )
+
+
+def reads_the_value_of(script: Script, variable: str) -> bool:
+    """The file reads the variable's value somewhere: its name appears other than as
+    the target of `os.environ[variable] = ...` or in an `in` / `not in` test (a file
+    that only exports the flag's value as LOCAL_RANK still takes the flag's)."""
+    parents = script.parents
+    for node in script.nodes:
+        if not (isinstance(node, ast.Constant) and node.value == variable):
+            continue
+        parent = parents.get(id(node))
+        if isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Store):
+            continue
+        if isinstance(parent, ast.Compare) and all(
+            isinstance(op, (ast.In, ast.NotIn)) for op in parent.ops
+        ):
+            continue
+        return True
+    return False
 
 
 @check("local-rank-arg-mismatch")

@@ -59,14 +59,19 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
         shown = loop.shown_unreduced(script, owners)
         if shown is None:
             continue
+        fix = (
+            " and ".join(f"call {name}.{method}()" for name, method in sorted(loop.syncs.items()))
+            + " after the loop"
+            if loop.syncs
+            else "all_reduce the sums and counts (or gather the predictions, "
+            "accelerator.gather_for_metrics) before computing the metric"
+        )
         yield script.finding(
             "metrics-not-reduced",
             loop.node,
             f"this loop over {loop.loader}, which gives each rank its own share, adds up "
             f"{', '.join(sorted(loop.totals))} and line {shown.lineno} shows or compares the result "
-            "without combining the ranks: each rank reports its own part of the data; "
-            "all_reduce the sums and counts (or gather the predictions, "
-            "accelerator.gather_for_metrics) before computing the metric",
+            f"without combining the ranks: each rank reports its own part of the data; {fix}",
         )
 
 
@@ -225,6 +230,7 @@ class EvaluationLoop:
     loader: str
     totals: set[str]  # the names the loop accumulates into
     function: str | None  # the file function it is written in
+    syncs: dict[str, str]  # an updated object of the file's metric class -> its combining method
 
     def shown_unreduced(self, script: Script, owners: dict[int, str]) -> ast.AST | None:
         """Where the totals (or what is computed from them) are shown or compared
@@ -256,9 +262,10 @@ def evaluation_loops(
             continue
         if trains(node) or any(collective_call(script, n) for n in ast.walk(node)):
             continue
-        totals = accumulated_names(node)
+        syncs = syncable_updates(script, node, function)
+        totals = accumulated_names(node) | set(syncs)
         if totals:
-            yield EvaluationLoop(node, loader, totals, function)
+            yield EvaluationLoop(node, loader, totals, function, syncs)
 
 
 def sharded_parameters(
@@ -309,6 +316,41 @@ def accumulated_names(loop: ast.For) -> set[str]:
     return totals
 
 
+def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dict[str, str]:
+    """Objects of the file's own metric classes the loop updates (`metric_logger.update(
+    loss=...)`, `metric_logger.meters["acc1"].update(...)`): classes with a method named
+    like a combining one (`synchronize_between_processes`), which the author meant
+    to call before the figures are read (DETR / DeiT / MAE's MetricLogger)."""
+    classes = {
+        node.name: method.name
+        for node in script.tree.body
+        if isinstance(node, ast.ClassDef)
+        for method in node.body
+        if isinstance(method, ast.FunctionDef) and COMBINING_HELPER.search(method.name)
+    }
+    if not classes:
+        return {}
+    scope = script.functions[function] if function else script.tree
+    objects = {
+        target.id: classes[called]
+        for node in ast.walk(scope)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and (called := short(script.name_of(node.value.func))) in classes
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    updated = {}
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            root = node.func.value
+            while isinstance(root, (ast.Attribute, ast.Subscript)):
+                root = root.value
+            if node.func.attr == "update" and isinstance(root, ast.Name) and root.id in objects:
+                updated[root.id] = objects[root.id]
+    return updated
+
+
 def walk_after(scope: ast.AST, line: int) -> list[ast.AST]:
     """The nodes of `scope` that start after `line`, in source order."""
     later = [n for n in ast.walk(scope) if getattr(n, "lineno", 0) > line]
@@ -345,13 +387,19 @@ def assigned_names(target: ast.expr) -> set[str]:
 
 
 def combined(script: Script, after: list[ast.AST], derived: set[str]) -> bool:
-    """A collective after the loop is handed one of the derived values."""
+    """A collective after the loop is handed one of the derived values, or is a method
+    of one (`metric_logger.synchronize_between_processes()`)."""
     return any(
         isinstance(node, ast.Call)
         and collective_call(script, node)
-        and any(names_in(argument) & derived for argument in all_arguments(node))
+        and any(names_in(part) & derived for part in (*all_arguments(node), receiver(node)))
         for node in after
     )
+
+
+def receiver(call: ast.Call) -> ast.AST:
+    """What a method is called on (`x` of `x.sync()`); an empty node for a function."""
+    return call.func.value if isinstance(call.func, ast.Attribute) else ast.Constant(None)
 
 
 def all_arguments(call: ast.Call) -> list[ast.expr]:

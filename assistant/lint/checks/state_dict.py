@@ -63,7 +63,7 @@ def check_wrapper_state_dict_loaded_unwrapped(script: Script) -> Iterator[Findin
         return
     where = Places(script)
     saved: dict[str | None, list[SavedEntry]] = {}
-    for scope, call in where.calls_named("torch.save"):
+    for scope, call in where.calls_named({"torch.save", *forwarders_of_save(script)}):
         for entry in where.saved_entries(scope, call):
             saved.setdefault(entry.key, []).append(entry)
     if not saved:
@@ -96,6 +96,28 @@ def check_wrapper_state_dict_loaded_unwrapped(script: Script) -> Iterator[Findin
                 f"{entry.wrapper_text}.module.state_dict() instead, or strip the prefix with "
                 "consume_prefix_in_state_dict_if_present before loading",
             )
+
+
+def forwarders_of_save(script: Script) -> set[str]:
+    """The file's functions that hand their arguments on to torch.save unchanged
+    (`def save_on_master(*args, **kwargs): if is_main_process(): torch.save(*args,
+    **kwargs)`, as DETR / DeiT / MAE carry): a call of one saves like torch.save."""
+    found = set()
+    for name, function in script.functions.items():
+        forwarded = function.args.vararg
+        if forwarded is None or "." in name:
+            continue
+        for node in ast.walk(function):
+            if (
+                isinstance(node, ast.Call)
+                and script.name_of(node.func) == "torch.save"
+                and node.args
+                and isinstance(node.args[0], ast.Starred)
+                and isinstance(node.args[0].value, ast.Name)
+                and node.args[0].value.id == forwarded.arg
+            ):
+                found.add(name)
+    return found
 
 
 def strips_prefix(script: Script) -> bool:
@@ -181,10 +203,10 @@ class Places:
                     self.callers.setdefault(node.func.id, []).append((scope, node))
         self.fields = self.field_kinds()
 
-    def calls_named(self, name: str) -> Iterator[tuple[ast.AST, ast.Call]]:
+    def calls_named(self, names: set[str]) -> Iterator[tuple[ast.AST, ast.Call]]:
         for scope in self.script.all_scopes:
             for node in self.script.scope_nodes(scope):
-                if isinstance(node, ast.Call) and self.script.name_of(node.func) == name:
+                if isinstance(node, ast.Call) and self.script.name_of(node.func) in names:
                     yield scope, node
 
     # ---------------------------------------------------------- what names hold

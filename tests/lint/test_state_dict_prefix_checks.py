@@ -1,0 +1,50 @@
+"""state-dict-module-prefix: the DDP wrapper's state_dict() ("module." keys) saved, then
+loaded strictly into the plain model (assistant/lint/checks/state_dict.py); the
+torchrun evidence is the fixture state_dict_saved_from_wrapper.py's expectations."""
+
+from __future__ import annotations
+
+import pytest
+from snippets import lint_snippet
+
+PRELUDE = """
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def save_on_master(*args, **kwargs):
+    if dist.get_rank() == 0:
+        torch.save(*args, **kwargs)
+"""
+
+BODY = """
+def main():
+    model = build()
+    model_without_ddp = model
+    model = DDP(model)
+    model_without_ddp = model.module
+    if os.path.isfile("last.pt"):
+        checkpoint = torch.load("last.pt", map_location="cpu")
+        model_without_ddp.load_state_dict(checkpoint["model"])
+    for epoch in range(3):
+        train_one_epoch(model)
+        save_on_master({"model": SAVED.state_dict(), "epoch": epoch}, "last.pt")
+"""
+
+
+@pytest.mark.parametrize(
+    "saved, reported",
+    [
+        # blind set ai's 15: DeiT / MAE's save_on_master hands its arguments to torch.save
+        ("model", [9]),  # the strict load of that file
+        ("model_without_ddp", []),
+        ("model.module", []),
+    ],
+)
+def test_a_save_helper_that_forwards_to_torch_save_saves_like_it(saved, reported):
+    body = BODY.replace("SAVED", saved)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
+        reported
+    )
