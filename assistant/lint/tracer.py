@@ -305,10 +305,35 @@ def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list
     if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
         return []
     if func.value.id != "self":
-        return []
+        return own_method_of_an_object(script, func.value.id, func.attr)
     if owner is not None:
         return [m for m in (f"{owner}.{func.attr}",) if m in functions]
     return list(script.methods_by_name.get(func.attr, []))
+
+
+# Method names that objects of other kinds have too (containers, tensors, modules,
+# optimizers, loggers, files): `x.update()` may be a dict's, so it is not followed.
+COMMON_METHODS = frozenset(
+    {
+        "update", "step", "append", "extend", "add", "get", "set", "items", "keys", "values",
+        "pop", "clear", "copy", "forward", "train", "eval", "save", "load", "reset", "close",
+        "run", "start", "stop", "log", "compute", "state_dict", "load_state_dict", "to",
+        "cuda", "cpu", "zero_grad", "backward", "item", "numpy", "tolist", "mean", "sum",
+        "format", "join", "split", "replace", "read", "write", "put", "send", "recv", "wait",
+        "sync", "flush", "info", "warning", "error", "debug", "apply", "parameters",
+        "modules", "children", "register", "build", "init", "setup", "call", "next",
+        "sample", "generate", "predict", "evaluate", "fit", "transform", "encode", "decode",
+    }
+)  # fmt: skip
+
+
+def own_method_of_an_object(script: Script, receiver: str, method: str) -> list[str]:
+    """`x.m()` on a name that is not a module: the file's methods named `m`, when no
+    other kind of object has a method of that name (`metric_logger.synchronize_between_
+    processes()`), so the call is one of the file's own classes."""
+    if receiver in script.aliases or method in COMMON_METHODS or method.startswith("__"):
+        return []
+    return list(script.methods_by_name.get(method, []))
 
 
 def trace_script(script: Script) -> list[list[TracedCall]]:

@@ -83,6 +83,55 @@ def test_compute_of_an_object_that_is_not_a_torchmetrics_metric_is_quiet():
     assert reported(body) == []
 
 
+OWN_LOGGER = """
+class SmoothedValue:
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def synchronize_between_processes(self):
+        t = torch.tensor([self.count, self.total], dtype=torch.float64)
+        dist.barrier()
+        dist.all_reduce(t)
+
+class MetricLogger:
+    def __init__(self):
+        self.meters = {}
+
+    def synchronize_between_processes(self):
+        for meter in self.meters.values():
+            meter.synchronize_between_processes()
+
+def evaluate(loader):
+    metric_logger = MetricLogger()
+    metric_logger.synchronize_between_processes()
+    return metric_logger
+
+if WHO:
+    evaluate(val_loader)
+"""
+
+
+@pytest.mark.parametrize("who, reported_lines", [("rank == 0", [8, 9]), ("True", [])])
+def test_a_collective_inside_the_files_own_object_methods_is_followed(who, reported_lines):
+    # blind set ai's 19: DeiT-style evaluation on rank 0 alone; MetricLogger's sync
+    # reaches SmoothedValue's barrier and all_reduce through `obj.method()` calls
+    assert reported(OWN_LOGGER.replace("WHO", who)) == reported_lines
+
+
+def test_a_common_method_name_on_an_object_is_not_taken_for_the_files_own():
+    # `x.update()` may be a dict's: a file class's `update` is not assumed to run
+    body = """
+    class Meter:
+        def update(self, value):
+            dist.all_reduce(value)
+
+    stats = {}
+    if rank == 0:
+        stats.update(loss=1.0)
+    """
+    assert reported(body) == []
+
+
 def test_a_script_without_a_process_group_is_quiet():
     source = "from torchmetrics import Accuracy\nacc = Accuracy(task='binary')\nrank = 0\nif rank == 0:\n    acc.compute()\n"
     assert [f for f in lint_source(source) if f.cause_id == "collective-mismatch"] == []
