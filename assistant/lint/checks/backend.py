@@ -142,6 +142,13 @@ def makes_cpu_tensor(
         return False
     if isinstance(value, ast.Name):
         return cpu_name(value.id)
+    if isinstance(value, ast.BinOp):  # `torch.tensor([a, b]) / n`: arithmetic keeps the device
+        sides = (value.left, value.right)
+        return any(
+            makes_cpu_tensor(script, side, cpu_name, depth + 1, list_on_cpu)
+            and (is_plain_number(other) or makes_cpu_tensor(script, other, cpu_name, depth + 1))
+            for side, other in (sides, sides[::-1])
+        )
     if not isinstance(value, ast.Call):
         return False
     name = script.name_of(value.func)
@@ -161,6 +168,14 @@ def makes_cpu_tensor(
         if value.func.attr in DEVICE_KEEPING_METHODS:
             return makes_cpu_tensor(script, value.func.value, cpu_name, depth + 1, list_on_cpu)
     return False
+
+
+def is_plain_number(expr: ast.expr) -> bool:
+    """A constant or a field (`args.meta_batch_size`, `self.scale`): a number that
+    leaves a tensor where it is (a CUDA tensor there would fail on mixed devices)."""
+    return isinstance(expr, ast.Constant) or (
+        isinstance(expr, ast.Attribute) and isinstance(expr.value, ast.Name)
+    )
 
 
 def made_on_cpu_before(assignments: list[tuple[int, bool]], line: int) -> int | None:
