@@ -74,6 +74,30 @@ def test_two_views_of_a_torchvision_resnet_inside_autocast_are_reported():
     assert lines == [6]
 
 
+@pytest.mark.parametrize(
+    "choices, reported",
+    [
+        # blind set aj's 17: the architecture picked by name among BatchNorm models
+        ('["resnet18", "resnet50"]', [7]),
+        # a name among models with LayerNorm too: not known to build BatchNorm
+        ('["resnet18", "vit_b_16"]', []),
+    ],
+)
+def test_a_torchvision_model_picked_by_name_is_judged_by_the_names_the_file_offers(
+    choices, reported
+):
+    body = f"""
+    parser.add_argument("--arch", default="resnet18", choices={choices})
+    net = getattr(torchvision.models, args.arch)(num_classes=10).cuda()
+    model = DDP(net, device_ids=[0])
+    for clean, aug in loader:
+        logits_clean = model(clean)
+        logits_aug = model(aug)
+        (logits_clean - logits_aug).pow(2).mean().backward()
+    """
+    assert reported_lines(body) == reported
+
+
 def test_a_model_built_through_a_helper_and_a_self_field_is_reported():
     lines = reported_lines(
         """

@@ -289,6 +289,8 @@ def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
             name = script.name_of(node.func) or source_text(node.func)
             if BATCH_NORM.match(short(name)) or torchvision_bn_model(name):
                 return node.lineno
+            if picks_a_torchvision_bn_model(script, node):
+                return node.lineno
             if any(
                 given.arg in NORM_KEYWORDS and BATCH_NORM_SETTING.search(source_text(given.value))
                 for given in node.keywords
@@ -304,6 +306,36 @@ def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
 def torchvision_bn_model(name: str) -> bool:
     owner, _, function = name.rpartition(".")
     return owner.startswith("torchvision.models") and bool(TORCHVISION_BN_MODELS.match(function))
+
+
+# Any torchvision model name (classification, segmentation, detection builders).
+TORCHVISION_MODEL_NAME = re.compile(
+    r"^(resnet|resnext|wide_resnet|densenet|mobilenet|efficientnet|regnet|vgg|inception|"
+    r"googlenet|shufflenet|mnasnet|deeplabv3|fcn_|lraspp|alexnet|squeezenet|vit_|swin_|"
+    r"convnext|maxvit)\w*$"
+)
+
+
+def picks_a_torchvision_bn_model(script: Script, call: ast.Call) -> bool:
+    """`getattr(torchvision.models, arch)(...)` (or `models.__dict__[arch](...)`, `get_model(
+    arch)`): a model picked by name. BatchNorm when every torchvision model name the
+    file writes (its `--arch` default and choices) is one built with BatchNorm."""
+    func = call.func
+    picked = (
+        isinstance(func, ast.Call)
+        and script.name_of(func.func) == "getattr"
+        and len(func.args) >= 2
+        and script.name_of(func.args[0]) == "torchvision.models"
+    )
+    picked = picked or (
+        isinstance(func, ast.Subscript)
+        and script.name_of(func.value).startswith("torchvision.models")
+    )
+    picked = picked or script.name_of(func) == "torchvision.models.get_model"
+    if not picked:
+        return False
+    named = [text for text in script.string_constants if TORCHVISION_MODEL_NAME.match(text)]
+    return bool(named) and all(TORCHVISION_BN_MODELS.match(text) for text in named)
 
 
 def second_calls_before_backward(
