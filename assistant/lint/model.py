@@ -83,7 +83,8 @@ class Script:
 
     @cached_property
     def methods_by_name(self) -> dict[str, list[str]]:
-        """The file's methods ("Class.method") by method name, for `self.method()`."""
+        """The file's methods ("Class.method") by method name, for `self.method()` (and
+        `obj.method()` where no other kind of object has such a method: tracer.py)."""
         methods: dict[str, list[str]] = {}
         for qualified in self.functions:
             if "." in qualified:
