@@ -22,6 +22,7 @@ from assistant.lint.torchapi import (
     reads_env,
     uses_deepspeed,
 )
+from assistant.lint.values import MAX_HOPS
 from assistant.results import Finding
 
 
@@ -392,7 +393,6 @@ def check_slurm_rank_with_torchrun_local_rank(script: Script) -> Iterator[Findin
 
 
 SLURM_GLOBAL_RANK = "SLURM_PROCID"
-MAX_HOPS = 3  # names followed back from the GPU index to the variable it copies
 
 
 @check("slurm-without-torchrun")
