@@ -186,6 +186,66 @@ def test_an_output_gated_by_a_weight_the_epoch_decides(weight, reported):
     assert reported_lines(AUX_MODEL.replace("{weight}", weight)) == reported
 
 
+MIXED_DATA_MODEL = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        self.depth_head = nn.Linear(4, 1)
+    def forward(self, x):
+        f = self.body(x)
+        return self.head(f), self.depth_head(f)
+
+def joint_loss(out, depth, batch):
+    loss = (out - batch["y"]).pow(2).mean()
+    {loss_body}
+    return loss
+
+model = DDP(Net(){options})
+for epoch in range(10):
+    for i, batch in enumerate(loader):
+        batch = {k: v.cuda() for k, v in batch.items()}
+        out, depth = model(batch["x"])
+        loss = joint_loss(out, depth, batch)
+        loss.backward()
+"""
+
+HAS_3D = """has3d = batch["has3d"] > 0
+    if has3d.any():
+        loss = loss + (depth[has3d] - batch["z"][has3d]).abs().mean()"""
+
+
+@pytest.mark.parametrize(
+    ("loss_body", "options", "reported"),
+    [
+        # the depth term only when the step's batch holds a sample with depth
+        (HAS_3D, "", [15]),
+        ('if batch["z"].numel():\n        loss = loss + depth.mean()', "", [14]),
+        # the same with unused parameters allowed, or the term taken every step
+        (HAS_3D, ", find_unused_parameters=True", []),
+        (HAS_3D + "\n    else:\n        loss = loss + 0 * depth.sum()", "", []),
+        ("loss = loss + (depth - batch['z']).abs().mean()", "", []),
+        # a switch fixed for the whole run decides nothing per step
+        ("if cfg.use_depth:\n        loss = loss + depth.mean()", "", []),
+    ],
+)
+def test_an_output_a_loss_function_takes_only_for_some_batches(loss_body, options, reported):
+    body = MIXED_DATA_MODEL.replace("{loss_body}", loss_body).replace("{options}", options)
+    assert reported_lines(body) == reported
+
+
+def test_an_output_gated_by_the_batch_in_the_training_loop_is_reported():
+    body = MIXED_DATA_MODEL.replace("{loss_body}", "").replace("{options}", "")
+    body = body.replace(
+        "        loss = joint_loss(out, depth, batch)\n",
+        "        loss = joint_loss(out, None, batch)\n"
+        '        if batch["has3d"].any():\n'
+        "            loss = loss + depth.mean()\n",
+    )
+    assert reported_lines(body) == [23]
+
+
 @pytest.mark.slow
 def test_an_aux_classifier_left_out_fails_under_torchrun_and_its_twin_runs(torchrun):
     assert_broken_fails_and_twin_runs(

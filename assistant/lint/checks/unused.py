@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from assistant.lint.model import (
     Script,
+    bound_arguments,
     called_name,
     keyword,
     own_nodes,
@@ -242,10 +243,13 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
     return None
 
 
-def varying_line(given: ast.expr, nodes: list[ast.AST]) -> int | None:
-    """Where an argument is decided per step: a modulo, a random draw, or a
-    comparison of a step counter (a loop variable, a name `+=`'d) in it, or in
-    what the scope assigns to a name it reads."""
+def varying_line(
+    given: ast.expr, nodes: list[ast.AST], batch_names: frozenset[str] = frozenset()
+) -> int | None:
+    """Where an argument is decided per step: a modulo, a random draw, a
+    comparison of a step counter (a loop variable, a name `+=`'d), or any read of
+    a name that holds the step's batch (`batch_names`), in it or in what the scope
+    assigns to a name it reads."""
     values = [given]
     read = {n.id for n in ast.walk(given) if isinstance(n, ast.Name)}  # `aux_w > 0` reads aux_w
     values += [
@@ -268,7 +272,8 @@ def varying_line(given: ast.expr, nodes: list[ast.AST]) -> int | None:
             counted = isinstance(node, ast.Compare) and any(
                 isinstance(n, ast.Name) and n.id in counters for n in ast.walk(node)
             )
-            if modulo or drawn or counted:
+            batch_read = isinstance(node, ast.Name) and node.id in batch_names
+            if modulo or drawn or counted or batch_read:
                 return value.lineno
     return None
 
@@ -386,7 +391,10 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                 only_here = sorted(returned[position] - others)
                 if not (isinstance(target, ast.Name) and target.id != "_" and only_here):
                     continue
-                gate = per_step_gate(target.id, nodes, assign)
+                gate = per_step_gate(target.id, nodes, assign, batch_names(nodes))
+                where = ""
+                if gate is None:
+                    gate, where = gate_in_a_loss_function(script, target.id, nodes, assign)
                 if gate is None or gate.lineno in reported:
                     continue
                 reported.add(gate.lineno)
@@ -395,7 +403,7 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                     "unused-parameters",
                     gate,
                     f"{target.id} (the output of forward that alone runs {shown}) reaches the "
-                    f"loss only on the steps where `{source_text(gate.test)}` holds: on the "
+                    f"loss{where} only on the steps where `{source_text(gate.test)}` holds: on the "
                     "others those parameters get no gradient, and DDP (line "
                     f"{ddp.lineno}) expects one for every parameter each step and fails with "
                     '"Expected to have finished reduction in the prior iteration"; add the '
@@ -507,13 +515,19 @@ def unpacked_assignment(
     return None
 
 
-def per_step_gate(name: str, nodes: list[ast.AST], assign: ast.Assign) -> ast.If | None:
-    """The `if` deciding per step (varying_line) inside whose body every later read
-    of `name` sits; None when a read is outside such an `if`, or there is none."""
+def per_step_gate(
+    name: str,
+    nodes: list[ast.AST],
+    assign: ast.AST,
+    batch: frozenset[str] = frozenset(),
+) -> ast.If | None:
+    """The `if` deciding per step (varying_line, `batch` the names holding the
+    step's batch) inside whose body every later read of `name` sits; None when a
+    read is outside such an `if`, or there is none."""
     gates = [
         node
         for node in nodes
-        if isinstance(node, ast.If) and varying_line(node.test, nodes) is not None
+        if isinstance(node, ast.If) and varying_line(node.test, nodes, batch) is not None
     ]
     inside = {id(n): gate for gate in gates for s in gate.body for n in ast.walk(s)}
     reads = [
@@ -529,7 +543,70 @@ def per_step_gate(name: str, nodes: list[ast.AST], assign: ast.Assign) -> ast.If
     return inside[id(reads[0])]
 
 
-def position_after(node: ast.AST, assign: ast.Assign) -> bool:
+def batch_names(nodes: list[ast.AST]) -> frozenset[str]:
+    """The names that hold a step's batch: a loop's targets over anything but
+    range() (`for i, batch in enumerate(loader)`), and names the scope assigns
+    from them (`batch = {k: v.cuda() for k, v in batch.items()}`). A test that
+    reads one is decided by the data of the step (`if batch["has3d"].any():`)."""
+    names = {
+        target.id
+        for node in nodes
+        if isinstance(node, ast.For) and not counts_steps(node.iter)
+        for target in ast.walk(node.target)
+        if isinstance(target, ast.Name)
+    }
+    for node in nodes:
+        if isinstance(node, ast.Assign) and names_read(node.value) & names:
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return frozenset(names)
+
+
+def counts_steps(iterable: ast.expr) -> bool:
+    """`range(n)`: a loop over step or epoch numbers, not over data."""
+    return isinstance(iterable, ast.Call) and called_name(iterable) == "range"
+
+
+def names_read(expr: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+
+
+def gate_in_a_loss_function(
+    script: Script, name: str, nodes: list[ast.AST], assign: ast.Assign
+) -> tuple[ast.If | None, str]:
+    """`loss = pose_loss(hm, depth, batch)` where the file's pose_loss reads its
+    `depth_pred` only under `if has3d.any():`, has3d taken from the batch it is
+    given: the `if` deciding per step, and " (in pose_loss)". Every later read of
+    `name` in the training scope must be such an argument of one file function."""
+    reads = [
+        node
+        for node in nodes
+        if isinstance(node, ast.Name)
+        and node.id == name
+        and isinstance(node.ctx, ast.Load)
+        and position_after(node, assign)
+    ]
+    parents = script.parents
+    calls = {id(parents.get(id(read))): parents.get(id(read)) for read in reads}
+    if not reads or len(calls) != 1:
+        return None, ""
+    call = next(iter(calls.values()))
+    function = script.functions.get(called_name(call)) if isinstance(call, ast.Call) else None
+    if function is None or isinstance(call.func, ast.Attribute):
+        return None, ""
+    bound = bound_arguments(function, call)
+    parameters = {
+        p for p, argument in bound if isinstance(argument, ast.Name) and argument.id == name
+    }
+    if len(parameters) != 1 or None in parameters:
+        return None, ""
+    in_batch = batch_names(nodes)
+    batch = frozenset(p for p, argument in bound if p and names_read(argument) & in_batch)
+    inner = script.scope_nodes(function)
+    gate = per_step_gate(parameters.pop(), inner, function, batch | batch_names(inner))
+    return gate, f" (in {function.name})"
+
+
+def position_after(node: ast.AST, assign: ast.AST) -> bool:
     return (node.lineno, node.col_offset) > (assign.lineno, assign.col_offset)
 
 
