@@ -40,6 +40,10 @@ MAX_SHOWN_DEPTH = 40
 Function = ast.FunctionDef | ast.AsyncFunctionDef
 
 
+# torch calls whose `rank=` says which process this is.
+RANK_TAKERS = frozenset({"init_process_group", "DistributedSampler"})
+
+
 @dataclass
 class Script:
     """A parsed training script and what the checks need to know about it."""
@@ -111,6 +115,19 @@ class Script:
             for name, value in name_value_pairs(node):
                 values.setdefault(name.id, []).append(value)
         return values
+
+    @cached_property
+    def names_given_as_rank(self) -> frozenset[str]:
+        """Plain names and fields the file hands to torch as a rank
+        (`init_process_group(..., rank=proc_id)`, `DistributedSampler(ds, rank=i)`):
+        ranks whatever they are called (ranks.is_rank_expr)."""
+        return frozenset(
+            value.id if isinstance(value, ast.Name) else value.attr
+            for call, name in self.call_names
+            if short(name) in RANK_TAKERS
+            for value in [keyword(call, "rank")]
+            if isinstance(value, ast.Name | ast.Attribute)
+        )
 
     @cached_property
     def parents(self) -> dict[int, ast.AST]:

@@ -89,16 +89,16 @@ RANK_CALLS = frozenset({"get_rank", "get_local_rank", "rank", "local_rank"})
 
 
 def is_rank_expr(expr: ast.expr, script: Script) -> bool:
-    """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`, `os.environ["RANK"]`."""
+    """A rank-looking value: `rank`, `args.local_rank`, `dist.get_rank()`, `os.environ["RANK"]`,
+    or a name the file passes torch as `rank=` (`proc_id` of an mp.spawn worker)."""
     variable = environment_variable(expr, script)
     if variable is not None:
         return variable in RANK_VARIABLES
     if isinstance(expr, ast.Call):  # Horovod's (and its ports') hvd.rank() too
         return short(script.name_of(expr.func)) in RANK_CALLS
-    if isinstance(expr, ast.Name):
-        return bool(RANK_NAME.search(expr.id))
-    if isinstance(expr, ast.Attribute):
-        return bool(RANK_NAME.search(expr.attr))
+    if isinstance(expr, ast.Name | ast.Attribute):
+        name = expr.id if isinstance(expr, ast.Name) else expr.attr
+        return bool(RANK_NAME.search(name)) or name in script.names_given_as_rank
     return False
 
 

@@ -135,6 +135,35 @@ def test_a_save_every_rank_reaches_through_a_spawned_worker_is_reported():
     assert found == [7]
 
 
+SPAWNED_WORKER_SAVING = """
+import torch.multiprocessing as mp
+
+def train(proc_id, model):
+    {guard}
+        torch.save(model.module.state_dict(), "last.pt")
+
+def run(proc_id, nprocs):
+    dist.init_process_group("gloo", world_size=nprocs, rank=proc_id)
+    train(proc_id, DDP(nn.Linear(2, 2)))
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(2,), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize(
+    ("guard", "reported"),
+    [
+        # whatever it is called, the name handed to init_process_group as rank= is the rank
+        ("if proc_id == 0:", []),
+        ("if proc_id >= 0:", [6]),
+        ("if nprocs > 1:", [6]),
+    ],
+)
+def test_a_save_guarded_by_the_name_given_as_rank(guard, reported):
+    assert findings(SPAWNED_WORKER_SAVING.replace("{guard}", guard)) == reported
+
+
 READ_AFTER_SAVE = """
 import torch
 import torch.distributed as dist

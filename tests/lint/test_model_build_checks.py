@@ -163,6 +163,28 @@ def test_a_model_sized_by_a_constant_is_not_sized_by_the_data_the_device_carries
     assert reported_lines(body) == []
 
 
+def test_the_gpu_a_spawned_worker_wraps_its_model_on_does_not_cut_its_data():
+    """Blind set c's 04: the worker's GPU index is the rank it hands
+    init_process_group, and DDP(model, device_ids=[gpu]) reads it; the classes
+    are counted from every item, so every rank builds the same model."""
+    body = """
+    class Net(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.fc = nn.Linear(4, n)
+    def main_worker(gpu, ngpus, table):
+        dist.init_process_group("gloo", world_size=ngpus, rank=gpu)
+        items = table.items
+        model = Net(len({pid for _, pid in items}))
+        model = DDP(model, device_ids=[gpu])
+        table = summarise(model)
+    """
+    assert reported_lines(body) == []
+    # the same names, with the items cut by that rank: each rank counts its own classes
+    cut = body.replace("items = table.items", "items = table.items[gpu::ngpus]")
+    assert reported_lines(cut) == [9]
+
+
 SIZED_BY_A_NAME = """
 class Tabular(nn.Module):
     def __init__(self, cardinalities, dim):

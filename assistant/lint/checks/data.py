@@ -1453,10 +1453,15 @@ def read_name(node: ast.AST) -> str | None:
     return self_attribute(node)
 
 
+# Keyword arguments that name a GPU: `DDP(model, device_ids=[gpu])`, `device=rank`.
+PLACING_KEYWORDS = frozenset({"device_ids", "output_device", "device", "device_id"})
+
+
 def outside_placements(script: Script, value: ast.AST) -> Iterator[ast.AST]:
     """The nodes of `value`, each once, leaving out the arguments of calls that only
     place or seed (rank_dependent.is_placement: `x.to(device)`, `torch.device("cuda",
-    rank)`, a seed): the rank they read picks a GPU, it does not cut the data."""
+    rank)`, a seed) and keywords that name a GPU (`device_ids=[gpu]`): the rank
+    they read picks a GPU, it does not cut the data."""
     pending = [value]
     while pending:
         node = pending.pop()
@@ -1464,6 +1469,8 @@ def outside_placements(script: Script, value: ast.AST) -> Iterator[ast.AST]:
         if isinstance(node, ast.Call) and is_placement(script, node):
             if isinstance(node.func, ast.Attribute):
                 pending.append(node.func.value)  # what `.to()` moves is still read
+            continue
+        if isinstance(node, ast.keyword) and node.arg in PLACING_KEYWORDS:
             continue
         pending.extend(ast.iter_child_nodes(node))
 
