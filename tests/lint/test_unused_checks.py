@@ -246,6 +246,39 @@ def test_an_output_gated_by_the_batch_in_the_training_loop_is_reported():
     assert reported_lines(body) == [23]
 
 
+VARIABLE_SUBSET_MODEL = """
+class Net(nn.Module):
+    def __init__(self, n_vars):
+        super().__init__()
+        self.embeds = nn.ModuleList(nn.Linear(4, 8) for _ in range(n_vars))
+    def forward(self, x, var_idx):
+        toks = [self.embeds[v](x[:, j]) for j, v in enumerate(var_idx)]
+        return torch.stack(toks, 1).mean()
+
+model = DDP(Net(10){options})
+all_idx = list(range(10))
+for x in loader:
+    {chosen}
+    model(x[:, var_idx], var_idx).backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("chosen", "options", "reported"),
+    [
+        # a random subset of the input variables each step: the other embeddings idle
+        ("var_idx = sorted(random.sample(all_idx, random.randint(3, 10)))", "", [7]),
+        ("var_idx = torch.randperm(10)[:5].tolist()", "", [7]),
+        # every variable every step, or unused parameters allowed
+        ("var_idx = all_idx", "", []),
+        ("var_idx = sorted(random.sample(all_idx, 5))", ", find_unused_parameters=True", []),
+    ],
+)
+def test_members_run_for_a_list_the_step_draws(chosen, options, reported):
+    body = VARIABLE_SUBSET_MODEL.replace("{chosen}", chosen).replace("{options}", options)
+    assert reported_lines(body) == reported
+
+
 @pytest.mark.slow
 def test_an_aux_classifier_left_out_fails_under_torchrun_and_its_twin_runs(torchrun):
     assert_broken_fails_and_twin_runs(

@@ -49,6 +49,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    names_in,
     own_nodes,
     short,
     source_text,
@@ -327,7 +328,11 @@ def content_sized_step(
                 if lengths_differ:
                     return node  # (batch, its longest sequence): rows agree, lengths not
                 continue  # batch["labels"]: one per sample
-            if is_content_sized(node) or is_rank_stride(script, node):
+            if (
+                is_content_sized(node)
+                or is_rank_stride(script, node)
+                or is_clipped_rank_block(script, values, node)
+            ):
                 return node
             if dropping_collate(script, node) is not None:
                 return node
@@ -451,6 +456,48 @@ def is_rank_stride(script: Script, node: ast.AST) -> bool:
         return False
     lower, step = node.slice.lower, node.slice.step
     return lower is not None and step is not None and is_rank_expr(lower, script)
+
+
+def is_clipped_rank_block(script: Script, values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
+    """`range(rank * per, min(n, (rank + 1) * per))` or `items[start:end]` with
+    `end = n if rank == world - 1 else start + per`: this rank's contiguous block,
+    whose end is clipped to the length or stretched for the last rank, so the
+    last rank holds fewer (or more) items unless the length divides evenly. A
+    block of `n // world` items each, not clipped, is the same size everywhere."""
+    if isinstance(node, ast.Call) and called_name(node) == "range" and len(node.args) == 2:
+        start, end = node.args
+    elif (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Slice)
+        and node.slice.step is None
+        and node.slice.lower is not None
+        and node.slice.upper is not None
+    ):
+        start, end = node.slice.lower, node.slice.upper
+    else:
+        return False
+    return reads_rank(script, values, start) and is_clipped(values, end)
+
+
+def reads_rank(script: Script, values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
+    """The rank is read in `expr`, or in the value of a name it reads (one step back)."""
+    followed = [expr, *(v for n in sorted(names_in(expr)) for v in values.get(n, ())[:1])]
+    return any(
+        isinstance(part, ast.expr) and is_rank_expr(part, script)
+        for value in followed
+        for part in ast.walk(value)
+    )
+
+
+def is_clipped(values: dict[str, list[ast.expr]], end: ast.expr) -> bool:
+    """`min(n, ...)`, or a conditional end (`n if last else start + per`), here or
+    in the value of the name the end is."""
+    followed = [end, *(values.get(end.id, ())[:1] if isinstance(end, ast.Name) else ())]
+    return any(
+        isinstance(value, ast.IfExp)
+        or (isinstance(value, ast.Call) and called_name(value) == "min")
+        for value in followed
+    )
 
 
 def is_content_sized(node: ast.AST) -> bool:

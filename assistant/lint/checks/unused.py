@@ -310,6 +310,18 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
                     f"one `{chooser}` picks: the others get no gradient that step; {why}, or "
                     "run every member each step",
                 )
+            for call, listed, line in members_of_a_list_drawn_per_step(script, forward, names, ddp):
+                if id(call) in reported:
+                    continue
+                reported.add(id(call))
+                yield script.finding(
+                    "unused-parameters",
+                    call,
+                    f"forward runs the members of {source_text(call.func.value)} that "
+                    f"`{listed}` lists, and training passes a list decided per step (line "
+                    f"{line}): the members left out get no gradient that step; {why}, or "
+                    "run every member each step",
+                )
             for test in random_branches(classes, name):
                 if id(test) in reported:
                     continue
@@ -657,7 +669,21 @@ def submodules_run(expr: ast.expr, assigned: dict[str, list[ast.expr]]) -> set[s
 
 # Calls that draw a random number: `random.random()`, `np.random.rand()`, `torch.rand(1)`.
 RANDOM_DRAWS = frozenset(
-    {"random", "uniform", "randint", "rand", "randn", "rand_like", "bernoulli", "choice"}
+    {
+        "random",
+        "uniform",
+        "randint",
+        "rand",
+        "randn",
+        "rand_like",
+        "bernoulli",
+        "choice",
+        # a random subset or order: `random.sample(idx, k)`, `torch.randperm(n)[:k]`
+        "sample",
+        "randperm",
+        "permutation",
+        "multinomial",
+    }
 )
 # How many model classes are followed into from the wrapped one (blocks, their layers).
 MAX_CLASSES = 32
@@ -760,6 +786,60 @@ def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
             and chooser.id in inputs
         ):
             yield node, chooser.id
+
+
+def members_of_a_list_drawn_per_step(
+    script: Script, forward: ast.FunctionDef, names: set[str], ddp: ast.Call
+) -> Iterator[tuple[ast.Call, str, int]]:
+    """`[self.token_embeds[v](x[:, j]) for j, v in enumerate(var_idx)]` in forward,
+    with `var_idx` an input, and a training call of the wrapped model (through one
+    of `names`) that passes for it a list decided per step (`random.sample(...)`):
+    (the member call, the input, the line that decides the list)."""
+    listed = dict(members_picked_from_an_input_list(forward))
+    if not listed:
+        return
+    for call, nodes, strict in training_calls(script):
+        if strict is not ddp or source_text(call.func) not in names:
+            continue
+        for parameter, argument in bound_arguments(forward, call, self_bound=True):
+            line = varying_line(argument, nodes) if parameter in listed.values() else None
+            if line is None:
+                continue
+            for member, input_name in listed.items():
+                if input_name == parameter:
+                    yield member, input_name, line
+
+
+def members_picked_from_an_input_list(
+    forward: ast.FunctionDef,
+) -> Iterator[tuple[ast.Call, str]]:
+    """(`self.embeds[v](...)`, "var_idx") where `v` is bound by a loop or a
+    comprehension over forward's input `var_idx` (also through enumerate / zip)."""
+    inputs = {a.arg for a in forward.args.args[1:]}
+    loops = [
+        (node.target, node.iter)
+        for node in ast.walk(forward)
+        if isinstance(node, ast.For | ast.comprehension)
+    ]
+    for target, iterable in loops:
+        sources = (
+            iterable.args
+            if isinstance(iterable, ast.Call) and called_name(iterable) in ("enumerate", "zip")
+            else [iterable]
+        )
+        listed = [s.id for s in sources if isinstance(s, ast.Name) and s.id in inputs]
+        if not listed:
+            continue
+        bound = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        for node in ast.walk(forward):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Subscript)
+                and self_attribute(node.func.value) is not None
+                and isinstance(node.func.slice, ast.Name)
+                and node.func.slice.id in bound
+            ):
+                yield node, listed[0]
 
 
 def switched_flags(

@@ -1,0 +1,77 @@
+"""assistant/lint/checks/gather_sizes.py: all_gather of the rows predicted over this
+rank's contiguous block of the data, when the blocks differ in size (collective-mismatch).
+
+A block of `ceil(n / world)` items clipped to the length (`min(n, (rank + 1) * per)`),
+or one the last rank stretches to the end, holds fewer or more items on the last
+rank, so buffers shaped like the local predictions do not match across ranks. Blocks
+of `n // world` items each are the same size everywhere."""
+
+from __future__ import annotations
+
+import pytest
+from snippets import lint_snippet
+
+PRELUDE = """\
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Subset
+"""
+BODY = """
+def predict(model, loader):
+    return torch.cat([model(x) for x in loader])
+
+
+def main(model, test_ds):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = len(test_ds)
+    per = -(-n // world)
+    BLOCK
+    preds = predict(model, DataLoader(part, batch_size=64))
+    gathered = [torch.zeros_like(preds) for _ in range(world)]
+    dist.all_gather(gathered, preds)
+"""
+
+
+def reported(block: str, body: str = BODY) -> list[int]:
+    source = body.replace("BLOCK", block)
+    return [line for line, _ in lint_snippet(PRELUDE, source, {"collective-mismatch"})]
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        "part = Subset(test_ds, range(rank * per, min(n, (rank + 1) * per)))",
+        (
+            "end = n if rank == world - 1 else (rank + 1) * per\n"
+            "    part = Subset(test_ds, list(range(n))[rank * per:end])"
+        ),
+        "start = rank * per\n    part = Subset(test_ds, range(start, min(start + per, n)))",
+    ],
+    ids=["clipped range", "the last rank takes the rest", "start through a name"],
+)
+def test_a_clipped_or_stretched_block_makes_the_gathered_rows_rank_sized(block):
+    assert reported(block) == [14 + block.count("\n")]
+
+
+@pytest.mark.parametrize(
+    "block, body",
+    [
+        # n // world items each, the remainder left out: the same size everywhere
+        ("part = Subset(test_ds, range(rank * (n // world), (rank + 1) * (n // world)))", BODY),
+        # the sizes exchanged first: a padded gather starts so
+        (
+            "part = Subset(test_ds, range(rank * per, min(n, (rank + 1) * per)))",
+            BODY.replace(
+                "    gathered = [",
+                "    size = torch.tensor([preds.shape[0]])\n"
+                "    sizes = [torch.zeros_like(size) for _ in range(world)]\n"
+                "    dist.all_gather(sizes, size)\n"
+                "    gathered = [",
+            ),
+        ),
+    ],
+    ids=["even blocks", "sizes exchanged first"],
+)
+def test_even_blocks_or_exchanged_sizes_are_quiet(block, body):
+    assert reported(block, body) == []
