@@ -50,3 +50,28 @@ def argparse_flag(script: Script, dest: str) -> ast.Call | None:
         if dest in dests:
             return node
     return None
+
+
+# What an option holds when the command line leaves it out, for a default no
+# add_argument call gives: argparse's None, or the opposite of a store_* action.
+UNSET_DEFAULTS = {"store_true": False, "store_false": True}
+
+
+def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
+    """(known, value): what `args.<dest>` holds when its flag is not given, from
+    the add_argument call's constant default (`default="verb"`, `action="store_true"`).
+    Unknown for anything but an option of the file's own parser with a literal default."""
+    if not isinstance(expr, ast.Attribute):
+        return False, None
+    flag = argparse_flag(script, expr.attr)
+    if flag is None:
+        return False, None
+    default = keyword(flag, "default")
+    if isinstance(default, ast.Constant):
+        return True, default.value
+    if default is not None:
+        return False, None
+    action = keyword(flag, "action")
+    if isinstance(action, ast.Constant) and action.value in UNSET_DEFAULTS:
+        return True, UNSET_DEFAULTS[action.value]
+    return (True, None) if action is None else (False, None)

@@ -186,6 +186,32 @@ def test_an_output_gated_by_a_weight_the_epoch_decides(weight, reported):
     assert reported_lines(AUX_MODEL.replace("{weight}", weight)) == reported
 
 
+def test_an_update_that_starts_after_warm_up_runs_forward_under_the_same_gate():
+    """Blind set an's 08 (SAC): `if step >= seed_steps:` holds the critic's call,
+    its loss and the backward: the steps it skips run no forward either."""
+    body = AUX_MODEL.replace("{weight}", "warm = 1000").replace(
+        "        out, aux = model(x)\n"
+        "        loss = (out - y).pow(2).mean()\n"
+        "        if aux_w > 0:\n"
+        "            loss = loss + aux_w * (aux - y).pow(2).mean()\n"
+        "        loss.backward()\n",
+        "        if epoch >= warm:\n"
+        "            out, aux = model(x)\n"
+        "            loss = (out - y).pow(2).mean() + (aux - y).pow(2).mean()\n"
+        "            loss.backward()\n",
+    )
+    assert "if epoch >= warm:" in body
+    assert reported_lines(body) == []
+    # the outputs taken apart under a gate of their own inside it still count
+    inner = body.replace(
+        "(out - y).pow(2).mean() + (aux - y).pow(2).mean()\n",
+        "(out - y).pow(2).mean()\n"
+        "            if epoch % 2 == 0:\n"
+        "                loss = loss + (aux - y).pow(2).mean()\n",
+    )
+    assert reported_lines(inner) == [19]
+
+
 MIXED_DATA_MODEL = """
 class Net(nn.Module):
     def __init__(self):
@@ -244,6 +270,63 @@ def test_an_output_gated_by_the_batch_in_the_training_loop_is_reported():
         "            loss = loss + depth.mean()\n",
     )
     assert reported_lines(body) == [23]
+
+
+TWO_HEAD_MODEL = """
+import argparse
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.fc_verb = nn.Linear(4, 3)
+        self.fc_noun = nn.Linear(4, 5)
+    def forward(self, x):
+        f = self.body(x)
+        return self.fc_verb(f), self.fc_noun(f)
+
+def compute_loss(verb_logits, noun_logits, verb, noun, task):
+    if task == "verb":
+        return F.cross_entropy(verb_logits, verb)
+    if task == "noun":
+        return F.cross_entropy(noun_logits, noun)
+    return F.cross_entropy(verb_logits, verb) + F.cross_entropy(noun_logits, noun)
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--task", choices=["verb", "noun", "both"], default={default})
+args = ap.parse_args()
+model = DDP(Net(){options})
+for x, verb, noun in loader:
+    verb_logits, noun_logits = model(x)
+    compute_loss(verb_logits, noun_logits, verb, noun, args.task).backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("default", "options", "reported"),
+    [
+        # the option's default leaves the noun head (or the verb head) out of the loss
+        ('"verb"', "", [15]),
+        ('"noun"', "", [15]),
+        # both heads by default, unused parameters allowed, or no default to read
+        ('"both"', "", []),
+        ('"verb"', ", find_unused_parameters=True", []),
+        ("os.environ.get('TASK', 'verb')", "", []),
+    ],
+)
+def test_a_head_the_default_option_leaves_out_of_the_loss(default, options, reported):
+    body = TWO_HEAD_MODEL.replace("{default}", default).replace("{options}", options)
+    assert reported_lines("import torch.nn.functional as F\n" + body) == reported
+
+
+def test_the_finding_names_the_option_its_default_and_the_head():
+    body = TWO_HEAD_MODEL.replace("{default}", '"verb"').replace("{options}", "")
+    [(_, finding)] = lint_snippet(
+        HEADER, "import torch.nn.functional as F\n" + body, ["unused-parameters"]
+    )
+    assert "with args.task at its default ('verb'), compute_loss never reads noun_logits" in (
+        finding.message
+    )
+    assert "self.fc_noun" in finding.message
 
 
 VARIABLE_SUBSET_MODEL = """

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from assistant.lint.model import (
+    Function,
     Script,
     bound_arguments,
     called_name,
@@ -45,6 +46,7 @@ from assistant.lint.model import (
 )
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
+from assistant.lint.values import option_default
 from assistant.results import Finding
 
 
@@ -407,7 +409,13 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                 where = ""
                 if gate is None:
                     gate, where = gate_in_a_loss_function(script, target.id, nodes, assign)
-                if gate is None or gate.lineno in reported:
+                if gate is None:
+                    left_out = left_out_by_the_default_option(script, target.id, nodes, assign)
+                    if left_out is not None and left_out[0].lineno not in reported:
+                        reported.add(left_out[0].lineno)
+                        yield default_option_finding(script, target.id, only_here, ddp, *left_out)
+                    continue
+                if gate.lineno in reported:
                     continue
                 reported.add(gate.lineno)
                 shown = ", ".join(f"self.{member}" for member in only_here[:3])
@@ -536,10 +544,14 @@ def per_step_gate(
     """The `if` deciding per step (varying_line, `batch` the names holding the
     step's batch) inside whose body every later read of `name` sits; None when a
     read is outside such an `if`, or there is none."""
+    # An `if` around the model's call too decides whether the step runs forward at
+    # all, not which outputs reach the loss (an update that starts after warm-up).
     gates = [
         node
         for node in nodes
-        if isinstance(node, ast.If) and varying_line(node.test, nodes, batch) is not None
+        if isinstance(node, ast.If)
+        and varying_line(node.test, nodes, batch) is not None
+        and not any(n is assign for s in node.body for n in ast.walk(s))
     ]
     inside = {id(n): gate for gate in gates for s in gate.body for n in ast.walk(s)}
     reads = [
@@ -587,8 +599,25 @@ def gate_in_a_loss_function(
 ) -> tuple[ast.If | None, str]:
     """`loss = pose_loss(hm, depth, batch)` where the file's pose_loss reads its
     `depth_pred` only under `if has3d.any():`, has3d taken from the batch it is
-    given: the `if` deciding per step, and " (in pose_loss)". Every later read of
-    `name` in the training scope must be such an argument of one file function."""
+    given: the `if` deciding per step, and " (in pose_loss)"."""
+    found = the_loss_function_call(script, name, nodes, assign)
+    if found is None:
+        return None, ""
+    call, function, parameter = found
+    in_batch = batch_names(nodes)
+    bound = bound_arguments(function, call)
+    batch = frozenset(p for p, argument in bound if p and names_read(argument) & in_batch)
+    inner = script.scope_nodes(function)
+    gate = per_step_gate(parameter, inner, function, batch | batch_names(inner))
+    return gate, f" (in {function.name})"
+
+
+def the_loss_function_call(
+    script: Script, name: str, nodes: list[ast.AST], assign: ast.Assign
+) -> tuple[ast.Call, Function, str] | None:
+    """`loss = compute_loss(verb_logits, noun_logits, y, args.task)`: the one call
+    of a file function that every later read of `name` is an argument of, that
+    function, and the parameter the name is bound to."""
     reads = [
         node
         for node in nodes
@@ -600,22 +629,133 @@ def gate_in_a_loss_function(
     parents = script.parents
     calls = {id(parents.get(id(read))): parents.get(id(read)) for read in reads}
     if not reads or len(calls) != 1:
-        return None, ""
+        return None
     call = next(iter(calls.values()))
-    function = script.functions.get(called_name(call)) if isinstance(call, ast.Call) else None
-    if function is None or isinstance(call.func, ast.Attribute):
-        return None, ""
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+        return None
+    function = script.functions.get(call.func.id)
+    if function is None:
+        return None
     bound = bound_arguments(function, call)
-    parameters = {
-        p for p, argument in bound if isinstance(argument, ast.Name) and argument.id == name
-    }
+    parameters = {p for p, arg in bound if isinstance(arg, ast.Name) and arg.id == name}
     if len(parameters) != 1 or None in parameters:
-        return None, ""
-    in_batch = batch_names(nodes)
-    batch = frozenset(p for p, argument in bound if p and names_read(argument) & in_batch)
-    inner = script.scope_nodes(function)
-    gate = per_step_gate(parameters.pop(), inner, function, batch | batch_names(inner))
-    return gate, f" (in {function.name})"
+        return None
+    return call, function, parameters.pop()
+
+
+def left_out_by_the_default_option(
+    script: Script, name: str, nodes: list[ast.AST], assign: ast.Assign
+) -> tuple[ast.If, str, object, Function] | None:
+    """`compute_loss(verb_logits, noun_logits, ..., args.task)` where compute_loss
+    reads noun_logits only past `if task == "verb": return ...`, and `--task`
+    defaults to "verb": with the default, the output never reaches the loss. The
+    `if` that decides, the option, its default and the function."""
+    found = the_loss_function_call(script, name, nodes, assign)
+    if found is None:
+        return None
+    call, function, parameter = found
+    options: dict[str, tuple[str, object]] = {}
+    for bound_to, argument in bound_arguments(function, call):
+        known, value = option_default(script, argument)
+        if bound_to and known:
+            options[bound_to] = (source_text(argument), value)
+    if not options:
+        return None
+    walk = DefaultPath(options, parameter)
+    walk.run(function.body)
+    if walk.reached or walk.decided is None:
+        return None
+    option, value = options[walk.decided[1]]
+    return walk.decided[0], option, value, function
+
+
+class DefaultPath:
+    """The statements a function runs when its option parameters hold their
+    defaults: whether one that reads `parameter` is among them, and the first
+    `if` on an option that turned the path (the `if` and the option)."""
+
+    def __init__(self, options: dict[str, tuple[str, object]], parameter: str):
+        self.options = options
+        self.parameter = parameter
+        self.reached = False
+        self.decided: tuple[ast.If, str] | None = None
+
+    def run(self, body: list[ast.stmt]) -> bool:
+        """Walk `body`; True when it surely returns (or raises) on this path."""
+        for statement in body:
+            if isinstance(statement, ast.If):
+                held = self.holds(statement.test)
+                if held is None:
+                    self.reached |= reads_name(statement.test, self.parameter)
+                    ends_body = self.run(statement.body)
+                    ends_else = self.run(statement.orelse)
+                    if ends_body and ends_else:
+                        return True
+                    continue
+                if self.decided is None:
+                    self.decided = (statement, held[1])
+                if self.run(statement.body if held[0] else statement.orelse):
+                    return True
+                continue
+            self.reached |= reads_name(statement, self.parameter)
+            if isinstance(statement, ast.Return | ast.Raise):
+                return True
+        return False
+
+    def holds(self, test: ast.expr) -> tuple[bool, str] | None:
+        """(whether `test` holds, the option it reads) for `task == "verb"`,
+        `task != "noun"`, `task in ("a", "b")`, `use_aux`, `not use_aux`."""
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            inner = self.holds(test.operand)
+            return None if inner is None else (not inner[0], inner[1])
+        if isinstance(test, ast.Name) and test.id in self.options:
+            return bool(self.options[test.id][1]), test.id
+        if not (
+            isinstance(test, ast.Compare)
+            and len(test.ops) == 1
+            and isinstance(test.left, ast.Name)
+            and test.left.id in self.options
+        ):
+            return None
+        value = self.options[test.left.id][1]
+        op, right = test.ops[0], test.comparators[0]
+        if isinstance(right, ast.Constant) and isinstance(op, ast.Eq | ast.NotEq):
+            return (value == right.value) == isinstance(op, ast.Eq), test.left.id
+        if isinstance(right, ast.Tuple | ast.List | ast.Set) and isinstance(op, ast.In | ast.NotIn):
+            if not all(isinstance(e, ast.Constant) for e in right.elts):
+                return None
+            inside = any(value == e.value for e in right.elts)  # type: ignore[attr-defined]
+            return inside == isinstance(op, ast.In), test.left.id
+        return None
+
+
+def reads_name(node: ast.AST, name: str) -> bool:
+    return any(
+        isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        for n in ast.walk(node)
+    )
+
+
+def default_option_finding(
+    script: Script,
+    name: str,
+    only_here: list[str],
+    ddp: ast.Call,
+    decided: ast.If,
+    option: str,
+    value: object,
+    function: Function,
+) -> Finding:
+    shown = ", ".join(f"self.{member}" for member in only_here[:3])
+    return script.finding(
+        "unused-parameters",
+        decided,
+        f"with {option} at its default ({value!r}), {function.name} never reads {name} "
+        f"(the output of forward that alone runs {shown}): those parameters get no "
+        f"gradient, and DDP (line {ddp.lineno}) expects one for every parameter each step "
+        'and fails with "Expected to have finished reduction in the prior iteration"; '
+        "build only the heads the run trains, or pass find_unused_parameters=True",
+    )
 
 
 def position_after(node: ast.AST, assign: ast.AST) -> bool:
