@@ -135,6 +135,92 @@ def test_a_metric_logger_of_the_files_own_read_without_its_sync_is_reported(sync
     assert reported_lines(METRIC_LOGGER.format(sync=sync)) == reported
 
 
+SUBSET_EVALUATION = """
+from torch.utils.data import Subset
+
+def accuracy(model, loader):
+    correct = total = 0
+    for x, y in loader:
+        correct += (model(x).argmax(1) == y).sum().item()
+        total += len(y)
+    return correct / total
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+shard = Subset(val_set, range(rank, len(val_set), world))
+loader = DataLoader(shard, batch_size=64)
+acc = accuracy(model, loader)
+if rank == 0:
+    print(f"val acc {acc:.3f}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "reported"),
+    [
+        # a loader over a dataset cut by rank is a share as a DistributedSampler's is
+        ({}, [6]),
+        ({"range(rank, len(val_set), world)": "list(range(len(val_set)))[rank::world]"}, [6]),
+        # the same helper over the whole set, on rank 0: the whole
+        ({"Subset(val_set, range(rank, len(val_set), world))": "val_set"}, []),
+    ],
+)
+def test_an_evaluation_over_a_subset_cut_by_rank(change, reported):
+    body = SUBSET_EVALUATION
+    for old, new in change.items():
+        body = body.replace(old, new)
+    assert reported_lines(body) == reported
+
+
+def test_a_helper_run_over_a_share_and_reduced_then_over_everything_on_rank_zero_is_quiet():
+    """Blind set a's 14 and s's 11: the shard's counts are all-reduced; the final
+    test on rank 0 runs the same helper over the whole test set and shows it."""
+    body = (
+        SUBSET_EVALUATION.replace("    return correct / total", "    return correct, total")
+        .replace(
+            "acc = accuracy(model, loader)\n",
+            "c, t = accuracy(model, loader)\n"
+            "both = torch.tensor([c, t])\n"
+            "dist.all_reduce(both)\n",
+        )
+        .replace(
+            '    print(f"val acc {acc:.3f}")',
+            "    c, t = accuracy(model, DataLoader(val_set, batch_size=64))\n"
+            '    print(f"val acc {both[0] / both[1]:.3f} test acc {c / t:.3f}")',
+        )
+    )
+    assert reported_lines(body) == []
+
+
+def test_a_loop_that_trains_through_a_method_of_the_files_class_is_no_evaluation():
+    """Blind set q's 08: `loss = brain.fit_batch(batch)` runs backward in the file's
+    Brain class; the loop over the rank's shards trains, it evaluates nothing."""
+    body = """
+    from torch.utils.data import Subset
+
+    class Brain:
+        def fit_batch(self, batch):
+            loss = self.model(batch).mean()
+            loss.backward()
+            self.optimizer.step()
+            return loss
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loader = DataLoader(Subset(train_set, range(rank, len(train_set), world)), batch_size=8)
+    brain = Brain()
+    run_loss, n = 0.0, 0
+    for batch in loader:
+        run_loss += brain.fit_batch(batch).item()
+        n += 1
+    if rank == 0:
+        print(run_loss / n)
+    """
+    assert reported_lines(body) == []
+    evaluating = body.replace("            loss.backward()\n", "")
+    assert reported_lines(evaluating) == [15]
+
+
 def test_a_loader_of_the_same_name_in_another_function_is_not_the_sharded_one():
     lines = reported_lines(
         """

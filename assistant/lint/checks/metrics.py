@@ -56,7 +56,7 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
     if not sharded:
         return
     for loop in evaluation_loops(script, sharded, owners):
-        shown = loop.shown_unreduced(script, owners)
+        shown = loop.shown_unreduced(script, owners, sharded)
         if shown is None:
             continue
         fix = (
@@ -180,7 +180,8 @@ def logs_unsynced(call: ast.Call) -> bool:
 
 def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | None, str]]:
     """(function, name) of loaders that split the data by rank: given a
-    DistributedSampler, or returned by `accelerator.prepare(...)`. A name is
+    DistributedSampler, built over a dataset cut by rank (`Subset(ds,
+    range(rank, n, world))`), or returned by `accelerator.prepare(...)`. A name is
     read in the function that assigns it: `loader` in main is not the
     `loader` parameter of a helper."""
     samplers = {
@@ -189,6 +190,9 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
         if isinstance(node, ast.Assign) and is_distributed_sampler(script, node.value)
         for target in node.targets
     }
+    from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
+
+    flow = DataFlow(script)
     found: set[tuple[str | None, str]] = set()
     for node in script.nodes:
         if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
@@ -196,9 +200,16 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
         call, owner = node.value, owners.get(id(node))
         if short(script.name_of(call.func)) == "DataLoader":
             sampler = keyword(call, "sampler")
-            if sampler is not None and (
-                is_distributed_sampler(script, sampler) or (owner, source_text(sampler)) in samplers
-            ):
+            dataset = call.args[0] if call.args else keyword(call, "dataset")
+            if (
+                sampler is not None
+                and (
+                    is_distributed_sampler(script, sampler)
+                    or (owner, source_text(sampler)) in samplers
+                )
+            ) or (dataset is not None and flow.sharded_by_rank(dataset)):
+                # a DistributedSampler's share, or a dataset cut by rank already
+                # (`Subset(ds, range(rank, len(ds), world))`)
                 found.update((owner, source_text(t)) for t in node.targets)
         elif isinstance(call.func, ast.Attribute) and call.func.attr == "prepare":
             for target in node.targets:
@@ -232,7 +243,12 @@ class EvaluationLoop:
     function: str | None  # the file function it is written in
     syncs: dict[str, str]  # an updated object of the file's metric class -> its combining method
 
-    def shown_unreduced(self, script: Script, owners: dict[int, str]) -> ast.AST | None:
+    def shown_unreduced(
+        self,
+        script: Script,
+        owners: dict[int, str],
+        sharded: set[tuple[str | None, str]] = frozenset(),  # type: ignore[assignment]
+    ) -> ast.AST | None:
         """Where the totals (or what is computed from them) are shown or compared
         with no collective on them first; None when they are combined or never shown."""
         scope: ast.AST = script.functions[self.function] if self.function else script.tree
@@ -245,7 +261,9 @@ class EvaluationLoop:
             return shown
         if not returns_any(script.functions[self.function], derived):
             return None
-        return shown_by_callers(script, self.function, owners)
+        function = script.functions[self.function]
+        through = self.loader if self.loader in {a.arg for a in function.args.args} else None
+        return shown_by_callers(script, self.function, owners, sharded, through)
 
 
 def evaluation_loops(
@@ -260,7 +278,7 @@ def evaluation_loops(
             continue
         if (function, loader) not in sharded:
             continue
-        if trains(node) or any(collective_call(script, n) for n in ast.walk(node)):
+        if trains(script, node) or any(collective_call(script, n) for n in ast.walk(node)):
             continue
         syncs = syncable_updates(script, node, function)
         totals = accumulated_names(node) | set(syncs)
@@ -297,8 +315,38 @@ def iterated_name(expr: ast.expr) -> str | None:
     return source_text(expr) if isinstance(expr, (ast.Name, ast.Attribute)) else None
 
 
-def trains(loop: ast.For) -> bool:
-    return any(is_backward(n) for n in ast.walk(loop))
+def trains(script: Script, loop: ast.For) -> bool:
+    """The loop runs backward, itself or in a function or method of the file it
+    calls (`loss = brain.fit_batch(batch)`), a couple of calls deep."""
+    return runs_backward(script, loop, TRAINING_CALL_DEPTH)
+
+
+# How many calls deep a loop's backward is looked for (a Brain's fit_batch, its step).
+TRAINING_CALL_DEPTH = 2
+
+
+def runs_backward(script: Script, node: ast.AST, depth: int) -> bool:
+    for part in ast.walk(node):
+        if is_backward(part):
+            return True
+        if (
+            depth > 0
+            and isinstance(part, ast.Call)
+            and any(runs_backward(script, f, depth - 1) for f in called_functions(script, part))
+        ):
+            return True
+    return False
+
+
+def called_functions(script: Script, call: ast.Call) -> list[Function]:
+    """The file's functions a call may run: `fit(x)` by name, `obj.fit(x)` as any
+    of the file's methods named `fit`."""
+    if isinstance(call.func, ast.Name):
+        function = script.functions.get(call.func.id)
+        return [function] if function is not None else []
+    if isinstance(call.func, ast.Attribute):
+        return [script.functions[q] for q in script.methods_by_name.get(call.func.attr, [])]
+    return []
 
 
 def accumulated_names(loop: ast.For) -> set[str]:
@@ -465,15 +513,28 @@ def returns_any(function: Function, derived: set[str]) -> bool:
     )
 
 
-def shown_by_callers(script: Script, function: str, owners: dict[int, str]) -> ast.AST | None:
-    """Where a caller shows what `function` returned, unreduced."""
+def shown_by_callers(
+    script: Script,
+    function: str,
+    owners: dict[int, str],
+    sharded: set[tuple[str | None, str]] = frozenset(),  # type: ignore[assignment]
+    loader_parameter: str | None = None,
+) -> ast.AST | None:
+    """Where a caller shows what `function` returned, unreduced. When the loader
+    is the function's parameter `loader_parameter`, only the calls that hand it a
+    sharded loader count: the same helper run over the whole test set on rank 0
+    reports the whole."""
     parents = script.parents
     for node, name in script.call_names:
         assigned = parents.get(id(node))
         if name != function or not (isinstance(assigned, ast.Assign) and assigned.value is node):
             continue
-        received = set().union(*(names_in(t) for t in assigned.targets))
         caller = owners.get(id(node))
+        if loader_parameter is not None and not passes_a_sharded_loader(
+            script.functions[function], node, loader_parameter, caller, sharded
+        ):
+            continue
+        received = set().union(*(names_in(t) for t in assigned.targets))
         scope: ast.AST = script.functions[caller] if caller else script.tree
         after = walk_after(scope, assigned.end_lineno or assigned.lineno)
         derived = derive(after, received)
@@ -483,3 +544,20 @@ def shown_by_callers(script: Script, function: str, owners: dict[int, str]) -> a
         if shown is not None:
             return shown
     return None
+
+
+def passes_a_sharded_loader(
+    function: Function,
+    call: ast.Call,
+    parameter: str,
+    caller: str | None,
+    sharded: set[tuple[str | None, str]],
+) -> bool:
+    """The call hands `parameter` a loader the caller holds as sharded."""
+    positions = [a.arg for a in function.args.args]
+    given = [
+        argument
+        for index, argument in enumerate(call.args)
+        if index < len(positions) and positions[index] == parameter
+    ] + [k.value for k in call.keywords if k.arg == parameter]
+    return any((caller, source_text(argument)) in sharded for argument in given)
