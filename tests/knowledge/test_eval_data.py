@@ -138,6 +138,7 @@ SMALL_SETS = {
     "real_reports_holdout68.jsonl",  # 5: session 41's second round, four collectors, ~456
     "real_reports_holdout69.jsonl",  # 18: session 42, eight collectors, most fixed threads used
     "real_reports_holdout70.jsonl",  # 26: session 43, six collectors, ~760 look-ups
+    "real_reports_holdout71.jsonl",  # 21: session 43's second round, four collectors, ~490
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
