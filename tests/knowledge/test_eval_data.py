@@ -139,6 +139,7 @@ SMALL_SETS = {
     "real_reports_holdout69.jsonl",  # 18: session 42, eight collectors, most fixed threads used
     "real_reports_holdout70.jsonl",  # 26: session 43, six collectors, ~760 look-ups
     "real_reports_holdout71.jsonl",  # 21: session 43's second round, four collectors, ~490
+    "real_reports_holdout72.jsonl",  # 3: session 43's third round, the search budget spent
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
@@ -159,6 +160,7 @@ ENGLISH_ONLY = {
     "real_reports_holdout54.jsonl",  # its three slices (torch 1.x era, Hugging Face, NCCL/infra) were English
     "real_reports_holdout63.jsonl",  # its Chinese collector found ~42 fixed threads, all already used
     "real_reports_holdout66.jsonl",  # its Chinese-NLP collector's fixed Chinese threads were all used
+    "real_reports_holdout72.jsonl",  # the search budget ran out before its Chinese collector found one
 }
 
 
