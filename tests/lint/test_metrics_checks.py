@@ -179,9 +179,7 @@ def test_a_helper_run_over_a_share_and_reduced_then_over_everything_on_rank_zero
         SUBSET_EVALUATION.replace("    return correct / total", "    return correct, total")
         .replace(
             "acc = accuracy(model, loader)\n",
-            "c, t = accuracy(model, loader)\n"
-            "both = torch.tensor([c, t])\n"
-            "dist.all_reduce(both)\n",
+            "c, t = accuracy(model, loader)\nboth = torch.tensor([c, t])\ndist.all_reduce(both)\n",
         )
         .replace(
             '    print(f"val acc {acc:.3f}")',

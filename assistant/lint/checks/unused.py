@@ -301,27 +301,14 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
         )
         for name in sorted(built):
             forward = forward_of(classes[name])
-            for call, chooser in picked_members(forward):
+            for call, picked in members_some_steps_leave_out(script, forward, names, ddp):
                 if id(call) in reported:
                     continue
                 reported.add(id(call))
                 yield script.finding(
                     "unused-parameters",
                     call,
-                    f"forward runs one member of {source_text(call.func.value)} per call, the "
-                    f"one `{chooser}` picks: the others get no gradient that step; {why}, or "
-                    "run every member each step",
-                )
-            for call, listed, line in members_of_a_list_drawn_per_step(script, forward, names, ddp):
-                if id(call) in reported:
-                    continue
-                reported.add(id(call))
-                yield script.finding(
-                    "unused-parameters",
-                    call,
-                    f"forward runs the members of {source_text(call.func.value)} that "
-                    f"`{listed}` lists, and training passes a list decided per step (line "
-                    f"{line}): the members left out get no gradient that step; {why}, or "
+                    f"forward runs {picked}: the others get no gradient that step; {why}, or "
                     "run every member each step",
                 )
             for test in random_branches(classes, name):
@@ -554,14 +541,7 @@ def per_step_gate(
         and not any(n is assign for s in node.body for n in ast.walk(s))
     ]
     inside = {id(n): gate for gate in gates for s in gate.body for n in ast.walk(s)}
-    reads = [
-        node
-        for node in nodes
-        if isinstance(node, ast.Name)
-        and node.id == name
-        and isinstance(node.ctx, ast.Load)
-        and position_after(node, assign)
-    ]
+    reads = reads_after(name, nodes, assign)
     if not reads or any(id(read) not in inside for read in reads):
         return None
     return inside[id(reads[0])]
@@ -618,14 +598,7 @@ def the_loss_function_call(
     """`loss = compute_loss(verb_logits, noun_logits, y, args.task)`: the one call
     of a file function that every later read of `name` is an argument of, that
     function, and the parameter the name is bound to."""
-    reads = [
-        node
-        for node in nodes
-        if isinstance(node, ast.Name)
-        and node.id == name
-        and isinstance(node.ctx, ast.Load)
-        and position_after(node, assign)
-    ]
+    reads = reads_after(name, nodes, assign)
     parents = script.parents
     calls = {id(parents.get(id(read))): parents.get(id(read)) for read in reads}
     if not reads or len(calls) != 1:
@@ -756,6 +729,18 @@ def default_option_finding(
         'and fails with "Expected to have finished reduction in the prior iteration"; '
         "build only the heads the run trains, or pass find_unused_parameters=True",
     )
+
+
+def reads_after(name: str, nodes: list[ast.AST], assign: ast.AST) -> list[ast.Name]:
+    """The reads of `name` among the scope's nodes that come after `assign`."""
+    return [
+        node
+        for node in nodes
+        if isinstance(node, ast.Name)
+        and node.id == name
+        and isinstance(node.ctx, ast.Load)
+        and position_after(node, assign)
+    ]
 
 
 def position_after(node: ast.AST, assign: ast.AST) -> bool:
@@ -926,6 +911,25 @@ def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
             and chooser.id in inputs
         ):
             yield node, chooser.id
+
+
+def members_some_steps_leave_out(
+    script: Script, forward: ast.FunctionDef, names: set[str], ddp: ast.Call
+) -> Iterator[tuple[ast.Call, str]]:
+    """Member calls of a ModuleList / Dict in forward that run for only some members
+    each step, with what picks them: an input that names one, or a list drawn per step."""
+    for call, chooser in picked_members(forward):
+        members = source_text(call.func.value)  # type: ignore[attr-defined]
+        yield call, f"one member of {members} per call, the one `{chooser}` picks"
+    for call, listed, line in members_of_a_list_drawn_per_step(script, forward, names, ddp):
+        members = source_text(call.func.value)  # type: ignore[attr-defined]
+        yield (
+            call,
+            (
+                f"the members of {members} that `{listed}` lists, and training passes a list "
+                f"decided per step (line {line})"
+            ),
+        )
 
 
 def members_of_a_list_drawn_per_step(
