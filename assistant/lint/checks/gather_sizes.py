@@ -97,6 +97,9 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 sizes_exchanged |= any(reads_size(values, a) for a in node.args[:2])
                 continue
             buffers, tensor = node.args[0], gathered_name(node.args[1])
+            values = scope_values(
+                before(nodes, node)
+            )  # `keys = np.unique(keys)` after it is no origin
             if reads_size(values, tensor):
                 sizes_exchanged = True  # all_gather(sizes, local_size)
                 continue
@@ -186,6 +189,13 @@ def drops_from_its_batch(function: Function) -> bool:
     return any(drops(node) for node in ast.walk(function))
 
 
+def before(nodes: list[ast.AST], call: ast.Call) -> list[ast.AST]:
+    """The scope's nodes that start before `call` (a loop's body after it runs
+    before it again only on the next pass, which the data of this one decides)."""
+    here = (call.lineno, call.col_offset)
+    return [n for n in nodes if (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)) < here]
+
+
 def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
     """name -> what the scope assigns to it, what it appends or extends it with,
     and for a loop variable what the loop iterates (`for x, y in loader`: the
@@ -230,7 +240,7 @@ def origin(
         for current in frontier:
             yield current
             local = comprehension_names(current)
-            for node in walk_until(current, stops):
+            for node in walk_until(current, stops, past_callees=True):
                 if isinstance(node, ast.Name) and node.id not in seen | local:
                     seen.add(node.id)
                     following.extend(values.get(node.id, []))
@@ -239,13 +249,22 @@ def origin(
             return
 
 
-def walk_until(expr: ast.AST, stop: Callable[[ast.AST], bool]) -> Iterator[ast.AST]:
-    """ast.walk, but not into the nodes `stop` marks (they are yielded themselves)."""
+def walk_until(
+    expr: ast.AST, stop: Callable[[ast.AST], bool], past_callees: bool = False
+) -> Iterator[ast.AST]:
+    """ast.walk, but not into the nodes `stop` marks (they are yielded themselves);
+    `past_callees`: nor into a call's callee named by a plain name (`model(x)`):
+    the rows of what a model or function returns come from its arguments, not
+    from how the model was built (an embedding sized by a vocabulary's unique())."""
     pending = [expr]
     while pending:
         node = pending.pop()
         yield node
-        if not stop(node):
+        if stop(node):
+            continue
+        if past_callees and isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            pending.extend([*node.args, *node.keywords])
+        else:
             pending.extend(ast.iter_child_nodes(node))
 
 
@@ -412,7 +431,12 @@ def content_sized_by_callers(
     """The content-sized step in what this file's callers pass for a parameter the
     tensor is made from: `gather_features(encoder, loader)` called with a loader
     over `Subset(ds, range(rank, n, world))`, up to CALLER_LEVELS calls up."""
-    used = {n.id for v in origin(values, tensor) for n in ast.walk(v) if isinstance(n, ast.Name)}
+    used = {
+        n.id
+        for v in origin(values, tensor)
+        for n in walk_until(v, lambda _: False, past_callees=True)
+        if isinstance(n, ast.Name)
+    }
     for scope, caller_values, argument in caller_arguments(script, function, used):
         step = content_sized_step(script, caller_values, argument)
         if (

@@ -1,0 +1,53 @@
+"""assistant/lint/checks/gather_sizes.py: where the rows of an all_gathered tensor come
+from. Only what the scope assigns before the gather counts, and a model's call takes
+its rows from its input, not from how the model was built (blind set ap: out-of-fold
+predictions gathered under a DistributedSampler were read as rank-sized twice)."""
+
+from __future__ import annotations
+
+from snippets import lint_snippet
+
+PRELUDE = """\
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+"""
+SCORES = """
+def scores(model, loader, world):
+    keys, probs = [], []
+    for k, x in loader:
+        keys.append(k)
+        probs.append(model(x))
+    keys, probs = torch.cat(keys), torch.cat(probs)
+    all_keys = [torch.empty_like(keys) for _ in range(world)]
+    dist.all_gather(all_keys, keys)
+    keys = torch.cat(all_keys).numpy()
+    keys, first = np.unique(keys, return_index=True)
+    return keys
+
+
+def main(frame, test_ds):
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    vocab = {v: i for i, v in enumerate(sorted(frame["merchant"].unique()))}
+    model = torch.nn.Embedding(len(vocab) + 1, 8)
+    loader = DataLoader(test_ds, batch_size=256, sampler=DistributedSampler(test_ds))
+    return scores(model, loader, world)
+"""
+
+
+def reported(body: str) -> list[int]:
+    return [line for line, _ in lint_snippet(PRELUDE, body, {"collective-mismatch"})]
+
+
+def test_a_name_made_unique_after_the_gather_and_a_model_sized_by_a_vocabulary_are_quiet():
+    assert reported(SCORES) == []
+
+
+def test_rows_made_unique_before_the_gather_are_still_rank_sized():
+    unique_first = SCORES.replace(
+        "    keys, probs = torch.cat(keys), torch.cat(probs)\n",
+        "    keys, probs = torch.cat(keys), torch.cat(probs)\n    keys = torch.unique(keys)\n",
+    )
+    assert reported(unique_first) == [10]
