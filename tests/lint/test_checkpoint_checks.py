@@ -164,6 +164,61 @@ def test_a_save_guarded_by_the_name_given_as_rank(guard, reported):
     assert findings(SPAWNED_WORKER_SAVING.replace("{guard}", guard)) == reported
 
 
+HELPER_SAVING = """
+def encode_shard(files, out_path):
+    tmp = out_path + ".tmp"
+    torch.save([len(f) for f in files], tmp)
+    os.replace(tmp, out_path)
+
+def main(files, cache):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    DDP(nn.Linear(2, 2))
+    shard = os.path.join(cache, {name})
+    encode_shard(files[rank::world], shard)
+    dist.barrier()
+
+if __name__ == "__main__":
+    main(sys.argv[2:], sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "reported"),
+    [
+        # the helper's path is its caller's, one file per rank
+        ('f"shard_{rank:02d}_of_{world:02d}.pt"', []),
+        # one file every rank writes
+        ('"latents.pt"', [4]),
+    ],
+)
+def test_a_path_a_helper_is_handed_names_the_rank_through_its_caller(name, reported):
+    assert findings(HELPER_SAVING.replace("{name}", name)) == reported
+
+
+def test_a_step_count_restored_from_a_checkpoint_names_no_rank():
+    """Blind set j's 09: `current_iter = ckpt["iter"]` from a torch.load whose
+    map_location names the local rank; the file name holds the step, not the rank."""
+    body = """
+    def save_state(net, current_iter):
+        torch.save(net.module.state_dict(), os.path.join("models", "net_%d.pth" % current_iter))
+
+    def main(resume):
+        local_rank = int(os.environ["LOCAL_RANK"])
+        dist.init_process_group("nccl")
+        net = DDP(nn.Linear(2, 2))
+        current_iter = 0
+        if resume:
+            ckpt = torch.load(resume, map_location=lambda s, l: s.cuda(local_rank))
+            current_iter = ckpt["iter"]
+        save_state(net, current_iter)
+
+    if __name__ == "__main__":
+        main(os.environ.get("RESUME"))
+    """
+    assert findings(body) == [3]
+
+
 READ_AFTER_SAVE = """
 import torch
 import torch.distributed as dist

@@ -28,7 +28,14 @@ import ast
 from collections.abc import Callable, Iterator
 
 from assistant.lint.checks.collective_reach import statement_blocks
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    keyword,
+    parameter_names,
+    short,
+    source_text,
+)
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -40,6 +47,7 @@ from assistant.lint.torchapi import (
     runs_a_process_per_gpu,
 )
 from assistant.lint.tracer import Shared, TracedCall, Tracer, once_per_call
+from assistant.lint.values import MAX_HOPS
 from assistant.results import Finding
 
 # How many levels of same-file helpers, called only while taking turns, take turns too.
@@ -318,10 +326,7 @@ def writes_file(script: Script, call: ast.Call) -> bool:
 
 def shared_file(script: Script, target: ast.expr) -> bool:
     """The same file on every rank: no rank in the path, and not an in-memory buffer."""
-    expressions = [target]
-    if isinstance(target, (ast.Name, ast.Attribute)):
-        expressions += script.assigned_values.get(source_text(target), [])
-    for expression in expressions:
+    for expression in path_values(script, target):
         for node in ast.walk(expression):
             if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and compared_rank(
                 node, script
@@ -332,3 +337,61 @@ def shared_file(script: Script, target: ast.expr) -> bool:
             if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "BytesIO":
                 return False
     return True
+
+
+def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
+    """The path and what made it, a few names back: the values the file assigns to
+    the names in it, and for a parameter of the file's functions what their calls
+    pass (`tmp = out_path + ".tmp"` in a helper called with a per-rank `shard`)."""
+    found: list[ast.expr] = [target]
+    frontier: list[ast.expr] = [target]
+    seen: set[str] = set()
+    for _ in range(MAX_HOPS):
+        names = {
+            source_text(node)
+            for expression in frontier
+            for node in ast.walk(expression)
+            if isinstance(node, ast.Name | ast.Attribute)
+        } - seen
+        seen |= names
+        frontier = [
+            value
+            for name in sorted(names)
+            for value in [*script.assigned_values.get(name, []), *passed_for(script, name)]
+            if builds_a_path(script, value)
+        ][:MAX_PATH_VALUES]
+        found += frontier
+    return found
+
+
+# How many values a path is followed into: a name assigned in many places is no path's.
+MAX_PATH_VALUES = 32
+# Calls that build a path or a name from their arguments.
+PATH_CALLS = frozenset(
+    {"join", "Path", "format", "str", "joinpath", "with_suffix", "abspath", "expanduser"}
+)
+
+
+def builds_a_path(script: Script, value: ast.expr) -> bool:
+    """A value a path is made of: text, a name, `a + b`, an f-string, os.path.join(...);
+    not `ckpt["iter"]` of a loaded checkpoint nor another call's result, whose
+    arguments (a map_location naming the local rank) say nothing of the file name."""
+    if isinstance(value, ast.Call):
+        return short(script.name_of(value.func)) in PATH_CALLS
+    return isinstance(value, ast.Constant | ast.Name | ast.Attribute | ast.BinOp | ast.JoinedStr)
+
+
+def passed_for(script: Script, parameter: str) -> list[ast.expr]:
+    """What the file's calls of its functions pass for a parameter named `parameter`."""
+    passed: list[ast.expr] = []
+    for qualified, function in script.functions.items():
+        if parameter not in parameter_names(function):
+            continue
+        method = "." in qualified
+        for call, name in script.call_names:
+            if short(name) != function.name:
+                continue
+            for bound, argument in bound_arguments(function, call, self_bound=method):
+                if bound == parameter:
+                    passed.append(argument)
+    return passed
