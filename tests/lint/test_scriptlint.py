@@ -349,6 +349,27 @@ def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None
 
 
 @pytest.mark.parametrize(
+    "converted, flagged",
+    [
+        # a numpy result turned into a CPU tensor under its own name (blind set ap's 04)
+        ("cm = torch.from_numpy(cm)", True),
+        ("cm = torch.tensor(cm)", True),
+        ("cm = torch.from_numpy(cm).to(device)", False),
+        ("cm = torch.tensor(cm, device=device)", False),
+    ],
+)
+def test_a_name_converted_from_numpy_to_a_cpu_tensor_is_on_the_cpu(converted, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def sync(labels, preds, device):\n"
+        "    cm = confusion_matrix(labels, preds)\n"
+        f"    {converted}\n"
+        "    dist.all_reduce(cm)\n"
+    )
+    expected = [("nccl-with-cpu-tensors", 7)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected, converted
+
+
+@pytest.mark.parametrize(
     "made, flagged",
     [
         # a stack or cat keeps its parts' device: one CPU part makes it CPU

@@ -99,8 +99,22 @@ def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple
             if isinstance(value, ast.List) and not value.elts:
                 continue  # a list to fill, not a tensor
             on_cpu = makes_cpu_tensor(script, value, on_cpu_so_far, list_on_cpu=list_on_cpu)
+            if on_cpu and converts_itself(script, target.id, value):
+                # `cm = torch.from_numpy(cm)`: whatever cm held before (a numpy
+                # confusion matrix), from here on it is this CPU tensor
+                origins[target.id] = []
             origins.setdefault(target.id, []).append((node.lineno, on_cpu))
     return origins
+
+
+def converts_itself(script: Script, name: str, value: ast.expr) -> bool:
+    """`t = torch.from_numpy(t)`, `t = torch.tensor(t)`: a CPU constructor or a
+    factory given the name's own value."""
+    return (
+        isinstance(value, ast.Call)
+        and script.name_of(value.func) in CPU_CONSTRUCTORS | TORCH_FACTORIES
+        and any(isinstance(a, ast.Name) and a.id == name for a in value.args)
+    )
 
 
 def appended_items(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
