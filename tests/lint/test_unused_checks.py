@@ -186,6 +186,20 @@ def test_an_output_gated_by_a_weight_the_epoch_decides(weight, reported):
     assert reported_lines(AUX_MODEL.replace("{weight}", weight)) == reported
 
 
+def test_a_loop_inside_the_step_holds_no_batch():
+    """`for name in enabled:` inside the step runs the same names every step: a
+    gate on its variable decides nothing per step (only the loops around the
+    model's call hold the step's batch)."""
+    body = AUX_MODEL.replace("{weight}", "enabled = cfg.losses").replace(
+        "        if aux_w > 0:\n            loss = loss + aux_w * (aux - y).pow(2).mean()\n",
+        "        for name in enabled:\n"
+        '            if name == "aux":\n'
+        "                loss = loss + (aux - y).pow(2).mean()\n",
+    )
+    assert 'if name == "aux":' in body
+    assert reported_lines(body) == []
+
+
 def test_an_update_that_starts_after_warm_up_runs_forward_under_the_same_gate():
     """Blind set an's 08 (SAC): `if step >= seed_steps:` holds the critic's call,
     its loss and the backward: the steps it skips run no forward either."""

@@ -39,6 +39,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     keyword,
+    names_in,
     own_nodes,
     self_attribute,
     source_text,
@@ -246,12 +247,16 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
 
 
 def varying_line(
-    given: ast.expr, nodes: list[ast.AST], batch_names: frozenset[str] = frozenset()
+    given: ast.expr,
+    nodes: list[ast.AST],
+    batch_names: frozenset[str] = frozenset(),
+    around: ast.AST | None = None,
 ) -> int | None:
     """Where an argument is decided per step: a modulo, a random draw, a
     comparison of a step counter (a loop variable, a name `+=`'d), or any read of
     a name that holds the step's batch (`batch_names`), in it or in what the scope
-    assigns to a name it reads."""
+    assigns to a name it reads. With `around` (the model's call), only the loops
+    around it count steps: a loop inside the step runs alike every step."""
     values = [given]
     read = {n.id for n in ast.walk(given) if isinstance(n, ast.Name)}  # `aux_w > 0` reads aux_w
     values += [
@@ -263,7 +268,8 @@ def varying_line(
     counters = {
         target.id
         for node in nodes
-        if isinstance(node, (ast.For, ast.AugAssign))
+        if isinstance(node, ast.AugAssign)
+        or (isinstance(node, ast.For) and (around is None or encloses(node, around)))
         for target in ast.walk(node.target)
         if isinstance(target, ast.Name)
     }
@@ -392,7 +398,7 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                 only_here = sorted(returned[position] - others)
                 if not (isinstance(target, ast.Name) and target.id != "_" and only_here):
                     continue
-                gate = per_step_gate(target.id, nodes, assign, batch_names(nodes))
+                gate = per_step_gate(target.id, nodes, assign, batch_names(nodes, assign))
                 where = ""
                 if gate is None:
                     gate, where = gate_in_a_loss_function(script, target.id, nodes, assign)
@@ -537,8 +543,8 @@ def per_step_gate(
         node
         for node in nodes
         if isinstance(node, ast.If)
-        and varying_line(node.test, nodes, batch) is not None
-        and not any(n is assign for s in node.body for n in ast.walk(s))
+        and varying_line(node.test, nodes, batch, around=assign) is not None
+        and not encloses(node, assign)
     ]
     inside = {id(n): gate for gate in gates for s in gate.body for n in ast.walk(s)}
     reads = reads_after(name, nodes, assign)
@@ -547,31 +553,34 @@ def per_step_gate(
     return inside[id(reads[0])]
 
 
-def batch_names(nodes: list[ast.AST]) -> frozenset[str]:
-    """The names that hold a step's batch: a loop's targets over anything but
-    range() (`for i, batch in enumerate(loader)`), and names the scope assigns
-    from them (`batch = {k: v.cuda() for k, v in batch.items()}`). A test that
-    reads one is decided by the data of the step (`if batch["has3d"].any():`)."""
+def batch_names(nodes: list[ast.AST], around: ast.AST) -> frozenset[str]:
+    """The names that hold the step's batch where `around` (the model's call) runs:
+    the targets of the loops around it over anything but range() (`for i, batch
+    in enumerate(loader)`), and names the scope assigns from them (`batch = {k:
+    v.cuda() for k, v in batch.items()}`). A test that reads one is decided by the
+    data of the step (`if batch["has3d"].any():`); a loop inside the step (`for k,
+    v in losses.items()`) runs the same way every step and holds no batch."""
     names = {
         target.id
         for node in nodes
-        if isinstance(node, ast.For) and not counts_steps(node.iter)
+        if isinstance(node, ast.For) and not counts_steps(node.iter) and encloses(node, around)
         for target in ast.walk(node.target)
         if isinstance(target, ast.Name)
     }
     for node in nodes:
-        if isinstance(node, ast.Assign) and names_read(node.value) & names:
+        if isinstance(node, ast.Assign) and names_in(node.value) & names:
             names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return frozenset(names)
+
+
+def encloses(block: ast.If | ast.For, node: ast.AST) -> bool:
+    """`node` sits in the block's body."""
+    return any(n is node for statement in block.body for n in ast.walk(statement))
 
 
 def counts_steps(iterable: ast.expr) -> bool:
     """`range(n)`: a loop over step or epoch numbers, not over data."""
     return isinstance(iterable, ast.Call) and called_name(iterable) == "range"
-
-
-def names_read(expr: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
 
 
 def gate_in_a_loss_function(
@@ -584,11 +593,10 @@ def gate_in_a_loss_function(
     if found is None:
         return None, ""
     call, function, parameter = found
-    in_batch = batch_names(nodes)
+    in_batch = batch_names(nodes, call)
     bound = bound_arguments(function, call)
-    batch = frozenset(p for p, argument in bound if p and names_read(argument) & in_batch)
-    inner = script.scope_nodes(function)
-    gate = per_step_gate(parameter, inner, function, batch | batch_names(inner))
+    batch = frozenset(p for p, argument in bound if p and names_in(argument) & in_batch)
+    gate = per_step_gate(parameter, script.scope_nodes(function), function, batch)
     return gate, f" (in {function.name})"
 
 
