@@ -60,11 +60,15 @@ UNSET_DEFAULTS = {"store_true": False, "store_false": True}
 def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     """(known, value): what `args.<dest>` holds when its flag is not given, from
     the add_argument call's constant default (`default="verb"`, `action="store_true"`).
-    Unknown for anything but an option of the file's own parser with a literal default."""
+    Unknown for anything but an option of the file's own parser with a literal
+    default, and for a required option (every run names it)."""
     if not isinstance(expr, ast.Attribute):
         return False, None
     flag = argparse_flag(script, expr.attr)
     if flag is None:
+        return False, None
+    required = keyword(flag, "required")
+    if required is not None and not (isinstance(required, ast.Constant) and not required.value):
         return False, None
     default = keyword(flag, "default")
     if isinstance(default, ast.Constant):

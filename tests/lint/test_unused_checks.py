@@ -325,6 +325,8 @@ for x, verb, noun in loader:
         ('"both"', "", []),
         ('"verb"', ", find_unused_parameters=True", []),
         ("os.environ.get('TASK', 'verb')", "", []),
+        # a required option: every run names one, its default never applies
+        ('"verb", required=True', "", []),
     ],
 )
 def test_a_head_the_default_option_leaves_out_of_the_loss(default, options, reported):

@@ -247,7 +247,7 @@ class EvaluationLoop:
         self,
         script: Script,
         owners: dict[int, str],
-        sharded: set[tuple[str | None, str]] = frozenset(),  # type: ignore[assignment]
+        sharded: set[tuple[str | None, str]],
     ) -> ast.AST | None:
         """Where the totals (or what is computed from them) are shown or compared
         with no collective on them first; None when they are combined or never shown."""
@@ -517,8 +517,8 @@ def shown_by_callers(
     script: Script,
     function: str,
     owners: dict[int, str],
-    sharded: set[tuple[str | None, str]] = frozenset(),  # type: ignore[assignment]
-    loader_parameter: str | None = None,
+    sharded: set[tuple[str | None, str]],
+    loader_parameter: str | None,
 ) -> ast.AST | None:
     """Where a caller shows what `function` returned, unreduced. When the loader
     is the function's parameter `loader_parameter`, only the calls that hand it a

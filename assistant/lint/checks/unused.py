@@ -705,7 +705,7 @@ class DefaultPath:
         if isinstance(right, ast.Tuple | ast.List | ast.Set) and isinstance(op, ast.In | ast.NotIn):
             if not all(isinstance(e, ast.Constant) for e in right.elts):
                 return None
-            inside = any(value == e.value for e in right.elts)  # type: ignore[attr-defined]
+            inside = any(isinstance(e, ast.Constant) and value == e.value for e in right.elts)
             return inside == isinstance(op, ast.In), test.left.id
         return None
 
