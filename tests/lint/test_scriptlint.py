@@ -747,6 +747,31 @@ def test_a_logger_only_a_dead_method_or_a_one_process_group_reaches_is_not_repor
     assert "experiment-logger-ddp" not in {cause for cause, _line in findings_of(one)}
 
 
+@pytest.mark.parametrize(
+    "start, reported",
+    [
+        # another tracker's run started by every process (blind set ap's 06)
+        ("with mlflow.start_run(run_name='tweedie'):\n    mlflow.log_metric('x', 1)", True),
+        ("run = neptune.init_run(project='p')", True),
+        ("exp = Experiment(project_name='p')", True),
+        # on rank 0 only, or one run per rank named for it
+        (
+            "if dist.get_rank() == 0:\n    with mlflow.start_run(run_name='t'):\n"
+            "        mlflow.log_metric('x', 1)",
+            False,
+        ),
+        ("run = neptune.init_run(name=f'rank{dist.get_rank()}')", False),
+    ],
+)
+def test_a_trackers_run_started_on_every_rank(start: str, reported: bool) -> None:
+    source = (
+        "import torch.distributed as dist\nimport mlflow\nimport neptune\n"
+        "from comet_ml import Experiment\n"
+        'dist.init_process_group("gloo")\n' + start + "\n"
+    )
+    assert (("experiment-logger-ddp", 6) in findings_of(source)) is reported
+
+
 def test_a_value_only_rank_zero_sets_makes_its_none_test_a_rank_zero_branch() -> None:
     # `vae = None; if rank == 0: vae = load()` ... `if vae is not None: log()`: only rank 0
     # can pass; an argument, or a value set on every rank, is any rank's.

@@ -7,7 +7,9 @@ time out ("Run initialization has timed out", "Error communicating with
 wandb process"). A `SummaryWriter()` on every rank writes N event files into
 one run folder. The reverse mistake is as common: `wandb.init` guarded to
 rank 0, but `wandb.log` left on every rank, which the other ranks answer with
-"You must call wandb.init() before wandb.log()".
+"You must call wandb.init() before wandb.log()". MLflow's `start_run`, Neptune's
+`init_run`, Comet's `Experiment`, ClearML's `Task.init` and Aim's `Run` start a
+run on every process that calls them, as wandb.init does.
 
 Quiet where the script does what wandb documents for DDP: init on rank 0
 only (in an `if` or a conditional expression), or one run per rank joined
@@ -45,6 +47,18 @@ from assistant.results import Finding
 WANDB_INIT = "wandb.init"
 WANDB_LOG = "wandb.log"
 WRITERS = frozenset({"SummaryWriter"})
+# Other trackers' calls that start one run of the experiment (each process that
+# calls one starts a run of its own).
+RUN_STARTERS = frozenset(
+    {
+        "mlflow.start_run",
+        "neptune.init_run",
+        "neptune.init",
+        "comet_ml.Experiment",
+        "clearml.Task.init",
+        "aim.Run",
+    }
+)
 LIGHTNING_LOGS = frozenset({"log", "log_dict"})
 # What makes a script run once per rank without a process group of its own.
 LAUNCHING_OBJECTS = frozenset({"Accelerator"})
@@ -97,7 +111,8 @@ def synced_logs_on_one_side(
 
 @check("experiment-logger-ddp")
 def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
-    """wandb.init / SummaryWriter on every rank, or wandb.log on every rank after a rank-0 init."""
+    """wandb.init / SummaryWriter / another tracker's run (mlflow.start_run, neptune,
+    comet, clearml, aim) on every rank, or wandb.log on every rank after a rank-0 init."""
     if not runs_once_per_rank(script) or one_process_group(script) or not script.traces:
         return
     every_rank, rank_zero = calls_by_ranks(script)
@@ -109,6 +124,14 @@ def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
                 "wandb.init runs on every rank: N runs of one experiment and N wandb "
                 "services that can time out; call it on rank 0 only (and wandb.log there "
                 "too), or give every rank's run the same group=",
+            )
+        elif call.name in RUN_STARTERS and not names_the_rank(script, call.node):
+            yield script.finding(
+                "experiment-logger-ddp",
+                call.node,
+                f"{call.name} runs on every rank: N runs of one experiment, every metric "
+                "and artifact logged N times (and N clients on the tracking server); start "
+                "the run and log on rank 0 only",
             )
         elif short(call.name) in WRITERS and not names_the_rank(script, call.node):
             yield script.finding(
@@ -174,7 +197,7 @@ def rank_zero_choices(script: Script) -> set[int]:
 
 
 def is_logger_call(call: TracedCall) -> bool:
-    return call.name in (WANDB_INIT, WANDB_LOG) or (
+    return call.name in (WANDB_INIT, WANDB_LOG) or call.name in RUN_STARTERS or (
         short(call.name) in WRITERS and "tensorboard" in call.name.lower()
     )
 
