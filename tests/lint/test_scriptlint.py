@@ -756,8 +756,10 @@ def test_a_logger_only_a_dead_method_or_a_one_process_group_reaches_is_not_repor
         ("exp = Experiment(project_name='p')", True),
         # on rank 0 only, or one run per rank named for it
         (
-            "if dist.get_rank() == 0:\n    with mlflow.start_run(run_name='t'):\n"
-            "        mlflow.log_metric('x', 1)",
+            (
+                "if dist.get_rank() == 0:\n    with mlflow.start_run(run_name='t'):\n"
+                "        mlflow.log_metric('x', 1)"
+            ),
             False,
         ),
         ("run = neptune.init_run(name=f'rank{dist.get_rank()}')", False),

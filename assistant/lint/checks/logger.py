@@ -197,8 +197,10 @@ def rank_zero_choices(script: Script) -> set[int]:
 
 
 def is_logger_call(call: TracedCall) -> bool:
-    return call.name in (WANDB_INIT, WANDB_LOG) or call.name in RUN_STARTERS or (
-        short(call.name) in WRITERS and "tensorboard" in call.name.lower()
+    return (
+        call.name in (WANDB_INIT, WANDB_LOG)
+        or call.name in RUN_STARTERS
+        or (short(call.name) in WRITERS and "tensorboard" in call.name.lower())
     )
 
 
