@@ -179,7 +179,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     and shared is made once: the tests that read the held-out figures of every
     real-report set (minutes of ridge fits) run on one worker, and so do the tests
     of a file that share a module-scoped fixture (a lint of every blind script, a
-    browser). The rest spread over the workers one by one."""
+    browser). The multi-node tests run on one worker too: their torchrun agents all
+    work in the repository with one rendezvous id, so two such runs at once would
+    read each other's storage markers. The rest spread over the workers one by one."""
     for item in items:
         group = shared_fixture_group(item)
         if group:
@@ -189,6 +191,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def shared_fixture_group(item: pytest.Item) -> str | None:
     if "real_report_evaluations" in getattr(item, "fixturenames", ()):
         return "real_report_evaluations"
+    if item.nodeid.startswith("tests/multinode/"):
+        return "multinode"
     info = getattr(item, "_fixtureinfo", None)
     definitions = info.name2fixturedefs.values() if info else ()
     if any(d[-1].scope in ("module", "class") for d in definitions if d):
