@@ -27,6 +27,7 @@ from assistant.lint.model import Function, Script, keyword, short, source_text
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
+from assistant.lint.tracer import own_method_of_an_object
 from assistant.results import Finding
 
 # Methods that add a batch's result to a running total or list.
@@ -339,13 +340,15 @@ def runs_backward(script: Script, node: ast.AST, depth: int) -> bool:
 
 
 def called_functions(script: Script, call: ast.Call) -> list[Function]:
-    """The file's functions a call may run: `fit(x)` by name, `obj.fit(x)` as any
-    of the file's methods named `fit`."""
+    """The file's functions a call may run: `fit_batch(x)` by name, `brain.fit_batch(x)`
+    as the tracer follows such a call (tracer.own_method_of_an_object)."""
     if isinstance(call.func, ast.Name):
         function = script.functions.get(call.func.id)
         return [function] if function is not None else []
     if isinstance(call.func, ast.Attribute):
-        return [script.functions[q] for q in script.methods_by_name.get(call.func.attr, [])]
+        receiver = source_text(call.func.value)
+        methods = own_method_of_an_object(script, receiver, call.func.attr)
+        return [script.functions[q] for q in methods]
     return []
 
 
