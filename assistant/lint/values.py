@@ -59,9 +59,12 @@ UNSET_DEFAULTS = {"store_true": False, "store_false": True}
 
 def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     """(known, value): what `args.<dest>` holds when its flag is not given, from
-    the add_argument call's constant default (`default="verb"`, `action="store_true"`).
+    the add_argument call's constant default (`default="verb"`, `action="store_true"`),
+    or what `cfg["key"]` holds when no config file overrides it (config_default).
     Unknown for anything but an option of the file's own parser with a literal
     default, and for a required option (every run names it)."""
+    if isinstance(expr, ast.Subscript):
+        return config_default(script, expr)
     if not isinstance(expr, ast.Attribute):
         return False, None
     flag = argparse_flag(script, expr.attr)
@@ -79,3 +82,65 @@ def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     if isinstance(action, ast.Constant) and action.value in UNSET_DEFAULTS:
         return True, UNSET_DEFAULTS[action.value]
     return (True, None) if action is None else (False, None)
+
+
+# How a config dict is copied from the file's defaults: `cfg = dict(DEFAULTS)`,
+# `DEFAULTS.copy()`, `copy.deepcopy(DEFAULTS)`, `{**DEFAULTS}`.
+COPIES = frozenset({"dict", "copy", "deepcopy"})
+
+
+def config_default(
+    script: Script, expr: ast.Subscript, hops: int = MAX_HOPS
+) -> tuple[bool, object]:
+    """(known, value): the constant `cfg["key"]` holds when nothing overrides the
+    file's defaults: `cfg` (or what it copies) is a dict literal or `dict(key=...)`
+    of the file, and no `cfg["key"] = ...` sets the key elsewhere. What a config
+    file loaded over it (`cfg.update(yaml.safe_load(f))`) holds is the run's
+    choice, as an option given on the command line is."""
+    key = expr.slice
+    if not (
+        isinstance(expr.value, ast.Name)
+        and isinstance(key, ast.Constant)
+        and isinstance(key.value, str)
+    ):
+        return False, None
+    if any(
+        isinstance(target, ast.Subscript)
+        and isinstance(target.slice, ast.Constant)
+        and target.slice.value == key.value
+        for node in script.nodes
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+    ):
+        return False, None
+    return literal_entry(script, expr.value.id, key.value, hops)
+
+
+def literal_entry(script: Script, name: str, key: str, hops: int) -> tuple[bool, object]:
+    values = script.assigned_values.get(name, [])
+    if len(values) != 1 or hops <= 0:
+        return False, None
+    value = values[0]
+    if isinstance(value, ast.Dict):
+        for k, v in reversed(list(zip(value.keys, value.values, strict=True))):  # the last wins
+            if k is None and isinstance(v, ast.Name):  # {**DEFAULTS, ...}
+                known, held = literal_entry(script, v.id, key, hops - 1)
+                if known:
+                    return known, held
+            elif isinstance(k, ast.Constant) and k.value == key:
+                return (True, v.value) if isinstance(v, ast.Constant) else (False, None)
+        return False, None
+    if not isinstance(value, ast.Call):
+        return False, None
+    called = short(script.name_of(value.func))
+    if called == "dict":
+        given = keyword(value, key)
+        if given is not None:
+            return (True, given.value) if isinstance(given, ast.Constant) else (False, None)
+    if called in COPIES:
+        source = value.args[0] if value.args else None
+        if called == "copy" and isinstance(value.func, ast.Attribute):
+            source = value.func.value  # DEFAULTS.copy()
+        if isinstance(source, ast.Name):
+            return literal_entry(script, source.id, key, hops - 1)
+    return False, None

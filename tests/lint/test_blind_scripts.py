@@ -93,12 +93,12 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 672 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# of 720 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
-# am 13/16; an 13/16; ap 12/16; ao 15/16)
-FOUND_FLOOR = 628  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# am 13/16; an 13/16; ap 12/16; ao 15/16; aq 12/16; ar 13/16; as 13/16)
+FOUND_FLOOR = 673  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -144,7 +144,13 @@ FOUND_FLOOR = 628  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # the default of an option leaves out of the loss function (am's 17), an evaluation loader over
 # a Subset cut by rank (am's 10); 611 of 656 with ap (measured at 4698649), 626 of 672 with ao
 # (measured at 00b7b96), then a numpy result converted to a CPU tensor under its own name (ap's 04),
-# an MLflow run started on every rank (ap's 06)
+# an MLflow run started on every rank (ap's 06); session 44: 666 of 720 with aq, ar and as
+# (measured at baac1b5), then a total carried by assignment (`conf = update(conf, ...)`: as 01),
+# a head under a flag the model is built without, through a config dict's default (as 02), an
+# inner model's pooler no call of it asks for (ar 06), the shuffled slice kept in a set after a
+# seeding helper given the rank (as 06), a DistributedSampler subclass's inherited set_epoch
+# (aq 13), device_map="auto" under the file's own torchrun line (aq 10), a library model's
+# layerdrop under a strict DDP (aq 04)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -152,7 +158,9 @@ FOUND_FLOOR = 628  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # warm-up, its forward under the same `if` as its loss; mended); ap 5 (three false, four
 # findings: predictions gathered under a DistributedSampler read as rank-sized through a name
 # made unique after the gather, or through the model's vocabulary; mended); ao 2 (one false: a
-# per-rank cache file whose name a helper is handed by its caller; mended)
+# per-rank cache file whose name a helper is handed by its caller; mended); aq 2 (one false:
+# a mel transform moved `.to(y.device)` of the CPU audio a worker loaded, read as a GPU move;
+# mended); ar 0; as 1
 # 39 found at session 34's end, 38 after x's lessons, 39 after y's (a true one: i/15's
 # SimCLR keeps plain BatchNorm under its gathered contrastive loss), 39 after z's, 40 after
 # aa's (its --local_rank default beside LOCAL_RANK, on the labelled line), 41 with ab (its
@@ -170,8 +178,9 @@ FOUND_FLOOR = 628  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # 14 guard now reads as a rank test, its save no longer reported); 52 with am and an (the same
 # spelling note on am's 19 and an's 16); 51 after their lessons (s's 11: a helper's shard
 # figures are gathered, its rank-0 run over the whole test set is no share: mended); 52 with
-# ap after its lesson (the spelling note on its 11), 53 with ao (the same note on its 10)
-OTHER_FINDINGS_CEILING = 53
+# ap after its lesson (the spelling note on its 11), 53 with ao (the same note on its 10),
+# 55 with aq, ar and as (the same note on aq's 16 and as's 16)
+OTHER_FINDINGS_CEILING = 55
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -189,8 +198,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 672
-    assert sum(label["cause"] is None for label in labels) == 168
+    assert sum(label["cause"] is not None for label in labels) == 720
+    assert sum(label["cause"] is None for label in labels) == 180
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

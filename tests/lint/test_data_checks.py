@@ -867,6 +867,40 @@ def test_the_files_own_sampler_seeded_by_its_epoch_needs_set_epoch_too() -> None
     assert lint_snippet("import random\n" + DDP_PRELUDE, called, ["sampler-set-epoch"]) == []
 
 
+def test_a_distributed_sampler_subclass_inherits_set_epoch_and_needs_it_called() -> None:
+    # blind set aq 13: a bucketing sampler subclassing DistributedSampler, seeded
+    # with self.seed + self.epoch, in a `while step < max_steps` loop of epochs
+    body = """
+from torch.utils.data import DistributedSampler
+class BucketSampler(DistributedSampler):
+    def __iter__(self):
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(len(self.dataset), generator=g)[self.rank :: self.num_replicas].tolist())
+class PlainSampler(DistributedSampler):
+    def __len__(self):
+        return super().__len__()
+sampler = BucketSampler(data, shuffle=True)
+loader = DataLoader(data, batch_size=8, sampler=sampler)
+step = 0
+while step < 100:
+    for batch in loader:
+        model(batch).sum().backward()
+        step += 1
+"""
+    found = lint_snippet(DDP_PRELUDE, body, ["sampler-set-epoch"])
+    assert [line for line, _ in found] == [11]
+    assert "BucketSampler shuffles with a seed of its epoch" in found[0][1].message
+    plain = body.replace("sampler = BucketSampler(", "sampler = PlainSampler(")
+    assert [line for line, _ in lint_snippet(DDP_PRELUDE, plain, ["sampler-set-epoch"])] == [11]
+    called = body.replace(
+        "    for batch in loader:", "    sampler.set_epoch(step)\n    for batch in loader:"
+    )
+    assert lint_snippet(DDP_PRELUDE, called, ["sampler-set-epoch"]) == []
+    unshuffled = body.replace("shuffle=True", "shuffle=False")
+    assert lint_snippet(DDP_PRELUDE, unshuffled, ["sampler-set-epoch"]) == []
+
+
 def test_a_comprehensions_own_names_are_not_the_files_other_names() -> None:
     """`vocab` is built from every rank's full list; `t` in its comprehension is
     not the `t` that another function reads from the rank."""

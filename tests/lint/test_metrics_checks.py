@@ -65,6 +65,42 @@ def test_an_inline_loop_and_a_metric_fed_batch_by_batch_are_reported():
     assert lines == [5, 11]
 
 
+def test_a_total_carried_by_assignment_is_a_total():
+    # blind set as 01: a confusion matrix updated through a helper that returns it
+    body = """
+        def update(conf, pred, target):
+            return conf + torch.bincount(target * 2 + pred, minlength=4).reshape(2, 2)
+        dist.init_process_group("nccl")
+        val = DataLoader(data, sampler=DistributedSampler(data))
+        conf = torch.zeros(2, 2)
+        total = 0.0
+        for x, y in val:
+            x = x.cuda()
+            conf = update(conf, model(x).argmax(-1), y)
+            total = total + x.shape[0]
+        print("iou", conf.diag() / conf.sum(0), total)
+        """
+    assert reported_lines(body) == [8]
+    # reduced before it is shown: quiet; a batch moved to the GPU is no total
+    assert (
+        reported_lines(
+            body.replace(
+                'print("iou"',
+                'dist.all_reduce(conf)\n        dist.all_reduce(total)\n        print("iou"',
+            )
+        )
+        == []
+    )
+    assert (
+        reported_lines(
+            body.replace("conf = update(conf, model(x).argmax(-1), y)", "pass").replace(
+                "total = total + x.shape[0]", "pass"
+            )
+        )
+        == []
+    )
+
+
 def test_totals_reduced_gathered_or_training_loops_are_not():
     lines = reported_lines(
         """

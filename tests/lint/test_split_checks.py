@@ -70,6 +70,13 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         # blind set af's 01: folds shuffled by numpy's generator, seeded per rank by MONAI
         "set_determinism(seed=7 + rank)\nfolds = KFold(n_splits=5, shuffle=True)\n",
         "folds = StratifiedKFold(5, shuffle=True)\n",
+        # blind set as 06: seeded with the rank through the file's own helper, the
+        # shuffled scenes' slice kept in a set
+        (
+            "def seed_all(seed):\n    random.seed(seed)\n    np.random.seed(seed)\n"
+            "seed_all(7 + rank)\nscenes = np.array(names)\nnp.random.shuffle(scenes)\n"
+            "val_scenes = set(scenes[:2])\n"
+        ),
         # blind set ag's 09: a set filled in a loop, then listed after special tokens
         (
             "chars = set()\nfor n in names:\n    chars.update(n)\nitos = ['<pad>'] + list(chars)\n"
@@ -102,6 +109,17 @@ def test_a_split_or_numbering_each_rank_draws_is_reported(body):
         "items = list(names)\nrandom.Random(7).shuffle(items)\ntrain_items = items[1:]\n",
         # split before the shuffle (which then orders the training part only)
         "random.seed(7 + rank)\nitems = list(names)\ntrain_items = items[1:]\nrandom.shuffle(items)\n",
+        # the file's seeding helper given a common seed, or one that seeds torch only
+        (
+            "def seed_all(seed):\n    random.seed(seed)\n    np.random.seed(seed)\n"
+            "seed_all(7)\nscenes = np.array(names)\nnp.random.shuffle(scenes)\n"
+            "val_scenes = set(scenes[:2])\n"
+        ),
+        (
+            "def seed_torch(seed):\n    torch.manual_seed(seed)\n"
+            "np.random.seed(7)\nseed_torch(7 + rank)\nscenes = np.array(names)\n"
+            "np.random.shuffle(scenes)\nval_scenes = set(scenes[:2])\n"
+        ),
         # folds in the data's order, or shuffled with a seed of their own
         "folds = KFold(n_splits=5)\n",
         "folds = KFold(n_splits=5, shuffle=True, random_state=0)\n",

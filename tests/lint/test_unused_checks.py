@@ -63,6 +63,49 @@ def test_layer_drop_in_a_block_the_model_builds_is_reported():
     assert lines == [7]
 
 
+@pytest.mark.slow
+def test_a_library_models_layerdrop_fails_under_torchrun_and_its_twin_runs(torchrun):
+    pytest.importorskip("transformers")
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "wav2vec2_layerdrop_under_strict_ddp.py",
+        "Expected to have finished reduction in the prior iteration",
+        SCRIPTS / "correct_wav2vec2_layerdrop_off_under_ddp.py",
+        "trained",
+    )
+
+
+LIBRARY_LAYERDROP = """
+import argparse
+from transformers import Wav2Vec2ForCTC
+parser = argparse.ArgumentParser()
+parser.add_argument("--layerdrop", type=float, default=0.1)
+args = parser.parse_args()
+model = Wav2Vec2ForCTC.from_pretrained("facebook/wav2vec2-base", layerdrop=args.layerdrop)
+model = DDP(model.cuda())
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "reported"),
+    [
+        ({}, [7]),  # blind set aq 04: an option whose default drops layers
+        ({"layerdrop=args.layerdrop": "layerdrop=0.05"}, [7]),
+        ({"layerdrop=args.layerdrop": "encoder_layerdrop=0.1"}, [7]),
+        ({"default=0.1": "default=0.0"}, []),
+        ({"layerdrop=args.layerdrop": "layerdrop=0.0"}, []),
+        ({"model.cuda())": "model.cuda(), find_unused_parameters=True)"}, []),
+        # the option given on the command line only: the file does not say
+        ({", default=0.1": ", required=True"}, []),
+    ],
+)
+def test_a_library_model_built_with_layerdrop_under_a_strict_ddp(change, reported):
+    body = LIBRARY_LAYERDROP
+    for old, new in change.items():
+        body = body.replace(old, new)
+    assert reported_lines(body) == reported
+
+
 def test_random_values_outside_tests_or_tests_that_skip_no_submodule_are_not():
     lines = reported_lines(
         """

@@ -160,3 +160,144 @@ def test_the_finding_names_the_argument_and_the_skipped_head():
     assert "self.aux" in finding.message
     assert "self.drop" not in finding.message
     assert "find_unused_parameters=True" in finding.message
+
+
+POOLED = SCRIPTS / "pooler_no_call_of_the_encoder_asks_for.py"
+POOLED_FIXED = SCRIPTS / "correct_pooler_built_only_when_asked_for.py"
+
+
+@pytest.mark.slow
+def test_an_encoders_pooler_no_call_asks_for_fails_under_torchrun_and_its_twin_runs(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        POOLED,
+        "Expected to have finished reduction in the prior iteration",
+        POOLED_FIXED,
+        "trained",
+    )
+
+
+# An encoder class of the file whose pooler runs only when a call asks for it,
+# built twice into the wrapped model (blind set ar 06: ELECTRA's generator and
+# discriminator); `{calls}` is the outer forward's body.
+ENCODERS = """
+class Encoder(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.layer = nn.Linear(8, width)
+        self.pooler = nn.Linear(width, width)
+
+    def forward(self, x, return_pooled=False):
+        h = self.layer(x)
+        if return_pooled:
+            return h, self.pooler(h)
+        return h
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gen = Encoder(8)
+        self.disc = Encoder(16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        {calls}
+
+model = DDP(Pair())
+"""
+
+
+def encoder_lines(calls: str, step: str = "loss = model(x).sum()") -> list[int]:
+    body = ENCODERS.replace("{calls}", calls) + step_with(step)
+    return [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
+
+
+def test_an_inner_models_field_no_call_of_it_reaches_is_reported():
+    assert encoder_lines("return self.out(self.disc(self.gen(x) + x))") != []
+    assert encoder_lines("return self.out(self.disc(self.gen(x, False) + x))") != []
+
+
+@pytest.mark.parametrize(
+    "calls",
+    [
+        # a call of each asks for the pooled output: the poolers run
+        (
+            "g, gp = self.gen(x, return_pooled=True)\n"
+            "        h, pooled = self.disc(g + gp + x, return_pooled=True)\n"
+            "        return self.out(h + pooled)"
+        ),
+        # a value the file does not decide may ask: they may run
+        "return self.out(self.disc(self.gen(x, self.training)[0] + x, self.training)[0])",
+        # the pooler read directly (a tied weight) gets its gradient that way
+        "return self.out(self.disc(self.gen(x) + x)) + self.gen.pooler.weight.sum() + self.disc.pooler.weight.sum()",
+    ],
+)
+def test_an_inner_field_some_call_may_reach_is_not_reported(calls):
+    assert encoder_lines(calls) == []
+
+
+# A head the model runs only under a flag it is built with (blind set as 02:
+# `deep_supervision` from a config dict whose default is False).
+FLAGGED = """
+DEFAULTS = dict(lr=0.1, deep_supervision=False)
+
+
+class Net(nn.Module):
+    def __init__(self, deep_supervision=False):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.aux_head = nn.Linear(4, 2)
+        self.deep_supervision = deep_supervision
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.training and self.deep_supervision:
+            return h, self.aux_head(h)
+        return h
+
+{build}
+model = DDP(net)
+"""
+
+
+def flagged_lines(build: str) -> list[int]:
+    body = FLAGGED.replace("{build}", build) + step_with("loss = model(x)[0].sum()")
+    return [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        "net = Net()",  # the constructor's default
+        "net = Net(deep_supervision=False)",
+        "cfg = dict(DEFAULTS)\ncfg.update({})\nnet = Net(deep_supervision=cfg['deep_supervision'])",
+        "cfg = DEFAULTS.copy()\nnet = Net(cfg['deep_supervision'])",
+        "cfg = {**DEFAULTS, 'lr': 0.2}\nnet = Net(cfg['deep_supervision'])",
+        (
+            "import argparse\np = argparse.ArgumentParser()\np.add_argument('--deep-supervision', action='store_true')\n"
+            "args = p.parse_args()\nnet = Net(args.deep_supervision)"
+        ),
+    ],
+)
+def test_a_head_under_a_flag_the_model_is_built_without_is_reported(build):
+    assert flagged_lines(build) != []
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        "net = Net(deep_supervision=True)",
+        "cfg = {**DEFAULTS, 'deep_supervision': True}\nnet = Net(cfg['deep_supervision'])",
+        # set for this run in the file: the config entry is no default any more
+        "cfg = dict(DEFAULTS)\ncfg['deep_supervision'] = True\nnet = Net(cfg['deep_supervision'])",
+        # what the file does not say
+        "import json\ncfg = json.load(open('c.json'))\nnet = Net(cfg['deep_supervision'])",
+        # two builds that disagree
+        "net = Net(False)\nother = Net(True)",
+        # switched on later
+        "net = Net()\nnet.deep_supervision = True",
+    ],
+)
+def test_a_flag_the_file_may_turn_on_is_not_reported(build):
+    assert flagged_lines(build) == []

@@ -56,6 +56,33 @@ def test_a_collate_fn_calling_cuda_is_reported_once_for_two_loaders():
     assert lines == [3]
 
 
+def test_a_worker_helper_moving_to_its_own_tensors_device_is_not_reported():
+    # blind set aq 02: a mel transform cached per device and moved `.to(y.device)`,
+    # y the CPU audio the worker loaded; the same helper's `.to(self.device)` is a move.
+    body = """
+        _cache = {}
+        def mel(y, n_mels):
+            key = str(y.device)
+            if key not in _cache:
+                _cache[key] = torch.nn.Identity().to(y.device)
+            return _cache[key](y.unsqueeze(0))
+        class Clips(Dataset):
+            def __init__(self, files):
+                self.files = files
+            def __getitem__(self, i):
+                audio = torch.load(self.files[i])
+                return mel(audio, 80)
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        loader = DataLoader(Clips(["a.pt"]), batch_size=4, num_workers=4)
+        """
+    assert fork_lines(body) == []
+    moved = body.replace(".to(y.device)", ".to(DEVICE)").replace(
+        "_cache = {}", "_cache = {}\n        DEVICE = 'cuda'"
+    )
+    assert fork_lines(moved) == [7]
+
+
 def test_workers_spawned_absent_or_on_the_cpu_are_not_reported():
     lines = fork_lines(
         """
@@ -103,6 +130,23 @@ def test_device_map_auto_under_a_process_group_or_an_accelerate_training_loop_is
         accelerator.backward(model(**batch).loss)
         """
     ) == [3]
+
+
+def test_device_map_auto_in_a_script_its_own_launch_line_runs_as_several_processes():
+    # blind set aq 10: a Seq2SeqTrainer script (the Trainer starts DDP itself) whose
+    # docstring launches it with torchrun; one process launched is no data parallelism
+    body = """
+        \"\"\"Fine-tune Whisper.
+
+        torchrun --nproc_per_node=4 train.py --model openai/whisper-small
+        \"\"\"
+        from transformers import Seq2SeqTrainer
+        model = AutoModelForCausalLM.from_pretrained("m", device_map="auto")
+        Seq2SeqTrainer(model=model).train()
+        """
+    assert device_map_lines(body) == [7]
+    assert device_map_lines(body.replace("--nproc_per_node=4", "--nproc_per_node=1")) == []
+    assert device_map_lines(body.replace("torchrun --nproc_per_node=4", "python")) == []
 
 
 def test_a_device_map_to_the_ranks_own_gpu_or_one_inferring_process_is_not():

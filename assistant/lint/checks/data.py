@@ -406,18 +406,21 @@ def inside_a_loop(node: ast.AST, script: Script) -> bool:
 
 def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
     """Calls of the file's own sampler classes that shuffle by their epoch: the
-    class defines set_epoch and reads self.epoch elsewhere (a seed + epoch)."""
+    class defines set_epoch, or inherits it from DistributedSampler, and reads
+    self.epoch elsewhere (a seed + epoch); a DistributedSampler subclass that
+    keeps the base's __iter__ shuffles by it too."""
     classes = set()
     for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
         methods = [m for m in cls.body if isinstance(m, ast.FunctionDef)]
-        if not any(m.name == "set_epoch" for m in methods):
+        inherits = any(called_name_of(base) == "DistributedSampler" for base in cls.bases)
+        if not inherits and not any(m.name == "set_epoch" for m in methods):
             continue
         if any(
             self_attribute(node) == "epoch" and isinstance(node.ctx, ast.Load)
             for m in methods
             if m.name not in ("set_epoch", "__init__")
             for node in ast.walk(m)
-        ):
+        ) or (inherits and not any(m.name == "__iter__" for m in methods)):
             classes.add(cls.name)
     return [
         node

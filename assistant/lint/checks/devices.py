@@ -6,6 +6,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.launchtext import launched_world_size
 from assistant.lint.model import (
     Function,
     Script,
@@ -742,5 +743,10 @@ def check_device_map_with_data_parallel(script: Script) -> Iterator[Finding]:
 
 def runs_a_process_per_gpu(script: Script) -> bool:
     """A process group or DDP, or a training loop under Accelerate's `Accelerator`
-    (launched one process per GPU; one process alone may spread a model to infer)."""
-    return is_distributed(script) or {"Accelerator", "backward"} <= script.called_short_names
+    (launched one process per GPU; one process alone may spread a model to infer),
+    or a launch line of the file's own text that starts several processes
+    (`torchrun --nproc_per_node=4 train.py` above a Trainer that starts DDP itself)."""
+    if is_distributed(script) or {"Accelerator", "backward"} <= script.called_short_names:
+        return True
+    launched = launched_world_size(script.source)
+    return launched is not None and launched > 1

@@ -189,14 +189,53 @@ def reached(script: Script, class_name: str, start: list[str]) -> list[Function]
 
 
 def first_gpu_move(functions: list[Function]) -> ast.Call | None:
-    """The first `x.cuda()`, `x.to(<a GPU device>)` or factory given a GPU `device=`."""
+    """The first `x.cuda()`, `x.to(<a GPU device>)` or factory given a GPU `device=`;
+    not `.to(y.device)` with `y` a tensor of the function: that follows y, which
+    in a worker is on the CPU unless an earlier move put it on the GPU."""
     moves = [
         node
         for function in functions
         for node in ast.walk(function)
-        if isinstance(node, ast.Call) and moves_to_gpu(node)
+        if isinstance(node, ast.Call)
+        and moves_to_gpu(node)
+        and not follows_a_tensor(node, tensors_of(function))
     ]
     return min(moves, key=lambda node: (node.lineno, node.col_offset), default=None)
+
+
+# What only a tensor has: `y.shape`, `y.unsqueeze(1)`; a config object's
+# `args.device` is a device, a tensor's `y.device` is wherever y already is.
+TENSOR_USES = frozenset(
+    {
+        "shape", "dtype", "size", "numel", "dim", "ndim", "unsqueeze", "squeeze", "view",
+        "reshape", "flatten", "transpose", "permute", "contiguous", "detach", "clone",
+        "float", "half", "abs", "clamp", "sum", "mean",
+    }
+)  # fmt: skip
+
+
+def tensors_of(function: Function) -> set[str]:
+    """The plain names the function uses as tensors (`y.unsqueeze(1)`, `x.shape`)."""
+    return {
+        node.value.id
+        for node in ast.walk(function)
+        if isinstance(node, ast.Attribute)
+        and node.attr in TENSOR_USES
+        and isinstance(node.value, ast.Name)
+    }
+
+
+def follows_a_tensor(call: ast.Call, tensors: set[str]) -> bool:
+    """`.to(y.device)` / `device=y.device` with `y` one of `tensors`."""
+    device = keyword(call, "device")
+    if device is None and isinstance(call.func, ast.Attribute) and call.args:
+        device = call.args[0]
+    return (
+        isinstance(device, ast.Attribute)
+        and device.attr == "device"
+        and isinstance(device.value, ast.Name)
+        and device.value.id in tensors
+    )
 
 
 def moves_to_gpu(call: ast.Call) -> bool:

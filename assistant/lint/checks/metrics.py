@@ -7,7 +7,8 @@ every rank has another number, the best checkpoint is chosen on a part, and
 the figure matches no single-GPU evaluation. Nothing fails.
 
 Reported: a loop over such a loader that trains nothing (no `backward`),
-accumulates (`+=`, `.append`, `.extend`, an `evaluate` metric's `add_batch`),
+accumulates (`+=`, `.append`, `.extend`, an `evaluate` metric's `add_batch`,
+`conf = update(conf, ...)`),
 and whose totals, followed through the assignments after the loop and, for an
 evaluation function, through what its callers assign from it, reach a print,
 a log or an `if` without passing through a collective (torch.distributed's,
@@ -282,7 +283,8 @@ def evaluation_loops(
         if trains(script, node) or any(collective_call(script, n) for n in ast.walk(node)):
             continue
         syncs = syncable_updates(script, node, function)
-        totals = accumulated_names(node) | set(syncs)
+        scope = script.functions[function] if function else script.tree
+        totals = accumulated_names(node) | carried_totals(node, scope) | set(syncs)
         if totals:
             yield EvaluationLoop(node, loader, totals, function, syncs)
 
@@ -365,6 +367,36 @@ def accumulated_names(loop: ast.For) -> set[str]:
         ):
             totals.add(node.func.value.id)
     return totals
+
+
+def carried_totals(loop: ast.For, scope: ast.AST) -> set[str]:
+    """Totals the loop carries by assignment, each step's value computed from the
+    last: `total = total + loss`, `conf = update_confusion(conf, pred, target)`,
+    `preds = torch.cat([preds, p])`; the name set before the loop (`conf =
+    torch.zeros(...)`) and not one the loop binds for each batch."""
+    batch = {
+        n.id
+        for node in [loop, *ast.walk(loop)]
+        if isinstance(node, ast.For | ast.comprehension)
+        for n in ast.walk(node.target)
+        if isinstance(n, ast.Name)
+    }
+    before = {
+        target.id
+        for node in ast.walk(scope)
+        if isinstance(node, ast.Assign) and node.lineno < loop.lineno
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return {
+        target.id
+        for node in ast.walk(loop)
+        if isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(target := node.targets[0], ast.Name)
+        and target.id in before - batch
+        and target.id in names_in(node.value)
+    }
 
 
 def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dict[str, str]:

@@ -27,7 +27,15 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, name_value_pairs, short
+from assistant.lint.model import (
+    Function,
+    Script,
+    bound_arguments,
+    called_name,
+    keyword,
+    name_value_pairs,
+    short,
+)
 from assistant.lint.ranks import enclosing_scope, inside_rank_zero_branch, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
@@ -100,12 +108,27 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
 
 
 def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
-    """(seeding calls with a common value, seeding calls that involve the rank)."""
+    """(seeding calls with a common value, seeding calls that involve the rank).
+    A call of the file's own seeding helper (`seed_all(args.seed + rank)`, whose
+    body seeds with its parameter) is a seeding call, judged by what it is given;
+    the seeding inside such a helper is its callers' to decide."""
+    helpers = seeding_helpers(script)
+    inside = {id(n) for function in helpers.values() for n, _ in function[1]}
     common, per_rank = [], []
     for node, name in script.call_names:
-        if short(name) not in SEEDING or not (node.args or node.keywords):
+        if id(node) in inside:
             continue
-        values = [*node.args, *(k.value for k in node.keywords)]
+        if name in helpers:
+            function, _calls = helpers[name]
+            values = [
+                argument
+                for parameter, argument in bound_arguments(function, node)
+                if parameter in seeding_parameters(function, _calls)
+            ]
+        elif short(name) not in SEEDING or not (node.args or node.keywords):
+            continue
+        else:
+            values = [*node.args, *(k.value for k in node.keywords)]
         ranked = any(
             is_rank_expr(part, script)
             for value in values
@@ -116,6 +139,31 @@ def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
     return common, per_rank
 
 
+def seeding_helpers(script: Script) -> dict[str, tuple[Function, list[tuple[ast.Call, str]]]]:
+    """Top-level functions of the file that seed a generator with one of their
+    parameters (`def seed_all(seed): np.random.seed(seed) ...`): name -> (the
+    function, its seeding calls with their names)."""
+    helpers = {}
+    for name, function in script.functions.items():
+        if "." in name:
+            continue
+        parameters = {a.arg for a in function.args.args}
+        calls = [
+            (node, script.name_of(node.func))
+            for node in ast.walk(function)
+            if isinstance(node, ast.Call)
+            and short(script.name_of(node.func)) in SEEDING
+            and any(isinstance(a, ast.Name) and a.id in parameters for a in node.args)
+        ]
+        if calls:
+            helpers[name] = (function, calls)
+    return helpers
+
+
+def seeding_parameters(function: Function, calls: list[tuple[ast.Call, str]]) -> set[str]:
+    return {a.id for call, _ in calls for a in call.args if isinstance(a, ast.Name)}
+
+
 def seeds_generator_of(script: Script, seeding: ast.Call, split: str) -> bool:
     """Whether a seeding call seeds the generator the split draws from: a
     permutation reads numpy's or torch's own; the split functions any of them
@@ -124,6 +172,13 @@ def seeds_generator_of(script: Script, seeding: ast.Call, split: str) -> bool:
         return True
     library = split.split(".")[0]
     seeder = script.name_of(seeding.func)
+    helper = seeding_helpers(script).get(seeder)
+    if helper is not None:  # the file's own seeding helper: what it seeds
+        return any(seeds_library(inner, library) for _, inner in helper[1])
+    return seeds_library(seeder, library)
+
+
+def seeds_library(seeder: str, library: str) -> bool:
     return (
         seeder.startswith(f"{library}.")
         or "." not in seeder
@@ -235,10 +290,17 @@ def same_order_of(parent: ast.AST | None, child: ast.expr) -> bool:
     return called in SAME_ORDER and parent.args[:1] == [child]
 
 
+# Containers a slice of the order is kept in: `val_scenes = set(scenes[:n_val])`.
+CONTAINERS = frozenset({"set", "frozenset", "list", "tuple", "sorted", "array", "asarray"})
+
+
 def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
-    """`idx[:k]`, `idx[a:b]` (or `.tolist()` of one) of a name among `names`."""
+    """`idx[:k]`, `idx[a:b]` (or `.tolist()` of one, or one kept in a set / list /
+    array) of a name among `names`."""
     if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and not expr.args:
         expr = expr.func.value  # idx[:k].tolist()
+    elif isinstance(expr, ast.Call) and len(expr.args) == 1 and called_name(expr) in CONTAINERS:
+        expr = expr.args[0]  # set(scenes[:n_val]), np.array(idx[k:])
     return (
         isinstance(expr, ast.Subscript)
         and isinstance(expr.slice, ast.Slice)

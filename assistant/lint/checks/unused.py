@@ -473,6 +473,54 @@ def check_library_aux_head_the_loss_takes_on_some_steps(script: Script) -> Itera
         )
 
 
+# A library model's options that skip whole layers at random in training (Hugging
+# Face's wav2vec2 / HuBERT / Whisper / BART / OPT: LayerDrop).
+LAYER_DROPS = frozenset({"layerdrop", "encoder_layerdrop", "decoder_layerdrop"})
+
+
+@check("unused-parameters")
+def check_library_model_built_with_layerdrop(script: Script) -> Iterator[Finding]:
+    """`Wav2Vec2ForCTC.from_pretrained(..., layerdrop=0.1)` (a constant, or an option /
+    config entry at its default) wrapped by a DDP that expects every parameter each
+    step: each step skips some layers at random, and their parameters get no gradient."""
+    for ddp in strict_ddp_calls(script):
+        names, _ = wrapped_by(script, ddp, set())
+        values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
+        for value in values:
+            for node in ast.walk(value):
+                if not isinstance(node, ast.Call):
+                    continue
+                for option in sorted(LAYER_DROPS):
+                    given = keyword(node, option)
+                    rate = drop_rate(script, given) if given is not None else None
+                    if not rate:
+                        continue
+                    shown = source_text(given)
+                    how = f"{option}={shown}" + (
+                        "" if shown == repr(rate) else f" ({rate!r} by default)"
+                    )
+                    yield script.finding(
+                        "unused-parameters",
+                        given,
+                        f"{how} skips whole layers at random at each training step: on that "
+                        f"step their parameters get no gradient, and DDP (line {ddp.lineno}) "
+                        'expects one for every parameter and fails with "Expected to have '
+                        'finished reduction in the prior iteration"; pass '
+                        f"find_unused_parameters=True, or {option}=0.0",
+                    )
+
+
+def drop_rate(script: Script, given: ast.expr) -> float | None:
+    """The rate a layer-drop option holds: a number, or an option's default."""
+    if isinstance(given, ast.Constant):
+        value = given.value
+    else:
+        known, value = option_default(script, given)
+        if not known:
+            return None
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def builds_an_aux_head(script: Script, ddp: ast.Call) -> bool:
     """What the DDP call wraps was built with `aux_loss=True` / `aux_logits=True`."""
     names, _ = wrapped_by(script, ddp, set())

@@ -37,12 +37,14 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    method_of,
     own_nodes,
     self_attribute,
     source_text,
 )
 from assistant.lint.registry import check
 from assistant.lint.tracer import constant_arguments
+from assistant.lint.values import option_default
 from assistant.results import Finding
 
 # Layers built without parameters: leaving one out costs DDP nothing.
@@ -80,8 +82,10 @@ def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
             cls = classes[name]
             trainable = trainable_submodules(script, cls)
             everywhere = reached(cls, {}) & trainable
-            for call, nodes in training_calls(script, holders):
-                for left_out, where, how in routes(cls, call, nodes, everywhere):
+            flags = built_flags(script, cls)
+            calls = list(training_calls(script, holders))
+            for call, nodes in calls:
+                for left_out, where, how in routes(cls, call, nodes, everywhere, flags):
                     if where in reported:
                         continue
                     reported.add(where)
@@ -96,19 +100,48 @@ def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
                         'prior iteration": pass find_unused_parameters=True, or run them '
                         "every step and weight what they add by zero",
                     )
+            if not calls:
+                continue
+            for member_call, member, inner, left_out, shown in inner_members_left_out(
+                script, classes, cls
+            ):
+                if member_call.lineno in reported:
+                    continue
+                reported.add(member_call.lineno)
+                fields = ", ".join(f"self.{field}" for field in sorted(left_out)[:3])
+                yield script.finding(
+                    "unused-parameters",
+                    member_call,
+                    f"every call of self.{member} leaves {shown}, so {inner}.forward never "
+                    f"runs {fields}, which it runs on other paths: those parameters get no "
+                    f"gradient, and DDP (line {ddp.lineno}) expects one for every parameter "
+                    'each step and fails with "Expected to have finished reduction in the '
+                    'prior iteration": build them only where a call uses them, or pass '
+                    "find_unused_parameters=True",
+                )
 
 
 def routes(
-    cls: ast.ClassDef, call: ast.Call, nodes: list[ast.AST], everywhere: set[str]
+    cls: ast.ClassDef,
+    call: ast.Call,
+    nodes: list[ast.AST],
+    everywhere: set[str],
+    flags: dict[str, tuple[object, str]],
 ) -> Iterator[tuple[set[str], int, str]]:
-    """(submodules left out, line to report, how) for the call's constant arguments,
-    then for each argument decided per step, taken false and true."""
+    """(submodules left out, line to report, how) for the call's constant arguments
+    and the flags the model was built with, then for each argument decided per
+    step, taken false and true."""
     forward = forward_of(cls)
     decided = decided_in(forward)
     given = constant_arguments(forward, call, method=True)
+    given.update({flag: value for flag, (value, _how) in flags.items()})
     left_out = everywhere - reached(cls, given)
     if left_out:
-        shown = ", ".join(f"{k}={v!r}" for k, v in given.items() if k in decided)
+        shown = ", ".join(
+            f"{k}={v!r}" + (f" ({flags[k][1]})" if k in flags else "")
+            for k, v in given.items()
+            if k in decided or k in flags
+        )
         yield left_out, call.lineno, f"with {shown or 'these arguments'},"
     for parameter, argument in per_step_arguments(forward, decided, call, nodes):
         for value in (False, True):
@@ -134,6 +167,115 @@ def decided_in(forward: ast.FunctionDef) -> set[str]:
     """forward's parameters that some `if` (or `x if c else y`) tests."""
     tests = [n.test for n in ast.walk(forward) if isinstance(n, ast.If | ast.IfExp)]
     return {n.id for test in tests for n in ast.walk(test) if isinstance(n, ast.Name)}
+
+
+def built_flags(script: Script, cls: ast.ClassDef) -> dict[str, tuple[object, str]]:
+    """`self.deep_supervision = deep_supervision` in __init__, and the value every
+    construction of the class in the file gives that parameter: passed as a
+    constant, left at its default, or an option / config entry left at its
+    default (values.option_default): {"self.deep_supervision": (False, how)}.
+    A field assigned anywhere else, or a construction passing what the file
+    does not say, is no flag."""
+    init = method_of(cls, "__init__")
+    if init is None:
+        return {}
+    constructions = [call for call, name in script.call_names if name == cls.name]
+    parameters = {a.arg for a in init.args.args[1:]}
+    flags: dict[str, tuple[object, str]] = {}
+    for statement in init.body:
+        if not (
+            isinstance(statement, ast.Assign)
+            and len(statement.targets) == 1
+            and (field := self_attribute(statement.targets[0]))
+            and isinstance(statement.value, ast.Name)
+            and statement.value.id in parameters
+            and assignments_of(script, field) == 1
+        ):
+            continue
+        built = [built_value(script, init, call, statement.value.id) for call in constructions]
+        values = {repr(value) for known, value, _how in built if known}
+        if built and len(values) == 1 and all(known for known, _v, _h in built):
+            _known, value, how = built[0]
+            flags[f"self.{field}"] = (value, how)
+    return flags
+
+
+def assignments_of(script: Script, field: str) -> int:
+    """How many assignments in the file set a field of this name (`self.x = `, `m.x = `)."""
+    return sum(
+        1
+        for node in script.nodes
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for part in ast.walk(target)
+        if isinstance(part, ast.Attribute) and part.attr == field
+    )
+
+
+def built_value(
+    script: Script, init: ast.FunctionDef, call: ast.Call, parameter: str
+) -> tuple[bool, object, str]:
+    """(known, value, how) of what this construction gives __init__'s `parameter`."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(
+        k.arg is None for k in call.keywords
+    ):
+        return False, None, ""
+    given = dict(bound_arguments(init, call, self_bound=True)).get(parameter)
+    if given is None:
+        defaults = constant_arguments(init, call, method=True)
+        if parameter not in defaults:
+            return False, None, ""
+        return True, defaults[parameter], f"line {call.lineno} leaves {parameter} at its default"
+    if isinstance(given, ast.Constant):
+        return True, given.value, f"line {call.lineno} passes {parameter}={given.value!r}"
+    known, value = option_default(script, given)
+    how = f"line {call.lineno} passes {source_text(given)}, {value!r} unless the run sets it"
+    return known, value, how
+
+
+def inner_members_left_out(
+    script: Script, classes: dict[str, ast.ClassDef], cls: ast.ClassDef
+) -> Iterator[tuple[ast.Call, str, str, set[str], str]]:
+    """A field of the wrapped model built from another model class of the file
+    (`self.discriminator = Encoder(...)`) whose every call in the class leaves
+    that class's forward off a path (`return_pooled` at its default False), so
+    fields of it that other paths run never run: (first call, field, class,
+    the fields left out, the arguments shown). Fields of it the class reads
+    directly (`self.discriminator.word.weight`) count as used."""
+    for node in ast.walk(cls):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and (member := self_attribute(node.targets[0]))
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id in classes
+            and node.value.func.id != cls.name
+        ):
+            continue
+        inner = classes[node.value.func.id]
+        calls = [
+            c for c in ast.walk(cls) if isinstance(c, ast.Call) and self_attribute(c.func) == member
+        ]
+        if not calls:
+            continue
+        read_directly = {
+            n.attr
+            for n in ast.walk(cls)
+            if isinstance(n, ast.Attribute) and self_attribute(n.value) == member
+        }
+        forward = forward_of(inner)
+        decided = decided_in(forward)
+        flags = {flag: value for flag, (value, _how) in built_flags(script, inner).items()}
+        left_out = reached(inner, {}) & trainable_submodules(script, inner)
+        shown: set[str] = set()
+        for call in calls:
+            given = {**constant_arguments(forward, call, method=True), **flags}
+            left_out -= reached(inner, given)
+            shown |= {f"{k}={v!r}" for k, v in given.items() if k in decided or k in flags}
+        left_out -= read_directly
+        if left_out and shown:
+            yield calls[0], member, inner.name, left_out, ", ".join(sorted(shown))
 
 
 def training_calls(script: Script, holders: set[str]) -> Iterator[tuple[ast.Call, list[ast.AST]]]:
@@ -206,7 +348,8 @@ def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
     while pending and len(seen) <= MAX_METHODS:
         method = pending.pop()
         more: set[str] = set()
-        walk_block(methods[method].body, {}, more)
+        fields = {k: v for k, v in given.items() if k.startswith("self.")}
+        walk_block(methods[method].body, fields, more)
         found |= more
         for name in more & set(methods):
             if name not in seen:
@@ -270,6 +413,9 @@ def decide(test: ast.expr, given: dict[str, object]) -> bool | None:
     """The test's truth from the parameters' values, None when they do not decide it."""
     if isinstance(test, ast.Name):
         return bool(given[test.id]) if test.id in given else None
+    if self_attribute(test):
+        key = source_text(test)  # a flag the model was built with (built_flags)
+        return bool(given[key]) if key in given else None
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         inner = decide(test.operand, given)
         return None if inner is None else not inner

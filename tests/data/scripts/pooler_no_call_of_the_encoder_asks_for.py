@@ -1,0 +1,56 @@
+"""A generator and a discriminator built from one encoder class whose forward
+runs its pooler only when asked (`return_pooled=True`); pretraining never asks,
+under a DDP that expects a gradient for every parameter each step.
+
+Runs under torchrun: the second step raises "Expected to have finished
+reduction in the prior iteration".
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Encoder(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, width)
+        self.pooler = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+
+    def forward(self, x: torch.Tensor, return_pooled: bool = False):
+        h = torch.relu(self.layer(x))
+        if return_pooled:
+            return h, self.pooler(h.mean(0, keepdim=True))
+        return h
+
+
+class Electra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = Encoder(4)
+        self.discriminator = Encoder(16)
+        self.gen_head = nn.Linear(4, 8)
+        self.disc_head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fake = self.gen_head(self.generator(x))  # expect: unused-parameters
+        return self.disc_head(self.discriminator(fake + x)).mean()  # expect: unused-parameters
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(Electra())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(4):
+        loss = model(torch.randn(8, 8))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print("trained", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

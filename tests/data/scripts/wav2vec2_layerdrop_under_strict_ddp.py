@@ -1,0 +1,53 @@
+"""A small wav2vec2 CTC model built with LayerDrop on (the option's default),
+under a DDP that expects a gradient for every parameter each step: a step that
+skips a transformer layer gives its parameters none.
+
+Runs under torchrun (gloo, CPU): a later step raises "Expected to have finished
+reduction in the prior iteration".
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layerdrop", type=float, default=0.5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = Wav2Vec2ForCTC(
+        Wav2Vec2Config(
+            hidden_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=32,
+            conv_dim=(16, 16),
+            conv_kernel=(10, 3),
+            conv_stride=(5, 2),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2,
+            vocab_size=8,
+            mask_time_prob=0.0,
+            layerdrop=args.layerdrop,  # expect: unused-parameters
+        )
+    )
+    model = DDP(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(12):
+        audio = torch.randn(2, 800)
+        labels = torch.randint(1, 8, (2, 4))
+        loss = model(audio, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    print("trained", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
