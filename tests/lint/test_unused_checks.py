@@ -63,6 +63,30 @@ def test_layer_drop_in_a_block_the_model_builds_is_reported():
     assert lines == [7]
 
 
+def test_stochastic_depth_that_continues_past_a_layer_of_a_loop_is_reported():
+    # blind set ag 12: `if self.training and torch.rand(()) < p: continue` before
+    # `x = layer(x)`, the layer a loop over the model's ModuleList binds
+    body = """
+        class Net(nn.Module):
+            def __init__(self, depth=0.1):
+                super().__init__()
+                self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+                self.probs = [depth * (i + 1) / 4 for i in range(4)]
+            def forward(self, x):
+                for layer, p in zip(self.layers, self.probs):
+                    if self.training and torch.rand(()) < p:
+                        continue
+                    x = layer(x)
+                return x
+
+        model = DDP(Net())
+        """
+    assert reported_lines(body) == [9]
+    # a random draw that skips no layer: a noise scale, then every layer runs
+    noise = body.replace("continue", "x = x + torch.randn_like(x)")
+    assert reported_lines(noise) == []
+
+
 @pytest.mark.slow
 def test_a_library_models_layerdrop_fails_under_torchrun_and_its_twin_runs(torchrun):
     pytest.importorskip("transformers")

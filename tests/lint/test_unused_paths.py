@@ -301,3 +301,80 @@ def test_a_head_under_a_flag_the_model_is_built_without_is_reported(build):
 )
 def test_a_flag_the_file_may_turn_on_is_not_reported(build):
     assert flagged_lines(build) == []
+
+
+@pytest.mark.slow
+def test_a_bert_pooler_never_read_fails_under_torchrun_and_its_twin_runs(torchrun):
+    pytest.importorskip("transformers")
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "bert_pooler_never_read_under_ddp.py",
+        "Expected to have finished reduction in the prior iteration",
+        SCRIPTS / "correct_bert_built_without_its_pooler.py",
+        "trained",
+    )
+
+
+# A classifier over a Hugging Face encoder (blind set w 08: AutoModel of
+# "bert-base-uncased", an option's default, read only at the [CLS] token).
+BERT_CLASSIFIER = """
+import argparse
+from transformers import AutoModel
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="bert-base-uncased")
+args = parser.parse_args()
+
+
+class Classifier(nn.Module):
+    def __init__(self, name):
+        super().__init__()
+        self.enc = AutoModel.from_pretrained(name)
+        self.head = nn.Linear(768, 2)
+
+    def forward(self, ids):
+        out = self.enc(input_ids=ids)
+        return self.head(out.last_hidden_state[:, 0])
+
+
+model = DDP(Classifier(args.model))
+"""
+
+
+def pooled_lines(change: dict[str, str]) -> list[int]:
+    body = BERT_CLASSIFIER
+    for old, new in change.items():
+        body = body.replace(old, new)
+    return [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {'default="bert-base-uncased"': 'default="xlm-roberta-large"'},
+        {"Classifier(args.model)": "Classifier('roberta-base')"},
+        {"out.last_hidden_state[:, 0]": "out[0][:, 0]"},
+        {"AutoModel.from_pretrained(name)": "BertModel.from_pretrained(name)"},
+    ],
+)
+def test_a_pooler_built_and_never_read_is_reported(change):
+    assert pooled_lines(change) == [12]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"out.last_hidden_state[:, 0]": "out.pooler_output"},
+        {"out.last_hidden_state[:, 0]": "out[1]"},
+        {"from_pretrained(name)": "from_pretrained(name, add_pooling_layer=False)"},
+        # no pooler in these families, or a checkpoint the file does not name
+        {'default="bert-base-uncased"': 'default="distilbert-base-uncased"'},
+        {'default="bert-base-uncased"': 'default="microsoft/deberta-v3-base"'},
+        {', default="bert-base-uncased"': ", required=True"},
+        # the output handed on whole: the callee may read the pooled output
+        {"return self.head(out.last_hidden_state[:, 0])": "return self.head(pick(out))"},
+        {"DDP(Classifier(args.model))": "DDP(Classifier(args.model), find_unused_parameters=True)"},
+    ],
+)
+def test_a_pooler_read_left_out_or_not_known_is_not_reported(change):
+    assert pooled_lines(change) == []

@@ -880,9 +880,14 @@ def random_branches(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[
                 for position, statement in enumerate(block):
                     if isinstance(statement, ast.If) and draws_random(statement.test):
                         skipped = [*statement.body, *statement.orelse]
-                        if ends_with_return(statement.body):
+                        if leaves_the_block(statement.body):
                             skipped += block[position + 1 :]
-                        if any(self_call(n) for s in skipped for n in ast.walk(s)):
+                        members = member_loop_names(method)
+                        if any(
+                            self_call(n) or member_call(n, members)
+                            for s in skipped
+                            for n in ast.walk(s)
+                        ):
                             yield statement
 
 
@@ -918,8 +923,30 @@ def draws_random(test: ast.expr) -> bool:
     )
 
 
-def ends_with_return(body: list[ast.stmt]) -> bool:
-    return bool(body) and isinstance(body[-1], ast.Return)
+def member_loop_names(method: ast.FunctionDef) -> set[str]:
+    """Names a loop of the method binds to the model's own members: `layer` in
+    `for layer, p in zip(self.layers, self.drop_probs):`, `for blk in self.blocks:`."""
+    return {
+        target.id
+        for node in ast.walk(method)
+        if isinstance(node, ast.For) and any(self_attribute(part) for part in ast.walk(node.iter))
+        for target in ast.walk(node.target)
+        if isinstance(target, ast.Name)
+    }
+
+
+def member_call(node: ast.AST, members: set[str]) -> bool:
+    """`layer(x)` with `layer` one of the model's members a loop walks."""
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in members
+    )
+
+
+def leaves_the_block(body: list[ast.stmt]) -> bool:
+    """The branch ends the statements after it: `return`, or in a loop over the
+    blocks `continue` / `break` (stochastic depth: `if self.training and
+    torch.rand(()) < p: continue` skips that layer)."""
+    return bool(body) and isinstance(body[-1], ast.Return | ast.Continue | ast.Break)
 
 
 def forward_of(cls: ast.ClassDef) -> ast.FunctionDef:

@@ -22,6 +22,7 @@ too, so a submodule counts as reached if any path of the call may run it.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import (
@@ -37,6 +38,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    keyword,
     method_of,
     own_nodes,
     self_attribute,
@@ -446,3 +448,142 @@ def compare(op: ast.cmpop, left: object, right: object) -> bool | None:
     if isinstance(op, ast.IsNot):
         return left is not right
     return None
+
+
+# Hugging Face base models built with a pooler (a dense layer over the first
+# token) unless told `add_pooling_layer=False`; AutoModel builds one for these
+# checkpoints' families (not DistilBERT, DeBERTa, ELECTRA, ModernBERT: no pooler).
+POOLED_MODELS = frozenset(
+    {
+        "BertModel", "RobertaModel", "XLMRobertaModel", "AlbertModel", "CamembertModel",
+        "ErnieModel", "MPNetModel", "LongformerModel", "BigBirdModel", "ViTModel",
+    }
+)  # fmt: skip
+AUTO_MODELS = frozenset({"AutoModel"})
+POOLED_FAMILIES = re.compile(
+    r"bert|roberta|albert|ernie|mpnet|longformer|bigbird|vit", re.IGNORECASE
+)
+UNPOOLED_FAMILIES = re.compile(r"distil|deberta|electra|modern|neo", re.IGNORECASE)
+# What reading only the token states looks like: `out.last_hidden_state`, `out[0]`.
+TOKEN_STATES = frozenset({"last_hidden_state", "hidden_states", "attentions"})
+
+
+@check("unused-parameters")
+def check_library_pooler_never_read(script: Script) -> Iterator[Finding]:
+    """`self.bert = AutoModel.from_pretrained("bert-base-uncased")` in the wrapped
+    model, whose forward reads only `.last_hidden_state` of its output: the pooler
+    BERT builds gets no gradient, under a DDP that expects one for every parameter."""
+    strict = strict_ddp_calls(script)
+    if not strict:
+        return
+    classes = {cls.name: cls for cls in model_classes(script)}
+    frozen_fields = frozen(script)
+    for ddp in strict:
+        _holders, built = wrapped_by(script, ddp, set(classes))
+        for name in sorted(built):
+            cls = classes[name]
+            for field, call, checkpoint in pooled_members(script, cls):
+                if field in frozen_fields or not reads_only_token_states(cls, field):
+                    continue
+                yield script.finding(
+                    "unused-parameters",
+                    call,
+                    f"{source_text(call.func)}({checkpoint}) builds the model with its pooler, and "
+                    f"{name} reads only the token states of self.{field}: the pooler's parameters "
+                    f"get no gradient, and DDP (line {ddp.lineno}) expects one for every parameter "
+                    'each step and fails with "Expected to have finished reduction in the prior '
+                    'iteration"; pass add_pooling_layer=False, or find_unused_parameters=True',
+                )
+
+
+def pooled_members(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call, str]]:
+    """(field, the call that builds it, the checkpoint shown) for each field the
+    class sets to a Hugging Face base model built with a pooler."""
+    init = method_of(cls, "__init__")
+    if init is None:
+        return
+    for node in ast.walk(init):
+        if not (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and (field := self_attribute(node.targets[0]))
+            and isinstance(node.value, ast.Call)
+        ):
+            continue
+        call = node.value
+        built = call.func.value if isinstance(call.func, ast.Attribute) else call.func
+        model = source_text(built).split(".")[-1]
+        pooling = keyword(call, "add_pooling_layer")
+        if pooling is not None and not (isinstance(pooling, ast.Constant) and pooling.value):
+            continue
+        if model in POOLED_MODELS:
+            yield field, call, "..."
+        elif model in AUTO_MODELS and called_name(call) == "from_pretrained" and call.args:
+            checkpoint = checkpoint_name(script, init, call.args[0])
+            if (
+                checkpoint
+                and POOLED_FAMILIES.search(checkpoint)
+                and not UNPOOLED_FAMILIES.search(checkpoint)
+            ):
+                yield field, call, repr(checkpoint)
+
+
+def checkpoint_name(script: Script, init: ast.FunctionDef, given: ast.expr) -> str | None:
+    """The checkpoint's name: a literal, an option's default, or what every
+    construction of the class passes for __init__'s parameter."""
+    if isinstance(given, ast.Constant):
+        return given.value if isinstance(given.value, str) else None
+    if isinstance(given, ast.Name) and given.id in {a.arg for a in init.args.args[1:]}:
+        owner = next(n.name for n in script.nodes if isinstance(n, ast.ClassDef) and init in n.body)
+        built = [
+            built_value(script, init, call, given.id)
+            for call, name in script.call_names
+            if name == owner
+        ]
+        values = {repr(value) for _known, value, _how in built}
+        if built and all(known for known, _v, _h in built) and len(values) == 1:
+            value = built[0][1]
+            return value if isinstance(value, str) else None
+        return None
+    known, value = option_default(script, given)
+    return value if known and isinstance(value, str) else None
+
+
+def reads_only_token_states(cls: ast.ClassDef, field: str) -> bool:
+    """Every call of self.<field> in the class is read for its token states only:
+    `self.bert(...).last_hidden_state`, or `out = self.bert(...)` then only
+    `out.last_hidden_state` / `out[0]` (no pooled output, nothing handed on whole)."""
+    calls = [
+        n for n in ast.walk(cls) if isinstance(n, ast.Call) and self_attribute(n.func) == field
+    ]
+    if not calls:
+        return False
+    parents = {id(child): node for node in ast.walk(cls) for child in ast.iter_child_nodes(node)}
+    for call in calls:
+        parent = parents.get(id(call))
+        if token_state_read(parent, call):
+            continue
+        if not (
+            isinstance(parent, ast.Assign)
+            and len(parent.targets) == 1
+            and isinstance(parent.targets[0], ast.Name)
+        ):
+            return False
+        name = parent.targets[0].id
+        reads = [
+            n
+            for n in ast.walk(cls)
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        ]
+        if not reads or not all(token_state_read(parents.get(id(r)), r) for r in reads):
+            return False
+    return True
+
+
+def token_state_read(parent: ast.AST | None, child: ast.AST) -> bool:
+    """`child.last_hidden_state` or `child[0]`."""
+    if isinstance(parent, ast.Attribute) and parent.value is child:
+        return parent.attr in TOKEN_STATES
+    if isinstance(parent, ast.Subscript) and parent.value is child:
+        return isinstance(parent.slice, ast.Constant) and parent.slice.value == 0
+    return False
