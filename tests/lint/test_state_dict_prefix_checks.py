@@ -48,3 +48,29 @@ def test_a_save_helper_that_forwards_to_torch_save_saves_like_it(saved, reported
     assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
         reported
     )
+
+
+EXPORT = """
+def shrink(net, ranks):
+    return net, sum(ranks)
+
+
+def main():
+    model = DDP(build())
+    torch.save(model.state_dict(), "best.pth")
+    fresh = build()
+    fresh, _ = shrink(fresh, [1, 2])
+    fresh.load_state_dict(torch.load("best.pth", map_location="cpu"))
+"""
+
+
+def test_a_model_unpacked_from_a_same_file_helpers_return_is_judged_like_its_build():
+    # blind set at 20: a fresh model factorised by the file's own helper, which hands it
+    # back in a tuple, then loaded strictly from the wrapper's checkpoint
+    assert [line for line, _ in lint_snippet(PRELUDE, EXPORT, ["state-dict-module-prefix"])] == [11]
+    # a helper that wraps what it returns: the load goes into a wrapper
+    wrapping = EXPORT.replace("return net, sum(ranks)", "return DDP(net), sum(ranks)")
+    assert lint_snippet(PRELUDE, wrapping, ["state-dict-module-prefix"]) == []
+    # unpacked from a call the file does not show: not known
+    imported = EXPORT.replace("fresh, _ = shrink(", "fresh, _ = tools.shrink(")
+    assert lint_snippet(PRELUDE, imported, ["state-dict-module-prefix"]) == []

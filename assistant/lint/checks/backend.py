@@ -73,7 +73,9 @@ def tensor_sent(call: ast.Call, collective: str) -> ast.Name | None:
     return None
 
 
-def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple[int, bool]]]:
+def tensor_origins(
+    script: Script, nodes: list[ast.AST], depth: int = 0
+) -> dict[str, list[tuple[int, bool]]]:
     """For each name assigned among `nodes`: (line, made on the CPU) of every
     assignment, in line order. `t = t.cuda()` is an assignment too; a value made
     from a name is on the CPU when that name's last assignment above was.
@@ -95,6 +97,10 @@ def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple
         return bool(items) and all(makes_cpu_tensor(script, item, on_cpu_so_far) for item in items)
 
     for node in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+        for target, position in unpacked_from_own_function(script, node, depth):
+            # `imp, n = compute_importance(...)`: what the file's function returns there
+            on_cpu = returned_on_cpu(script, node.value, position, depth)  # type: ignore[arg-type]
+            origins.setdefault(target.id, []).append((node.lineno, on_cpu))
         for target, value in name_value_pairs(node):
             if isinstance(value, ast.List) and not value.elts:
                 continue  # a list to fill, not a tensor
@@ -105,6 +111,52 @@ def tensor_origins(script: Script, nodes: list[ast.AST]) -> dict[str, list[tuple
                 origins[target.id] = []
             origins.setdefault(target.id, []).append((node.lineno, on_cpu))
     return origins
+
+
+# How many helpers deep a returned tensor is followed (a helper calling a helper).
+MAX_HELPERS = 2
+
+
+def unpacked_from_own_function(
+    script: Script, node: ast.Assign, depth: int
+) -> list[tuple[ast.Name, int]]:
+    """(name, position) for `a, b = helper(...)` with `helper` a function of the file."""
+    value = node.value
+    if not (
+        depth < MAX_HELPERS
+        and isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id in script.functions
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Tuple)
+    ):
+        return []
+    return [
+        (element, position)
+        for position, element in enumerate(node.targets[0].elts)
+        if isinstance(element, ast.Name)
+    ]
+
+
+def returned_on_cpu(script: Script, call: ast.Call, position: int, depth: int) -> bool:
+    """Every `return a, b` of the called function makes its element at `position`
+    on the CPU (a factory with no device, `.cpu()`, or a name last made so there)."""
+    function = script.functions[call.func.id]  # type: ignore[attr-defined]
+    nodes = script.scope_nodes(function)
+    returns = [n for n in nodes if isinstance(n, ast.Return)]
+    if not returns or any(
+        not isinstance(r.value, ast.Tuple) or len(r.value.elts) <= position for r in returns
+    ):
+        return False
+    made = tensor_origins(script, nodes, depth + 1)
+    for ret in returns:
+        element = ret.value.elts[position]  # type: ignore[union-attr]
+        if isinstance(element, ast.Name):
+            if made_on_cpu_before(made.get(element.id, []), ret.lineno) is None:
+                return False
+        elif not makes_cpu_tensor(script, element):
+            return False
+    return True
 
 
 def converts_itself(script: Script, name: str, value: ast.expr) -> bool:

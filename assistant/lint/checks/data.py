@@ -665,7 +665,7 @@ class DataFlow:
     def own_sampler(self, sampler: ast.expr) -> ast.Call | None:
         """The call building `sampler` (itself, or every value of the name it is) when it
         builds one of own_samplers, or one of torch's WHOLE_SET_SAMPLERS, with no argument
-        that reads a rank; else None."""
+        that reads a rank (itself, or the generator it is given); else None."""
         values = (
             self.script.assigned_values.get(sampler.id, [])
             if isinstance(sampler, ast.Name)
@@ -678,6 +678,17 @@ class DataFlow:
         if any(called_name(c) not in known for c in calls):
             return None
         if any(SPLIT_WORDS.search(word) for c in calls for word in words_in(c)):
+            return None
+        # a generator made for this rank: `g = torch.Generator().manual_seed(seed + rank)`,
+        # then `WeightedRandomSampler(w, n, generator=g)` draws this rank's own samples
+        generators = [keyword(c, "generator") for c in calls]
+        if any(
+            SPLIT_WORDS.search(word)
+            for given in generators
+            if isinstance(given, ast.Name)
+            for value in self.script.assigned_values.get(given.id, [])
+            for word in words_in(value)
+        ):
             return None
         return calls[0]
 

@@ -659,14 +659,20 @@ FACTORY = re.compile(r"^(build|get|create|make|load|setup|init|prepare)", re.IGN
 
 def built_elsewhere(script: Script, module: ast.expr) -> bool:
     """The module comes from code this file does not show: it is never assigned
-    here (a parameter, `self.model` set by a caller), it is a copy of another
+    here but through device-keeping wrappers of itself (a parameter, `self.model`
+    set by a caller, a tuple unpacked from a call), it is a copy of another
     name, or an imported factory builds it."""
     if not isinstance(module, (ast.Name, ast.Attribute)):
         return imported_factory(script, module)  # DDP(build_model(cfg), ...)
+    name = source_text(module)
     values = [
         value
-        for value in script.assigned_values.get(source_text(module), [])
+        for value in script.assigned_values.get(name, [])
         if not (isinstance(value, ast.Call) and is_ddp(script.name_of(value.func)))
+        # `student = convert_sync_batchnorm(student)` keeps student where it was,
+        # which its other bindings say (or the file does not show: a tuple unpacked
+        # from a helper's return, `student, macs = prune(dense.to(device))`)
+        and source_text(unwrapped_module(script, value)) != name
     ]
     if not values:
         return True

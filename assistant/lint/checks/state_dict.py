@@ -229,8 +229,12 @@ class Places:
                         entry = (node.lineno, target.slice.value, node.value)
                         index.items.setdefault(target.value.id, []).append(entry)
                     else:
+                        # `fresh, _ = factorise(fresh)`: one of what a same-file function
+                        # returns; bound to that call, which `plain_build` judges (it wraps
+                        # nothing, or it does); any other unpacking holds an unknown value
+                        value = node.value if self.own_call(node.value) else None
                         for name in plain_names(target):
-                            index.bind(name, node.lineno, None)  # `a, model = ...`
+                            index.bind(name, node.lineno, value)
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
                 targets = (
                     [i.optional_vars for i in node.items if i.optional_vars is not None]
@@ -241,6 +245,14 @@ class Places:
                     index.bind(name, node.lineno, None)
         self.indexes[id(scope)] = index
         return index
+
+    def own_call(self, value: ast.expr) -> bool:
+        """A call of one of the file's own functions (by its plain name)."""
+        return (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id in self.script.functions
+        )
 
     def last_value(self, scope: ast.AST, name: str, line: int) -> ast.expr | None:
         """What `name` was last assigned above `line` in the scope; None when that is

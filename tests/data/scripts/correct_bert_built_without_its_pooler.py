@@ -41,6 +41,9 @@ def main() -> None:
         loss.backward()
         optimizer.step()
     print("trained", flush=True)
+    # both ranks done before either tears down gloo: a rank that destroyed its group
+    # while the other still shut its own down left that one waiting (seen under load)
+    dist.barrier()
     dist.destroy_process_group()
 
 
