@@ -244,18 +244,14 @@ def inner_members_left_out(
     fields of it that other paths run never run: (first call, field, class,
     the fields left out, the arguments shown). Fields of it the class reads
     directly (`self.discriminator.word.weight`) count as used."""
-    for node in ast.walk(cls):
+    for member, built in fields_set_to_calls(cls):
         if not (
-            isinstance(node, ast.Assign)
-            and len(node.targets) == 1
-            and (member := self_attribute(node.targets[0]))
-            and isinstance(node.value, ast.Call)
-            and isinstance(node.value.func, ast.Name)
-            and node.value.func.id in classes
-            and node.value.func.id != cls.name
+            isinstance(built.func, ast.Name)
+            and built.func.id in classes
+            and built.func.id != cls.name
         ):
             continue
-        inner = classes[node.value.func.id]
+        inner = classes[built.func.id]
         calls = [
             c for c in ast.walk(cls) if isinstance(c, ast.Call) and self_attribute(c.func) == member
         ]
@@ -496,21 +492,25 @@ def check_library_pooler_never_read(script: Script) -> Iterator[Finding]:
                 )
 
 
+def fields_set_to_calls(scope: ast.AST) -> Iterator[tuple[str, ast.Call]]:
+    """(field, call) for each `self.field = Something(...)` under `scope`."""
+    for node in ast.walk(scope):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and (field := self_attribute(node.targets[0]))
+            and isinstance(node.value, ast.Call)
+        ):
+            yield field, node.value
+
+
 def pooled_members(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call, str]]:
     """(field, the call that builds it, the checkpoint shown) for each field the
     class sets to a Hugging Face base model built with a pooler."""
     init = method_of(cls, "__init__")
     if init is None:
         return
-    for node in ast.walk(init):
-        if not (
-            isinstance(node, ast.Assign)
-            and len(node.targets) == 1
-            and (field := self_attribute(node.targets[0]))
-            and isinstance(node.value, ast.Call)
-        ):
-            continue
-        call = node.value
+    for field, call in fields_set_to_calls(init):
         built = call.func.value if isinstance(call.func, ast.Attribute) else call.func
         model = source_text(built).split(".")[-1]
         pooling = keyword(call, "add_pooling_layer")
