@@ -376,7 +376,7 @@ def carried_totals(loop: ast.For, scope: ast.AST) -> set[str]:
     torch.zeros(...)`) and not one the loop binds for each batch."""
     batch = {
         n.id
-        for node in [loop, *ast.walk(loop)]
+        for node in ast.walk(loop)
         if isinstance(node, ast.For | ast.comprehension)
         for n in ast.walk(node.target)
         if isinstance(n, ast.Name)
