@@ -119,11 +119,11 @@ def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
         if id(node) in inside:
             continue
         if name in helpers:
-            function, _calls = helpers[name]
+            function, calls = helpers[name]
             values = [
                 argument
                 for parameter, argument in bound_arguments(function, node)
-                if parameter in seeding_parameters(function, _calls)
+                if parameter in seeding_parameters(calls)
             ]
         elif short(name) not in SEEDING or not (node.args or node.keywords):
             continue
@@ -160,7 +160,8 @@ def seeding_helpers(script: Script) -> dict[str, tuple[Function, list[tuple[ast.
     return helpers
 
 
-def seeding_parameters(function: Function, calls: list[tuple[ast.Call, str]]) -> set[str]:
+def seeding_parameters(calls: list[tuple[ast.Call, str]]) -> set[str]:
+    """The names a helper's seeding calls are given (`seed` of `np.random.seed(seed)`)."""
     return {a.id for call, _ in calls for a in call.args if isinstance(a, ast.Name)}
 
 
