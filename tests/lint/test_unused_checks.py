@@ -119,6 +119,8 @@ model = DDP(model.cuda())
         ({"default=0.1": "default=0.0"}, []),
         ({"layerdrop=args.layerdrop": "layerdrop=0.0"}, []),
         ({"model.cuda())": "model.cuda(), find_unused_parameters=True)"}, []),
+        # the module given by keyword: not followed, and the check does not break on it
+        ({"DDP(model.cuda())": "DDP(module=model.cuda())"}, []),
         # the option given on the command line only: the file does not say
         ({", default=0.1": ", required=True"}, []),
     ],

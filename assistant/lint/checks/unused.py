@@ -484,9 +484,7 @@ def check_library_model_built_with_layerdrop(script: Script) -> Iterator[Finding
     config entry at its default) wrapped by a DDP that expects every parameter each
     step: each step skips some layers at random, and their parameters get no gradient."""
     for ddp in strict_ddp_calls(script):
-        names, _ = wrapped_by(script, ddp, set())
-        values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
-        for value in values:
+        for value in wrapped_values(script, ddp):
             for node in ast.walk(value):
                 if not isinstance(node, ast.Call):
                     continue
@@ -521,10 +519,18 @@ def drop_rate(script: Script, given: ast.expr) -> float | None:
     return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def wrapped_values(script: Script, ddp: ast.Call) -> list[ast.expr]:
+    """What one DDP call wraps: its argument and every value the names holding
+    the model are assigned (`model = Net(...)` ... `DDP(model)`)."""
+    if not ddp.args:
+        return []  # `DDP(module=model)`, `DDP(**options)`: not followed
+    names, _ = wrapped_by(script, ddp, set())
+    return [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
+
+
 def builds_an_aux_head(script: Script, ddp: ast.Call) -> bool:
     """What the DDP call wraps was built with `aux_loss=True` / `aux_logits=True`."""
-    names, _ = wrapped_by(script, ddp, set())
-    values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
+    values = wrapped_values(script, ddp)
     return any(
         isinstance(node, ast.Call)
         and any(
