@@ -181,7 +181,6 @@ def built_flags(script: Script, cls: ast.ClassDef) -> dict[str, tuple[object, st
     init = method_of(cls, "__init__")
     if init is None:
         return {}
-    constructions = [call for call, name in script.call_names if name == cls.name]
     parameters = {a.arg for a in init.args.args[1:]}
     flags: dict[str, tuple[object, str]] = {}
     for statement in init.body:
@@ -194,12 +193,28 @@ def built_flags(script: Script, cls: ast.ClassDef) -> dict[str, tuple[object, st
             and assignments_of(script, field) == 1
         ):
             continue
-        built = [built_value(script, init, call, statement.value.id) for call in constructions]
-        values = {repr(value) for known, value, _how in built if known}
-        if built and len(values) == 1 and all(known for known, _v, _h in built):
-            _known, value, how = built[0]
+        known, value, how = constructed_value(script, cls, init, statement.value.id)
+        if known:
             flags[f"self.{field}"] = (value, how)
     return flags
+
+
+def constructed_value(
+    script: Script, cls: ast.ClassDef, init: ast.FunctionDef, parameter: str
+) -> tuple[bool, object, str]:
+    """(known, value, how) of what every construction of `cls` in the file gives
+    __init__'s `parameter` (built_value); unknown when there is none, when one
+    passes what the file does not say, or when two disagree."""
+    built = [
+        built_value(script, init, call, parameter)
+        for call, name in script.call_names
+        if name == cls.name
+    ]
+    if not built or not all(known for known, _v, _h in built):
+        return False, None, ""
+    if len({repr(value) for _k, value, _h in built}) != 1:
+        return False, None, ""
+    return built[0]
 
 
 def assignments_of(script: Script, field: str) -> int:
@@ -519,7 +534,7 @@ def pooled_members(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast
         if model in POOLED_MODELS:
             yield field, call, "..."
         elif model in AUTO_MODELS and called_name(call) == "from_pretrained" and call.args:
-            checkpoint = checkpoint_name(script, init, call.args[0])
+            checkpoint = checkpoint_name(script, cls, init, call.args[0])
             if (
                 checkpoint
                 and POOLED_FAMILIES.search(checkpoint)
@@ -528,24 +543,17 @@ def pooled_members(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast
                 yield field, call, repr(checkpoint)
 
 
-def checkpoint_name(script: Script, init: ast.FunctionDef, given: ast.expr) -> str | None:
+def checkpoint_name(
+    script: Script, cls: ast.ClassDef, init: ast.FunctionDef, given: ast.expr
+) -> str | None:
     """The checkpoint's name: a literal, an option's default, or what every
     construction of the class passes for __init__'s parameter."""
     if isinstance(given, ast.Constant):
-        return given.value if isinstance(given.value, str) else None
-    if isinstance(given, ast.Name) and given.id in {a.arg for a in init.args.args[1:]}:
-        owner = next(n.name for n in script.nodes if isinstance(n, ast.ClassDef) and init in n.body)
-        built = [
-            built_value(script, init, call, given.id)
-            for call, name in script.call_names
-            if name == owner
-        ]
-        values = {repr(value) for _known, value, _how in built}
-        if built and all(known for known, _v, _h in built) and len(values) == 1:
-            value = built[0][1]
-            return value if isinstance(value, str) else None
-        return None
-    known, value = option_default(script, given)
+        known, value = True, given.value
+    elif isinstance(given, ast.Name) and given.id in {a.arg for a in init.args.args[1:]}:
+        known, value, _how = constructed_value(script, cls, init, given.id)
+    else:
+        known, value = option_default(script, given)
     return value if known and isinstance(value, str) else None
 
 
