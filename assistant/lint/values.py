@@ -74,14 +74,21 @@ def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     if required is not None and not (isinstance(required, ast.Constant) and not required.value):
         return False, None
     default = keyword(flag, "default")
-    if isinstance(default, ast.Constant):
-        return True, default.value
     if default is not None:
-        return False, None
+        return named_constant(script, default)
     action = keyword(flag, "action")
     if isinstance(action, ast.Constant) and action.value in UNSET_DEFAULTS:
         return True, UNSET_DEFAULTS[action.value]
     return (True, None) if action is None else (False, None)
+
+
+def named_constant(script: Script, expr: ast.expr) -> tuple[bool, object]:
+    """(known, value) of a literal, or of a name the file assigns a literal once
+    (`default=ENCODER` where `ENCODER = "bert-base-uncased"` heads the file)."""
+    if isinstance(expr, ast.Name):
+        values = script.assigned_values.get(expr.id, [])
+        expr = values[0] if len(values) == 1 else expr
+    return (True, expr.value) if isinstance(expr, ast.Constant) else (False, None)
 
 
 # How a config dict is copied from the file's defaults: `cfg = dict(DEFAULTS)`,

@@ -185,3 +185,65 @@ loader = DataLoader(ds, batch_sampler=TokenBatches(lengths, 4096, rank, world))
 def test_batches_cut_over_all_samples_must_be_trimmed_before_they_are_dealt_out(trim, reported):
     # len(out) % world batches left over: those ranks run one step more than the others
     assert reported_lines(DEALT.format(trim=trim)) == reported
+
+
+# A training loop of the file's own that steps through a rank's share of a list of
+# batches (blind set av: token-bucketed translation batches dealt out by rank).
+LOOP = """
+def train(model, optimizer, batches, rank, world):
+    TRIM
+    for step, batch in ITERATED:
+        loss = model(batch).sum()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def loop_lines(iterated: str, trim: str = "pass") -> list[int]:
+    body = LOOP.replace("ITERATED", iterated).replace("TRIM", trim)
+    return [line for line, _ in lint_snippet(HEADER, body, ["uneven-inputs"])]
+
+
+@pytest.mark.slow
+def test_a_loop_over_a_rank_stride_of_batches_hangs_under_torchrun_and_the_trimmed_twin_runs(
+    torchrun,
+):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "training_loop_over_a_rank_stride_of_batches.py",
+        "Timed out waiting",
+        SCRIPTS / "correct_training_loop_over_a_trimmed_rank_stride.py",
+        "trained 3 steps",
+    )
+
+
+@pytest.mark.parametrize(
+    "iterated",
+    ["enumerate(batches[rank::world])", "enumerate(tqdm(batches[rank::world]))"],
+)
+def test_a_training_loop_over_a_rank_stride_is_reported(iterated):
+    assert loop_lines(iterated) == [4]
+
+
+@pytest.mark.parametrize(
+    "trim",
+    [
+        "batches = batches[: len(batches) // world * world]",
+        "batches = batches[: len(batches) - len(batches) % world]",
+    ],
+)
+def test_a_list_trimmed_to_a_multiple_of_the_world_size_is_quiet(trim):
+    assert loop_lines("enumerate(batches[rank::world])", trim) == []
+
+
+def test_a_loop_with_no_backward_is_quiet():
+    # an evaluation over a rank's share has no all-reduce to wait in
+    assert [
+        line
+        for line, _ in lint_snippet(
+            HEADER,
+            "def score(model, items, rank, world):\n"
+            "    return [model(x) for x in items[rank::world]]\n",
+            ["uneven-inputs"],
+        )
+    ] == []

@@ -51,3 +51,47 @@ def test_rows_made_unique_before_the_gather_are_still_rank_sized():
         "    keys, probs = torch.cat(keys), torch.cat(probs)\n    keys = torch.unique(keys)\n",
     )
     assert reported(unique_first) == [10]
+
+
+MASKED = """
+def pseudo_labels(probs, world):
+    confidence, labels = probs.max(1)
+    keep = MASK
+    kept = labels[keep]
+    out = [torch.zeros_like(kept) for _ in range(world)]
+    dist.all_gather(out, kept)
+    return torch.cat(out)
+"""
+
+
+def test_rows_a_mask_made_first_selects_are_rank_sized():
+    # blind set ax: confident pseudo-labels kept through a mask named before its use
+    for mask in ("confidence >= 0.9", "~(confidence < 0.9)", "confidence.ge(0.9) & (labels > 0)"):
+        assert reported(MASKED.replace("MASK", mask)) == [7], mask
+
+
+def test_rows_an_index_tensor_selects_are_not_read_as_a_mask():
+    assert reported(MASKED.replace("MASK", "torch.arange(len(labels))")) == []
+
+
+SAMPLER_POSITIONS = """
+def soft_labels(model, dataset, indices, world):
+    sampler = DistributedSampler(Subset(dataset, indices), shuffle=False)
+    pos = POSITIONS
+    out = [torch.empty_like(pos) for _ in range(world)]
+    dist.all_gather(out, pos)
+    return torch.cat(out)
+
+
+def main(dataset, labels, world):
+    kept = np.where(labels == 3)[0]
+    return soft_labels(None, dataset, kept, world)
+"""
+
+
+def test_a_distributed_samplers_own_indices_are_the_same_count_on_every_rank():
+    # blind set ax: the positions a DistributedSampler hands this rank, gathered
+    # with the probabilities, read as rank-sized through the subset it samples
+    body = "from torch.utils.data import Subset\n" + SAMPLER_POSITIONS
+    assert reported(body.replace("POSITIONS", "torch.tensor(list(sampler))")) == []
+    assert reported(body.replace("POSITIONS", "torch.as_tensor(indices)")) == [7]

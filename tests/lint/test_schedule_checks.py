@@ -174,3 +174,24 @@ def test_a_learning_rate_scaled_by_one_process_batch_is_reported(scaling: str):
 )
 def test_quiet_where_the_rule_counts_every_process(scaling: str):
     assert reported(LOADER + scaling) == []
+
+
+ACCELERATE = """
+from accelerate import Accelerator
+accelerator = Accelerator(OPTIONS)
+steps = len(train_dataset) // 32 * 3
+scheduler = get_linear_schedule_with_warmup(opt, 100, num_training_steps=steps)
+model, opt, loader, scheduler = accelerator.prepare(model, opt, loader, scheduler)
+"""
+
+
+def test_a_schedule_accelerate_steps_once_per_process_is_counted_in_one_gpus_steps():
+    # blind set ax: Accelerate's prepared scheduler steps num_processes times a step
+    assert reported(ACCELERATE.replace("OPTIONS", "")) == []
+    # each batch split over the processes: one GPU's steps, stepped once each
+    assert reported(ACCELERATE.replace("OPTIONS", "split_batches=True")) == []
+    # a schedule left out of prepare() steps once per call on each process
+    unprepared = ACCELERATE.replace(", scheduler = accelerator", " = accelerator").replace(
+        ", loader, scheduler)", ", loader)"
+    )
+    assert reported(unprepared.replace("OPTIONS", "")) == [5]

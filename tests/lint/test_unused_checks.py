@@ -568,3 +568,77 @@ def test_a_backbone_whose_head_is_removed_run_or_allowed_is_quiet(change):
     old, new = change
     assert old in BACKBONE
     assert reported_lines(BACKBONE.replace(old, new)) == []
+
+
+@pytest.mark.slow
+def test_an_expert_skipped_when_no_token_reaches_it_fails_under_torchrun_and_its_twin_runs(
+    torchrun,
+):
+    # blind set aw: a mixture of experts under DDP that `continue`s past an expert
+    # whose selection is empty; the twin runs it on the empty input
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "expert_skipped_when_no_token_is_routed_to_it.py",
+        "Expected to have finished reduction in the prior iteration",
+        SCRIPTS / "correct_expert_run_on_an_empty_selection.py",
+        "trained 3 steps",
+    )
+
+
+EXPERTS = """
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+        def forward(self, x, chosen):
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                idx = (chosen == e).nonzero(as_tuple=True)[0]
+                if EMPTY:
+                    continue
+                out[idx] = expert(x[idx])
+            return out
+
+    model = DDP(MoE())
+    """
+
+
+@pytest.mark.parametrize(
+    "empty", ["idx.numel() == 0", "len(idx) == 0", "not (chosen == e).any()", "idx.shape[0] < 1"]
+)
+def test_an_expert_skipped_on_an_empty_selection_is_reported(empty):
+    assert reported_lines(EXPERTS.replace("EMPTY", empty)) == [10]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"idx.numel() == 0": "idx.numel() > 0"},  # a test for a non-empty selection
+        {"continue": "out = out + 0"},  # the branch leaves nothing out
+        {"model = DDP(MoE())": "model = DDP(MoE(), find_unused_parameters=True)"},
+    ],
+)
+def test_a_skip_that_leaves_no_expert_out_or_a_ddp_that_finds_them_is_not_reported(change):
+    body = EXPERTS.replace("EMPTY", "idx.numel() == 0")
+    for old, new in change.items():
+        body = body.replace(old, new)
+    assert reported_lines(body) == []
+
+
+def test_a_member_a_field_of_the_model_picks_is_reported_under_a_strict_ddp():
+    # the task being learned, set between tasks: one head per step, the others idle
+    body = """
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.heads = nn.ModuleList([nn.Linear(4, 2) for _ in range(3)])
+                self.task = 0
+            def forward(self, x):
+                return self.heads[self.task](x)
+
+        model = DDP(Net())
+        """
+    assert reported_lines(body) == [8]
+    assert (
+        reported_lines(body.replace("DDP(Net())", "DDP(Net(), find_unused_parameters=True)")) == []
+    )

@@ -361,6 +361,17 @@ def test_a_pooler_built_and_never_read_is_reported(change):
     assert pooled_lines(change) == [12]
 
 
+def test_an_options_default_named_by_a_constant_is_its_checkpoint():
+    # blind set av: `ENCODER = "...PubMedBERT..."` at the top, `default=ENCODER`
+    constant = {
+        "parser = argparse": 'ENCODER = "microsoft/BiomedNLP-PubMedBERT-base-uncased"\nparser = argparse',
+        'default="bert-base-uncased"': "default=ENCODER",
+    }
+    assert pooled_lines(constant) == [13]
+    reassigned = {**constant, "args = parser": 'ENCODER = "distilbert-base-uncased"\nargs = parser'}
+    assert pooled_lines(reassigned) == []
+
+
 @pytest.mark.parametrize(
     "change",
     [

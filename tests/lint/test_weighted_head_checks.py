@@ -96,3 +96,47 @@ def test_a_head_only_a_zero_default_weight_turns_on_is_reported(change):
 )
 def test_a_weight_on_by_default_a_tolerant_strategy_or_another_use_is_quiet(change):
     assert lines(**change) == []
+
+
+TASK_HEADS = """\
+import lightning.pytorch as pl
+import torch.nn.functional as F
+from torch import nn
+
+
+class Incremental(pl.LightningModule):
+    def __init__(self, tasks=5):
+        super().__init__()
+        self.backbone = nn.Linear(8, 8)
+        self.heads = nn.ModuleList(nn.Linear(8, 2) for _ in range(tasks))
+        self.current_task = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.heads[CHOOSER](self.backbone(x)), y)
+
+
+trainer = pl.Trainer(devices=2, strategy=STRATEGY)
+"""
+
+
+def picked(chooser: str = "self.current_task", strategy: str = '"ddp"') -> list[int]:
+    source = TASK_HEADS.replace("CHOOSER", chooser).replace("STRATEGY", strategy)
+    return [f.line for f in lint_source(source) if f.cause_id == CAUSE]
+
+
+def test_one_task_head_a_field_picks_each_step_is_reported_under_a_strict_strategy():
+    # blind set ax: learning without forgetting, one head per task, all built at once
+    assert picked() == [15]
+    assert picked(strategy="DDPStrategy(process_group_backend='nccl')") == [15]
+
+
+@pytest.mark.parametrize(
+    "chooser, strategy",
+    [
+        ("self.current_task", '"ddp_find_unused_parameters_true"'),
+        ("self.current_task", "DDPStrategy(find_unused_parameters=True)"),
+    ],
+)
+def test_a_strategy_that_finds_unused_parameters_is_quiet(chooser, strategy):
+    assert picked(chooser, strategy) == []

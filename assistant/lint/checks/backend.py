@@ -61,8 +61,14 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
 
 
 # Where a collective takes the tensor this rank sends: all_gather(tensor_list,
-# tensor) sends its second argument; the others their first.
-SENT_POSITION = {"all_gather": 1, "all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+# tensor) and all_to_all_single(output, input) send their second argument; the
+# others their first.
+SENT_POSITION = {
+    "all_gather": 1,
+    "all_gather_into_tensor": 1,
+    "reduce_scatter_tensor": 1,
+    "all_to_all_single": 1,
+}
 
 
 def tensor_sent(call: ast.Call, collective: str) -> ast.Name | None:

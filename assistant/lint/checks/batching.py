@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from assistant.lint.checks.data import equalizes_steps
 from assistant.lint.model import Script, keyword, position, short, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_collective, is_distributed
+from assistant.lint.torchapi import is_backward, is_collective, is_distributed
 from assistant.results import Finding
 
 RANK_WORD = re.compile(r"rank", re.IGNORECASE)
@@ -77,7 +77,66 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
         )
 
 
-def evens_the_count(cls: ast.ClassDef) -> bool:
+# Wrappers a loop puts around what it iterates: the items are the same.
+ITERATION_WRAPPERS = frozenset({"enumerate", "tqdm", "iter", "list"})
+
+
+@check("uneven-inputs")
+def check_training_loop_over_a_rank_stride(script: Script) -> Iterator[Finding]:
+    """`for idx in batches[rank::world]: ... loss.backward()` in a DDP script: the
+    loop runs ceil((n - rank) / world) steps, one more on the first ranks whenever n
+    is no multiple of the world size, and that extra step's gradient all-reduce
+    waits for ranks that already left the loop."""
+    if not is_distributed(script) or not wraps_for_data_parallel(script):
+        return
+    if equalizes_steps(script):
+        return
+    for scope in script.all_scopes:
+        nodes = script.scope_nodes(scope)
+        if evens_the_count(scope):
+            continue  # `n = len(batches) // world * world`: trimmed to share out
+        for loop in (n for n in nodes if isinstance(n, ast.For)):
+            stride = iterated_stride(script, loop.iter)
+            if stride is None or not any(is_backward(n) for n in ast.walk(loop)):
+                continue
+            yield script.finding(
+                "uneven-inputs",
+                loop.iter,
+                f"the training loop steps through a rank's share ({source_text(stride)}) of "
+                "a list whose length no line trims to a multiple of the world size: the "
+                "first ranks get one item more whenever it is not one, and their extra "
+                "step waits in DDP's gradient all-reduce for ranks that already left the "
+                "loop (a hang until the timeout); drop the last len(items) % world items "
+                "(or repeat the first ones) before dealing them out, or train inside "
+                "`with model.join():`",
+            )
+
+
+def iterated_stride(script: Script, iterated: ast.expr) -> ast.AST | None:
+    """The rank stride a loop iterates: `items[rank::world]` in place, through
+    enumerate() / tqdm(), or a name bound to one."""
+    while (
+        isinstance(iterated, ast.Call)
+        and isinstance(iterated.func, ast.Name | ast.Attribute)
+        and short(called(iterated)) in ITERATION_WRAPPERS
+        and iterated.args
+    ):
+        iterated = iterated.args[0]
+    candidates: list[ast.AST] = [iterated]
+    if isinstance(iterated, ast.Name):
+        candidates += script.assigned_values.get(iterated.id, [])
+    for candidate in candidates:
+        if isinstance(candidate, ast.Subscript) and (stride := rank_stride(candidate.slice)):
+            return stride
+    return None
+
+
+def wraps_for_data_parallel(script: Script) -> bool:
+    """A model wrapped in DDP: the ranks' backward passes meet in its all-reduce."""
+    return any(short(name) == "DistributedDataParallel" for _node, name in script.call_names)
+
+
+def evens_the_count(cls: ast.AST) -> bool:
     """Arithmetic with the world size on a count (`n - n % world`, `n // world *
     world`, `ceil(n / replicas)`): the batches are trimmed or padded to share out."""
     return any(

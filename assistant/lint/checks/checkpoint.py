@@ -38,6 +38,7 @@ from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     is_collective,
     is_distributed,
+    is_method,
     one_process_group,
     runs_a_process_per_gpu,
     saved_file,
@@ -247,12 +248,29 @@ def loaded_into_a_model(script: Script, scope: ast.AST, load: ast.Call) -> bool:
             break
         bound |= grown
     for node in nodes:
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        if not isinstance(node, ast.Call):
             continue
-        if node.func.attr != "load_state_dict":
-            continue
-        for arg in [*node.args, *(k.value for k in node.keywords)]:
-            for inner in ast.walk(arg):
-                if inner is load or (isinstance(inner, ast.Name) and inner.id in bound):
-                    return True
+        if is_method(node, "load_state_dict") or loads_weights(script, node):
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                for inner in ast.walk(arg):
+                    if inner is load or (isinstance(inner, ast.Name) and inner.id in bound):
+                        return True
     return False
+
+
+# What puts a checkpoint's tensors into a model, inside a helper of the file.
+WEIGHT_LOADS = frozenset({"load_state_dict", "copy_"})
+
+
+def loads_weights(script: Script, call: ast.Call) -> bool:
+    """A call of the file's own function that loads what it is given into a model
+    (`load_consolidated(model, ckpt["model"])`, which `p.copy_(...)`s each slice)."""
+    if not isinstance(call.func, ast.Name) or call.func.id not in script.functions:
+        return False
+    function = script.functions[call.func.id]
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in WEIGHT_LOADS
+        for node in ast.walk(function)
+    )

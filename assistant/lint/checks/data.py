@@ -38,6 +38,7 @@ from assistant.lint.torchapi import (
     calls_any,
     imports_package,
     is_backward,
+    is_dist_call,
     is_distributed,
     is_method,
 )
@@ -94,7 +95,12 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
     """A DataLoader with no sampler in a DDP script that has no DistributedSampler, or a
     shuffled (training) one left without it where other loaders have one."""
     data = DataFlow(script)
-    if not data.is_distributed or data.uses_framework:
+    if data.uses_framework or data.model_parallel_only:
+        return
+    if not data.is_distributed:
+        # An Accelerate script starts no process group itself: its loaders are
+        # split by prepare(), and one it trains on without preparing is not.
+        yield from unprepared_training_loaders(script, data)
         return
     # Where the script uses a DistributedSampler, a loader without one may be
     # meant to read everything (an evaluation on every rank); a loader that
@@ -136,6 +142,30 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
             node,
             f"DataLoader over {shown} {why}: every rank iterates the whole dataset, so N ranks "
             f"do N times the work with no speedup; {sampler_fix(script, shown)}",
+        )
+
+
+def unprepared_training_loaders(script: Script, data: DataFlow) -> Iterator[Finding]:
+    """In a script that hands its loaders to `accelerator.prepare(...)`, a shuffled one
+    built and trained on without it (a loader rebuilt each round over a new subset):
+    every process iterates all of it."""
+    if not any(data.prepared(node) for node in data.loader_calls):
+        return
+    for node in data.loader_calls:
+        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        if dataset is None or has_sampler(node) or data.prepared(node) or not shuffles(node):
+            continue
+        if not data.iterated_where_built(node) or data.sharded_by_rank(dataset):
+            continue
+        if data.may_be_iterable(dataset) or data.rank_zero_only(node):
+            continue
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            f"DataLoader over {source_text(dataset)} shuffles and is trained on without "
+            "accelerator.prepare(...), while the script prepares its other loaders: it has "
+            "no sampler, so every process iterates all of it and N processes do N times "
+            "the work; hand it to accelerator.prepare(...) too",
         )
 
 
@@ -595,6 +625,32 @@ def memoized(method: Callable[[DataFlow, Key], Answer]) -> Callable[[DataFlow, K
     return once
 
 
+# Point-to-point ops between pipeline stages, and the collectives a tensor-parallel
+# layer issues in its own forward / backward (an expert layer's all_to_all moves
+# tokens of different data between replicas, so it is not one of them).
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp"})
+TENSOR_PARALLEL_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+    }
+)
+
+
+def averages_a_gradient(node: ast.Call, name: str) -> bool:
+    """`dist.all_reduce(p.grad)`: data parallelism written by hand."""
+    if not is_dist_call(name, {"all_reduce", "reduce_scatter", "reduce_scatter_tensor"}):
+        return False
+    return any(
+        isinstance(inner, ast.Attribute) and inner.attr == "grad"
+        for argument in node.args[:2]
+        for inner in ast.walk(argument)
+    )
+
+
 @dataclass
 class DataFlow:
     """What both checks ask of a script: its loaders, samplers, and where names come from."""
@@ -621,6 +677,30 @@ class DataFlow:
         each need their own share, not pipeline stages that read the same batches."""
         wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"}
         return any(short(name) in wrappers for _node, name in self.script.call_names)
+
+    @cached_property
+    def model_parallel_only(self) -> bool:
+        """The ranks hold parts of one model and no rank is a replica: pipeline
+        stages passing activations (send / recv, batch_isend_irecv) or tensor-
+        parallel layers whose forward / backward all-reduce or all-gather, with
+        no data-parallel wrapper and no gradients averaged by hand. Every rank
+        must then read the same batches: a DistributedSampler would be the mistake."""
+        if self.data_parallel or calls_any(self.script, {("deepspeed", "initialize")}):
+            return False
+        if any(averages_a_gradient(node, name) for node, name in self.script.call_names):
+            return False
+        # Named, not only called: `p2p(dist.isend, tensor, peer)` hands the op to a helper.
+        return any(
+            isinstance(node, ast.Name | ast.Attribute)
+            and is_dist_call(self.script.name_of(node), POINT_TO_POINT)
+            for node in self.script.nodes
+        ) or any(
+            is_dist_call(self.script.name_of(node.func), TENSOR_PARALLEL_COLLECTIVES)
+            for qualified, function in self.script.functions.items()
+            if qualified.rpartition(".")[2] in ("forward", "backward")
+            for node in ast.walk(function)
+            if isinstance(node, ast.Call)
+        )
 
     @cached_property
     def mentions_distributed_sampler(self) -> bool:
@@ -1060,6 +1140,19 @@ class DataFlow:
         """Handed to `accelerator.prepare(...)` / `fabric.setup_dataloaders(...)`."""
         ids, names = self.handed_to_preparers
         return id(loader) in ids or bool(names & set(self.names_bound_to(loader)))
+
+    def iterated_where_built(self, loader: ast.Call) -> bool:
+        """The function that builds the loader loops over it (`for batch in loader`),
+        rather than returning it to a caller that may prepare it."""
+        scope = enclosing_scope(loader, self.script)
+        if scope is None:
+            return False
+        names = set(self.names_bound_to(loader))
+        return any(
+            isinstance(node, ast.For)
+            and (node.iter is loader or (isinstance(node.iter, ast.Name) and node.iter.id in names))
+            for node in self.script.scope_nodes(scope)
+        )
 
     def names_bound_to(self, call: ast.Call) -> list[str]:
         """The names a call's value is assigned to (`x = call`, `self.x = call`, and

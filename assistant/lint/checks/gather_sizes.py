@@ -276,7 +276,11 @@ def equal_share_walk(values: dict[str, list[ast.expr]], expr: ast.AST) -> Iterat
 
 
 def is_equal_share_loader(values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
-    """`DataLoader(ds, sampler=DistributedSampler(ds))`, the sampler also by name."""
+    """`DataLoader(ds, sampler=DistributedSampler(ds))`, the sampler also by name; and
+    the DistributedSampler itself (`torch.tensor(list(sampler))`: its indices, padded
+    to the same count on every rank)."""
+    if isinstance(node, ast.Call) and called_name(node) == "DistributedSampler":
+        return True
     if not (isinstance(node, ast.Call) and called_name(node) in LOADERS):
         return False
     sampler = next((k.value for k in node.keywords if k.arg == "sampler"), None)
@@ -349,6 +353,7 @@ def content_sized_step(
                 continue  # batch["labels"]: one per sample
             if (
                 is_content_sized(node)
+                or is_mask_selection(values, node)
                 or is_rank_stride(script, node)
                 or is_clipped_rank_block(script, values, node)
             ):
@@ -434,9 +439,9 @@ def content_sized_by_callers(
     used = {
         n.id
         for v in origin(values, tensor)
-        for n in walk_until(v, lambda _: False, past_callees=True)
+        for n in walk_until(v, lambda node: is_equal_share_loader(values, node), past_callees=True)
         if isinstance(n, ast.Name)
-    }
+    }  # not what a DistributedSampler or its loader is built over: every rank gets a share
     for scope, caller_values, argument in caller_arguments(script, function, used):
         step = content_sized_step(script, caller_values, argument)
         if (
@@ -538,6 +543,31 @@ def is_content_sized(node: ast.AST) -> bool:
         if isinstance(key, ast.Compare):  # x[x > threshold]
             return True
     return False
+
+
+# Methods and functions whose result is a boolean mask, like a comparison.
+MASK_CALLS = frozenset(
+    {"eq", "ne", "gt", "ge", "lt", "le", "isin", "logical_and", "logical_or", "logical_not", "bool"}
+)
+
+
+def is_mask_selection(values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
+    """`x[keep]` where the scope made `keep` a boolean mask (`keep = conf >= t`,
+    `~seen`, `a & b`, `scores.gt(t)`): the rows it selects are as many as the
+    data has true, like `x[x > t]` written inline."""
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name)):
+        return False
+    return any(is_mask(value) for value in values.get(node.slice.id, []))
+
+
+def is_mask(expr: ast.expr) -> bool:
+    if isinstance(expr, ast.Compare):
+        return True
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Invert):
+        return is_mask(expr.operand)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.BitAnd | ast.BitOr):
+        return is_mask(expr.left) or is_mask(expr.right)
+    return isinstance(expr, ast.Call) and called_name(expr) in MASK_CALLS
 
 
 def sized_like(values: dict[str, list[ast.expr]], buffers: ast.expr, tensor: str) -> bool:

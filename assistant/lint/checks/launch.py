@@ -197,6 +197,53 @@ def check_world_size_mismatch(script: Script) -> Iterator[Finding]:
             )
 
 
+# What a launcher or scheduler sets to the process's index on its own node.
+LOCAL_RANK_VARIABLES = frozenset({"LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"})
+
+
+@check("world-size-mismatch")
+def check_rank_given_the_local_rank(script: Script) -> Iterator[Finding]:
+    """`init_process_group(rank=local_rank, ...)` where local_rank is read from
+    LOCAL_RANK: the index on this node, not in the job. On one node the two agree;
+    on two, both nodes claim ranks 0..n-1 and nobody the rest."""
+    for node in init_calls(script):
+        value = keyword(node, "rank")
+        variable = local_rank_variable(script, value) if value is not None else None
+        if variable is None:
+            continue
+        yield script.finding(
+            "world-size-mismatch",
+            value,
+            f"rank={source_text(value)} in init_process_group is the process's index on its "
+            f"own node ({variable}), not in the job: on more than one node every node claims "
+            "ranks 0..n-1 and no process claims the others, so rendezvous fails or waits; pass "
+            'rank=int(os.environ["RANK"]) (or leave rank out under torchrun: env:// reads it)',
+        )
+
+
+def local_rank_variable(script: Script, value: ast.expr) -> str | None:
+    """The node-local variable `value` is read from: directly, through int(...), or
+    through a name every assignment of which reads it."""
+    inner = value.args[0] if is_call_of(value, "int") and value.args else value
+    variable = environment_variable(inner, script)
+    if variable is not None:
+        return variable if variable in LOCAL_RANK_VARIABLES else None
+    if not isinstance(inner, ast.Name):
+        return None
+    sources = script.assigned_values.get(inner.id, [])
+    found = {
+        environment_variable(v.args[0] if is_call_of(v, "int") and v.args else v, script)
+        for v in sources
+    }
+    if len(found) == 1 and (variable := found.pop()) in LOCAL_RANK_VARIABLES:
+        return variable
+    return None
+
+
+def is_call_of(expr: ast.expr, name: str) -> bool:
+    return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == name
+
+
 @check("world-size-mismatch")
 def check_world_size_of_nodes_with_process_ranks(script: Script) -> Iterator[Finding]:
     """In a spawned worker, a rank counted per process (`args.rank * ngpus_per_node +

@@ -84,6 +84,8 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                     PROCESS_COUNT.search(text) for text in names_in(expanded)
                 ):
                     continue
+                if stepped_per_process_by_accelerate(script, nodes, node):
+                    continue
                 yield script.finding(
                     "effective-batch-size-changed",
                     node,
@@ -96,6 +98,28 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                     "self.trainer.estimated_stepping_batches)",
                 )
                 break
+
+
+def stepped_per_process_by_accelerate(
+    script: Script, nodes: list[ast.AST], schedule: ast.Call
+) -> bool:
+    """The schedule is handed to `accelerator.prepare(...)`: Accelerate then keeps one
+    GPU's count (its scheduler steps once per process at each step, or, with
+    split_batches=True, each step is one GPU's batch), so a length counted in one
+    GPU's steps over the whole dataset is the right one."""
+    bound = {
+        target.id
+        for node in nodes
+        if isinstance(node, ast.Assign) and node.value is schedule
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return any(
+        isinstance(node.func, ast.Attribute)
+        and node.func.attr == "prepare"
+        and any(isinstance(a, ast.Name) and a.id in bound for a in node.args)
+        for node, _name in script.call_names
+    )
 
 
 def expand(argument: ast.expr, assigned: dict[str, list[ast.expr]]) -> list[ast.expr]:

@@ -286,6 +286,19 @@ def varying_line(
     return None
 
 
+RANDOM_SKIP = (
+    "this `if` draws a random number to decide which submodules run (a dropped branch, "
+    "LayerDrop, stochastic depth): on the steps it skips one, that submodule's parameters "
+    "get no gradient"
+)
+EMPTY_SKIP = (
+    "this `if` skips a member of the model's loop when the data routed to it is empty (an "
+    "expert that got no tokens this step): on such a step that member's parameters get no "
+    "gradient"
+)
+EMPTY_FIX = ", or run it on the empty input (its gradient is then zero, but it is there)"
+
+
 @check("unused-parameters")
 def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
     """A wrapped model's forward that runs one member of a ModuleDict / ModuleList
@@ -307,27 +320,24 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
         )
         for name in sorted(built):
             forward = forward_of(classes[name])
-            for call, picked in members_some_steps_leave_out(script, forward, names, ddp):
-                if id(call) in reported:
+            # (where, what the step leaves out, how else to fix it), each place once
+            skips = [
+                *(
+                    (
+                        call,
+                        f"forward runs {picked}: the others get no gradient that step",
+                        ", or run every member each step",
+                    )
+                    for call, picked in members_some_steps_leave_out(script, forward, names, ddp)
+                ),
+                *((test, RANDOM_SKIP, "") for test in random_branches(classes, name)),
+                *((test, EMPTY_SKIP, EMPTY_FIX) for test in empty_selection_skips(classes, name)),
+            ]
+            for node, what, fix in skips:
+                if id(node) in reported:
                     continue
-                reported.add(id(call))
-                yield script.finding(
-                    "unused-parameters",
-                    call,
-                    f"forward runs {picked}: the others get no gradient that step; {why}, or "
-                    "run every member each step",
-                )
-            for test in random_branches(classes, name):
-                if id(test) in reported:
-                    continue
-                reported.add(id(test))
-                yield script.finding(
-                    "unused-parameters",
-                    test,
-                    "this `if` draws a random number to decide which submodules run (a "
-                    "dropped branch, LayerDrop, stochastic depth): on the steps it skips one, "
-                    f"that submodule's parameters get no gradient; {why}",
-                )
+                reported.add(id(node))
+                yield script.finding("unused-parameters", node, f"{what}; {why}{fix}")
             for flag, test_line, assignment in switched_flags(script, classes[name], names):
                 yield script.finding(
                     "unused-parameters",
@@ -897,6 +907,66 @@ def random_branches(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[
                             yield statement
 
 
+# What reads how much of a selection there is: `idx.numel()`, `len(idx)`, `mask.any()`.
+SELECTION_SIZES = frozenset({"numel", "len", "any", "sum", "count_nonzero", "nelement", "size"})
+
+
+def empty_selection_skips(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[ast.If]:
+    """`for e, expert in enumerate(self.experts): ... if idx.numel() == 0: continue`
+    in the wrapped model or a model class it builds: the loop leaves out a member
+    whenever the data sent to it is empty, which routing decides per step."""
+    for cls in built_classes(classes, wrapped):
+        for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
+            for loop in (n for n in ast.walk(method) if isinstance(n, ast.For)):
+                members = member_loop_names_of(loop)
+                if not members:
+                    continue
+                for position, statement in enumerate(loop.body):
+                    if not (
+                        isinstance(statement, ast.If)
+                        and isinstance(statement.body[-1], ast.Continue)
+                        and tests_for_empty(statement.test)
+                    ):
+                        continue
+                    rest = loop.body[position + 1 :]
+                    if any(member_call(n, members) for s in rest for n in ast.walk(s)):
+                        yield statement
+
+
+def member_loop_names_of(loop: ast.For) -> set[str]:
+    """The names `loop` binds to the model's own members (member_loop_names, one loop)."""
+    if not any(self_attribute(part) for part in ast.walk(loop.iter)):
+        return set()
+    return {target.id for target in ast.walk(loop.target) if isinstance(target, ast.Name)}
+
+
+def tests_for_empty(test: ast.expr) -> bool:
+    """`idx.numel() == 0`, `len(idx) == 0`, `not mask.any()`, `x.size(0) < 1`."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return reads_selection_size(test.operand)
+    if isinstance(test, ast.Compare) and len(test.comparators) == 1:
+        bound = test.comparators[0]
+        return (
+            isinstance(bound, ast.Constant)
+            and bound.value in (0, 1)
+            and isinstance(test.ops[0], ast.Eq | ast.Lt | ast.LtE)
+            and reads_selection_size(test.left)
+        )
+    return False
+
+
+def reads_selection_size(expr: ast.expr) -> bool:
+    return (
+        isinstance(expr, ast.Call)
+        and called_name(expr) in SELECTION_SIZES
+        or (
+            isinstance(expr, ast.Subscript)
+            and isinstance(expr.value, ast.Attribute)
+            and expr.value.attr == "shape"
+        )
+    )
+
+
 def built_classes(classes: dict[str, ast.ClassDef], wrapped: str) -> list[ast.ClassDef]:
     """The wrapped model's class and the file's model classes its methods build, transitively."""
     found = [wrapped]
@@ -932,13 +1002,8 @@ def draws_random(test: ast.expr) -> bool:
 def member_loop_names(method: ast.FunctionDef) -> set[str]:
     """Names a loop of the method binds to the model's own members: `layer` in
     `for layer, p in zip(self.layers, self.drop_probs):`, `for blk in self.blocks:`."""
-    return {
-        target.id
-        for node in ast.walk(method)
-        if isinstance(node, ast.For) and any(self_attribute(part) for part in ast.walk(node.iter))
-        for target in ast.walk(node.target)
-        if isinstance(target, ast.Name)
-    }
+    loops = (node for node in ast.walk(method) if isinstance(node, ast.For))
+    return set().union(*(member_loop_names_of(loop) for loop in loops))
 
 
 def member_call(node: ast.AST, members: set[str]) -> bool:
@@ -985,21 +1050,24 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
 
 
 def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
-    """`self.heads[task](x)` with `task` an input of forward."""
+    """`self.heads[task](x)` with `task` an input of forward, or a field of the model
+    (`self.heads[self.current_task](x)`: the task being learned, one head a step)."""
     inputs = {a.arg for a in forward.args.args[1:]}
     for node in ast.walk(forward):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
             continue
         member = node.func
         chooser = member.slice
-        if (
+        if not (
             isinstance(member.value, ast.Attribute)
             and isinstance(member.value.value, ast.Name)
             and member.value.value.id == "self"
-            and isinstance(chooser, ast.Name)
-            and chooser.id in inputs
         ):
+            continue
+        if isinstance(chooser, ast.Name) and chooser.id in inputs:
             yield node, chooser.id
+        elif self_attribute(chooser):
+            yield node, source_text(chooser)
 
 
 def members_some_steps_leave_out(

@@ -1,4 +1,7 @@
-"""A LightningModule's head that only a loss weight turns on, the weight 0 by default.
+"""A LightningModule's heads that a training step leaves out, under strategy="ddp":
+one that only a loss weight turns on, the weight 0 by default, and the members
+of a ModuleList / ModuleDict of which each step runs the one a field or an
+input picks (`self.heads[self.current_task](feats)`: one head per task).
 
     self.node_decoder = nn.Linear(dim, n_atoms)          # built always
     ...
@@ -32,6 +35,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.unused import picked_members
 from assistant.lint.model import Script, called_name, keyword, method_of, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import lightning_classes
@@ -67,6 +71,28 @@ def check_head_behind_a_zero_loss_weight(script: Script) -> Iterator[Finding]:
                     'have finished reduction in the prior iteration"); build the head only '
                     "when the weight is above 0, keep its term with weight 0, or use "
                     'strategy="ddp_find_unused_parameters_true"',
+                )
+
+
+@check(CAUSE)
+def check_member_picked_per_step(script: Script) -> Iterator[Finding]:
+    """`self.heads[self.current_task](feats)` in a LightningModule's training step: the
+    other heads get no gradient, and a strict "ddp" strategy fails at the next step."""
+    strategy = strict_strategy(script)
+    if strategy is None:
+        return
+    for cls in lightning_classes(script):
+        for method in training_methods(cls):
+            for call, chooser in picked_members(method):
+                yield script.finding(
+                    CAUSE,
+                    call,
+                    f"the training step runs one member of {source_text(call.func.value)}, "  # type: ignore[attr-defined]
+                    f"the one `{chooser}` picks: the others get no gradient that step, and "
+                    f"strategy={source_text(strategy)} (DDP with find_unused_parameters=False) "
+                    'fails at the next step ("Expected to have finished reduction in the prior '
+                    'iteration"); use strategy="ddp_find_unused_parameters_true", or build only '
+                    "the members a run trains",
                 )
 
 

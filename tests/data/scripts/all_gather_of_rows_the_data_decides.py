@@ -1,5 +1,5 @@
 """Evaluation that gathers each rank's kept detections, or the rows a score
-threshold selects, into buffers shaped like the local tensor: the row counts
+threshold selects (inline, or a mask made first), into buffers shaped like the local tensor: the row counts
 differ across ranks."""
 
 import os
@@ -29,6 +29,16 @@ def gather_confident(scores, world_size):
     return parts
 
 
+@torch.no_grad()
+def gather_pseudo_labels(probs, world_size, threshold=0.9):
+    confidence, labels = probs.max(1)
+    keep = confidence >= threshold
+    kept = labels[keep]
+    gathered = [torch.zeros_like(kept) for _ in range(world_size)]
+    dist.all_gather(gathered, kept)  # expect: collective-mismatch
+    return torch.cat(gathered)
+
+
 def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -38,6 +48,7 @@ def main():
     images = [torch.rand(3, 320, 320, device=f"cuda:{local_rank}")]
     dets = gather_detections(model, images, dist.get_world_size())
     gather_confident(dets[:, 4], dist.get_world_size())
+    gather_pseudo_labels(dets[:, 4:].softmax(1), dist.get_world_size())
     dist.destroy_process_group()
 
 

@@ -24,6 +24,12 @@ def main():
     size = torch.tensor([3])
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
     dist.all_gather(sizes, size)  # expect: nccl-with-cpu-tensors
+    # an expert layer's token counts, taken to the host for the split sizes
+    sent = torch.bincount(torch.tensor([0, 1, 1], device="cuda"), minlength=4).cpu()
+    received = torch.empty_like(sent).cuda()
+    dist.all_to_all_single(received, sent)  # expect: nccl-with-cpu-tensors
+    on_device = sent.cuda()
+    dist.all_to_all_single(received, on_device)
     dist.destroy_process_group()
 
 

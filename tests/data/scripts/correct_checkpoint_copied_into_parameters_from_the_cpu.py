@@ -1,0 +1,44 @@
+"""Every rank resumes from one consolidated checkpoint read onto the CPU
+(map_location="cpu") and copies each weight into its parameters through a
+helper: each rank's copy stays in host memory until it goes into the rank's
+own GPU. A helper that only reads the checkpoint's step loads nothing into the
+model."""
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def copy_into(model, full):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(full[name])
+
+
+def saved_step(path):
+    return torch.load(path, weights_only=True)["step"]
+
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    model = torch.nn.Linear(1024, 1024).cuda()
+    if os.path.exists("consolidated.pt"):
+        checkpoint = torch.load("consolidated.pt", map_location="cpu")
+        copy_into(model, checkpoint["model"])
+    start = saved_step("consolidated.pt") if os.path.exists("consolidated.pt") else 0
+    print(f"resuming at step {start}")
+    model = DDP(model, device_ids=[local_rank])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(10):
+        model(torch.randn(8, 1024, device="cuda")).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
