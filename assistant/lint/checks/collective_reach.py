@@ -13,6 +13,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     is_none,
+    method_of,
     names_in,
     own_nodes,
     parameter_names,
@@ -50,6 +51,8 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
     """A collective that only rank 0 (or only the other ranks) reaches: the rest hang."""
     metrics = metric_objects(script) if is_distributed(script) else frozenset()
     wrappers = buffer_broadcasting_wrappers(script)
+    communicating = communicating_classes(script)
+    parallel_models = instances_by_name(script, communicating)
 
     def shown_as(call: TracedCall) -> str | None:
         """How the finding names the call, when it is a collective."""
@@ -59,11 +62,26 @@ def check_collective_only_some_ranks_reach(script: Script) -> Iterator[Finding]:
             return (
                 f"{call.name}() (a torchmetrics metric gathers every rank's state when it computes)"
             )
-        if call.name in wrappers and names_the_wrapper(script, call.node, call.name, wrappers):
+        if call.name in wrappers and names_the_wrapper(
+            script, call.node, call.name, wrappers, is_ddp_value
+        ):
             return (
                 f"{call.name}(), the DDP wrapper's forward (after a training step it broadcasts "
                 "rank 0's buffers, BatchNorm statistics, to the other ranks: a collective; "
                 f"call {call.name}.module instead)"
+            )
+        if may_hold_a_model(script, call, parallel_models) and names_the_wrapper(
+            script,
+            call.node,
+            call.name,
+            frozenset(parallel_models),
+            lambda _script, value: instance_of(value, communicating) is not None,
+        ):
+            # the caller's name for it, when a function takes it as a parameter
+            cls = parallel_models.get(call.name) or min(set(parallel_models.values()))
+            return (
+                f"{call.name}(), a {cls} whose forward issues {communicating[cls]}() (its "
+                "layers are split across the ranks: every rank must run each forward together)"
             )
         return None
 
@@ -95,11 +113,75 @@ def buffer_broadcasting_wrappers(script: Script) -> frozenset[str]:
     return frozenset(names)
 
 
-def names_the_wrapper(script: Script, node: ast.Call, name: str, wrappers: frozenset[str]) -> bool:
+def communicating_classes(script: Script) -> dict[str, str]:
+    """Tensor-parallel models written by hand: the file's classes whose forward calls
+    a collective (an autograd Function's forward that all-reduces, a layer that
+    all-gathers its shards), or that build or apply such a class, transitively; with
+    the collective. A forward of one that only some ranks run (an evaluation on
+    rank 0) waits in it for the others."""
+    classes = {n.name: n for n in script.nodes if isinstance(n, ast.ClassDef)}
+    issuing: dict[str, str] = {}
+    for name, cls in classes.items():
+        forward = method_of(cls, "forward")
+        calls = (n for n in ast.walk(forward) if isinstance(n, ast.Call)) if forward else ()
+        collective = next(
+            (script.name_of(c.func) for c in calls if is_collective(script.name_of(c.func))), None
+        )
+        if collective is not None:
+            issuing[name] = short(collective)
+    grown = True
+    while grown:
+        grown = False
+        for name, cls in classes.items():
+            used = sorted(
+                {n.id for n in ast.walk(cls) if isinstance(n, ast.Name) and n.id in issuing}
+            )
+            if name not in issuing and used:
+                issuing[name] = issuing[used[0]]
+                grown = True
+    return issuing
+
+
+def may_hold_a_model(script: Script, call: TracedCall, models: dict[str, str]) -> bool:
+    """`model(x)` with `model` a name assigned such a model, or a parameter of the
+    function the call is in (names_the_wrapper then reads what its callers hand it)."""
+    if not models or not isinstance(call.node.func, ast.Name):
+        return False
+    scope = enclosing_scope(call.node, script)
+    return call.name in models or (scope is not None and call.name in parameter_names(scope))
+
+
+def instances_by_name(script: Script, classes: dict[str, str]) -> dict[str, str]:
+    """Names assigned an instance of one of `classes` (`model = TPGPT(args).cuda()`)."""
+    found: dict[str, str] = {}
+    for node in script.nodes:
+        if isinstance(node, ast.Assign) and (cls := instance_of(node.value, classes)):
+            found.update((source_text(target), cls) for target in node.targets)
+    return found
+
+
+def instance_of(value: ast.expr, classes: dict[str, str]) -> str | None:
+    value = unmoved(value)
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id in classes
+    ):
+        return value.func.id
+    return None
+
+
+def names_the_wrapper(
+    script: Script,
+    node: ast.Call,
+    name: str,
+    wrappers: frozenset[str],
+    is_value: Callable[[Script, ast.expr], bool],
+) -> bool:
     """The name holds the wrapper where this call runs: outward from the call, the
     first scope that binds it either takes it as a parameter every caller hands a
     wrapper (not `model.module`), or last assigned it a wrapper before the call
-    (not `model = model.module`)."""
+    (not `model = model.module`); `is_value` tells a wrapper's making."""
     scope = enclosing_scope(node, script)
     while scope is not None:
         if name in parameter_names(scope):
@@ -118,7 +200,7 @@ def names_the_wrapper(script: Script, node: ast.Call, name: str, wrappers: froze
         ]
         if assigned:  # what the name holds when the call runs: the last assignment before it
             before = [n for n in assigned if n.lineno < node.lineno]
-            return bool(before) and is_ddp_value(script, max(before, key=position).value)
+            return bool(before) and is_value(script, max(before, key=position).value)
         if isinstance(scope, ast.Module):
             return False
         scope = enclosing_scope(scope, script)
