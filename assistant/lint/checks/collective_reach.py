@@ -129,16 +129,19 @@ def communicating_classes(script: Script) -> dict[str, str]:
         )
         if collective is not None:
             issuing[name] = short(collective)
-    grown = True
-    while grown:
-        grown = False
-        for name, cls in classes.items():
-            used = sorted(
-                {n.id for n in ast.walk(cls) if isinstance(n, ast.Name) and n.id in issuing}
-            )
-            if name not in issuing and used:
-                issuing[name] = issuing[used[0]]
-                grown = True
+    # Outward from those, to the classes that name one (build or apply it): each
+    # class's names are read once, so a file of many classes stays linear.
+    users: dict[str, set[str]] = {}
+    for name, cls in classes.items():
+        for used in {n.id for n in ast.walk(cls) if isinstance(n, ast.Name)} & classes.keys():
+            users.setdefault(used, set()).add(name)
+    pending = sorted(issuing)
+    while pending:
+        used = pending.pop()
+        for name in sorted(users.get(used, ())):
+            if name not in issuing:
+                issuing[name] = issuing[used]
+                pending.append(name)
     return issuing
 
 
