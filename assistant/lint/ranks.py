@@ -13,7 +13,15 @@ import ast
 import re
 from dataclasses import dataclass
 
-from assistant.lint.model import Script, is_int, is_none, parameter_names, short, source_text
+from assistant.lint.model import (
+    Script,
+    called_name,
+    is_int,
+    is_none,
+    parameter_names,
+    short,
+    source_text,
+)
 from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
 
 # Names that hold a rank: rank, local_rank, args.rank_id; not num_ranks or rank_zero.
@@ -95,11 +103,43 @@ def is_rank_expr(expr: ast.expr, script: Script) -> bool:
     if variable is not None:
         return variable in RANK_VARIABLES
     if isinstance(expr, ast.Call):  # Horovod's (and its ports') hvd.rank() too
-        return short(script.name_of(expr.func)) in RANK_CALLS
+        return short(script.name_of(expr.func)) in RANK_CALLS or returns_the_rank(script, expr)
     if isinstance(expr, ast.Name | ast.Attribute):
         name = expr.id if isinstance(expr, ast.Name) else expr.attr
         return bool(RANK_NAME.search(name)) or name in script.names_given_as_rank
     return False
+
+
+# How many of the file's functions deep a returned rank is followed (a port's
+# `def hvd_rank(): return dist.get_rank()`, a helper calling it).
+MAX_RANK_HELPERS = 2
+
+
+def returns_the_rank(script: Script, call: ast.Call, depth: int = 0) -> bool:
+    """A call of the file's own function whose every return is the rank:
+    `def hvd_rank(): return dist.get_rank()`, `return int(os.environ["RANK"])`."""
+    if depth >= MAX_RANK_HELPERS or not isinstance(call.func, ast.Name):
+        return False
+    function = script.functions.get(call.func.id)
+    if function is None:
+        return False
+    returned = [n.value for n in ast.walk(function) if isinstance(n, ast.Return)]
+    return bool(returned) and all(
+        value is not None and returned_rank(script, value, depth) for value in returned
+    )
+
+
+def returned_rank(script: Script, value: ast.expr, depth: int) -> bool:
+    if isinstance(value, ast.Call) and called_name(value) == "int" and value.args:
+        value = value.args[0]
+    variable = environment_variable(value, script)
+    if variable is not None:
+        return variable in RANK_VARIABLES
+    if not isinstance(value, ast.Call):
+        return False
+    return short(script.name_of(value.func)) in RANK_CALLS or returns_the_rank(
+        script, value, depth + 1
+    )
 
 
 def environment_variable(expr: ast.expr, script: Script) -> str | None:

@@ -93,13 +93,13 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 800 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# of 832 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
 # am 13/16; an 13/16; ap 12/16; ao 15/16; aq 12/16; ar 13/16; as 13/16; at 10/16; au 12/16;
-# av 13/16; aw 9/16; ax 11/16)
-FOUND_FLOOR = 743  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# av 13/16; aw 9/16; ax 11/16; ay 12/16; az 12/16)
+FOUND_FLOOR = 768  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -164,7 +164,8 @@ FOUND_FLOOR = 743  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # CPU (aw's 01), a training loop over batches[rank::world] untrimmed (av's 01), an expert skipped
 # when no token reaches it (aw's 04), a Lightning head a field of the module picks per step
 # (ax's 08) (742), the forward of a tensor-parallel model written by hand on rank 0 alone
-# (aw's 03)
+# (aw's 03); 767 of 832 with ay and az (measured at bb8694b), then an expert picked by a
+# loop over token counts and skipped at zero (ay's 17)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -184,6 +185,12 @@ FOUND_FLOOR = 743  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # per process; a DistributedSampler's own indices gathered, read as rank-sized through the
 # subset it samples; both mended; and a loader over the easy samples of each rank's own shard
 # read as missing a sampler, where the labelled mistake is its uneven count)
+# ay 2 (the spelling note; false, and on a correct script: DDP(device_ids) over a compiled
+# model, and over a name that compiles a moved model or not, read as never moved; mended);
+# az 2 (the spelling note; false: an epoch returned by a method of a callback object built
+# with the rank, read as rank-dependent; mended) and az's correct 06 flagged twice (a save
+# under `if verbose:`, verbose = hvd_rank() == 0, the file's function returning the rank;
+# mended)
 # 39 found at session 34's end, 38 after x's lessons, 39 after y's (a true one: i/15's
 # SimCLR keeps plain BatchNorm under its gathered contrastive loss), 39 after z's, 40 after
 # aa's (its --local_rank default beside LOCAL_RANK, on the labelled line), 41 with ab (its
@@ -206,8 +213,9 @@ FOUND_FLOOR = 743  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # (g's 20 and u's 12 read only the token states of an XLM-R / RoBERTa encoder under a strict
 # DDP: its pooler gets no gradient, true), 58 with at and au after their false ones were mended
 # (the spelling note on au's 20), 61 with av, aw and ax after their false ones were mended (the
-# spelling note on av's 15 and aw's 07; ax's 03 read as missing a sampler)
-OTHER_FINDINGS_CEILING = 61
+# spelling note on av's 15 and aw's 07; ax's 03 read as missing a sampler), 63 with ay and az
+# after their false ones were mended (the spelling note on ay's 11 and az's 10)
+OTHER_FINDINGS_CEILING = 63
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -225,8 +233,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 800
-    assert sum(label["cause"] is None for label in labels) == 200
+    assert sum(label["cause"] is not None for label in labels) == 832
+    assert sum(label["cause"] is None for label in labels) == 208
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

@@ -247,3 +247,35 @@ def test_a_file_every_rank_loads_right_after_rank_zero_saved_it(between, loaded,
         f.line for f in lint_source(source) if f.cause_id == "checkpoint-written-by-every-rank"
     ]
     assert found == reported
+
+
+# A port of Horovod's API onto torch.distributed (blind set az): `hvd_rank()` is the
+# file's own function that returns the rank, and a flag made from it guards the save.
+HELPER_RANK = """
+def hvd_rank():
+    return RETURNED
+
+dist.init_process_group("nccl")
+model = DDP(nn.Linear(2, 2))
+verbose = hvd_rank() == 0
+if verbose:
+    torch.save(model.module.state_dict(), "best.pt")
+"""
+
+
+@pytest.mark.parametrize(
+    "returned, reported",
+    [
+        ("dist.get_rank()", []),
+        ('int(os.environ["RANK"])', []),
+        ("rank_of_this_process()", []),  # a helper of a helper
+        ("0", [9]),  # no rank: every process saves
+    ],
+)
+def test_a_files_own_function_that_returns_the_rank_is_a_rank_test(returned, reported):
+    body = HELPER_RANK.replace("RETURNED", returned)
+    if returned == "rank_of_this_process()":
+        body = "\ndef rank_of_this_process():\n    return dist.get_rank()\n" + body
+        reported = [line + 4 for line in reported]
+    found = [line for line, _ in lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])]
+    assert found == reported

@@ -299,3 +299,42 @@ def test_a_helper_given_the_rank_taints_its_result_only_through_what_it_returns(
     )
     found = [f.cause_id for f in lint_source(source)]
     assert ("uneven-inputs" in found) == reported, found
+
+
+# A callback object of the file built with the rank (blind set az: Keras' BackupAndRestore
+# ported by hand), whose method returns the epoch to resume from.
+CALLBACK = """\
+import torch
+import torch.distributed as dist
+
+
+class Backup:
+    def __init__(self, path, rank):
+        self.path, self.rank = path, rank
+
+    def start_epoch(self):
+        if self.rank == 0:
+            print("restoring", self.path)
+        state = torch.load(self.path, map_location="cpu")
+        return RETURNED
+
+
+def main():
+    dist.init_process_group("gloo")
+    backup = Backup("backup.pt", dist.get_rank())
+    start = backup.start_epoch()
+    for epoch in range(start, 10):
+        dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.parametrize(
+    "returned, found",
+    [
+        ('state["epoch"] + 1', []),  # the rank only picks who prints
+        ('state["epoch"] + self.rank', [("uneven-inputs", 21)]),
+    ],
+)
+def test_a_method_of_an_object_built_with_the_rank_depends_on_what_it_returns(returned, found):
+    findings = lint_source(CALLBACK.replace("RETURNED", returned))
+    assert [(f.cause_id, f.line) for f in findings if f.cause_id == "uneven-inputs"] == found

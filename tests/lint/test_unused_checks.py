@@ -642,3 +642,27 @@ def test_a_member_a_field_of_the_model_picks_is_reported_under_a_strict_ddp():
     assert (
         reported_lines(body.replace("DDP(Net())", "DDP(Net(), find_unused_parameters=True)")) == []
     )
+
+
+def test_an_expert_picked_by_a_loop_over_token_counts_and_skipped_at_zero_is_reported():
+    # blind set ay: `for e, n in enumerate(counts): if n == 0: continue` then `self.experts[e]`
+    body = """
+        class MoE(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+            def forward(self, x, chosen):
+                counts = torch.bincount(chosen, minlength=4).tolist()
+                out, start = torch.zeros_like(x), 0
+                for e, n in enumerate(counts):
+                    if n == 0:
+                        continue
+                    out[start:start + n] = self.experts[e](x[start:start + n])
+                    start += n
+                return out
+
+        model = DDP(MoE())
+        """
+    assert reported_lines(body) == [10]
+    # a count of zero that skips no member: every expert still runs
+    assert reported_lines(body.replace("self.experts[e](", "torch.tanh(")) == []

@@ -628,6 +628,9 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
         module = unwrapped_module(script, node.args[0])
         if is_move(module) or source_text(module) in moved or built_elsewhere(script, module):
             continue
+        origins = wrapped_by_name(script, module)
+        if origins and all(is_move(m) or source_text(m) in moved for m in origins):
+            continue  # `compiled = torch.compile(model)` of a model moved before
         yield script.finding(
             "ddp-device-ids-cpu-module",
             node,
@@ -650,6 +653,26 @@ def unwrapped_module(script: Script, module: ast.expr) -> ast.expr:
     ):
         module = module.args[0]
     return module
+
+
+def wrapped_by_name(script: Script, module: ast.expr) -> list[ast.expr]:
+    """What a name holds inside device-keeping wrappers, each branch of a conditional
+    (`model = torch.compile(raw) if args.compile else raw`: raw, twice), when every
+    assignment of it but the DDP wrap wraps or names something else; [] otherwise."""
+    values = [
+        value
+        for value in script.assigned_values.get(source_text(module), [])
+        if not (isinstance(value, ast.Call) and is_ddp(script.name_of(value.func)))
+    ]
+    branches = [
+        branch
+        for value in values
+        for branch in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
+    ]
+    inner = [unwrapped_module(script, branch) for branch in branches]
+    if any(i is b and not isinstance(i, ast.Name) for i, b in zip(inner, branches, strict=True)):
+        return []  # built here by something else: not a wrapper of another name
+    return inner
 
 
 # Imported model factories (detectron2's build_model(cfg), a repository's

@@ -31,7 +31,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistant.lint.model import Script, bound_arguments, keyword, own_nodes, short, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    keyword,
+    own_nodes,
+    short,
+    source_text,
+)
 from assistant.lint.ranks import NO_RANKS, RANK_VARIABLES, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
@@ -448,6 +455,12 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
         if reads_a_feature_size(node):
             continue
         if isinstance(node, ast.Call):
+            own = own_method_call(flow, node)
+            if own is not None:
+                # `start = backup.on_train_begin()`: what the method returns, not
+                # everything the object was built with (a rank kept for printing)
+                stack.extend(own)
+                continue
             # The receiver and the arguments, not the method's name (`placement.rank()`);
             # of `batch.to(rank)` the receiver only: the rank there is a device.
             if isinstance(node.func, ast.Attribute):
@@ -463,6 +476,79 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
                 return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
         stack.extend(ast.iter_child_nodes(node))
     return False
+
+
+def own_method_call(flow: Flow, call: ast.Call) -> list[ast.expr] | None:
+    """For `obj.method(...)` where `obj` was built here as `Cls(...)`, a class of the
+    file that defines `method`: the expressions whose values can reach what it
+    returns (its arguments bound to parameters it returns, and the constructor's
+    arguments behind the fields `self.x` it returns); None for any other call."""
+    if not (isinstance(call.func, ast.Attribute) and (key := key_of(call.func.value))):
+        return None
+    taint = flow.rank_values.get(key)
+    built = taint.made_by if taint is not None else None
+    if not (isinstance(built, ast.Call) and isinstance(built.func, ast.Name)):
+        return None
+    method = flow.script.functions.get(f"{built.func.id}.{call.func.attr}")
+    init = flow.script.functions.get(f"{built.func.id}.__init__")
+    if method is None or init is None or method.args.vararg is not None:
+        return None
+    returned = parameters_returned(method)
+    reached = [
+        argument
+        for parameter, argument in bound_arguments(method, call, self_bound=True)
+        if parameter is None or parameter in returned
+    ]
+    fields = fields_returned(method)
+    sources = {
+        name.id
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign)
+        for target, value in target_value_pairs(node)
+        if key_of(target) in {f"self.{f}" for f in fields}
+        for name in ast.walk(value)
+        if isinstance(name, ast.Name)
+    }
+    reached += [
+        argument
+        for parameter, argument in bound_arguments(init, built, self_bound=True)
+        if parameter is None or parameter in sources
+    ]
+    return reached
+
+
+def target_value_pairs(node: ast.Assign) -> list[tuple[ast.expr, ast.expr]]:
+    """(target, value) of each target of an assignment, fields too: `self.a, self.b =
+    a, b` pairs them one by one; a tuple unpacked from one value pairs each with it."""
+    pairs: list[tuple[ast.expr, ast.expr]] = []
+    for target in node.targets:
+        if not isinstance(target, ast.Tuple):
+            pairs.append((target, node.value))
+        elif isinstance(node.value, ast.Tuple) and len(node.value.elts) == len(target.elts):
+            pairs += zip(target.elts, node.value.elts, strict=True)
+        else:
+            pairs += [(element, node.value) for element in target.elts]
+    return pairs
+
+
+def fields_returned(method: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The fields `self.x` read by what reaches a return of the method."""
+    names = parameters_returned(method) | {"self"}
+    values = [n.value for n in ast.walk(method) if isinstance(n, ast.Return) and n.value]
+    values += [
+        node.value
+        for node in ast.walk(method)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id in names for t in node.targets)
+    ]
+    return {
+        node.attr
+        for value in values
+        for node in ast.walk(value)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
 
 
 def arguments_returned(script: Script, call: ast.Call) -> list[ast.expr]:

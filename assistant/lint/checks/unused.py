@@ -913,24 +913,39 @@ SELECTION_SIZES = frozenset({"numel", "len", "any", "sum", "count_nonzero", "nel
 
 def empty_selection_skips(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[ast.If]:
     """`for e, expert in enumerate(self.experts): ... if idx.numel() == 0: continue`
+    (or `for e, n in enumerate(counts): if n == 0: continue` then `self.experts[e](...)`)
     in the wrapped model or a model class it builds: the loop leaves out a member
     whenever the data sent to it is empty, which routing decides per step."""
     for cls in built_classes(classes, wrapped):
         for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
             for loop in (n for n in ast.walk(method) if isinstance(n, ast.For)):
                 members = member_loop_names_of(loop)
-                if not members:
-                    continue
+                bound = {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
                 for position, statement in enumerate(loop.body):
                     if not (
                         isinstance(statement, ast.If)
                         and isinstance(statement.body[-1], ast.Continue)
-                        and tests_for_empty(statement.test)
+                        and tests_for_empty(statement.test, bound)
                     ):
                         continue
                     rest = loop.body[position + 1 :]
-                    if any(member_call(n, members) for s in rest for n in ast.walk(s)):
+                    if any(
+                        member_call(n, members) or member_picked_by(n, bound)
+                        for s in rest
+                        for n in ast.walk(s)
+                    ):
                         yield statement
+
+
+def member_picked_by(node: ast.AST, names: set[str]) -> bool:
+    """`self.experts[e](x)` with `e` one of `names` (a loop's index)."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Subscript)
+        and self_attribute(node.func.value) is not None
+        and isinstance(node.func.slice, ast.Name)
+        and node.func.slice.id in names
+    )
 
 
 def member_loop_names_of(loop: ast.For) -> set[str]:
@@ -940,17 +955,22 @@ def member_loop_names_of(loop: ast.For) -> set[str]:
     return {target.id for target in ast.walk(loop.target) if isinstance(target, ast.Name)}
 
 
-def tests_for_empty(test: ast.expr) -> bool:
-    """`idx.numel() == 0`, `len(idx) == 0`, `not mask.any()`, `x.size(0) < 1`."""
+def tests_for_empty(test: ast.expr, counts: set[str] = frozenset()) -> bool:
+    """`idx.numel() == 0`, `len(idx) == 0`, `not mask.any()`, `x.size(0) < 1`, and
+    `n == 0` / `not n` of a name in `counts` (a loop's count of routed tokens)."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return reads_selection_size(test.operand)
+        operand = test.operand
+        return reads_selection_size(operand) or (
+            isinstance(operand, ast.Name) and operand.id in counts
+        )
     if isinstance(test, ast.Compare) and len(test.comparators) == 1:
         bound = test.comparators[0]
+        left = test.left
         return (
             isinstance(bound, ast.Constant)
             and bound.value in (0, 1)
             and isinstance(test.ops[0], ast.Eq | ast.Lt | ast.LtE)
-            and reads_selection_size(test.left)
+            and (reads_selection_size(left) or (isinstance(left, ast.Name) and left.id in counts))
         )
     return False
 
