@@ -31,14 +31,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistant.lint.model import (
-    Script,
-    bound_arguments,
-    keyword,
-    own_nodes,
-    short,
-    source_text,
-)
+from assistant.lint.model import Script, bound_arguments, keyword, own_nodes, short, source_text
 from assistant.lint.ranks import NO_RANKS, RANK_VARIABLES, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
