@@ -34,6 +34,7 @@ def main() -> None:
     # Every epoch's order differs from the others', as set_epoch would have made it.
     assert len(set(orders)) == len(orders), orders
     print(f"[rank {dist.get_rank()}] {len(orders)} epochs, {len(set(orders))} orders", flush=True)
+    dist.barrier()  # both ranks done before gloo tears down (a rank aborted there under load)
     dist.destroy_process_group()
 
 
