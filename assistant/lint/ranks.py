@@ -130,8 +130,7 @@ def returns_the_rank(script: Script, call: ast.Call, depth: int = 0) -> bool:
 
 
 def returned_rank(script: Script, value: ast.expr, depth: int) -> bool:
-    if isinstance(value, ast.Call) and called_name(value) == "int" and value.args:
-        value = value.args[0]
+    value = without_int(value)
     variable = environment_variable(value, script)
     if variable is not None:
         return variable in RANK_VARIABLES
@@ -140,6 +139,13 @@ def returned_rank(script: Script, value: ast.expr, depth: int) -> bool:
     return short(script.name_of(value.func)) in RANK_CALLS or returns_the_rank(
         script, value, depth + 1
     )
+
+
+def without_int(expr: ast.expr) -> ast.expr:
+    """`int(os.environ["RANK"])` -> `os.environ["RANK"]`: the value inside int()."""
+    if isinstance(expr, ast.Call) and called_name(expr) == "int" and expr.args:
+        return expr.args[0]
+    return expr
 
 
 def environment_variable(expr: ast.expr, script: Script) -> str | None:

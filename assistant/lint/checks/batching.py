@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from assistant.lint.checks.data import equalizes_steps
 from assistant.lint.model import Script, keyword, position, short, source_text
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_backward, is_collective, is_distributed
+from assistant.lint.torchapi import is_backward, is_collective, is_ddp, is_distributed
 from assistant.results import Finding
 
 RANK_WORD = re.compile(r"rank", re.IGNORECASE)
@@ -87,7 +87,7 @@ def check_training_loop_over_a_rank_stride(script: Script) -> Iterator[Finding]:
     loop runs ceil((n - rank) / world) steps, one more on the first ranks whenever n
     is no multiple of the world size, and that extra step's gradient all-reduce
     waits for ranks that already left the loop."""
-    if not is_distributed(script) or not wraps_for_data_parallel(script):
+    if not is_distributed(script) or not any(is_ddp(name) for _, name in script.call_names):
         return
     if equalizes_steps(script):
         return
@@ -129,11 +129,6 @@ def iterated_stride(script: Script, iterated: ast.expr) -> ast.AST | None:
         if isinstance(candidate, ast.Subscript) and (stride := rank_stride(candidate.slice)):
             return stride
     return None
-
-
-def wraps_for_data_parallel(script: Script) -> bool:
-    """A model wrapped in DDP: the ranks' backward passes meet in its all-reduce."""
-    return any(short(name) == "DistributedDataParallel" for _node, name in script.call_names)
 
 
 def evens_the_count(cls: ast.AST) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 from assistant.lint.launchtext import TASKS_PER_NODE, launch_problems
 from assistant.lint.model import Script, is_int, keyword, short, source_text
-from assistant.lint.ranks import environment_variable
+from assistant.lint.ranks import environment_variable, without_int
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LOCAL_RANK_FLAGS,
@@ -224,24 +224,17 @@ def check_rank_given_the_local_rank(script: Script) -> Iterator[Finding]:
 def local_rank_variable(script: Script, value: ast.expr) -> str | None:
     """The node-local variable `value` is read from: directly, through int(...), or
     through a name every assignment of which reads it."""
-    inner = value.args[0] if is_call_of(value, "int") and value.args else value
+    inner = without_int(value)
     variable = environment_variable(inner, script)
     if variable is not None:
         return variable if variable in LOCAL_RANK_VARIABLES else None
     if not isinstance(inner, ast.Name):
         return None
     sources = script.assigned_values.get(inner.id, [])
-    found = {
-        environment_variable(v.args[0] if is_call_of(v, "int") and v.args else v, script)
-        for v in sources
-    }
+    found = {environment_variable(without_int(v), script) for v in sources}
     if len(found) == 1 and (variable := found.pop()) in LOCAL_RANK_VARIABLES:
         return variable
     return None
-
-
-def is_call_of(expr: ast.expr, name: str) -> bool:
-    return isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == name
 
 
 @check("world-size-mismatch")
