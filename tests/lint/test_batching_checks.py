@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+from snippets import RANKS_STOPPED_MATCHING, assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "length_batches_packed_per_rank.py"
@@ -42,7 +42,9 @@ def reported_lines(body: str) -> list[int]:
 
 @pytest.mark.slow
 def test_the_fixture_fails_as_linted_under_torchrun_and_its_twin_runs(torchrun):
-    assert_broken_fails_and_twin_runs(torchrun, BROKEN, "Timed out waiting", FIXED, "trained rank")
+    assert_broken_fails_and_twin_runs(
+        torchrun, BROKEN, RANKS_STOPPED_MATCHING, FIXED, "trained rank"
+    )
 
 
 def test_aspect_buckets_filled_from_a_rank_stride_are_reported():
@@ -211,7 +213,7 @@ def test_a_loop_over_a_rank_stride_of_batches_hangs_under_torchrun_and_the_trimm
     assert_broken_fails_and_twin_runs(
         torchrun,
         SCRIPTS / "training_loop_over_a_rank_stride_of_batches.py",
-        "Timed out waiting",
+        RANKS_STOPPED_MATCHING,
         SCRIPTS / "correct_training_loop_over_a_trimmed_rank_stride.py",
         "trained 3 steps",
     )

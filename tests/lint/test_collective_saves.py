@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+from snippets import RANKS_STOPPED_MATCHING, assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "fsdp_state_dict_gathered_on_rank_zero_only.py"
@@ -41,7 +41,7 @@ def findings(prelude: str, body: str) -> list[tuple[int, str]]:
 @pytest.mark.slow
 def test_the_fsdp_fixture_times_out_as_linted_under_torchrun_and_its_twin_saves(torchrun):
     # Rank 0 waits in the state_dict all-gather, rank 1 in the barrier after it.
-    assert_broken_fails_and_twin_runs(torchrun, BROKEN, "Timed out waiting 10000ms", FIXED, "saved")
+    assert_broken_fails_and_twin_runs(torchrun, BROKEN, RANKS_STOPPED_MATCHING, FIXED, "saved")
 
 
 def test_deepspeed_save_and_load_on_rank_zero_only_are_reported():

@@ -90,7 +90,7 @@ def test_the_fixture_times_out_under_torchrun_and_its_twin_runs(torchrun):
     assert_broken_fails_and_twin_runs(
         torchrun,
         SCRIPTS / "rank_zero_evaluates_past_a_short_timeout.py",
-        "Timed out",
+        ("Timed out", "Application timeout caused pair closure"),
         SCRIPTS / "correct_evaluation_shared_under_a_short_timeout.py",
         "finished",
     )

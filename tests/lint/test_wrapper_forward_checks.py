@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from snippets import assert_broken_fails_and_twin_runs, lint_snippet
+from snippets import RANKS_STOPPED_MATCHING, assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 
@@ -134,7 +134,7 @@ def test_the_fixture_times_out_under_torchrun_and_its_twin_runs(torchrun):
     assert_broken_fails_and_twin_runs(
         torchrun,
         SCRIPTS / "rank_zero_evaluates_through_the_ddp_wrapper.py",
-        "Timed out",
+        RANKS_STOPPED_MATCHING,
         SCRIPTS / "correct_rank_zero_evaluates_the_wrapped_module.py",
         "trained",
     )
