@@ -113,6 +113,55 @@ def test_a_method_only_a_framework_calls_is_not_judged():
     assert found == []
 
 
+CALLBACK_SAVING = """
+\"\"\"LAUNCH\"\"\"
+import shutil
+from transformers import Trainer, TrainerCallback
+import pytorch_lightning as pl
+
+
+class ExportCallback(TrainerCallback):
+    def on_save(self, args, state, control, model=None, **kwargs):
+        GUARD
+        model.save_pretrained(args.output_dir + "/latest.staging")
+        shutil.move(args.output_dir + "/latest.staging", args.output_dir + "/latest")
+
+
+class EpochSaver(pl.Callback):
+    DECORATOR
+    def on_train_epoch_end(self, trainer, pl_module):
+        trainer.save_checkpoint("last.ckpt")
+        pl_module.model.save_pretrained("hf_export")
+
+
+trainer = Trainer(model=model, args=args, callbacks=[ExportCallback()])
+trainer.train()
+"""
+
+
+@pytest.mark.parametrize(
+    "launch, guard, decorator, reported",
+    [
+        # blind set bb's 17: the Trainer calls on_save in each of the eight processes
+        ("accelerate launch --multi_gpu --num_processes 8 train.py", "pass", "", [11, 19]),
+        ("torchrun --nproc_per_node=4 train.py", "pass", "", [11, 19]),
+        (
+            "torchrun --nproc_per_node=4 train.py",
+            "if not state.is_world_process_zero:\n            return",
+            "@pl.utilities.rank_zero_only",
+            [],
+        ),
+        # one process: nothing to race
+        ("python train.py", "pass", "", []),
+    ],
+)
+def test_a_callback_hook_that_saves_runs_in_every_process(launch, guard, decorator, reported):
+    source = CALLBACK_SAVING.replace("LAUNCH", launch).replace("GUARD", guard)
+    source = source.replace("DECORATOR", decorator)
+    found = [f.line for f in lint_source(source) if f.cause_id == "checkpoint-written-by-every-rank"]
+    assert found == reported
+
+
 def test_a_script_that_is_not_distributed_is_not_judged():
     found = findings('torch.save(nn.Linear(2, 2).state_dict(), "last.pt")\n')
     assert found == []

@@ -65,6 +65,35 @@ def test_an_inline_loop_and_a_metric_fed_batch_by_batch_are_reported():
     assert lines == [5, 11]
 
 
+NESTED_EVALUATION = """
+def main():
+    accelerator = Accelerator()
+    model, eval_dl = accelerator.prepare(model, eval_dl)
+
+    def evaluate():
+        n_correct, n_total = 0, 0
+        for batch in eval_dl:
+            n_correct += int(model(batch["x"]).argmax(-1) == batch["y"])
+            n_total += 1
+        return n_correct / max(1, n_total)
+
+    for epoch in range(3):
+        em = COMBINED
+        accelerator.log({"exact_match": em}, step=epoch)
+"""
+
+
+@pytest.mark.parametrize(
+    "combined, reported",
+    [("evaluate()", [8]), ("accelerator.reduce(torch.tensor(evaluate()), 'mean').item()", [])],
+)
+def test_an_evaluation_nested_in_main_over_its_prepared_loader(combined, reported):
+    # blind set bb's 19: `def evaluate():` inside main reads main's prepared loader and
+    # returns the exact match of this process's share, which main logs as it is
+    body = NESTED_EVALUATION.replace("COMBINED", combined)
+    assert reported_lines(body) == reported
+
+
 def test_a_total_carried_by_assignment_is_a_total():
     # blind set as 01: a confusion matrix updated through a helper that returns it
     body = """

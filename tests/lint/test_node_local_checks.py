@@ -68,6 +68,19 @@ def test_rank_zero_saves_on_its_node_and_every_rank_loads(path):
     assert reported(path) == [18]
 
 
+@pytest.mark.parametrize(
+    "root, found",
+    [('os.path.join("/local_nvme", os.environ.get("USER", "ml"))', [18]), ('"/proj/runs"', [])],
+)
+def test_a_folder_a_function_of_the_file_returns_is_followed(root, found):
+    # blind set bc's 12: `ckpt_dir = os.path.join(node_local_root(), "checkpoints")`
+    prelude = TWO_NODES + f"import os\n\ndef node_root():\n    return {root}\n"
+    body = BODY.replace("{path}", 'os.path.join(node_root(), "ckpt", "last.pt")')
+    body = body.replace("{test}", "rank == 0").replace("{load}", "state = torch.load(path)")
+    lines = [line for line, _ in lint_snippet(prelude, body, ["checkpoint-on-node-local-disk"])]
+    assert lines == found
+
+
 def test_a_helper_that_saves_and_one_that_loads_are_followed():
     prelude = TWO_NODES + (
         "import torch\n\n"

@@ -899,6 +899,24 @@ def test_each_misplaced_spawn_argument_names_the_parameter_and_why() -> None:
     assert "annotated int but given an object of TrainConfig" in annotated.message
 
 
+@pytest.mark.parametrize("order, reported", [("n_gpus, CFG", True), ("CFG, n_gpus", False)])
+def test_a_module_constant_is_matched_with_its_parameter_whatever_the_case(order, reported):
+    # blind set ba's 05: the notebook's CFG dict handed to worker(rank, cfg, world_size)
+    source = (
+        "import torch\nimport torch.multiprocessing as mp\n"
+        "CFG = {'lr': 1e-3}\n"
+        "def worker(rank, cfg, world_size):\n    print(cfg['lr'], world_size)\n"
+        "if __name__ == '__main__':\n"
+        "    n_gpus = torch.cuda.device_count()\n"
+        f"    mp.spawn(worker, args=({order}), nprocs=n_gpus)\n"
+    )
+    found = [f.message for f in lint_source(source) if f.cause_id == "mp-spawn-arguments"]
+    assert bool(found) == reported, found
+    if reported:
+        assert "hands CFG to worker's parameter world_size" in found[0]
+        assert "has a parameter cfg of its own" in found[0]
+
+
 @pytest.mark.parametrize(
     "step, reported",
     [

@@ -88,6 +88,35 @@ def test_a_split_or_numbering_each_rank_draws_is_reported(body):
     assert len(lines(body)) == 1
 
 
+FOLDS_THEN_SEED = """
+def make_folds(n):
+    return list(StratifiedKFold(n, shuffle=True).split(range(64), [0, 1] * 32))
+
+
+def train_fold(fold):
+    np.random.seed(7)
+    return fold
+
+
+def main():
+    FIRST
+    SECOND
+"""
+
+
+@pytest.mark.parametrize(
+    "first, second, reported",
+    [
+        # blind set ba's 15: the folds are drawn first; the common seed comes per fold
+        ("folds = make_folds(5)", "[train_fold(f) for f in folds]", 1),
+        ("train_fold(0)", "folds = make_folds(5)", 0),
+    ],
+)
+def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, reported):
+    body = FOLDS_THEN_SEED.replace("FIRST", first).replace("SECOND", second)
+    assert len(lines(body)) == reported
+
+
 @pytest.mark.parametrize(
     "body",
     [

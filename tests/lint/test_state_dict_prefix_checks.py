@@ -74,3 +74,27 @@ def test_a_model_unpacked_from_a_same_file_helpers_return_is_judged_like_its_bui
     # unpacked from a call the file does not show: not known
     imported = EXPORT.replace("fresh, _ = shrink(", "fresh, _ = tools.shrink(")
     assert lint_snippet(PRELUDE, imported, ["state-dict-module-prefix"]) == []
+
+
+RESUME = """
+def main():
+    model = build()
+    resume = torch.load("last.pt", map_location="cpu") if os.path.exists("last.pt") else None
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+    model = DDP(model)
+    for epoch in range(3):
+        train_one_epoch(model)
+        torch.save({"model": SAVED.state_dict(), "epoch": epoch}, "last.pt.tmp")
+        os.replace("last.pt.tmp", "last.pt")
+"""
+
+
+@pytest.mark.parametrize("saved, reported", [("model", [6]), ("model.module", [])])
+def test_a_checkpoint_loaded_only_when_it_exists_is_paired_with_its_save(saved, reported):
+    # blind set bc's 16: `torch.load(...) if os.path.exists(...) else None` resumes the
+    # plain model before the wrap from the wrapper's own state_dict
+    body = RESUME.replace("SAVED", saved)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
+        reported
+    )

@@ -32,10 +32,13 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
+from assistant.lint.launchtext import launched_world_size
 from assistant.lint.model import Script, keyword, names_in, short, source_text
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
+    LIGHTNING_PACKAGES,
+    MAIN_PROCESS_HELPERS,
     is_collective,
     is_distributed,
     is_method,
@@ -133,6 +136,98 @@ def saves_pretrained_on_every_process(call: TracedCall) -> bool:
         and keyword(call.node, "is_main_process") is None
         and some_rank_runs(call.rank_path)
     )
+
+
+# Names a callback hook reads to tell the processes apart: the HF Trainer's
+# `state.is_world_process_zero`, `args.process_index`, Lightning's
+# `trainer.is_global_zero` and `@rank_zero_only`, a rank read any other way.
+PROCESS_TESTS = MAIN_PROCESS_HELPERS | {
+    "process_index",
+    "local_process_index",
+    "rank",
+    "global_rank",
+    "local_rank",
+    "get_rank",
+    "rank_zero_only",
+}
+# What a hook may write into a folder the processes share.
+HOOK_WRITES = frozenset({"save_pretrained", "save_model", "save"})
+
+
+@check("checkpoint-written-by-every-rank")
+def check_save_in_a_callback_hook_of_every_process(script: Script) -> Iterator[Finding]:
+    """A Hugging Face TrainerCallback's or a Lightning Callback's hook that saves with
+    no test of which process runs it.
+
+    The Trainer calls its callbacks' hooks (`on_save`, `on_train_epoch_end`) in
+    every process it runs in: under torchrun or `accelerate launch` each writes
+    the same folder at once (a rename or rmtree of one under another's feet:
+    FileNotFoundError, a half-written adapter). Only hooks of a run of several
+    processes are read: the launch line shown starts several, or the file
+    starts them itself."""
+    launched = launched_world_size(script.source)
+    if not (launched and launched > 1) and not runs_a_process_per_gpu(script):
+        return
+    for cls in callback_classes(script):
+        for method in cls.body:
+            if not isinstance(method, ast.FunctionDef) or not method.name.startswith("on_"):
+                continue
+            if tells_processes_apart(method):
+                continue
+            save = next((call for call in hook_saves(script, method)), None)
+            if save is None:
+                continue
+            yield script.finding(
+                "checkpoint-written-by-every-rank",
+                save,
+                f"{cls.name}.{method.name} is a callback hook, which the Trainer calls in "
+                f"every process, and {source_text(save.func)}() in it tests no rank: "
+                "every process writes the same files at once, and one can move or delete "
+                "them under another; save only on the main process (`if "
+                "state.is_world_process_zero:` in a TrainerCallback, `if "
+                "trainer.is_global_zero:` or @rank_zero_only in a Lightning Callback)",
+            )
+
+
+def callback_classes(script: Script) -> list[ast.ClassDef]:
+    """The file's classes built on transformers' TrainerCallback or Lightning's Callback."""
+    found = []
+    for node in script.tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for base in node.bases:
+            name = script.name_of(base)
+            package = name.split(".")[0]
+            if (package == "transformers" and short(name) == "TrainerCallback") or (
+                package in LIGHTNING_PACKAGES and short(name) == "Callback"
+            ):
+                found.append(node)
+                break
+    return found
+
+
+def tells_processes_apart(method: ast.FunctionDef) -> bool:
+    """The hook (or a decorator on it) reads which process runs it."""
+    for node in [*method.decorator_list, *ast.walk(method)]:
+        for inner in ast.walk(node):
+            name = inner.id if isinstance(inner, ast.Name) else getattr(inner, "attr", None)
+            if name in PROCESS_TESTS:
+                return True
+    return False
+
+
+def hook_saves(script: Script, method: ast.FunctionDef) -> Iterator[ast.Call]:
+    """torch.save, or a `.save_pretrained` / `.save_model` / `.save` method not told
+    which process is main, in the hook's own body."""
+    for node in ast.walk(method):
+        if not isinstance(node, ast.Call):
+            continue
+        if script.name_of(node.func) == "torch.save" or (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr in HOOK_WRITES
+            and keyword(node, "is_main_process") is None
+        ):
+            yield node
 
 
 @check("checkpoint-written-by-every-rank")

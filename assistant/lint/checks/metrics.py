@@ -253,19 +253,38 @@ class EvaluationLoop:
     ) -> ast.AST | None:
         """Where the totals (or what is computed from them) are shown or compared
         with no collective on them first; None when they are combined or never shown."""
-        scope: ast.AST = script.functions[self.function] if self.function else script.tree
+        evaluator = self.evaluator(script)
+        scope: ast.AST = script.functions[evaluator] if evaluator else script.tree
         after = walk_after(scope, self.node.end_lineno or self.node.lineno)
         derived = derive([*ast.walk(self.node), *after], set(self.totals))
         if combined(script, after, derived):
             return None
         shown = first_shown(script, after, derived)
-        if shown is not None or self.function is None:
+        if shown is not None or evaluator is None:
             return shown
-        if not returns_any(script.functions[self.function], derived):
+        if not returns_any(script.functions[evaluator], derived):
             return None
-        function = script.functions[self.function]
+        function = script.functions[evaluator]
         through = self.loader if self.loader in {a.arg for a in function.args.args} else None
-        return shown_by_callers(script, self.function, owners, sharded, through)
+        return shown_by_callers(script, evaluator, owners, sharded, through)
+
+    def evaluator(self, script: Script) -> str | None:
+        """The function whose return hands the totals on: the loop's own function, or
+        a function nested in it that holds the loop (`def evaluate():` in main, over
+        main's prepared loader), known by its plain name."""
+        parent = script.parents.get(id(self.node))
+        while parent is not None and not isinstance(
+            parent, (ast.FunctionDef, ast.AsyncFunctionDef)
+        ):
+            parent = script.parents.get(id(parent))
+        if (
+            parent is not None
+            and self.function is not None
+            and parent is not script.functions[self.function]
+            and script.functions.get(parent.name) is parent
+        ):
+            return parent.name
+        return self.function
 
 
 def evaluation_loops(

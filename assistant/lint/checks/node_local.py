@@ -149,10 +149,28 @@ def node_local_folder(script: Script, expr: ast.expr, hops: int = MAX_HOPS) -> s
             found = named_value(script, node, hops)
             if found is not None:
                 return found
+        if hops > 0 and isinstance(node, ast.Call):
+            found = returned_folder(script, node, hops)
+            if found is not None:
+                return found
         if isinstance(node, ast.JoinedStr) and node.values:
             pending.append(node.values[0])  # f"/tmp/{run}": its start is its folder
             continue
         pending.extend(ast.iter_child_nodes(node))
+    return None
+
+
+def returned_folder(script: Script, call: ast.Call, hops: int) -> str | None:
+    """The node-local folder a function of the file returns (`def node_local_root():
+    return os.path.join("/local_nvme", user, job)`), called for the path."""
+    function = script.functions.get(script.name_of(call.func))
+    if function is None:
+        return None
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and node.value is not None:
+            found = node_local_folder(script, node.value, hops - 1)
+            if found is not None:
+                return found
     return None
 
 

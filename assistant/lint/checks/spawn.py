@@ -233,14 +233,16 @@ def swapped_argument(
     landing in another (`args=(args.config, world_size)` for
     `worker(rank, world_size, config_path)`; `args=(cfg,)` for
     `worker(cfg, rank)`, whose first parameter spawn fills with the index).
-    Only names that match exactly count."""
+    Only names that match exactly count, but for case: a module's constant
+    `CFG` handed to `worker(rank, cfg, world_size)` is the config it means."""
     names = [p.arg for p in parameters]
+    folded = [name.lower() for name in names]
     for position, value in enumerate(values, start=1):
         own = value_name(value)
-        if own is None or position >= len(names) or names[position] == own:
+        if own is None or position >= len(names) or folded[position] == own.lower():
             continue
-        if own in names:
-            return value, names[position], own
+        if own.lower() in folded:
+            return value, names[position], names[folded.index(own.lower())]
     return None
 
 

@@ -90,7 +90,12 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
         ranked_seed = seed_in_force(node, script, family, ranked)
         if ranked_seed is False:
             continue
-        if ranked_seed is None:
+        if ranked_seed is None and family:
+            why = (
+                f"the file's seed (line {family[0].lineno}) is set only after it runs, so "
+                "each process starts from its own random state"
+            )
+        elif ranked_seed is None:
             why = "no seed is set, so each process starts from its own random state"
         elif enclosing_scope(ranked_seed, script) is enclosing_scope(node, script):
             why = f"the process was just seeded with its rank (line {ranked_seed.lineno})"
@@ -197,7 +202,8 @@ def seed_in_force(
     """What seeds the split's draw: False for a common seed (quiet), the per-rank
     seeding call, or None for no seed. The last seeding call before the split in
     its own function decides; without one, the file's: a common seed anywhere
-    (set in main before the helpers run), else a per-rank one."""
+    (set in main before the helpers run) unless it runs only after the split,
+    else a per-rank one."""
     scope = enclosing_scope(split, script)
     before = [
         call
@@ -207,9 +213,49 @@ def seed_in_force(
     if before:
         last = max(before, key=lambda call: (call.lineno, call.col_offset))
         return last if last in per_rank else False
-    if common:
+    if any(not runs_after(call, split, script) for call in common):
         return False
     return per_rank[0] if per_rank else None
+
+
+def runs_after(later: ast.AST, earlier: ast.AST, script: Script) -> bool:
+    """`later` runs only after `earlier`: in the first function both are reached
+    from (each through the one call of its function, up the file), the line
+    that leads to `later` comes after the one that leads to `earlier`.
+
+    `main()` calls `make_folds(df)` (a shuffled KFold) and then, per fold,
+    `train_fold(...)`, which seeds: that seed decides nothing about the folds.
+    False when the two are not found in one such function.
+    """
+    reached = calling_lines(earlier, script)
+    for scope, line in calling_lines(later, script):
+        for other_scope, other_line in reached:
+            if other_scope is scope:
+                return line > other_line
+    return False
+
+
+def calling_lines(node: ast.AST, script: Script, depth: int = 6) -> list[tuple[ast.AST, int]]:
+    """(scope, line) from `node`'s own function up through the single call of each
+    function in the file (a function called from two places stops the climb)."""
+    chain: list[tuple[ast.AST, int]] = []
+    scope, line = enclosing_scope(node, script), node.lineno
+    while scope is not None and len(chain) < depth:
+        chain.append((scope, line))
+        name = getattr(scope, "name", None)
+        if name is None or script.functions.get(name) is not scope:
+            break
+        calls = [
+            call
+            for call, called in script.call_names
+            if called == name and isinstance(call.func, ast.Name)
+        ]
+        if len(calls) != 1:
+            break
+        scope, line = enclosing_scope(calls[0], script), calls[0].lineno
+        if any(seen is scope for seen, _ in chain):
+            break
+    return chain
 
 
 def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:

@@ -435,6 +435,12 @@ class Places:
             return None
         if isinstance(expr, ast.Call) and self.script.name_of(expr.func) == "torch.load":
             return None, expr
+        if isinstance(expr, ast.IfExp):
+            # `torch.load(path) if os.path.exists(path) else None`: a resume that may not happen
+            for branch in (expr.body, expr.orelse):
+                if (found := self.loaded(scope, branch, line, depth + 1)) is not None:
+                    return found
+            return None
         if isinstance(expr, ast.Name):
             value = self.last_value(scope, expr.id, line)
             return self.loaded(scope, value, line, depth + 1) if value is not None else None
