@@ -144,6 +144,7 @@ SMALL_SETS = {
     "real_reports_holdout74.jsonl",  # 9: session 44's second round, three collectors, ~290
     "real_reports_holdout75.jsonl",  # 10: session 45, two collectors, ~190 look-ups, threads used up
     "real_reports_holdout76.jsonl",  # 11: session 45's second round, two collectors, ~185
+    "real_reports_holdout77.jsonl",  # 9: session 46, two collectors, ~176 look-ups, threads used up
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
@@ -165,6 +166,7 @@ ENGLISH_ONLY = {
     "real_reports_holdout63.jsonl",  # its Chinese collector found ~42 fixed threads, all already used
     "real_reports_holdout66.jsonl",  # its Chinese-NLP collector's fixed Chinese threads were all used
     "real_reports_holdout72.jsonl",  # the search budget ran out before its Chinese collector found one
+    "real_reports_holdout77.jsonl",  # its collectors' Chinese candidates were all used already
 }
 
 
