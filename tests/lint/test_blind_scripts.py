@@ -99,7 +99,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
 # am 13/16; an 13/16; ap 12/16; ao 15/16; aq 12/16; ar 13/16; as 13/16; at 10/16; au 12/16;
 # av 13/16; aw 9/16; ax 11/16; ay 12/16; az 12/16; ba 14/16; bb 10/16; bc 13/16)
-FOUND_FLOOR = 814  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 815  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -172,7 +172,8 @@ FOUND_FLOOR = 814  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # evaluation nested in main over its prepared loader (bb's 19, also ag's 20), a node-local
 # folder a function of the file returns (bc's 12), a TrainerCallback hook saving in every
 # process (bb's 17) (812), a dataset shard each rank packs into its own number of blocks
-# (bb's 18), per-rank optimizer shards under elastic torchrun named in words (bc's 01)
+# (bb's 18), per-rank optimizer shards under elastic torchrun named in words (bc's 01),
+# a Trainer template's "auto" values handed to deepspeed.initialize itself (bb's 12)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

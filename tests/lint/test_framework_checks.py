@@ -218,6 +218,33 @@ def test_a_deepspeed_batch_size_that_contradicts_the_arguments(micro, fields, re
     assert lines("", source, "deepspeed-config-mismatch") == reported
 
 
+DEEPSPEED_ITSELF = """
+import copy
+import deepspeed
+TEMPLATE = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+ds_config = copy.deepcopy(TEMPLATE)
+ds_config["train_micro_batch_size_per_gpu"] = 4
+FILL
+engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+"""
+
+
+@pytest.mark.parametrize(
+    "lr, fill, reported",
+    [
+        # blind set bb's 12: the Trainer template's "auto" handed to DeepSpeed itself
+        ('"auto"', 'ds_config["bf16"]["enabled"] = True', [9]),
+        ("2e-5", "pass", [9]),  # bf16.enabled is still "auto"
+        ("2e-5", 'ds_config["bf16"]["enabled"] = True', []),
+        ("2e-5", 'ds_config["bf16"] = {"enabled": True}', []),
+    ],
+)
+def test_auto_values_handed_to_deepspeed_initialize_itself(lr, fill, reported):
+    source = DEEPSPEED_ITSELF.replace("LR", lr).replace("FILL", fill)
+    assert lines("", source, "deepspeed-config-mismatch") == reported
+
+
 def test_a_local_rank_flag_that_only_reaches_training_arguments_is_not_every_ranks_default():
     body = """
     import argparse

@@ -131,3 +131,117 @@ def batch_sizes(script: Script, config: ast.Dict) -> tuple[tuple[ast.expr, int],
         return None
     total, micro, accumulation = (found[name] for name in BATCH_KEYS)
     return total, micro[1], accumulation[1]
+
+
+# deepspeed.initialize's parameters that take the config (a dict or a JSON path).
+CONFIG_PARAMETERS = ("config", "config_params")
+# Calls that copy a dict without changing it.
+COPIES = frozenset({"dict", "deepcopy", "copy"})
+
+
+@check("deepspeed-config-mismatch")
+def check_auto_values_given_to_deepspeed_itself(script: Script) -> Iterator[Finding]:
+    """A config with "auto" values (the Hugging Face template's) handed to
+    `deepspeed.initialize` itself.
+
+    Only the Hugging Face integrations (the Trainer's TrainingArguments(deepspeed=),
+    Accelerate's DeepSpeed plugin) fill "auto" from their own arguments; DeepSpeed
+    reads the string as it is, and the optimizer, the scheduler or the precision
+    that asked for "auto" cannot be built ("auto" is no number, no bool). Keys the
+    file sets to a value after the dict (`ds_config["train_batch_size"] = n`) are
+    filled; nested ones likewise (`ds_config["bf16"]["enabled"] = True`).
+    """
+    for call, name in script.call_names:
+        if name != "deepspeed.initialize":
+            continue
+        given = next(filter(None, (keyword(call, p) for p in CONFIG_PARAMETERS)), None)
+        if not isinstance(given, ast.Name):
+            continue
+        config = copied_dict(script, given)
+        if config is None:
+            continue
+        filled = filled_paths(script, {given.id, *copy_sources(script, given)})
+        left = [p for p in auto_paths(config) if not any(p[: len(f)] == f for f in filled)]
+        if not left:
+            continue
+        shown = ", ".join(".".join(path) for path in left[:4]) + (", ..." if len(left) > 4 else "")
+        yield script.finding(
+            "deepspeed-config-mismatch",
+            call,
+            f'the DeepSpeed config handed to deepspeed.initialize still says "auto" for '
+            f"{shown} (line {config.lineno}): only the Hugging Face Trainer and Accelerate "
+            'fill "auto" in; DeepSpeed reads the string itself, and what asked for it (the '
+            "optimizer, the scheduler, the precision) cannot be built; write the values, or "
+            "fill each key before deepspeed.initialize",
+        )
+
+
+def copied_dict(script: Script, name: ast.Name, depth: int = 3) -> ast.Dict | None:
+    """The dict literal a name holds: assigned it once, or a copy of one
+    (`dict(DS_CONFIG)`, `copy.deepcopy(DS_CONFIG)`)."""
+    values = script.assigned_values.get(name.id, [])
+    if len(values) != 1 or depth == 0:
+        return None
+    value = values[0]
+    if isinstance(value, ast.Dict):
+        return value
+    if (
+        isinstance(value, ast.Call)
+        and short(script.name_of(value.func)) in COPIES
+        and len(value.args) == 1
+        and isinstance(value.args[0], ast.Name)
+    ):
+        return copied_dict(script, value.args[0], depth - 1)
+    return None
+
+
+def copy_sources(script: Script, name: ast.Name) -> set[str]:
+    """The names a name's dict was copied from (their items set before the copy count)."""
+    found: set[str] = set()
+    current = name
+    for _ in range(3):
+        values = script.assigned_values.get(current.id, [])
+        if len(values) != 1 or not isinstance(values[0], ast.Call) or not values[0].args:
+            break
+        source = values[0].args[0]
+        if not isinstance(source, ast.Name):
+            break
+        found.add(source.id)
+        current = source
+    return found
+
+
+def auto_paths(config: ast.Dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Key paths whose value is the string "auto", nested dicts included."""
+    found = []
+    for key, value in zip(config.keys, config.values, strict=True):
+        if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+            continue
+        path = (*prefix, key.value)
+        if isinstance(value, ast.Constant) and value.value == "auto":
+            found.append(path)
+        elif isinstance(value, ast.Dict):
+            found += auto_paths(value, path)
+    return found
+
+
+def filled_paths(script: Script, names: set[str]) -> list[tuple[str, ...]]:
+    """Key paths the file assigns into these dicts (`cfg["a"]["b"] = v`, v not "auto")."""
+    found = []
+    for node in script.nodes:
+        if not isinstance(node, ast.Assign):
+            continue
+        if isinstance(node.value, ast.Constant) and node.value.value == "auto":
+            continue
+        for target in node.targets:
+            path: list[str] = []
+            while isinstance(target, ast.Subscript):
+                key = target.slice
+                if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                    break
+                path.insert(0, key.value)
+                target = target.value
+            else:
+                if isinstance(target, ast.Name) and target.id in names and path:
+                    found.append(tuple(path))
+    return found
