@@ -158,7 +158,9 @@ trainer.train()
 def test_a_callback_hook_that_saves_runs_in_every_process(launch, guard, decorator, reported):
     source = CALLBACK_SAVING.replace("LAUNCH", launch).replace("GUARD", guard)
     source = source.replace("DECORATOR", decorator)
-    found = [f.line for f in lint_source(source) if f.cause_id == "checkpoint-written-by-every-rank"]
+    found = [
+        f.line for f in lint_source(source) if f.cause_id == "checkpoint-written-by-every-rank"
+    ]
     assert found == reported
 
 
