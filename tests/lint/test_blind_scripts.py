@@ -93,13 +93,14 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 880 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# of 912 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
 # am 13/16; an 13/16; ap 12/16; ao 15/16; aq 12/16; ar 13/16; as 13/16; at 10/16; au 12/16;
-# av 13/16; aw 9/16; ax 11/16; ay 12/16; az 12/16; ba 14/16; bb 10/16; bc 13/16)
-FOUND_FLOOR = 815  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# av 13/16; aw 9/16; ax 11/16; ay 12/16; az 12/16; ba 14/16; bb 10/16; bc 13/16;
+# bd 12/16; be 6/16)
+FOUND_FLOOR = 837  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -173,7 +174,10 @@ FOUND_FLOOR = 815  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # folder a function of the file returns (bc's 12), a TrainerCallback hook saving in every
 # process (bb's 17) (812), a dataset shard each rank packs into its own number of blocks
 # (bb's 18), per-rank optimizer shards under elastic torchrun named in words (bc's 01),
-# a Trainer template's "auto" values handed to deepspeed.initialize itself (bb's 12)
+# a Trainer template's "auto" values handed to deepspeed.initialize itself (bb's 12) (815);
+# 833 of 912 with bd and be (measured once at 779a482), then a module moved only after DDP
+# wraps it (bd's 15, be's 18), a loop rank 0 alone leaves on its early stopping (bd's 16), the
+# rank read through int() not taken for a helper's cut (bd's 02)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -224,8 +228,13 @@ FOUND_FLOOR = 815  # 339 of 384 before set x's lessons, 349 of 400 before set y'
 # spelling note on av's 15 and aw's 07; ax's 03 read as missing a sampler), 63 with ay and az
 # after their false ones were mended (the spelling note on ay's 11 and az's 10), 67 with ba,
 # bb and bc (the spelling note on ba's 17, bb's 14 and bc's 14; ba's 16 never calls set_device
-# before NCCL's init_process_group beside its labelled bare .cuda(): true)
-OTHER_FINDINGS_CEILING = 67
+# before NCCL's init_process_group beside its labelled bare .cuda(): true), 71 with bd and be
+# after their false ones were mended (the spelling note on bd's 04 and be's 11; bd's 07 downloads
+# at import time, which each spawned child re-runs: true, twice; false: bd's 02 metrics of a
+# rank-0 loader read as a share through a helper given the rank, be's 05 YOLOv5's cuda:0
+# default that the rank's device replaces; and bd's correct 18 flagged, a module-level loader
+# with workers on NCCL (Linux forks them): mended)
+OTHER_FINDINGS_CEILING = 71
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -243,8 +252,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 880
-    assert sum(label["cause"] is None for label in labels) == 220
+    assert sum(label["cause"] is not None for label in labels) == 912
+    assert sum(label["cause"] is None for label in labels) == 228
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

@@ -993,6 +993,13 @@ def test_a_helper_given_the_rank_only_to_compare_it_does_not_shard(helper, repor
     )
     found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
     assert ("missing-distributed-sampler" in found) == reported
+    # blind set bd's 02: the rank read as `int(os.environ["RANK"])` is the rank's making,
+    # not a share the helper cuts
+    from_env = body.replace(
+        "train = get_datasets", "import os\nrank = int(os.environ['RANK'])\ntrain = get_datasets"
+    )
+    found = [cause for cause, _line in findings(DDP_PRELUDE, from_env)]
+    assert ("missing-distributed-sampler" in found) == reported
 
 
 def test_a_dataset_that_splits_itself_over_the_ranks_needs_no_sampler() -> None:

@@ -143,6 +143,31 @@ def test_spawn_at_module_level_is_reported_on_its_own_line() -> None:
     assert [(f.cause_id, f.line) for f in lint_source(source)] == [("missing-main-guard", 4)]
 
 
+@pytest.mark.parametrize(
+    "backend, start, reported",
+    [
+        ("gloo", "", True),  # Windows and macOS spawn the loader's workers: they re-import
+        ("nccl", "", False),  # NCCL runs on Linux, where the workers fork
+        ("nccl", "mp.set_start_method('spawn')\n", True),
+        ("nccl", "mp.set_start_method('fork')\n", False),
+    ],
+)
+def test_a_loader_with_workers_at_import_time_matters_where_workers_spawn(
+    backend, start, reported
+) -> None:
+    # blind set bd's 18: a launch.py tutorial on NCCL, all at module level
+    source = (
+        "import torch.distributed as dist\nimport torch.multiprocessing as mp\n"
+        "from torch.utils.data import DataLoader\n"
+        + start
+        + f"dist.init_process_group('{backend}')\n"
+        "loader = DataLoader(data, batch_size=8, num_workers=2)\n"
+        "for batch in loader:\n    pass\n"
+    )
+    found = [f.cause_id for f in lint_source(source) if f.cause_id == "missing-main-guard"]
+    assert bool(found) == reported
+
+
 def test_collective_in_both_branches_is_not_a_mismatch() -> None:
     source = (
         "import torch.distributed as dist\n"
@@ -198,6 +223,34 @@ DDP_HEADER = (
     "from torch import nn\n"
     "from torch.nn.parallel import DistributedDataParallel as DDP\n"
 )
+
+
+@pytest.mark.parametrize(
+    "replaced, reported",
+    [
+        ("    device = torch.device('cuda', LOCAL_RANK)\n", False),
+        ("    device = torch.device('cuda', 1)\n", True),
+        ("", True),
+    ],
+)
+def test_a_one_process_cuda0_default_the_ranks_own_device_replaces_is_quiet(
+    replaced, reported
+) -> None:
+    # blind set be's 05: YOLOv5's train.py picks cuda:0, then the rank's GPU under DDP
+    source = (
+        DDP_HEADER
+        + "import torch.distributed as dist\n"
+        + "LOCAL_RANK = int(os.getenv('LOCAL_RANK', -1))\n"
+        + "def main():\n"
+        + "    device = torch.device('cuda:0' if torch.cuda.is_available() else 'cpu')\n"
+        + "    if LOCAL_RANK != -1:\n"
+        + "        torch.cuda.set_device(LOCAL_RANK)\n"
+        + replaced.replace("    device", "        device")
+        + "        dist.init_process_group('nccl')\n"
+        + "    model = DDP(nn.Linear(4, 4).to(device), device_ids=[LOCAL_RANK])\n"
+    )
+    found = [line for cause, line in findings_of(source) if cause == "hardcoded-device"]
+    assert (8 in found) == reported, found
 
 
 def test_cuda_without_set_device_is_reported_when_the_file_wraps_in_ddp_itself() -> None:
@@ -269,6 +322,31 @@ def test_device_ids_look_through_wrappers_that_keep_the_module_where_it_is(wrap,
     )
     expected = [] if moved else [("ddp-device-ids-cpu-module", 7)]
     assert findings_of(source) == expected, wrap
+
+
+@pytest.mark.parametrize(
+    "after, reported",
+    [
+        # blind sets bd's 15 and be's 18: the move comes on the line after the wrap
+        ("model = model.to(int(os.environ['LOCAL_RANK']))\n", True),
+        ("model.to(int(os.environ['LOCAL_RANK']))\n", True),
+        ("", True),
+    ],
+)
+def test_a_module_moved_only_after_ddp_wraps_it_is_still_on_the_cpu(after, reported) -> None:
+    source = (
+        DDP_HEADER
+        + "model = nn.Linear(4, 4)\n"
+        + "model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+        + after
+    )
+    assert findings_of(source) == ([("ddp-device-ids-cpu-module", 6)] if reported else [])
+    # moved in a helper the file calls first: where it runs is not read, so it counts
+    helper = source.replace(
+        "model = nn.Linear(4, 4)\n",
+        "def place():\n    model.to(int(os.environ['LOCAL_RANK']))\nmodel = nn.Linear(4, 4)\n",
+    )
+    assert findings_of(helper) == []
 
 
 @pytest.mark.parametrize("moved", [True, False])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from snippets import lint_snippet
+from snippets import RANKS_STOPPED_MATCHING, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 
@@ -117,6 +117,39 @@ def test_a_loop_left_on_a_flag_this_process_signal_handler_set(leave, reported):
     assert lines == ([5] if reported else [])
 
 
+EARLY_STOPPING = """
+rank = dist.get_rank()
+for epoch in range(100):
+    for x, y in loader:
+        model(x).sum().backward()
+    if rank == 0:
+        stopper(validate(model.module))
+    LEAVE
+"""
+
+
+@pytest.mark.parametrize(
+    "leave, reported",
+    [
+        # blind set bd's 16: only rank 0 knows it should stop, and only rank 0 leaves
+        ("if rank == 0 and stopper.early_stop:\n        break", [8]),
+        ("if rank == 0:\n        if stopper.early_stop:\n            break", [9]),
+        ("if rank != 0 and epoch > 50:\n        break", [8]),
+        # every rank reads a flag rank 0 broadcast first, or the epoch count
+        (
+            (
+                "flag = torch.tensor([stopper.early_stop])\n    dist.broadcast(flag, 0)\n"
+                "    if flag.item():\n        break"
+            ),
+            [],
+        ),
+        ("if epoch >= 50:\n        break", []),
+    ],
+)
+def test_a_loop_left_on_some_ranks_only_leaves_the_others_waiting(leave, reported):
+    assert skipped_lines(EARLY_STOPPING.replace("LEAVE", leave)) == reported
+
+
 def test_a_signal_flag_agreed_by_an_all_reduce_or_never_registered_is_quiet():
     agreed = """
     for x in loader:
@@ -195,3 +228,18 @@ def test_a_nan_step_skipped_under_accelerate_before_its_backward(agreed, reporte
     """
     found = [line for line, _f in lint_snippet(ACCELERATE, body, ["uneven-inputs"])]
     assert bool(found) == reported
+
+
+@pytest.mark.slow
+def test_early_stopping_on_rank_zero_alone_fails_under_torchrun_and_the_shared_twin_stops_together(
+    torchrun,
+):
+    wait_failed = torchrun.start(SCRIPTS / "early_stopping_decided_on_rank_zero_only.py")
+    wait_ran = torchrun.start(SCRIPTS / "correct_early_stopping_decided_on_rank_zero_and_shared.py")
+    failed = wait_failed()
+    assert failed.returncode != 0
+    assert failed.stdout.count("stopped early at epoch 2") == 1  # rank 0 alone left
+    assert any(text in failed.stderr for text in RANKS_STOPPED_MATCHING), failed.stderr[-3000:]
+    ran = wait_ran()
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.count("stopped early at epoch 2") == 2

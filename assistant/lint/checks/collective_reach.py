@@ -403,7 +403,8 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
             node.test
         )
         own_signal = not own_data and reads_flag(node.test, signalled)
-        if not (own_data or own_signal):
+        own_rank = not (own_data or own_signal) and decided_by_rank(script, node, loop)
+        if not (own_data or own_signal or own_rank):
             continue
         steps = steps or StepFacts(script, parents)
         if steps.agreed_before(node, loop):
@@ -418,9 +419,15 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
             "a flag its own signal handler set (a signal reaches some processes only, "
             "at different steps)"
             if own_signal
+            else "its rank (the other ranks never take this branch)"
+            if own_rank
             else "its own data"
         )
-        skips = "leaves the loop" if leaves and own_signal else "skips the rest of the step"
+        skips = (
+            "leaves the loop"
+            if leaves and (own_signal or own_rank)
+            else "skips the rest of the step"
+        )
         yield script.finding(
             "uneven-inputs",
             node,
@@ -429,6 +436,22 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
             "all-reduces with the other ranks, which wait for it: decide the skip together "
             "(all_reduce a flag first), or zero the loss instead of skipping",
         )
+
+
+def decided_by_rank(script: Script, test_if: ast.If, loop: ast.AST) -> bool:
+    """Only some ranks take the branch: its test, or an `if` around it inside the
+    loop, runs it on rank 0 alone (`if rank == 0 and early_stopping.early_stop:
+    break`) or on the other ranks alone."""
+    if rank_branch_sides(test_if.test, script)[0] in (RANK_ZERO, OTHER_RANKS):
+        return True
+    child, parent = test_if, script.parents.get(id(test_if))
+    while parent is not None and parent is not loop:
+        if isinstance(parent, ast.If) and child is not parent.test:
+            body, orelse = rank_branch_sides(parent.test, script)
+            if (body if child in parent.body else orelse) in (RANK_ZERO, OTHER_RANKS):
+                return True
+        child, parent = parent, script.parents.get(id(parent))
+    return False
 
 
 def signal_flags(script: Script) -> set[str]:

@@ -31,7 +31,14 @@ from assistant.lint.model import (
     short,
     source_text,
 )
-from assistant.lint.ranks import NO_RANKS, RANK_ZERO, RankPath, enclosing_scope, is_rank_expr
+from assistant.lint.ranks import (
+    NO_RANKS,
+    RANK_ZERO,
+    RankPath,
+    enclosing_scope,
+    is_rank_expr,
+    without_int,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COMPOSER,
@@ -984,7 +991,8 @@ class DataFlow:
             self.splits_itself(value)
             or (
                 self.value_indexes_by_rank(value)
-                and not is_rank_expr(value, self.script)  # the rank's making (dist.get_rank())
+                # the rank's making (dist.get_rank(), int(os.environ["RANK"]))
+                and not is_rank_expr(without_int(value), self.script)
                 and not self.helper_only_compares_rank(value)
             )
             for value in self.origin(dataset)
@@ -1569,18 +1577,6 @@ def paired(target: ast.expr, value: ast.expr) -> Iterator[tuple[str, ast.expr]]:
             pending.extend(zip(target.elts, value.elts))
         else:
             yield from ((name, value) for name in bound_names(target))
-
-
-def without_int(value: ast.expr) -> ast.expr:
-    """`int(x)` -> x: `int(os.environ["RANK"])` is the rank as much as the string is."""
-    if (
-        isinstance(value, ast.Call)
-        and isinstance(value.func, ast.Name)
-        and value.func.id == "int"
-        and len(value.args) == 1
-    ):
-        return value.args[0]
-    return value
 
 
 def line_of(node: ast.stmt) -> int:

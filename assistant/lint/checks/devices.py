@@ -17,7 +17,7 @@ from assistant.lint.model import (
     short,
     source_text,
 )
-from assistant.lint.ranks import RANK_ZERO, some_rank_runs
+from assistant.lint.ranks import RANK_ZERO, enclosing_scope, is_rank_expr, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
@@ -59,7 +59,8 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     for node, name in script.call_names:
         if id(node) in rank_zero_only:
             continue  # GPU 0 is rank 0's own (a log, an evaluation, a save)
-        yield from fixed_cuda_strings(script, node)
+        if not replaced_by_the_ranks_device(script, node):
+            yield from fixed_cuda_strings(script, node)
         if current_device_is_cuda0:
             yield from current_device_uses(script, node, name)
         if is_torch_device(name) and len(node.args) == 2 and is_int(node.args[1]):
@@ -514,6 +515,34 @@ def fixed_cuda_strings(script: Script, node: ast.Call) -> Iterator[Finding]:
                 )
 
 
+def replaced_by_the_ranks_device(script: Script, call: ast.Call) -> bool:
+    """`device = torch.device("cuda:0" if cuda else "cpu")`, a one-process default that
+    the same function later replaces with the rank's own (`if LOCAL_RANK != -1:
+    device = torch.device("cuda", LOCAL_RANK)`, as YOLOv5's train.py does)."""
+    assign = script.parents.get(id(call))
+    if not (
+        isinstance(assign, ast.Assign)
+        and assign.value is call
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0], ast.Name)
+    ):
+        return False
+    name, scope = assign.targets[0].id, enclosing_scope(assign, script)
+    for node in script.scope_nodes(scope) if scope is not None else ():
+        if (
+            isinstance(node, ast.Assign)
+            and node.lineno > assign.lineno
+            and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+            and any(
+                is_rank_expr(part, script)
+                for part in ast.walk(node.value)
+                if isinstance(part, (ast.Name, ast.Attribute, ast.Subscript, ast.Call))
+            )
+        ):
+            return True
+    return False
+
+
 def possible_values(expr: ast.expr) -> list[ast.expr]:
     """The values an argument can take: both sides of `a if test else b`
     (`"cuda:0" if torch.cuda.is_available() else "cpu"`), else itself."""
@@ -618,7 +647,7 @@ def needs_rank_device(name: str) -> bool:
 @check("ddp-device-ids-cpu-module")
 def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
     """DDP(module, device_ids=...) on a module that was never moved to a device."""
-    moved = moved_expressions(script)
+    moved = Moves(script)
     for node, name in script.call_names:
         if not is_ddp(name) or not node.args:
             continue
@@ -626,16 +655,20 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
         if ids is None or (isinstance(ids, ast.Constant) and ids.value is None):
             continue
         module = unwrapped_module(script, node.args[0])
-        if is_move(module) or source_text(module) in moved or built_elsewhere(script, module):
+        text = source_text(module)
+        if is_move(module) or moved.before(text, node) or built_elsewhere(script, module):
             continue
         origins = wrapped_by_name(script, module)
         if origins and all(is_move(m) or source_text(m) in moved for m in origins):
             continue  # `compiled = torch.compile(model)` of a model moved before
+        when = "only after DDP wraps it" if text in moved else "never"
         yield script.finding(
             "ddp-device-ids-cpu-module",
             node,
-            f"DDP gets device_ids but {source_text(module)} is never moved to a device "
-            "(.to(device) / .cuda(local_rank)): move it first, or drop device_ids on CPU",
+            f"DDP gets device_ids but {text} is {when} moved to a device "
+            "(.to(device) / .cuda(local_rank)): DDP reads the module's device when it is "
+            "built and raises for parameters on the CPU; move it first, or drop device_ids "
+            "on CPU",
         )
 
 
@@ -717,22 +750,44 @@ def is_move(expr: ast.expr) -> bool:
     return keyword(expr, "device") is not None or keyword(expr, "device_map") is not None
 
 
-def moved_expressions(script: Script) -> set[str]:
-    """Expressions (as source text) that are moved to a device somewhere in the file."""
-    moved: set[str] = set()
-    for node in script.nodes:
-        if (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in ("to", "cuda")
-        ):
-            moved.add(source_text(node.func.value))
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value and is_move(node.value):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            moved.update(source_text(t) for t in targets)
-        if isinstance(node, ast.Assign):  # `G, D = Gen().to(dev), Disc().to(dev)`
-            moved.update(name.id for name, value in name_value_pairs(node) if is_move(value))
-    return moved
+class Moves:
+    """Expressions (as source text) moved to a device somewhere in the file, and where."""
+
+    def __init__(self, script: Script):
+        self.script = script
+        self.where: dict[str, list[ast.AST]] = {}
+        for node in script.nodes:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("to", "cuda")
+            ):
+                self.add(source_text(node.func.value), node)
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value and is_move(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    self.add(source_text(target), node)
+            if isinstance(node, ast.Assign):  # `G, D = Gen().to(dev), Disc().to(dev)`
+                for name, value in name_value_pairs(node):
+                    if is_move(value):
+                        self.add(name.id, node)
+
+    def add(self, text: str, node: ast.AST) -> None:
+        self.where.setdefault(text, []).append(node)
+
+    def __contains__(self, text: str) -> bool:
+        return text in self.where
+
+    def before(self, text: str, wrap: ast.Call) -> bool:
+        """`text` is moved somewhere that may run before the wrap: in another function,
+        or above it in the wrap's own (`DDP(model, device_ids=[i])` then
+        `model.to(i)` on the next line moves too late: the constructor raised)."""
+        scope = enclosing_scope(wrap, self.script)
+        return any(
+            enclosing_scope(node, self.script) is not scope
+            or (node.lineno, node.col_offset) < (wrap.lineno, wrap.col_offset)
+            for node in self.where.get(text, ())
+        )
 
 
 # --- Hugging Face device_map under one process per GPU --------------------------

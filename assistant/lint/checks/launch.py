@@ -16,6 +16,7 @@ from assistant.lint.torchapi import (
     LOCAL_RANK_FLAGS,
     LOCAL_RANK_NAME,
     SPAWNERS,
+    backend_of,
     init_calls,
     is_set_device,
     local_rank_arguments,
@@ -28,14 +29,20 @@ from assistant.results import Finding
 
 @check("missing-main-guard")
 def check_missing_main_guard(script: Script) -> Iterator[Finding]:
-    """Processes started at import time: spawn children re-run the module."""
+    """Processes started at import time: spawn children re-run the module.
+
+    mp.spawn always starts its children by spawning. A DataLoader's workers are
+    spawned only where Python spawns by default (Windows, macOS) or the file
+    chooses it; a script on NCCL runs on Linux, where the workers fork and
+    re-import nothing, so its loaders are left alone unless it chose spawn."""
     reported: set[int] = set()  # one finding per top-level line: the spawn, or the loader in it
+    workers_spawn = may_spawn_loader_workers(script)
     for call in script.traces[0]:
         if call.guarded or call.top_line in reported:
             continue
         if call.name in SPAWNERS:
             what = f"{short(call.name)}() (line {call.node.lineno})"
-        elif short(call.name) == "DataLoader" and positive_workers(call.node):
+        elif short(call.name) == "DataLoader" and positive_workers(call.node) and workers_spawn:
             what = f"a DataLoader with worker processes (line {call.node.lineno})"
         else:
             continue
@@ -46,6 +53,21 @@ def check_missing_main_guard(script: Script) -> Iterator[Finding]:
             f"{what} runs at import time; spawned processes re-import the script "
             'and start it again: put it under `if __name__ == "__main__":`',
         )
+
+
+def may_spawn_loader_workers(script: Script) -> bool:
+    """A DataLoader's workers may start by spawning: the file chooses spawn (or
+    forkserver) itself, or nothing ties it to Linux (an NCCL process group)."""
+    chosen = [
+        keyword(node, "multiprocessing_context")
+        or keyword(node, "method")
+        or (node.args[0] if short(name) == "set_start_method" and node.args else None)
+        for node, name in script.call_names
+        if short(name) == "set_start_method" or keyword(node, "multiprocessing_context")
+    ]
+    if any(not (isinstance(c, ast.Constant) and c.value == "fork") for c in chosen):
+        return True  # spawn, forkserver, or a choice not written out
+    return not any(backend_of(call) == "nccl" for call in init_calls(script))
 
 
 def positive_workers(call: ast.Call) -> bool:
