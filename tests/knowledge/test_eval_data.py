@@ -145,6 +145,7 @@ SMALL_SETS = {
     "real_reports_holdout75.jsonl",  # 10: session 45, two collectors, ~190 look-ups, threads used up
     "real_reports_holdout76.jsonl",  # 11: session 45's second round, two collectors, ~185
     "real_reports_holdout77.jsonl",  # 9: session 46, two collectors, ~176 look-ups, threads used up
+    "real_reports_holdout78.jsonl",  # 3: session 46's second round, two collectors, ~185, all Chinese
     "real_reports_holdout28.jsonl",  # 21: session 17, six collectors, most threads already known
     "real_reports_holdout29.jsonl",  # 8: session 17's second round, four collectors
     "real_reports_holdout30.jsonl",  # 10: session 18, four collectors, the corpus exhausted
