@@ -94,6 +94,58 @@ def test_an_evaluation_nested_in_main_over_its_prepared_loader(combined, reporte
     assert reported_lines(body) == reported
 
 
+SEGMENTATION_METRICS = """
+import numpy as np
+
+
+class RunningConfusion:
+    def __init__(self, n):
+        self.confusion = np.zeros((n, n))
+
+    def update(self, truth, pred):
+        self.confusion += np.bincount(truth * 19 + pred, minlength=361).reshape(19, 19)
+
+    def miou(self):
+        SYNC
+        return np.nanmean(np.diag(self.confusion) / self.confusion.sum(1))
+
+
+def build_loaders(data):
+    val_loader = DataLoader(data, batch_size=1, sampler=DistributedSampler(data))
+    return None, val_loader
+
+
+def validate(model, loader):
+    metrics = RunningConfusion(19)
+    for x, y in loader:
+        metrics.update(y, model(x).argmax(1))
+    return metrics.miou()
+
+
+def main():
+    dist.init_process_group("nccl")
+    _, val_loader = build_loaders(data)
+    score = validate(model, val_loader)
+    if dist.get_rank() == 0:
+        print("mIoU", score)
+"""
+
+
+@pytest.mark.parametrize(
+    "sync, reported",
+    [
+        ("pass", [24]),
+        # the read all-reduces the matrix first: the class combines the ranks itself
+        ("dist.all_reduce(torch.as_tensor(self.confusion))", []),
+    ],
+)
+def test_a_running_confusion_of_the_files_own_over_a_helpers_loader(sync, reported):
+    # blind set be's 06: a loader returned by the file's builder, a metric object of the
+    # file's own class that adds to a field and never communicates
+    body = SEGMENTATION_METRICS.replace("SYNC", sync)
+    assert reported_lines(body) == reported
+
+
 def test_a_total_carried_by_assignment_is_a_total():
     # blind set as 01: a confusion matrix updated through a helper that returns it
     body = """

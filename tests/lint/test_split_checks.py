@@ -67,6 +67,12 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         # blind set ah's 18: a list shuffled in place by `random`, then sliced into the split
         "random.seed(7 + rank)\nitems = list(names)\nrandom.shuffle(items)\nval_items, train_items = items[:1], items[1:]\n",
         "items = list(names)\nnp.random.shuffle(items)\ntrain_items = items[1:]\n",
+        # blind set be's 13: a helper shuffles the files and returns both parts
+        (
+            "def split_files(files):\n    random.shuffle(files)\n"
+            "    return files[2:], files[:2]\n"
+            "random.seed(7 + rank)\ntrain_files, val_files = split_files(list(names))\n"
+        ),
         # blind set af's 01: folds shuffled by numpy's generator, seeded per rank by MONAI
         "set_determinism(seed=7 + rank)\nfolds = KFold(n_splits=5, shuffle=True)\n",
         "folds = StratifiedKFold(5, shuffle=True)\n",
@@ -133,6 +139,11 @@ def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, 
         # a permutation that shuffles, not a split
         "order = torch.randperm(64)\nbatch = order[:8]\n",
         "random.seed(7 + rank)\norder = list(names)\nrandom.shuffle(order)\nbatch = order[:2]\n",
+        # a helper that shuffles and returns one batch: an order, not a split
+        (
+            "def batch_of(items):\n    random.shuffle(items)\n    return items[:2], len(items)\n"
+            "random.seed(7 + rank)\nbatch, n = batch_of(list(names))\n"
+        ),
         # shuffled alike: a common seed, or a generator of its own
         "random.seed(7)\nitems = list(names)\nrandom.shuffle(items)\ntrain_items = items[1:]\n",
         "items = list(names)\nrandom.Random(7).shuffle(items)\ntrain_items = items[1:]\n",

@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from assistant.lint.model import Function, Script, keyword, short, source_text
+from assistant.lint.model import Function, Script, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
@@ -217,7 +217,38 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
             for target in node.targets:
                 elements = target.elts if isinstance(target, ast.Tuple) else [target]
                 found.update((owner, source_text(e)) for e in elements)
+    found |= returned_loaders(script, found, owners)
     return found | sharded_parameters(script, found, owners)
+
+
+def returned_loaders(
+    script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
+) -> set[tuple[str | None, str]]:
+    """(caller, name) for the sharded loaders a file function returns, by the place
+    each holds in what it returns (`return train_loader, val_loader, sampler`, then
+    `train_loader, val_loader, sampler = build_loaders(...)` in main)."""
+    positions: dict[str, dict[int, bool]] = {}
+    for name, function in script.functions.items():
+        for node in ast.walk(function):
+            if not (isinstance(node, ast.Return) and node.value is not None):
+                continue
+            parts = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+            for index, part in enumerate(parts):
+                if (name, source_text(part)) in sharded:
+                    positions.setdefault(name, {})[index] = True
+    found: set[tuple[str | None, str]] = set()
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        called = script.name_of(node.value.func)
+        if called not in positions:
+            continue
+        for target in node.targets:
+            parts = target.elts if isinstance(target, ast.Tuple) else [target]
+            for index in positions[called]:
+                if index < len(parts):
+                    found.add((owners.get(id(node)), source_text(parts[index])))
+    return found
 
 
 def is_distributed_sampler(script: Script, value: ast.expr) -> bool:
@@ -303,7 +334,12 @@ def evaluation_loops(
             continue
         syncs = syncable_updates(script, node, function)
         scope = script.functions[function] if function else script.tree
-        totals = accumulated_names(node) | carried_totals(node, scope) | set(syncs)
+        totals = (
+            accumulated_names(node)
+            | carried_totals(node, scope)
+            | set(syncs)
+            | accumulating_objects(script, node, scope)
+        )
         if totals:
             yield EvaluationLoop(node, loader, totals, function, syncs)
 
@@ -451,6 +487,48 @@ def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dic
             if node.func.attr == "update" and isinstance(root, ast.Name) and root.id in objects:
                 updated[root.id] = objects[root.id]
     return updated
+
+
+def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[str]:
+    """Objects of the file's own classes that the loop calls a method of which adds
+    to a field (`metrics.update(y, pred)` with `self.confusion += ...` in it), where
+    no method of the class communicates (the running confusion matrix of one
+    rank's share, as semantic-segmentation repositories keep it)."""
+    adding: dict[str, set[str]] = {}
+    for cls in (n for n in script.tree.body if isinstance(n, ast.ClassDef)):
+        methods = [m for m in cls.body if isinstance(m, ast.FunctionDef)]
+        if any(
+            COMBINING_HELPER.search(m.name) or any(collective_call(script, n) for n in ast.walk(m))
+            for m in methods
+        ):
+            continue
+        adding[cls.name] = {
+            m.name
+            for m in methods
+            if any(
+                isinstance(n, ast.AugAssign) and self_attribute(n.target) is not None
+                for n in ast.walk(m)
+            )
+        }
+    if not any(adding.values()):
+        return set()
+    objects = {
+        target.id: adding[called]
+        for node in ast.walk(scope)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and (called := short(script.name_of(node.value.func))) in adding
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return {
+        node.func.value.id
+        for node in ast.walk(loop)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.attr in objects.get(node.func.value.id, ())
+    }
 
 
 def walk_after(scope: ast.AST, line: int) -> list[ast.AST]:

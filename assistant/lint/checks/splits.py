@@ -288,8 +288,8 @@ def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
 def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
     """`idx = np.random.permutation(n)` (or `.tolist()` of it), or `random.shuffle(items)`,
     then in the same scope slices of `idx` / `items` assigned to names of a split's
-    parts (`train_idx, val_idx = idx[:k], idx[k:]`) or handed to `Subset`: a split
-    by hand. A permutation that shuffles a batch or an epoch's order is no split."""
+    parts (`train_idx, val_idx = idx[:k], idx[k:]`), returned together, or handed
+    to `Subset`: a split by hand. A permutation that shuffles a batch or an epoch's order is no split."""
     held = names_holding_the_order(draw, script)
     if not held:
         return False
@@ -301,6 +301,12 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
             for target, value in name_value_pairs(node):
                 if is_slice_of(value, held) and SPLIT_PART.search(target.id):
                     return True
+        if (
+            isinstance(node, ast.Return)
+            and isinstance(node.value, ast.Tuple)
+            and sum(is_slice_of(part, held) for part in node.value.elts) >= 2
+        ):
+            return True  # `return files[k:], files[:k]`: the parts handed to the caller
         handed_to_subset = (
             isinstance(node, ast.Call) and short(script.name_of(node.func)) == "Subset"
         )
