@@ -23,6 +23,7 @@ import ast
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from assistant.lint.model import Function, Script, keyword, self_attribute, short, source_text
 from assistant.lint.ranks import is_rank_expr
@@ -31,6 +32,7 @@ from assistant.lint.torchapi import is_backward, is_collective, is_distributed, 
 from assistant.lint.tracer import own_method_of_an_object
 from assistant.results import Finding
 
+V = TypeVar("V")
 # Methods that add a batch's result to a running total or list.
 ACCUMULATORS = frozenset({"append", "extend", "add_batch"})
 # Where a metric is shown or acted on.
@@ -469,15 +471,7 @@ def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dic
     if not classes:
         return {}
     scope = script.functions[function] if function else script.tree
-    objects = {
-        target.id: classes[called]
-        for node in ast.walk(scope)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and (called := short(script.name_of(node.value.func))) in classes
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    objects = instances_in(script, scope, classes)
     updated = {}
     for node in ast.walk(loop):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
@@ -487,6 +481,20 @@ def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dic
             if node.func.attr == "update" and isinstance(root, ast.Name) and root.id in objects:
                 updated[root.id] = objects[root.id]
     return updated
+
+
+def instances_in(script: Script, scope: ast.AST, classes: dict[str, V]) -> dict[str, V]:
+    """Names the scope binds to an object of one of `classes` (`m = Meter()`), each
+    with what `classes` holds for its class."""
+    return {
+        target.id: classes[called]
+        for node in ast.walk(scope)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and (called := short(script.name_of(node.value.func))) in classes
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
 
 
 def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[str]:
@@ -512,15 +520,7 @@ def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[s
         }
     if not any(adding.values()):
         return set()
-    objects = {
-        target.id: adding[called]
-        for node in ast.walk(scope)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and (called := short(script.name_of(node.value.func))) in adding
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    objects = instances_in(script, scope, adding)
     return {
         node.func.value.id
         for node in ast.walk(loop)
