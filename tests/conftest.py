@@ -175,7 +175,7 @@ def torchrun(tmp_path: Path) -> Iterator[Torchrun]:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under xdist (`-n 3 --dist loadgroup`, as README runs the tests), what is costly
+    """Under xdist (`-n 2 --dist loadgroup`, as README runs the tests), what is costly
     and shared is made once: the tests that read the held-out figures of every
     real-report set (minutes of ridge fits) run on one worker, and so do the tests
     of a file that share a module-scoped fixture (a lint of every blind script, a

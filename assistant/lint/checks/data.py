@@ -152,6 +152,56 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         )
 
 
+# torch's samplers that draw from the whole dataset, whoever runs them.
+WHOLE_DATASET_SAMPLERS = frozenset({"RandomSampler", "SequentialSampler"})
+
+
+@check("missing-distributed-sampler")
+def check_batches_drawn_from_the_whole_dataset(script: Script) -> Iterator[Finding]:
+    """A training loader whose sampler, or the sampler its batch sampler groups
+    (`GroupedBatchSampler(RandomSampler(ds), group_ids, bs)`, torchvision's detection
+    reference with the DistributedSampler swapped out), is torch's RandomSampler or
+    SequentialSampler in a DDP script: every rank draws from the whole dataset."""
+    data = DataFlow(script)
+    if not data.is_distributed or data.uses_framework or data.model_parallel_only:
+        return
+    for node in data.loader_calls:
+        given = keyword(node, "batch_sampler") or keyword(node, "sampler")
+        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        if given is None or dataset is None or data.sharded_by_rank(dataset):
+            continue
+        base = whole_dataset_sampler(script, given)
+        if base is None or not data.trains_on(node) or data.rank_zero_only(node):
+            continue
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            f"the batches of this DataLoader come from {source_text(base.func)}(...) (line "
+            f"{base.lineno}), which draws from the whole dataset on every rank: N ranks do "
+            "N times the work with no speedup; draw them from "
+            f"DistributedSampler({source_text(dataset)}) instead (a batch sampler can group "
+            "its indices as it groups the random ones)",
+        )
+
+
+def whole_dataset_sampler(script: Script, given: ast.expr, depth: int = 6) -> ast.Call | None:
+    """torch's RandomSampler / SequentialSampler under a loader's sampler: itself, or
+    the first argument of the batch sampler that groups it, through names assigned
+    in every branch alike (`if grouped: bs = Grouped(s, ...) else: bs = BatchSampler(s, ...)`)."""
+    if depth == 0:
+        return None
+    if isinstance(given, ast.Name):
+        values = script.assigned_values.get(given.id, [])
+        found = [whole_dataset_sampler(script, v, depth - 1) for v in values]
+        return found[0] if found and all(f is not None for f in found) else None
+    if not isinstance(given, ast.Call):
+        return None
+    if short(script.name_of(given.func)) in WHOLE_DATASET_SAMPLERS:
+        return given
+    inner = given.args[0] if given.args else keyword(given, "sampler")
+    return whole_dataset_sampler(script, inner, depth - 1) if inner is not None else None
+
+
 def unprepared_training_loaders(script: Script, data: DataFlow) -> Iterator[Finding]:
     """In a script that hands its loaders to `accelerator.prepare(...)`, a shuffled one
     built and trained on without it (a loader rebuilt each round over a new subset):

@@ -323,11 +323,15 @@ def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
 
 def called_function(script: Script, call: ast.Call) -> tuple[str, int] | None:
     """The file's function a call runs, and which parameter its first argument
-    fills: `f(x)` (0), `obj.m(x)` where every `obj = ...` of the file builds the
-    file's class that defines m (1, after self; 0 for a staticmethod)."""
+    fills: `f(x)` (0), `Cls(x)` for the file's class with an __init__ (1, after
+    self), `obj.m(x)` where every `obj = ...` of the file builds the file's class
+    that defines m (1, after self; 0 for a staticmethod)."""
     func = call.func
     if isinstance(func, ast.Name):
-        return (func.id, 0) if func.id in script.functions else None
+        if func.id in script.functions:
+            return func.id, 0
+        # `ComputeLoss(model)`: the file's class, its __init__ after self
+        return (f"{func.id}.__init__", 1) if f"{func.id}.__init__" in script.functions else None
     if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
         return None
     built = script.assigned_values.get(func.value.id, [])
