@@ -174,7 +174,7 @@ def check_save_in_a_callback_hook_of_every_process(script: Script) -> Iterator[F
                 continue
             if tells_processes_apart(method):
                 continue
-            save = next((call for call in hook_saves(script, method)), None)
+            save = next(hook_saves(script, method), None)
             if save is None:
                 continue
             yield script.finding(
@@ -207,13 +207,11 @@ def callback_classes(script: Script) -> list[ast.ClassDef]:
 
 
 def tells_processes_apart(method: ast.FunctionDef) -> bool:
-    """The hook (or a decorator on it) reads which process runs it."""
-    for node in [*method.decorator_list, *ast.walk(method)]:
-        for inner in ast.walk(node):
-            name = inner.id if isinstance(inner, ast.Name) else getattr(inner, "attr", None)
-            if name in PROCESS_TESTS:
-                return True
-    return False
+    """The hook (or a decorator on it: the walk covers them) reads which process runs it."""
+    return any(
+        (node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)) in PROCESS_TESTS
+        for node in ast.walk(method)
+    )
 
 
 def hook_saves(script: Script, method: ast.FunctionDef) -> Iterator[ast.Call]:

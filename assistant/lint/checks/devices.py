@@ -59,8 +59,9 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     for node, name in script.call_names:
         if id(node) in rank_zero_only:
             continue  # GPU 0 is rank 0's own (a log, an evaluation, a save)
-        if not replaced_by_the_ranks_device(script, node):
-            yield from fixed_cuda_strings(script, node)
+        fixed = list(fixed_cuda_strings(script, node))
+        if fixed and not replaced_by_the_ranks_device(script, node):  # only where one is written
+            yield from fixed
         if current_device_is_cuda0:
             yield from current_device_uses(script, node, name)
         if is_torch_device(name) and len(node.args) == 2 and is_int(node.args[1]):
