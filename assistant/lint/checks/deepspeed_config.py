@@ -157,10 +157,11 @@ def check_auto_values_given_to_deepspeed_itself(script: Script) -> Iterator[Find
         given = next(filter(None, (keyword(call, p) for p in CONFIG_PARAMETERS)), None)
         if not isinstance(given, ast.Name):
             continue
-        config = copied_dict(script, given)
-        if config is None:
+        copied = copied_dict(script, given)
+        if copied is None:
             continue
-        filled = filled_paths(script, {given.id, *copy_sources(script, given)})
+        config, names = copied
+        filled = filled_paths(script, names)
         left = [p for p in auto_paths(config) if not any(p[: len(f)] == f for f in filled)]
         if not left:
             continue
@@ -176,39 +177,28 @@ def check_auto_values_given_to_deepspeed_itself(script: Script) -> Iterator[Find
         )
 
 
-def copied_dict(script: Script, name: ast.Name, depth: int = 3) -> ast.Dict | None:
-    """The dict literal a name holds: assigned it once, or a copy of one
-    (`dict(DS_CONFIG)`, `copy.deepcopy(DS_CONFIG)`)."""
-    values = script.assigned_values.get(name.id, [])
-    if len(values) != 1 or depth == 0:
-        return None
-    value = values[0]
-    if isinstance(value, ast.Dict):
-        return value
-    if (
-        isinstance(value, ast.Call)
-        and short(script.name_of(value.func)) in COPIES
-        and len(value.args) == 1
-        and isinstance(value.args[0], ast.Name)
-    ):
-        return copied_dict(script, value.args[0], depth - 1)
-    return None
-
-
-def copy_sources(script: Script, name: ast.Name) -> set[str]:
-    """The names a name's dict was copied from (their items set before the copy count)."""
-    found: set[str] = set()
-    current = name
+def copied_dict(script: Script, name: ast.Name) -> tuple[ast.Dict, set[str]] | None:
+    """The dict literal a name holds (assigned it once, or a copy of one: `dict(DS_CONFIG)`,
+    `copy.deepcopy(DS_CONFIG)`) and every name along the copies (items set on any of
+    them count)."""
+    names = {name.id}
     for _ in range(3):
-        values = script.assigned_values.get(current.id, [])
-        if len(values) != 1 or not isinstance(values[0], ast.Call) or not values[0].args:
-            break
-        source = values[0].args[0]
-        if not isinstance(source, ast.Name):
-            break
-        found.add(source.id)
-        current = source
-    return found
+        values = script.assigned_values.get(name.id, [])
+        if len(values) != 1:
+            return None
+        value = values[0]
+        if isinstance(value, ast.Dict):
+            return value, names
+        if not (
+            isinstance(value, ast.Call)
+            and short(script.name_of(value.func)) in COPIES
+            and len(value.args) == 1
+            and isinstance(value.args[0], ast.Name)
+        ):
+            return None
+        name = value.args[0]
+        names.add(name.id)
+    return None
 
 
 def auto_paths(config: ast.Dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
