@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from assistant.probing.processes import MarkedProcess, start_marked
+
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -99,6 +101,37 @@ def mini_kb(tmp_path) -> Path:
 TORCHRUN_TIMEOUT_S = 180
 
 
+class TorchrunHung(AssertionError):
+    """A launch still running past its timeout, killed: what it printed, and
+    what was still alive (state and kernel wait channel of each process)."""
+
+    def __init__(self, command: list[str], waited_s: float, stdout: str, stderr: str, left: str):
+        super().__init__(
+            f"{Path(command[-1]).name} still ran after {waited_s} s; alive then:\n"
+            f"{left}\nstdout tail: {stdout[-1000:]}\nstderr tail: {stderr[-2000:]}"
+        )
+        self.stdout, self.stderr, self.left = stdout, stderr, left
+
+
+def text(output: bytes) -> str:
+    return output.decode(errors="replace")
+
+
+def describe_processes(pids: list[int]) -> str:
+    """One line per live process: pid, state, wait channel, command line."""
+    lines = []
+    for pid in sorted(pids):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{pid}/wchan").read_text() or "-"
+            threads = len(os.listdir(f"/proc/{pid}/task"))
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue  # gone meanwhile
+        lines.append(f"  {pid} {state} {wchan} threads={threads} {cmdline.decode()[:160]}")
+    return "\n".join(lines) or "  (nothing)"
+
+
 class Torchrun:
     """`torchrun --standalone --nproc_per_node=2 SCRIPT ARGS...` (CPU ranks here;
     `nproc=` for another count).
@@ -111,16 +144,20 @@ class Torchrun:
     time importing torch, and two cores import two at once.
     """
 
+    Hung = TorchrunHung  # for the tests' helpers, which cannot import a conftest
+
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self.launched: list[subprocess.Popen] = []
+        self.launched: list[MarkedProcess] = []
+        self.timeout_s = TORCHRUN_TIMEOUT_S
 
     def close(self) -> None:
-        """Kill what is still running (a launch whose test failed before waiting)."""
-        for process in self.launched:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
+        """Kill what is still running (a launch whose test failed before waiting):
+        torchrun and its workers, which torchrun puts in sessions of their own."""
+        for launch in self.launched:
+            launch.stop(grace=0.5)  # cheap after a normal exit; it also unregisters
+            if not launch.process.stdout.closed:  # never waited for
+                launch.process.communicate(timeout=30)
 
     def __call__(self, script: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
         return self.start(script, *args, cwd=self.folder, nproc=nproc)()
@@ -142,25 +179,27 @@ class Torchrun:
             str(script),
             *args,
         ]
-        process = subprocess.Popen(
+        # Marked, as the assistant launches torchrun: the workers live in sessions
+        # of their own and hold the output pipes, so a kill must find them too.
+        launch = start_marked(
             command,
             cwd=cwd,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # the agent and its workers: one group to kill
         )
-        self.launched.append(process)
+        self.launched.append(launch)
+        process = launch.process
 
         def wait() -> subprocess.CompletedProcess:
             try:
-                out, err = process.communicate(timeout=TORCHRUN_TIMEOUT_S)
+                out, err = process.communicate(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.communicate()
-                raise
-            return subprocess.CompletedProcess(command, process.returncode, out, err)
+                left = describe_processes(launch.pids())
+                launch.stop(grace=0.5)
+                out, err = process.communicate(timeout=30)
+                raise TorchrunHung(command, self.timeout_s, text(out), text(err), left) from None
+            return subprocess.CompletedProcess(command, process.returncode, text(out), text(err))
 
         return wait
 
