@@ -40,6 +40,37 @@ def test_a_batch_whose_mask_or_labels_hold_no_target_is_a_skip_on_local_data():
     assert skipped_lines(body) == [3, 7]
 
 
+def test_a_batch_with_no_boxes_by_its_shape_or_size_is_a_skip_on_local_data():
+    # A detector's batch of background images: the targets tensor has no rows.
+    body = """
+    for i, (imgs, targets, paths, _) in enumerate(loader):
+        if targets.shape[0] == 0:
+            continue
+        model(imgs).sum().backward()
+    for imgs, targets in loader:
+        if not targets.size(0):
+            continue
+        model(imgs).sum().backward()
+    for imgs, boxes in loader:
+        if boxes.shape[0] < 1:
+            continue
+        model(imgs).sum().backward()
+    """
+    assert skipped_lines(body) == [3, 7, 11]
+
+
+def test_a_batch_compared_with_the_batch_size_is_quiet():
+    # DistributedSampler pads every rank to the same number of samples: a short
+    # last batch is as short on every rank, and each of them skips it.
+    body = """
+    for imgs, labels in loader:
+        if imgs.shape[0] != args.batch_size:
+            continue
+        model(imgs).sum().backward()
+    """
+    assert skipped_lines(body) == []
+
+
 def test_a_skip_on_the_step_count_or_on_a_value_every_rank_agreed_on_is_quiet():
     body = """
     for step, (x, mask) in enumerate(loader):

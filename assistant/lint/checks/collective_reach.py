@@ -689,7 +689,8 @@ def batch_names(loop: ast.For | ast.While) -> set[str]:
 
 def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
     """The test reads this rank's own tensors: isfinite / isnan / isinf, .item(),
-    an empty or missing batch (`batch is None`, `len(targets) == 0`), or a
+    an empty or missing batch (`batch is None`, `len(targets) == 0`,
+    `targets.shape[0] == 0`), or a
     reduction of the batch (`not y_mask.any()`, `(labels != -100).sum() == 0`:
     a batch with no targets)."""
     for node in ast.walk(test):
@@ -703,6 +704,34 @@ def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
                 return True
         if is_none_test(node) and names_in(node.left) & batch:
             return True
+        if counts_no_rows(node, batch):
+            return True
+    return False
+
+
+def counts_no_rows(node: ast.AST, batch: set[str]) -> bool:
+    """`targets.shape[0] == 0`, `not boxes.size(0)`, `labels.shape[0] < 1`: the
+    batch holds no rows (a detector's batch of background images). A comparison
+    with anything but zero or one is no such test: a short last batch is as
+    short on every rank (DistributedSampler pads them to the same count)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return reads_row_count(node.operand, batch)
+    if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
+        return False
+    bound = node.comparators[0]
+    if not (isinstance(bound, ast.Constant) and type(bound.value) is int):
+        return False
+    empty = (ast.Eq, ast.LtE) if bound.value == 0 else (ast.Lt,) if bound.value == 1 else ()
+    return isinstance(node.ops[0], empty) and reads_row_count(node.left, batch)
+
+
+def reads_row_count(value: ast.expr, batch: set[str]) -> bool:
+    """`x.shape[0]` or `x.size(0)` of a name the loop binds to the batch."""
+    if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Attribute):
+        attribute = value.value
+        return attribute.attr == "shape" and bool(names_in(attribute.value) & batch)
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
+        return value.func.attr == "size" and bool(names_in(value.func.value) & batch)
     return False
 
 
