@@ -1022,3 +1022,39 @@ def test_a_loss_returned_beside_the_prediction_is_gathered_into_a_vector(step, r
     )
     found = findings_of(source, "dataparallel-unsafe-model")
     assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
+    "step, reported",
+    [
+        ("output, loss, stats = model_with_loss(batch)\nloss.backward()\n", True),
+        ("output, loss, stats = model_with_loss(batch)\nloss.mean().backward()\n", False),
+    ],
+    ids=["unpacked-loss", "averaged"],
+)
+def test_a_loss_unpacked_from_a_loss_module_inside_forward_is_gathered_into_a_vector(
+    step, reported
+) -> None:
+    # blind set be's 15 (CenterNet): a ModelWithLoss whose forward unpacks the
+    # criterion's (loss, stats) and returns the loss beside the outputs
+    source = (
+        "import torch\nfrom torch import nn\n"
+        "from lib.utils.data_parallel import DataParallel\n"
+        "class ModelWithLoss(nn.Module):\n"
+        "    def __init__(self, model, loss):\n"
+        "        super().__init__()\n"
+        "        self.model = model\n"
+        "        self.loss = loss\n"
+        "    def forward(self, batch):\n"
+        "        outputs = self.model(batch['input'])\n"
+        "        loss, loss_stats = self.loss(outputs[-1], batch)\n"
+        "        return outputs[-1], loss, loss_stats\n"
+        "def run_epoch(model_with_loss, loader):\n"
+        "    for batch in loader:\n"
+        + "".join(f"        {line}\n" for line in step.splitlines())
+        + "model_with_loss = ModelWithLoss(net, CtdetLoss(opt))\n"
+        "model_with_loss = DataParallel(model_with_loss, device_ids=[0, 1]).cuda()\n"
+        "run_epoch(model_with_loss, loader)\n"
+    )
+    found = findings_of(source, "dataparallel-unsafe-model")
+    assert bool(found) == reported, found

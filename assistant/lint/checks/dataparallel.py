@@ -70,7 +70,8 @@ def check_scalar_loss_gathered_by_data_parallel(script: Script) -> Iterator[Find
 
 def scalar_returns(cls: ast.ClassDef) -> dict[int | None, int]:
     """Where forward returns a loss's value or a bare `.mean()` / `.sum()`, directly or
-    through the name forward assigned it to: {None: line} for the whole return value,
+    through the name forward assigned it to (or unpacked it into, named as a loss):
+    {None: line} for the whole return value,
     {i: line} for element i of a returned tuple."""
     forward = forward_of(cls)
     assigned: dict[str, list[ast.expr]] = {}
@@ -79,6 +80,12 @@ def scalar_returns(cls: ast.ClassDef) -> dict[int | None, int]:
             for target in node.targets:
                 if isinstance(target, ast.Name):
                     assigned.setdefault(target.id, []).append(node.value)
+                elif isinstance(target, ast.Tuple) and is_scalar_loss(node.value):
+                    # `loss, loss_stats = self.loss(out, batch)`: a criterion that
+                    # returns its statistics too; the element named as a loss is one
+                    for element in target.elts:
+                        if isinstance(element, ast.Name) and LOSS_CALL.search(element.id):
+                            assigned.setdefault(element.id, []).append(node.value)
 
     def scalar(value: ast.expr) -> bool:
         values = assigned.get(value.id, []) if isinstance(value, ast.Name) else [value]
