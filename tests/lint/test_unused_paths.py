@@ -389,3 +389,76 @@ def test_an_options_default_named_by_a_constant_is_its_checkpoint():
 )
 def test_a_pooler_read_left_out_or_not_known_is_not_reported(change):
     assert pooled_lines(change) == []
+
+
+# A detector's mask head run only on the instances that carry a mask: a batch
+# with none leaves it out (blind set be's 09); `{gate}` is the test.
+SIZED = """
+class Detector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Linear(4, 4)
+        self.box_head = nn.Linear(4, 4)
+        self.mask_head = nn.Linear(4, 1)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4)])
+
+    def mask_logits(self, feats, boxes):
+        return self.mask_head(feats[: len(boxes)])
+
+    def forward(self, x, boxes):
+        feats = self.backbone(x)
+        if not self.training:
+            return self.mask_logits(feats, boxes)
+        loss = self.box_head(feats).sum()
+        n_inst = sum(b.shape[0] for b in boxes)
+        {gate}
+        return loss
+"""
+
+
+def sized_reported(gate: str, ddp: str = "DDP(Detector())") -> list[int]:
+    body = SIZED.replace("{gate}", gate) + f"\nmodel = {ddp}\n" + step_with(
+        "loss = model(x, y)"
+    )
+    return [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
+
+
+@pytest.mark.parametrize(
+    "gate",
+    [
+        "if n_inst > 0:\n            loss = loss + self.mask_logits(feats, boxes).sum()",
+        "if n_inst == 0:\n            return loss\n        loss = loss + self.mask_head(feats).sum()",
+        "if boxes.numel():\n            loss = loss + self.mask_head(feats).sum()",
+        "if not len(boxes):\n            return loss\n        loss = loss + self.mask_head(feats).sum()",
+    ],
+    ids=["count-above-zero", "none-returns", "numel", "not-len"],
+)
+def test_a_head_run_only_when_the_batch_holds_items_is_reported(gate):
+    assert sized_reported(gate) == [19]
+
+
+@pytest.mark.parametrize(
+    "gate, ddp",
+    [
+        # the head runs on an empty selection too: its gradient is zero, but there
+        ("loss = loss + self.mask_head(feats[:n_inst]).sum()", "DDP(Detector())"),
+        (
+            "if n_inst > 0:\n            loss = loss + self.mask_head(feats).sum()",
+            "DDP(Detector(), find_unused_parameters=True)",
+        ),
+        # the model's own structure, not the batch, decides
+        (
+            "if len(self.blocks) > 0:\n            loss = loss + self.mask_head(feats).sum()",
+            "DDP(Detector())",
+        ),
+        # both sides run the head
+        (
+            "if n_inst > 0:\n            loss = loss + self.mask_head(feats).sum()\n"
+            "        else:\n            loss = loss + 0 * self.mask_head(feats).sum()",
+            "DDP(Detector())",
+        ),
+    ],
+    ids=["always-run", "find-unused", "model-structure", "both-sides"],
+)
+def test_a_head_every_step_reaches_or_a_ddp_that_looks_is_not_reported(gate, ddp):
+    assert sized_reported(gate, ddp) == []

@@ -104,6 +104,22 @@ def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
                     )
             if not calls:
                 continue
+            for test, left_out in branches_on_the_batch_size(cls, trainable):
+                if test.lineno in reported:
+                    continue
+                reported.add(test.lineno)
+                shown = ", ".join(f"self.{member}" for member in sorted(left_out)[:3])
+                yield script.finding(
+                    "unused-parameters",
+                    test,
+                    f"in training, forward runs {shown} only when `{source_text(test.test)}` "
+                    "says the batch holds items for it: a step whose batch has none (a batch "
+                    "of background images, no masked instance) gives their parameters no "
+                    f"gradient, and DDP (line {ddp.lineno}) expects one for every parameter "
+                    'each step and fails with "Expected to have finished reduction in the '
+                    'prior iteration": run them on the empty selection too (the gradient is '
+                    "then zero, but it is there), or pass find_unused_parameters=True",
+                )
             for member_call, member, inner, left_out, shown in inner_members_left_out(
                 script, classes, cls
             ):
@@ -361,7 +377,7 @@ def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
     while pending and len(seen) <= MAX_METHODS:
         method = pending.pop()
         more: set[str] = set()
-        fields = {k: v for k, v in given.items() if k.startswith("self.")}
+        fields = {k: v for k, v in given.items() if k.startswith(("self.", TEST_KEY))}
         walk_block(methods[method].body, fields, more)
         found |= more
         for name in more & set(methods):
@@ -369,6 +385,87 @@ def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
                 seen.add(name)
                 pending.append(name)
     return found
+
+
+# given[TEST_KEY + text of a test]: that test's truth (decide), whatever it reads.
+TEST_KEY = "test:"
+# What counts a batch's items: `len(boxes)`, `masks.numel()`, `targets.shape[0]`,
+# `sum(b.shape[0] for b in boxes)`, `mask.any()`.
+SIZE_READS = frozenset({"len", "numel", "nelement", "size", "sum", "any", "count_nonzero"})
+
+
+def branches_on_the_batch_size(
+    cls: ast.ClassDef, trainable: set[str]
+) -> Iterator[tuple[ast.If, set[str]]]:
+    """(the `if`, the submodules it leaves out) for each `if` of forward on how many
+    items the batch holds (`if n_inst > 0:`, `if not len(boxes): return loss`) whose
+    empty side, in training, runs fewer of the trainable submodules."""
+    forward = forward_of(cls)
+    counts = {
+        target.id
+        for node in ast.walk(forward)
+        if isinstance(node, ast.Assign) and reads_batch_size(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    training = {"self.training": True}
+    for node in ast.walk(forward):
+        if not isinstance(node, ast.If):
+            continue
+        empty = truth_on_an_empty_batch(node.test, counts)
+        if empty is None:
+            continue
+        key = TEST_KEY + source_text(node.test)
+        left_out = (
+            reached(cls, {**training, key: not empty}) - reached(cls, {**training, key: empty})
+        ) & trainable
+        if left_out:
+            yield node, left_out
+
+
+def truth_on_an_empty_batch(test: ast.expr, counts: set[str]) -> bool | None:
+    """The test's value when the batch holds no items: `n > 0` False, `len(x) == 0`
+    True, `not x.numel()` True; None for a test of anything else."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = truth_on_an_empty_batch(test.operand, counts)
+        return None if inner is None else not inner
+    if is_a_count(test, counts):
+        return False
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    bound = test.comparators[0]
+    if not (
+        is_a_count(test.left, counts)
+        and isinstance(bound, ast.Constant)
+        and type(bound.value) is int
+    ):
+        return None
+    return compare_with_zero(test.ops[0], bound.value)
+
+
+def compare_with_zero(op: ast.cmpop, bound: int) -> bool | None:
+    """`0 <op> bound`, for the comparisons a count is tested with."""
+    comparisons = {ast.Eq: 0 == bound, ast.NotEq: 0 != bound, ast.Gt: 0 > bound}
+    comparisons.update({ast.GtE: 0 >= bound, ast.Lt: 0 < bound, ast.LtE: 0 <= bound})
+    return comparisons.get(type(op))
+
+
+def is_a_count(expr: ast.expr, counts: set[str]) -> bool:
+    return (isinstance(expr, ast.Name) and expr.id in counts) or reads_batch_size(expr)
+
+
+def reads_batch_size(expr: ast.expr) -> bool:
+    """A count of what a name of forward holds (not of the model's own fields:
+    `len(self.blocks)` is the model's structure, the same every step)."""
+    if isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Attribute):
+        counted = expr.value.value if expr.value.attr == "shape" else None
+    elif isinstance(expr, ast.Call) and called_name(expr) in SIZE_READS:
+        counted = expr
+    else:
+        return False
+    return counted is not None and not any(self_attribute(n) for n in ast.walk(counted)) and any(
+        isinstance(n, ast.Name) and n.id != "self" for n in ast.walk(counted)
+    )
 
 
 def walk_block(block: list[ast.stmt], given: dict[str, object], found: set[str]) -> bool:
@@ -423,7 +520,10 @@ def fields_in(node: ast.AST, given: dict[str, object]) -> set[str]:
 
 
 def decide(test: ast.expr, given: dict[str, object]) -> bool | None:
-    """The test's truth from the parameters' values, None when they do not decide it."""
+    """The test's truth from the parameters' values (or given for the test itself,
+    under TEST_KEY and its text), None when they do not decide it."""
+    if TEST_KEY + source_text(test) in given:
+        return bool(given[TEST_KEY + source_text(test)])
     if isinstance(test, ast.Name):
         return bool(given[test.id]) if test.id in given else None
     if self_attribute(test):
