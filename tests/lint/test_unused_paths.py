@@ -417,9 +417,7 @@ class Detector(nn.Module):
 
 
 def sized_reported(gate: str, ddp: str = "DDP(Detector())") -> list[int]:
-    body = SIZED.replace("{gate}", gate) + f"\nmodel = {ddp}\n" + step_with(
-        "loss = model(x, y)"
-    )
+    body = SIZED.replace("{gate}", gate) + f"\nmodel = {ddp}\n" + step_with("loss = model(x, y)")
     return [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
 
 
@@ -453,8 +451,10 @@ def test_a_head_run_only_when_the_batch_holds_items_is_reported(gate):
         ),
         # both sides run the head
         (
-            "if n_inst > 0:\n            loss = loss + self.mask_head(feats).sum()\n"
-            "        else:\n            loss = loss + 0 * self.mask_head(feats).sum()",
+            (
+                "if n_inst > 0:\n            loss = loss + self.mask_head(feats).sum()\n"
+                "        else:\n            loss = loss + 0 * self.mask_head(feats).sum()"
+            ),
             "DDP(Detector())",
         ),
     ],

@@ -463,8 +463,10 @@ def reads_batch_size(expr: ast.expr) -> bool:
         counted = expr
     else:
         return False
-    return counted is not None and not any(self_attribute(n) for n in ast.walk(counted)) and any(
-        isinstance(n, ast.Name) and n.id != "self" for n in ast.walk(counted)
+    return (
+        counted is not None
+        and not any(self_attribute(n) for n in ast.walk(counted))
+        and any(isinstance(n, ast.Name) and n.id != "self" for n in ast.walk(counted))
     )
 
 
