@@ -301,6 +301,36 @@ def test_a_helper_given_the_rank_taints_its_result_only_through_what_it_returns(
     assert ("uneven-inputs" in found) == reported, found
 
 
+@pytest.mark.parametrize(
+    "unpack, reported",
+    [
+        ("sampler, train_loader, val_loader = build_data(data, rank, world)", False),
+        ("sampler, val_loader, train_loader = build_data(data, rank, world)", True),
+        ("train_loader = build_data(data, rank, world)[1]", False),
+        ("train_loader = build_data(data, rank, world)[2]", True),
+    ],
+    ids=["train-element", "val-element", "indexed-train", "indexed-val"],
+)
+def test_each_name_unpacked_from_a_helper_depends_on_its_own_element(unpack, reported):
+    # blind set bh's correct 08: the helper cuts only the validation set by the rank;
+    # the training loader, element 1, has as many batches on every rank
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader, DistributedSampler, Subset\n"
+        "dist.init_process_group('gloo')\nrank, world = dist.get_rank(), dist.get_world_size()\n"
+        "def build_data(data, rank, world):\n"
+        "    sampler = DistributedSampler(data, drop_last=True)\n"
+        "    train_loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+        "    val_loader = DataLoader(Subset(data, range(rank, len(data), world)))\n"
+        "    return sampler, train_loader, val_loader\n"
+        f"{unpack}\n"
+        "for step in range(len(train_loader)):\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+    )
+    found = [f.cause_id for f in lint_source(source)]
+    assert ("uneven-inputs" in found) == reported, found
+
+
 # A callback object of the file built with the rank (blind set az: Keras' BackupAndRestore
 # ported by hand), whose method returns the epoch to resume from.
 CALLBACK = """\

@@ -262,7 +262,7 @@ def record(flow: Flow, node: ast.AST) -> None:
     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
     branch = flow.chosen_by_rank.get(id(node))
     for target in targets:
-        for each_target, each_value in assigned_pairs(target, value):
+        for each_target, each_value in assigned_pairs(target, value, flow.script):
             bind(flow, each_target, each_value, isinstance(node, ast.AugAssign), branch)
 
 
@@ -281,23 +281,67 @@ def record_branches(flow: Flow, test_if: ast.If) -> None:
                 flow.chosen_by_rank.setdefault(id(node), test_if)
 
 
-def assigned_pairs(target: ast.expr, value: ast.expr) -> list[tuple[ast.expr, ast.expr]]:
+def assigned_pairs(
+    target: ast.expr, value: ast.expr, script: Script | None = None
+) -> list[tuple[ast.expr, ast.expr]]:
     """`rank, world = get_rank(), get_world_size()` pairs each name with its own value;
-    `a, b = f(rank)` gives both names the whole value."""
+    `a, b = f(rank)` gives both names the whole value, but where `f` is a function
+    of the file (`script`) that returns a tuple of that size: each name is paired
+    with `f(rank)[i]`, its own element (depends_on_rank follows that one back)."""
     pairs: list[tuple[ast.expr, ast.expr]] = []
     pending = [(target, value)]
     while pending:
         each_target, each_value = pending.pop()
-        if (
-            isinstance(each_target, (ast.Tuple, ast.List))
-            and isinstance(each_value, (ast.Tuple, ast.List))
-            and len(each_target.elts) == len(each_value.elts)
-            and not any(isinstance(e, ast.Starred) for e in each_target.elts)
+        if not isinstance(each_target, (ast.Tuple, ast.List)) or any(
+            isinstance(e, ast.Starred) for e in each_target.elts
+        ):
+            pairs.extend((name, each_value) for name in unpacked(each_target))
+        elif isinstance(each_value, (ast.Tuple, ast.List)) and len(each_target.elts) == len(
+            each_value.elts
         ):
             pending.extend(zip(each_target.elts, each_value.elts, strict=True))
+        elif script is not None and returns_tuples_of(script, each_value, len(each_target.elts)):
+            pending.extend(
+                (element, ast.copy_location(element_of(each_value, position), each_value))
+                for position, element in enumerate(each_target.elts)
+            )
         else:
             pairs.extend((name, each_value) for name in unpacked(each_target))
     return pairs
+
+
+def returns_tuples_of(script: Script, value: ast.expr, size: int) -> bool:
+    """`value` calls a function of the file every `return` of which is a tuple of `size`."""
+    function = called_function(script, value)
+    return function is not None and tuple_size_returned(function) == size
+
+
+def tuple_size_returned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int | None:
+    """The size of the tuple every `return` of the function writes out, if they agree."""
+    returned = [n.value for n in own_nodes(function) if isinstance(n, ast.Return)]
+    sizes = {
+        len(r.elts) if isinstance(r, ast.Tuple) and not has_starred(r) else None for r in returned
+    }
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def called_function(
+    script: Script, value: ast.expr
+) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The file's own function `value` calls by name (`build_data(args, rank)`), if any."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        function = script.functions.get(value.func.id)
+        if function is not None and function.args.vararg is None:
+            return function
+    return None
+
+
+def has_starred(value: ast.Tuple) -> bool:
+    return any(isinstance(e, ast.Starred) for e in value.elts)
+
+
+def element_of(call: ast.expr, position: int) -> ast.Subscript:
+    return ast.Subscript(value=call, slice=ast.Constant(position), ctx=ast.Load())
 
 
 def unpacked(target: ast.expr) -> list[ast.expr]:
@@ -447,6 +491,10 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             return True
         if reads_a_feature_size(node):
             continue
+        element = returned_element(flow.script, node)
+        if element is not None:
+            stack.extend(element)
+            continue
         if isinstance(node, ast.Call):
             own = own_method_call(flow, node)
             if own is not None:
@@ -561,9 +609,39 @@ def arguments_returned(script: Script, call: ast.Call) -> list[ast.expr]:
     ]
 
 
-def parameters_returned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """Names whose value can reach a `return` of `function`, followed back through
-    its assignments, loop and with targets (a name reached is all of its values)."""
+def returned_element(script: Script, node: ast.AST) -> list[ast.expr] | None:
+    """For `f(a, b)[i]`, `f` a function of the file returning tuples: the arguments
+    whose value can reach element i of what it returns (`loader = build(args,
+    rank)[1]` where only the validation loader, element 2, is cut by the rank)."""
+    if not (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Constant)
+        and type(node.slice.value) is int
+        and node.slice.value >= 0
+    ):
+        return None
+    call = node.value
+    function = called_function(script, call)
+    if not isinstance(call, ast.Call) or function is None:
+        return None
+    size = tuple_size_returned(function)
+    if size is None or node.slice.value >= size:
+        return None
+    returned = parameters_returned(function, node.slice.value)
+    positional = {id(argument) for argument in call.args}
+    return [
+        argument
+        for parameter, argument in bound_arguments(function, call)
+        if id(argument) in positional and (parameter is None or parameter in returned)
+    ]
+
+
+def parameters_returned(
+    function: ast.FunctionDef | ast.AsyncFunctionDef, position: int | None = None
+) -> set[str]:
+    """Names whose value can reach a `return` of `function` (or element `position`
+    of the tuples it returns), followed back through its assignments, loop and
+    with targets (a name reached is all of its values)."""
     sources: dict[str, list[ast.AST]] = {}
     for node in ast.walk(function):
         if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and node.value:
@@ -579,6 +657,8 @@ def parameters_returned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set
                 sources.setdefault(name, []).append(node.context_expr)
     reached: set[str] = set()
     pending = [n.value for n in ast.walk(function) if isinstance(n, ast.Return) and n.value]
+    if position is not None:
+        pending = [r.elts[position] for r in pending if isinstance(r, ast.Tuple)]
     while pending:
         for node in ast.walk(pending.pop()):
             if isinstance(node, ast.Name) and node.id not in reached:
