@@ -199,7 +199,8 @@ def rank_branch_sides(
 def rank_zero_value_test(test: ast.expr, script: Script, depth: int) -> bool:
     """`if vae is not None:` (or `if vae:`) where, in the test's own function, `vae`
     is set to None everywhere but inside rank-0 branches (`vae = None; if rank == 0:
-    vae = load(...)`): only rank 0 can pass the test."""
+    vae = load(...)`, `writer = SummaryWriter(d) if rank == 0 else None`): only rank
+    0 can pass the test."""
     name = test
     if (
         isinstance(test, ast.Compare)
@@ -225,10 +226,23 @@ def rank_zero_value_test(test: ast.expr, script: Script, depth: int) -> bool:
             return False  # a loop variable, an unpacking, a `with ... as`: any rank's
         if is_none(assign.value):
             continue
-        if not inside_rank_zero_branch(assign, scope, script, depth):
+        if not (
+            inside_rank_zero_branch(assign, scope, script, depth)
+            or none_but_on_rank_zero(assign.value, script, depth)
+        ):
             return False
         set_on_rank_zero = True
     return set_on_rank_zero
+
+
+def none_but_on_rank_zero(value: ast.expr, script: Script, depth: int) -> bool:
+    """`SummaryWriter(log_dir) if rank == 0 else None` (or `None if rank else ...`)."""
+    if not isinstance(value, ast.IfExp):
+        return False
+    body, orelse = rank_branch_sides(value.test, script, depth + 1)
+    if is_none(value.orelse):
+        return body == RANK_ZERO
+    return is_none(value.body) and orelse == RANK_ZERO
 
 
 def inside_rank_zero_branch(node: ast.AST, scope: ast.AST, script: Script, depth: int) -> bool:

@@ -330,3 +330,56 @@ def test_a_files_own_function_that_returns_the_rank_is_a_rank_test(returned, rep
         reported = [line + 4 for line in reported]
     found = [line for line, _ in lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])]
     assert found == reported
+
+
+@pytest.mark.parametrize(
+    "last_save, reported",
+    [
+        ("save_checkpoint(model.module.state_dict(), 'last.pt')", True),
+        ("torch.save(model.module.state_dict(), 'last.pt')", True),
+        ("if rank == 0:\n            save_checkpoint(model.module.state_dict(), 'last.pt')", False),
+    ],
+    ids=["helper", "direct", "guarded"],
+)
+def test_a_file_saved_on_rank_zero_first_does_not_excuse_another_every_rank_saves(
+    last_save, reported
+):
+    # blind set bf's 18: best.pt on rank 0, then last.pt through a helper on every rank
+    body = f"""
+    def save_checkpoint(state, path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(state, path)
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    model = DDP(nn.Linear(2, 2).cuda())
+    for epoch in range(3):
+        if rank == 0:
+            torch.save(model.module.state_dict(), "best.pt")
+        {last_save}
+        dist.barrier()
+    """
+    assert bool(findings(body)) == reported, findings(body)
+
+
+@pytest.mark.parametrize(
+    "made, reported",
+    [
+        ("SummaryWriter('runs') if rank == 0 else None", False),
+        ("None if rank != 0 else SummaryWriter('runs')", False),
+        ("SummaryWriter('runs') if rank != 0 else None", True),
+    ],
+    ids=["rank-zero", "rank-zero-else", "other-ranks"],
+)
+def test_a_save_under_a_name_only_rank_zero_sets_is_rank_zeros(made, reported):
+    # blind set az's correct 17: the final encoder saved under `if writer is not None:`
+    body = f"""
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    writer = {made}
+    model = DDP(nn.Linear(2, 2).cuda())
+    if writer is not None:
+        writer.close()
+        torch.save(model.module.state_dict(), "encoder_final.pt")
+    """
+    assert bool(findings(body)) == reported, findings(body)

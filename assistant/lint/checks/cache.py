@@ -90,17 +90,22 @@ def every_rank_downloads(trace: list[TracedCall]) -> Iterator[TracedCall]:
 
 
 def every_rank_reaches(
-    trace: list[TracedCall], wanted: Callable[[TracedCall], bool]
+    trace: list[TracedCall],
+    wanted: Callable[[TracedCall], bool],
+    what: Callable[[TracedCall], object] = lambda call: None,
 ) -> Iterator[TracedCall]:
     """The `wanted` calls of a trace that every rank runs at once: not on rank 0
-    only, not after an earlier wanted call on rank 0 only or in the parent before
-    it spawned the workers (its result is in place), and not while the other ranks wait in a barrier for rank 0 (from
+    only, not after an earlier wanted call of the same `what` (by default: any)
+    on rank 0 only or in the parent before it spawned the workers (its result is
+    in place), and not while the other ranks wait in a barrier for rank 0 (from
     `if rank != 0: barrier()` to rank 0's own barrier, which releases them all)."""
-    others_wait = rank_zero_did_it = False
+    others_wait = False
+    done_by_rank_zero: set[object] = set()
     parent = parent_only(trace)
     for call in trace:
         if id(call) in parent:
-            rank_zero_did_it |= wanted(call)  # done once before the workers start
+            if wanted(call):  # done once before the workers start
+                done_by_rank_zero.add(what(call))
             continue
         if short(call.name) in ("barrier", "monitored_barrier"):
             if OTHER_RANKS in sides(call.rank_path):
@@ -110,9 +115,9 @@ def every_rank_reaches(
         if not wanted(call):
             continue
         if sides(call.rank_path) & {RANK_ZERO, NO_RANKS}:
-            rank_zero_did_it = True
+            done_by_rank_zero.add(what(call))
             continue
-        if not (others_wait or rank_zero_did_it):
+        if not (others_wait or what(call) in done_by_rank_zero):
             yield call
 
 
@@ -334,7 +339,7 @@ def shared_file(script: Script, target: ast.expr) -> bool:
                 return False  # f"ckpt_rank{rank}.pt": one file per rank
             if isinstance(node, ast.Name) and "rank" in node.id.lower():
                 return False
-            if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "BytesIO":
+            if isinstance(node, ast.Call) and short(script.name_of(node.func)) in IN_MEMORY:
                 return False
     return True
 
@@ -377,8 +382,12 @@ def builds_a_path(script: Script, value: ast.expr) -> bool:
     not `ckpt["iter"]` of a loaded checkpoint nor another call's result, whose
     arguments (a map_location naming the local rank) say nothing of the file name."""
     if isinstance(value, ast.Call):
-        return short(script.name_of(value.func)) in PATH_CALLS
+        # an in-memory buffer too (`buffer = io.BytesIO()`): shared_file reads it as one
+        return short(script.name_of(value.func)) in PATH_CALLS | IN_MEMORY
     return isinstance(value, ast.Constant | ast.Name | ast.Attribute | ast.BinOp | ast.JoinedStr)
+
+
+IN_MEMORY = frozenset({"BytesIO"})
 
 
 def passed_for(script: Script, parameter: str) -> list[ast.expr]:

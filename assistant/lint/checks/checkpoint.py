@@ -59,7 +59,11 @@ def check_save_on_every_rank(script: Script) -> Iterator[Finding]:
     """`torch.save(..., path)` that every rank of a distributed run reaches."""
     if not is_distributed(script) or one_process_group(script) or not script.traces:
         return
-    saves = every_rank_reaches(script.traces[0], lambda call: every_rank_saves(script, call))
+    # A file rank 0 saved first is in place (a cache the others then load); another
+    # file is not: `best.pt` on rank 0 excuses no every-rank save of `last.pt`.
+    saves = every_rank_reaches(
+        script.traces[0], lambda call: every_rank_saves(script, call), saved_path_text
+    )
     for call in without_turns(script, saves):
         if saves_a_data_cache(script, call.node):
             yield script.finding(
@@ -79,6 +83,11 @@ def check_save_on_every_rank(script: Script) -> Iterator[Finding]:
             'reading zip archive"); save on rank 0 only (if rank == 0:), then '
             "dist.barrier() before the other ranks load it",
         )
+
+
+def saved_path_text(call: TracedCall) -> str:
+    target = saved_file(call.node)
+    return source_text(target) if target is not None else ""
 
 
 def saves_a_data_cache(script: Script, call: ast.Call) -> bool:
