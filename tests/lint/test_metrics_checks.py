@@ -289,6 +289,46 @@ def test_an_evaluation_over_a_subset_cut_by_rank(change, reported):
     assert reported_lines(body) == reported
 
 
+# blind set bg's correct 20: the error is all-reduced, the predictions returned beside
+# it stay the rank's own, and the caller shows only the error
+TUPLE_EVALUATION = """
+def evaluate(model, loader):
+    s = torch.zeros(2)
+    preds = []
+    for x, y in loader:
+        p = model(x)
+        s[0] += ((p - y) ** 2).sum()
+        s[1] += len(y)
+        preds.append(p)
+    dist.all_reduce(s)
+    return (s[0] / s[1]).sqrt().item(), torch.cat(preds)
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+loader = DataLoader(Subset(val_set, range(rank, len(val_set), world)), batch_size=64)
+{unpack} = evaluate(model, loader)
+if rank == 0:
+    print(f"val rmse {shown}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("unpack", "shown", "reported"),
+    [
+        ("rmse, _", "rmse:.3f", []),
+        ("rmse, preds", "rmse:.3f", []),
+        ("rmse, preds", "preds.mean():.3f", [6]),
+        ("result", "result[1].mean():.3f", [6]),
+    ],
+    ids=["reduced-element", "reduced-element-shown", "local-element-shown", "whole-tuple"],
+)
+def test_only_the_returned_element_a_caller_shows_counts(unpack, shown, reported):
+    body = "from torch.utils.data import Subset\n" + TUPLE_EVALUATION.format(
+        unpack=unpack, shown="{" + shown + "}"
+    )
+    assert reported_lines(body) == reported
+
+
 def test_a_helper_run_over_a_share_and_reduced_then_over_everything_on_rank_zero_is_quiet():
     """Blind set a's 14 and s's 11: the shard's counts are all-reduced; the final
     test on rank 0 runs the same helper over the whole test set and shows it."""

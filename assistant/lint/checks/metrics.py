@@ -299,7 +299,8 @@ class EvaluationLoop:
             return None
         function = script.functions[evaluator]
         through = self.loader if self.loader in {a.arg for a in function.args.args} else None
-        return shown_by_callers(script, evaluator, owners, sharded, through)
+        positions = returned_positions(function, derived)
+        return shown_by_callers(script, evaluator, owners, sharded, through, positions)
 
     def evaluator(self, script: Script) -> str | None:
         """The function whose return hands the totals on: the loop's own function, or
@@ -645,14 +646,48 @@ def returns_any(function: Function, derived: set[str]) -> bool:
     )
 
 
+def returned_positions(function: Function, derived: set[str]) -> frozenset[int] | None:
+    """Which elements of the tuples `function` returns carry a derived value
+    (`return math.sqrt(total / n), torch.cat(preds)`, preds unreduced: {1}); None
+    when its returns are not all tuples of one size (the whole value carries it)."""
+    returned = [n.value for n in ast.walk(function) if isinstance(n, ast.Return)]
+    if not returned or not all(isinstance(r, ast.Tuple) for r in returned):
+        return None
+    if len({len(r.elts) for r in returned if isinstance(r, ast.Tuple)}) != 1:
+        return None
+    return frozenset(
+        position
+        for r in returned
+        if isinstance(r, ast.Tuple)
+        for position, element in enumerate(r.elts)
+        if names_in(element) & derived
+    )
+
+
+def received_names(targets: list[ast.expr], positions: frozenset[int] | None) -> set[str]:
+    """The names a caller's assignment binds to the returned elements at `positions`
+    (every name it binds when positions is None or the target is no tuple)."""
+    found: set[str] = set()
+    for target in targets:
+        if positions is not None and isinstance(target, ast.Tuple):
+            found |= set().union(
+                *(names_in(e) for i, e in enumerate(target.elts) if i in positions)
+            )
+        else:
+            found |= names_in(target)
+    return found
+
+
 def shown_by_callers(
     script: Script,
     function: str,
     owners: dict[int, str],
     sharded: set[tuple[str | None, str]],
     loader_parameter: str | None,
+    positions: frozenset[int] | None = None,
 ) -> ast.AST | None:
-    """Where a caller shows what `function` returned, unreduced. When the loader
+    """Where a caller shows what `function` returned, unreduced (the elements at
+    `positions` of the tuple it returns; all of it when None). When the loader
     is the function's parameter `loader_parameter`, only the calls that hand it a
     sharded loader count: the same helper run over the whole test set on rank 0
     reports the whole."""
@@ -666,7 +701,7 @@ def shown_by_callers(
             script.functions[function], node, loader_parameter, caller, sharded
         ):
             continue
-        received = set().union(*(names_in(t) for t in assigned.targets))
+        received = received_names(assigned.targets, positions)
         scope: ast.AST = script.functions[caller] if caller else script.tree
         after = walk_after(scope, assigned.end_lineno or assigned.lineno)
         derived = derive(after, received)
