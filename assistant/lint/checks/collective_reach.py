@@ -711,9 +711,10 @@ def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
 
 def counts_no_rows(node: ast.AST, batch: set[str]) -> bool:
     """`targets.shape[0] == 0`, `not boxes.size(0)`, `labels.shape[0] < 1`: the
-    batch holds no rows (a detector's batch of background images). A comparison
-    with anything but zero or one is no such test: a short last batch is as
-    short on every rank (DistributedSampler pads them to the same count)."""
+    batch holds no rows (a detector's batch of background images), or one
+    (`batch.x.shape[0] == 1`). A comparison with a larger number is no such
+    test: a short last batch is as short on every rank (DistributedSampler pads
+    them to the same count)."""
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         return reads_row_count(node.operand, batch)
     if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
@@ -721,8 +722,10 @@ def counts_no_rows(node: ast.AST, batch: set[str]) -> bool:
     bound = node.comparators[0]
     if not (isinstance(bound, ast.Constant) and type(bound.value) is int):
         return False
-    empty = (ast.Eq, ast.LtE) if bound.value == 0 else (ast.Lt,) if bound.value == 1 else ()
-    return isinstance(node.ops[0], empty) and reads_row_count(node.left, batch)
+    # no rows (`== 0`, `< 1`), or a single one (`== 1`, `<= 1`, `< 2`: a graph batch of
+    # one node, which BatchNorm cannot train on, as OGB's examples skip)
+    few = {0: (ast.Eq, ast.LtE), 1: (ast.Lt, ast.Eq, ast.LtE), 2: (ast.Lt,)}
+    return isinstance(node.ops[0], few.get(bound.value, ())) and reads_row_count(node.left, batch)
 
 
 def reads_row_count(value: ast.expr, batch: set[str]) -> bool:
