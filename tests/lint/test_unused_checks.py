@@ -570,6 +570,61 @@ def test_a_backbone_whose_head_is_removed_run_or_allowed_is_quiet(change):
     assert reported_lines(BACKBONE.replace(old, new)) == []
 
 
+TIMM_FEATURES = """
+import timm
+
+
+class SimCLR(nn.Module):
+    def __init__(self, arch):
+        super().__init__()
+        self.backbone = timm.create_model(arch, pretrained=False, drop_path_rate=0.1)
+        self.projector = nn.Linear(self.backbone.embed_dim, 128)
+
+    def encode(self, x):
+        return self.backbone.forward_features(x)[:, 0]
+
+    def forward(self, x):
+        return self.projector(self.encode(x))
+
+
+model = DDP(SimCLR("vit_small_patch16_224"))
+"""
+
+
+def test_a_timm_model_run_for_its_features_keeps_an_unused_classifier():
+    """Blind set bh's 13: create_model keeps its 1000-class head; forward_features skips it."""
+    assert reported_lines(TIMM_FEATURES) == [8]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("drop_path_rate=0.1)", "drop_path_rate=0.1, num_classes=0)"),
+        ("drop_path_rate=0.1)", "drop_path_rate=0.1, features_only=True)"),
+        (
+            "        self.projector =",
+            "        self.backbone.reset_classifier(0)\n        self.projector =",
+        ),
+        (
+            "        self.projector =",
+            "        self.backbone.head = nn.Identity()\n        self.projector =",
+        ),
+        ("model = DDP(SimCLR(", "model = DDP(find_unused_parameters=True, module=SimCLR("),
+        # the whole model runs, its head included
+        ("self.backbone.forward_features(x)[:, 0]", "self.backbone(x)"),
+        (
+            "self.backbone.forward_features(x)[:, 0]",
+            "self.backbone.forward_head(self.backbone.forward_features(x))",
+        ),
+    ],
+    ids=["no-classes", "features-only", "reset", "identity", "find-unused", "whole", "head-run"],
+)
+def test_a_timm_model_without_a_head_or_run_whole_is_quiet(change):
+    old, new = change
+    assert old in TIMM_FEATURES
+    assert reported_lines(TIMM_FEATURES.replace(old, new)) == []
+
+
 @pytest.mark.slow
 def test_an_expert_skipped_when_no_token_reaches_it_fails_under_torchrun_and_its_twin_runs(
     torchrun,

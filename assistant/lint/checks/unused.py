@@ -1261,6 +1261,93 @@ def check_library_backbone_run_without_its_head(script: Script) -> Iterator[Find
             )
 
 
+@check("unused-parameters")
+def check_timm_model_run_for_its_features(script: Script) -> Iterator[Finding]:
+    """`self.backbone = timm.create_model(arch)` (its classifier built: 1000 classes by
+    default) in a model that only ever calls `self.backbone.forward_features(x)`:
+    the classifier gets no gradient at any step, under a DDP that expects one."""
+    strict = strict_ddp_calls(script)
+    if not strict:
+        return
+    for cls in model_classes(script):
+        for field, built in timm_models_with_a_head(script, cls):
+            if not runs_only_features(cls, field) or classifier_taken_out(script, field):
+                continue
+            yield script.finding(
+                "unused-parameters",
+                built,
+                f"{cls.name} calls {field}.forward_features() and never the model's classifier, "
+                "which timm.create_model builds (num_classes defaults to 1000): its parameters "
+                f"get no gradient at any step, and DDP (line {strict[0].lineno}) expects one for "
+                'every parameter and fails with "Expected to have finished reduction in the '
+                'prior iteration"; build it without one (num_classes=0, or '
+                f"{field}.reset_classifier(0)) or pass find_unused_parameters=True",
+            )
+
+
+# What a timm model runs its classifier through (besides calling the model itself).
+TIMM_HEAD_READS = frozenset(
+    {"forward", "forward_head", "head", "fc", "classifier", "get_classifier", "last_linear"}
+)
+
+
+def timm_models_with_a_head(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call]]:
+    """(`self.x`, the call) for each `self.x = timm.create_model(...)` that keeps its
+    classifier: not told num_classes=0 (or a name for it) nor features_only=True."""
+    for node in ast.walk(cls):
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        value = unmoved(node.value)
+        if not (isinstance(value, ast.Call) and script.name_of(value.func) == "timm.create_model"):
+            continue
+        classes = keyword(value, "num_classes")
+        if classes is not None and not (
+            isinstance(classes, ast.Constant) and classes.value not in (0, None)
+        ):
+            continue  # num_classes=0, or a value the file decides
+        features_only = keyword(value, "features_only")
+        if features_only is not None and not (
+            isinstance(features_only, ast.Constant) and features_only.value is False
+        ):
+            continue
+        if self_attribute(node.targets[0]):
+            yield source_text(node.targets[0]), value
+
+
+def runs_only_features(cls: ast.ClassDef, field: str) -> bool:
+    """The class's methods call `field.forward_features(...)`, and never the model
+    itself nor anything that reaches its classifier."""
+    features = False
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Call) and source_text(node.func) == field:
+            return False
+        if isinstance(node, ast.Attribute) and source_text(node.value) == field:
+            if node.attr in TIMM_HEAD_READS:
+                return False
+            features |= node.attr == "forward_features"
+    return features
+
+
+def classifier_taken_out(script: Script, field: str) -> bool:
+    """The file resets, replaces, deletes or freezes the classifier, or freezes the
+    whole model (`self.backbone.reset_classifier(0)`, `model.backbone.head = ...`)."""
+    local = field.removeprefix("self.")
+    for node in script.nodes:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = source_text(node.func.value)
+            if node.func.attr == "reset_classifier" and owner.endswith(local):
+                return True
+        if isinstance(node, ast.Assign | ast.Delete):
+            for target in node.targets:
+                if (
+                    isinstance(target, ast.Attribute)
+                    and target.attr in TIMM_HEAD_READS
+                    and source_text(target.value).endswith(local)
+                ):
+                    return True
+    return any(head_taken_out(script, field, head) for head in ("head", "fc", "classifier"))
+
+
 def library_backbones(script: Script, init: ast.FunctionDef) -> Iterator[tuple[str, ast.Call, str]]:
     """(`self.x`, the call, its head's attribute) for each torchvision classifier
     that __init__ keeps as a field, directly or through a local name."""
