@@ -206,3 +206,58 @@ def test_embedding_sizes_measured_from_the_ranks_own_shard_through_a_name():
     # measured from the whole table (read on every rank alike): the same sizes everywhere
     whole = SIZED_BY_A_NAME.replace("files[rank::world]", "files")
     assert reported_lines(whole) == []
+
+
+# Blind set bg's 13: every rank runs its own Optuna study, whose trials build the model.
+OPTUNA_SEARCH = """
+import optuna
+
+def train_one(cfg, rank):
+    model = DDP(nn.Sequential(*[nn.Linear(cfg["d"], cfg["d"]) for _ in range(cfg["n_blocks"])]))
+    return 0.5
+
+def main():
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+
+    def objective(trial):
+        cfg = {
+            "d": trial.suggest_int("d", 64, 512, log=True),
+            "n_blocks": trial.suggest_int("n_blocks", 1, 8),
+        }
+        return train_one(cfg, rank)
+
+    study = optuna.create_study(direction="maximize")
+    study.optimize(objective, n_trials=20)
+
+main()
+"""
+
+
+def test_an_optuna_study_every_rank_runs_for_its_model_is_reported():
+    assert reported_lines(OPTUNA_SEARCH) == [19]
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # the trial's draws shared by rank 0 (Optuna's own wrapper for torch.distributed)
+        (
+            "        cfg = {",
+            "        trial = optuna.integration.TorchDistributedTrial(trial)\n        cfg = {",
+        ),
+        # every rank's sampler seeded alike draws the same values
+        (
+            'optuna.create_study(direction="maximize")',
+            'optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=0))',
+        ),
+        # the objective trains nothing under DDP
+        ("        return train_one(cfg, rank)", "        return cfg['d'] / 512"),
+        # rank 0 alone searches
+        ("    study = optuna", "    if rank != 0:\n        return\n    study = optuna"),
+    ],
+    ids=["distributed-trial", "seeded-sampler", "no-ddp", "rank-zero-only"],
+)
+def test_an_optuna_study_whose_draws_agree_or_build_nothing_is_quiet(old, new):
+    assert old in OPTUNA_SEARCH
+    assert reported_lines(OPTUNA_SEARCH.replace(old, new)) == []

@@ -15,7 +15,9 @@ same way on every rank are not judged (they need no `if`).
 The same mismatch without an `if`: the model's sizes measured from data each
 rank reads for itself (`Tagger(len(words), ...)` with the words collected
 from `files[rank::world]`), followed back as data.py follows a dataset to a
-rank-sharded origin.
+rank-sharded origin. And a hyper-parameter search every rank runs for itself
+(`optuna.create_study()` on every rank, the objective training under DDP):
+each rank draws its own width, depth or learning rate.
 """
 
 from __future__ import annotations
@@ -179,6 +181,70 @@ def check_vocabulary_grown_on_some_ranks(script: Script) -> Iterator[Finding]:
 
 def grows_vocabulary(call: ast.Call) -> bool:
     return isinstance(call.func, ast.Attribute) and call.func.attr in VOCABULARY_METHODS
+
+
+# --- hyperparameters each rank draws for itself ---------------------------------------
+
+# What an Optuna trial draws: suggest_int, suggest_float, suggest_categorical, ...
+SUGGEST_PREFIX = "suggest_"
+
+
+@check("model-differs-across-ranks")
+def check_hyperparameters_each_rank_draws(script: Script) -> Iterator[Finding]:
+    """`study = optuna.create_study(); study.optimize(objective)` run by every rank,
+    where the objective's `trial.suggest_*()` draws go into training under DDP:
+    each rank runs a study of its own and draws its own width, depth or learning
+    rate, so the ranks build different models (DDP's check that they hold the
+    same parameters fails) or train them differently. Quiet where the draws are
+    shared (Optuna's TorchDistributedTrial) or every rank's sampler is seeded alike."""
+    if not is_distributed(script) or "TorchDistributedTrial" in script.called_short_names:
+        return
+    from assistant.lint.checks.collective_reach import CallGraph  # a check module's helper
+
+    training = CallGraph(script).reaching("DistributedDataParallel")
+    drawing = {
+        owner
+        for node, name in script.call_names
+        if short(name).startswith(SUGGEST_PREFIX)
+        and (owner := owning_function(script, node)) is not None
+    }
+    if not drawing & training:
+        return
+    studies = (
+        call
+        for trace in script.traces
+        for call in trace
+        if call.name == "optuna.create_study"
+        and not {b.side for b in call.rank_path} & {RANK_ZERO, OTHER_RANKS, NO_RANKS}
+        and not seeded_sampler(script, call.node)
+    )
+    for call in once_per_call(studies, lambda call: call):
+        yield script.finding(
+            "model-differs-across-ranks",
+            call.node,
+            "every rank creates this Optuna study and runs its trials, whose trial.suggest_*() "
+            "draws go into training under DDP: each rank draws its own hyperparameters, so the "
+            "ranks build different models (DDP's check that they hold the same parameters "
+            "fails) or train them differently; let rank 0 draw and share each trial's values "
+            "(optuna.integration.TorchDistributedTrial(trial) on every rank), or seed every "
+            "rank's sampler alike",
+        )
+
+
+def owning_function(script: Script, node: ast.AST) -> str | None:
+    """The plain name of the innermost function the node is written in."""
+    parent = script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        parent = script.parents.get(id(parent))
+    return parent.name if parent is not None else None
+
+
+def seeded_sampler(script: Script, study: ast.Call) -> bool:
+    """`create_study(sampler=TPESampler(seed=0))`: every rank draws the same values."""
+    sampler = next((k.value for k in study.keywords if k.arg == "sampler"), None)
+    if isinstance(sampler, ast.Name):
+        sampler = next(iter(script.assigned_values.get(sampler.id, [])), None)
+    return isinstance(sampler, ast.Call) and any(k.arg == "seed" for k in sampler.keywords)
 
 
 # --- sizes read from each rank's own shard -------------------------------------------
