@@ -146,6 +146,41 @@ def test_a_running_confusion_of_the_files_own_over_a_helpers_loader(sync, report
     assert reported_lines(body) == reported
 
 
+AVERAGE_METERS = """
+class AverageMeter:
+    def __init__(self):
+        self.sum, self.count = 0.0, 0
+
+    def update(self, val, n=1):
+        self.sum += val * n
+        self.count += n
+
+    @property
+    def avg(self):
+        return self.sum / max(1, self.count)
+
+
+def validate(loader, model):
+    top1, losses = AverageMeter(), AverageMeter()
+    for images, target in loader:
+        output = model(images)
+        top1.update((output.argmax(1) == target).float().mean().item(), images.size(0))
+    return top1.avg
+
+
+dist.init_process_group("nccl")
+val_loader = DataLoader(val_set, batch_size=256, sampler=DistributedSampler(val_set))
+acc1 = validate(val_loader, model)
+if dist.get_rank() == 0:
+    print(f"Acc@1 {acc1:.3f}")
+"""
+
+
+def test_meters_of_the_files_own_bound_in_one_tuple_assignment_are_running_metrics():
+    # blind set bh's 16: the ImageNet example's meters, made two to a line
+    assert reported_lines(AVERAGE_METERS) == [17]
+
+
 def test_a_total_carried_by_assignment_is_a_total():
     # blind set as 01: a confusion matrix updated through a helper that returns it
     body = """

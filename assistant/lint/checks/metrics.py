@@ -485,17 +485,28 @@ def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dic
 
 
 def instances_in(script: Script, scope: ast.AST, classes: dict[str, V]) -> dict[str, V]:
-    """Names the scope binds to an object of one of `classes` (`m = Meter()`), each
-    with what `classes` holds for its class."""
-    return {
-        target.id: classes[called]
-        for node in ast.walk(scope)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Call)
-        and (called := short(script.name_of(node.value.func))) in classes
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    """Names the scope binds to an object of one of `classes` (`m = Meter()`, or
+    `top1, top5 = Meter(), Meter()`), each with what `classes` holds for its class."""
+    found: dict[str, V] = {}
+    for node in ast.walk(scope):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = (
+                zip(target.elts, node.value.elts, strict=True)
+                if isinstance(target, ast.Tuple)
+                and isinstance(node.value, ast.Tuple)
+                and len(target.elts) == len(node.value.elts)
+                else [(target, node.value)]
+            )
+            for name, value in pairs:
+                if (
+                    isinstance(name, ast.Name)
+                    and isinstance(value, ast.Call)
+                    and (called := short(script.name_of(value.func))) in classes
+                ):
+                    found[name.id] = classes[called]
+    return found
 
 
 def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[str]:
