@@ -462,3 +462,45 @@ def test_a_head_run_only_when_the_batch_holds_items_is_reported(gate):
 )
 def test_a_head_every_step_reaches_or_a_ddp_that_looks_is_not_reported(gate, ddp):
     assert sized_reported(gate, ddp) == []
+
+
+# Blind set bg's 01: two output heads, one picked by a mode the model is built with.
+MODED = """
+import argparse
+
+
+class Forecaster(nn.Module):
+    def __init__(self, output_mode):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.quantile_head = nn.Linear(4, 3)
+        self.point_head = nn.Linear(4, 1)
+        self.output_mode = output_mode
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.output_mode == "quantile":
+            return self.quantile_head(h)
+        return self.point_head(h)
+
+
+p = argparse.ArgumentParser()
+p.add_argument("--output-mode", choices=["quantile", "point"], default="quantile")
+args = p.parse_args()
+model = DDP({built})
+"""
+
+
+@pytest.mark.parametrize(
+    "built, reported",
+    [
+        ("Forecaster(args.output_mode)", True),
+        ('Forecaster("point")', True),
+        ("Forecaster(args.output_mode), find_unused_parameters=True", False),
+    ],
+    ids=["option-default", "constant", "find-unused"],
+)
+def test_a_head_a_mode_the_model_is_built_with_never_picks_is_reported(built, reported):
+    body = MODED.replace("{built}", built) + step_with("loss = model(x).sum()")
+    found = [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
+    assert bool(found) == reported, found

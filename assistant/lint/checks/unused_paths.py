@@ -543,12 +543,19 @@ def decide(test: ast.expr, given: dict[str, object]) -> bool | None:
     if (
         isinstance(test, ast.Compare)
         and len(test.ops) == 1
-        and isinstance(test.left, ast.Name)
-        and test.left.id in given
+        and (compared := compared_key(test.left)) in given
         and isinstance(test.comparators[0], ast.Constant)
     ):
-        return compare(test.ops[0], given[test.left.id], test.comparators[0].value)
+        return compare(test.ops[0], given[compared], test.comparators[0].value)
     return None
+
+
+def compared_key(left: ast.expr) -> str | None:
+    """What a comparison's left side is known by in `given`: a parameter's name, or
+    a flag the model was built with (`self.output_mode == "quantile"`)."""
+    if isinstance(left, ast.Name):
+        return left.id
+    return source_text(left) if self_attribute(left) else None
 
 
 def compare(op: ast.cmpop, left: object, right: object) -> bool | None:
