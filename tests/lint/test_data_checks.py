@@ -1145,3 +1145,32 @@ def test_each_rank_draws_the_whole_dataset_through_a_random_batch_sampler_and_th
     assert broken.stdout.count("saw 16 samples") == 2
     assert fixed.returncode == 0, fixed.stderr[-2000:]
     assert fixed.stdout.count("saw 8 samples") == 2
+
+
+@pytest.mark.parametrize(
+    "made, reported",
+    [
+        ("dataset = PygNodePropPredDataset(name='ogbn-products', root=root)", True),
+        ("dataset = Planetoid(root, 'Cora')", True),
+        ("dataset = DglGraphPropPredDataset(name='ogbg-molhiv', root=root)", True),
+        (
+            (
+                "if rank == 0:\n    PygNodePropPredDataset(name='ogbn-products', root=root)\n"
+                "dist.barrier()\ndataset = PygNodePropPredDataset(name='ogbn-products', root=root)"
+            ),
+            False,
+        ),
+    ],
+    ids=["ogb", "pyg", "ogb-dgl", "rank-zero-first"],
+)
+def test_a_graph_dataset_that_downloads_when_built_is_built_by_every_rank(made, reported):
+    # blind set bf's 01: OGB's and PyG's datasets download and process on construction
+    source = (
+        "import torch.distributed as dist\n"
+        "from ogb.nodeproppred import PygNodePropPredDataset\n"
+        "from ogb.graphproppred import DglGraphPropPredDataset\n"
+        "from torch_geometric.datasets import Planetoid\n"
+        "dist.init_process_group('nccl')\nrank = dist.get_rank()\nroot = 'data'\n" + made + "\n"
+    )
+    found = [f.cause_id for f in lint_source(source) if f.cause_id == "dataset-cache-race"]
+    assert bool(found) == reported, found

@@ -25,6 +25,7 @@ on the first run and writes at once. Quiet in the same turn-taking cases
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterator
 
 from assistant.lint.checks.collective_reach import statement_blocks
@@ -69,8 +70,9 @@ def check_download_on_every_rank(script: Script) -> Iterator[Finding]:
         yield script.finding(
             "dataset-cache-race",
             call.node,
-            f"{short(call.name) or 'this call'}(..., download=True) runs on every rank at "
-            "once: N processes download and unpack into the same folder, and a rank can read "
+            f"{short(call.name) or 'this call'}(...{', download=True' * has_flag(call)}) "
+            "runs on every rank at once and downloads when its files are missing: N processes "
+            "download and unpack into the same folder, and a rank can read "
             'a half-written file ("Dataset not found or corrupted", BadZipFile, EOFError); '
             "download on rank 0 first (or in main_process_first()), barrier, then load",
         )
@@ -85,8 +87,9 @@ def without_turns(script: Script, calls: Iterator[TracedCall]) -> Iterator[Trace
 
 
 def every_rank_downloads(trace: list[TracedCall]) -> Iterator[TracedCall]:
-    """Calls with `download=True` that every rank reaches before any rank-0-first step."""
-    return every_rank_reaches(trace, lambda call: downloads(call.node))
+    """Calls with `download=True` (or of a dataset that downloads when built) that
+    every rank reaches before any rank-0-first step."""
+    return every_rank_reaches(trace, downloads)
 
 
 def every_rank_reaches(
@@ -130,9 +133,23 @@ def parent_only(trace: list[TracedCall]) -> set[int]:
     return {id(call) for call in trace[:spawn] if call.guarded}
 
 
-def downloads(call: ast.Call) -> bool:
-    flag = keyword(call, "download")
-    return isinstance(flag, ast.Constant) and flag.value is True
+# Datasets that download and process their files when built, with no lock: OGB's
+# (ogb.nodeproppred.PygNodePropPredDataset, DglGraphPropPredDataset, ...) and
+# PyTorch Geometric's (torch_geometric.datasets.Planetoid, Reddit, ...).
+DOWNLOADING_DATASETS = re.compile(
+    r"^ogb\.(node|graph|link)proppred\.\w+Dataset$|^torch_geometric\.datasets\.\w+$"
+)
+
+
+def downloads(call: TracedCall) -> bool:
+    flag = keyword(call.node, "download")
+    if isinstance(flag, ast.Constant) and flag.value is True:
+        return True
+    return flag is None and bool(DOWNLOADING_DATASETS.match(call.name))
+
+
+def has_flag(call: TracedCall) -> bool:
+    return keyword(call.node, "download") is not None
 
 
 def sides(path: RankPath) -> set[str]:

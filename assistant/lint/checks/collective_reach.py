@@ -670,12 +670,23 @@ def enclosing_loop(node: ast.AST, parents: dict[int, ast.AST]) -> ast.For | ast.
     return None
 
 
+# A model's own members: the same on every rank, whatever its data (a loop over them
+# that skips `param.grad is None` skips the same ones everywhere).
+MODEL_MEMBERS = frozenset(
+    {"parameters", "named_parameters", "buffers", "named_buffers", "modules", "named_modules",
+     "children", "named_children"}
+)  # fmt: skip
+
+
 def batch_names(loop: ast.For | ast.While) -> set[str]:
-    """Names a `for` binds to the loader's items (not enumerate's counter)."""
+    """Names a `for` binds to the loader's items (not enumerate's counter, and none
+    for a loop over the model's own parameters or modules)."""
     if not isinstance(loop, ast.For):
         return set()
     target = loop.target
     iterated = loop.iter
+    if isinstance(iterated, ast.Call) and called_name(iterated) in MODEL_MEMBERS:
+        return set()
     if (
         isinstance(iterated, ast.Call)
         and isinstance(iterated.func, ast.Name)

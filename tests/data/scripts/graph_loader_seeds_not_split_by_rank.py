@@ -22,6 +22,9 @@ def main():
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0:  # downloads and processes on first use: rank 0 first, the others wait
+        PygNodePropPredDataset("ogbn-products", root="data")
+    dist.barrier()
     dataset = PygNodePropPredDataset("ogbn-products", root="data")
     split_idx = dataset.get_idx_split()
     data = dataset[0]

@@ -26,6 +26,9 @@ def main():
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl")
+    if dist.get_rank() == 0:  # downloads on first use: rank 0 first, the others wait
+        TUDataset("data/TUDataset", name="MUTAG")
+    dist.barrier()
     dataset = TUDataset("data/TUDataset", name="MUTAG")
     loader = DataLoader(dataset, batch_size=32, shuffle=True)  # expect: missing-distributed-sampler
     model = DDP(Net(dataset.num_features, dataset.num_classes).cuda(local_rank), device_ids=[local_rank])

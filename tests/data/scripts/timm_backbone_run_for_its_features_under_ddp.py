@@ -1,0 +1,46 @@
+"""SimCLR over a timm ViT: the encoder is run through forward_features only, while
+timm.create_model built its 1000-class head, which then gets no gradient, and the
+strict DDP fails at the second step ("Expected to have finished reduction in the
+prior iteration"). Lint only: timm is not installed here."""
+
+import os
+
+import timm
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class SimCLR(nn.Module):
+    def __init__(self, arch: str) -> None:
+        super().__init__()
+        self.backbone = timm.create_model(arch, pretrained=False)  # expect: unused-parameters
+        self.projector = nn.Sequential(nn.Linear(self.backbone.embed_dim, 256), nn.ReLU())
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backbone.forward_features(x)[:, 0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.encode(x))
+
+
+def main() -> None:
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    model = DDP(SimCLR("vit_small_patch16_224").cuda(), device_ids=[local_rank])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(10):
+        a, b = torch.randn(8, 3, 224, 224).cuda(), torch.randn(8, 3, 224, 224).cuda()
+        za, zb = F.normalize(model(a), dim=1), F.normalize(model(b), dim=1)
+        loss = F.cross_entropy(za @ zb.T / 0.1, torch.arange(8).cuda())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
