@@ -69,3 +69,39 @@ def test_two_nodes_claiming_the_same_ranks_never_meet_while_the_twin_does(tmp_pa
     results = two_nodes(SCRIPTS / "correct_rank_given_the_job_rank_on_two_nodes.py", fixed)
     assert all(r.returncode == 0 for r in results), results[1].stderr[-2000:]
     assert [f"rank {n} sees 2 processes" in r.stdout for n, r in enumerate(results)] == [True, True]
+
+
+@pytest.mark.parametrize(
+    "body, lines",
+    [
+        # blind set bk's 17: two 8-GPU nodes under torchrun, the world sized by one node's GPUs
+        (
+            (
+                'dist.init_process_group("nccl", world_size=torch.cuda.device_count(), '
+                'rank=int(os.environ["RANK"]))\n'
+            ),
+            [1],
+        ),
+        (
+            (
+                "world = torch.cuda.device_count()\n"
+                'dist.init_process_group("nccl", init_method="env://", world_size=world, '
+                'rank=int(os.environ["RANK"]))\n'
+            ),
+            [2],
+        ),
+        # the job's own size, or a spawned job on one node the file starts itself
+        ('dist.init_process_group("nccl", rank=int(os.environ["RANK"]))\n', []),
+        (
+            (
+                "def worker(i, world):\n"
+                '    dist.init_process_group("nccl", rank=i, world_size=world)\n'
+                "world = torch.cuda.device_count()\nmp.spawn(worker, args=(world,), nprocs=world)\n"
+            ),
+            [],
+        ),
+    ],
+    ids=["direct", "named", "from-env", "spawned"],
+)
+def test_a_world_sized_by_one_nodes_gpus_under_a_launchers_rank_is_reported(body, lines):
+    assert reported("import torch\n" + body) == [line + 1 for line in lines]

@@ -243,6 +243,51 @@ def check_rank_given_the_local_rank(script: Script) -> Iterator[Finding]:
         )
 
 
+@check("world-size-mismatch")
+def check_world_sized_by_one_nodes_gpus(script: Script) -> Iterator[Finding]:
+    """`init_process_group(world_size=torch.cuda.device_count(), rank=int(os.environ
+    ["RANK"]))`: the rank is the launcher's, counted over every node, but the world is
+    this node's GPUs. On one node with a process per GPU the two agree; on two, the
+    ranks of the second node are outside the world."""
+    for node in init_calls(script):
+        value, rank = keyword(node, "world_size"), keyword(node, "rank")
+        if value is None or rank is None or not counts_this_nodes_gpus(script, value):
+            continue
+        if environment_variable(without_int(rank), script) != "RANK" and not (
+            isinstance(rank, ast.Name) and global_rank_name(script, rank.id)
+        ):
+            continue
+        yield script.finding(
+            "world-size-mismatch",
+            value,
+            f"world_size={source_text(value)} counts this node's GPUs, but rank="
+            f"{source_text(rank)} is the launcher's rank over every node: on one node with a "
+            "process per GPU they agree; on more nodes (or fewer processes than GPUs) the "
+            "ranks past it are outside the world and rendezvous fails or waits; pass "
+            'world_size=int(os.environ["WORLD_SIZE"]) (or leave both out under torchrun)',
+        )
+
+
+def counts_this_nodes_gpus(script: Script, value: ast.expr) -> bool:
+    """`torch.cuda.device_count()`, directly or through a name every assignment of
+    which is that call."""
+    values = (
+        script.assigned_values.get(value.id, []) if isinstance(value, ast.Name) else [value]
+    )
+    return bool(values) and all(
+        isinstance(v, ast.Call) and script.name_of(v.func) == "torch.cuda.device_count"
+        for v in values
+    )
+
+
+def global_rank_name(script: Script, name: str) -> bool:
+    """A name every assignment of which reads RANK from the environment."""
+    sources = script.assigned_values.get(name, [])
+    return bool(sources) and all(
+        environment_variable(without_int(v), script) == "RANK" for v in sources
+    )
+
+
 def local_rank_variable(script: Script, value: ast.expr) -> str | None:
     """The node-local variable `value` is read from: directly, through int(...), or
     through a name every assignment of which reads it."""
