@@ -271,9 +271,7 @@ def check_world_sized_by_one_nodes_gpus(script: Script) -> Iterator[Finding]:
 def counts_this_nodes_gpus(script: Script, value: ast.expr) -> bool:
     """`torch.cuda.device_count()`, directly or through a name every assignment of
     which is that call."""
-    values = (
-        script.assigned_values.get(value.id, []) if isinstance(value, ast.Name) else [value]
-    )
+    values = script.assigned_values.get(value.id, []) if isinstance(value, ast.Name) else [value]
     return bool(values) and all(
         isinstance(v, ast.Call) and script.name_of(v.func) == "torch.cuda.device_count"
         for v in values

@@ -71,72 +71,81 @@ MAX_METHODS = 16  # own methods followed from forward (self.encode(x) ...)
 @check("unused-parameters")
 def check_submodule_the_call_routes_around(script: Script) -> Iterator[Finding]:
     """A training call of a DDP-wrapped model whose constant (or per-step) arguments
-    send forward past a submodule, under a DDP that expects every parameter."""
+    send forward past a submodule, a branch on how many items the batch holds that
+    leaves one out, or a member every call of which leaves one of its own out,
+    under a DDP that expects every parameter."""
     strict = strict_ddp_calls(script)
     if not strict:
         return
     classes = {cls.name: cls for cls in model_classes(script)}
     reported: set[int] = set()
     for ddp in strict:
-        holders, built = wrapped_by(script, ddp, set(classes))
-        holders -= set(classes) | set(script.functions)  # `Net()` builds, it does not step
-        for name in sorted(built):
-            cls = classes[name]
-            trainable = trainable_submodules(script, cls)
-            everywhere = reached(cls, {}) & trainable
-            flags = built_flags(script, cls)
-            calls = list(training_calls(script, holders))
-            for call, nodes in calls:
-                for left_out, where, how in routes(cls, call, nodes, everywhere, flags):
-                    if where in reported:
-                        continue
-                    reported.add(where)
-                    shown = ", ".join(f"self.{member}" for member in sorted(left_out)[:3])
-                    yield script.finding(
-                        "unused-parameters",
-                        where,
-                        f"{how} forward never runs {shown}, which it runs on other paths: "
-                        "that step's backward gives their parameters no gradient, "
-                        f"and DDP (line {ddp.lineno}) expects one for every parameter each "
-                        'step and fails with "Expected to have finished reduction in the '
-                        'prior iteration": pass find_unused_parameters=True, or run them '
-                        "every step and weight what they add by zero",
-                    )
-            if not calls:
+        for where, message in left_out_by_the_steps(script, classes, ddp):
+            line = where if isinstance(where, int) else where.lineno
+            if line in reported:
                 continue
-            for test, left_out in branches_on_the_batch_size(cls, trainable):
-                if test.lineno in reported:
-                    continue
-                reported.add(test.lineno)
-                shown = ", ".join(f"self.{member}" for member in sorted(left_out)[:3])
-                yield script.finding(
-                    "unused-parameters",
-                    test,
-                    f"in training, forward runs {shown} only when `{source_text(test.test)}` "
-                    "says the batch holds items for it: a step whose batch has none (a batch "
-                    "of background images, no masked instance) gives their parameters no "
-                    f"gradient, and DDP (line {ddp.lineno}) expects one for every parameter "
-                    'each step and fails with "Expected to have finished reduction in the '
-                    'prior iteration": run them on the empty selection too (the gradient is '
-                    "then zero, but it is there), or pass find_unused_parameters=True",
+            reported.add(line)
+            yield script.finding("unused-parameters", where, message)
+
+
+def left_out_by_the_steps(
+    script: Script, classes: dict[str, ast.ClassDef], ddp: ast.Call
+) -> Iterator[tuple[ast.AST | int, str]]:
+    """(where, message) for each way a training step of the model `ddp` wraps
+    leaves trainable submodules out."""
+    fails = (
+        f"DDP (line {ddp.lineno}) expects one for every parameter each step and fails with "
+        '"Expected to have finished reduction in the prior iteration"'
+    )
+    holders, built = wrapped_by(script, ddp, set(classes))
+    holders -= set(classes) | set(script.functions)  # `Net()` builds, it does not step
+    for name in sorted(built):
+        cls = classes[name]
+        trainable = trainable_submodules(script, cls)
+        everywhere = reached(cls, {}) & trainable
+        flags = built_flags(script, cls)
+        calls = list(training_calls(script, holders))
+        for call, nodes in calls:
+            for left_out, where, how in routes(cls, call, nodes, everywhere, flags):
+                yield (
+                    where,
+                    (
+                        f"{how} forward never runs {fields_shown(left_out)}, which it runs on "
+                        f"other paths: that step's backward gives their parameters no gradient, "
+                        f"and {fails}: pass find_unused_parameters=True, or run them every step "
+                        "and weight what they add by zero"
+                    ),
                 )
-            for member_call, member, inner, left_out, shown in inner_members_left_out(
-                script, classes, cls
-            ):
-                if member_call.lineno in reported:
-                    continue
-                reported.add(member_call.lineno)
-                fields = ", ".join(f"self.{field}" for field in sorted(left_out)[:3])
-                yield script.finding(
-                    "unused-parameters",
-                    member_call,
-                    f"every call of self.{member} leaves {shown}, so {inner}.forward never "
-                    f"runs {fields}, which it runs on other paths: those parameters get no "
-                    f"gradient, and DDP (line {ddp.lineno}) expects one for every parameter "
-                    'each step and fails with "Expected to have finished reduction in the '
-                    'prior iteration": build them only where a call uses them, or pass '
-                    "find_unused_parameters=True",
-                )
+        if not calls:
+            continue
+        for test, left_out in branches_on_the_batch_size(cls, trainable):
+            yield (
+                test,
+                (
+                    f"in training, forward runs {fields_shown(left_out)} only when "
+                    f"`{source_text(test.test)}` says the batch holds items for it: a step whose "
+                    "batch has none (a batch of background images, no masked instance) gives "
+                    f"their parameters no gradient, and {fails}: run them on the empty selection "
+                    "too (the gradient is then zero, but it is there), or pass "
+                    "find_unused_parameters=True"
+                ),
+            )
+        for member_call, member, inner, left_out, shown in inner_members_left_out(
+            script, classes, cls
+        ):
+            yield (
+                member_call,
+                (
+                    f"every call of self.{member} leaves {shown}, so {inner}.forward never runs "
+                    f"{fields_shown(left_out)}, which it runs on other paths: those parameters "
+                    f"get no gradient, and {fails}: build them only where a call uses them, or "
+                    "pass find_unused_parameters=True"
+                ),
+            )
+
+
+def fields_shown(fields: set[str]) -> str:
+    return ", ".join(f"self.{field}" for field in sorted(fields)[:3])
 
 
 def routes(
