@@ -368,3 +368,43 @@ def main():
 def test_a_method_of_an_object_built_with_the_rank_depends_on_what_it_returns(returned, found):
     findings = lint_source(CALLBACK.replace("RETURNED", returned))
     assert [(f.cause_id, f.line) for f in findings if f.cause_id == "uneven-inputs"] == found
+
+
+@pytest.mark.parametrize(
+    "body, reported",
+    [
+        # blind set bk's 03: each rank creates only the groups it belongs to
+        (
+            (
+                "for i in range(world // 2):\n"
+                "    ranks = list(range(i * 2, (i + 1) * 2))\n"
+                "    if rank in ranks:\n"
+                "        group = dist.new_group(ranks)\n"
+            ),
+            [4],
+        ),
+        ("if rank == 0:\n    group = dist.new_group([0, 1])\n", [2]),
+        # every rank creates every group and keeps its own
+        (
+            (
+                "for i in range(world // 2):\n"
+                "    ranks = list(range(i * 2, (i + 1) * 2))\n"
+                "    g = dist.new_group(ranks)\n"
+                "    if rank in ranks:\n"
+                "        group = g\n"
+            ),
+            [],
+        ),
+        ("if world > 1:\n    group = dist.new_group(list(range(world)))\n", []),
+        ("if args.local_rank != -1:\n    group = dist.new_group(list(range(world)))\n", []),
+    ],
+    ids=["member-only", "rank-zero", "every-rank", "world-test", "distributed-test"],
+)
+def test_a_group_only_some_ranks_create_is_reported(body, reported):
+    source = (
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('nccl')\n"
+        "rank, world = dist.get_rank(), dist.get_world_size()\n" + body
+    )
+    found = [f.line - 3 for f in lint_source(source) if f.cause_id == "collective-mismatch"]
+    assert found == reported

@@ -23,10 +23,12 @@ from assistant.lint.model import (
     unmoved,
 )
 from assistant.lint.ranks import (
+    NO_RANKS,
     OTHER_RANKS,
     RANK_ZERO,
     RankBranch,
     enclosing_scope,
+    is_rank_expr,
     other_side,
     rank_branch_sides,
     some_rank_runs,
@@ -366,6 +368,53 @@ class CallGraph:
                     reaching.add(caller)
                     pending.append(caller)
         return reaching
+
+
+# --- a group only some ranks create ------------------------------------------------
+
+# Calls every process of the default group must make, members of the new group or not.
+GROUP_CREATORS = frozenset({"new_group", "new_subgroups", "new_subgroups_by_enumeration"})
+
+
+@check("collective-mismatch")
+def check_group_only_some_ranks_create(script: Script) -> Iterator[Finding]:
+    """`if rank in ranks: group = dist.new_group(ranks)`: new_group is collective over
+    the whole default group, members or not, so a rank that skips another group's
+    creation leaves its members waiting (and the groups' ids disagree)."""
+    for node, name in script.call_names:
+        if short(name) not in GROUP_CREATORS or not name.startswith("torch.distributed"):
+            continue
+        test_if = rank_test_around(script, node)
+        if test_if is None:
+            continue
+        yield script.finding(
+            "collective-mismatch",
+            node,
+            f"{short(name)}() runs only where `if {source_text(test_if.test)}` holds (line "
+            f"{test_if.lineno}), but every process of the default group must call it for "
+            "every group, members or not: the others never enter it, and its members wait "
+            "(or the groups' ids disagree); create every group on every rank, then keep the "
+            "one this rank belongs to",
+        )
+
+
+def rank_test_around(script: Script, node: ast.AST) -> ast.If | None:
+    """The nearest `if` around `node`, in its function, whose test reads the rank."""
+    child, parent = node, script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if (
+            isinstance(parent, ast.If)
+            and child is not parent.test
+            and NO_RANKS not in rank_branch_sides(parent.test, script)  # distributed or not
+            and any(
+                is_rank_expr(part, script)
+                for part in ast.walk(parent.test)
+                if isinstance(part, ast.expr)
+            )
+        ):
+            return parent
+        child, parent = parent, script.parents.get(id(parent))
+    return None
 
 
 # --- a step one rank skips on its own data ---------------------------------------
