@@ -25,7 +25,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from assistant.lint.model import Function, Script, keyword, self_attribute, short, source_text
+from assistant.lint.checks.rank_dependent import tuple_size_returned
+from assistant.lint.model import (
+    Function,
+    Script,
+    keyword,
+    own_nodes,
+    self_attribute,
+    short,
+    source_text,
+)
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
@@ -661,16 +670,13 @@ def returned_positions(function: Function, derived: set[str]) -> frozenset[int] 
     """Which elements of the tuples `function` returns carry a derived value
     (`return math.sqrt(total / n), torch.cat(preds)`, preds unreduced: {1}); None
     when its returns are not all tuples of one size (the whole value carries it)."""
-    returned = [n.value for n in ast.walk(function) if isinstance(n, ast.Return)]
-    if not returned or not all(isinstance(r, ast.Tuple) for r in returned):
-        return None
-    if len({len(r.elts) for r in returned if isinstance(r, ast.Tuple)}) != 1:
+    if tuple_size_returned(function) is None:
         return None
     return frozenset(
         position
-        for r in returned
-        if isinstance(r, ast.Tuple)
-        for position, element in enumerate(r.elts)
+        for node in own_nodes(function)
+        if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+        for position, element in enumerate(node.value.elts)
         if names_in(element) & derived
     )
 

@@ -26,7 +26,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.model import Script, short, source_text
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, is_distributed
 from assistant.lint.tracer import TracedCall, once_per_call
@@ -203,10 +203,10 @@ def check_hyperparameters_each_rank_draws(script: Script) -> Iterator[Finding]:
 
     training = CallGraph(script).reaching("DistributedDataParallel")
     drawing = {
-        owner
+        owner.name
         for node, name in script.call_names
         if short(name).startswith(SUGGEST_PREFIX)
-        and (owner := owning_function(script, node)) is not None
+        and isinstance(owner := enclosing_scope(node, script), ast.FunctionDef)
     }
     if not drawing & training:
         return
@@ -229,14 +229,6 @@ def check_hyperparameters_each_rank_draws(script: Script) -> Iterator[Finding]:
             "(optuna.integration.TorchDistributedTrial(trial) on every rank), or seed every "
             "rank's sampler alike",
         )
-
-
-def owning_function(script: Script, node: ast.AST) -> str | None:
-    """The plain name of the innermost function the node is written in."""
-    parent = script.parents.get(id(node))
-    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        parent = script.parents.get(id(parent))
-    return parent.name if parent is not None else None
 
 
 def seeded_sampler(script: Script, study: ast.Call) -> bool:

@@ -1285,10 +1285,9 @@ def check_timm_model_run_for_its_features(script: Script) -> Iterator[Finding]:
             )
 
 
-# What a timm model runs its classifier through (besides calling the model itself).
-TIMM_HEAD_READS = frozenset(
-    {"forward", "forward_head", "head", "fc", "classifier", "get_classifier", "last_linear"}
-)
+# A timm model's classifier, by family, and what runs it (besides calling the model).
+TIMM_HEADS = ("head", "fc", "classifier", "last_linear")
+TIMM_HEAD_READS = frozenset({"forward", "forward_head", "get_classifier", *TIMM_HEADS})
 
 
 def timm_models_with_a_head(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call]]:
@@ -1329,23 +1328,18 @@ def runs_only_features(cls: ast.ClassDef, field: str) -> bool:
 
 
 def classifier_taken_out(script: Script, field: str) -> bool:
-    """The file resets, replaces, deletes or freezes the classifier, or freezes the
-    whole model (`self.backbone.reset_classifier(0)`, `model.backbone.head = ...`)."""
+    """The file resets the classifier (`self.backbone.reset_classifier(0)`), or
+    replaces, deletes or freezes it or the whole model (head_taken_out)."""
     local = field.removeprefix("self.")
-    for node in script.nodes:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = source_text(node.func.value)
-            if node.func.attr == "reset_classifier" and owner.endswith(local):
-                return True
-        if isinstance(node, ast.Assign | ast.Delete):
-            for target in node.targets:
-                if (
-                    isinstance(target, ast.Attribute)
-                    and target.attr in TIMM_HEAD_READS
-                    and source_text(target.value).endswith(local)
-                ):
-                    return True
-    return any(head_taken_out(script, field, head) for head in ("head", "fc", "classifier"))
+    if any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "reset_classifier"
+        and source_text(node.func.value).endswith(local)
+        for node in script.nodes
+    ):
+        return True
+    return any(head_taken_out(script, field, head) for head in TIMM_HEADS)
 
 
 def library_backbones(script: Script, init: ast.FunctionDef) -> Iterator[tuple[str, ast.Call, str]]:
