@@ -116,6 +116,37 @@ def test_a_model_built_through_a_helper_and_a_self_field_is_reported():
 
 
 @pytest.mark.parametrize(
+    "norm, reported",
+    [
+        # blind set bn's 12: MinkowskiEngine's BatchNorm keeps running statistics too
+        ("ME.MinkowskiBatchNorm(8)", [13]),
+        ("timm.layers.BatchNormAct2d(8)", [13]),
+        # synchronised or frozen layers of the libraries: nothing to report here
+        ("ME.MinkowskiSyncBatchNorm(8)", []),
+        ("torchvision.ops.FrozenBatchNorm2d(8)", []),
+    ],
+)
+def test_a_libraries_batchnorm_layer_is_one_too(norm, reported):
+    """Two clouds of a pair through one DDP model before backward (FCGF-style)."""
+    body = f"""
+    import MinkowskiEngine as ME
+    import timm
+
+    class Encoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), {norm})
+
+    model = DDP(Encoder().cuda(), device_ids=[0])
+    for s0, s1 in loader:
+        f0 = model(s0)
+        f1 = model(s1)
+        contrastive(f0, f1).backward()
+    """
+    assert reported_lines(body) == reported
+
+
+@pytest.mark.parametrize(
     "body",
     [
         # told not to broadcast, or a SyncBatchNorm conversion

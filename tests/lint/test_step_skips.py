@@ -64,6 +64,21 @@ def test_a_batch_with_no_boxes_by_its_shape_or_size_is_a_skip_on_local_data():
     assert skipped_lines(body) == [3, 7, 11, 16]
 
 
+def test_a_batch_with_fewer_rows_than_a_minimum_of_its_own_is_a_skip_on_local_data():
+    # blind set bn's 08: a random crop of a scene that holds too few voxels
+    body = """
+    for coords, feats, labels in loader:
+        if feats.shape[0] < args.min_points:
+            continue
+        model(feats).sum().backward()
+    for points, labels in loader:
+        if points.size(0) <= min_voxels:
+            continue
+        model(points).sum().backward()
+    """
+    assert skipped_lines(body) == [3, 7]
+
+
 def test_a_parameter_without_a_gradient_skipped_in_averaging_by_hand_is_quiet():
     # blind set bk's 05: every rank skips the same parameters (same model, same graph)
     body = """
@@ -83,6 +98,14 @@ def test_a_batch_compared_with_the_batch_size_is_quiet():
     body = """
     for imgs, labels in loader:
         if imgs.shape[0] != args.batch_size:
+            continue
+        model(imgs).sum().backward()
+    for imgs, labels in loader:
+        if imgs.size(0) < cfg.per_gpu_batch:
+            continue
+        model(imgs).sum().backward()
+    for imgs, labels in loader:
+        if imgs.shape[0] < bs:
             continue
         model(imgs).sum().backward()
     """

@@ -7,6 +7,7 @@ lint the patterns; the messages quote the errors users report.
 
 from __future__ import annotations
 
+import pytest
 from snippets import lint_snippet
 
 HEADER = """
@@ -113,6 +114,42 @@ def test_a_start_method_chosen_for_the_script_silences_it():
         """
     )
     assert lines == []
+
+
+ACTORS = """
+import torch.multiprocessing as mp
+
+def act(net, device):
+    return net.to(device)
+
+def actor_loop(actor_id, device):
+    net = act(torch.nn.Linear(4, 2), device)
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    {init}
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", local_rank)
+    for i in range(4):
+        p = {process}(target=actor_loop, args=(i, device), daemon=True)
+        p.start()
+"""
+
+
+@pytest.mark.parametrize(
+    "init, process, reported",
+    [
+        # blind set bl's 13: Ape-X actors forked after the learner set its GPU
+        ("torch.cuda.set_device(local_rank)", "mp.Process", [16]),
+        ("model = torch.nn.Linear(4, 2).cuda()", "mp.Process", [16]),
+        # a spawn context, or CUDA not yet touched when the actors start
+        ("torch.cuda.set_device(local_rank)", 'mp.get_context("spawn").Process', []),
+        ("pass", "mp.Process", []),
+    ],
+    ids=["set-device", "cuda-model", "spawn-context", "before-cuda"],
+)
+def test_actor_processes_forked_after_cuda_and_moving_to_the_gpu(init, process, reported):
+    assert fork_lines(ACTORS.format(init=init, process=process)) == reported
 
 
 def test_device_map_auto_under_a_process_group_or_an_accelerate_training_loop_is_reported():

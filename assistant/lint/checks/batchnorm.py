@@ -47,7 +47,11 @@ from assistant.lint.torchapi import (
 from assistant.lint.values import resolved_int
 from assistant.results import Finding
 
-BATCH_NORM = re.compile(r"^BatchNorm([123]d)?$")
+# torch's BatchNorm layers and the libraries' own, which keep running statistics
+# the same way (MinkowskiEngine's MinkowskiBatchNorm, timm's BatchNormAct2d, PyG's
+# BatchNorm); not the synchronised ones (SyncBatchNorm, MinkowskiSyncBatchNorm,
+# detectron2's NaiveSyncBatchNorm) nor the frozen ones, whose statistics never move.
+BATCH_NORM = re.compile(r"^(?!\w*(Sync|Frozen))\w*BatchNorm(Act)?([123]d)?$")
 # torchvision's models built of BatchNorm layers (convnext and the ViTs use LayerNorm).
 TORCHVISION_BN_MODELS = re.compile(
     r"^(resnet|resnext|wide_resnet|densenet|mobilenet|efficientnet|regnet|vgg\d+_bn|"

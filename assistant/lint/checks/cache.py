@@ -47,7 +47,7 @@ from assistant.lint.torchapi import (
     lightning_classes,
     runs_a_process_per_gpu,
 )
-from assistant.lint.tracer import Shared, TracedCall, Tracer, once_per_call
+from assistant.lint.tracer import Shared, TracedCall, Tracer, once_per_call, same_file_callees
 from assistant.lint.values import MAX_HOPS
 from assistant.results import Finding
 
@@ -284,15 +284,16 @@ def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
 def writes_cache(script: Script, call: ast.Call, torch_save: bool, depth: int) -> bool:
     """The call writes a file (torch.save only when `torch_save`), or is a function
     of this file that does, itself or through the functions it calls (up to
-    `depth` calls deep): `build_token_cache(cache_dir)`."""
+    `depth` calls deep): `build_token_cache(cache_dir)`, a dataset's
+    `self._build_cache(index_file)`, a class whose __init__ writes it."""
     if writes_file(script, call):
         return torch_save or script.name_of(call.func) != "torch.save"
-    function = script.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
-    if function is None or depth == 0:
+    if depth == 0:
         return False
     return any(
         isinstance(inner, ast.Call) and writes_cache(script, inner, torch_save, depth - 1)
-        for inner in ast.walk(function)
+        for callee in same_file_callees(script, call.func, owner=None)
+        for inner in ast.walk(script.functions[callee])
     )
 
 

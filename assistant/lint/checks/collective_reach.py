@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -769,10 +770,17 @@ def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
     return False
 
 
+# A bound that names the batch size (`args.batch_size`, `bs`, `per_gpu_batch`): a
+# row count below it is the short last batch, as short on every rank.
+BATCH_SIZE_NAME = re.compile(r"batch|\bbs\b|per_(gpu|device)", re.IGNORECASE)
+
+
 def counts_no_rows(node: ast.AST, batch: set[str]) -> bool:
     """`targets.shape[0] == 0`, `not boxes.size(0)`, `labels.shape[0] < 1`: the
     batch holds no rows (a detector's batch of background images), or one
-    (`batch.x.shape[0] == 1`). A comparison with a larger number is no such
+    (`batch.x.shape[0] == 1`), or fewer than a minimum of its own
+    (`feats.shape[0] < args.min_points`: a point-cloud crop of too few voxels).
+    A comparison with a larger number, or with the batch size, is no such
     test: a short last batch is as short on every rank (DistributedSampler pads
     them to the same count)."""
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
@@ -780,6 +788,10 @@ def counts_no_rows(node: ast.AST, batch: set[str]) -> bool:
     if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
         return False
     bound = node.comparators[0]
+    if isinstance(bound, ast.Name | ast.Attribute) and not BATCH_SIZE_NAME.search(
+        source_text(bound)
+    ):
+        return isinstance(node.ops[0], ast.Lt | ast.LtE) and reads_row_count(node.left, batch)
     if not (isinstance(bound, ast.Constant) and type(bound.value) is int):
         return False
     # no rows (`== 0`, `< 1`), or a single one (`== 1`, `<= 1`, `< 2`: a graph batch of

@@ -14,6 +14,12 @@ error: initialization error", seen on an H200: tests/fixtures/gpu/runs.json).
 Quiet where the script chose another start method (`multiprocessing_context=`,
 `set_start_method`), where the workers are a literal 0, and where the device
 is said to be the CPU.
+
+The same fork, made by the script itself: `mp.Process(target=actor_loop,
+...)` started after this process set its GPU (an Ape-X / IMPALA learner
+forking its actors), whose target, or the file's functions it calls, puts a
+model or a tensor on the GPU. Quiet with a start method chosen, and for a
+process made from a context (`mp.get_context("spawn").Process`).
 """
 
 from __future__ import annotations
@@ -23,9 +29,18 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.devices import is_cpu
-from assistant.lint.model import Function, Script, keyword, self_attribute, short, source_text
+from assistant.lint.model import (
+    Function,
+    Script,
+    keyword,
+    own_nodes,
+    self_attribute,
+    short,
+    source_text,
+)
+from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_distributed
+from assistant.lint.torchapi import is_ddp, is_distributed
 from assistant.lint.tracer import same_file_callees
 from assistant.results import Finding
 
@@ -35,6 +50,8 @@ WORKER_METHODS = ("__getitem__", "__getitems__", "__iter__")
 GPU_DEVICE = re.compile(r"cuda|device|gpu|rank", re.IGNORECASE)
 # Methods followed from a worker method (self.encode -> self._codec -> ...).
 MAX_METHODS = 16
+# A process started with the module's default start method: fork, on Linux.
+FORKED_PROCESSES = frozenset({"torch.multiprocessing.Process", "multiprocessing.Process"})
 
 
 @check("cuda-init-before-fork")
@@ -172,7 +189,54 @@ def said_cpu(script: Script, dataset: ast.expr) -> bool:
     )
 
 
-def reached(script: Script, class_name: str, start: list[str]) -> list[Function]:
+@check("cuda-init-before-fork")
+def check_cuda_in_forked_processes(script: Script) -> Iterator[Finding]:
+    """`p = mp.Process(target=actor_loop, args=(..., device)); p.start()` after
+    `torch.cuda.set_device(local_rank)`, with actor_loop's `QNet().to(device)`."""
+    if not is_distributed(script) or "set_start_method" in script.called_short_names:
+        return
+    for call, name in script.call_names:
+        target = keyword(call, "target")
+        if name not in FORKED_PROCESSES or not isinstance(target, ast.Name):
+            continue
+        initialised = cuda_initialised_before(script, call)
+        if initialised is None:
+            continue
+        move = first_gpu_move(reached(script, None, [target.id]))
+        if move is None:
+            continue
+        yield script.finding(
+            "cuda-init-before-fork",
+            call,
+            f"{target.id}() runs in a process forked (the default start method on Linux) "
+            f"after this one initialised CUDA (line {initialised.lineno}), and moves to the "
+            f"GPU there (line {move.lineno}: {shown_move(move)}): the child fails with "
+            "'Cannot re-initialize CUDA in forked subprocess'; start it from "
+            "mp.get_context('spawn') (its arguments must then pickle), or keep the child "
+            "on the CPU",
+        )
+
+
+def cuda_initialised_before(script: Script, call: ast.Call) -> ast.Call | None:
+    """A call of the same function, before `call`, that initialises CUDA in this
+    process: set_device, a move to the GPU, DDP over a GPU model."""
+    scope = enclosing_scope(call, script)
+    if scope is None:
+        return None
+    earlier = (
+        node
+        for node in own_nodes(scope)
+        if isinstance(node, ast.Call)
+        and (node.lineno, node.col_offset) < (call.lineno, call.col_offset)
+    )
+    for node in earlier:
+        name = script.name_of(node.func) or ""
+        if name == "torch.cuda.set_device" or is_ddp(name) or moves_to_gpu(node):
+            return node
+    return None
+
+
+def reached(script: Script, class_name: str | None, start: list[str]) -> list[Function]:
     """The functions `start` names and the file's functions they call, as the tracer
     reads a call: `self.encode()` in the class, a helper, a class's __init__."""
     seen: list[str] = []

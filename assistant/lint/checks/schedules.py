@@ -9,12 +9,16 @@ OneCycleLR never leaves its warm-up, a cosine never anneals, a linear decay
 ends at a high learning rate. Nothing fails; the run converges worse than on
 one GPU.
 
-Read within one function: the schedule's length argument, back through the
-names assigned there (and, for a module's `self.hparams.steps`, what the
+Read within one function: the schedule's length argument (or, for a
+LambdaLR, what its function reads: `warmup_step`, `total_step`), back through
+the names assigned there (and, for a module's `self.hparams.steps`, what the
 file's constructions of its class pass for that parameter), counts `len()`
-of a dataset (not of a loader, which is already the process's share) and divides by nothing that names the number of
-processes (world_size, num_devices, trainer.estimated_stepping_batches...),
-in a file written to run as a process per GPU.
+of a dataset (not of a loader, which is already the process's share), or a
+configured count of the dataset's samples (`args.num_image // args.batch_size`,
+as face-recognition trainers size their schedules), and divides by nothing
+that names the number of processes (world_size, num_devices,
+trainer.estimated_stepping_batches...), in a file written to run as a
+process per GPU.
 """
 
 from __future__ import annotations
@@ -49,9 +53,19 @@ SCHEDULE_LENGTHS = {
     "LinearLR": ("total_iters",),
     "PolynomialLR": ("total_iters",),
 }
+# Schedules whose length is in the function they are given (its second argument).
+LAMBDA_SCHEDULES = frozenset({"LambdaLR", "MultiplicativeLR"})
 # What a dataset is called, and what a loader (already one process's share) is.
 DATASET_WORDS = re.compile(r"(^|_|\.)(ds|dataset|data|set|samples|examples|items|series)s?$")
 LOADER_WORDS = re.compile(r"loader|dl\b|_dl|batches|iterator", re.IGNORECASE)
+# A configured count of the dataset's samples (`args.num_image`, `cfg.num_train_samples`):
+# a field of the run's configuration, not of an object (a DistributedSampler's own
+# `num_samples` is already one process's share).
+SAMPLE_COUNT = re.compile(
+    r"^(self\.)?(args|opts?|cfg|config|conf|hparams|hp|params|flags)\."
+    r"((num|n)_(train_)?(images?|samples|examples|items)|dataset_size)$",
+    re.IGNORECASE,
+)
 # Anything that names the number of processes or asks the framework for the count.
 PROCESS_COUNT = re.compile(
     r"world|num_devices|devices|num_gpus|n_gpus|ngpus|gpus|num_processes|nprocs|"
@@ -72,10 +86,7 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
         for node in nodes:
             if not isinstance(node, ast.Call):
                 continue
-            lengths = SCHEDULE_LENGTHS.get(short(script.name_of(node.func)))
-            for argument in (keyword(node, name) for name in lengths or ()):
-                if argument is None:
-                    continue
+            for argument in length_arguments(script, scope, node):
                 expanded = expand(argument, assigned)
                 if dataset_length(expanded) is None:
                     expanded += constructed_with(script, scope, expanded)
@@ -90,7 +101,7 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                     "effective-batch-size-changed",
                     node,
                     f"{short(script.name_of(node.func))} runs for a step count built from "
-                    f"len({source_text(counted)}), the whole dataset: one GPU's steps. Each of "
+                    f"{counted_text(counted)}, the whole dataset: one GPU's steps. Each of "
                     "the N processes reads a 1/N share, so its epochs have N times fewer steps "
                     "and the schedule stops 1/N of the way (a warm-up never left, a decay never "
                     "reached), silently worse than one GPU; count len(train_loader) after its "
@@ -98,6 +109,30 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                     "self.trainer.estimated_stepping_batches)",
                 )
                 break
+
+
+def length_arguments(script: Script, scope: ast.AST, schedule: ast.Call) -> list[ast.AST]:
+    """What says how many steps a schedule runs: its length arguments, or for a
+    LambdaLR the lambda or the function of `scope` it is given (`poly_lr`, which
+    reads `warmup_step` and `total_step` of the enclosing function)."""
+    name = short(script.name_of(schedule.func))
+    if name in SCHEDULE_LENGTHS:
+        given = (keyword(schedule, k) for k in SCHEDULE_LENGTHS[name])
+        return [argument for argument in given if argument is not None]
+    if name not in LAMBDA_SCHEDULES:
+        return []
+    function = keyword(schedule, "lr_lambda") or (
+        schedule.args[1] if len(schedule.args) > 1 else None
+    )
+    if isinstance(function, ast.Lambda):
+        return [function.body]
+    if isinstance(function, ast.Name):
+        return [
+            node
+            for node in ast.walk(scope)
+            if isinstance(node, ast.FunctionDef) and node.name == function.id and node is not scope
+        ][:1]
+    return []
 
 
 def stepped_per_process_by_accelerate(
@@ -182,10 +217,20 @@ def names_in(exprs: list[ast.expr]) -> set[str]:
     }
 
 
+def counted_text(counted: ast.expr) -> str:
+    """`len(train_ds)` for a dataset measured, `args.num_image` for a configured count."""
+    if isinstance(counted, ast.Attribute) and SAMPLE_COUNT.search(source_text(counted)):
+        return source_text(counted)
+    return f"len({source_text(counted)})"
+
+
 def dataset_length(exprs: list[ast.expr]) -> ast.expr | None:
-    """X in a `len(X)` of the expressions, where X is named like a dataset, not a loader."""
+    """X in a `len(X)` of the expressions, where X is named like a dataset, not a
+    loader; or a configured count of the dataset's samples (`args.num_image`)."""
     for expr in exprs:
         for node in ast.walk(expr):
+            if isinstance(node, ast.Attribute) and SAMPLE_COUNT.search(source_text(node)):
+                return node
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)

@@ -1,0 +1,45 @@
+"""Ape-X style learners whose actors start from a spawn context: each child
+is a fresh interpreter, free to initialise CUDA and put its copy of the
+network on the learner's GPU."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def actor_loop(actor_id, shared, queue, device):
+    net = nn.Linear(4, 2).to(device)
+    net.load_state_dict(shared.state_dict())
+    for _ in range(8):
+        obs = torch.randn(1, 4, device=device)
+        queue.put((actor_id, net(obs).argmax(1).item()))
+
+
+def main():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", local_rank)
+    learner = DDP(nn.Linear(4, 2).to(device), device_ids=[local_rank])
+    shared = nn.Linear(4, 2)
+    shared.load_state_dict(learner.module.state_dict())
+    shared.share_memory()
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    actors = [
+        context.Process(target=actor_loop, args=(i, shared, queue, device), daemon=True)
+        for i in range(2)
+    ]
+    for actor in actors:
+        actor.start()
+    for _ in range(16):
+        queue.get()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
