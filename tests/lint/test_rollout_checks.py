@@ -90,6 +90,50 @@ dist.all_reduce(stats)
     assert reported(body) == [4]
 
 
+EPISODES = """
+def episodes(env, model, count, max_steps):
+    rows = []
+    for _ in range(count):
+        obs = env.reset()
+        for t in range(max_steps):
+            obs, reward, term, trunc, info = env.step(model(obs))
+            rows.append(obs)
+            last = term or trunc or t == max_steps - 1
+            if {ended}:
+                {then}
+    return torch.stack(rows)
+
+
+class RunningMean:
+    def update(self, x):
+        n = x.shape[0]
+        packed = torch.tensor([n, x.sum()])
+        dist.all_reduce(packed)
+
+
+rollout = episodes(env, model, 4, 1000)
+n = rollout.shape[0]
+for start in range(0, n, 64):
+    model(rollout[start:start + 64]).mean().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "ended, then, found",
+    [
+        # blind set bl's 05: whole episodes, each left when the environment ends it
+        ("last", "break", [24]),
+        ("term or trunc", "break", [24]),
+        # episodes reset as they end: a fixed number of steps
+        ("term or trunc", "obs = env.reset()", []),
+    ],
+    ids=["through-a-name", "on-the-step", "reset"],
+)
+def test_episodes_left_by_a_break_when_the_step_ends_them(ended, then, found):
+    # A running mean's own collective, in another function, agrees on its own `n` only.
+    assert reported(EPISODES.format(ended=ended, then=then)) == found
+
+
 @pytest.mark.parametrize(
     "body",
     [

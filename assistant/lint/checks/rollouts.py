@@ -9,10 +9,13 @@ with it a number of minibatches of its own: the rank with more runs a
 backward whose gradient all-reduce no other rank joins (a hang until the
 timeout, or gloo's size mismatch). uneven-inputs, reported at the loop.
 
-Quiet when the rollout's size goes through a collective before the loop
-(`all_reduce(n_t, op=MIN)`), when the loop's count does not come from the
-rollout (a fixed number of minibatches), and when collection runs a fixed
-number of steps (`for t in range(T):`, resetting episodes as they end).
+Collected until the episodes end: `while not done:`, or a fixed number of
+whole episodes, each `for t in range(max_steps):` left by a `break` when the
+step says the episode ended. Quiet when the rollout's size goes through a
+collective before the loop (`all_reduce(n_t, op=MIN)`), when the loop's count
+does not come from the rollout (a fixed number of minibatches), and when
+collection runs a fixed number of steps (`for t in range(T):`, resetting
+episodes as they end).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def check_minibatches_over_episode_rollouts(script: Script) -> Iterator[Finding]
         rollouts = names_assigned_from(script, nodes, collectors)
         sizes = size_names(nodes, rollouts)
         for loop in (node for node in nodes if isinstance(node, ast.For)):
-            agreed = sizes_through_collectives(script, sizes, before=loop.lineno)
+            agreed = sizes_through_collectives(script, nodes, sizes, before=loop.lineno)
             count = rollout_count(script, loop.iter, rollouts, sizes - agreed)
             if count is not None and runs_backward(loop):
                 yield finding(script, loop, count, collectors)
@@ -65,36 +68,67 @@ def finding(script: Script, loop: ast.For, count: str, collectors: set[str]) -> 
 
 
 def episode_collectors(script: Script) -> set[str]:
-    """Same-file functions that loop `while` a flag an environment step sets, and return."""
+    """Same-file functions that return, and loop until an environment step ends the
+    episode: `while not done:`, or `for t in range(max_steps):` left by a `break`
+    when the step says so."""
     return {
         name
         for name, function in script.functions.items()
         if any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(function))
-        and any(isinstance(n, ast.While) and runs_until_a_step_ends(n) for n in ast.walk(function))
+        and any(runs_until_a_step_ends(n) for n in ast.walk(function))
     }
 
 
-def runs_until_a_step_ends(loop: ast.While) -> bool:
-    """The loop's test reads a name its body sets, and its body unpacks a `.step(...)`
-    result into an environment's (obs, reward, done, ...) names."""
+def runs_until_a_step_ends(loop: ast.AST) -> bool:
+    """A `while` whose test reads a name its body sets, or a `for` its body leaves
+    (`if term or trunc: break`) on what the step returned, a name made of it
+    (`last = term or trunc`) too; the body unpacks a `.step(...)` result into an
+    environment's (obs, reward, done, ...) names."""
+    if not isinstance(loop, ast.While | ast.For):
+        return False
     body = [node for statement in loop.body for node in ast.walk(statement)]
-    steps = any(
-        isinstance(node, ast.Assign)
+    stepped = step_results(body)
+    if not stepped:
+        return False
+    assigned = [node for node in body if isinstance(node, ast.Assign)]
+    set_here = {
+        target.id
+        for node in assigned
+        for target in ast.walk(node.targets[0])
+        if isinstance(target, ast.Name)
+    }
+    if isinstance(loop, ast.While):
+        return bool(names_in(loop.test) & set_here)
+    ending = stepped | {
+        target.id
+        for node in assigned
+        if names_in(node.value) & stepped
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return any(
+        isinstance(node, ast.If)
+        and any(isinstance(s, ast.Break) for s in node.body)
+        and bool(names_in(node.test) & ending)
+        for node in body
+    )
+
+
+def step_results(body: list[ast.AST]) -> set[str]:
+    """The names an environment step's result is unpacked into (`o, r, term, trunc, _ =
+    env.step(a)`), none where the body steps no environment."""
+    return {
+        element.id
+        for node in body
+        if isinstance(node, ast.Assign)
         and isinstance(node.targets[0], ast.Tuple)
         and len(node.targets[0].elts) >= STEP_RESULTS
         and isinstance(node.value, ast.Call)
         and isinstance(node.value.func, ast.Attribute)
         and node.value.func.attr == "step"
-        for node in body
-    )
-    set_here = {
-        target.id
-        for node in body
-        if isinstance(node, ast.Assign)
-        for target in ast.walk(node.targets[0])
-        if isinstance(target, ast.Name)
+        for element in node.targets[0].elts
+        if isinstance(element, ast.Name) and element.id != "_"
     }
-    return steps and bool(names_in(loop.test) & set_here)
 
 
 def names_assigned_from(script: Script, nodes: list[ast.AST], functions: set[str]) -> set[str]:
@@ -135,12 +169,18 @@ def length_of(expr: ast.expr, rollouts: set[str]) -> bool:
     return isinstance(measured, ast.Name) and measured.id in rollouts
 
 
-def sizes_through_collectives(script: Script, sizes: set[str], before: int) -> set[str]:
-    """The sizes a collective above line `before` reads, directly or through the
-    tensor built from them (one that only logs them after the loop agrees on nothing)."""
+def sizes_through_collectives(
+    script: Script, nodes: list[ast.AST], sizes: set[str], before: int
+) -> set[str]:
+    """The sizes a collective of the same function (`nodes`) above line `before`
+    reads, directly or through the tensor built from them (one that only logs them
+    after the loop agrees on nothing; one in another function, a running mean's
+    own count, agrees on another `n`)."""
     agreed: set[str] = set()
-    for node, name in script.call_names:
-        if node.lineno >= before or not is_collective(name):
+    for node in nodes:
+        if not isinstance(node, ast.Call) or node.lineno >= before:
+            continue
+        if not is_collective(script.name_of(node.func) or ""):
             continue
         read = {n for a in node.args for n in names_in(a)}
         built_from = [v for n in read for v in script.assigned_values.get(n, [])]
