@@ -6,7 +6,7 @@ end), a file too big to be a training script, bytes that are not UTF-8,
 text that is not Python, nesting deeper than Python's own parser follows.
 Each becomes a one-line `UserError`; a file that parses is linted.
 
-The walks over the tree are iterative (`ast.walk` and explicit stacks), so a
+The walks over the tree are iterative (`walk` and explicit stacks), so a
 deep expression that parses costs no recursion here.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import stat
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -132,7 +133,7 @@ class Script:
     @cached_property
     def parents(self) -> dict[int, ast.AST]:
         """Each node's parent by the child's id, for checks that look outward from a node."""
-        return {id(child): node for node in self.nodes for child in ast.iter_child_nodes(node)}
+        return {id(child): node for node in self.nodes for child in children(node)}
 
     def name_of(self, expr: ast.expr) -> str:
         """The dotted name of `expr` with its first part resolved through imports."""
@@ -195,7 +196,7 @@ def parse_script(source: str, path: str = "<string>") -> Script:
     except (RecursionError, MemoryError):
         # `a + a + ... + a` a hundred thousand times: Python's parser gives up.
         raise UserError(f"{path}: nested too deeply for Python's parser; not linted") from None
-    nodes = list(ast.walk(tree))
+    nodes = list(walk(tree))
     if len(nodes) > MAX_NODES:
         raise UserError(
             f"{path}: {len(nodes):,} syntax nodes is too many for a training script "
@@ -226,7 +227,7 @@ def functions_of(tree: ast.Module) -> dict[str, Function]:
     # plain name there: it is known by that name when no other function has it.
     nested: dict[str, list[Function]] = {}
     for outer in list(functions.values()):
-        for node in ast.walk(outer):
+        for node in walk(outer):
             if node is not outer and isinstance(node, defs):
                 nested.setdefault(node.name, []).append(node)
     for name, found in nested.items():
@@ -365,7 +366,7 @@ def parameter_names(scope: ast.AST) -> set[str]:
 
 def names_in(node: ast.AST) -> set[str]:
     """Every plain name read or bound anywhere in `node`."""
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return {n.id for n in walk(node) if isinstance(n, ast.Name)}
 
 
 def is_none(expr: ast.expr) -> bool:
@@ -373,16 +374,37 @@ def is_none(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Constant) and expr.value is None
 
 
+def children(node: ast.AST) -> tuple[ast.AST, ...]:
+    """`ast.iter_child_nodes(node)`, listed once and kept on the node: the checks walk
+    the same trees hundreds of times, and listing children took a third of lint's
+    time (session 48: a sample of 220 blind scripts, 15.8 s -> 10.9 s of CPU).
+    A parsed tree is never changed afterwards, so the list stays true."""
+    try:
+        return node._children  # type: ignore[attr-defined]
+    except AttributeError:
+        listed = node._children = tuple(ast.iter_child_nodes(node))  # type: ignore[attr-defined]
+        return listed
+
+
+def walk(node: ast.AST) -> Iterator[ast.AST]:
+    """`ast.walk` over `children`: the same nodes in the same (breadth-first) order."""
+    pending = deque([node])
+    while pending:
+        current = pending.popleft()
+        pending.extend(children(current))
+        yield current
+
+
 def own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
     """Nodes of a module or function body in source order, not of functions nested in it."""
     nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
-    stack = list(reversed(list(ast.iter_child_nodes(scope))))
+    stack = list(reversed(list(children(scope))))
     while stack:
         node = stack.pop()
         if isinstance(node, nested):
             continue
         yield node
-        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+        stack.extend(reversed(list(children(node))))
 
 
 def self_attribute(node: ast.AST) -> str | None:
@@ -418,7 +440,7 @@ def depth_of(node: ast.AST, limit: int) -> int:
     while stack and deepest < limit:
         current, depth = stack.pop()
         deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(current))
+        stack.extend((child, depth + 1) for child in children(current))
     return deepest
 
 

@@ -21,6 +21,7 @@ from assistant.lint.model import (
     parameter_names,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.torchapi import MAIN_PROCESS_HELPERS
 
@@ -123,7 +124,7 @@ def returns_the_rank(script: Script, call: ast.Call, depth: int = 0) -> bool:
     function = script.functions.get(call.func.id)
     if function is None:
         return False
-    returned = [n.value for n in ast.walk(function) if isinstance(n, ast.Return)]
+    returned = [n.value for n in walk(function) if isinstance(n, ast.Return)]
     return bool(returned) and all(
         value is not None and returned_rank(script, value, depth) for value in returned
     )

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from assistant.lint.model import Function, Script
+from assistant.lint.model import Function, Script, children, walk
 from assistant.lint.ranks import NO_RANK, RankPath, narrowed, rank_branch_sides
 from assistant.lint.torchapi import SPAWNERS
 
@@ -252,9 +252,9 @@ def assigned_in(func: Function) -> set[str]:
     """Plain names the function binds anew (assignments, loops, with, walrus)."""
     return {
         target.id
-        for node in ast.walk(func)
+        for node in walk(func)
         if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.For | ast.NamedExpr)
-        for target in ast.walk(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        for target in walk(node.targets[0] if isinstance(node, ast.Assign) else node.target)
         if isinstance(target, ast.Name)
     }
 
@@ -286,8 +286,8 @@ def calls_in_evaluation_order(node: ast.AST) -> list[ast.Call]:
         if isinstance(current, ast.Lambda):
             continue
         stack.append((current, True))
-        children = [c for c in ast.iter_child_nodes(current) if not isinstance(c, ast.stmt)]
-        stack.extend((child, False) for child in reversed(children))
+        kids = [c for c in children(current) if not isinstance(c, ast.stmt)]
+        stack.extend((child, False) for child in reversed(kids))
     return calls
 
 

@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.data import equalizes_steps
-from assistant.lint.model import Script, keyword, position, short, source_text
+from assistant.lint.model import Script, keyword, position, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_ddp, is_distributed
 from assistant.results import Finding
@@ -97,7 +97,7 @@ def check_training_loop_over_a_rank_stride(script: Script) -> Iterator[Finding]:
             continue  # `n = len(batches) // world * world`: trimmed to share out
         for loop in (n for n in nodes if isinstance(n, ast.For)):
             stride = iterated_stride(script, loop.iter)
-            if stride is None or not any(is_backward(n) for n in ast.walk(loop)):
+            if stride is None or not any(is_backward(n) for n in walk(loop)):
                 continue
             yield script.finding(
                 "uneven-inputs",
@@ -138,7 +138,7 @@ def evens_the_count(cls: ast.AST) -> bool:
         isinstance(node, ast.BinOp)
         and isinstance(node.op, ast.Mod | ast.FloorDiv | ast.Div | ast.Mult)
         and any(WORLD_WORD.search(source_text(side)) for side in (node.left, node.right))
-        for node in ast.walk(cls)
+        for node in walk(cls)
     )
 
 
@@ -193,7 +193,7 @@ def strided_argument(script: Script, made: ast.Call) -> ast.AST | None:
 
 def rank_stride(tree: ast.AST) -> ast.AST | None:
     """`items[self.rank::self.world]` or `range(rank, n, world)` in the tree."""
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if (
             isinstance(node, ast.Slice)
             and node.lower is not None
@@ -221,7 +221,7 @@ def data_grouping(cls: ast.ClassDef) -> tuple[ast.AST, str] | None:
     ("grouped by bucket"), or an `if` against a max_* budget that closes a batch
     ("packed up to ..."); None if neither."""
     buckets = bucket_dicts(cls)
-    for node in ast.walk(cls):
+    for node in walk(cls):
         if (
             isinstance(node, ast.For)
             and isinstance(node.iter, ast.Call)
@@ -239,7 +239,7 @@ def bucket_dicts(cls: ast.ClassDef) -> set[str]:
     """Names and fields the class fills as a dict of lists: `defaultdict(list)`,
     `d.setdefault(key, []).append(i)`."""
     found = set()
-    for node in ast.walk(cls):
+    for node in walk(cls):
         if (
             isinstance(node, ast.Assign)
             and isinstance(node.value, ast.Call)
@@ -262,11 +262,11 @@ def called(node: ast.Call) -> str:
 def budget_name(test: ast.expr) -> str | None:
     """`self.max_frames` in `if total + n > self.max_frames:`: a name or field
     of a compared side (not the max() function)."""
-    for node in ast.walk(test):
+    for node in walk(test):
         if not isinstance(node, ast.Compare):
             continue
         for side in (node.left, *node.comparators):
-            for part in ast.walk(side):
+            for part in walk(side):
                 if isinstance(part, ast.Name | ast.Attribute) and names_a_budget(part):
                     return source_text(part)
     return None
@@ -280,7 +280,7 @@ def names_a_budget(part: ast.Name | ast.Attribute) -> bool:
 def closes_a_batch(branch: ast.If) -> bool:
     """The branch yields a batch or appends one to a list of batches."""
     for statement in branch.body:
-        for node in ast.walk(statement):
+        for node in walk(statement):
             if isinstance(node, ast.Yield | ast.YieldFrom):
                 return True
             if (
@@ -295,7 +295,7 @@ def closes_a_batch(branch: ast.If) -> bool:
 def agrees_on_a_count(script: Script, cls: ast.ClassDef) -> bool:
     """A collective in the class, or a count padded or trimmed to a multiple of
     the world size (`len(b) % self.world`): the ranks settle on one number."""
-    for node in ast.walk(cls):
+    for node in walk(cls):
         if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
             return True
         if (

@@ -35,7 +35,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import inside_no_grad, wrapped_by
-from assistant.lint.model import Script, keyword, position, short, source_text
+from assistant.lint.model import Script, children, keyword, position, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
@@ -170,7 +170,7 @@ def gradient_gather(script: Script) -> ast.Call | None:
     for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
         if not any(short(script.name_of(base)) == "Function" for base in cls.bases):
             continue
-        for node in ast.walk(cls):
+        for node in walk(cls):
             if isinstance(node, ast.Call) and short(script.name_of(node.func)) == "all_gather":
                 return node
     return None
@@ -287,7 +287,7 @@ def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
     seen: set[str] = set()
     while values:
         value = values.pop()
-        for node in ast.walk(value):
+        for node in walk(value):
             if not isinstance(node, ast.Call):
                 continue
             name = script.name_of(node.func) or source_text(node.func)
@@ -389,7 +389,7 @@ def branch_arms(scope: ast.AST) -> dict[int, tuple[tuple[int, str], ...]]:
             stack += [(child, (*path, (id(node), "body"))) for child in body]
             stack += [(child, (*path, (id(node), "orelse"))) for child in orelse]
             continue
-        stack += [(child, path) for child in ast.iter_child_nodes(node)]
+        stack += [(child, path) for child in children(node)]
     return arms
 
 

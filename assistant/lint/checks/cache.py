@@ -36,6 +36,7 @@ from assistant.lint.model import (
     parameter_names,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
 from assistant.lint.registry import check
@@ -166,12 +167,12 @@ def nodes_taking_turns(script: Script) -> set[int]:
             "first" in short(script.name_of(context_call(item.context_expr))).lower()
             for item in node.items
         ):
-            inside.update(id(n) for statement in node.body for n in ast.walk(statement))
+            inside.update(id(n) for statement in node.body for n in walk(statement))
         elif (
             isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.name in ONE_PROCESS_HOOKS
         ):
-            inside.update(id(n) for n in ast.walk(node))
+            inside.update(id(n) for n in walk(node))
     calls: dict[str, list[ast.Call]] = {}
     for node in script.nodes:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
@@ -181,7 +182,7 @@ def nodes_taking_turns(script: Script) -> set[int]:
             id(n)
             for name, function in script.functions.items()
             if calls.get(name) and all(id(call) in inside for call in calls[name])
-            for n in ast.walk(function)
+            for n in walk(function)
         }
         if more <= inside:
             break
@@ -273,7 +274,7 @@ def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
         if not tested or not all(shared_file(script, path) for path in tested):
             continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
         for statement in branch:
-            for inner in ast.walk(statement):
+            for inner in walk(statement):
                 if not isinstance(inner, ast.Call):
                     continue
                 if writes_cache(script, inner, torch_save, HELPER_DEPTH):
@@ -293,7 +294,7 @@ def writes_cache(script: Script, call: ast.Call, torch_save: bool, depth: int) -
     return any(
         isinstance(inner, ast.Call) and writes_cache(script, inner, torch_save, depth - 1)
         for callee in same_file_callees(script, call.func, owner=None)
-        for inner in ast.walk(script.functions[callee])
+        for inner in walk(script.functions[callee])
     )
 
 
@@ -328,7 +329,7 @@ def tested_paths(test: ast.expr) -> list[ast.expr]:
     """The paths whose existence `test` checks: `os.path.exists(p)` -> p,
     `not Path(p).is_file()` -> Path(p), `p.exists() and ...` -> p."""
     paths: list[ast.expr] = []
-    for node in ast.walk(test):
+    for node in walk(test):
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             continue
         if node.func.attr in EXISTENCE_TESTS:
@@ -350,7 +351,7 @@ def writes_file(script: Script, call: ast.Call) -> bool:
 def shared_file(script: Script, target: ast.expr) -> bool:
     """The same file on every rank: no rank in the path, and not an in-memory buffer."""
     for expression in path_values(script, target):
-        for node in ast.walk(expression):
+        for node in walk(expression):
             if isinstance(node, (ast.Name, ast.Attribute, ast.Call)) and compared_rank(
                 node, script
             ):
@@ -373,7 +374,7 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
         names = {
             source_text(node)
             for expression in frontier
-            for node in ast.walk(expression)
+            for node in walk(expression)
             if isinstance(node, ast.Name | ast.Attribute)
         } - seen
         seen |= names

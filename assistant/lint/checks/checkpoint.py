@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
 from assistant.lint.launchtext import launched_world_size
-from assistant.lint.model import Script, keyword, names_in, short, source_text
+from assistant.lint.model import Script, keyword, names_in, short, source_text, walk
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -219,14 +219,14 @@ def tells_processes_apart(method: ast.FunctionDef) -> bool:
     """The hook (or a decorator on it: the walk covers them) reads which process runs it."""
     return any(
         (node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)) in PROCESS_TESTS
-        for node in ast.walk(method)
+        for node in walk(method)
     )
 
 
 def hook_saves(script: Script, method: ast.FunctionDef) -> Iterator[ast.Call]:
     """torch.save, or a `.save_pretrained` / `.save_model` / `.save` method not told
     which process is main, in the hook's own body."""
-    for node in ast.walk(method):
+    for node in walk(method):
         if not isinstance(node, ast.Call):
             continue
         if script.name_of(node.func) == "torch.save" or (
@@ -354,7 +354,7 @@ def loaded_into_a_model(script: Script, scope: ast.AST, load: ast.Call) -> bool:
             continue
         if is_method(node, "load_state_dict") or loads_weights(script, node):
             for arg in [*node.args, *(k.value for k in node.keywords)]:
-                for inner in ast.walk(arg):
+                for inner in walk(arg):
                     if inner is load or (isinstance(inner, ast.Name) and inner.id in bound):
                         return True
     return False
@@ -374,5 +374,5 @@ def loads_weights(script: Script, call: ast.Call) -> bool:
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in WEIGHT_LOADS
-        for node in ast.walk(function)
+        for node in walk(function)
     )

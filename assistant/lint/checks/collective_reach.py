@@ -22,6 +22,7 @@ from assistant.lint.model import (
     short,
     source_text,
     unmoved,
+    walk,
 )
 from assistant.lint.ranks import (
     NO_RANKS,
@@ -126,7 +127,7 @@ def communicating_classes(script: Script) -> dict[str, str]:
     issuing: dict[str, str] = {}
     for name, cls in classes.items():
         forward = method_of(cls, "forward")
-        calls = (n for n in ast.walk(forward) if isinstance(n, ast.Call)) if forward else ()
+        calls = (n for n in walk(forward) if isinstance(n, ast.Call)) if forward else ()
         collective = next(
             (script.name_of(c.func) for c in calls if is_collective(script.name_of(c.func))), None
         )
@@ -136,7 +137,7 @@ def communicating_classes(script: Script) -> dict[str, str]:
     # class's names are read once, so a file of many classes stays linear.
     users: dict[str, set[str]] = {}
     for name, cls in classes.items():
-        for used in {n.id for n in ast.walk(cls) if isinstance(n, ast.Name)} & classes.keys():
+        for used in {n.id for n in walk(cls) if isinstance(n, ast.Name)} & classes.keys():
             users.setdefault(used, set()).add(name)
     pending = sorted(issuing)
     while pending:
@@ -326,7 +327,7 @@ class CollectiveReach:
     def statement(self, stmt: ast.stmt) -> bool:
         if id(stmt) not in self.statement_cache:
             self.statement_cache[id(stmt)] = any(
-                self.call(node) for node in ast.walk(stmt) if isinstance(node, ast.Call)
+                self.call(node) for node in walk(stmt) if isinstance(node, ast.Call)
             )
         return self.statement_cache[id(stmt)]
 
@@ -344,7 +345,7 @@ class CallGraph:
         self.called: dict[str, set[str]] = {}  # function -> short names of what it calls
         for name, func in script.functions.items():
             called = self.called.setdefault(name, set())
-            for node in (n for stmt in func.body for n in ast.walk(stmt)):
+            for node in (n for stmt in func.body for n in walk(stmt)):
                 if not isinstance(node, ast.Call):
                     continue
                 called.add(short(script.name_of(node.func)))
@@ -409,7 +410,7 @@ def rank_test_around(script: Script, node: ast.AST) -> ast.If | None:
             and NO_RANKS not in rank_branch_sides(parent.test, script)  # distributed or not
             and any(
                 is_rank_expr(part, script)
-                for part in ast.walk(parent.test)
+                for part in walk(parent.test)
                 if isinstance(part, ast.expr)
             )
         ):
@@ -517,7 +518,7 @@ def signal_flags(script: Script) -> set[str]:
     for qualified, function in script.functions.items():
         if qualified.rsplit(".", 1)[-1] not in handlers:
             continue
-        for node in ast.walk(function):
+        for node in walk(function):
             if isinstance(node, ast.Assign):
                 for target in node.targets:
                     if isinstance(target, ast.Name | ast.Attribute):
@@ -532,7 +533,7 @@ def reads_flag(test: ast.expr, flags: set[str]) -> bool:
     return any(
         (isinstance(node, ast.Name) and node.id in flags)
         or (isinstance(node, ast.Attribute) and node.attr in flags)
-        for node in ast.walk(test)
+        for node in walk(test)
     )
 
 
@@ -584,7 +585,7 @@ def reads_own_tensor(test: ast.expr) -> bool:
 def compares_a_reduction(test: ast.expr) -> bool:
     """`score.mean() > thr`, `adv.abs().sum() == 0`: a tensor's method (not the
     builtin max(a, b)) reduced and compared, a value of this rank's tensors."""
-    for node in ast.walk(test):
+    for node in walk(test):
         if isinstance(node, ast.Compare):
             for side in [node.left, *node.comparators]:
                 if (
@@ -598,7 +599,7 @@ def compares_a_reduction(test: ast.expr) -> bool:
 
 def first_collective(script: Script, block: list[ast.stmt]) -> ast.Call | None:
     for statement in block:
-        for node in ast.walk(statement):
+        for node in walk(statement):
             if isinstance(node, ast.Call) and is_collective(script.name_of(node.func)):
                 return node
     return None
@@ -659,7 +660,7 @@ class StepFacts:
         return self.agreed_until[id(block)]
 
     def first_work(self, statement: ast.stmt) -> ast.Call | None:
-        for node in ast.walk(statement):
+        for node in walk(statement):
             if isinstance(node, ast.Call) and self.talks_to_ranks(node):
                 return node
         return None
@@ -674,7 +675,7 @@ class StepFacts:
 
     def collective_arguments(self, statement: ast.stmt) -> frozenset[str]:
         names: set[str] = set()
-        for node in ast.walk(statement):
+        for node in walk(statement):
             if isinstance(node, ast.Call) and is_collective(self.script.name_of(node.func)):
                 names |= argument_names(node)
         return frozenset(names)
@@ -745,7 +746,7 @@ def batch_names(loop: ast.For | ast.While) -> set[str]:
         and len(target.elts) == 2
     ):
         target = target.elts[1]
-    return {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return {n.id for n in walk(target) if isinstance(n, ast.Name)}
 
 
 def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
@@ -754,7 +755,7 @@ def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
     `targets.shape[0] == 0`), or a
     reduction of the batch (`not y_mask.any()`, `(labels != -100).sum() == 0`:
     a batch with no targets)."""
-    for node in ast.walk(test):
+    for node in walk(test):
         if isinstance(node, ast.Call):
             called = called_name(node)
             if called in VALUE_READS:

@@ -20,7 +20,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.state_dict import strict_load
-from assistant.lint.model import Script, keyword, source_text
+from assistant.lint.model import Script, keyword, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, loaded_file
 from assistant.results import Finding
@@ -71,7 +71,7 @@ def compiled_saves_loaded_plain(script: Script, scope: ast.AST) -> Iterator[Find
                     holds[target.id] = kind
             continue
         if script.name_of(node.func) == "torch.save" and len(node.args) > 1:
-            if any(is_compiled_state(n, holds) for n in ast.walk(node.args[0])):
+            if any(is_compiled_state(n, holds) for n in walk(node.args[0])):
                 saved[source_text(node.args[1])] = node.lineno
         elif is_plain_strict_load(node, holds) and saved:
             path = loaded_path(script, node, scope)

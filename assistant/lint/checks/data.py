@@ -25,11 +25,13 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    children,
     keyword,
     parameter_names,
     self_attribute,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.ranks import (
     NO_RANKS,
@@ -351,7 +353,7 @@ def named_parts(node: ast.AST) -> set[str]:
     """Every name, attribute and keyword named under `node` (`wds.split_by_node`,
     `shardshuffle=`); walked, not unparsed, so a deep argument costs no recursion."""
     parts = set()
-    for child in ast.walk(node):
+    for child in walk(node):
         if isinstance(child, ast.Name):
             parts.add(child.id)
         elif isinstance(child, ast.Attribute):
@@ -450,8 +452,8 @@ def epoch_from_the_caller(script: Script, set_epoch: ast.Call, loop: ast.AST) ->
         return False
     if not isinstance(loop, ast.For | ast.AsyncFor):
         return False
-    counted = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
-    iterated = {n.id for n in ast.walk(loop.iter) if isinstance(n, ast.Name)}
+    counted = {n.id for n in walk(loop.target) if isinstance(n, ast.Name)}
+    iterated = {n.id for n in walk(loop.iter) if isinstance(n, ast.Name)}
     return value not in iterated and not any(EPOCH_NAME.search(name) for name in counted)
 
 
@@ -506,7 +508,7 @@ def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
             self_attribute(node) == "epoch" and isinstance(node.ctx, ast.Load)
             for m in methods
             if m.name not in ("set_epoch", "__init__")
-            for node in ast.walk(m)
+            for node in walk(m)
         ) or (inherits and not any(m.name == "__iter__" for m in methods)):
             classes.add(cls.name)
     return [
@@ -572,9 +574,9 @@ def is_constant_true(value: ast.expr | None) -> bool:
 def names_bound_inside(value: ast.expr) -> set[str]:
     """Names a comprehension's targets or a lambda's parameters bind within `value`."""
     local: set[str] = set()
-    for node in ast.walk(value):
+    for node in walk(value):
         if isinstance(node, ast.comprehension):
-            local |= {n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)}
+            local |= {n.id for n in walk(node.target) if isinstance(n, ast.Name)}
         elif isinstance(node, ast.Lambda):
             local |= {
                 a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)
@@ -726,7 +728,7 @@ def averages_a_gradient(node: ast.Call, name: str) -> bool:
     return any(
         isinstance(inner, ast.Attribute) and inner.attr == "grad"
         for argument in node.args[:2]
-        for inner in ast.walk(argument)
+        for inner in walk(argument)
     )
 
 
@@ -738,9 +740,7 @@ class DataFlow:
 
     @cached_property
     def parents(self) -> dict[int, ast.AST]:
-        return {
-            id(child): node for node in self.script.nodes for child in ast.iter_child_nodes(node)
-        }
+        return {id(child): node for node in self.script.nodes for child in children(node)}
 
     @cached_property
     def is_distributed(self) -> bool:
@@ -777,7 +777,7 @@ class DataFlow:
             is_dist_call(self.script.name_of(node.func), TENSOR_PARALLEL_COLLECTIVES)
             for qualified, function in self.script.functions.items()
             if qualified.rpartition(".")[2] in ("forward", "backward")
-            for node in ast.walk(function)
+            for node in walk(function)
             if isinstance(node, ast.Call)
         )
 
@@ -1004,7 +1004,7 @@ class DataFlow:
 
     @memoized
     def value_builds_iterable(self, value: ast.expr) -> bool:
-        return any(isinstance(n, ast.Call) and self.builds_iterable(n) for n in ast.walk(value))
+        return any(isinstance(n, ast.Call) and self.builds_iterable(n) for n in walk(value))
 
     def builds_iterable(self, call: ast.Call) -> bool:
         """`load_dataset(..., streaming=True)`, `Stream()` of an IterableDataset class of the
@@ -1031,7 +1031,7 @@ class DataFlow:
         return {
             name
             for name, function in self.script.functions.items()
-            if any(map(self.constructs_iterable_class, ast.walk(function)))
+            if any(map(self.constructs_iterable_class, walk(function)))
         }
 
     def sharded_by_rank(self, dataset: ast.expr) -> bool:
@@ -1078,7 +1078,7 @@ class DataFlow:
         """`files[rank::world]` in the dataset's making, where `files` is a list of
         files (glob, listdir, a name with "file" or "shard" in it)."""
         for value in self.origin(dataset):
-            for node in ast.walk(value):
+            for node in walk(value):
                 if (
                     isinstance(node, ast.Subscript)
                     and isinstance(node.slice, ast.Slice)
@@ -1095,7 +1095,7 @@ class DataFlow:
         `.filter` after it) in the dataset's making: each rank turns its own share into
         a number of rows of its own (blocks packed from its documents, rows dropped)."""
         origin = self.origin(dataset)
-        calls = [node for value in origin for node in ast.walk(value) if isinstance(node, ast.Call)]
+        calls = [node for value in origin for node in walk(value) if isinstance(node, ast.Call)]
         shard = next(
             (
                 call
@@ -1129,7 +1129,7 @@ class DataFlow:
 
     def lists_files(self, expr: ast.expr) -> bool:
         for value in self.origin(expr):
-            for node in ast.walk(value):
+            for node in walk(value):
                 name = read_name(node) or ""
                 if FILE_LIST.search(name):
                     return True
@@ -1155,7 +1155,7 @@ class DataFlow:
         origin = self.origin(dataset)
         names = {name for value in origin for name in identifiers(value)}
         for value in origin:
-            for node in ast.walk(value):
+            for node in walk(value):
                 if self.constructs_iterable_class(node):
                     names |= identifiers(self.classes[node.func.id])
         if any(STREAM_SPLIT_WORDS.search(name) for name in names):
@@ -1196,7 +1196,7 @@ class DataFlow:
         for node in self.script.nodes:
             if not (isinstance(node, ast.For) and iterated_name(node.iter) in names):
                 continue
-            calls = [n for s in node.body for n in ast.walk(s)]
+            calls = [n for s in node.body for n in walk(s)]
             if not capped and any(isinstance(n, ast.Break) for n in calls):
                 return False  # a step cap
             if any(is_backward(n) for n in calls):
@@ -1324,7 +1324,7 @@ class DataFlow:
 
     @memoized
     def calls_of(self, statement: ast.stmt) -> list[ast.Call]:
-        return [n for n in ast.walk(statement) if isinstance(n, ast.Call)]
+        return [n for n in walk(statement) if isinstance(n, ast.Call)]
 
     def enclosing_statement_with_calls(self, node: ast.AST) -> ast.stmt | None:
         current: ast.AST | None = node
@@ -1383,10 +1383,10 @@ class DataFlow:
         """What a function's `return` statements hand back: node ids, and names read."""
         values = [
             node.value
-            for node in ast.walk(function)
+            for node in walk(function)
             if isinstance(node, ast.Return) and node.value is not None
         ]
-        inner = [n for value in values for n in ast.walk(value)]
+        inner = [n for value in values for n in walk(value)]
         return {id(n) for n in inner}, {name for name in map(read_name, inner) if name}
 
     @cached_property
@@ -1467,15 +1467,12 @@ class DataFlow:
                 walked[id(owner)] |= names
                 callees[id(owner)] |= called
             if not isinstance(node, (ast.For, ast.While)):
-                stack.extend((child, owner) for child in ast.iter_child_nodes(node))
+                stack.extend((child, owner) for child in children(node))
                 continue
             loops.append(node)
             outer[id(node)], walked[id(node)], callees[id(node)] = owner, set(), set()
             body = {id(stmt) for stmt in node.body}
-            stack.extend(
-                (child, node if id(child) in body else owner)
-                for child in ast.iter_child_nodes(node)
-            )
+            stack.extend((child, node if id(child) in body else owner) for child in children(node))
         for loop in reversed(loops):
             around = outer[id(loop)]
             if around is not None:
@@ -1487,7 +1484,7 @@ class DataFlow:
             for callee in callees[id(loop)]:
                 names |= self.function_walks[callee]
             if isinstance(loop, ast.For):
-                names -= {n for n in map(read_name, ast.walk(loop.iter)) if n}
+                names -= {n for n in map(read_name, walk(loop.iter)) if n}
             for name in names:
                 found.setdefault(name, []).append(loop)
         return found
@@ -1568,7 +1565,7 @@ class DataFlow:
 
     @memoized
     def names_read_in(self, value: ast.expr) -> frozenset[str]:
-        return frozenset(name for name in map(read_name, ast.walk(value)) if name)
+        return frozenset(name for name in map(read_name, walk(value)) if name)
 
     @cached_property
     def seeds_given(self) -> dict[str, list[ast.expr]]:
@@ -1588,14 +1585,14 @@ class DataFlow:
         found: dict[str, set[str]] = {}
         for name, function in self.script.functions.items():
             found[name] = set()
-            for node in (n for stmt in function.body for n in ast.walk(stmt)):
+            for node in (n for stmt in function.body for n in walk(stmt)):
                 found[name] |= self.walks_of(node)[0]
         return found
 
     def walks_of(self, node: ast.AST) -> tuple[set[str], set[str]]:
         """Names a `for` iterates or a call is handed; the same-file functions a call runs."""
         if isinstance(node, (ast.For, ast.AsyncFor)):
-            return {n for n in map(read_name, ast.walk(node.iter)) if n}, set()
+            return {n for n in map(read_name, walk(node.iter)) if n}, set()
         if isinstance(node, ast.Call):
             passed = [*node.args, *(k.value for k in node.keywords)]
             called = same_file_callees(self.script, node.func, None)
@@ -1638,8 +1635,8 @@ def loops_with_backward(function: ast.AST) -> bool:
     or over anything (it may hand the loader on), so a trainer, not a scorer."""
     return any(
         isinstance(node, ast.For | ast.While)
-        and any(is_backward(n) for statement in node.body for n in ast.walk(statement))
-        for node in ast.walk(function)
+        and any(is_backward(n) for statement in node.body for n in walk(statement))
+        for node in walk(function)
     )
 
 
@@ -1684,7 +1681,7 @@ def outside_placements(script: Script, value: ast.AST) -> Iterator[ast.AST]:
             continue
         if isinstance(node, ast.keyword) and node.arg in PLACING_KEYWORDS:
             continue
-        pending.extend(ast.iter_child_nodes(node))
+        pending.extend(children(node))
 
 
 def called_name_of(expr: ast.expr) -> str:
@@ -1698,7 +1695,7 @@ def called_name_of(expr: ast.expr) -> str:
 
 def words_in(node: ast.AST) -> Iterator[str]:
     """Every identifier, attribute and string constant under `node`."""
-    for part in ast.walk(node):
+    for part in walk(node):
         if isinstance(part, ast.Name):
             yield part.id
         elif isinstance(part, ast.Attribute):
@@ -1713,7 +1710,7 @@ def identifiers(node: ast.AST) -> set[str]:
     """The names and attribute names `node` holds (`ds.shard(n, rank)` -> ds, shard, n, rank)."""
     return {
         n.id if isinstance(n, ast.Name) else n.attr
-        for n in ast.walk(node)
+        for n in walk(node)
         if isinstance(n, (ast.Name, ast.Attribute))
     }
 
@@ -1722,7 +1719,7 @@ def constant_tests(value: ast.expr) -> set[int]:
     """ids of the nodes compared with constants in `value` (`rank == 0`, `rank in (-1, 0)`):
     a test of which rank this is, not an index that picks data."""
     tested: set[int] = set()
-    for node in ast.walk(value):
+    for node in walk(value):
         if not isinstance(node, ast.Compare):
             continue
         sides = [node.left, *node.comparators]
@@ -1730,7 +1727,7 @@ def constant_tests(value: ast.expr) -> set[int]:
         if any(constant):
             for side, is_const in zip(sides, constant, strict=True):
                 if not is_const:
-                    tested.update(id(n) for n in ast.walk(side))
+                    tested.update(id(n) for n in walk(side))
     return tested
 
 
@@ -1747,6 +1744,6 @@ def only_compared(function: ast.AST, name: str) -> bool:
     tested = constant_tests(function)
     return all(
         id(n) in tested
-        for n in ast.walk(function)
+        for n in walk(function)
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
     )

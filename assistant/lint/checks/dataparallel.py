@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import forward_of, model_classes, wrapped_by
-from assistant.lint.model import Script, called_name, own_nodes, short, source_text
+from assistant.lint.model import Script, called_name, own_nodes, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -75,7 +75,7 @@ def scalar_returns(cls: ast.ClassDef) -> dict[int | None, int]:
     {i: line} for element i of a returned tuple."""
     forward = forward_of(cls)
     assigned: dict[str, list[ast.expr]] = {}
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 if isinstance(target, ast.Name):
@@ -92,7 +92,7 @@ def scalar_returns(cls: ast.ClassDef) -> dict[int | None, int]:
         return bool(values) and all(is_scalar_loss(v) for v in values)
 
     found: dict[int | None, int] = {}
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if not isinstance(node, ast.Return) or node.value is None:
             continue
         if isinstance(node.value, ast.Tuple):

@@ -16,6 +16,7 @@ from assistant.lint.model import (
     self_attribute,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.ranks import RANK_ZERO, enclosing_scope, is_rank_expr, some_rank_runs
 from assistant.lint.registry import check
@@ -100,7 +101,7 @@ def check_tensor_on_the_gpu_in_a_lightning_module(script: Script) -> Iterator[Fi
         for init in (
             s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"
         ):
-            for node in ast.walk(init):
+            for node in walk(init):
                 if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
                     continue
                 field = self_attribute(node.targets[0])
@@ -256,7 +257,7 @@ def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterato
             held = {parameter} | fields_set_from(function, parameter)
             placing = any(
                 isinstance(node, ast.Call) and places_on_any(node, held)
-                for node in ast.walk(body or function)
+                for node in walk(body or function)
             )
             bare = placing and call_without(script, callee, parameter, position, rank_zero_only)
             if bare:
@@ -282,7 +283,7 @@ def fields_set_from(function: Function, parameter: str) -> set[str]:
     """`self.x` for each `self.x = parameter` in the function (the device kept for later)."""
     return {
         source_text(target)
-        for node in ast.walk(function)
+        for node in walk(function)
         if isinstance(node, ast.Assign)
         and isinstance(node.value, ast.Name)
         and node.value.id == parameter
@@ -536,7 +537,7 @@ def replaced_by_the_ranks_device(script: Script, call: ast.Call) -> bool:
             and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
             and any(
                 is_rank_expr(part, script)
-                for part in ast.walk(node.value)
+                for part in walk(node.value)
                 if isinstance(part, (ast.Name, ast.Attribute, ast.Subscript, ast.Call))
             )
         ):

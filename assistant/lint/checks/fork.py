@@ -37,6 +37,7 @@ from assistant.lint.model import (
     self_attribute,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
@@ -96,16 +97,16 @@ def gpu_held_attribute(
     read = {
         self_attribute(node)
         for function in functions
-        for node in ast.walk(function)
+        for node in walk(function)
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
     }
-    for node in ast.walk(init):
+    for node in walk(init):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
             continue
         field = self_attribute(node.targets[0])
         if field is None or field not in read:
             continue
-        calls = (c for c in ast.walk(node.value) if isinstance(c, ast.Call))
+        calls = (c for c in walk(node.value) if isinstance(c, ast.Call))
         move = next((c for c in calls if moves_to_gpu(c)), None)
         if move is not None:
             return move, field
@@ -185,7 +186,7 @@ def said_cpu(script: Script, dataset: ast.expr) -> bool:
     """The dataset is built with the CPU as its device: `Clips(files, device="cpu")`."""
     values = [dataset, *script.assigned_values.get(source_text(dataset), [])]
     return any(
-        is_cpu(node) for value in values if isinstance(value, ast.Call) for node in ast.walk(value)
+        is_cpu(node) for value in values if isinstance(value, ast.Call) for node in walk(value)
     )
 
 
@@ -246,7 +247,7 @@ def reached(script: Script, class_name: str | None, start: list[str]) -> list[Fu
         if qualified in seen or qualified not in script.functions:
             continue
         seen.append(qualified)
-        for node in ast.walk(script.functions[qualified]):
+        for node in walk(script.functions[qualified]):
             if isinstance(node, ast.Call):
                 pending.extend(same_file_callees(script, node.func, class_name))
     return [script.functions[name] for name in seen]
@@ -259,7 +260,7 @@ def first_gpu_move(functions: list[Function]) -> ast.Call | None:
     moves = [
         node
         for function in functions
-        for node in ast.walk(function)
+        for node in walk(function)
         if isinstance(node, ast.Call)
         and moves_to_gpu(node)
         and not follows_a_tensor(node, tensors_of(function))
@@ -282,7 +283,7 @@ def tensors_of(function: Function) -> set[str]:
     """The plain names the function uses as tensors (`y.unsqueeze(1)`, `x.shape`)."""
     return {
         node.value.id
-        for node in ast.walk(function)
+        for node in walk(function)
         if isinstance(node, ast.Attribute)
         and node.attr in TENSOR_USES
         and isinstance(node.value, ast.Name)

@@ -49,11 +49,13 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    children,
     names_in,
     own_nodes,
     short,
     source_text,
     unmoved,
+    walk,
 )
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
@@ -186,7 +188,7 @@ def drops_from_its_batch(function: Function) -> bool:
             return any(over_batch(a) for a in node.args)
         return False
 
-    return any(drops(node) for node in ast.walk(function))
+    return any(drops(node) for node in walk(function))
 
 
 def before(nodes: list[ast.AST], call: ast.Call) -> list[ast.AST]:
@@ -265,7 +267,7 @@ def walk_until(
         if past_callees and isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
             pending.extend([*node.args, *node.keywords])
         else:
-            pending.extend(ast.iter_child_nodes(node))
+            pending.extend(children(node))
 
 
 def equal_share_walk(values: dict[str, list[ast.expr]], expr: ast.AST) -> Iterator[ast.AST]:
@@ -297,9 +299,9 @@ def comprehension_names(expr: ast.expr) -> set[str]:
     scope's assignments of the same name."""
     return {
         name.id
-        for node in ast.walk(expr)
+        for node in walk(expr)
         if isinstance(node, ast.comprehension)
-        for name in ast.walk(node.target)
+        for name in walk(node.target)
         if isinstance(name, ast.Name)
     }
 
@@ -314,12 +316,12 @@ def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr)
     """The tensor is cut or padded to a size every rank shares before the gather:
     its making holds a padding sized by a difference with its own size."""
     for value in origin(values, tensor):
-        for node in ast.walk(value):
+        for node in walk(value):
             if isinstance(node, ast.Call) and called_name(node) in COMMON_PADDING:
                 return True
             if not (isinstance(node, ast.Call) and called_name(node) in PADDING_CALLS):
                 continue
-            for inner in ast.walk(node):
+            for inner in walk(node):
                 if (
                     isinstance(inner, ast.BinOp)
                     and isinstance(inner.op, ast.Sub)
@@ -331,7 +333,7 @@ def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr)
 
 def reads_own_size(expr: ast.expr) -> bool:
     """`x.size(0)`, `x.shape[0]`, `len(x)`, `x.numel()`."""
-    for node in ast.walk(expr):
+    for node in walk(expr):
         if isinstance(node, ast.Call) and called_name(node) in SIZE_READS:
             return True
         if isinstance(node, ast.Attribute) and node.attr == "shape":
@@ -514,7 +516,7 @@ def reads_rank(script: Script, values: dict[str, list[ast.expr]], expr: ast.expr
     return any(
         isinstance(part, ast.expr) and is_rank_expr(part, script)
         for value in followed
-        for part in ast.walk(value)
+        for part in walk(value)
     )
 
 
@@ -574,14 +576,14 @@ def sized_like(values: dict[str, list[ast.expr]], buffers: ast.expr, tensor: str
     """The receive buffers are made from the local tensor: `[zeros_like(t) for ...]`."""
     made = [buffers, *values.get(buffers.id, [])] if isinstance(buffers, ast.Name) else [buffers]
     for value in made:
-        for node in ast.walk(value):
+        for node in walk(value):
             if not isinstance(node, ast.Call):
                 continue
             called = called_name(node)
             if called not in LIKE_BUFFERS:
                 continue
             source = node.args[0] if node.args and called != "clone" else node.func
-            if any(isinstance(n, ast.Name) and n.id == tensor for n in ast.walk(source)):
+            if any(isinstance(n, ast.Name) and n.id == tensor for n in walk(source)):
                 return True
     return False
 
@@ -593,7 +595,7 @@ def reads_size(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
     for value in made:
         if not (isinstance(value, ast.Call) and called_name(value) in SIZE_TENSORS):
             continue
-        for node in ast.walk(value):
+        for node in walk(value):
             if isinstance(node, ast.Attribute) and node.attr == "shape":
                 return True
             if isinstance(node, ast.Call) and called_name(node) in SIZE_READS:

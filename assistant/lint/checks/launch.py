@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from assistant.lint.launchtext import TASKS_PER_NODE, launch_problems
-from assistant.lint.model import Script, is_int, keyword, short, source_text
+from assistant.lint.model import Script, is_int, keyword, short, source_text, walk
 from assistant.lint.ranks import environment_variable, without_int
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -355,7 +355,7 @@ def node_count_from_launcher(
     if any(
         isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)
         for v in world_values
-        for n in ast.walk(v)
+        for n in walk(v)
     ):
         return False
     products = [
@@ -368,7 +368,7 @@ def node_count_from_launcher(
     return any(
         names_env_variable(value, "RANK")
         for product in products
-        for name in ast.walk(product)
+        for name in walk(product)
         for value in [name, *assigned.get(source_text(name), [])]
         if isinstance(name, ast.Name | ast.Call | ast.Subscript)
     )
@@ -376,7 +376,7 @@ def node_count_from_launcher(
 
 def names_env_variable(expr: ast.expr, variable: str) -> bool:
     """`os.environ["RANK"]`, `os.getenv("RANK")`, `os.environ.get("RANK", 0)` somewhere in expr."""
-    return any(isinstance(n, ast.Constant) and n.value == variable for n in ast.walk(expr))
+    return any(isinstance(n, ast.Constant) and n.value == variable for n in walk(expr))
 
 
 def spawned_workers(script: Script) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
@@ -426,7 +426,7 @@ def scaled_names(script: Script) -> set[str]:
         elif isinstance(node, ast.Assign) and any(
             (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult))
             or (isinstance(n, ast.Constant) and n.value == "WORLD_SIZE")
-            for n in ast.walk(node.value)
+            for n in walk(node.value)
         ):
             found.update(source_text(target) for target in node.targets)
     return found
@@ -636,10 +636,10 @@ def nodes_under_launcher_tests(script: Script) -> set[int]:
     for node in script.nodes:
         if isinstance(node, ast.If) and any(
             isinstance(n, ast.Constant) and isinstance(n.value, str) and ENV_NAME.fullmatch(n.value)
-            for n in ast.walk(node.test)
+            for n in walk(node.test)
         ):
             for statement in [*node.body, *node.orelse]:
-                inside.update(id(n) for n in ast.walk(statement))
+                inside.update(id(n) for n in walk(statement))
     return inside
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, short
+from assistant.lint.model import Script, children, keyword, short, walk
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
@@ -106,7 +106,7 @@ def synced_logs_on_one_side(
             and synced.value is True
         ):
             yield node, branch
-        stack += [(child, branch) for child in ast.iter_child_nodes(node)]
+        stack += [(child, branch) for child in children(node)]
 
 
 @check("experiment-logger-ddp")
@@ -192,7 +192,7 @@ def rank_zero_choices(script: Script) -> set[int]:
         body, orelse = rank_branch_sides(node.test, script)
         for side, branch in ((body, node.body), (orelse, node.orelse)):
             if side == RANK_ZERO:
-                chosen.update(id(part) for part in ast.walk(branch))
+                chosen.update(id(part) for part in walk(branch))
     return chosen
 
 
@@ -219,5 +219,5 @@ def names_the_rank(script: Script, node: ast.Call) -> bool:
     return any(
         isinstance(part, (ast.Name, ast.Attribute, ast.Call)) and is_rank_expr(part, script)
         for value in given
-        for part in ast.walk(value)
+        for part in walk(value)
     )

@@ -34,6 +34,7 @@ from assistant.lint.model import (
     self_attribute,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
@@ -113,7 +114,7 @@ def check_lightning_epoch_metric_of_one_share(script: Script) -> Iterator[Findin
         for name in LIGHTNING_EPOCH_ENDS & methods.keys():
             end = methods[name]
             outputs = collected | {a.arg for a in end.args.args[1:]}  # 1.x: (self, outputs)
-            nodes = list(ast.walk(end))
+            nodes = list(walk(end))
             if not outputs or any(collective_call(script, n) for n in nodes):
                 continue
             derived = derive(nodes, outputs) - {"self"}
@@ -153,7 +154,7 @@ def collected_outputs(steps: list[Function]) -> set[str]:
     or sum into in place (`self.confmat += torch.bincount(...)`, `self.hits[c] += 1`)."""
     found = set()
     for step in steps:
-        for node in ast.walk(step):
+        for node in walk(step):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -240,7 +241,7 @@ def returned_loaders(
     `train_loader, val_loader, sampler = build_loaders(...)` in main)."""
     positions: dict[str, dict[int, bool]] = {}
     for name, function in script.functions.items():
-        for node in ast.walk(function):
+        for node in walk(function):
             if not (isinstance(node, ast.Return) and node.value is not None):
                 continue
             parts = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
@@ -272,7 +273,7 @@ def owning_functions(script: Script) -> dict[int, str]:
     """id of each node -> the qualified name of the file function it is written in."""
     owner: dict[int, str] = {}
     for name, function in script.functions.items():
-        for node in ast.walk(function):
+        for node in walk(function):
             owner.setdefault(id(node), name)  # nested functions: the outer one walks first
     return owner
 
@@ -298,7 +299,7 @@ class EvaluationLoop:
         evaluator = self.evaluator(script)
         scope: ast.AST = script.functions[evaluator] if evaluator else script.tree
         after = walk_after(scope, self.node.end_lineno or self.node.lineno)
-        derived = derive([*ast.walk(self.node), *after], set(self.totals))
+        derived = derive([*walk(self.node), *after], set(self.totals))
         if combined(script, after, derived):
             return None
         shown = first_shown(script, after, derived)
@@ -342,7 +343,7 @@ def evaluation_loops(
             continue
         if (function, loader) not in sharded:
             continue
-        if trains(script, node) or any(collective_call(script, n) for n in ast.walk(node)):
+        if trains(script, node) or any(collective_call(script, n) for n in walk(node)):
             continue
         syncs = syncable_updates(script, node, function)
         scope = script.functions[function] if function else script.tree
@@ -396,7 +397,7 @@ TRAINING_CALL_DEPTH = 2
 
 
 def runs_backward(script: Script, node: ast.AST, depth: int) -> bool:
-    for part in ast.walk(node):
+    for part in walk(node):
         if is_backward(part):
             return True
         if (
@@ -423,7 +424,7 @@ def called_functions(script: Script, call: ast.Call) -> list[Function]:
 
 def accumulated_names(loop: ast.For) -> set[str]:
     totals: set[str] = set()
-    for node in ast.walk(loop):
+    for node in walk(loop):
         if isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Name, ast.Attribute)):
             totals.add(source_text(node.target))
         elif (
@@ -443,21 +444,21 @@ def carried_totals(loop: ast.For, scope: ast.AST) -> set[str]:
     torch.zeros(...)`) and not one the loop binds for each batch."""
     batch = {
         n.id
-        for node in ast.walk(loop)
+        for node in walk(loop)
         if isinstance(node, ast.For | ast.comprehension)
-        for n in ast.walk(node.target)
+        for n in walk(node.target)
         if isinstance(n, ast.Name)
     }
     before = {
         target.id
-        for node in ast.walk(scope)
+        for node in walk(scope)
         if isinstance(node, ast.Assign) and node.lineno < loop.lineno
         for target in node.targets
         if isinstance(target, ast.Name)
     }
     return {
         target.id
-        for node in ast.walk(loop)
+        for node in walk(loop)
         if isinstance(node, ast.Assign)
         and len(node.targets) == 1
         and isinstance(target := node.targets[0], ast.Name)
@@ -483,7 +484,7 @@ def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dic
     scope = script.functions[function] if function else script.tree
     objects = instances_in(script, scope, classes)
     updated = {}
-    for node in ast.walk(loop):
+    for node in walk(loop):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             root = node.func.value
             while isinstance(root, (ast.Attribute, ast.Subscript)):
@@ -497,7 +498,7 @@ def instances_in(script: Script, scope: ast.AST, classes: dict[str, V]) -> dict[
     """Names the scope binds to an object of one of `classes` (`m = Meter()`, or
     `top1, top5 = Meter(), Meter()`), each with what `classes` holds for its class."""
     found: dict[str, V] = {}
-    for node in ast.walk(scope):
+    for node in walk(scope):
         if not isinstance(node, ast.Assign):
             continue
         for target in node.targets:
@@ -527,7 +528,7 @@ def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[s
     for cls in (n for n in script.tree.body if isinstance(n, ast.ClassDef)):
         methods = [m for m in cls.body if isinstance(m, ast.FunctionDef)]
         if any(
-            COMBINING_HELPER.search(m.name) or any(collective_call(script, n) for n in ast.walk(m))
+            COMBINING_HELPER.search(m.name) or any(collective_call(script, n) for n in walk(m))
             for m in methods
         ):
             continue
@@ -536,7 +537,7 @@ def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[s
             for m in methods
             if any(
                 isinstance(n, ast.AugAssign) and self_attribute(n.target) is not None
-                for n in ast.walk(m)
+                for n in walk(m)
             )
         }
     if not any(adding.values()):
@@ -544,7 +545,7 @@ def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[s
     objects = instances_in(script, scope, adding)
     return {
         node.func.value.id
-        for node in ast.walk(loop)
+        for node in walk(loop)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and isinstance(node.func.value, ast.Name)
@@ -554,13 +555,13 @@ def accumulating_objects(script: Script, loop: ast.For, scope: ast.AST) -> set[s
 
 def walk_after(scope: ast.AST, line: int) -> list[ast.AST]:
     """The nodes of `scope` that start after `line`, in source order."""
-    later = [n for n in ast.walk(scope) if getattr(n, "lineno", 0) > line]
+    later = [n for n in walk(scope) if getattr(n, "lineno", 0) > line]
     return sorted(later, key=lambda n: (n.lineno, n.col_offset))  # type: ignore[attr-defined]
 
 
 def names_in(node: ast.AST) -> set[str]:
-    found = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    found |= {source_text(n) for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    found = {n.id for n in walk(node) if isinstance(n, ast.Name)}
+    found |= {source_text(n) for n in walk(node) if isinstance(n, ast.Attribute)}
     return found
 
 
@@ -648,7 +649,7 @@ def names_the_rank(script: Script, call: ast.Call) -> bool:
     return any(
         is_rank_expr(node, script)
         for argument in all_arguments(call)
-        for node in ast.walk(argument)
+        for node in walk(argument)
         if isinstance(node, ast.expr)
     )
 
@@ -662,7 +663,7 @@ def shows(call: ast.Call) -> bool:
 def returns_any(function: Function, derived: set[str]) -> bool:
     return any(
         isinstance(n, ast.Return) and n.value is not None and names_in(n.value) & derived
-        for n in ast.walk(function)
+        for n in walk(function)
     )
 
 

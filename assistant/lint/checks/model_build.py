@@ -25,7 +25,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, short, source_text
+from assistant.lint.model import Script, short, source_text, walk
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, is_distributed
@@ -302,7 +302,7 @@ def size_arguments(
     for _ in range(SIZE_DEPTH + 1):
         names = []
         for argument in arguments:
-            for node in ast.walk(argument):
+            for node in walk(argument):
                 if isinstance(node, ast.Name) and node.id not in seen:
                     names.append(node.id)
                     seen.add(node.id)

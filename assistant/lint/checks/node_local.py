@@ -22,7 +22,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.launchtext import launched_nodes, logical_lines
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, children, keyword, short, source_text, walk
 from assistant.lint.ranks import RANK_ZERO, RankPath, environment_variable
 from assistant.lint.registry import check
 from assistant.lint.torchapi import loaded_file, saved_file
@@ -107,7 +107,7 @@ def writes_on_global_rank_zero(script: Script, path: RankPath) -> bool:
 def names_the_local_rank(script: Script, test: ast.expr) -> bool:
     """The test, or what its names are assigned, says local (local_rank, LOCAL_RANK)."""
     texts = [source_text(test)]
-    for node in ast.walk(test):
+    for node in walk(test):
         if isinstance(node, (ast.Name, ast.Attribute)):
             texts += map(source_text, script.assigned_values.get(source_text(node), []))
     return any(LOCAL_RANK_TEST.search(text) for text in texts)
@@ -121,7 +121,7 @@ def node_local_argument(script: Script, call: TracedCall, wanted: str) -> str | 
         return None if target is None else node_local_folder(script, target)
     helper = script.functions.get(call.name)
     if helper is None or not any(
-        isinstance(n, ast.Call) and script.name_of(n.func) == wanted for n in ast.walk(helper)
+        isinstance(n, ast.Call) and script.name_of(n.func) == wanted for n in walk(helper)
     ):
         return None
     arguments = [*call.node.args, *(k.value for k in call.node.keywords)]
@@ -156,7 +156,7 @@ def node_local_folder(script: Script, expr: ast.expr, hops: int = MAX_HOPS) -> s
         if isinstance(node, ast.JoinedStr) and node.values:
             pending.append(node.values[0])  # f"/tmp/{run}": its start is its folder
             continue
-        pending.extend(ast.iter_child_nodes(node))
+        pending.extend(children(node))
     return None
 
 
@@ -166,7 +166,7 @@ def returned_folder(script: Script, call: ast.Call, hops: int) -> str | None:
     function = script.functions.get(script.name_of(call.func))
     if function is None:
         return None
-    for node in ast.walk(function):
+    for node in walk(function):
         if isinstance(node, ast.Return) and node.value is not None:
             found = node_local_folder(script, node.value, hops - 1)
             if found is not None:

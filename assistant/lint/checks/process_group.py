@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, short
+from assistant.lint.model import Script, keyword, short, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     NEEDS_GROUP,
@@ -102,8 +102,8 @@ def calls_behind_is_initialized(script: Script) -> set[int]:
             continue
         checks_group = any(
             isinstance(n, ast.Call) and short(script.name_of(n.func)) == "is_initialized"
-            for n in ast.walk(guard)
+            for n in walk(guard)
         )
         if checks_group:
-            protected.update(id(n) for n in ast.walk(node) if isinstance(n, ast.Call))
+            protected.update(id(n) for n in walk(node) if isinstance(n, ast.Call))
     return protected

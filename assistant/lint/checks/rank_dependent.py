@@ -31,7 +31,16 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from assistant.lint.model import Script, bound_arguments, keyword, own_nodes, short, source_text
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    children,
+    keyword,
+    own_nodes,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.ranks import NO_RANKS, RANK_VARIABLES, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import COLLECTIVES, is_dist_call
@@ -207,7 +216,7 @@ def trip_count_taint(flow: Flow, items: ast.expr) -> Taint | None:
     """Why `for _ in items` runs a rank-dependent number of times; None if it does not."""
     if is_range(flow.script, items) and depends_on_rank(flow, items):
         # `range(steps)`: where steps came from says more than range(steps) does.
-        keys = (key_of(node) for node in ast.walk(items))
+        keys = (key_of(node) for node in walk(items))
         origin = next((flow.rank_values[k] for k in keys if k in flow.rank_values), None)
         if origin is not None:
             return Taint("length", origin.made_by, origin.name, origin.branch)
@@ -391,7 +400,7 @@ def bind(
 def is_literal(value: ast.expr) -> bool:
     """`5`, `-1`, `(10, 4)`, `"nccl"`: a value written out in the source."""
     allowed = (ast.Constant, ast.UnaryOp, ast.Tuple, ast.List, ast.unaryop, ast.expr_context)
-    return all(isinstance(node, allowed) for node in ast.walk(value))
+    return all(isinstance(node, allowed) for node in walk(value))
 
 
 def record_loop(flow: Flow, loop: ast.For) -> None:
@@ -515,7 +524,7 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             key = key_of(node)
             if key in flow.rank_values or key in flow.tensors:
                 return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
-        stack.extend(ast.iter_child_nodes(node))
+        stack.extend(children(node))
     return False
 
 
@@ -543,11 +552,11 @@ def own_method_call(flow: Flow, call: ast.Call) -> list[ast.expr] | None:
     fields = fields_returned(method)
     sources = {
         name.id
-        for node in ast.walk(init)
+        for node in walk(init)
         if isinstance(node, ast.Assign)
         for target, value in target_value_pairs(node)
         if key_of(target) in {f"self.{f}" for f in fields}
-        for name in ast.walk(value)
+        for name in walk(value)
         if isinstance(name, ast.Name)
     }
     reached += [
@@ -575,17 +584,17 @@ def target_value_pairs(node: ast.Assign) -> list[tuple[ast.expr, ast.expr]]:
 def fields_returned(method: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
     """The fields `self.x` read by what reaches a return of the method."""
     names = parameters_returned(method) | {"self"}
-    values = [n.value for n in ast.walk(method) if isinstance(n, ast.Return) and n.value]
+    values = [n.value for n in walk(method) if isinstance(n, ast.Return) and n.value]
     values += [
         node.value
-        for node in ast.walk(method)
+        for node in walk(method)
         if isinstance(node, ast.Assign)
         and any(isinstance(t, ast.Name) and t.id in names for t in node.targets)
     ]
     return {
         node.attr
         for value in values
-        for node in ast.walk(value)
+        for node in walk(value)
         if isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
         and node.value.id == "self"
@@ -643,24 +652,24 @@ def parameters_returned(
     of the tuples it returns), followed back through its assignments, loop and
     with targets (a name reached is all of its values)."""
     sources: dict[str, list[ast.AST]] = {}
-    for node in ast.walk(function):
+    for node in walk(function):
         if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and node.value:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
-                for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                for name in (n.id for n in walk(target) if isinstance(n, ast.Name)):
                     sources.setdefault(name, []).append(node.value)
         elif isinstance(node, ast.For):
-            for name in (n.id for n in ast.walk(node.target) if isinstance(n, ast.Name)):
+            for name in (n.id for n in walk(node.target) if isinstance(n, ast.Name)):
                 sources.setdefault(name, []).append(node.iter)
         elif isinstance(node, ast.withitem) and node.optional_vars is not None:
-            for name in (n.id for n in ast.walk(node.optional_vars) if isinstance(n, ast.Name)):
+            for name in (n.id for n in walk(node.optional_vars) if isinstance(n, ast.Name)):
                 sources.setdefault(name, []).append(node.context_expr)
     reached: set[str] = set()
-    pending = [n.value for n in ast.walk(function) if isinstance(n, ast.Return) and n.value]
+    pending = [n.value for n in walk(function) if isinstance(n, ast.Return) and n.value]
     if position is not None:
         pending = [r.elts[position] for r in pending if isinstance(r, ast.Tuple)]
     while pending:
-        for node in ast.walk(pending.pop()):
+        for node in walk(pending.pop()):
             if isinstance(node, ast.Name) and node.id not in reached:
                 reached.add(node.id)
                 pending.extend(sources.get(node.id, []))
@@ -784,7 +793,7 @@ def arange_lengths(flow: Flow, call: ast.Call) -> list[ast.expr]:
 def named_origin(flow: Flow, exprs: list[ast.expr]) -> Taint | None:
     """Where the first rank-dependent name among `exprs` got its value (`rows = 2 * rank`)."""
     for expr in exprs:
-        for node in ast.walk(expr):
+        for node in walk(expr):
             if is_own_rank(flow.script, node):
                 return None  # `rank` needs no explanation
             origin = flow.rank_values.get(key_of(node) or "")
@@ -799,7 +808,7 @@ def is_rank_dtype(flow: Flow, expr: ast.expr) -> bool:
         isinstance(n, ast.Attribute)
         and n.attr in DTYPES
         and flow.script.name_of(n).startswith("torch.")
-        for n in ast.walk(expr)
+        for n in walk(expr)
     )
     return names_dtype and depends_on_rank(flow, expr)
 

@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.launchtext import elastic_nodes, logical_lines
-from assistant.lint.model import Script, source_text
+from assistant.lint.model import Script, source_text, walk
 from assistant.lint.ranks import compared_rank
 from assistant.lint.registry import check
 from assistant.results import Finding
@@ -78,5 +78,5 @@ def per_rank(script: Script, path: ast.expr) -> bool:
         (isinstance(node, ast.Name) and "rank" in node.id.lower())
         or (isinstance(node, ast.Name | ast.Attribute | ast.Call) and compared_rank(node, script))
         for expression in expressions
-        for node in ast.walk(expression)
+        for node in walk(expression)
     )

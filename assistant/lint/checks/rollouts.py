@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, names_in, short, source_text
+from assistant.lint.model import Script, names_in, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_ddp
 from assistant.results import Finding
@@ -74,8 +74,8 @@ def episode_collectors(script: Script) -> set[str]:
     return {
         name
         for name, function in script.functions.items()
-        if any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(function))
-        and any(runs_until_a_step_ends(n) for n in ast.walk(function))
+        if any(isinstance(n, ast.Return) and n.value is not None for n in walk(function))
+        and any(runs_until_a_step_ends(n) for n in walk(function))
     }
 
 
@@ -86,7 +86,7 @@ def runs_until_a_step_ends(loop: ast.AST) -> bool:
     environment's (obs, reward, done, ...) names."""
     if not isinstance(loop, ast.While | ast.For):
         return False
-    body = [node for statement in loop.body for node in ast.walk(statement)]
+    body = [node for statement in loop.body for node in walk(statement)]
     stepped = step_results(body)
     if not stepped:
         return False
@@ -94,7 +94,7 @@ def runs_until_a_step_ends(loop: ast.AST) -> bool:
     set_here = {
         target.id
         for node in assigned
-        for target in ast.walk(node.targets[0])
+        for target in walk(node.targets[0])
         if isinstance(target, ast.Name)
     }
     if isinstance(loop, ast.While):
@@ -139,7 +139,7 @@ def names_assigned_from(script: Script, nodes: list[ast.AST], functions: set[str
             continue
         called = script.name_of(node.value.func)
         if called in functions or short(called) in functions:
-            bound |= {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            bound |= {n.id for t in node.targets for n in walk(t) if isinstance(n, ast.Name)}
     return bound
 
 
@@ -201,4 +201,4 @@ def rollout_count(
 
 
 def runs_backward(loop: ast.For) -> bool:
-    return any(is_backward(n) for n in ast.walk(loop))
+    return any(is_backward(n) for n in walk(loop))

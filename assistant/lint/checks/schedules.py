@@ -37,6 +37,7 @@ from assistant.lint.model import (
     own_nodes,
     short,
     source_text,
+    walk,
 )
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
@@ -129,7 +130,7 @@ def length_arguments(script: Script, scope: ast.AST, schedule: ast.Call) -> list
     if isinstance(function, ast.Name):
         return [
             node
-            for node in ast.walk(scope)
+            for node in walk(scope)
             if isinstance(node, ast.FunctionDef) and node.name == function.id and node is not scope
         ][:1]
     return []
@@ -190,7 +191,7 @@ def constructed_with(script: Script, scope: ast.AST, exprs: list[ast.expr]) -> l
     read = {
         node.attr
         for expr in exprs
-        for node in ast.walk(expr)
+        for node in walk(expr)
         if isinstance(node, ast.Attribute) and source_text(node).startswith("self.")
     }
     found: list[ast.expr] = []
@@ -212,7 +213,7 @@ def names_in(exprs: list[ast.expr]) -> set[str]:
     return {
         source_text(node)
         for expr in exprs
-        for node in ast.walk(expr)
+        for node in walk(expr)
         if isinstance(node, ast.Name | ast.Attribute)
     }
 
@@ -228,7 +229,7 @@ def dataset_length(exprs: list[ast.expr]) -> ast.expr | None:
     """X in a `len(X)` of the expressions, where X is named like a dataset, not a
     loader; or a configured count of the dataset's samples (`args.num_image`)."""
     for expr in exprs:
-        for node in ast.walk(expr):
+        for node in walk(expr):
             if isinstance(node, ast.Attribute) and SAMPLE_COUNT.search(source_text(node)):
                 return node
             if (

@@ -32,7 +32,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.gather_sizes import is_loader, origin, scope_values, walk_until
-from assistant.lint.model import Script, called_name, own_nodes, short, source_text
+from assistant.lint.model import Script, called_name, own_nodes, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call, runs_a_process_per_gpu
 from assistant.results import Finding
@@ -125,7 +125,7 @@ def loop_findings(
     script: Script, loop: ast.For, values: dict[str, list[ast.expr]], seen: set[str]
 ) -> Iterator[Finding]:
     container = walked_container(loop.iter, values, seen)
-    for node in (n for statement in loop.body for n in ast.walk(statement)):
+    for node in (n for statement in loop.body for n in walk(statement)):
         if isinstance(node, ast.Call) and shaped_collective(script, node):
             yield script.finding(
                 CAUSE,
@@ -207,7 +207,7 @@ def walks_data(expr: ast.expr, values: dict[str, list[ast.expr]], data: set[str]
     from the data."""
     if is_loader(values, expr):
         return True
-    for node in ast.walk(expr):
+    for node in walk(expr):
         if (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -250,7 +250,7 @@ def outermost_key(target: ast.expr) -> tuple[str, ast.expr] | None:
 
 
 def names_in(expr: ast.AST) -> set[str]:
-    return {n.id for n in ast.walk(expr) if isinstance(n, ast.Name)}
+    return {n.id for n in walk(expr) if isinstance(n, ast.Name)}
 
 
 def is_scalar_call(node: ast.AST) -> bool:
@@ -316,7 +316,7 @@ def sized_by_keys(node: ast.AST, seen: set[str]) -> str | None:
     if not (isinstance(node, ast.Call) and called_name(node) in SIZE_FACTORIES):
         return None
     for argument in node.args:
-        for inner in ast.walk(argument):
+        for inner in walk(argument):
             if (
                 isinstance(inner, ast.Call)
                 and called_name(inner) == "len"

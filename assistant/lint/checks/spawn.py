@@ -33,7 +33,16 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Function, Script, called_name, is_int, keyword, short, source_text
+from assistant.lint.model import (
+    Function,
+    Script,
+    called_name,
+    is_int,
+    keyword,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import LIGHTNING_HOOKED, lightning_classes
 from assistant.results import Finding
@@ -423,7 +432,7 @@ def spawned_classes(script: Script) -> dict[str, str]:
         if name not in SPAWN_CALLS:
             continue
         args, _ = spawn_args(node)
-        for value in ast.walk(args) if args is not None else ():
+        for value in walk(args) if args is not None else ():
             values = [value]
             if isinstance(value, ast.Name):
                 values += script.assigned_values.get(value.id, [])
@@ -436,10 +445,8 @@ def spawned_classes(script: Script) -> dict[str, str]:
 def unpicklable_fields(cls: ast.ClassDef) -> Iterator[tuple[str, ast.Assign]]:
     """`self.x = lambda ...`, or `self.x = inner` for a function defined in the method."""
     for method in (m for m in cls.body if isinstance(m, ast.FunctionDef)):
-        local = {
-            n.name for n in ast.walk(method) if isinstance(n, ast.FunctionDef) and n is not method
-        }
-        for node in ast.walk(method):
+        local = {n.name for n in walk(method) if isinstance(n, ast.FunctionDef) and n is not method}
+        for node in walk(method):
             if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
                 continue
             target = node.targets[0]

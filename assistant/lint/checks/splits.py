@@ -35,6 +35,7 @@ from assistant.lint.model import (
     keyword,
     name_value_pairs,
     short,
+    walk,
 )
 from assistant.lint.ranks import enclosing_scope, inside_rank_zero_branch, is_rank_expr
 from assistant.lint.registry import check
@@ -137,7 +138,7 @@ def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
         ranked = any(
             is_rank_expr(part, script)
             for value in values
-            for part in ast.walk(value)
+            for part in walk(value)
             if isinstance(part, ast.expr)
         )
         (per_rank if ranked else common).append(node)
@@ -155,7 +156,7 @@ def seeding_helpers(script: Script) -> dict[str, tuple[Function, list[tuple[ast.
         parameters = {a.arg for a in function.args.args}
         calls = [
             (node, script.name_of(node.func))
-            for node in ast.walk(function)
+            for node in walk(function)
             if isinstance(node, ast.Call)
             and short(script.name_of(node.func)) in SEEDING
             and any(isinstance(a, ast.Name) and a.id in parameters for a in node.args)

@@ -28,7 +28,7 @@ from assistant.lint.checks.wrapper import (
     plain_names,
     wrapper_of,
 )
-from assistant.lint.model import Script, is_int, keyword, self_attribute, short, source_text
+from assistant.lint.model import Script, is_int, keyword, self_attribute, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import loaded_file, saved_file
 from assistant.results import Finding
@@ -107,7 +107,7 @@ def forwarders_of_save(script: Script) -> set[str]:
         forwarded = function.args.vararg
         if forwarded is None or "." in name:
             continue
-        for node in ast.walk(function):
+        for node in walk(function):
             if (
                 isinstance(node, ast.Call)
                 and script.name_of(node.func) == "torch.save"
@@ -295,7 +295,7 @@ class Places:
         in it, no same-file function that wraps, no imported helper named like one."""
         if not isinstance(value, ast.Call):
             return False
-        for node in ast.walk(value):
+        for node in walk(value):
             if not isinstance(node, ast.Call):
                 continue
             if wrapper_of(self.script, node) is not None or is_prepare(node):
@@ -333,7 +333,7 @@ class Places:
                 and self.plain_build(value)
                 and not any(
                     self.wrapper(scope, inner, line) is not None
-                    for inner in ast.walk(value)
+                    for inner in walk(value)
                     if isinstance(inner, (ast.Name, ast.Attribute))
                 )
             )

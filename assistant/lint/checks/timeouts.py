@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import first_collective
 from assistant.lint.checks.unused import statement_lists
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, short, source_text, walk
 from assistant.lint.ranks import RANK_ZERO, rank_branch_sides
 from assistant.lint.registry import check
 from assistant.lint.torchapi import init_calls
@@ -89,13 +89,13 @@ def data_walk(script: Script, body: list[ast.stmt]) -> ast.AST | None:
     """A loop in the block, or a call of a same-file function that loops (an
     evaluation over a loader): what rank 0 spends its time on."""
     for statement in body:
-        for node in ast.walk(statement):
+        for node in walk(statement):
             if isinstance(node, ast.For | ast.While):
                 return node
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 function = script.functions.get(node.func.id)
                 if function is not None and any(
-                    isinstance(inner, ast.For | ast.While) for inner in ast.walk(function)
+                    isinstance(inner, ast.For | ast.While) for inner in walk(function)
                 ):
                     return node
     return None

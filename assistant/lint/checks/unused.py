@@ -44,6 +44,7 @@ from assistant.lint.model import (
     self_attribute,
     source_text,
     unmoved,
+    walk,
 )
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
@@ -132,7 +133,7 @@ def inside_no_grad(nodes: list[ast.AST]) -> set[int]:
     inside: set[int] = set()
     for node in nodes:
         if isinstance(node, ast.With) and any(names_no_grad(i.context_expr) for i in node.items):
-            inside.update(id(n) for statement in node.body for n in ast.walk(statement))
+            inside.update(id(n) for statement in node.body for n in walk(statement))
     return inside
 
 
@@ -163,14 +164,14 @@ def optional_branches(cls: ast.ClassDef) -> Iterator[OptionalBranch]:
     """`def forward(self, x, y=None)` ... `if y is not None: ... self.y_embed(y)`."""
     forward = forward_of(cls)
     positional, optional = parameters_defaulting(forward, lambda value: value is None)
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if not isinstance(node, ast.If):
             continue
         parameter = not_none_test(node.test)
         if parameter not in optional or parameter not in positional:
             continue
         submodule = next(
-            (source_text(c.func) for s in node.body for c in ast.walk(s) if self_call(c)), None
+            (source_text(c.func) for s in node.body for c in walk(s) if self_call(c)), None
         )
         if submodule is not None:
             yield OptionalBranch(parameter, positional.index(parameter), submodule, node.lineno)
@@ -258,7 +259,7 @@ def varying_line(
     assigns to a name it reads. With `around` (the model's call), only the loops
     around it count steps: a loop inside the step runs alike every step."""
     values = [given]
-    read = {n.id for n in ast.walk(given) if isinstance(n, ast.Name)}  # `aux_w > 0` reads aux_w
+    read = {n.id for n in walk(given) if isinstance(n, ast.Name)}  # `aux_w > 0` reads aux_w
     values += [
         node.value
         for node in nodes
@@ -270,15 +271,15 @@ def varying_line(
         for node in nodes
         if isinstance(node, ast.AugAssign)
         or (isinstance(node, ast.For) and (around is None or encloses(node, around)))
-        for target in ast.walk(node.target)
+        for target in walk(node.target)
         if isinstance(target, ast.Name)
     }
     for value in values:
-        for node in ast.walk(value):
+        for node in walk(value):
             modulo = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
             drawn = isinstance(node, ast.Call) and draws_random(node)
             counted = isinstance(node, ast.Compare) and any(
-                isinstance(n, ast.Name) and n.id in counters for n in ast.walk(node)
+                isinstance(n, ast.Name) and n.id in counters for n in walk(node)
             )
             batch_read = isinstance(node, ast.Name) and node.id in batch_names
             if modulo or drawn or counted or batch_read:
@@ -495,7 +496,7 @@ def check_library_model_built_with_layerdrop(script: Script) -> Iterator[Finding
     step: each step skips some layers at random, and their parameters get no gradient."""
     for ddp in strict_ddp_calls(script):
         for value in wrapped_values(script, ddp):
-            for node in ast.walk(value):
+            for node in walk(value):
                 if not isinstance(node, ast.Call):
                     continue
                 for option in sorted(LAYER_DROPS):
@@ -548,7 +549,7 @@ def builds_an_aux_head(script: Script, ddp: ast.Call) -> bool:
             for switch in AUX_SWITCHES
         )
         for value in values
-        for node in ast.walk(value)
+        for node in walk(value)
     )
 
 
@@ -574,7 +575,7 @@ def gate_around(reads: list[ast.AST], nodes: list[ast.AST]) -> ast.If | None:
     for node in nodes:
         if not (isinstance(node, ast.If) and varying_line(node.test, nodes) is not None):
             continue
-        inside = {id(n) for statement in node.body for n in ast.walk(statement)}
+        inside = {id(n) for statement in node.body for n in walk(statement)}
         if all(id(read) in inside for read in reads):
             return node
     return None
@@ -610,7 +611,7 @@ def per_step_gate(
         and varying_line(node.test, nodes, batch, around=assign) is not None
         and not encloses(node, assign)
     ]
-    inside = {id(n): gate for gate in gates for s in gate.body for n in ast.walk(s)}
+    inside = {id(n): gate for gate in gates for s in gate.body for n in walk(s)}
     reads = reads_after(name, nodes, assign)
     if not reads or any(id(read) not in inside for read in reads):
         return None
@@ -628,7 +629,7 @@ def batch_names(nodes: list[ast.AST], around: ast.AST) -> frozenset[str]:
         target.id
         for node in nodes
         if isinstance(node, ast.For) and not counts_steps(node.iter) and encloses(node, around)
-        for target in ast.walk(node.target)
+        for target in walk(node.target)
         if isinstance(target, ast.Name)
     }
     for node in nodes:
@@ -639,7 +640,7 @@ def batch_names(nodes: list[ast.AST], around: ast.AST) -> frozenset[str]:
 
 def encloses(block: ast.If | ast.For, node: ast.AST) -> bool:
     """`node` sits in the block's body."""
-    return any(n is node for statement in block.body for n in ast.walk(statement))
+    return any(n is node for statement in block.body for n in walk(statement))
 
 
 def counts_steps(iterable: ast.expr) -> bool:
@@ -776,8 +777,7 @@ class DefaultPath:
 
 def reads_name(node: ast.AST, name: str) -> bool:
     return any(
-        isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
-        for n in ast.walk(node)
+        isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in walk(node)
     )
 
 
@@ -834,14 +834,14 @@ def discarded_positions(
 def returned_elements(forward: ast.FunctionDef) -> list[set[str]] | None:
     """For forward's one `return a, b`: the submodules (`self.x(...)`) each element's
     value runs, following the names assigned in forward. None if it returns otherwise."""
-    returns = [n for n in ast.walk(forward) if isinstance(n, ast.Return)]
+    returns = [n for n in walk(forward) if isinstance(n, ast.Return)]
     if len(returns) != 1 or not isinstance(returns[0].value, ast.Tuple):
         return None
     assigned: dict[str, list[ast.expr]] = {}
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if isinstance(node, ast.Assign):
             for target in node.targets:
-                for name in (n.id for n in ast.walk(target) if isinstance(n, ast.Name)):
+                for name in (n.id for n in walk(target) if isinstance(n, ast.Name)):
                     assigned.setdefault(name, []).append(node.value)
     return [submodules_run(element, assigned) for element in returns[0].value.elts]
 
@@ -853,7 +853,7 @@ def submodules_run(expr: ast.expr, assigned: dict[str, list[ast.expr]]) -> set[s
     pending = [expr]
     while pending:
         current = pending.pop()
-        for node in ast.walk(current):
+        for node in walk(current):
             if isinstance(node, ast.Call) and (member := self_attribute(node.func)):
                 found.add(member)
             elif isinstance(node, ast.Attribute) and (member := self_attribute(node.value)):
@@ -902,7 +902,7 @@ def random_branches(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[
                         if any(
                             self_call(n) or member_call(n, members)
                             for s in skipped
-                            for n in ast.walk(s)
+                            for n in walk(s)
                         ):
                             yield statement
 
@@ -918,9 +918,9 @@ def empty_selection_skips(classes: dict[str, ast.ClassDef], wrapped: str) -> Ite
     whenever the data sent to it is empty, which routing decides per step."""
     for cls in built_classes(classes, wrapped):
         for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
-            for loop in (n for n in ast.walk(method) if isinstance(n, ast.For)):
+            for loop in (n for n in walk(method) if isinstance(n, ast.For)):
                 members = member_loop_names_of(loop)
-                bound = {t.id for t in ast.walk(loop.target) if isinstance(t, ast.Name)}
+                bound = {t.id for t in walk(loop.target) if isinstance(t, ast.Name)}
                 for position, statement in enumerate(loop.body):
                     if not (
                         isinstance(statement, ast.If)
@@ -932,7 +932,7 @@ def empty_selection_skips(classes: dict[str, ast.ClassDef], wrapped: str) -> Ite
                     if any(
                         member_call(n, members) or member_picked_by(n, bound)
                         for s in rest
-                        for n in ast.walk(s)
+                        for n in walk(s)
                     ):
                         yield statement
 
@@ -950,9 +950,9 @@ def member_picked_by(node: ast.AST, names: set[str]) -> bool:
 
 def member_loop_names_of(loop: ast.For) -> set[str]:
     """The names `loop` binds to the model's own members (member_loop_names, one loop)."""
-    if not any(self_attribute(part) for part in ast.walk(loop.iter)):
+    if not any(self_attribute(part) for part in walk(loop.iter)):
         return set()
-    return {target.id for target in ast.walk(loop.target) if isinstance(target, ast.Name)}
+    return {target.id for target in walk(loop.target) if isinstance(target, ast.Name)}
 
 
 def tests_for_empty(test: ast.expr, counts: set[str] = frozenset()) -> bool:
@@ -993,7 +993,7 @@ def built_classes(classes: dict[str, ast.ClassDef], wrapped: str) -> list[ast.Cl
     for name in found:
         if len(found) >= MAX_CLASSES:
             break
-        for node in ast.walk(classes[name]):
+        for node in walk(classes[name]):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
@@ -1006,7 +1006,7 @@ def built_classes(classes: dict[str, ast.ClassDef], wrapped: str) -> list[ast.Cl
 
 def statement_lists(function: ast.AST) -> Iterator[list[ast.stmt]]:
     """Every statement list (body, else) under `function` (or a module)."""
-    for node in ast.walk(function):
+    for node in walk(function):
         for field in ("body", "orelse"):
             block = getattr(node, field, None)
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
@@ -1015,14 +1015,14 @@ def statement_lists(function: ast.AST) -> Iterator[list[ast.stmt]]:
 
 def draws_random(test: ast.expr) -> bool:
     return any(
-        isinstance(node, ast.Call) and called_name(node) in RANDOM_DRAWS for node in ast.walk(test)
+        isinstance(node, ast.Call) and called_name(node) in RANDOM_DRAWS for node in walk(test)
     )
 
 
 def member_loop_names(method: ast.FunctionDef) -> set[str]:
     """Names a loop of the method binds to the model's own members: `layer` in
     `for layer, p in zip(self.layers, self.drop_probs):`, `for blk in self.blocks:`."""
-    loops = (node for node in ast.walk(method) if isinstance(node, ast.For))
+    loops = (node for node in walk(method) if isinstance(node, ast.For))
     return set().union(*(member_loop_names_of(loop) for loop in loops))
 
 
@@ -1050,7 +1050,7 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
     `DDP(Net().cuda())`, or `model = Net()` ... `DDP(model)`."""
     if not ddp.args:
         return set(), set()
-    names = {source_text(n) for n in ast.walk(ddp.args[0]) if isinstance(n, ast.Name)}
+    names = {source_text(n) for n in walk(ddp.args[0]) if isinstance(n, ast.Name)}
     values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
     names |= {
         source_text(target)
@@ -1061,7 +1061,7 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
     built = {
         node.func.id
         for value in values
-        for node in ast.walk(value)
+        for node in walk(value)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in classes
@@ -1073,7 +1073,7 @@ def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
     """`self.heads[task](x)` with `task` an input of forward, or a field of the model
     (`self.heads[self.current_task](x)`: the task being learned, one head a step)."""
     inputs = {a.arg for a in forward.args.args[1:]}
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
             continue
         member = node.func
@@ -1139,7 +1139,7 @@ def members_picked_from_an_input_list(
     inputs = {a.arg for a in forward.args.args[1:]}
     loops = [
         (node.target, node.iter)
-        for node in ast.walk(forward)
+        for node in walk(forward)
         if isinstance(node, ast.For | ast.comprehension)
     ]
     for target, iterable in loops:
@@ -1151,8 +1151,8 @@ def members_picked_from_an_input_list(
         listed = [s.id for s in sources if isinstance(s, ast.Name) and s.id in inputs]
         if not listed:
             continue
-        bound = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-        for node in ast.walk(forward):
+        bound = {n.id for n in walk(target) if isinstance(n, ast.Name)}
+        for node in walk(forward):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Subscript)
@@ -1171,10 +1171,10 @@ def switched_flags(
     forward, set outside the class on a name that holds this wrapped model
     (`model.module.use_aux = ...`). Setting it to True keeps the submodule in
     use: only another value counts."""
-    for node in ast.walk(forward_of(cls)):
+    for node in walk(forward_of(cls)):
         if not isinstance(node, ast.If):
             continue
-        if not any(self_call(c) for s in node.body for c in ast.walk(s)):
+        if not any(self_call(c) for s in node.body for c in walk(s)):
             continue
         for flag in self_flags(node.test):
             assignment = next(
@@ -1293,7 +1293,7 @@ TIMM_HEAD_READS = frozenset({"forward", "forward_head", "get_classifier", *TIMM_
 def timm_models_with_a_head(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call]]:
     """(`self.x`, the call) for each `self.x = timm.create_model(...)` that keeps its
     classifier: not told num_classes=0 (or a name for it) nor features_only=True."""
-    for node in ast.walk(cls):
+    for node in walk(cls):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
             continue
         value = unmoved(node.value)
@@ -1317,7 +1317,7 @@ def runs_only_features(cls: ast.ClassDef, field: str) -> bool:
     """The class's methods call `field.forward_features(...)`, and never the model
     itself nor anything that reaches its classifier."""
     features = False
-    for node in ast.walk(cls):
+    for node in walk(cls):
         if isinstance(node, ast.Call) and source_text(node.func) == field:
             return False
         if isinstance(node, ast.Attribute) and source_text(node.value) == field:
@@ -1346,7 +1346,7 @@ def library_backbones(script: Script, init: ast.FunctionDef) -> Iterator[tuple[s
     """(`self.x`, the call, its head's attribute) for each torchvision classifier
     that __init__ keeps as a field, directly or through a local name."""
     locals_built: dict[str, ast.Call] = {}
-    for node in ast.walk(init):
+    for node in walk(init):
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
             continue
         target, value = node.targets[0], unmoved(node.value)
@@ -1376,11 +1376,11 @@ def pieces_run(forward: ast.FunctionDef, field: str) -> set[str] | None:
     """The attributes of `field` forward reads (`self.base.conv1`, or `b.conv1` after
     `b = self.base`); None when forward calls the whole model (`self.base(x)`)."""
     aliases = {field}
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if isinstance(node, ast.Assign) and source_text(node.value) == field:
             aliases |= {source_text(t) for t in node.targets if isinstance(t, ast.Name)}
     used: set[str] = set()
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if isinstance(node, ast.Call) and source_text(node.func) in aliases:
             return None
         if isinstance(node, ast.Attribute) and source_text(node.value) in aliases:
@@ -1418,5 +1418,5 @@ def freezes_parameters_of(loop: ast.For, owners: set[str]) -> bool:
     return named and any(
         isinstance(n, ast.Attribute) and n.attr in ("requires_grad", "requires_grad_")
         for statement in loop.body
-        for n in ast.walk(statement)
+        for n in walk(statement)
     )

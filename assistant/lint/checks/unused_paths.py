@@ -38,11 +38,13 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    children,
     keyword,
     method_of,
     own_nodes,
     self_attribute,
     source_text,
+    walk,
 )
 from assistant.lint.registry import check
 from assistant.lint.tracer import constant_arguments
@@ -192,8 +194,8 @@ def per_step_arguments(
 
 def decided_in(forward: ast.FunctionDef) -> set[str]:
     """forward's parameters that some `if` (or `x if c else y`) tests."""
-    tests = [n.test for n in ast.walk(forward) if isinstance(n, ast.If | ast.IfExp)]
-    return {n.id for test in tests for n in ast.walk(test) if isinstance(n, ast.Name)}
+    tests = [n.test for n in walk(forward) if isinstance(n, ast.If | ast.IfExp)]
+    return {n.id for test in tests for n in walk(test) if isinstance(n, ast.Name)}
 
 
 def built_flags(script: Script, cls: ast.ClassDef) -> dict[str, tuple[object, str]]:
@@ -249,7 +251,7 @@ def assignments_of(script: Script, field: str) -> int:
         for node in script.nodes
         if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        for part in ast.walk(target)
+        for part in walk(target)
         if isinstance(part, ast.Attribute) and part.attr == field
     )
 
@@ -293,13 +295,13 @@ def inner_members_left_out(
             continue
         inner = classes[built.func.id]
         calls = [
-            c for c in ast.walk(cls) if isinstance(c, ast.Call) and self_attribute(c.func) == member
+            c for c in walk(cls) if isinstance(c, ast.Call) and self_attribute(c.func) == member
         ]
         if not calls:
             continue
         read_directly = {
             n.attr
-            for n in ast.walk(cls)
+            for n in walk(cls)
             if isinstance(n, ast.Attribute) and self_attribute(n.value) == member
         }
         forward = forward_of(inner)
@@ -341,7 +343,7 @@ def trainable_submodules(script: Script, cls: ast.ClassDef) -> set[str]:
     without parameters and those frozen anywhere in the file."""
     built = {
         member
-        for node in ast.walk(cls)
+        for node in walk(cls)
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
         for target in node.targets
         if (member := self_attribute(target)) and builds_parameters(node.value)
@@ -365,14 +367,14 @@ def frozen(script: Script) -> set[str]:
         elif isinstance(node, ast.For) and any(
             isinstance(n, ast.Attribute) and n.attr == "requires_grad"
             for s in node.body
-            for n in ast.walk(s)
+            for n in walk(s)
         ):
             found |= attributes_in(node.iter)
     return found
 
 
 def attributes_in(expr: ast.AST) -> set[str]:
-    return {n.attr for n in ast.walk(expr) if isinstance(n, ast.Attribute)}
+    return {n.attr for n in walk(expr) if isinstance(n, ast.Attribute)}
 
 
 def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
@@ -412,13 +414,13 @@ def branches_on_the_batch_size(
     forward = forward_of(cls)
     counts = {
         target.id
-        for node in ast.walk(forward)
+        for node in walk(forward)
         if isinstance(node, ast.Assign) and reads_batch_size(node.value)
         for target in node.targets
         if isinstance(target, ast.Name)
     }
     training = {"self.training": True}
-    for node in ast.walk(forward):
+    for node in walk(forward):
         if not isinstance(node, ast.If):
             continue
         empty = truth_on_an_empty_batch(node.test, counts)
@@ -474,8 +476,8 @@ def reads_batch_size(expr: ast.expr) -> bool:
         return False
     return (
         counted is not None
-        and not any(self_attribute(n) for n in ast.walk(counted))
-        and any(isinstance(n, ast.Name) and n.id != "self" for n in ast.walk(counted))
+        and not any(self_attribute(n) for n in walk(counted))
+        and any(isinstance(n, ast.Name) and n.id != "self" for n in walk(counted))
     )
 
 
@@ -497,7 +499,7 @@ def walk_block(block: list[ast.stmt], given: dict[str, object], found: set[str])
             return True
         elif isinstance(statement, ast.For | ast.While | ast.With | ast.Try | ast.Match):
             # loops may not run, a try may leave early: only what they use counts
-            for part in ast.iter_child_nodes(statement):
+            for part in children(statement):
                 if isinstance(part, ast.stmt):
                     walk_block([part], given, found)
                 elif isinstance(part, ast.expr | ast.withitem | ast.match_case):
@@ -526,7 +528,7 @@ def fields_in(node: ast.AST, given: dict[str, object]) -> set[str]:
             continue
         if member := self_attribute(current):
             found.add(member)
-        pending.extend(ast.iter_child_nodes(current))
+        pending.extend(children(current))
     return found
 
 
@@ -627,7 +629,7 @@ def check_library_pooler_never_read(script: Script) -> Iterator[Finding]:
 
 def fields_set_to_calls(scope: ast.AST) -> Iterator[tuple[str, ast.Call]]:
     """(field, call) for each `self.field = Something(...)` under `scope`."""
-    for node in ast.walk(scope):
+    for node in walk(scope):
         if (
             isinstance(node, ast.Assign)
             and len(node.targets) == 1
@@ -679,12 +681,10 @@ def reads_only_token_states(cls: ast.ClassDef, field: str) -> bool:
     """Every call of self.<field> in the class is read for its token states only:
     `self.bert(...).last_hidden_state`, or `out = self.bert(...)` then only
     `out.last_hidden_state` / `out[0]` (no pooled output, nothing handed on whole)."""
-    calls = [
-        n for n in ast.walk(cls) if isinstance(n, ast.Call) and self_attribute(n.func) == field
-    ]
+    calls = [n for n in walk(cls) if isinstance(n, ast.Call) and self_attribute(n.func) == field]
     if not calls:
         return False
-    parents = {id(child): node for node in ast.walk(cls) for child in ast.iter_child_nodes(node)}
+    parents = {id(child): node for node in walk(cls) for child in children(node)}
     for call in calls:
         parent = parents.get(id(call))
         if token_state_read(parent, call):
@@ -698,7 +698,7 @@ def reads_only_token_states(cls: ast.ClassDef, field: str) -> bool:
         name = parent.targets[0].id
         reads = [
             n
-            for n in ast.walk(cls)
+            for n in walk(cls)
             if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
         ]
         if not reads or not all(token_state_read(parents.get(id(r)), r) for r in reads):

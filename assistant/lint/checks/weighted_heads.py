@@ -36,7 +36,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import picked_members
-from assistant.lint.model import Script, called_name, keyword, method_of, source_text
+from assistant.lint.model import Script, called_name, keyword, method_of, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import lightning_classes
 from assistant.lint.values import argparse_flag
@@ -55,7 +55,7 @@ def check_head_behind_a_zero_loss_weight(script: Script) -> Iterator[Finding]:
     if strategy is None:
         return
     for cls in lightning_classes(script):
-        gates = (n for f in training_methods(cls) for n in ast.walk(f) if isinstance(n, ast.If))
+        gates = (n for f in training_methods(cls) for n in walk(f) if isinstance(n, ast.If))
         for gate in gates:
             weight = weight_tested(gate.test)
             if weight is None or not all_defaults_zero(script, cls, weight):
@@ -123,7 +123,7 @@ def training_methods(cls: ast.ClassDef) -> list[ast.FunctionDef]:
     step = method_of(cls, "training_step")
     found = [step] if step is not None else []
     for function in found:  # grows while it is walked
-        for node in ast.walk(function):
+        for node in walk(function):
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
@@ -155,7 +155,7 @@ def gated_heads(script: Script, gate: ast.If) -> list[str]:
     called = {
         source_text(node.func)
         for statement in gate.body
-        for node in ast.walk(statement)
+        for node in walk(statement)
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and source_text(node.func).startswith("self.")
@@ -175,7 +175,7 @@ def built_submodules(script: Script) -> set[str]:
     for node in script.nodes:
         if not (isinstance(node, ast.FunctionDef) and node.name == "__init__"):
             continue
-        for assign in (n for n in ast.walk(node) if isinstance(n, ast.Assign)):
+        for assign in (n for n in walk(node) if isinstance(n, ast.Assign)):
             if not isinstance(assign.value, ast.Call):
                 continue
             for target in assign.targets:
@@ -190,9 +190,9 @@ def called_outside(script: Script, name: str, test: ast.expr) -> bool:
     skipped: set[int] = set()
     for node in script.nodes:
         if isinstance(node, ast.If) and source_text(node.test) == source_text(test):
-            gated.update(id(n) for s in node.body for n in ast.walk(s))
+            gated.update(id(n) for s in node.body for n in walk(s))
         if isinstance(node, ast.FunctionDef) and node.name in NOT_TRAINING:
-            skipped.update(id(n) for n in ast.walk(node))
+            skipped.update(id(n) for n in walk(node))
     return any(
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.checks.unused import forward_of, model_classes
-from assistant.lint.model import Script, parameter_names, self_attribute, short, source_text
+from assistant.lint.model import Script, parameter_names, self_attribute, short, source_text, walk
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
@@ -354,7 +354,7 @@ def model_flags(script: Script) -> frozenset[str]:
     return frozenset(
         node.attr
         for cls in model_classes(script)
-        for node in ast.walk(forward_of(cls))
+        for node in walk(forward_of(cls))
         if isinstance(node, ast.Attribute)
         and isinstance(node.ctx, ast.Load)
         and isinstance(node.value, ast.Name)

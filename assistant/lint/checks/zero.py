@@ -32,7 +32,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import lonely_calls
-from assistant.lint.model import Script, keyword, short, source_text
+from assistant.lint.model import Script, keyword, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -135,7 +135,7 @@ def loop_parameter(loop: ast.For) -> str | None:
 def reads_values(loop: ast.For, parameter: str, gathered: set[int]) -> bool:
     """The loop body reads the parameter's values (`p.data`, `p.detach()`) or hands
     the parameter to a call (`send(name, p)`), not only its flags, outside a gather."""
-    body = (n for s in loop.body for n in ast.walk(s) if id(n) not in gathered)
+    body = (n for s in loop.body for n in walk(s) if id(n) not in gathered)
     for node in body:
         if (
             isinstance(node, ast.Attribute)
@@ -259,5 +259,5 @@ def gathered_nodes(script: Script) -> set[int]:
             for c in contexts
         ):
             for statement in node.body:
-                inside.update(id(part) for part in ast.walk(statement))
+                inside.update(id(part) for part in walk(statement))
     return inside
