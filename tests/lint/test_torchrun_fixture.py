@@ -34,7 +34,7 @@ def scripts(folder: Path, **sources: str) -> dict[str, Path]:
 @pytest.mark.slow
 def test_a_twin_hung_only_in_its_teardown_is_killed_whole_and_marked_xfail(torchrun, tmp_path):
     files = scripts(tmp_path, broken=FAILS, twin=TRAINS_THEN_HANGS)
-    torchrun.timeout_s = 20  # the workers import nothing: they print within seconds
+    torchrun.timeout_s = 12  # the workers import nothing: they print within seconds
     with pytest.raises(pytest.xfail.Exception) as outcome:
         assert_broken_fails_and_twin_runs(
             torchrun, files["broken"], "the broken fixture failed", files["twin"], "trained"
@@ -47,7 +47,7 @@ def test_a_twin_hung_only_in_its_teardown_is_killed_whole_and_marked_xfail(torch
 @pytest.mark.slow
 def test_a_twin_that_hung_before_every_rank_trained_fails(torchrun, tmp_path):
     files = scripts(tmp_path, broken=FAILS, twin=ONE_RANK_TRAINS_THEN_HANGS)
-    torchrun.timeout_s = 20
+    torchrun.timeout_s = 12
     with pytest.raises(torchrun.Hung) as hung:
         assert_broken_fails_and_twin_runs(
             torchrun, files["broken"], "the broken fixture failed", files["twin"], "trained"

@@ -41,6 +41,11 @@ def main() -> None:
         loss.backward()
         optimizer.step()
     print("trained", flush=True)
+    # DDP freed while its process group lives: freed after destroy_process_group, as
+    # main's locals are when it returns, its teardown sometimes never finished
+    # (session 48: 3 of 27 launches on a loaded machine, the worker waiting at the
+    # line that calls main(); 0 of 30 with this del).
+    del model, optimizer, loss
     # both ranks done before either tears down gloo: a rank that destroyed its group
     # while the other still shut its own down left that one waiting (seen under load)
     dist.barrier()
