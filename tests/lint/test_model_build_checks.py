@@ -261,3 +261,80 @@ def test_an_optuna_study_every_rank_runs_for_its_model_is_reported():
 def test_an_optuna_study_whose_draws_agree_or_build_nothing_is_quiet(old, new):
     assert old in OPTUNA_SEARCH
     assert reported_lines(OPTUNA_SEARCH.replace(old, new)) == []
+
+
+@pytest.mark.slow
+def test_a_head_sharded_by_the_rank_inside_ddp_fails_under_torchrun_and_its_twin_runs(torchrun):
+    # blind set bm's 05: a class-parallel margin head (partial FC) built into the wrapped model
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "class_sharded_head_inside_ddp.py",
+        "appears not to match sizes of the same param in process 0",
+        SCRIPTS / "correct_class_sharded_head_outside_ddp.py",
+        "trained",
+    )
+
+
+SHARDED_HEAD = """
+class Head(nn.Module):
+    def __init__(self, d, classes):
+        super().__init__()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.num_local = classes // world + (1 if rank < classes % world else 0)
+        self.weight = nn.Parameter(torch.empty(self.num_local, d))
+        self.bias = nn.Linear(d, {out})
+
+    def forward(self, x):
+        return self.bias(x) + x @ self.weight.t()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = Head(8, 10)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+{wrap}
+"""
+
+
+@pytest.mark.parametrize(
+    "out, wrap, reported",
+    [
+        ("8", "model = DDP(Net())", [7]),
+        ("self.num_local", "model = DDP(Net())", [7, 8]),
+        # kept outside DDP (partial FC), or sized alike on every rank
+        ("8", "backbone = DDP(nn.Linear(8, 8))\nhead = Head(8, 10)", []),
+    ],
+    ids=["parameter", "and-a-layer", "outside-ddp"],
+)
+def test_a_parameter_sized_by_the_rank_in_a_module_ddp_wraps(out, wrap, reported):
+    assert reported_lines(SHARDED_HEAD.format(out=out, wrap=wrap)) == reported
+
+
+def test_a_parameter_sized_alike_on_every_rank_is_quiet():
+    body = SHARDED_HEAD.format(out="8", wrap="model = DDP(Net())").replace(
+        "classes // world + (1 if rank < classes % world else 0)", "classes"
+    )
+    assert reported_lines(body) == []
+
+
+def test_a_low_rank_layers_rank_is_a_size_not_a_process():
+    # blind set ae's 20: DCN-v2's cross layer factorised through `rank=64`
+    body = """
+class CrossLayer(nn.Module):
+    def __init__(self, d, rank=64):
+        super().__init__()
+        self.U = nn.Linear(d, rank, bias=False)
+        self.V = nn.Linear(rank, d)
+
+    def forward(self, x):
+        return self.V(self.U(x))
+
+
+model = DDP(CrossLayer(32))
+"""
+    assert reported_lines(body) == []

@@ -239,6 +239,90 @@ def seeded_sampler(script: Script, study: ast.Call) -> bool:
     return isinstance(sampler, ast.Call) and any(k.arg == "seed" for k in sampler.keywords)
 
 
+# --- parameters sized by the rank itself ------------------------------------------------
+
+
+@check("model-differs-across-ranks")
+def check_parameters_sized_by_the_rank(script: Script) -> Iterator[Finding]:
+    """`self.kernel = nn.Parameter(torch.normal(0, 0.01, (self.num_local, d)))` with
+    `num_local = base + (1 if rank < extra else 0)`: a classifier sharded over the
+    ranks (partial FC, a class-parallel margin head) built inside the module DDP
+    wraps. Its parameters differ in shape between ranks, and DDP's check that every
+    rank holds the same parameters fails; sharded heads live outside DDP, their
+    gradients exchanged by hand."""
+    from assistant.lint.checks.rank_dependent import depends_on_rank, flow_walk
+    from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
+
+    classes = {cls.name: cls for cls in model_classes(script)}
+    inits = []
+    for ddp in (node for node, name in script.call_names if is_ddp(name)):
+        for wrapped in sorted(wrapped_by(script, ddp, set(classes))[1]):
+            inits += [
+                init
+                for cls in built_classes(classes, wrapped)
+                for init in cls.body
+                if isinstance(init, ast.FunctionDef)
+                and init.name == "__init__"
+                and not rank_named_size(init)
+            ]
+    reported: set[int] = set()
+    for flow, node in flow_walk(script, list({id(i): i for i in inits}.values())):
+        if not (isinstance(node, ast.Call) and builds_a_parameter(script, node)):
+            continue
+        sized = next((a for a in node.args if depends_on_rank(flow, a)), None)
+        if sized is None or node.lineno in reported:
+            continue
+        # the name that carries the rank (`self.num_local`), not the whole argument
+        sized = next(
+            (
+                n
+                for n in walk(sized)
+                if isinstance(n, ast.Name | ast.Attribute) and depends_on_rank(flow, n)
+            ),
+            sized,
+        )
+        reported.add(node.lineno)
+        yield script.finding(
+            "model-differs-across-ranks",
+            node,
+            f"{short(script.name_of(node.func))}(...) is sized by the rank "
+            f"({source_text(sized)}) in a module that DDP wraps: each rank holds a "
+            "parameter of another shape, and DDP's check that every rank holds the same "
+            'parameters fails ("DDP expects same model across all ranks"); keep a head '
+            "sharded over the ranks outside DDP and exchange its gradients yourself "
+            "(partial FC), or size it the same on every rank",
+        )
+
+
+def rank_named_size(init: ast.FunctionDef) -> bool:
+    """A parameter named like a rank whose default is a size (`def __init__(self, d,
+    rank=64)`: a low-rank factorisation's inner dimension, not a process's rank)."""
+    from assistant.lint.checks.rank_dependent import OWN_RANK_NAME
+
+    arguments = init.args.args + init.args.kwonlyargs
+    defaults = [None] * (len(init.args.args) - len(init.args.defaults)) + list(init.args.defaults)
+    defaults += list(init.args.kw_defaults)
+    return any(
+        OWN_RANK_NAME.match(argument.arg)
+        and isinstance(default, ast.Constant)
+        and type(default.value) is int
+        and default.value >= 2
+        for argument, default in zip(arguments, defaults, strict=True)
+    )
+
+
+def builds_a_parameter(script: Script, call: ast.Call) -> bool:
+    """`nn.Parameter(...)`, or a layer of torch.nn (`nn.Linear(d, num_local)`)."""
+    name = script.name_of(call.func)
+    return name.startswith("torch.nn.") and short(name) not in LAYER_CONTAINERS
+
+
+# torch.nn calls whose arguments are modules or options, never a size.
+LAYER_CONTAINERS = frozenset(
+    {"Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict", "Dropout"}
+)
+
+
 # --- sizes read from each rank's own shard -------------------------------------------
 
 SIZE_OF = frozenset({"len", "max", "nunique", "size", "numel"})

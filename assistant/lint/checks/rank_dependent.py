@@ -200,9 +200,12 @@ def rank_guarded_calls(script: Script) -> set[int]:
     return {id(call.node) for trace in script.traces for call in trace if call.rank_path}
 
 
-def flow_walk(script: Script) -> Iterator[tuple[Flow, ast.AST]]:
-    """Each scope's events in order, with what its names hold just before each one."""
-    for scope in [script.tree, *script.functions.values()]:
+def flow_walk(
+    script: Script, scopes: list[ast.AST] | None = None
+) -> Iterator[tuple[Flow, ast.AST]]:
+    """Each scope's events in order (the module's and every function's, or `scopes`),
+    with what its names hold just before each one."""
+    for scope in [script.tree, *script.functions.values()] if scopes is None else scopes:
         flow = Flow(script)
         for node in ordered_events(script, scope):
             yield flow, node
