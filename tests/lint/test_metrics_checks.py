@@ -433,6 +433,62 @@ def test_a_loader_of_the_same_name_in_another_function_is_not_the_sharded_one():
 
 # ---------------------------------------------------------------- Lightning's epoch-end metrics
 
+EPISODE_EVALUATION = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def run_eval(agent, episodes, seed):
+    returns = []
+    for i in range(episodes):
+        returns.append(play(agent, seed + i))
+    return returns
+
+
+def cosine_lr(optimizer, base, steps):
+    return lambda step: base * (1 + math.cos(math.pi * step / steps)) / 2
+
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+agent = DDP(Policy())
+per_rank = cfg.eval_episodes // world
+set_lr = cosine_lr(optimizer, cfg.lr, cfg.total_steps // world)
+print(set_lr(0))
+rets = run_eval(agent.module, per_rank, seed=1000 * rank)
+eval_mean = sum(rets) / len(rets)
+{combine}
+if rank == 0:
+    print(f"eval return {{eval_mean:.1f}}")
+"""
+
+
+@pytest.mark.slow
+def test_rank_zero_prints_the_mean_of_its_own_episodes_and_the_twin_of_all(torchrun):
+    wait_broken = torchrun.start(SCRIPTS / "episodes_evaluated_per_rank_shown_on_rank_zero.py")
+    wait_fixed = torchrun.start(SCRIPTS / "correct_episodes_evaluated_per_rank_all_reduced.py")
+    broken, fixed = wait_broken(), wait_fixed()
+    assert broken.returncode == 0, broken.stderr[-2000:]
+    assert broken.stdout.count("eval return 1.50") == 1  # rank 0's episodes 0..3
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert fixed.stdout.count("eval return 3.50") == 1  # every episode, 0..7
+
+
+@pytest.mark.parametrize(
+    "combine, reported",
+    [
+        # blind set bl's 17: the evaluation episodes dealt out by rank, rank 0's mean shown
+        ("", [22]),
+        # the ranks' returns combined first
+        ("t = torch.tensor([eval_mean]); dist.all_reduce(t)\neval_mean = t.item() / world", []),
+        ("gathered = [None] * world; dist.all_gather_object(gathered, rets)", []),
+    ],
+    ids=["rank-zero-share", "all-reduced", "gathered"],
+)
+def test_an_evaluation_of_a_share_of_the_episodes(combine, reported):
+    # the schedule sized by a share is handed no model: it evaluates nothing
+    assert reported_lines(EPISODE_EVALUATION.format(combine=combine)) == reported
+
+
 LIGHTNING_MODULE = """
 import lightning as L
 import torch

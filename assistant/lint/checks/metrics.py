@@ -38,7 +38,13 @@ from assistant.lint.model import (
 )
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_backward, is_collective, is_distributed, lightning_classes
+from assistant.lint.torchapi import (
+    is_backward,
+    is_collective,
+    is_ddp,
+    is_distributed,
+    lightning_classes,
+)
 from assistant.lint.tracer import own_method_of_an_object
 from assistant.results import Finding
 
@@ -87,6 +93,106 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
             f"{', '.join(sorted(loop.totals))} and line {shown.lineno} shows or compares the result "
             f"without combining the ranks: each rank reports its own part of the data; {fix}",
         )
+
+
+@check("metrics-not-reduced")
+def check_evaluation_of_a_share_of_the_count(script: Script) -> Iterator[Finding]:
+    """`per_rank = cfg.eval_episodes // world; rets = run_eval(agent, per_rank, ...)`,
+    then `np.mean(rets)` logged (or compared with the best) on rank 0: each rank
+    evaluated its own 1/N of the episodes (or prompts, or samples drawn), and
+    the figure shown is rank 0's part. An evaluation function of the file that
+    trains nothing and combines nothing itself, given a count divided by the
+    number of processes, whose result reaches a print, a log or an `if` without a
+    collective."""
+    if not is_distributed(script):
+        return
+    models = model_names(script)
+    for scope in script.all_scopes:
+        nodes = list(own_nodes(scope))
+        shares = share_counts(nodes)
+        if not shares or not models:
+            continue
+        for node in nodes:
+            evaluated = share_evaluation(script, node, shares, models)
+            if evaluated is None:
+                continue
+            function, passed = evaluated
+            after = [n for n in nodes if position_after(n, node)]
+            derived = derive(after, set().union(*map(assigned_names, node.targets)))
+            if combined(script, after, derived):
+                continue
+            shown = first_shown(script, after, derived)
+            if shown is None:
+                continue
+            yield script.finding(
+                "metrics-not-reduced",
+                node,
+                f"{function}() evaluates this rank's share of the count "
+                f"({', '.join(sorted(passed))}: divided by the number of processes), and line "
+                f"{shown.lineno} shows or compares the result without combining the ranks: "
+                "the figure is one rank's part; all_reduce the sums and counts (or "
+                "all_gather_object the results) before the mean",
+            )
+
+
+def share_counts(nodes: list[ast.AST]) -> set[str]:
+    """Names assigned a count divided by the number of processes (`n // world`)."""
+    from assistant.lint.checks.schedules import PROCESS_COUNT
+
+    return {
+        target.id
+        for node in nodes
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.BinOp)
+        and isinstance(node.value.op, ast.FloorDiv | ast.Div)
+        and any(PROCESS_COUNT.search(name) for name in names_in(node.value.right))
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
+def model_names(script: Script) -> set[str]:
+    """The names that hold a model DDP wraps: the wrapper, and what it was given."""
+    from assistant.lint.checks.unused import wrapped_by
+
+    return set().union(
+        *(wrapped_by(script, node, set())[0] for node, name in script.call_names if is_ddp(name))
+    )
+
+
+def share_evaluation(
+    script: Script, node: ast.AST, shares: set[str], models: set[str]
+) -> tuple[str, set[str]] | None:
+    """The file's function an assignment calls with the model and a share of the count,
+    when that function trains nothing and combines nothing itself, and the shares it
+    is given (a schedule sized by a share, handed no model, evaluates nothing)."""
+    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+        return None
+    call = node.value
+    arguments = all_arguments(call)
+    passed = set().union(*(names_in(argument) & shares for argument in arguments))
+    if not passed or not any(root_name(argument) in models for argument in arguments):
+        return None
+    functions = called_functions(script, call)
+    if not functions or any(
+        runs_backward(script, f, TRAINING_CALL_DEPTH)
+        or any(collective_call(script, n) for n in walk(f))
+        for f in functions
+    ):
+        return None
+    return functions[0].name, passed
+
+
+def root_name(expr: ast.expr) -> str | None:
+    """`agent` of `agent.module`, of `model.module.eval()`."""
+    while isinstance(expr, ast.Attribute | ast.Call | ast.Subscript):
+        expr = expr.func if isinstance(expr, ast.Call) else expr.value
+    return expr.id if isinstance(expr, ast.Name) else None
+
+
+def position_after(node: ast.AST, anchor: ast.AST) -> bool:
+    start = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+    return start > (anchor.end_lineno or anchor.lineno, anchor.end_col_offset or 0)
 
 
 # Lightning: where a LightningModule collects its evaluation outputs, and where it
