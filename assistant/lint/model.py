@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import stat
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -393,6 +393,36 @@ def walk(node: ast.AST) -> Iterator[ast.AST]:
         current = pending.popleft()
         pending.extend(children(current))
         yield current
+
+
+def truth_at_count(test: ast.expr, is_count: Callable[[ast.expr], bool], count: int) -> bool | None:
+    """The value of `test` when every count it reads (what `is_count` recognises:
+    `len(x)`, `x.shape[0]`, a name holding one) is `count`: at 0, `n > 0` is
+    False and `not x.numel()` True; at 1, `len(x) == 1` is True. None for a test
+    of anything else. The checks that read "the batch holds no items" (or one)
+    ask it, each with its own idea of what counts the batch."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = truth_at_count(test.operand, is_count, count)
+        return None if inner is None else not inner
+    if is_count(test):
+        return count != 0
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return None
+    bound = test.comparators[0]
+    if not (is_count(test.left) and isinstance(bound, ast.Constant) and type(bound.value) is int):
+        return None
+    compared = COMPARISONS.get(type(test.ops[0]))
+    return None if compared is None else compared(count, bound.value)
+
+
+COMPARISONS: dict[type, Callable[[int, int], bool]] = {
+    ast.Eq: lambda a, b: a == b,
+    ast.NotEq: lambda a, b: a != b,
+    ast.Lt: lambda a, b: a < b,
+    ast.LtE: lambda a, b: a <= b,
+    ast.Gt: lambda a, b: a > b,
+    ast.GtE: lambda a, b: a >= b,
+}
 
 
 def own_nodes(scope: ast.AST) -> Iterator[ast.AST]:

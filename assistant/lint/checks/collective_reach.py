@@ -21,6 +21,7 @@ from assistant.lint.model import (
     position,
     short,
     source_text,
+    truth_at_count,
     unmoved,
     walk,
 )
@@ -784,21 +785,25 @@ def counts_no_rows(node: ast.AST, batch: set[str]) -> bool:
     A comparison with a larger number, or with the batch size, is no such
     test: a short last batch is as short on every rank (DistributedSampler pads
     them to the same count)."""
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-        return reads_row_count(node.operand, batch)
-    if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
-        return False
-    bound = node.comparators[0]
-    if isinstance(bound, ast.Name | ast.Attribute) and not BATCH_SIZE_NAME.search(
-        source_text(bound)
+    if (
+        isinstance(node, ast.Compare)
+        and len(node.ops) == 1
+        and isinstance(node.comparators[0], ast.Name | ast.Attribute)
     ):
-        return isinstance(node.ops[0], ast.Lt | ast.LtE) and reads_row_count(node.left, batch)
-    if not (isinstance(bound, ast.Constant) and type(bound.value) is int):
-        return False
+        bound = source_text(node.comparators[0])
+        return (
+            not BATCH_SIZE_NAME.search(bound)
+            and isinstance(node.ops[0], ast.Lt | ast.LtE)
+            and reads_row_count(node.left, batch)
+        )
+
+    def is_count(expr: ast.expr) -> bool:
+        return reads_row_count(expr, batch)
+
     # no rows (`== 0`, `< 1`), or a single one (`== 1`, `<= 1`, `< 2`: a graph batch of
-    # one node, which BatchNorm cannot train on, as OGB's examples skip)
-    few = {0: (ast.Eq, ast.LtE), 1: (ast.Lt, ast.Eq, ast.LtE), 2: (ast.Lt,)}
-    return isinstance(node.ops[0], few.get(bound.value, ())) and reads_row_count(node.left, batch)
+    # one node, which BatchNorm cannot train on, as OGB's examples skip); not two
+    at = {count: truth_at_count(node, is_count, count) for count in (0, 1, 2)}
+    return (at[0] is True or at[1] is True) and at[2] is False
 
 
 def reads_row_count(value: ast.expr, batch: set[str]) -> bool:

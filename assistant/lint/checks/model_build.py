@@ -265,6 +265,8 @@ def check_parameters_sized_by_the_rank(script: Script) -> Iterator[Finding]:
                 and init.name == "__init__"
                 and not rank_named_size(init)
             ]
+    if not inits:
+        return
     reported: set[int] = set()
     for flow, node in flow_walk(script, list({id(i): i for i in inits}.values())):
         if not (isinstance(node, ast.Call) and builds_a_parameter(script, node)):

@@ -43,6 +43,7 @@ from assistant.lint.model import (
     own_nodes,
     self_attribute,
     source_text,
+    truth_at_count,
     unmoved,
     walk,
 )
@@ -957,22 +958,13 @@ def member_loop_names_of(loop: ast.For) -> set[str]:
 
 def tests_for_empty(test: ast.expr, counts: set[str] = frozenset()) -> bool:
     """`idx.numel() == 0`, `len(idx) == 0`, `not mask.any()`, `x.size(0) < 1`, and
-    `n == 0` / `not n` of a name in `counts` (a loop's count of routed tokens)."""
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        operand = test.operand
-        return reads_selection_size(operand) or (
-            isinstance(operand, ast.Name) and operand.id in counts
-        )
-    if isinstance(test, ast.Compare) and len(test.comparators) == 1:
-        bound = test.comparators[0]
-        left = test.left
-        return (
-            isinstance(bound, ast.Constant)
-            and bound.value in (0, 1)
-            and isinstance(test.ops[0], ast.Eq | ast.Lt | ast.LtE)
-            and (reads_selection_size(left) or (isinstance(left, ast.Name) and left.id in counts))
-        )
-    return False
+    `n == 0` / `not n` of a name in `counts` (a loop's count of routed tokens): the
+    test holds when nothing is selected."""
+
+    def is_count(expr: ast.expr) -> bool:
+        return reads_selection_size(expr) or (isinstance(expr, ast.Name) and expr.id in counts)
+
+    return truth_at_count(test, is_count, 0) is True
 
 
 def reads_selection_size(expr: ast.expr) -> bool:

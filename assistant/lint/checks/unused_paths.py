@@ -44,6 +44,7 @@ from assistant.lint.model import (
     own_nodes,
     self_attribute,
     source_text,
+    truth_at_count,
     walk,
 )
 from assistant.lint.registry import check
@@ -437,28 +438,7 @@ def branches_on_the_batch_size(
 def truth_on_an_empty_batch(test: ast.expr, counts: set[str]) -> bool | None:
     """The test's value when the batch holds no items: `n > 0` False, `len(x) == 0`
     True, `not x.numel()` True; None for a test of anything else."""
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = truth_on_an_empty_batch(test.operand, counts)
-        return None if inner is None else not inner
-    if is_a_count(test, counts):
-        return False
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-        return None
-    bound = test.comparators[0]
-    if not (
-        is_a_count(test.left, counts)
-        and isinstance(bound, ast.Constant)
-        and type(bound.value) is int
-    ):
-        return None
-    return compare_with_zero(test.ops[0], bound.value)
-
-
-def compare_with_zero(op: ast.cmpop, bound: int) -> bool | None:
-    """`0 <op> bound`, for the comparisons a count is tested with."""
-    comparisons = {ast.Eq: 0 == bound, ast.NotEq: 0 != bound, ast.Gt: 0 > bound}
-    comparisons.update({ast.GtE: 0 >= bound, ast.Lt: 0 < bound, ast.LtE: 0 <= bound})
-    return comparisons.get(type(op))
+    return truth_at_count(test, lambda expr: is_a_count(expr, counts), 0)
 
 
 def is_a_count(expr: ast.expr, counts: set[str]) -> bool:
