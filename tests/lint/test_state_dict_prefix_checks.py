@@ -98,3 +98,46 @@ def test_a_checkpoint_loaded_only_when_it_exists_is_paired_with_its_save(saved, 
     assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
         reported
     )
+
+
+RESUMED_BEFORE_THE_WRAP = """
+import open_clip
+
+
+def main(args):
+    model, preprocess, _ = open_clip.create_model_and_transforms(args.model)
+    if args.resume:
+        ckpt = torch.load(args.resume, map_location="cpu")
+        model.load_state_dict(ckpt["state_dict"])
+    {wrap}
+
+    def save(tag):
+        if dist.get_rank() != 0:
+            return
+        state = {{"state_dict": {saved}.state_dict(), "step": 0}}
+        torch.save(state, os.path.join(args.out, f"{{tag}}.pt"))
+
+    for epoch in range(3):
+        train_one_epoch(model)
+        save("last")
+"""
+
+
+@pytest.mark.parametrize(
+    "wrap, saved, reported",
+    [
+        # blind set bi's 20: a CoCa model from open_clip's factory, resumed before the wrap
+        # from checkpoints a helper nested in main writes from the wrapper
+        ("model = DDP(model)", "model", [9]),
+        # the helper saves the module inside the wrapper
+        ("model = DDP(model)", "model.module", []),
+        # no wrap: the model saved is the plain one
+        ("pass", "model", []),
+    ],
+    ids=["wrapper-saved", "module-saved", "never-wrapped"],
+)
+def test_a_save_nested_in_main_after_the_wrap_saves_the_wrapper(wrap, saved, reported):
+    body = RESUMED_BEFORE_THE_WRAP.format(wrap=wrap, saved=saved)
+    assert [
+        line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])
+    ] == reported

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from assistant.lint.checks.wrapper import (
     ScopeFacts,
+    bind_closures,
     bind_wrapped_parameters,
     is_prepare,
     plain_names,
@@ -159,6 +160,25 @@ def strict_load(call: ast.Call) -> bool:
     return value is None or (isinstance(value, ast.Constant) and value.value is True)
 
 
+# A library's model factory that returns the model first, with what goes with it:
+# open_clip's create_model_and_transforms, clip.load, a from_pretrained asked for
+# its loading info. The model it builds is a plain one.
+MODEL_FACTORY = re.compile(r"create_model|build_model|load_model|from_pretrained|^load$")
+
+
+def first_of_a_model_factory(script: Script, target: ast.expr, value: ast.expr) -> str | None:
+    """`model` of `model, preprocess, _ = open_clip.create_model_and_transforms(...)`."""
+    if not (
+        isinstance(target, ast.Tuple | ast.List)
+        and target.elts
+        and isinstance(target.elts[0], ast.Name)
+        and isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)  # a library's, not the file's own
+    ):
+        return None
+    return target.elts[0].id if MODEL_FACTORY.search(short(script.name_of(value.func))) else None
+
+
 @dataclass
 class ScopeIndex:
     """One scope's bindings, in line order: each plain name's assignments (the value,
@@ -185,6 +205,9 @@ class Places:
             id(scope): ScopeFacts(script, script.scope_nodes(scope)) for scope in script.all_scopes
         }
         bind_wrapped_parameters(script, self.facts)
+        # `def save(tag): torch.save({"state_dict": model.state_dict()}, ...)` nested in
+        # main and called after `model = DDP(model)`: its model is the wrapper
+        bind_closures(script, self.facts)
         self.owner = {
             id(method): cls.name
             for cls in script.tree.body
@@ -235,6 +258,9 @@ class Places:
                         value = node.value if self.own_call(node.value) else None
                         for name in plain_names(target):
                             index.bind(name, node.lineno, value)
+                        model = first_of_a_model_factory(self.script, target, node.value)
+                        if model is not None:  # `model, preprocess, _ = create_model_and_...`
+                            index.bind(model, node.lineno, node.value)
             elif isinstance(node, (ast.For, ast.AsyncFor, ast.With, ast.AsyncWith)):
                 targets = (
                     [i.optional_vars for i in node.items if i.optional_vars is not None]
