@@ -42,11 +42,13 @@ lines it must report.
   decides (detections, a mask's selection) into buffers shaped like the
   local one (collective-mismatch);
 - metrics: an evaluation loop over each rank's share of the data whose
-  totals are shown or compared without a collective, or a LightningModule's
-  epoch-end metric from the outputs its steps collected, logged unsynced
-  (metrics-not-reduced);
+  totals are shown or compared without a collective, an evaluation function
+  handed the model and a count divided by the number of processes, or a
+  LightningModule's epoch-end metric from the outputs its steps collected,
+  logged unsynced (metrics-not-reduced);
 - model_build: layers added or resized on some ranks only before DDP wraps
-  the model, or sized from data each rank reads for itself
+  the model, sized from data each rank reads for itself, or sized by the
+  rank itself inside the wrapped module (a class-sharded head)
   (model-differs-across-ranks);
 - wrapper: the model's own methods and fields read through the DDP /
   DataParallel wrapper instead of `.module` (ddp-wrapper-attribute);
@@ -72,7 +74,8 @@ lines it must report.
 - endpoint: MASTER_ADDR set to each process's own host name in a file that
   shows several nodes (master-endpoint-mismatch);
 - fork: a Dataset's item reader or a collate_fn that moves data to the GPU
-  inside DataLoader workers forked after CUDA started (cuda-init-before-fork);
+  inside DataLoader workers forked after CUDA started, or the target of a
+  process the script forks itself after CUDA started (cuda-init-before-fork);
 - unused: a submodule forward skips when an optional input is None, called
   with None in training under a DDP that expects every parameter
   (unused-parameters);
