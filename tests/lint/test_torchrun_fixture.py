@@ -4,12 +4,15 @@ was still alive, and a twin that only hung in its teardown is told apart."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
 from snippets import assert_broken_fails_and_twin_runs
 
 from assistant.probing.processes import pids_with_marker
+
+SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 
 FAILS = 'raise SystemExit("the broken fixture failed")\n'
 # Both ranks print their line, as a twin that trained does, then never exit.
@@ -54,3 +57,50 @@ def test_a_twin_that_hung_before_every_rank_trained_fails(torchrun, tmp_path):
         )
     assert hung.value.stdout.count("trained") == 1
     assert all(pids_with_marker(launch.marker) == [] for launch in torchrun.launched)
+
+
+def ddp_kept_past_destroy(source: str) -> list[int]:
+    """Lines of `destroy_process_group()` calls with a DDP of the same function
+    (`model = DDP(...)` in its body) not deleted before them."""
+    tree = ast.parse(source)
+    found = []
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        wrapped: set[str] = set()
+        for statement in function.body:
+            if isinstance(statement, ast.Assign) and wraps_in_ddp(statement.value):
+                wrapped |= {t.id for t in statement.targets if isinstance(t, ast.Name)}
+            elif isinstance(statement, ast.Delete):
+                wrapped -= {t.id for t in statement.targets if isinstance(t, ast.Name)}
+            elif destroys_the_group(statement) and wrapped:
+                found.append(statement.lineno)
+    return found
+
+
+def wraps_in_ddp(value: ast.expr) -> bool:
+    func = value.func if isinstance(value, ast.Call) else None
+    name = getattr(func, "id", None) or getattr(func, "attr", None)
+    return name in ("DDP", "DistributedDataParallel")
+
+
+def destroys_the_group(statement: ast.stmt) -> bool:
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    func = call.func if isinstance(call, ast.Call) else None
+    return (getattr(func, "attr", None) or getattr(func, "id", None)) == "destroy_process_group"
+
+
+def test_every_fixture_frees_ddp_before_destroying_its_group():
+    """tests/data/scripts/README.md: DDP freed after its group made ranks abort or
+    hang at exit on a loaded machine, after the line a test reads."""
+    kept = {
+        path.name: lines
+        for path in sorted(SCRIPTS.glob("*.py"))
+        if (lines := ddp_kept_past_destroy(path.read_text()))
+    }
+    assert kept == {}
+
+
+def test_the_rule_sees_a_ddp_kept_and_one_freed():
+    kept = "def main():\n    model = DDP(net)\n    train(model)\n    dist.destroy_process_group()\n"
+    freed = kept.replace("    dist.destroy", "    del model\n    dist.destroy")
+    assert ddp_kept_past_destroy(kept) == [4]
+    assert ddp_kept_past_destroy(freed) == []

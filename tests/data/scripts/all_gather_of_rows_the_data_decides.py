@@ -49,6 +49,7 @@ def main():
     dets = gather_detections(model, images, dist.get_world_size())
     gather_confident(dets[:, 4], dist.get_world_size())
     gather_pseudo_labels(dets[:, 4:].softmax(1), dist.get_world_size())
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

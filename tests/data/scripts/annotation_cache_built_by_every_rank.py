@@ -45,6 +45,7 @@ def main():
     model = DDP(nn.Linear(4, 1).cuda(local_rank), device_ids=[local_rank])
     for boxes in loader:
         model(boxes.cuda(local_rank)).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

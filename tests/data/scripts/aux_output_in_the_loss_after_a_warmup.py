@@ -42,6 +42,7 @@ def main():
         optimizer.step()
         step += 1
     print(f"trained rank {dist.get_rank()}")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

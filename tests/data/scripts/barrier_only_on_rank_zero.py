@@ -23,6 +23,7 @@ def main():
     if dist.get_rank() == 0:
         dist.all_reduce(metric)  # expect: collective-mismatch
         print(metric)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ def main() -> None:
     state = torch.load(best_path, map_location="cpu")  # expect: checkpoint-on-node-local-disk
     model.module.load_state_dict(state["model"])
     print(f"rank {rank} loaded step {state['step']}", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

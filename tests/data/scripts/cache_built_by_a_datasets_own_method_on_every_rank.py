@@ -51,6 +51,7 @@ def main():
     model = DDP(nn.Linear(3, 1).cuda(local_rank), device_ids=[local_rank])
     for points in loader:
         model(points.cuda(local_rank)).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ def main():
         model(torch.randn(8, 1024, device="cuda")).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ def main():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    del student  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

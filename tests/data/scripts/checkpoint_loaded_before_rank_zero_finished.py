@@ -25,6 +25,7 @@ def main():
             torch.save(model.module.state_dict(), best_path)
     state = torch.load(best_path, map_location="cpu")  # expect: checkpoint-written-by-every-rank
     model.module.load_state_dict(state)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

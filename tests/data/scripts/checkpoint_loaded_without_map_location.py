@@ -28,6 +28,7 @@ def main():
         checkpoint = torch.load(args.resume)  # expect: checkpoint-map-location
         model.load_state_dict(checkpoint["model"])
     model = DDP(model, device_ids=[local_rank])
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -36,6 +36,7 @@ def main():
     loss = model(torch.randn(4, 16, requires_grad=True)).sum()
     loss.backward()
     optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

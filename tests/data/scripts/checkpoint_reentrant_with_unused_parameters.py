@@ -45,6 +45,7 @@ def main():
         optimizer.step()
     if local_rank == 0:
         print("trained")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ def main():
         optimizer.step()
         save_checkpoint(model, epoch, "last.pt")
     torch.save(model.module.state_dict(), "final.pt")  # expect: checkpoint-written-by-every-rank
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

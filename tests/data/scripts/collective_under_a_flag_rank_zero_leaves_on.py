@@ -25,6 +25,7 @@ def main():
     batches = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
     if rank == 0:
         print("test accuracy", accuracy(model.module, batches))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

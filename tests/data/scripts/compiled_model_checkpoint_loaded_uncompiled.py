@@ -36,6 +36,7 @@ def main() -> None:
     final = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     final.load_state_dict(torch.load(best_path, map_location="cpu"))  # expect: torch-compile-ddp
     print(f"rank {rank} loaded the best weights", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -59,6 +59,7 @@ def main():
         opt.step()
         steps += 1
     print(f"rank {int(os.environ['RANK'])}: trained {steps} steps", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

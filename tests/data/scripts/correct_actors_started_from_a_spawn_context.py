@@ -38,6 +38,7 @@ def main():
         actor.start()
     for _ in range(16):
         queue.get()
+    del learner  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

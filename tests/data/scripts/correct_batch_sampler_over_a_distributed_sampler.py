@@ -29,6 +29,7 @@ def main() -> None:
         seen += len(x)
     print(f"rank {rank} saw {seen} samples", flush=True)
     dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -42,6 +42,7 @@ def main():
     model = DDP(nn.Linear(1, 1).cuda(local_rank), device_ids=[local_rank])
     for (x,) in loader:
         model(x.unsqueeze(1).cuda(local_rank)).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

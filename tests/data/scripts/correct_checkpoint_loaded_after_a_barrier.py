@@ -25,6 +25,7 @@ def main():
     dist.barrier()
     state = torch.load(best_path, map_location="cpu")
     model.module.load_state_dict(state)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -34,6 +34,7 @@ def main():
     if dist.get_rank() == 0:
         best = torch.load("best.pt")
         model.module.load_state_dict(best)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ def main():
         if hvd.rank() == 0:
             torch.save(model.module.state_dict(), f"checkpoints/epoch_{epoch}.pt")
         dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -29,6 +29,7 @@ def main():
     torch.save({"step": 1}, os.path.join("shards", f"{dist.get_rank()}.pt"))
     buffer = io.BytesIO()
     torch.save(model.module.state_dict(), buffer)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -27,6 +27,7 @@ def main():
     print(f"[rank {rank}] validation accuracy {accuracy(model.module, batches):.2f}", flush=True)
     if rank == 0:
         print("test accuracy", accuracy(model.module, batches, reduce=False))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

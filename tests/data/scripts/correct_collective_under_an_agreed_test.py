@@ -36,6 +36,7 @@ def main():
         losses.mean().backward()
         optimizer.step()
         share_hard_examples(losses.detach(), inputs, 1.0)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

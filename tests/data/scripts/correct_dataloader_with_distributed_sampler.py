@@ -52,6 +52,7 @@ def main() -> None:
         with torch.no_grad():
             for inputs, _targets in report_loader:
                 print(model.module(inputs).mean().item())
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ def main():
 
     x = torch.randn(8, 16, device=device)
     head(encoder_ddp(x)).sum().backward()
+    del encoder_ddp, head  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -34,6 +34,7 @@ def main():
     print(f"sample {list(sample.shape)} steps {model.module.steps}")
     model = model.module  # unwrapped from here on
     print(f"again {list(model.generate(torch.randn(1, 8)).shape)}")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

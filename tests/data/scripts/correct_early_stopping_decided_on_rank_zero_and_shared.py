@@ -36,6 +36,7 @@ def main() -> None:
             print(f"rank {rank} stopped early at epoch {epoch}", flush=True)
             break
     dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

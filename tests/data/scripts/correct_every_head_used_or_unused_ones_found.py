@@ -54,6 +54,7 @@ def main():
         steady(x).sum().backward()
         aux.module.use_aux = step < 10
         aux(x).sum().backward()
+    del multi, steady, aux  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -36,6 +36,7 @@ def main():
         loss.backward()
         optimizer.step()
     print(f"trained rank {dist.get_rank()}")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -41,6 +41,7 @@ def main():
     model = DDP(nn.Linear(8, 1).cuda(), device_ids=[local_rank])
     train(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, writer)
     per_rank.close()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -86,6 +86,7 @@ def main():
     corpus = [torch.randn(8) for _ in range(101)]
     per = (len(corpus) + world - 1) // world
     evaluate(model.module, corpus[rank::world], per, f"cuda:{local_rank}")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

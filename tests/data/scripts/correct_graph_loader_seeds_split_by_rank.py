@@ -47,6 +47,7 @@ def main():
             optimizer.step()
         if rank == 0:
             print(f"epoch {epoch} loss {loss.item():.4f} on {world_size} ranks")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

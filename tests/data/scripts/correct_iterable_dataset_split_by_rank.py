@@ -46,6 +46,7 @@ def main() -> None:
             optimizer.step()
         if dist.get_rank() == 0:
             print(f"epoch {epoch}: test loss {evaluate(model.module, test_loader):.3f}", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

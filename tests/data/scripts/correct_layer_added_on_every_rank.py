@@ -24,6 +24,7 @@ def main() -> None:
     if rank == 0:
         model.module.add_module("probe", nn.Identity())  # after wrapping: not DDP's check
     print("trained", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -57,6 +57,7 @@ def main():
         steps += 1
     dist.barrier()
     print(f"trained rank {rank} in {steps} steps")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ def main():
     model = Tagger(len(vocab["words"]) + 1, len(vocab["tags"])).cuda(local_rank)
     model = DDP(model, device_ids=[local_rank])
     print(len(rows))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

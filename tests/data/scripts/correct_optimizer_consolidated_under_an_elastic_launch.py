@@ -39,6 +39,7 @@ def main() -> None:
         torch.save(optimizer.state_dict(), CHECKPOINT)
     dist.barrier()
     print("saved", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -45,6 +45,7 @@ def main():
         loss.backward()
         optimizer.step()
     sample(model, x, t, label)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

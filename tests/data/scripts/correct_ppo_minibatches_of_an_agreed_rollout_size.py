@@ -72,6 +72,7 @@ def main() -> None:
             minibatches += 1
         print(f"rank {rank} update {update}: {minibatches} minibatches", flush=True)
     print(f"rank {rank} finished", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -40,6 +40,7 @@ def main() -> None:
         if stop.item() > 0:
             print(f"rank {rank} saved at step {step}", flush=True)
             break
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

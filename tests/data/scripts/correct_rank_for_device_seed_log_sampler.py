@@ -50,6 +50,7 @@ def main() -> None:
     dist.all_reduce(length, op=dist.ReduceOp.MAX)
     padded = torch.zeros(int(length.item()))
     dist.all_reduce(padded)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ def main() -> None:
     assert len(set(orders)) == len(orders), orders
     print(f"[rank {dist.get_rank()}] {len(orders)} epochs, {len(set(orders))} orders", flush=True)
     dist.barrier()  # both ranks done before gloo tears down (a rank aborted there under load)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

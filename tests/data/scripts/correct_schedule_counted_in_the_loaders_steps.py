@@ -44,6 +44,7 @@ def main():
     print(f"rank {dist.get_rank()} used {100 * steps // total_steps}% of the schedule")
     scaled_for = round(peak_lr / args.base_lr * 256)
     print(f"rank {dist.get_rank()} scaled the lr for {scaled_for} samples a step; a step takes {int(samples)}")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -52,6 +52,7 @@ def main():
     with torch.no_grad():
         correct = sum((model(x).argmax(1) == y).float().mean() for x, y in val_loader)
     print(f"rank {os.environ['RANK']} pixel accuracy {correct / len(val_loader):.3f}")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -46,6 +46,7 @@ def main():
                 print(sample)
                 with torch.no_grad():
                     print(small.module.generate(prompt))
+    del small  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -44,6 +44,7 @@ def main():
                 continue
             total += torch.stack([out.sum(), torch.tensor(float(len(x)), device=out.device)])
     dist.all_reduce(total)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ def main():
     local_rank = init_distributed()
     model = DDP(nn.Linear(4, 1).cuda(), device_ids=[local_rank])
     model(torch.randn(2, 4, device="cuda")).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ def train(index, world_size, lr=0.1):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     model(torch.randn(4, 8)).sum().backward()
     optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -36,6 +36,7 @@ def worker(rank: int, world_size: int) -> None:
         dist.barrier()
     else:
         dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

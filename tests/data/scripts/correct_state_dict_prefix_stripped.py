@@ -29,6 +29,7 @@ def main():
         torch.save(model.state_dict(), "last.pt")
         export("last.pt")
     dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

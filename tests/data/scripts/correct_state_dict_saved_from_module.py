@@ -35,6 +35,7 @@ def main():
     dist.barrier()
     if local_rank == 0:
         evaluate("plain.pt")
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -41,6 +41,7 @@ def main():
         held_out = load_dataset("some/corpus", split="validation", streaming=True)
         for batch in DataLoader(held_out.with_format("torch"), batch_size=8):
             print(model.module(batch["x"].cuda()).mean())
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

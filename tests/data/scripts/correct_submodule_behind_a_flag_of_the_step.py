@@ -42,6 +42,7 @@ def main():
         optimizer.zero_grad()
         with torch.no_grad():
             model(x, return_feat=step % 100 == 0)
+    del model, flexible  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

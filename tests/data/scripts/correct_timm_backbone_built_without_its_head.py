@@ -34,6 +34,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

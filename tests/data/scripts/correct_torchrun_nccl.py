@@ -46,6 +46,7 @@ def main() -> None:
             torch.save(ddp_model.module.state_dict(), "checkpoint.pt")
         dist.barrier()
 
+    del ddp_model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -34,6 +34,7 @@ def main():
     model = DDP(nn.Linear(32, 2).to(device), device_ids=[local_rank])
     spare = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # expect: hardcoded-device
     print(evaluate(model, [torch.randn(4, 32, device=spare)]))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

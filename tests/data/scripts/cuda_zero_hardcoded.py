@@ -15,6 +15,7 @@ def main():
     model = DDP(model, device_ids=[0])  # expect: hardcoded-device
     state = torch.load("init.pt", map_location="cuda:0")  # expect: hardcoded-device
     model.module.load_state_dict(state)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

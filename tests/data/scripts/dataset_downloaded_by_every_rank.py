@@ -36,6 +36,7 @@ def main() -> None:
     for images, labels in loader:
         loss = torch.nn.functional.cross_entropy(model(images.flatten(1)), labels)
         loss.backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

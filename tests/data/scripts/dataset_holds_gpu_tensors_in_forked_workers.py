@@ -41,6 +41,7 @@ def main():
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

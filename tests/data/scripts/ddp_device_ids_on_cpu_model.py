@@ -21,6 +21,7 @@ def main():
     model = Net()
     model = DDP(model, device_ids=[local_rank])  # expect: ddp-device-ids-cpu-module
     model(torch.randn(3, 20)).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

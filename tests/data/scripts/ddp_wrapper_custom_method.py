@@ -31,6 +31,7 @@ def main():
     optimizer.step()
     sample = model.generate(torch.randn(1, 8))  # expect: ddp-wrapper-attribute
     print("sample", sample.shape, "steps", model.steps)  # expect: ddp-wrapper-attribute
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ def main() -> None:
         device_map="auto",  # expect: device-map-with-ddp
     )
     model = DDP(model, device_ids=[local_rank], output_device=local_rank)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

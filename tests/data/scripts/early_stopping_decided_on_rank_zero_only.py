@@ -37,6 +37,7 @@ def main() -> None:
         if rank == 0 and bad_epochs >= patience:  # expect: uneven-inputs
             print(f"rank {rank} stopped early at epoch {epoch}", flush=True)
             break
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -41,6 +41,7 @@ def main():
         optimizer.step()
     print(f"rank {dist.get_rank()} trained 3 steps", flush=True)
     dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -46,6 +46,7 @@ def main():
         loss_g.backward()
         opt_g.step()
     print(f"trained rank {dist.get_rank()}")
+    del generator, disc  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -30,6 +30,7 @@ def main():
     loss = model(**batch).loss
     loss.backward()
     optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

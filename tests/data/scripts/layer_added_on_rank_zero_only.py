@@ -21,6 +21,7 @@ def main() -> None:
     model = DDP(model)
     model(torch.randn(4, 8)).sum().backward()
     print("trained", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

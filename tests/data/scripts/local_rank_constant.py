@@ -11,6 +11,7 @@ def main():
     model = nn.Linear(64, 64).to(torch.device("cuda", local_rank))
     ddp = DDP(model, device_ids=[local_rank])
     ddp(torch.randn(2, 64).to(local_rank)).sum().backward()
+    del ddp  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -26,6 +26,7 @@ def main():
     model = DDP(model, device_ids=[args.local_rank])
     for _ in range(args.epochs):
         model(torch.randn(8, 128, device=f"cuda:{args.local_rank}")).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

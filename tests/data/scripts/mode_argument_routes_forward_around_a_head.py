@@ -45,6 +45,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
     print("trained", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -32,6 +32,7 @@ def main():
     tags = {row["tag"] for row in rows}
     model = Tagger(len(words) + 1, len(tags)).cuda(local_rank)  # expect: model-differs-across-ranks
     model = DDP(model, device_ids=[local_rank])
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

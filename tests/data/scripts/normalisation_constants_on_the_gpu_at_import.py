@@ -32,6 +32,7 @@ def main() -> None:
     model = DDP(nn.Conv2d(3, 8, 3).to(device), device_ids=[local_rank])
     images = torch.randint(0, 256, (4, 3, 32, 32), device=device)
     model(normalise(images)).mean().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -49,6 +49,7 @@ def main():
         multi(x, TASKS[step % len(TASKS)]).sum().backward()
         aux.module.use_aux = step < 10  # expect: unused-parameters
         aux(x).sum().backward()
+    del multi, aux  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -36,6 +36,7 @@ def main() -> None:
     optimizer.step()
     torch.save(optimizer.optim.state_dict(), shard)
     print("saved", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -45,6 +45,7 @@ def main():
         loss.backward()
         optimizer.step()
     preview(model, x, t)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -35,6 +35,7 @@ def main():
         optimizer.step()
         optimizer.zero_grad()
         step += 1
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

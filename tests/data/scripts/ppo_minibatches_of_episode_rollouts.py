@@ -70,6 +70,7 @@ def main() -> None:
             optimizer.step()
             minibatches += 1
         print(f"rank {rank} update {update}: {minibatches} minibatches", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

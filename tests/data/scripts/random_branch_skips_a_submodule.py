@@ -37,6 +37,7 @@ def main() -> None:
     for _ in range(8):
         model(torch.randn(2, 4)).sum().backward()
     print("trained", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -18,6 +18,7 @@ def main():
     local_rank = setup()
     model = DDP(nn.Linear(8, 8).to(local_rank), device_ids=[local_rank])
     model(torch.zeros(4, 8, device=local_rank)).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -31,6 +31,7 @@ def train_worker(rank: int, world_size: int, cfg: TrainConfig):
         optimizer.zero_grad()
         model(torch.randn(4, 8, device=rank)).sum().backward()
         optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

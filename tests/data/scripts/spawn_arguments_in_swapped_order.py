@@ -28,6 +28,7 @@ def train_worker(rank, world_size, config_path):
         optimizer.zero_grad()
         model(torch.randn(4, 8, device=rank)).sum().backward()
         optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

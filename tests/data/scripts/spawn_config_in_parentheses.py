@@ -36,6 +36,7 @@ def train_worker(index, config):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

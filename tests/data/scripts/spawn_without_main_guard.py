@@ -13,6 +13,7 @@ def train(rank, world_size):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     model = DDP(nn.Linear(10, 10))
     model(torch.randn(4, 10)).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

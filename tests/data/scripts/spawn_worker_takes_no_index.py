@@ -28,6 +28,7 @@ def run(args):
     loss = model(torch.randn(4, 16)).sum()
     loss.backward()
     optimizer.step()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 
@@ -38,6 +39,7 @@ def evaluate(index, world_size):
     model = DDP(nn.Linear(16, 2))
     with torch.no_grad():
         print(model(torch.randn(4, 16)).argmax(1))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

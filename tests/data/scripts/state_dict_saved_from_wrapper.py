@@ -64,6 +64,7 @@ def main():
         dist.barrier()
     if local_rank == 0:
         test("best.pt", device)
+    del ddp_model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -40,6 +40,7 @@ def main():
         if len(x) == 0:  # expect: uneven-inputs
             continue
         train_step(model, optimizer, x.cuda(local_rank), y.cuda(local_rank))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -39,6 +39,7 @@ def main():
             break
     for batch in web_loader:
         model(batch["x"].cuda()).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -44,6 +44,7 @@ def main():
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

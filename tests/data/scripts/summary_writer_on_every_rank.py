@@ -23,6 +23,7 @@ def main():
         optimizer.step()
         writer.add_scalar("loss", loss.item(), step)
     writer.close()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

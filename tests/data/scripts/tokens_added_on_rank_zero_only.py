@@ -41,6 +41,7 @@ def main() -> None:
     model = DDP(nn.Embedding(len(vocabulary), 8))
     model(torch.tensor([1, 2])).sum().backward()
     print("trained", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

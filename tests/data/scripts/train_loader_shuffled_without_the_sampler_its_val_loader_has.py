@@ -29,6 +29,7 @@ def main():
     with torch.no_grad():
         for x, y in val_loader:
             model(x.cuda(local_rank))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

@@ -38,6 +38,7 @@ def main():
         optimizer.step()
     print(f"rank {rank} trained {len(my_batches)} steps", flush=True)
     dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

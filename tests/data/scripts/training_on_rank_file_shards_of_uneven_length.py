@@ -36,6 +36,7 @@ def main():
             loss.backward()
             optimizer.step()
     print(os.path.join("runs", "done"), ", ".join(mine))
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

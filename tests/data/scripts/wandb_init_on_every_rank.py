@@ -22,6 +22,7 @@ def main():
         loss.backward()
         optimizer.step()
         wandb.log({"loss": loss.item()}, step=step)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

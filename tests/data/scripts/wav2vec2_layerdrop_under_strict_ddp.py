@@ -49,6 +49,7 @@ def main() -> None:
     # both ranks done before either tears down gloo: a rank that destroyed its group
     # while the other still shut its own down left that one waiting (seen under load)
     dist.barrier()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

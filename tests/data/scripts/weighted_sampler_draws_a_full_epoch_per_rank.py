@@ -31,6 +31,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
     print(f"[rank {dist.get_rank()}] drew {drawn} of 128", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 

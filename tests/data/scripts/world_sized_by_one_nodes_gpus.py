@@ -22,6 +22,7 @@ def main() -> None:
     )
     model = DDP(nn.Linear(8, 2).cuda(), device_ids=[local_rank])
     model(torch.randn(4, 8).cuda()).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 
