@@ -1174,3 +1174,44 @@ def test_a_graph_dataset_that_downloads_when_built_is_built_by_every_rank(made, 
     )
     found = [f.cause_id for f in lint_source(source) if f.cause_id == "dataset-cache-race"]
     assert bool(found) == reported, found
+
+
+PREFETCH_LOADER = """
+class PrefetchDataLoader(DataLoader):
+    def __init__(self, num_prefetch_queue, **kwargs):
+        self.num_prefetch_queue = num_prefetch_queue
+        super().__init__(**kwargs)
+
+
+class Batches(DataLoader):
+    pass
+
+
+{made}
+for batch in loader:
+    model(batch[0]).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "made, reported",
+    [
+        # blind set bo's 20: BasicSR's PrefetchDataLoader, a subclass of DataLoader
+        ("loader = PrefetchDataLoader(num_prefetch_queue=4, dataset=data, shuffle=True)", True),
+        ("loader = Batches(data, batch_size=8, shuffle=True)", True),
+        # given a DistributedSampler; or handed its own first parameter positionally,
+        # where DataLoader takes the dataset (not read: quiet rather than guess)
+        (
+            (
+                "loader = PrefetchDataLoader(num_prefetch_queue=4, dataset=data,\n"
+                "    sampler=torch.utils.data.distributed.DistributedSampler(data))"
+            ),
+            False,
+        ),
+        ("loader = PrefetchDataLoader(4, dataset=data, shuffle=True)", False),
+    ],
+    ids=["keywords", "subclass-positional", "sampler", "other-first-parameter"],
+)
+def test_the_files_own_dataloader_subclass_is_a_dataloader(made, reported):
+    found = findings(DDP_PRELUDE, PREFETCH_LOADER.format(made=made))
+    assert ("missing-distributed-sampler" in {cause for cause, _ in found}) == reported, found

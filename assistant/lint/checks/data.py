@@ -118,7 +118,7 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         PREPARERS & script.called_short_names
     )  # a loader prepared (Ray, Accelerate, Fabric) is split like one with a sampler
     for node in data.loader_calls:
-        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        dataset = loader_dataset(node)
         if dataset is None or has_sampler(node) or data.prepared(node):
             continue
         if only_shuffled and (not shuffles(node) or data.only_scored(node)):
@@ -154,6 +154,36 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         )
 
 
+def loader_dataset(loader: ast.Call) -> ast.expr | None:
+    """What a DataLoader call reads: its first argument, or `dataset=`."""
+    return loader.args[0] if loader.args else keyword(loader, "dataset")
+
+
+def own_loader_classes(script: Script) -> dict[str, ast.ClassDef]:
+    """The file's classes that subclass torch's DataLoader, by name."""
+    return {
+        node.name: node
+        for node in script.tree.body
+        if isinstance(node, ast.ClassDef)
+        and any(
+            short(script.name_of(base)) == "DataLoader"
+            and script.name_of(base).startswith(LOADER_PACKAGES)
+            for base in node.bases
+        )
+    }
+
+
+def takes_the_dataset_first(cls: ast.ClassDef, call: ast.Call) -> bool:
+    """The call hands the subclass its dataset where DataLoader takes it: by keyword
+    only, or first, where the subclass's __init__ (if any) takes `dataset` first."""
+    if not call.args:
+        return True
+    init = next(
+        (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None
+    )
+    return init is None or [a.arg for a in init.args.args[1:2]] == ["dataset"]
+
+
 # torch's samplers that draw from the whole dataset, whoever runs them.
 WHOLE_DATASET_SAMPLERS = frozenset({"RandomSampler", "SequentialSampler"})
 
@@ -169,7 +199,7 @@ def check_batches_drawn_from_the_whole_dataset(script: Script) -> Iterator[Findi
         return
     for node in data.loader_calls:
         given = keyword(node, "batch_sampler") or keyword(node, "sampler")
-        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        dataset = loader_dataset(node)
         if given is None or dataset is None or data.sharded_by_rank(dataset):
             continue
         base = whole_dataset_sampler(script, given)
@@ -211,7 +241,7 @@ def unprepared_training_loaders(script: Script, data: DataFlow) -> Iterator[Find
     if not any(data.prepared(node) for node in data.loader_calls):
         return
     for node in data.loader_calls:
-        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        dataset = loader_dataset(node)
         if dataset is None or has_sampler(node) or data.prepared(node) or not shuffles(node):
             continue
         if not data.iterated_where_built(node) or data.sharded_by_rank(dataset):
@@ -531,7 +561,7 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
     if not data.is_distributed or data.uses_framework or equalizes_steps(script):
         return
     for node in data.loader_calls:
-        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        dataset = loader_dataset(node)
         if dataset is None or has_sampler(node):
             continue
         if not data.trains_on(node):
@@ -622,7 +652,7 @@ def check_own_sampler_not_split(script: Script) -> Iterator[Finding]:
         built = data.own_sampler(sampler) if sampler is not None else None
         if built is None:
             continue
-        dataset = node.args[0] if node.args else keyword(node, "dataset")
+        dataset = loader_dataset(node)
         if dataset is not None and (data.may_be_iterable(dataset) or data.sharded_by_rank(dataset)):
             continue
         if data.rank_zero_only(node):
@@ -867,11 +897,14 @@ class DataFlow:
     @cached_property
     def loader_calls(self) -> list[ast.Call]:
         """torch's DataLoader, and the subclasses that take its arguments
-        (PyTorch Geometric's, MONAI's): they shard nothing by themselves."""
+        (PyTorch Geometric's, MONAI's, the file's own: a BasicSR-style
+        PrefetchDataLoader(DataLoader)): they shard nothing by themselves."""
+        own = own_loader_classes(self.script)
         return [
             node
             for node, name in self.script.call_names
-            if short(name) == "DataLoader" and name.startswith(LOADER_PACKAGES)
+            if (short(name) == "DataLoader" and name.startswith(LOADER_PACKAGES))
+            or (name in own and takes_the_dataset_first(own[name], node))
         ]
 
     @cached_property
