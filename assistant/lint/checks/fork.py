@@ -220,7 +220,8 @@ def check_cuda_in_forked_processes(script: Script) -> Iterator[Finding]:
 
 def cuda_initialised_before(script: Script, call: ast.Call) -> ast.Call | None:
     """A call of the same function, before `call`, that initialises CUDA in this
-    process: set_device, a move to the GPU, DDP over a GPU model."""
+    process: set_device, a move to the GPU, or DDP (read as over a GPU model: the
+    check only asks where the forked target moves to the GPU too)."""
     scope = enclosing_scope(call, script)
     if scope is None:
         return None
