@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from assistant.lint.checks.rank_dependent import tuple_size_returned
+from assistant.lint.checks.schedules import PROCESS_COUNT
+from assistant.lint.checks.unused import position_after, wrapped_by
 from assistant.lint.model import (
     Function,
     Script,
@@ -117,7 +119,7 @@ def check_evaluation_of_a_share_of_the_count(script: Script) -> Iterator[Finding
             if evaluated is None:
                 continue
             function, passed = evaluated
-            after = [n for n in nodes if position_after(n, node)]
+            after = [n for n in nodes if hasattr(n, "lineno") and position_after(n, node)]
             derived = derive(after, set().union(*map(assigned_names, node.targets)))
             if combined(script, after, derived):
                 continue
@@ -137,8 +139,6 @@ def check_evaluation_of_a_share_of_the_count(script: Script) -> Iterator[Finding
 
 def share_counts(nodes: list[ast.AST]) -> set[str]:
     """Names assigned a count divided by the number of processes (`n // world`)."""
-    from assistant.lint.checks.schedules import PROCESS_COUNT
-
     return {
         target.id
         for node in nodes
@@ -153,8 +153,6 @@ def share_counts(nodes: list[ast.AST]) -> set[str]:
 
 def model_names(script: Script) -> set[str]:
     """The names that hold a model DDP wraps: the wrapper, and what it was given."""
-    from assistant.lint.checks.unused import wrapped_by
-
     return set().union(
         *(wrapped_by(script, node, set())[0] for node, name in script.call_names if is_ddp(name))
     )
@@ -188,11 +186,6 @@ def root_name(expr: ast.expr) -> str | None:
     while isinstance(expr, ast.Attribute | ast.Call | ast.Subscript):
         expr = expr.func if isinstance(expr, ast.Call) else expr.value
     return expr.id if isinstance(expr, ast.Name) else None
-
-
-def position_after(node: ast.AST, anchor: ast.AST) -> bool:
-    start = (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
-    return start > (anchor.end_lineno or anchor.lineno, anchor.end_col_offset or 0)
 
 
 # Lightning: where a LightningModule collects its evaluation outputs, and where it
