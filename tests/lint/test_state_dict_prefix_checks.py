@@ -141,3 +141,12 @@ def test_a_save_nested_in_main_after_the_wrap_saves_the_wrapper(wrap, saved, rep
     assert [
         line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])
     ] == reported
+
+
+def test_names_unpacked_from_torch_load_are_not_read_as_a_model_factorys():
+    # torch.load returns whatever was pickled: `model, opt = torch.load(p)` is not known
+    body = RESUMED_BEFORE_THE_WRAP.format(wrap="model = DDP(model)", saved="model").replace(
+        "model, preprocess, _ = open_clip.create_model_and_transforms(args.model)",
+        "model, preprocess, _ = torch.load(args.whole_objects)",
+    )
+    assert lint_snippet(PRELUDE, body, ["state-dict-module-prefix"]) == []

@@ -163,7 +163,8 @@ def strict_load(call: ast.Call) -> bool:
 # A library's model factory that returns the model first, with what goes with it:
 # open_clip's create_model_and_transforms, clip.load, a from_pretrained asked for
 # its loading info. The model it builds is a plain one.
-MODEL_FACTORY = re.compile(r"create_model|build_model|load_model|from_pretrained|^load$")
+# Matched on the full name: a bare `load` is torch.load's too, which returns what was pickled.
+MODEL_FACTORY = re.compile(r"create_model|build_model|load_model|from_pretrained|(^|\.)clip\.load$")
 
 
 def first_of_a_model_factory(script: Script, target: ast.expr, value: ast.expr) -> str | None:
@@ -176,7 +177,7 @@ def first_of_a_model_factory(script: Script, target: ast.expr, value: ast.expr) 
         and isinstance(value.func, ast.Attribute)  # a library's, not the file's own
     ):
         return None
-    return target.elts[0].id if MODEL_FACTORY.search(short(script.name_of(value.func))) else None
+    return target.elts[0].id if MODEL_FACTORY.search(script.name_of(value.func)) else None
 
 
 @dataclass
