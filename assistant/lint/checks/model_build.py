@@ -25,6 +25,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.rank_dependent import OWN_RANK_NAME, depends_on_rank, flow_walk
+from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
 from assistant.lint.model import Script, short, source_text, walk
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, enclosing_scope
 from assistant.lint.registry import check
@@ -250,9 +252,6 @@ def check_parameters_sized_by_the_rank(script: Script) -> Iterator[Finding]:
     wraps. Its parameters differ in shape between ranks, and DDP's check that every
     rank holds the same parameters fails; sharded heads live outside DDP, their
     gradients exchanged by hand."""
-    from assistant.lint.checks.rank_dependent import depends_on_rank, flow_walk
-    from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
-
     classes = {cls.name: cls for cls in model_classes(script)}
     inits = []
     for ddp in (node for node, name in script.call_names if is_ddp(name)):
@@ -299,8 +298,6 @@ def check_parameters_sized_by_the_rank(script: Script) -> Iterator[Finding]:
 def rank_named_size(init: ast.FunctionDef) -> bool:
     """A parameter named like a rank whose default is a size (`def __init__(self, d,
     rank=64)`: a low-rank factorisation's inner dimension, not a process's rank)."""
-    from assistant.lint.checks.rank_dependent import OWN_RANK_NAME
-
     arguments = init.args.args + init.args.kwonlyargs
     defaults = [None] * (len(init.args.args) - len(init.args.defaults)) + list(init.args.defaults)
     defaults += list(init.args.kw_defaults)
