@@ -59,6 +59,33 @@ def test_a_twin_that_hung_before_every_rank_trained_fails(torchrun, tmp_path):
     assert all(pids_with_marker(launch.marker) == [] for launch in torchrun.launched)
 
 
+# Rank 0 aborts at its end the first time (as a gloo rank sometimes did in the
+# interpreter's teardown), not once the folder holds the first run's marker.
+ABORTS_THE_FIRST_TIME = (
+    "import os, pathlib\n"
+    'print("trained", flush=True)\n'
+    'marker = pathlib.Path("aborted-once")\n'
+    'if os.environ["RANK"] == "0" and not marker.exists():\n'
+    "    marker.touch()\n"
+    "    os.abort()\n"
+)
+ALWAYS_ABORTS = 'import os\nprint("trained", flush=True)\nos.abort()\n'
+
+
+@pytest.mark.slow
+def test_a_run_whose_rank_crashed_is_launched_once_more_with_a_warning(torchrun, tmp_path):
+    files = scripts(tmp_path, flaky=ABORTS_THE_FIRST_TIME, crashes=ALWAYS_ABORTS)
+    with pytest.warns(torchrun.RankCrashed, match="flaky.py: a rank crashed") as caught:
+        flaky = torchrun.start(files["flaky"])()
+    assert flaky.returncode == 0, flaky.stderr[-2000:]
+    assert flaky.stdout.count("trained") == 2
+    assert "Fatal Python error: Aborted" in str(caught[0].message)  # faulthandler's stack
+    with pytest.warns(torchrun.RankCrashed, match="crashes.py"):
+        crashes = torchrun.start(files["crashes"])()
+    assert crashes.returncode != 0
+    assert len(torchrun.launched) == 4  # each launched twice, no more
+
+
 def ddp_kept_past_destroy(source: str) -> list[int]:
     """Lines of `destroy_process_group()` calls with a DDP of the same function
     (`model = DDP(...)` in its body) not deleted before them."""
