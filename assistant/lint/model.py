@@ -87,6 +87,27 @@ class Script:
         )
 
     @cached_property
+    def classes(self) -> dict[str, ast.ClassDef]:
+        """The file's top-level classes by name."""
+        return {node.name: node for node in self.tree.body if isinstance(node, ast.ClassDef)}
+
+    def resolved_method(self, class_name: str, method: str) -> str | None:
+        """ "Class.method" that `Cls(...).method()` runs: the class's own, else the
+        first of its bases in this file that defines it (a library base's is not
+        the file's)."""
+        seen: set[str] = set()
+        pending = [class_name]
+        while pending:
+            name = pending.pop(0)
+            if name in seen or name not in self.classes:
+                continue
+            seen.add(name)
+            if f"{name}.{method}" in self.functions:
+                return f"{name}.{method}"
+            pending += [b.id for b in self.classes[name].bases if isinstance(b, ast.Name)]
+        return None
+
+    @cached_property
     def methods_by_name(self) -> dict[str, list[str]]:
         """The file's methods ("Class.method") by method name, for `self.method()` (and
         `obj.method()` where no other kind of object has such a method: tracer.py)."""

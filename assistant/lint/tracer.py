@@ -293,22 +293,38 @@ def calls_in_evaluation_order(node: ast.AST) -> list[ast.Call]:
 
 def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list[str]:
     """The functions of this file a call runs: `f()`, `Cls()` (its __init__, and the
-    __post_init__ a dataclass's generated __init__ calls), `self.m()`.
+    __post_init__ a dataclass's generated __init__ calls), `self.m()`, `super().m()`;
+    a method a class inherits from a base of this file is the base's.
 
     `owner` is the class whose method makes the call; without it `self.m()`
     may be the `m` of any class in the file.
     """
-    functions = script.functions
     if isinstance(func, ast.Name):
-        constructed = (func.id, f"{func.id}.__init__", f"{func.id}.__post_init__")
-        return [c for c in constructed if c in functions]
-    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+        if func.id in script.classes:
+            built = (script.resolved_method(func.id, m) for m in ("__init__", "__post_init__"))
+            return [m for m in built if m]
+        return [func.id] if func.id in script.functions else []
+    if not isinstance(func, ast.Attribute):
+        return []
+    if is_super_call(func.value):
+        bases = script.classes[owner].bases if owner in script.classes else []
+        resolved = (
+            script.resolved_method(b.id, func.attr) for b in bases if isinstance(b, ast.Name)
+        )
+        return [m for m in resolved if m][:1]
+    if not isinstance(func.value, ast.Name):
         return []
     if func.value.id != "self":
         return own_method_of_an_object(script, func.value.id, func.attr)
     if owner is not None:
-        return [m for m in (f"{owner}.{func.attr}",) if m in functions]
+        return [m for m in (script.resolved_method(owner, func.attr),) if m]
     return list(script.methods_by_name.get(func.attr, []))
+
+
+def is_super_call(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
 
 
 # Method names that objects of other kinds have too (containers, tensors, modules,
@@ -328,12 +344,34 @@ COMMON_METHODS = frozenset(
 
 
 def own_method_of_an_object(script: Script, receiver: str, method: str) -> list[str]:
-    """`x.m()` on a name that is not a module: the file's methods named `m`, when no
-    other kind of object has a method of that name (`metric_logger.synchronize_between_
-    processes()`), so the call is one of the file's own classes."""
-    if receiver in script.aliases or method in COMMON_METHODS or method.startswith("__"):
+    """`x.m()` on a name that is not a module: where every value the file gives `x`
+    builds one of its own classes (`model = ModelPlain(opt)`), the `m` those classes
+    run, whatever its name (`model.save(step)`); otherwise the file's methods named
+    `m`, when no other kind of object has a method of that name
+    (`metric_logger.synchronize_between_processes()`)."""
+    if receiver in script.aliases or method.startswith("__"):
+        return []
+    built = classes_built_as(script, receiver)
+    if built:
+        resolved = (script.resolved_method(name, method) for name in built)
+        return list(dict.fromkeys(m for m in resolved if m))
+    if method in COMMON_METHODS:
         return []
     return list(script.methods_by_name.get(method, []))
+
+
+def classes_built_as(script: Script, name: str) -> list[str]:
+    """The file's classes `name` is an instance of, where every value the file
+    assigns it is such a class's constructor; empty where any is something else."""
+    values = script.assigned_values.get(name, [])
+    built = [
+        value.func.id
+        for value in values
+        if isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id in script.classes
+    ]
+    return built if values and len(built) == len(values) else []
 
 
 def trace_script(script: Script) -> list[list[TracedCall]]:

@@ -93,15 +93,16 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 1104 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# of 1168 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
 # am 13/16; an 13/16; ap 12/16; ao 15/16; aq 12/16; ar 13/16; as 13/16; at 10/16; au 12/16;
 # av 13/16; aw 9/16; ax 11/16; ay 12/16; az 12/16; ba 14/16; bb 10/16; bc 13/16;
 # bd 12/16; be 6/16; bf 8/16; bh 12/16; bg 14/16; bj 14/16; bk 13/16; bi 14/16;
-# bl 12/16; bm 12/16; bn 12/16; bo 12/16; bp 14/16; bq 14/16)
-FOUND_FLOOR = 1017  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# bl 12/16; bm 12/16; bn 12/16; bo 12/16; bp 14/16; bq 14/16; br 12/16; bs 13/16;
+# bt 15/16; bu 11/16)
+FOUND_FLOOR = 1071  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -202,7 +203,10 @@ FOUND_FLOOR = 1017  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # number of processes, its result shown on rank 0 (bl's 17) (975), a save nested in main after
 # the wrap and a model unpacked from open_clip's factory (bi's 20, missed since session 47) (976);
 # 1016 of 1104 with bo, bp and bq (measured once at 5b8ab01), then the file's own DataLoader
-# subclass (bo's 20) (1017)
+# subclass (bo's 20) (1017); session 49: 1068 of 1168 with br, bs, bt and bu (measured once
+# at df78f0a's linter), then a training state handed to the file's own resume method (bo's 10)
+# and a save through a method of the file's own class, whatever its name (bo's 18, bu's 07)
+# (1071)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -269,8 +273,12 @@ FOUND_FLOOR = 1017  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # spelling note on bl's 09 and bm's 01), 85 after their lessons (bn's 12 trains MinkowskiEngine's
 # plain BatchNorm on 4 pairs a GPU: true), 89 with bo, bp and bq (the spelling note on bo's 06, bp's
 # 18 and bq's 16; bq's 07 calibration scores of the rank's shard never reduced, read as
-# metrics-not-reduced beside the labelled model-differs-across-ranks they lead to: true)
-OTHER_FINDINGS_CEILING = 89
+# metrics-not-reduced beside the labelled model-differs-across-ranks they lead to: true), 97 with
+# br, bs, bt and bu (the spelling note on br's 16, bs's 14, bt's 18 and bu's 01; br's 18 a loader
+# over a task generator seeded by the rank: arguable; br's 06 a loader read whole into memory for
+# episodes, bs's 05 a model placed part by part, bs's 10 features gathered through a lambda:
+# false, mended), 94 after
+OTHER_FINDINGS_CEILING = 94
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -288,8 +296,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 1104
-    assert sum(label["cause"] is None for label in labels) == 276
+    assert sum(label["cause"] is not None for label in labels) == 1168
+    assert sum(label["cause"] is None for label in labels) == 292
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

@@ -65,6 +65,10 @@ NO_SAMPLER_FLAGGED = {
         "val = DataLoader(data, batch_size=8)\nfor (x,) in val:\n    model(x)",
         1,
     ),
+    "collected_into_memory_and_also_iterated": (
+        "loader = DataLoader(data)\ntable = [x for (x,) in loader]\nfor (x,) in loader:\n    model(x)",
+        1,
+    ),
     "cut_by_the_world_size_of_the_environment": (
         (
             "import os\n"
@@ -103,6 +107,9 @@ NO_SAMPLER_CLEAN = {
     # a sampler built elsewhere: not known to draw the whole set (torch's RandomSampler
     # is: test_a_whole_set_sampler_is_only_judged_for_replicas_of_a_data_parallel_model)
     "sampler_given": "loader = DataLoader(data, sampler=samplers.build(data, cfg))",
+    # read once into memory, for a sampler of the file's own (few-shot episodes)
+    "collected_into_memory": "loader = DataLoader(data, batch_size=256)\ntable = [x for (x,) in loader]",
+    "listed": "batches = list(DataLoader(data, batch_size=8))",
     "batch_sampler_given": "loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])",
     "sampler_by_position": "loader = DataLoader(data, 8, False, my_sampler)",
     "options_splatted": "loader = DataLoader(data, **loader_options)",

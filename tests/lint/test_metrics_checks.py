@@ -248,6 +248,29 @@ def test_totals_reduced_gathered_or_training_loops_are_not():
     assert lines == []
 
 
+@pytest.mark.parametrize(
+    "combine, reported",
+    [
+        ("g = lambda t: torch.cat(all_gather_list(t))", []),  # bs's 10
+        ("g = lambda t: torch.cat([t, t])", [6]),  # a lambda that gathers nothing
+        ("def g(t):\n            return torch.cat([t, t])", [7]),
+    ],
+)
+def test_values_gathered_through_a_lambda_are_combined(combine, reported):
+    body = f"""
+        dist.init_process_group("nccl")
+        val = DataLoader(data, sampler=DistributedSampler(data))
+        feats = []
+        {combine}
+        for x, y in val:
+            feats.append(model(x))
+        feats = torch.cat(feats)
+        feats = g(feats)
+        print("recall", (feats > 0).float().mean())
+        """
+    assert reported_lines(body) == reported
+
+
 METRIC_LOGGER = """
 class MetricLogger:
     def __init__(self):

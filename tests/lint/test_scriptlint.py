@@ -349,6 +349,27 @@ def test_a_module_moved_only_after_ddp_wraps_it_is_still_on_the_cpu(after, repor
     assert findings_of(helper) == []
 
 
+@pytest.mark.parametrize(
+    "placed, reported",
+    [
+        ("model.head.to(int(os.environ['LOCAL_RANK']))\n", False),  # part by part (bs's 05)
+        ("model.blocks.head.to(int(os.environ['LOCAL_RANK']))\n", False),
+        ("other.head.to(int(os.environ['LOCAL_RANK']))\n", True),  # another model's part
+        ("modelx.to(int(os.environ['LOCAL_RANK']))\n", True),  # a name that only starts alike
+    ],
+)
+def test_a_module_placed_part_by_part_before_the_wrap_is_not_said_never_moved(
+    placed, reported
+) -> None:
+    source = (
+        DDP_HEADER
+        + "model = nn.Sequential(nn.Linear(4, 4))\n"
+        + placed
+        + "model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    assert findings_of(source) == ([("ddp-device-ids-cpu-module", 7)] if reported else [])
+
+
 @pytest.mark.parametrize("moved", [True, False])
 def test_device_ids_on_a_model_a_helper_returns_with_other_values_is_not_judged(moved) -> None:
     # blind set at 04: `student, macs = prune(dense.to(device))` (a tuple from one call:

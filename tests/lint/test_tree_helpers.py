@@ -1,5 +1,6 @@
-"""The tree helpers every check leans on (assistant/lint/model.py): the cached
-walk and the reading of a test on a count of the batch."""
+"""The tree helpers every check leans on (assistant/lint/model.py, tracer.py): the
+cached walk, the reading of a test on a count of the batch, and which of the
+file's methods a call runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from assistant.lint.model import truth_at_count, walk
+from assistant.lint.model import parse_script, truth_at_count, walk
+from assistant.lint.tracer import classes_built_as, same_file_callees
 
 REPO = Path(__file__).parents[2]
 
@@ -47,3 +49,46 @@ def test_the_truth_of_a_test_on_a_count(test, at_zero, at_one):
     expr = ast.parse(test, mode="eval").body
     assert truth_at_count(expr, is_count, 0) is at_zero
     assert truth_at_count(expr, is_count, 1) is at_one
+
+
+CLASSES = """
+class Base:
+    def save(self, step): pass
+    def log(self): pass
+
+class Plain(Base):
+    def __init__(self): super().__init__()
+    def log(self): super().log()
+
+class Child(Plain):
+    pass
+
+model = Child()
+other = Plain() if flag else make_model()
+"""
+
+
+def test_a_method_resolves_through_the_files_own_bases():
+    script = parse_script(CLASSES)
+    assert script.resolved_method("Child", "save") == "Base.save"
+    assert script.resolved_method("Child", "log") == "Plain.log"
+    assert script.resolved_method("Child", "state_dict") is None  # a library base's
+
+
+def test_a_call_on_an_instance_of_the_files_class_runs_its_method_whatever_its_name():
+    script = parse_script(CLASSES)
+    call = ast.parse("model.save(10)").body[0].value
+    assert same_file_callees(script, call.func, None) == ["Base.save"]  # `save` is common
+    assert same_file_callees(script, ast.parse("Child()").body[0].value.func, None) == [
+        "Plain.__init__"
+    ]
+    # `other` may be something else: a common name stays unfollowed
+    assert same_file_callees(script, ast.parse("other.save(1)").body[0].value.func, None) == []
+    assert classes_built_as(script, "other") == []
+
+
+def test_super_resolves_from_the_callers_class():
+    script = parse_script(CLASSES)
+    call = ast.parse("super().log()").body[0].value
+    assert same_file_callees(script, call.func, "Plain") == ["Base.log"]
+    assert same_file_callees(script, call.func, None) == []

@@ -46,7 +46,7 @@ from assistant.lint.torchapi import (
     runs_a_process_per_gpu,
     saved_file,
 )
-from assistant.lint.tracer import TracedCall
+from assistant.lint.tracer import TracedCall, same_file_callees
 from assistant.results import Finding
 
 BARRIERS = frozenset({"barrier", "monitored_barrier", "wait_for_everyone"})
@@ -365,14 +365,13 @@ WEIGHT_LOADS = frozenset({"load_state_dict", "copy_"})
 
 
 def loads_weights(script: Script, call: ast.Call) -> bool:
-    """A call of the file's own function that loads what it is given into a model
-    (`load_consolidated(model, ckpt["model"])`, which `p.copy_(...)`s each slice)."""
-    if not isinstance(call.func, ast.Name) or call.func.id not in script.functions:
-        return False
-    function = script.functions[call.func.id]
+    """A call of the file's own function or method that loads what it is given into
+    a model or an optimizer (`load_consolidated(model, ckpt["model"])`, which
+    `p.copy_(...)`s each slice; BasicSR's `model.resume_training(resume_state)`)."""
     return any(
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
         and node.func.attr in WEIGHT_LOADS
-        for node in walk(function)
+        for callee in same_file_callees(script, call.func, None)
+        for node in walk(script.functions[callee])
     )

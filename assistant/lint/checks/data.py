@@ -138,7 +138,7 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
                     ".shard(num_shards=world, index=rank), or skip by rank in __iter__)",
                 )
             continue
-        if data.rank_zero_only(node):
+        if data.rank_zero_only(node) or data.read_into_memory(node):
             continue
         shown = source_text(dataset)
         why = (
@@ -1221,6 +1221,38 @@ class DataFlow:
             if position >= len(parameters) or loops_with_backward(function):
                 return False
         return True
+
+    def read_into_memory(self, loader: ast.Call) -> bool:
+        """Every read of the loader collects its batches (`[(x, y) for x, y in loader]`,
+        `list(loader)`) into a table a sampler of the file's own then draws from (an
+        episodic task sampler keeping the images in RAM): no pass that trains."""
+        names = set(self.names_bound_to(loader))
+        reads = (
+            [loader]
+            if not names
+            else [
+                node
+                for node in self.script.nodes
+                if isinstance(node, (ast.Name, ast.Attribute))
+                and isinstance(node.ctx, ast.Load)
+                and source_text(node) in names
+            ]
+        )
+        return bool(reads) and all(self.collected(read) for read in reads)
+
+    def collected(self, read: ast.expr) -> bool:
+        """The batches kept as they come: a comprehension whose items call nothing
+        (`(x, y)`, not `loss(model(x), y)`), or list() / tuple() of the loader."""
+        parent = self.parents.get(id(read))
+        if isinstance(parent, ast.comprehension) and parent.iter is read:
+            comprehension = self.parents.get(id(parent))
+            items = [getattr(comprehension, f, None) for f in ("elt", "key", "value")]
+            return not any(isinstance(n, ast.Call) for item in items if item for n in walk(item))
+        return (
+            isinstance(parent, ast.Call)
+            and read_name(parent.func) in ("list", "tuple")
+            and parent.args == [read]
+        )
 
     def trains_on(self, loader: ast.Call, capped: bool = False) -> bool:
         """A `for ... in loader` loop (by a name bound to it) with a backward in it;

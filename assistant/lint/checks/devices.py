@@ -660,6 +660,8 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
         text = source_text(module)
         if is_move(module) or moved.before(text, node) or built_elsewhere(script, module):
             continue
+        if moved.part_before(text, node):
+            continue  # placed part by part (`model.mm_projector.to(device)`, LLaVA's way)
         origins = wrapped_by_name(script, module)
         if origins and all(is_move(m) or source_text(m) in moved for m in origins):
             continue  # `compiled = torch.compile(model)` of a model moved before
@@ -779,6 +781,12 @@ class Moves:
 
     def __contains__(self, text: str) -> bool:
         return text in self.where
+
+    def part_before(self, text: str, wrap: ast.Call) -> bool:
+        """A submodule of `text` (`text.x`, `text.x.y`) is moved before the wrap."""
+        return any(
+            moved.startswith(f"{text}.") and self.before(moved, wrap) for moved in self.where
+        )
 
     def before(self, text: str, wrap: ast.Call) -> bool:
         """`text` is moved somewhere that may run before the wrap: in another function,

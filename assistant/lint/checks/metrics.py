@@ -722,7 +722,29 @@ def collective_call(script: Script, node: ast.AST) -> bool:
         return False  # torch.gather, torch.scatter_reduce, functools.reduce: no ranks met
     if method == "gather" and (len(node.args) >= 2 or keyword(node, "dim") is not None):
         return False  # Tensor.gather(dim, index), as a kNN monitor picks labels
-    return bool(COMBINING_HELPER.search(method or ""))
+    return bool(COMBINING_HELPER.search(method or "")) or combining_lambda(script, node.func)
+
+
+def combining_lambda(script: Script, func: ast.expr) -> bool:
+    """A name bound only to lambdas that combine the ranks' values
+    (`g = lambda t: torch.cat(all_gather(t, ws))`, then `feats = g(feats)`);
+    a lambda's call of another lambda's name is not followed."""
+    lambdas = bound_lambdas(script, func)
+    return bool(lambdas) and all(
+        any(
+            isinstance(n, ast.Call)
+            and not bound_lambdas(script, n.func)
+            and collective_call(script, n)
+            for n in walk(value.body)
+        )
+        for value in lambdas
+    )
+
+
+def bound_lambdas(script: Script, func: ast.expr) -> list[ast.Lambda]:
+    """What a plain name is bound to, when every value is a lambda."""
+    values = script.assigned_values.get(func.id, []) if isinstance(func, ast.Name) else []
+    return values if values and all(isinstance(v, ast.Lambda) for v in values) else []
 
 
 def first_shown(script: Script, after: list[ast.AST], derived: set[str]) -> ast.AST | None:
