@@ -271,6 +271,81 @@ def test_values_gathered_through_a_lambda_are_combined(combine, reported):
     assert reported_lines(body) == reported
 
 
+@pytest.mark.parametrize(
+    "count, reported",
+    [
+        ("n_episodes // world", [4]),  # br's 05: each rank draws its share of the episodes
+        ("n_episodes", []),  # every rank draws them all: the same figure everywhere
+    ],
+)
+def test_an_evaluation_over_a_batch_sampler_given_a_share_of_the_count(count, reported):
+    body = f"""
+        def evaluate(model, loader):
+            accs = []
+            for x, y in loader:
+                accs.append((model(x).argmax(1) == y).float().mean().item())
+            return sum(accs) / len(accs)
+        def main():
+            dist.init_process_group("nccl")
+            world = dist.get_world_size()
+            model = DDP(net)
+            def episode_loader(ds, n_episodes):
+                sampler = EpisodeSampler(ds.labels, {count}, 5, 15)
+                return DataLoader(ds, batch_sampler=sampler)
+            val_loader = episode_loader(valset, 600)
+            acc = evaluate(model.module, val_loader)
+            if dist.get_rank() == 0:
+                print("val acc", acc)
+        """
+    assert reported_lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    "combine, reported",
+    [
+        ("", [5]),  # bs's 03: captions of the rank's share, scored on rank 0
+        ("preds = gather_dicts(preds)", []),
+    ],
+)
+def test_predictions_kept_by_key_are_a_total(combine, reported):
+    body = f"""
+        dist.init_process_group("nccl")
+        val = DataLoader(data, sampler=DistributedSampler(data))
+        preds = {{}}
+        for images, ids in val:
+            for i, caption in zip(ids.tolist(), model.generate(images)):
+                preds[i] = caption
+        {combine}
+        if dist.get_rank() == 0:
+            print("CIDEr", cider(preds, refs))
+        """
+    assert reported_lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    "reduce, reported",
+    [
+        ("dist.all_reduce(stats)", [6]),  # bu's 04: the loss reduced, the hypotheses not
+        ("dist.all_reduce(stats)\n        hyps = all_gather_object_list(hyps)", []),
+    ],
+)
+def test_each_total_is_combined_on_its_own(reduce, reported):
+    body = f"""
+        dist.init_process_group("nccl")
+        val = DataLoader(data, sampler=DistributedSampler(data))
+        stats = torch.zeros(2)
+        hyps = []
+        for src, tgt in val:
+            stats += torch.stack([model(src, tgt), tgt.numel()])
+            hyps.extend(model.translate(src))
+        {reduce}
+        bleu = corpus_bleu(hyps, refs)
+        if dist.get_rank() == 0:
+            print("loss", stats[0] / stats[1], "BLEU", bleu)
+        """
+    assert reported_lines(body) == reported
+
+
 METRIC_LOGGER = """
 class MetricLogger:
     def __init__(self):

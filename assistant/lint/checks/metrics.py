@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -78,9 +78,10 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
     if not sharded:
         return
     for loop in evaluation_loops(script, sharded, owners):
-        shown = loop.shown_unreduced(script, owners, sharded)
-        if shown is None:
+        found = loop.shown_unreduced(script, owners, sharded)
+        if found is None:
             continue
+        shown, unreduced = found
         fix = (
             " and ".join(f"call {name}.{method}()" for name, method in sorted(loop.syncs.items()))
             + " after the loop"
@@ -92,7 +93,7 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
             "metrics-not-reduced",
             loop.node,
             f"this loop over {loop.loader}, which gives each rank its own share, adds up "
-            f"{', '.join(sorted(loop.totals))} and line {shown.lineno} shows or compares the result "
+            f"{', '.join(sorted(unreduced))} and line {shown.lineno} shows or compares the result "
             f"without combining the ranks: each rank reports its own part of the data; {fix}",
         )
 
@@ -300,44 +301,56 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
     samplers = {
         (owners.get(id(node)), source_text(target))
         for node in script.nodes
-        if isinstance(node, ast.Assign) and is_distributed_sampler(script, node.value)
+        if isinstance(node, ast.Assign)
+        and (is_distributed_sampler(script, node.value) or given_a_share(node.value))
         for target in node.targets
     }
     from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
 
     flow = DataFlow(script)
+
+    def shares(call: ast.Call, owner: str | None) -> bool:
+        """A DataLoader given a DistributedSampler's share, a sampler built with a
+        share of the count, or a dataset cut by rank already (`Subset(ds,
+        range(rank, len(ds), world))`)."""
+        if short(script.name_of(call.func)) != "DataLoader":
+            return False
+        sampler = keyword(call, "sampler") or keyword(call, "batch_sampler")
+        dataset = call.args[0] if call.args else keyword(call, "dataset")
+        return (
+            sampler is not None
+            and (
+                is_distributed_sampler(script, sampler)
+                or given_a_share(sampler)
+                or (owner, source_text(sampler)) in samplers
+            )
+        ) or (dataset is not None and flow.sharded_by_rank(dataset))
+
     found: set[tuple[str | None, str]] = set()
     for node in script.nodes:
         if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
             continue
         call, owner = node.value, owners.get(id(node))
-        if short(script.name_of(call.func)) == "DataLoader":
-            sampler = keyword(call, "sampler")
-            dataset = call.args[0] if call.args else keyword(call, "dataset")
-            if (
-                sampler is not None
-                and (
-                    is_distributed_sampler(script, sampler)
-                    or (owner, source_text(sampler)) in samplers
-                )
-            ) or (dataset is not None and flow.sharded_by_rank(dataset)):
-                # a DistributedSampler's share, or a dataset cut by rank already
-                # (`Subset(ds, range(rank, len(ds), world))`)
-                found.update((owner, source_text(t)) for t in node.targets)
+        if shares(call, owner):
+            found.update((owner, source_text(t)) for t in node.targets)
         elif isinstance(call.func, ast.Attribute) and call.func.attr == "prepare":
             for target in node.targets:
                 elements = target.elts if isinstance(target, ast.Tuple) else [target]
                 found.update((owner, source_text(e)) for e in elements)
-    found |= returned_loaders(script, found, owners)
+    found |= returned_loaders(script, found, owners, shares)
     return found | sharded_parameters(script, found, owners)
 
 
 def returned_loaders(
-    script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
+    script: Script,
+    sharded: set[tuple[str | None, str]],
+    owners: dict[int, str],
+    shares: Callable[[ast.Call, str | None], bool],
 ) -> set[tuple[str | None, str]]:
     """(caller, name) for the sharded loaders a file function returns, by the place
     each holds in what it returns (`return train_loader, val_loader, sampler`, then
-    `train_loader, val_loader, sampler = build_loaders(...)` in main)."""
+    `train_loader, val_loader, sampler = build_loaders(...)` in main; `return
+    DataLoader(ds, batch_sampler=sampler)` from a helper nested in main)."""
     positions: dict[str, dict[int, bool]] = {}
     for name, function in script.functions.items():
         for node in walk(function):
@@ -345,7 +358,9 @@ def returned_loaders(
                 continue
             parts = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
             for index, part in enumerate(parts):
-                if (name, source_text(part)) in sharded:
+                if (name, source_text(part)) in sharded or (
+                    isinstance(part, ast.Call) and shares(part, owners.get(id(part)))
+                ):
                     positions.setdefault(name, {})[index] = True
     found: set[tuple[str | None, str]] = set()
     for node in script.nodes:
@@ -360,6 +375,19 @@ def returned_loaders(
                 if index < len(parts):
                     found.add((owners.get(id(node)), source_text(parts[index])))
     return found
+
+
+def given_a_share(value: ast.expr) -> bool:
+    """A sampler built with a count divided by the number of processes
+    (`EpisodeSampler(labels, n_episodes // world, ways, shots)`): each rank
+    draws its own share of the batches."""
+    return isinstance(value, ast.Call) and any(
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.FloorDiv | ast.Div)
+        and any(PROCESS_COUNT.search(name) for name in names_in(node.right))
+        for argument in all_arguments(value)
+        for node in walk(argument)
+    )
 
 
 def is_distributed_sampler(script: Script, value: ast.expr) -> bool:
@@ -392,21 +420,38 @@ class EvaluationLoop:
         script: Script,
         owners: dict[int, str],
         sharded: set[tuple[str | None, str]],
-    ) -> ast.AST | None:
+    ) -> tuple[ast.AST, set[str]] | None:
         """Where the totals (or what is computed from them) are shown or compared
-        with no collective on them first; None when they are combined or never shown."""
+        with no collective on them first, and which totals; None when they are combined
+        or never shown. Each total is judged on its own: an all-reduced loss beside hypotheses
+        scored by rank (`dist.all_reduce(vstats)`, then `corpus_bleu(hyps, refs)`)
+        leaves the score one rank's."""
         evaluator = self.evaluator(script)
         scope: ast.AST = script.functions[evaluator] if evaluator else script.tree
         after = walk_after(scope, self.node.end_lineno or self.node.lineno)
-        derived = derive([*walk(self.node), *after], set(self.totals))
-        if combined(script, after, derived):
+        nodes = [*walk(self.node), *after]
+        unreduced = {
+            total for total in self.totals if not combined(script, after, derive(nodes, {total}))
+        }
+        if not unreduced:
             return None
+        derived = derive(nodes, unreduced)
         shown = first_shown(script, after, derived)
-        if shown is not None or evaluator is None:
-            return shown
-        if not returns_any(script.functions[evaluator], derived):
-            return None
+        if shown is None and evaluator is not None:
+            shown = self.shown_by_callers(script, evaluator, derived, owners, sharded)
+        return None if shown is None else (shown, unreduced)
+
+    def shown_by_callers(
+        self,
+        script: Script,
+        evaluator: str,
+        derived: set[str],
+        owners: dict[int, str],
+        sharded: set[tuple[str | None, str]],
+    ) -> ast.AST | None:
         function = script.functions[evaluator]
+        if not returns_any(function, derived):
+            return None
         through = self.loader if self.loader in {a.arg for a in function.args.args} else None
         positions = returned_positions(function, derived)
         return shown_by_callers(script, evaluator, owners, sharded, through, positions)
@@ -449,6 +494,7 @@ def evaluation_loops(
         totals = (
             accumulated_names(node)
             | carried_totals(node, scope)
+            | filled_containers(node, scope)
             | set(syncs)
             | accumulating_objects(script, node, scope)
         )
@@ -564,6 +610,41 @@ def carried_totals(loop: ast.For, scope: ast.AST) -> set[str]:
         and target.id in before - batch
         and target.id in names_in(node.value)
     }
+
+
+def filled_containers(loop: ast.For, scope: ast.AST) -> set[str]:
+    """Containers made empty before the loop and filled by key in it, a
+    prediction per example (`preds = {}` ... `preds[img_id] = caption`)."""
+    empty = {
+        target.id
+        for node in walk(scope)
+        if isinstance(node, ast.Assign)
+        and node.lineno < loop.lineno
+        and is_empty_container(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    return {
+        target.value.id
+        for node in walk(loop)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Subscript)
+        and isinstance(target.value, ast.Name)
+        and target.value.id in empty
+    }
+
+
+def is_empty_container(value: ast.expr) -> bool:
+    """`{}`, `[]`, `dict()`, `defaultdict(list)`, `OrderedDict()`."""
+    if isinstance(value, ast.Dict | ast.List):
+        return not (value.keys if isinstance(value, ast.Dict) else value.elts)
+    return (
+        isinstance(value, ast.Call)
+        and short(source_text(value.func)) in ("dict", "defaultdict", "OrderedDict")
+        and not value.args[1:]
+        and not value.keywords
+    )
 
 
 def syncable_updates(script: Script, loop: ast.For, function: str | None) -> dict[str, str]:
