@@ -87,6 +87,12 @@ class Script:
         )
 
     @cached_property
+    def every_parameter_name(self) -> frozenset[str]:
+        """The names any function or lambda of the file takes as parameters."""
+        lambdas = [n for n in self.nodes if isinstance(n, ast.Lambda)]
+        return frozenset().union(*(parameter_names(s) for s in [*self.all_scopes, *lambdas]))
+
+    @cached_property
     def classes(self) -> dict[str, ast.ClassDef]:
         """The file's top-level classes by name."""
         return {node.name: node for node in self.tree.body if isinstance(node, ast.ClassDef)}
@@ -376,8 +382,8 @@ def returned_calls(script: Script, call: ast.expr) -> list[ast.Call]:
 
 
 def parameter_names(scope: ast.AST) -> set[str]:
-    """Every name a function's parameters bind (none for the module)."""
-    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    """Every name a function's (or a lambda's) parameters bind (none for the module)."""
+    if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         return set()
     arguments = scope.args
     every = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]

@@ -102,7 +102,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # bd 12/16; be 6/16; bf 8/16; bh 12/16; bg 14/16; bj 14/16; bk 13/16; bi 14/16;
 # bl 12/16; bm 12/16; bn 12/16; bo 12/16; bp 14/16; bq 14/16; br 12/16; bs 13/16;
 # bt 15/16; bu 11/16)
-FOUND_FLOOR = 1075  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 1078  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -208,7 +208,10 @@ FOUND_FLOOR = 1075  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # and a save through a method of the file's own class, whatever its name (bo's 18, bu's 07)
 # (1071), an evaluation loader whose batch sampler is given a share of the episodes (br's 05),
 # predictions kept by key in a dict (bs's 03), each total judged on its own: a reduced loss
-# beside hypotheses scored by rank (bu's 04; aq's 03 too, missed since session 44) (1075)
+# beside hypotheses scored by rank (bu's 04; aq's 03 too, missed since session 44) (1075), a GPU
+# index the file only sets to one number (br's 12), the wrapper followed through the functions
+# it is handed on to (br's 08), a state dict a helper averages from loaded checkpoints (bu's 18)
+# (1078)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

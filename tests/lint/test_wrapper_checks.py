@@ -228,6 +228,32 @@ def test_the_wrapper_handed_to_a_function_is_the_wrapper_there():
     assert [line for line, _ in found] == [3]
 
 
+@pytest.mark.parametrize(
+    "other_call, reported",
+    [
+        ("", [3]),  # br's 08: main -> meta_eval(model) -> logits(model) -> model.scale
+        ("logits(bare, torch.ones(2))", []),  # logits also gets the bare model somewhere
+    ],
+)
+def test_the_wrapper_is_followed_through_the_functions_it_is_handed_on_to(other_call, reported):
+    found = findings(
+        f"""
+        def logits(net, batch):
+            return net.scale * net(batch)
+
+        def meta_eval(net, batch):
+            return logits(net, batch).argmax()
+
+        def main():
+            bare = nn.Linear(2, 2)
+            model = DDP(bare)
+            meta_eval(model, torch.ones(2))
+            {other_call}
+        """
+    )
+    assert [line for line, _ in found] == reported
+
+
 def test_the_wrapper_handed_to_a_method_of_the_files_class_is_the_wrapper_there():
     # ckpt is only ever a Saver: its save() gets the DDP model after self; a
     # staticmethod's parameters start at the first; a class built twice from

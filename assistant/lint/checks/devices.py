@@ -74,11 +74,14 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
             )
         if is_method(node, "cuda"):
             index = node.args[0] if node.args else keyword(node, "device")
-            if is_int(index):
+            fixed_index = constant_index(script, index)
+            if fixed_index is not None:
+                shown = source_text(index)
+                named = "" if is_int(index) else f" ({shown} = {fixed_index} wherever it is set)"
                 yield script.finding(
                     "hardcoded-device",
                     node,
-                    f".cuda({index.value}) is the same GPU on every rank: use .cuda(local_rank)",
+                    f".cuda({shown}) is the same GPU on every rank{named}: use .cuda(local_rank)",
                 )
         if is_ddp(name):
             yield from fixed_ddp_devices(script, node)
@@ -89,6 +92,19 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
 
 # What makes a plain tensor (not a module, which Lightning moves with the model).
 TENSOR_MAKERS = TENSOR_FACTORIES | {"as_tensor", "from_numpy", "linspace", "eye", "FloatTensor"}
+
+
+def constant_index(script: Script, index: ast.expr | None) -> int | None:
+    """A GPU index that is the same number on every rank: an int, or a name the file
+    only ever sets to one int and no function takes as a parameter (`GPU = 0` left
+    from a single-GPU script)."""
+    if is_int(index):
+        return index.value  # type: ignore[union-attr]
+    if not isinstance(index, ast.Name) or index.id in script.every_parameter_name:
+        return None
+    values = script.assigned_values.get(index.id, [])
+    numbers = {v.value for v in values if is_int(v)}  # type: ignore[attr-defined]
+    return numbers.pop() if values and len(numbers) == 1 and all(map(is_int, values)) else None
 
 
 @check("hardcoded-device")

@@ -29,11 +29,23 @@ from assistant.lint.checks.wrapper import (
     plain_names,
     wrapper_of,
 )
-from assistant.lint.model import Script, is_int, keyword, self_attribute, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    is_int,
+    keyword,
+    names_in,
+    self_attribute,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import loaded_file, saved_file
 from assistant.results import Finding
 
+# How many assignments a loaded entry is followed through inside a helper that
+# returns what it makes of it (`state` -> `params = {k: v.clone() ...}` -> return).
+MADE_FROM_HOPS = 3
 # A loaded file named like someone else's weights, not the script's own checkpoint.
 FOREIGN_WEIGHTS = re.compile(r"pretrain|teacher|backbone|imagenet|init", re.IGNORECASE)
 # A helper that may hand back a wrapped model (`setup_ddp(model)`, `wrap_model(m)`).
@@ -471,6 +483,8 @@ class Places:
         if isinstance(expr, ast.Name):
             value = self.last_value(scope, expr.id, line)
             return self.loaded(scope, value, line, depth + 1) if value is not None else None
+        if self.own_call(expr):
+            return self.returned_from_a_load(self.script.functions[expr.func.id], depth + 1)
         if (
             isinstance(expr, ast.Subscript)
             and isinstance(expr.slice, ast.Constant)
@@ -480,6 +494,33 @@ class Places:
             if inner is not None and inner[0] is None:
                 return expr.slice.value, inner[1]
         return None
+
+    def returned_from_a_load(
+        self, function: ast.AST, depth: int
+    ) -> tuple[str | None, ast.Call] | None:
+        """A file function whose return is made from an entry of a checkpoint it
+        loads (fairseq's average_checkpoints: `state = torch.load(p)["model"]`, the
+        sum of each key's tensors, `return {k: v / n ...}`): the keys are the saved
+        ones, "module." and all."""
+        seeds: dict[str, tuple[str | None, ast.Call]] = {}
+        assigns = [n for n in self.script.scope_nodes(function) if isinstance(n, ast.Assign)]
+        for node in assigns:
+            found = self.loaded(function, node.value, node.lineno, depth)
+            if found is not None and found[0] is not None:
+                seeds.update((t.id, found) for t in node.targets if isinstance(t, ast.Name))
+        made = dict(seeds)
+        for _ in range(MADE_FROM_HOPS):
+            for node in assigns:
+                sources = [made[n] for n in sorted(names_in(node.value)) if n in made]
+                if sources:
+                    made.update((t.id, sources[0]) for t in node.targets if isinstance(t, ast.Name))
+        returns = [
+            n
+            for n in self.script.scope_nodes(function)
+            if isinstance(n, ast.Return) and n.value is not None
+        ]
+        sources = [made[n] for r in returns for n in sorted(names_in(r.value)) if n in made]
+        return sources[0] if seeds and sources else None
 
     def paired(
         self, entries: list[SavedEntry], scope: ast.AST, load: ast.Call

@@ -266,11 +266,44 @@ def trainer_hooks(script: Script) -> list[ast.FunctionDef]:
     return hooks
 
 
+# How many calls deep a wrapper is followed into the file's functions
+# (`meta_eval(model)` -> `episode_logits(model)` -> ...).
+WRAPPER_CALL_DEPTH = 4
+
+
 def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> None:
     """A function's parameter holds the wrapper when every call of the function in
     the file passes it a name that holds the same wrapper there (`evaluate(model)`
-    after `model = DDP(model)`); a method's too, called on an instance of its class
-    (`ckpt.save(model)` after `ckpt = CheckpointManager(...)`)."""
+    after `model = DDP(model)`), and so on into what that function calls with it;
+    a method's too, called on an instance of its class (`ckpt.save(model)` after
+    `ckpt = CheckpointManager(...)`)."""
+    bound: set[tuple[str, int]] = set()
+    for _ in range(WRAPPER_CALL_DEPTH):
+        passed = wrappers_passed(script, scopes)
+        newly = False
+        for (function_name, position), wrappers in passed.items():
+            function = script.functions[function_name]
+            parameters = function.args.posonlyargs + function.args.args
+            if (
+                (function_name, position) in bound
+                or len(wrappers) != 1
+                or None in wrappers
+                or position >= len(parameters)
+            ):
+                continue
+            facts = scopes.get(id(function))
+            if facts is not None:
+                facts.bind(parameters[position].arg, function.lineno, next(iter(wrappers)))
+                bound.add((function_name, position))
+                newly = True
+        if not newly:
+            return
+
+
+def wrappers_passed(
+    script: Script, scopes: dict[int, ScopeFacts]
+) -> dict[tuple[str, int], set[str | None]]:
+    """(function, position) -> the wrappers (None: not one) its calls pass there."""
     passed: dict[tuple[str, int], set[str | None]] = {}
     for scope in script.all_scopes:
         facts = scopes[id(scope)]
@@ -285,14 +318,7 @@ def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> No
                 if isinstance(arg, ast.Name):
                     wrapper = facts.wrapper_at(arg.id, node.lineno)
                     passed.setdefault((function_name, position), set()).add(wrapper)
-    for (function_name, position), wrappers in passed.items():
-        function = script.functions[function_name]
-        parameters = function.args.posonlyargs + function.args.args
-        if len(wrappers) != 1 or None in wrappers or position >= len(parameters):
-            continue
-        facts = scopes.get(id(function))
-        if facts is not None:
-            facts.bind(parameters[position].arg, function.lineno, next(iter(wrappers)))
+    return passed
 
 
 def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
