@@ -506,6 +506,15 @@ def position(node: ast.AST) -> tuple[int, int]:
     return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
 
 
+def full_text(expr: ast.AST) -> str:
+    """`expr`'s whole source text, for a search of what it names: source_text
+    abbreviates a long one, which would hide a `world_size` at its end. A deep
+    expression reads as empty (ast.unparse recurses once per level)."""
+    if depth_of(expr, MAX_SHOWN_DEPTH + 1) > MAX_SHOWN_DEPTH:
+        return ""
+    return ast.unparse(expr)
+
+
 def source_text(expr: ast.AST) -> str:
     """`expr` as source text for a message or a comparison; long or deep ones abbreviated.
 

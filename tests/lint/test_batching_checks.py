@@ -189,6 +189,50 @@ def test_batches_cut_over_all_samples_must_be_trimmed_before_they_are_dealt_out(
     assert reported_lines(DEALT.format(trim=trim)) == reported
 
 
+# Cut in a method below __init__, which keeps the batches and counts a rank's share of them
+# (blind set bx's 06, a correct script): the stride walks the batches, not the samples.
+CUT_BELOW_INIT = """
+class BucketBatches:
+    def __init__(self, durations, max_seconds, rank, world_size, pad=True):
+        self.durations, self.max_seconds = durations, max_seconds
+        self.rank, self.world_size = rank, world_size
+        self._batches = self._bucketize(){count}
+    def _bucketize(self):
+        batches, cur = [], []
+        for i in sorted(range(len(self.durations)), key=self.durations.__getitem__):
+            if cur and self.durations[i] * (len(cur) + 1) > self.max_seconds:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        return batches + [cur]
+    def __iter__(self):
+        batches = list(self._batches)
+        return iter(batches[self.rank :: self.world_size][: self.num_batches])
+loader = DataLoader(ds, batch_sampler=BucketBatches(durations, 60.0, rank, world))
+"""
+
+
+@pytest.mark.parametrize(
+    "count, reported",
+    [
+        # padded for training, each rank's own count for evaluation (bx's 06)
+        (
+            (
+                "\n        if pad:\n            self.num_batches = len(self._batches) // world_size"
+                "\n        else:\n            self.num_batches = len(range(rank, len(self._batches), world_size))"
+            ),
+            [],
+        ),
+        ("\n        self.num_batches = len(range(rank, len(self._batches), world_size))", [7]),
+    ],
+    ids=["trimmed", "untrimmed"],
+)
+def test_batches_cut_in_a_method_below_init_are_dealt_out_not_cut_per_rank(count, reported):
+    found = lint_snippet(HEADER, CUT_BELOW_INIT.format(count=count), ["uneven-inputs"])
+    assert [line for line, _ in found] == reported
+    assert all("cuts its batches over all samples" in f.message for _, f in found)
+
+
 # A training loop of the file's own that steps through a rank's share of a list of
 # batches (blind set av: token-bucketed translation batches dealt out by rank).
 LOOP = """

@@ -147,6 +147,31 @@ def test_a_libraries_batchnorm_layer_is_one_too(norm, reported):
 
 
 @pytest.mark.parametrize(
+    "backbone, reported",
+    [
+        ("torchvision.models.resnet50()", [9]),
+        # blind set by's 09: DETR's backbone built with frozen BatchNorm
+        ("torchvision.models.resnet50(norm_layer=torchvision.ops.FrozenBatchNorm2d)", []),
+        ("torchvision.models.resnet50(norm_layer=nn.SyncBatchNorm)", []),
+        ("torchvision.models.resnet50(norm_layer=nn.BatchNorm2d)", [9]),
+    ],
+)
+def test_a_torchvision_model_told_its_norm_layer_has_that_norm(backbone, reported):
+    body = f"""
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = {backbone}
+
+    model = DDP(Detector().cuda(), device_ids=[0])
+    for a, b in loader:
+        loss = model(a).sum() + model(b).sum()
+        loss.backward()
+    """
+    assert reported_lines(body) == reported
+
+
+@pytest.mark.parametrize(
     "body",
     [
         # told not to broadcast, or a SyncBatchNorm conversion

@@ -93,7 +93,7 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 1168 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# of 1233 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
@@ -101,8 +101,8 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # av 13/16; aw 9/16; ax 11/16; ay 12/16; az 12/16; ba 14/16; bb 10/16; bc 13/16;
 # bd 12/16; be 6/16; bf 8/16; bh 12/16; bg 14/16; bj 14/16; bk 13/16; bi 14/16;
 # bl 12/16; bm 12/16; bn 12/16; bo 12/16; bp 14/16; bq 14/16; br 12/16; bs 13/16;
-# bt 15/16; bu 11/16)
-FOUND_FLOOR = 1078  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# bt 15/16; bu 11/16; bv 13/16; bx 12/16; by 14/17; bw 14/16)
+FOUND_FLOOR = 1133  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -211,7 +211,10 @@ FOUND_FLOOR = 1078  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # beside hypotheses scored by rank (bu's 04; aq's 03 too, missed since session 44) (1075), a GPU
 # index the file only sets to one number (br's 12), the wrapper followed through the functions
 # it is handed on to (br's 08), a state dict a helper averages from loaded checkpoints (bu's 18)
-# (1078)
+# (1078); 1121 of 1233 with bv, bx, by and bw (measured once at 6f21c28; by's 03, written as
+# correct, relabelled collective-mismatch: torchmetrics' compute() on rank 0 alone gathers from
+# every rank), then rows a slice of a rank-seeded permutation picks (bt's 07), accumulation
+# steps that reach a whole update's target counted on one process (bu's 09) (1133)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -282,8 +285,12 @@ FOUND_FLOOR = 1078  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # br, bs, bt and bu (the spelling note on br's 16, bs's 14, bt's 18 and bu's 01; br's 18 a loader
 # over a task generator seeded by the rank: arguable; br's 06 a loader read whole into memory for
 # episodes, bs's 05 a model placed part by part, bs's 10 features gathered through a lambda:
-# false, mended), 94 after
-OTHER_FINDINGS_CEILING = 94
+# false, mended), 94 after, 103 with bv, bx, by and bw (the spelling note on bv's 12, bx's 14, by's
+# 16 and bw's 10; bx's 04 a feature cache np.save'd by every rank read as a checkpoint: the
+# race is real, its cause arguable; by's 02 DETR's frozen backbone read as plain BatchNorm:
+# false, mended; by's 03 a dataset cache built inside torch_distributed_zero_first: false,
+# mended), 99 after
+OTHER_FINDINGS_CEILING = 99
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -301,8 +308,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 1168
-    assert sum(label["cause"] is None for label in labels) == 292
+    assert sum(label["cause"] is not None for label in labels) == 1233
+    assert sum(label["cause"] is None for label in labels) == 307
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

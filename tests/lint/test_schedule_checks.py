@@ -227,3 +227,32 @@ def test_a_schedule_accelerate_steps_once_per_process_is_counted_in_one_gpus_ste
         ", loader, scheduler)", ", loader)"
     )
     assert reported(unprepared.replace("OPTIONS", "")) == [5]
+
+
+@pytest.mark.parametrize(
+    "accumulation, reported_",
+    [
+        # blind set bu's 09: fairseq's update_freq for a paper's tokens per update
+        ("update_freq = max(1, args.tokens_per_update // args.max_tokens)", [2]),
+        ("grad_accum_steps = args.total_batch_size // args.batch_size", [2]),
+        # the world size counted (nanoGPT), or no target of the whole update
+        (
+            (
+                "grad_accum_steps = args.total_batch_size // (args.batch_size * args.seq_len"
+                " * dist.get_world_size())"
+            ),
+            [],
+        ),
+        (
+            "world = dist.get_world_size(); grad_accum = args.global_batch // (args.micro * world)",
+            [],
+        ),
+        ("accum_steps = args.accum_steps // 1", []),
+    ],
+)
+def test_accumulation_that_reaches_an_update_target_counts_every_process(accumulation, reported_):
+    body = f"""
+        {accumulation}
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        """
+    assert reported(body) == reported_

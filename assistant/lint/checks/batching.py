@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.data import equalizes_steps
-from assistant.lint.model import Script, keyword, position, short, source_text, walk
+from assistant.lint.model import Script, full_text, keyword, position, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_ddp, is_distributed
 from assistant.results import Finding
@@ -35,6 +35,9 @@ WORLD_WORD = re.compile(r"world|replicas|nranks|num_gpus|n_gpus|ngpus", re.IGNOR
 # A budget a length-based batch is packed against: max_frames, max_tokens, self.limit.
 BUDGET_WORD = re.compile(r"max|limit|budget|capacity", re.IGNORECASE)
 GROUPING_FACTORIES = frozenset({"defaultdict"})
+# Assignments followed from the grouping's result (`self._batches`) to what is strided
+# (`batches = list(self._batches)`).
+BATCH_HOLDER_HOPS = 3
 BATCH_ADDS = frozenset({"append", "extend"})
 
 
@@ -56,7 +59,7 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
         stride = rank_stride(cls)
         if stride is None:
             stride = next(filter(None, (strided_argument(script, c) for c in made[cls.name])), None)
-        elif position(where) < position(stride):
+        elif position(where) < position(stride) or strides_the_batches(cls, stride, where):
             # batches cut over all samples, then dealt out: equal counts only when
             # the count is trimmed or padded to a multiple of the world size
             if not evens_the_count(cls):
@@ -137,8 +140,49 @@ def evens_the_count(cls: ast.AST) -> bool:
     return any(
         isinstance(node, ast.BinOp)
         and isinstance(node.op, ast.Mod | ast.FloorDiv | ast.Div | ast.Mult)
-        and any(WORLD_WORD.search(source_text(side)) for side in (node.left, node.right))
+        and any(WORLD_WORD.search(full_text(side)) for side in (node.left, node.right))
         for node in walk(cls)
+    )
+
+
+def strides_the_batches(cls: ast.ClassDef, stride: ast.AST, where: ast.AST) -> bool:
+    """The rank's stride walks what the grouping made, wherever the class writes it:
+    `self._batches = self._bucketize()` in __init__, then `range(rank,
+    len(self._batches), world)` (the method that cuts batches may sit below)."""
+    grouping = next(
+        (m for m in cls.body if isinstance(m, ast.FunctionDef) and where in walk(m)), None
+    )
+    if grouping is None:
+        return False
+    assigns = [n for n in walk(cls) if isinstance(n, ast.Assign)]
+    holders = {
+        source_text(target)
+        for node in assigns
+        if isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+        and node.value.func.attr == grouping.name
+        for target in node.targets
+    }
+    for _ in range(BATCH_HOLDER_HOPS):
+        holders |= {
+            source_text(target)
+            for node in assigns
+            if read_texts(node.value) & holders
+            for target in node.targets
+        }
+    walked = stride.args[1] if isinstance(stride, ast.Call) else sliced_container(cls, stride)
+    return walked is not None and bool(read_texts(walked) & holders)
+
+
+def read_texts(expr: ast.AST) -> set[str]:
+    """The names and fields an expression reads (`batches`, `self._batches`)."""
+    return {source_text(n) for n in walk(expr) if isinstance(n, ast.Name | ast.Attribute)}
+
+
+def sliced_container(cls: ast.ClassDef, stride: ast.AST) -> ast.expr | None:
+    """What a stride slice cuts: `batches` of `batches[rank::world]`."""
+    return next(
+        (n.value for n in walk(cls) if isinstance(n, ast.Subscript) and n.slice is stride), None
     )
 
 
@@ -213,7 +257,7 @@ def rank_stride(tree: ast.AST) -> ast.AST | None:
 
 
 def names_rank_and_world(start: ast.expr, step: ast.expr) -> bool:
-    return bool(RANK_WORD.search(source_text(start)) and WORLD_WORD.search(source_text(step)))
+    return bool(RANK_WORD.search(full_text(start)) and WORLD_WORD.search(full_text(step)))
 
 
 def data_grouping(cls: ast.ClassDef) -> tuple[ast.AST, str] | None:
@@ -301,7 +345,7 @@ def agrees_on_a_count(script: Script, cls: ast.ClassDef) -> bool:
         if (
             isinstance(node, ast.BinOp)
             and isinstance(node.op, ast.Mod | ast.FloorDiv)
-            and WORLD_WORD.search(source_text(node.right))
+            and WORLD_WORD.search(full_text(node.right))
         ):
             return True
     return False

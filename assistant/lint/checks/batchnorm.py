@@ -35,7 +35,16 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import inside_no_grad, wrapped_by
-from assistant.lint.model import Script, children, keyword, position, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    children,
+    full_text,
+    keyword,
+    position,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
@@ -66,6 +75,9 @@ SYNC_STRINGS = frozenset({"SyncBN", "SyncBatchNorm"})
 # torchvision's norm_layer=nn.BatchNorm2d, mmcv's norm_cfg=dict(type="BN").
 NORM_KEYWORDS = frozenset({"norm", "norm_layer", "norm_type", "norm_cfg"})
 BATCH_NORM_SETTING = re.compile(r"batch|['\"]BN['\"]", re.IGNORECASE)
+# A norm whose statistics every rank keeps alike without a collective: synchronised,
+# or frozen (torchvision.ops.FrozenBatchNorm2d, as DETR's backbone is built).
+UNMOVING_NORM = re.compile(r"sync|frozen", re.IGNORECASE)
 # Samples per GPU at which BatchNorm's statistics are noise (segmentation and 3D
 # recipes train with 2-4 per GPU and convert to SyncBatchNorm).
 SMALL_PER_GPU_BATCH = 4
@@ -227,7 +239,7 @@ def small_training_loaders(script: Script) -> list[tuple[ast.Call, int]]:
         id(node.value)
         for node in script.nodes
         if isinstance(node, ast.Assign)
-        and any(EVALUATION_LOADER.search(source_text(t)) for t in node.targets)
+        and any(EVALUATION_LOADER.search(full_text(t)) for t in node.targets)
     }
     found = []
     for node, name in script.call_names:
@@ -291,20 +303,25 @@ def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
             if not isinstance(node, ast.Call):
                 continue
             name = script.name_of(node.func) or source_text(node.func)
+            norm = norm_given(node)
+            if norm is not None:  # `norm_layer=FrozenBatchNorm2d` replaces the model's own
+                if BATCH_NORM_SETTING.search(norm) and not UNMOVING_NORM.search(norm):
+                    return node.lineno
+                continue
             if BATCH_NORM.match(short(name)) or torchvision_bn_model(name):
                 return node.lineno
             if picks_a_torchvision_bn_model(script, node):
-                return node.lineno
-            if any(
-                given.arg in NORM_KEYWORDS and BATCH_NORM_SETTING.search(source_text(given.value))
-                for given in node.keywords
-            ):
                 return node.lineno
             called = node.func.id if isinstance(node.func, ast.Name) else None
             if called in builders and called not in seen and len(seen) < MAX_BUILDERS:
                 seen.add(called)
                 values.append(builders[called])
     return None
+
+
+def norm_given(call: ast.Call) -> str | None:
+    """The text of the norm a call is told to build (`norm_layer=...`, `norm_cfg=...`)."""
+    return next((full_text(k.value) for k in call.keywords if k.arg in NORM_KEYWORDS), None)
 
 
 def torchvision_bn_model(name: str) -> bool:

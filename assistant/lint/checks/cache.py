@@ -38,7 +38,15 @@ from assistant.lint.model import (
     source_text,
     walk,
 )
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, compared_rank
+from assistant.lint.ranks import (
+    NO_RANKS,
+    OTHER_RANKS,
+    RANK_ZERO,
+    RankPath,
+    compared_rank,
+    enclosing_scope,
+    inside_rank_zero_branch,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_HOOKED,
@@ -175,19 +183,33 @@ def nodes_taking_turns(script: Script) -> set[int]:
             inside.update(id(n) for n in walk(node))
     calls: dict[str, list[ast.Call]] = {}
     for node in script.nodes:
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            calls.setdefault(node.func.id, []).append(node)
+        if isinstance(node, ast.Call):
+            for callee in same_file_callees(script, node.func, None):
+                calls.setdefault(callee, []).append(node)
+    rank_zero = {
+        id(call) for found in calls.values() for call in found if on_rank_zero(script, call)
+    }
     for _ in range(TURN_DEPTH):  # helpers of helpers, a few levels down
+        # a helper (a dataset's __init__, the method that builds its cache) every call
+        # of which takes turns, or runs on rank 0 alone (the validation set)
         more = {
             id(n)
             for name, function in script.functions.items()
-            if calls.get(name) and all(id(call) in inside for call in calls[name])
+            if calls.get(name)
+            and all(id(call) in inside or id(call) in rank_zero for call in calls[name])
+            and any(id(call) in inside for call in calls[name])
             for n in walk(function)
         }
         if more <= inside:
             break
         inside |= more
     return inside
+
+
+def on_rank_zero(script: Script, node: ast.AST) -> bool:
+    """Under an `if` of its own function that runs that branch on rank 0 only."""
+    scope = enclosing_scope(node, script)
+    return scope is not None and inside_rank_zero_branch(node, scope, script, 0)
 
 
 def context_call(expr: ast.expr) -> ast.expr:

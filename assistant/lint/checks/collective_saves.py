@@ -30,7 +30,7 @@ from functools import cached_property
 
 from assistant.lint.checks.collective_reach import lonely_calls
 from assistant.lint.checks.zero import engine_names
-from assistant.lint.model import Script, keyword, returned_calls, short, source_text
+from assistant.lint.model import Script, full_text, keyword, returned_calls, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
 from assistant.lint.tracer import TracedCall
@@ -45,7 +45,7 @@ def is_fabric_setup(call: ast.Call) -> bool:
     return (
         isinstance(func, ast.Attribute)
         and func.attr in FABRIC_SETUPS
-        and "fabric" in source_text(func.value).lower()
+        and "fabric" in full_text(func.value).lower()
     )
 
 

@@ -32,6 +32,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    full_text,
     keyword,
     method_of,
     own_nodes,
@@ -220,7 +221,7 @@ def names_in(exprs: list[ast.expr]) -> set[str]:
 
 def counted_text(counted: ast.expr) -> str:
     """`len(train_ds)` for a dataset measured, `args.num_image` for a configured count."""
-    if isinstance(counted, ast.Attribute) and SAMPLE_COUNT.search(source_text(counted)):
+    if isinstance(counted, ast.Attribute) and SAMPLE_COUNT.search(full_text(counted)):
         return source_text(counted)
     return f"len({source_text(counted)})"
 
@@ -230,7 +231,7 @@ def dataset_length(exprs: list[ast.expr]) -> ast.expr | None:
     loader; or a configured count of the dataset's samples (`args.num_image`)."""
     for expr in exprs:
         for node in walk(expr):
-            if isinstance(node, ast.Attribute) and SAMPLE_COUNT.search(source_text(node)):
+            if isinstance(node, ast.Attribute) and SAMPLE_COUNT.search(full_text(node)):
                 return node
             if (
                 isinstance(node, ast.Call)
@@ -275,7 +276,7 @@ def check_lr_scaled_by_one_process_batch(script: Script) -> Iterator[Finding]:
         counted = expand(node.left, script.assigned_values)[: 1 + MAX_BATCH_NAMES]
         batch = next((t for t in names_in(counted) if t in per_process), None)
         scaled = scaled_learning_rate(script, node)
-        if batch is None or scaled is None or PROCESS_COUNT.search(source_text(scaled)):
+        if batch is None or scaled is None or PROCESS_COUNT.search(full_text(scaled)):
             continue
         if any(PROCESS_COUNT.search(text) for text in names_in(counted)):
             continue
@@ -305,7 +306,7 @@ def rescaled_by_process_count(script: Script) -> set[str]:
     found = set()
     for node in script.nodes:
         if isinstance(node, ast.AugAssign | ast.Assign) and PROCESS_COUNT.search(
-            source_text(node.value)
+            full_text(node.value)
         ):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             found |= {source_text(target) for target in targets}
@@ -323,6 +324,58 @@ def scaled_learning_rate(script: Script, node: ast.AST) -> ast.AST | None:
         child, parent = parent, parents.get(id(parent))
     if isinstance(parent, ast.Assign | ast.AugAssign | ast.AnnAssign) and child is parent.value:
         targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
-        if any(LEARNING_RATE.search(source_text(t)) for t in targets):
+        if any(LEARNING_RATE.search(full_text(t)) for t in targets):
             return parent
     return None
+
+
+# A count of steps to accumulate before an update.
+ACCUMULATION = re.compile(r"accum|update_freq|grad_acc|(^|_)accum_steps", re.IGNORECASE)
+# A target for the whole update, all processes together: `tokens_per_update`,
+# `total_batch_size`, `global_batch`, `effective_batch_size`.
+UPDATE_TARGET = re.compile(
+    r"per_update|total_batch|global_batch|effective_batch|batch_per_update|target_batch",
+    re.IGNORECASE,
+)
+
+
+@check("effective-batch-size-changed")
+def check_accumulation_sized_by_one_process(script: Script) -> Iterator[Finding]:
+    """`update_freq = tokens_per_update // max_tokens`: how many steps to accumulate
+    to reach a target for the whole update, counted as if one process ran them.
+    Under DDP each update averages the steps of all N processes, so the update
+    holds N times the target, while the learning rate and the warm-up stay those
+    tuned for it (nanoGPT divides by the world size: `total_batch_size // (B * T *
+    ddp_world_size)`)."""
+    if not runs_a_process_per_gpu(script):
+        return
+    rescaled = rescaled_by_process_count(script)
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+            continue
+        target = source_text(node.targets[0])
+        read = names_in([node.value])  # every name: source_text abbreviates long ones
+        if not ACCUMULATION.search(target) or any(PROCESS_COUNT.search(n) for n in read):
+            continue
+        division = next(
+            (
+                n
+                for n in walk(node.value)
+                if isinstance(n, ast.BinOp) and isinstance(n.op, ast.FloorDiv | ast.Div)
+            ),
+            None,
+        )
+        if division is None:
+            continue
+        goal = next((t for t in names_in([division.left]) if UPDATE_TARGET.search(t)), None)
+        if goal is None or goal in rescaled or names_in([division.right]) & rescaled:
+            continue
+        yield script.finding(
+            "effective-batch-size-changed",
+            node,
+            f"{target} = {source_text(node.value)} counts the steps of one process to reach "
+            f"{goal}, but each DDP update averages the steps of every process: with N "
+            f"processes an update holds N times {goal}, while the learning rate and warm-up "
+            f"stay those tuned for it; divide by the world size too ({goal} // "
+            f"({source_text(division.right)} * world_size))",
+        )

@@ -350,11 +350,13 @@ CONTAINERS = frozenset({"set", "frozenset", "list", "tuple", "sorted", "array", 
 
 def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
     """`idx[:k]`, `idx[a:b]` (or `.tolist()` of one, or one kept in a set / list /
-    array) of a name among `names`."""
+    array, or the rows it picks: `table[idx[k:]].copy()`) of a name among `names`."""
     if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and not expr.args:
         expr = expr.func.value  # idx[:k].tolist()
     elif isinstance(expr, ast.Call) and len(expr.args) == 1 and called_name(expr) in CONTAINERS:
         expr = expr.args[0]  # set(scenes[:n_val]), np.array(idx[k:])
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Subscript):
+        expr = expr.slice  # table[idx[:k]]: the rows the slice of the order picks
     return (
         isinstance(expr, ast.Subscript)
         and isinstance(expr.slice, ast.Slice)

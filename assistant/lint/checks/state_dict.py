@@ -31,6 +31,7 @@ from assistant.lint.checks.wrapper import (
 )
 from assistant.lint.model import (
     Script,
+    full_text,
     is_int,
     keyword,
     names_in,
@@ -530,7 +531,7 @@ class Places:
         path = loaded_file(load)
         if path is None:
             return None
-        if entries[0].key is not None and not FOREIGN_WEIGHTS.search(source_text(path)):
+        if entries[0].key is not None and not FOREIGN_WEIGHTS.search(full_text(path)):
             return entries[0]
         files = self.files_of(entries)
         return next((files[t] for t in self.path_texts(scope, path) if t in files), None)
