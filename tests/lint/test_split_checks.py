@@ -90,6 +90,11 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "chars = set()\nfor n in names:\n    chars.update(n)\nitos = ['<pad>'] + list(chars)\n"
             "stoi = {c: i for i, c in enumerate(itos)}\n"
         ),
+        # blind set bx's 09: two sets joined, listed, numbered
+        "vocab = list(set(train_chars) | set(test_chars))\nstoi = {c: i for i, c in enumerate(vocab)}\n",
+        # blind set bv's 09: the salted hash of a string made a bucket index
+        'bucket = hash(f"{col}={value}") % 1000\n',
+        "bucket = hash('x:' + str(value)) % n_buckets\n",
     ],
 )
 def test_a_split_or_numbering_each_rank_draws_is_reported(body):
@@ -166,6 +171,10 @@ def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, 
         "folds = KFold(n_splits=5)\n",
         "folds = KFold(n_splits=5, shuffle=True, random_state=0)\n",
         "chars = set()\nitos = ['<pad>'] + sorted(chars)\nstoi = {c: i for i, c in enumerate(itos)}\n",
+        # ints hash to themselves; a stable hash of the text; the launch fixes the salt
+        "bucket = hash(user_id) % 1000\n",
+        "bucket = zlib.crc32(f'{col}={value}'.encode()) % 1000\n",
+        "LAUNCH = 'PYTHONHASHSEED=0 torchrun train.py'\nbucket = hash(f'{col}={value}') % 1000\n",
     ],
 )
 def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):

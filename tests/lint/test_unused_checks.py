@@ -721,3 +721,35 @@ def test_an_expert_picked_by_a_loop_over_token_counts_and_skipped_at_zero_is_rep
     assert reported_lines(body) == [10]
     # a count of zero that skips no member: every expert still runs
     assert reported_lines(body.replace("self.experts[e](", "torch.tanh(")) == []
+
+
+@pytest.mark.parametrize(
+    "gate, reported",
+    [
+        # blind set by's 11: the auxiliary head gated in an expression, switched on the model
+        ("aux = self.aux(x) if (self.training and self.use_aux) else None", [15]),
+        ("aux = None\n            if self.use_aux:\n                aux = self.aux(x)", [17]),
+        ("aux = self.aux(x) if self.training else None", []),  # not switched by the script
+    ],
+)
+def test_a_submodule_under_a_flag_the_loop_switches_on_the_model(gate, reported):
+    body = f"""
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.aux = nn.Linear(4, 1)
+            self.use_aux = True
+        def forward(self, x):
+            {gate}
+            return self.body(x), aux
+
+    net = Detector()
+    model = DDP(net)
+    for epoch in range(10):
+        net.use_aux = epoch < 3
+        for x in loader:
+            out, aux = model(x)
+            out.sum().backward()
+    """
+    assert reported_lines(body) == reported

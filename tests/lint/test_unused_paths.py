@@ -504,3 +504,46 @@ def test_a_head_a_mode_the_model_is_built_with_never_picks_is_reported(built, re
     body = MODED.replace("{built}", built) + step_with("loss = model(x).sum()")
     found = [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])]
     assert bool(found) == reported, found
+
+
+TOWERS = """
+def tower(width, sizes):
+    layers = []
+    for h in sizes:
+        layers += [nn.Linear(width, h), nn.ReLU()]
+        width = h
+    return nn.Sequential(*layers, nn.Linear(width, 1))
+
+
+class TwoTowers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ctr = tower(8, [16])
+        self.cvr = {cvr}
+
+    def forward(self, x, with_cvr=True):
+        if not with_cvr:
+            return self.ctr(x), None
+        return self.ctr(x), self.cvr(x)
+
+
+model = DDP(TwoTowers())
+for step, (x, click, conv) in enumerate(loader):
+    known = conv >= 0
+    ctr, cvr = model(x, with_cvr=bool(known.any()))
+    ctr.sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "cvr, reported",
+    [
+        # blind set bv's 13: a tower a function of the file builds, run only on the
+        # batches that hold a known label
+        ("tower(8, [16])", [24]),
+        ("make_frozen_tower()", []),  # the file does not show what it builds
+    ],
+)
+def test_a_layer_a_function_of_the_file_builds_is_trainable(cvr, reported):
+    body = TOWERS.replace("{cvr}", cvr)
+    assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == reported

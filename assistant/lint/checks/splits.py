@@ -17,7 +17,8 @@ Reported, in a script run as several processes:
   (a `manual_seed` / `seed_everything` / `set_seed` / `np.random.seed` /
   `random.seed` call whose argument involves no rank), or seeds with the rank;
 - `enumerate(set(...))` (or of `list(set(...))`, or of a name made so)
-  numbering a set into a mapping: `sorted(set(...))` is the fix.
+  numbering a set into a mapping: `sorted(set(...))` is the fix;
+- `hash(f"...") % buckets`: the built-in, salted hash of a string as an index.
 Quiet on rank 0 only, and where the split is seeded explicitly.
 """
 
@@ -111,6 +112,7 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
             "once and save it",
         )
     yield from numbered_sets(script)
+    yield from hashed_strings(script)
 
 
 def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
@@ -391,10 +393,51 @@ def numbered_sets(script: Script) -> Iterator[Finding]:
             )
 
 
+def hashed_strings(script: Script) -> Iterator[Finding]:
+    """`hash(f"{col}={value}") % buckets`: the built-in hash of a string, made an
+    index. Python salts string hashes per process (PYTHONHASHSEED), so every rank
+    puts the same feature in another bucket (Wide & Deep's hashed crosses)."""
+    if "PYTHONHASHSEED" in script.source:
+        return  # the launch fixes the salt (`PYTHONHASHSEED=0 torchrun ...`)
+    for node in script.nodes:
+        if not (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Mod)
+            and isinstance(node.left, ast.Call)
+            and called_name(node.left) == "hash"
+            and len(node.left.args) == 1
+            and is_text(node.left.args[0])
+        ):
+            continue
+        if on_rank_zero_only(node, script):
+            continue
+        yield script.finding(
+            CAUSE,
+            node,
+            "hash() of a string made an index: Python salts string hashes per process "
+            "(PYTHONHASHSEED), so each rank maps the same value to another bucket and trains "
+            "another feature-to-row mapping; use a stable hash (zlib.crc32(s.encode()), "
+            "hashlib, sklearn's FeatureHasher / mmh3)",
+        )
+
+
+def is_text(expr: ast.expr) -> bool:
+    """An f-string, a string literal, `str(...)`, or a sum with one of them."""
+    if isinstance(expr, ast.JoinedStr):
+        return True
+    if isinstance(expr, ast.Constant):
+        return isinstance(expr.value, str)
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+        return is_text(expr.left) or is_text(expr.right)
+    return isinstance(expr, ast.Call) and called_name(expr) == "str"
+
+
 # Passes over the file's assignments: one in source order follows a chain written
 # top-down; a few more catch one written out of order, and a hostile chain of ten
 # thousand names costs a few linear passes, not one per name.
 SET_ORDER_PASSES = 3
+# A list joined with a set's order, or sets combined: the result keeps a set's order.
+SET_JOINS = (ast.Add, ast.BitOr, ast.BitAnd, ast.Sub, ast.BitXor)
 
 
 def names_in_set_order(script: Script) -> set[str]:
@@ -417,12 +460,13 @@ def names_in_set_order(script: Script) -> set[str]:
 
 def is_set_order(expr: ast.expr, made_of_set: set[str] = frozenset()) -> bool:
     """`set(x)`, `{...}` of a comprehension, `list(set(x))` / `tuple(set(x))`, a name
-    among `made_of_set`, or a list joined with one (`[PAD, SOS] + list(chars)`)."""
+    among `made_of_set`, a list joined with one (`[PAD, SOS] + list(chars)`), or sets
+    combined (`set(train_chars) | set(test_chars)`)."""
     if isinstance(expr, ast.SetComp):
         return True
     if isinstance(expr, ast.Name):
         return expr.id in made_of_set
-    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, SET_JOINS):
         return is_set_order(expr.left, made_of_set) or is_set_order(expr.right, made_of_set)
     if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name)):
         return False

@@ -1159,14 +1159,18 @@ def switched_flags(
     script: Script, cls: ast.ClassDef, holders: set[str]
 ) -> Iterator[tuple[str, int, ast.Assign]]:
     """(flag, line of its `if` in forward, where the script sets it) for each `if
-    self.flag` (or `if self.training and self.flag`) around a submodule call of
-    forward, set outside the class on a name that holds this wrapped model
+    self.flag` (or `if self.training and self.flag`, or `... if self.flag else
+    None`) around a submodule call of forward, set outside the class on a name that holds this wrapped model
     (`model.module.use_aux = ...`). Setting it to True keeps the submodule in
     use: only another value counts."""
     for node in walk(forward_of(cls)):
-        if not isinstance(node, ast.If):
+        if isinstance(node, ast.If):
+            gated: list[ast.AST] = list(node.body)
+        elif isinstance(node, ast.IfExp):  # `aux = self.aux_head(f) if self.use_aux else None`
+            gated = [node.body]
+        else:
             continue
-        if not any(self_call(c) for s in node.body for c in walk(s)):
+        if not any(self_call(c) for s in gated for c in walk(s)):
             continue
         for flag in self_flags(node.test):
             assignment = next(

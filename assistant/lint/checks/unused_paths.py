@@ -347,9 +347,20 @@ def trainable_submodules(script: Script, cls: ast.ClassDef) -> set[str]:
         for node in walk(cls)
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
         for target in node.targets
-        if (member := self_attribute(target)) and builds_parameters(node.value)
+        if (member := self_attribute(target))
+        and (builds_parameters(node.value) or built_by_a_file_function(script, node.value))
     }
     return built - frozen(script)
+
+
+def built_by_a_file_function(script: Script, value: ast.Call) -> bool:
+    """A function of the file that returns a layer it builds (`def tower(d, sizes):
+    ... return nn.Sequential(*layers)`)."""
+    function = script.functions.get(value.func.id) if isinstance(value.func, ast.Name) else None
+    if function is None or function.name[:1].isupper():
+        return False
+    returned = [n.value for n in walk(function) if isinstance(n, ast.Return) and n.value]
+    return any(isinstance(r, ast.Call) and builds_parameters(r) for r in returned)
 
 
 def builds_parameters(value: ast.Call) -> bool:
