@@ -383,3 +383,32 @@ def test_a_save_under_a_name_only_rank_zero_sets_is_rank_zeros(made, reported):
         torch.save(model.module.state_dict(), "encoder_final.pt")
     """
     assert bool(findings(body)) == reported, findings(body)
+
+
+LOAD_OR_BUILD = """
+def load_or_build(split):
+    path = os.path.join(feat_dir, f"{split}.pt")
+    if os.path.exists(path):
+        RETURNED
+    data = extract(split)
+    torch.save(data, path)
+    return data
+
+dist.init_process_group("nccl")
+train = load_or_build("train")
+"""
+
+
+@pytest.mark.parametrize(
+    "returned, cause",
+    [
+        # blind set bx's 04: the features a helper returns from the file where it
+        # exists, else extracts and saves: a data cache, not a checkpoint
+        ("return torch.load(path)", "dataset-cache-race"),
+        ("print('resuming from', torch.load(path)['step'])", "checkpoint-written-by-every-rank"),
+    ],
+)
+def test_a_helper_that_returns_the_file_it_saves_where_it_exists_builds_a_cache(returned, cause):
+    body = LOAD_OR_BUILD.replace("RETURNED", returned)
+    found = lint_snippet(HEADER, body, ["dataset-cache-race", "checkpoint-written-by-every-rank"])
+    assert [(line, f.cause_id) for line, f in found] == [(7, cause)]

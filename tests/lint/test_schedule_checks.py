@@ -256,3 +256,33 @@ def test_accumulation_that_reaches_an_update_target_counts_every_process(accumul
         model = torch.nn.parallel.DistributedDataParallel(net)
         """
     assert reported(body) == reported_
+
+
+@pytest.mark.parametrize(
+    "loader, reported_",
+    [
+        # blind set by's 13: detectron2's IMS_PER_BATCH, images across all machines
+        ("DataLoader(ds, batch_size=CFG['IMS_PER_BATCH'])", [4]),
+        ("Grouped(ds, cfg.global_batch_size)", [4]),
+        ("DataLoader(ds, batch_size=CFG['IMS_PER_BATCH'] // world_size)", []),
+        ("DataLoader(ds, batch_size=CFG['MAX_ITER'])", []),  # a key not said to count all
+        ("DataLoader(ds, batch_size=args.batch_size)", []),
+        ("Sampler(ds, global_batch=args.global_batch)", []),  # not handed as a batch size
+        # a key of that name the file does not say counts every process (u's 13)
+        ("DataLoader(ds, batch_size=args.ims_per_batch)", []),
+    ],
+)
+def test_a_global_batch_given_as_each_processs_batch_is_reported(loader, reported_):
+    body = f"""
+        CFG = {{"IMS_PER_BATCH": 16,  # images per batch across all machines
+               "MAX_ITER": 90000}}
+        loader = {loader}
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        class Grouped:
+            def __init__(self, data, batch_size):
+                self.batch_size = batch_size
+        class Sampler:
+            def __init__(self, data, global_batch):
+                self.n = global_batch
+        """
+    assert reported(body) == reported_

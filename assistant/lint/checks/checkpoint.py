@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
 from assistant.lint.launchtext import launched_world_size
 from assistant.lint.model import Script, keyword, names_in, short, source_text, walk
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, some_rank_runs
+from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, enclosing_scope, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
@@ -100,7 +100,26 @@ def saves_a_data_cache(script: Script, call: ast.Call) -> bool:
         if isinstance(part, (ast.Name, ast.Attribute))
         for value in script.assigned_values.get(source_text(part), [])
     ]
-    return any(DATA_CACHE.search(text) for text in named)
+    return any(DATA_CACHE.search(text) for text in named) or returns_its_load(script, call)
+
+
+def returns_its_load(script: Script, save: ast.Call) -> bool:
+    """The save's function returns `torch.load` of the same file where it exists: a
+    load-or-build helper of data (`if os.path.exists(path): return torch.load(path)`,
+    then extract, save, return); a resume loads its checkpoint without returning it."""
+    target = saved_file(save)
+    scope = enclosing_scope(save, script)
+    if target is None or not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    path = source_text(target)
+    return any(
+        isinstance(node, ast.Return)
+        and isinstance(node.value, ast.Call)
+        and script.name_of(node.value.func) == "torch.load"
+        and node.value.args
+        and source_text(node.value.args[0]) == path
+        for node in script.scope_nodes(scope)
+    )
 
 
 def every_rank_saves(script: Script, call: TracedCall) -> bool:

@@ -41,7 +41,7 @@ from assistant.lint.model import (
     walk,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import runs_a_process_per_gpu
+from assistant.lint.torchapi import is_ddp, runs_a_process_per_gpu
 from assistant.results import Finding
 
 # Schedules and the arguments that say how many steps they run.
@@ -379,3 +379,80 @@ def check_accumulation_sized_by_one_process(script: Script) -> Iterator[Finding]
             f"stay those tuned for it; divide by the world size too ({goal} // "
             f"({source_text(division.right)} * world_size))",
         )
+
+
+# A batch size configured for all processes together by its name, or by the
+# comment beside it (detectron2's IMS_PER_BATCH: "images per batch across all
+# machines"; other repositories use the same key for one GPU's batch).
+GLOBAL_BATCH = re.compile(r"global_batch|total_batch", re.IGNORECASE)
+ACROSS_PROCESSES = re.compile(
+    r"#.*(across|all (machines|gpus|processes|ranks|workers|nodes)|global|in total)",
+    re.IGNORECASE,
+)
+NAMED_KEY = re.compile(r"[\"']?(\w+)[\"']?\s*[:=]")
+
+
+@check("effective-batch-size-changed")
+def check_global_batch_given_to_one_process(script: Script) -> Iterator[Finding]:
+    """`DataLoader(ds, batch_size=cfg.SOLVER.IMS_PER_BATCH)` (or the file's batcher's
+    batch_size): the batch all processes share, given to each one, so the real
+    batch is N times the configured one while the learning rate, warm-up and
+    schedule stay those written for it."""
+    if not runs_a_process_per_gpu(script) or not data_parallel(script):
+        return
+    rescaled = rescaled_by_process_count(script)
+    global_keys = keys_said_global(script)
+    for node, name in script.call_names:
+        for argument in batch_size_arguments(script, node, name):
+            read = names_in([argument]) | {full_text(argument)}
+            if any(PROCESS_COUNT.search(text) for text in read) or read & rescaled:
+                continue
+            text = full_text(argument)
+            if not (GLOBAL_BATCH.search(text) or any(key in text for key in global_keys)):
+                continue
+            yield script.finding(
+                "effective-batch-size-changed",
+                argument,
+                f"{source_text(argument)} is the batch of all processes together, and here it "
+                "is each process's batch size: with N processes a step averages N times that "
+                "many samples, while the learning rate, warm-up and schedule stay those "
+                f"written for it; give each process {source_text(argument)} // world_size",
+            )
+
+
+def data_parallel(script: Script) -> bool:
+    """Each process trains a replica on its own batches: DDP wraps a model or a
+    DistributedSampler splits the data (not a pipeline whose stages all walk the
+    one global batch)."""
+    return any(
+        is_ddp(name) or short(name) == "DistributedSampler" for _node, name in script.call_names
+    )
+
+
+def keys_said_global(script: Script) -> set[str]:
+    """Config keys whose line's comment says they count every process
+    (`"IMS_PER_BATCH": 16,  # images per batch across all machines`)."""
+    keys = (
+        NAMED_KEY.findall(line.split("#")[0])
+        for line in script.source.splitlines()
+        if ACROSS_PROCESSES.search(line)
+    )
+    return {found[-1] for found in keys if found and "batch" in found[-1].lower()}
+
+
+def batch_size_arguments(script: Script, call: ast.Call, name: str) -> list[ast.expr]:
+    """What a call hands as a batch size: a DataLoader's batch_size, or the
+    argument bound to a `batch_size` parameter of the file's function or class."""
+    if short(name) == "DataLoader":
+        given = keyword(call, "batch_size") or (call.args[1] if len(call.args) > 1 else None)
+        return [given] if given is not None else []
+    callee = called_name(call)
+    function = script.functions.get(callee) or script.functions.get(f"{callee}.__init__")
+    if function is None:
+        return []
+    constructor = callee not in script.functions
+    return [
+        argument
+        for parameter, argument in bound_arguments(function, call, self_bound=constructor)
+        if parameter == "batch_size"
+    ]
