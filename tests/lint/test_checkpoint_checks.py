@@ -412,3 +412,41 @@ def test_a_helper_that_returns_the_file_it_saves_where_it_exists_builds_a_cache(
     body = LOAD_OR_BUILD.replace("RETURNED", returned)
     found = lint_snippet(HEADER, body, ["dataset-cache-race", "checkpoint-written-by-every-rank"])
     assert [(line, f.cause_id) for line, f in found] == [(7, cause)]
+
+
+RESUME_THEN_SAVE = """
+import torch.multiprocessing as mp
+
+def train(rank, world):
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    model = build()
+    if os.path.isfile("latest.pt"):
+        model.load_state_dict(torch.load("latest.pt", map_location="cpu"))
+    for step in range(100):
+        step_once(model)
+        if rank == 0:
+            torch.save(model.state_dict(), "latest.pt")
+    AFTER
+
+if __name__ == "__main__":
+    if torch.cuda.device_count() > 1:
+        mp.spawn(train, args=(2,), nprocs=2)
+    else:
+        train(0, 1)
+"""
+
+
+@pytest.mark.parametrize(
+    "after, reported",
+    [
+        # cc's 01: a resume above the loop's saves; the trace reaches it after a save
+        # only by entering train() a second time, on the branch no run also takes
+        ("pass", []),
+        ('model.load_state_dict(torch.load("latest.pt", map_location="cpu"))', [13]),
+    ],
+)
+def test_a_resume_above_the_saves_of_its_function_is_not_a_load_after_them(after, reported):
+    found = lint_snippet(
+        HEADER, RESUME_THEN_SAVE.replace("AFTER", after), ["checkpoint-written-by-every-rank"]
+    )
+    assert [line for line, _ in found] == reported

@@ -338,3 +338,66 @@ class CrossLayer(nn.Module):
 model = DDP(CrossLayer(32))
 """
     assert reported_lines(body) == []
+
+
+FACTORISED = """
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    rank: int = 1000
+
+
+class ComplEx(nn.Module):
+    def __init__(self, n_ent, rank):
+        super().__init__()
+        self.ent = nn.Embedding(n_ent, 2 * rank)
+
+    def forward(self, h):
+        return self.ent(h)
+
+
+dist.init_process_group("nccl")
+cfg = Config()
+model = DDP(ComplEx(40943, RANK_GIVEN))
+"""
+
+
+@pytest.mark.parametrize(
+    "given, reported",
+    [
+        ("cfg.rank", []),  # blind set ca's 03: a knowledge-graph embedding's rank, 1000
+        ("500", []),
+        ("dist.get_rank()", [13]),  # the process's rank after all
+    ],
+)
+def test_a_rank_every_construction_gives_a_size_is_a_size(given, reported):
+    assert reported_lines(FACTORISED.replace("RANK_GIVEN", given)) == reported
+
+
+def test_a_size_read_where_the_model_is_built_is_not_another_functions_name():
+    # blind set ca's 10: an evaluation helper's `rels` (gathered from the ranks' shares)
+    # is not main's `rels` (read from a file) that sizes the model
+    body = """
+class Scorer(nn.Module):
+    def __init__(self, n_rel, dim):
+        super().__init__()
+        self.rel = nn.Embedding(n_rel, dim)
+def evaluate(triples):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rels = triples[rank::world]
+    return rels
+def main(path):
+    dist.init_process_group("nccl")
+    rels = open(path).read().split()
+    model = Scorer(len(rels), 32)
+    model = DDP(model)
+"""
+    assert reported_lines(body) == []
+    # the same name read from this rank's share where the model is built: reported
+    shared = body.replace(
+        "    rels = open(path).read().split()",
+        "    rels = open(path).read().split()[dist.get_rank()::8]",
+    )
+    assert reported_lines(shared) == [13]

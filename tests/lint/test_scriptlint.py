@@ -395,6 +395,28 @@ def test_a_module_placed_part_by_part_before_the_wrap_is_not_said_never_moved(
     assert findings_of(source) == ([("ddp-device-ids-cpu-module", 7)] if reported else [])
 
 
+@pytest.mark.parametrize(
+    "init, reported",
+    [
+        ("self.model = model", False),  # cc's 16: a loss wrapper that holds the moved model
+        ("self.model = model\n        self.head = nn.Linear(4, 2)", True),  # a layer of its own
+    ],
+)
+def test_a_wrapper_module_around_a_moved_model_is_on_its_device(init, reported) -> None:
+    source = (
+        DDP_HEADER
+        + "class LossWrapper(nn.Module):\n"
+        + "    def __init__(self, model):\n"
+        + "        super().__init__()\n"
+        + f"        {init}\n"
+        + "model = nn.Linear(4, 4).to(int(os.environ['LOCAL_RANK']))\n"
+        + "net = DDP(LossWrapper(model), device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    line = source.count("\n")
+    expected = [("ddp-device-ids-cpu-module", line)] if reported else []
+    assert findings_of(source, "ddp-device-ids-cpu-module") == expected
+
+
 @pytest.mark.parametrize("moved", [True, False])
 def test_device_ids_on_a_model_a_helper_returns_with_other_values_is_not_judged(moved) -> None:
     # blind set at 04: `student, macs = prune(dense.to(device))` (a tuple from one call:

@@ -272,7 +272,7 @@ def check_load_before_rank_zero_finished_saving(script: Script) -> Iterator[Find
                 pending[source_text(call.node.args[1])] = call
         elif call.name == "torch.load" and call.node.args and every_rank_runs(call):
             save = pending.get(source_text(call.node.args[0]))
-            if save is None:
+            if save is None or loads_before_it_saves(script, call.node, save.node):
                 continue
             yield script.finding(
                 "checkpoint-written-by-every-rank",
@@ -284,6 +284,26 @@ def check_load_before_rank_zero_finished_saving(script: Script) -> Iterator[Find
                 "(fabric.barrier(), accelerator.wait_for_everyone()) after the save",
             )
             del pending[source_text(call.node.args[0])]
+
+
+def loads_before_it_saves(script: Script, load: ast.Call, save: ast.Call) -> bool:
+    """The load comes above the save in one function, and no loop runs both: a resume
+    at the start of a run, reached after the save only when the trace enters the
+    function a second time (`mp.spawn(train, ...)` on one branch, `train(0, ...)` on
+    the other), which no run does."""
+    scope = enclosing_scope(load, script)
+    if scope is None or enclosing_scope(save, script) is not scope or load.lineno > save.lineno:
+        return False
+    loops = (ast.For, ast.While, ast.AsyncFor)
+    around_load = {id(n) for n in ancestors(script, load) if isinstance(n, loops)}
+    return not any(id(n) in around_load for n in ancestors(script, save))
+
+
+def ancestors(script: Script, node: ast.AST) -> Iterator[ast.AST]:
+    parent = script.parents.get(id(node))
+    while parent is not None:
+        yield parent
+        parent = script.parents.get(id(parent))
 
 
 # How many assignments a loaded checkpoint is followed through before it reaches

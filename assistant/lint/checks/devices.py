@@ -678,6 +678,8 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             continue
         if moved.part_before(text, node):
             continue  # placed part by part (`model.mm_projector.to(device)`, LLaVA's way)
+        if holds_moved_modules_only(script, module, moved, node):
+            continue  # `DDP(LossWrapper(model, size))`: its parameters are model's
         origins = wrapped_by_name(script, module)
         if origins and all(is_move(m) or source_text(m) in moved for m in origins):
             continue  # `compiled = torch.compile(model)` of a model moved before
@@ -690,6 +692,26 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             "built and raises for parameters on the CPU; move it first, or drop device_ids "
             "on CPU",
         )
+
+
+def holds_moved_modules_only(
+    script: Script, module: ast.expr, moved: Moves, wrap: ast.Call
+) -> bool:
+    """A module of the file's own class, built around a module moved before the wrap,
+    whose __init__ builds no layer of its own (a loss wrapper that holds the model)."""
+    if not (isinstance(module, ast.Call) and isinstance(module.func, ast.Name)):
+        return False
+    init = script.functions.get(f"{module.func.id}.__init__")
+    if init is None or any(
+        isinstance(n, ast.Call) and script.name_of(n.func).startswith("torch.nn.")
+        for n in walk(init)
+    ):
+        return False
+    given = [*module.args, *(k.value for k in module.keywords)]
+    return any(
+        isinstance(a, ast.Name | ast.Attribute) and moved.before(source_text(a), wrap)
+        for a in given
+    )
 
 
 # Calls that return their module argument, or one built from its parameters,

@@ -27,11 +27,21 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.rank_dependent import OWN_RANK_NAME, depends_on_rank, flow_walk
 from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
-from assistant.lint.model import Script, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    is_int,
+    name_value_pairs,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, is_distributed
 from assistant.lint.tracer import TracedCall, once_per_call
+from assistant.lint.values import option_default
 from assistant.results import Finding
 
 # Methods that add, drop or reshape a module's parameters.
@@ -263,6 +273,7 @@ def check_parameters_sized_by_the_rank(script: Script) -> Iterator[Finding]:
                 if isinstance(init, ast.FunctionDef)
                 and init.name == "__init__"
                 and not rank_named_size(init)
+                and not rank_given_as_a_size(script, cls.name, init)
             ]
     if not inits:
         return
@@ -310,6 +321,40 @@ def rank_named_size(init: ast.FunctionDef) -> bool:
     )
 
 
+def rank_given_as_a_size(script: Script, class_name: str, init: ast.FunctionDef) -> bool:
+    """Every construction of the class gives its rank-named parameter a size: an int
+    of 2 or more, or a configured value whose default is one (`ComplEx(n_ent, n_rel,
+    cfg.rank)` with `rank: int = 1000` in the config: a factorisation's rank)."""
+    ranked = {a.arg for a in init.args.args[1:] if OWN_RANK_NAME.match(a.arg)}
+    builds = [node for node, _name in script.call_names if called_name(node) == class_name]
+    given = [
+        argument
+        for node in builds
+        for parameter, argument in bound_arguments(init, node, self_bound=True)
+        if parameter in ranked
+    ]
+    return bool(ranked and given) and all(is_a_size(script, argument) for argument in given)
+
+
+def is_a_size(script: Script, value: ast.expr) -> bool:
+    if is_int(value):
+        return value.value >= 2  # type: ignore[attr-defined]
+    known, default = option_default(script, value)
+    if known:
+        return type(default) is int and default >= 2
+    if not isinstance(value, ast.Attribute):
+        return False
+    fields = [  # `rank: int = 1000` of a dataclass the file defines
+        node.value
+        for node in script.nodes
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and node.target.id == value.attr
+        and node.value is not None
+    ]
+    return bool(fields) and all(is_int(f) and f.value >= 2 for f in fields)  # type: ignore[attr-defined]
+
+
 def builds_a_parameter(script: Script, call: ast.Call) -> bool:
     """`nn.Parameter(...)`, or a layer of torch.nn (`nn.Linear(d, num_local)`)."""
     name = script.name_of(call.func)
@@ -343,8 +388,18 @@ def check_model_sized_by_the_ranks_own_data(script: Script) -> Iterator[Finding]
         for built in map(unmoved, script.assigned_values.get(name, [])):
             if not (isinstance(built, ast.Call) and builds_a_layer(script, built)):
                 continue
-            measured = size_arguments(built, script.assigned_values)
-            sized = next((e for e in measured if data.sharded_by_rank(e)), None)
+            # names read where the model is built: main's `rels` (read from a file) is
+            # not an evaluation helper's `rels` (gathered from the ranks' shares)
+            assigned = assignments_seen_from(script, built)
+            measured = size_arguments(built, assigned)
+            sized = next(
+                (
+                    e
+                    for e in measured
+                    if any(data.sharded_by_rank(v) for v in assigned.get(read_name(e), [e]))
+                ),
+                None,
+            )
             if sized is None:
                 continue
             yield script.finding(
@@ -357,6 +412,23 @@ def check_model_sized_by_the_ranks_own_data(script: Script) -> Iterator[Finding]
                 "broadcast it) before building the model",
             )
             break
+
+
+def assignments_seen_from(script: Script, node: ast.AST) -> dict[str, list[ast.expr]]:
+    """Name -> values assigned in the function that holds `node`, and at module level."""
+    scope = enclosing_scope(node, script) or script.tree
+    scopes = [script.tree] if scope is script.tree else [script.tree, scope]
+    assigned: dict[str, list[ast.expr]] = {}
+    for each in scopes:
+        for statement in script.scope_nodes(each):
+            if isinstance(statement, ast.Assign):
+                for target, value in name_value_pairs(statement):
+                    assigned.setdefault(target.id, []).append(value)
+    return assigned
+
+
+def read_name(expr: ast.expr) -> str:
+    return expr.id if isinstance(expr, ast.Name) else ""
 
 
 def unmoved(expr: ast.expr) -> ast.expr:
