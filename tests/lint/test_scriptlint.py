@@ -503,6 +503,28 @@ def test_a_cpu_tensor_reduced_in_a_nested_callback_is_reported() -> None:
     assert findings_of(source, "nccl-with-cpu-tensors") == [("nccl-with-cpu-tensors", 7)]
 
 
+@pytest.mark.parametrize(
+    "made, flagged",
+    [
+        # blind set by's 02: DETR's num_boxes, a count made a CPU tensor, then reduced
+        ("    n = torch.as_tensor([n], dtype=torch.float)\n", True),
+        ("    n = torch.as_tensor([n], dtype=torch.float, device=device)\n", False),
+        # made on the CPU only on one branch: what it holds at the collective is unknown
+        ("    if use_cpu:\n        n = torch.as_tensor([n])\n", False),
+    ],
+)
+def test_the_last_assignment_above_a_collective_decides_its_device(made, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def num_boxes(targets, device, use_cpu):\n"
+        "    n = sum(len(t) for t in targets)\n" + made + "    if dist.is_initialized():\n"
+        "        dist.all_reduce(n)\n"
+        "    return n\n"
+    )
+    line = source.count("\n") - 1
+    expected = [("nccl-with-cpu-tensors", line)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected
+
+
 def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None:
     source = NCCL_HEADER + (
         "def sync(count, total):\n"
@@ -733,6 +755,20 @@ def test_a_helper_whose_device_parameter_defaults_to_a_fixed_gpu_is_reported_whe
     assert findings_of(given) == []
     named = bare.replace("torch.ones(4)])", "torch.ones(4)], device=local_rank)")
     assert findings_of(named) == []
+
+
+def test_a_parameter_handed_on_as_a_librarys_device_keyword_places_work() -> None:
+    # blind set cb's 05: MONAI's sliding_window_inference(..., sw_device=sw_device)
+    helper = (
+        'def predict(net, image, sw_device="cuda:0"):\n'
+        '    return sliding_window_inference(image, 96, 2, net, sw_device=sw_device, device="cpu")\n'
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "model = DDP(nn.Linear(4, 4).to(local_rank), device_ids=[local_rank])\n"
+    )
+    bare = DDP_HEADER + helper + "pred = predict(model, torch.ones(4))\n"
+    assert findings_of(bare) == [("hardcoded-device", 5)]
+    given = bare.replace("torch.ones(4))", "torch.ones(4), sw_device=local_rank)")
+    assert findings_of(given) == []
 
 
 def test_a_class_whose_init_defaults_to_a_fixed_gpu_is_reported_where_constructed_without_it() -> (

@@ -50,6 +50,8 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
             if tensor is None:
                 continue
             cpu_line = made_on_cpu_before(made.get(tensor.id, []), node.lineno)
+            if cpu_line is None:
+                cpu_line = last_made_on_cpu(script, nodes, made, tensor.id, node)
             if cpu_line is not None:
                 yield script.finding(
                     "nccl-with-cpu-tensors",
@@ -257,6 +259,38 @@ def made_on_cpu_before(assignments: list[tuple[int, bool]], line: int) -> int | 
     before = [(at, on_cpu) for at, on_cpu in assignments if at < line]
     if before and all(on_cpu for _at, on_cpu in before):
         return before[0][0]
+    return None
+
+
+def last_made_on_cpu(
+    script: Script,
+    nodes: list[ast.AST],
+    made: dict[str, list[tuple[int, bool]]],
+    name: str,
+    collective: ast.Call,
+) -> int | None:
+    """The line of the name's last assignment above the collective, when it makes a
+    CPU tensor and always runs before it (in the same block, or one around it):
+    DETR's `num_boxes = sum(...)`, then `num_boxes = torch.as_tensor([num_boxes])`,
+    then `all_reduce(num_boxes)`; what it held before does not matter."""
+    above = [
+        n
+        for n in nodes
+        if isinstance(n, ast.Assign)
+        and n.lineno < collective.lineno
+        and any(isinstance(t, ast.Name) and t.id == name for t in n.targets)
+    ]
+    if not above:
+        return None
+    last = max(above, key=lambda n: n.lineno)
+    if not any(at == last.lineno and on_cpu for at, on_cpu in made.get(name, [])):
+        return None
+    block = script.parents.get(id(last))
+    ancestor: ast.AST | None = collective
+    while ancestor is not None:
+        if script.parents.get(id(ancestor)) is block and ancestor in getattr(block, "body", []):
+            return last.lineno
+        ancestor = script.parents.get(id(ancestor))
     return None
 
 

@@ -470,12 +470,16 @@ GPU_ARGUMENT_CALLS = frozenset({"Stream", "device", "set_device"})
 
 def places_on_any(node: ast.Call, names: set[str]) -> bool:
     """`places_on` for any of `names` (a parameter, or the `self.x` that keeps it);
-    also `torch.cuda.Stream(name)`, which makes a stream on that GPU."""
-    given = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "device")]
-    named = any(
-        isinstance(arg, ast.Name | ast.Attribute) and source_text(arg) in names for arg in given
-    )
-    if not named:
+    also `torch.cuda.Stream(name)`, which makes a stream on that GPU, and a keyword
+    named like a device (`sw_device=name`)."""
+    if any(  # `device=name`, or a device keyword of a library (MONAI's `sw_device=name`)
+        k.arg and k.arg.endswith("device") and source_text(k.value) in names
+        for k in node.keywords
+        if isinstance(k.value, ast.Name | ast.Attribute)
+    ):
+        return True
+    first = node.args[:1]
+    if not any(isinstance(a, ast.Name | ast.Attribute) and source_text(a) in names for a in first):
         return False
     func = node.func
     placing = isinstance(func, ast.Attribute) and func.attr in ("to", "cuda", "device")
