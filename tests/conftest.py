@@ -175,11 +175,12 @@ class Torchrun:
     ) -> Callable[[], subprocess.CompletedProcess]:
         """Launch now; the call returned waits for the run (killed past the timeout).
 
-        A run whose first failing rank was killed by SIGABRT or SIGSEGV is launched
-        once more, with a warning that keeps what the first run printed: on a
-        loaded machine a gloo rank sometimes aborts in the interpreter's teardown
-        after its work is done (tests/data/scripts/README.md), which is not what
-        the fixture is about. A fixture that really dies that way dies twice.
+        A run whose first failing rank was killed by SIGABRT or SIGSEGV, not on an
+        error it threw, is launched once more, with a warning that keeps what the
+        first run printed: on a loaded machine a gloo rank sometimes aborts in the
+        interpreter's teardown after its work is done (tests/data/scripts/README.md),
+        which is not what the fixture is about. A fixture that really dies that
+        way dies twice.
         """
         if cwd is None:
             cwd = self.folder / f"run-{script.stem}"
@@ -246,9 +247,15 @@ ROOT_CAUSE_EXIT = re.compile(
 )
 
 
+# A rank that aborted on an error it threw (gloo's size check on a collective
+# mismatch): what a broken fixture is about, so it is not launched again.
+THROWN = "terminate called after throwing"
+
+
 def killed_by_a_crash_signal(stderr: str) -> bool:
     found = ROOT_CAUSE_EXIT.search(stderr)
-    return found is not None and int(found.group(1)) in (-signal.SIGABRT, -signal.SIGSEGV)
+    crashed = found is not None and int(found.group(1)) in (-signal.SIGABRT, -signal.SIGSEGV)
+    return crashed and THROWN not in stderr
 
 
 @pytest.fixture

@@ -396,6 +396,31 @@ def test_a_module_placed_part_by_part_before_the_wrap_is_not_said_never_moved(
 
 
 @pytest.mark.parametrize(
+    "factory, reported",
+    [
+        # blind set cg's 09: the file's factory returns the module it moved
+        ("    return nn.SyncBatchNorm.convert_sync_batchnorm(m).to(device)\n", False),
+        ("    m = m.cuda(device)\n    return m\n", False),
+        ("    return m\n", True),
+    ],
+)
+def test_a_module_the_files_factory_moves_before_returning_it_is_on_its_device(
+    factory, reported
+) -> None:
+    source = (
+        DDP_HEADER
+        + "def build_model(n, device):\n"
+        + "    m = nn.Linear(4, n)\n"
+        + factory
+        + "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        + "net = DDP(build_model(10, local_rank), device_ids=[local_rank])\n"
+    )
+    line = source.count("\n")
+    expected = [("ddp-device-ids-cpu-module", line)] if reported else []
+    assert findings_of(source, "ddp-device-ids-cpu-module") == expected
+
+
+@pytest.mark.parametrize(
     "init, reported",
     [
         ("self.model = model", False),  # cc's 16: a loss wrapper that holds the moved model

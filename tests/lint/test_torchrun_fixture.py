@@ -5,6 +5,7 @@ was still alive, and a twin that only hung in its teardown is told apart."""
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,13 @@ ABORTS_THE_FIRST_TIME = (
     "    os.abort()\n"
 )
 ALWAYS_ABORTS = 'import os\nprint("trained", flush=True)\nos.abort()\n'
+# What gloo's size check does on a collective mismatch: a thrown error, not a crash.
+THROWS_THEN_ABORTS = (
+    "import os, sys\n"
+    "sys.stderr.write(\"terminate called after throwing an instance of 'gloo::EnforceNotMet'\\n\")\n"
+    "sys.stderr.flush()\n"
+    "os.abort()\n"
+)
 
 
 @pytest.mark.slow
@@ -84,6 +92,16 @@ def test_a_run_whose_rank_crashed_is_launched_once_more_with_a_warning(torchrun,
         crashes = torchrun.start(files["crashes"])()
     assert crashes.returncode != 0
     assert len(torchrun.launched) == 4  # each launched twice, no more
+
+
+@pytest.mark.slow
+def test_a_rank_that_aborts_on_an_error_it_threw_is_not_launched_again(torchrun, tmp_path):
+    files = scripts(tmp_path, throws=THROWS_THEN_ABORTS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torchrun.RankCrashed)
+        thrown = torchrun.start(files["throws"])()
+    assert thrown.returncode != 0
+    assert len(torchrun.launched) == 1
 
 
 def ddp_kept_past_destroy(source: str) -> list[int]:

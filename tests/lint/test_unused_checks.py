@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 
+from assistant.lint import lint_source
+
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "random_branch_skips_a_submodule.py"
 FIXED = SCRIPTS / "correct_random_branch_with_unused_parameters_found.py"
@@ -753,3 +755,38 @@ def test_a_submodule_under_a_flag_the_loop_switches_on_the_model(gate, reported)
             out.sum().backward()
     """
     assert reported_lines(body) == reported
+
+
+DISCARDED = SCRIPTS / "output_discarded_by_the_training_step.py"
+
+
+@pytest.mark.parametrize(
+    "second, reported",
+    [
+        # blind set ce's 11 (correct): DANN's target batch keeps only the domain output,
+        # the source batch's call in the same step keeps the label output
+        ("_, nsp_logits = model(x)", False),
+        ("lm_again, _ = model(x)", True),  # every call of the step throws it away
+    ],
+)
+def test_an_output_another_call_of_the_step_keeps_is_used(second, reported):
+    source = DISCARDED.read_text().replace(
+        "        lm_logits, _ = model(x)  # expect: unused-parameters\n",
+        f"        lm_logits, _ = model(x)\n        {second}\n",
+    )
+    found = [f for f in lint_source(source) if f.cause_id == "unused-parameters"]
+    assert bool(found) == reported
+
+
+def test_an_output_only_another_loop_keeps_is_left_out_of_this_loops_steps():
+    # blind set bl's 12: PPG's policy phase throws away the auxiliary value that only
+    # the auxiliary phase, a loop of its own, uses: each policy step leaves it out
+    source = DISCARDED.read_text().replace(
+        '    print(f"trained rank {dist.get_rank()}")\n',
+        "    for _aux in range(2):\n"
+        "        _, nsp_logits = model(x)\n"
+        "        nsp_logits.sum().backward()\n"
+        '    print(f"trained rank {dist.get_rank()}")\n',
+    )
+    found = [f.line for f in lint_source(source) if f.cause_id == "unused-parameters"]
+    assert found == [35, 41]  # and the auxiliary loop leaves lm_head out in turn

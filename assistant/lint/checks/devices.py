@@ -680,6 +680,8 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
         text = source_text(module)
         if is_move(module) or moved.before(text, node) or built_elsewhere(script, module):
             continue
+        if returns_a_moved_module(script, module):
+            continue  # `DDP(build_model(n, device), ...)`: the file's factory moves it
         if moved.part_before(text, node):
             continue  # placed part by part (`model.mm_projector.to(device)`, LLaVA's way)
         if holds_moved_modules_only(script, module, moved, node):
@@ -696,6 +698,28 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             "built and raises for parameters on the CPU; move it first, or drop device_ids "
             "on CPU",
         )
+
+
+def returns_a_moved_module(script: Script, value: ast.expr) -> bool:
+    """A call of the file's own function that returns the module it moved
+    (`return convert_sync_batchnorm(m).to(device)`, or `m = m.cuda(); return m`)."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
+        return False
+    function = script.functions.get(value.func.id)
+    if function is None:
+        return False
+    nodes = script.scope_nodes(function)
+    moved_here = {
+        target.id
+        for node in nodes
+        if isinstance(node, ast.Assign) and is_move(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    returned = [n.value for n in nodes if isinstance(n, ast.Return) and n.value is not None]
+    return bool(returned) and all(
+        is_move(r) or (isinstance(r, ast.Name) and r.id in moved_here) for r in returned
+    )
 
 
 def holds_moved_modules_only(

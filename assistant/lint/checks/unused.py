@@ -358,16 +358,34 @@ def check_output_the_step_throws_away(script: Script) -> Iterator[Finding]:
     classes = {cls.name: cls for cls in model_classes(script)}
     if not classes:
         return
-    for call, nodes, ddp in training_calls(script):
+    calls = list(training_calls(script))
+    for call, nodes, ddp in calls:
         unpacked = discarded_positions(call, nodes)
         if not unpacked:
             continue
+        # the other calls of the same model in the same step keep what they keep
+        # (DANN: `cls_s, dom_s = model(xs)` then `_, dom_t = model(xt)`)
+        others = [
+            o
+            for o, o_nodes, o_ddp in calls
+            if o is not call
+            and o_ddp is ddp
+            and o_nodes is nodes
+            and source_text(o.func) not in classes  # `Encoder()` builds, it does not step
+            # the same step: the same loop runs both (PPG's policy and auxiliary phases,
+            # two loops of one function, are different steps)
+            and innermost_loop(script, o) is innermost_loop(script, call)
+        ]
         _, built = wrapped_by(script, ddp, set(classes))
         for name in sorted(built):
             returned = returned_elements(forward_of(classes[name]))
             if returned is None or len(returned) != len(unpacked[1]):
                 continue
             kept = set().union(*(used for i, used in enumerate(returned) if i not in unpacked[0]))
+            for other in others:
+                thrown = discarded_positions(other, nodes)
+                dropped = thrown[0] if thrown else set()
+                kept |= set().union(*(used for i, used in enumerate(returned) if i not in dropped))
             only_discarded = sorted(set().union(*(returned[i] for i in unpacked[0])) - kept)
             if not only_discarded:
                 continue
@@ -818,6 +836,14 @@ def reads_after(name: str, nodes: list[ast.AST], assign: ast.AST) -> list[ast.Na
 
 def position_after(node: ast.AST, assign: ast.AST) -> bool:
     return (node.lineno, node.col_offset) > (assign.lineno, assign.col_offset)
+
+
+def innermost_loop(script: Script, node: ast.AST) -> ast.AST | None:
+    """The nearest loop around `node`."""
+    parent = script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.For | ast.While | ast.AsyncFor):
+        parent = script.parents.get(id(parent))
+    return parent
 
 
 def discarded_positions(
