@@ -1222,3 +1222,28 @@ for batch in loader:
 def test_the_files_own_dataloader_subclass_is_a_dataloader(made, reported):
     found = findings(DDP_PRELUDE, PREFETCH_LOADER.format(made=made))
     assert ("missing-distributed-sampler" in {cause for cause, _ in found}) == reported, found
+
+
+TWO_SAMPLERS = """
+src_sampler = DistributedSampler(data, shuffle=True)
+tgt_sampler = DistributedSampler(data, shuffle=True, seed=1)
+src_loader = DataLoader(data, batch_size=8, sampler=src_sampler)
+tgt_loader = DataLoader(data, batch_size=8, sampler=tgt_sampler)
+for epoch in range(10):
+    src_sampler.set_epoch(epoch)
+    TOLD
+    for (xs,), (xt,) in zip(src_loader, tgt_loader):
+        model(xs).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "told, reported",
+    [
+        ("pass", [("sampler-set-epoch", 3)]),  # blind set ce's 06: the target's order repeats
+        ("tgt_sampler.set_epoch(epoch)", []),
+        ("for s in (src_sampler, tgt_sampler): s.set_epoch(epoch)", []),  # not read: quiet
+    ],
+)
+def test_a_second_sampler_never_told_the_epoch_is_reported(told, reported):
+    assert findings(SAMPLER_PRELUDE, TWO_SAMPLERS.replace("TOLD", told)) == reported

@@ -466,6 +466,48 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
         )
 
 
+@check("sampler-set-epoch")
+def check_a_sampler_left_out_of_set_epoch(script: Script) -> Iterator[Finding]:
+    """`src_sampler.set_epoch(epoch)` in the epoch loop, and a second shuffling
+    DistributedSampler (`tgt_sampler`) whose loader the same loop reads but which is
+    never told the epoch: that loader's order repeats every epoch. Read only where
+    every set_epoch call names its sampler plainly, so the file shows which get it."""
+    data = DataFlow(script)
+    calls = data.set_epoch_calls
+    told = {
+        call.func.value.id
+        for call in calls
+        if isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
+    }
+    if (
+        not calls
+        or len(told) != len(calls)
+        or not any(inside_a_loop(call, script) for call in calls)
+    ):
+        return
+    samplers = {id(s): s for s in data.sampler_calls}
+    bound = {
+        name: sampler for sampler in samplers.values() for name in data.names_bound_to(sampler)
+    }
+    if not told <= set(bound):
+        return  # a set_epoch on something else (a loader's sampler through a helper)
+    for name, sampler in bound.items():
+        if name in told or shuffle_off(sampler) or "." in name:
+            continue
+        loaders = data.loaders_of(sampler)
+        loop = data.epoch_loop_over(loaders, near=sampler)
+        if loop is None or data.reseeded_each_pass(sampler, loaders):
+            continue
+        others = ", ".join(sorted(told))
+        yield script.finding(
+            "sampler-set-epoch",
+            sampler,
+            f"set_epoch is called on {others} but never on {name}, whose loader the loop on "
+            f"line {loop.lineno} also reads: {name} keeps its first epoch's order every "
+            f"epoch; call {name}.set_epoch(epoch) beside the others",
+        )
+
+
 EPOCH_NAME = re.compile(r"epoch|^ep$|^e$", re.IGNORECASE)
 
 
