@@ -415,16 +415,33 @@ def _raise_terminated(signum: int, frame) -> None:
         return  # already stopping
     _REGISTER.signum = signum
     _REGISTER.stopping.set()  # worker threads see it at their next poll
+    # Inside an import, an exception can reach a C extension's initialisation, which
+    # may abort the process instead of passing it on (torch's did: exit -6, seen in
+    # CI): there the watchdog cleans up and ends the run at once, and nothing is raised.
+    importing = inside_an_import(frame)
     watchdog = threading.Thread(
-        target=_exit_unless_handled, args=(signum,), name="assistant-stop", daemon=True
+        target=_exit_unless_handled,
+        args=(signum, 0.0 if importing else ESCAPE_SECONDS),
+        name="assistant-stop",
+        daemon=True,
     )
     watchdog.start()
-    raise Terminated(signum)
+    if not importing:
+        raise Terminated(signum)
 
 
-def _exit_unless_handled(signum: int) -> None:
-    """If Terminated was swallowed on its way up, clean up and exit anyway."""
-    if _REGISTER.handled.wait(ESCAPE_SECONDS):
+def inside_an_import(frame) -> bool:
+    """Whether the interrupted code runs under an import statement."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib."):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _exit_unless_handled(signum: int, wait: float = ESCAPE_SECONDS) -> None:
+    """If Terminated was swallowed on its way up (or never raised), clean up and exit."""
+    if _REGISTER.handled.wait(wait):
         return
     stop_everything()
     try:

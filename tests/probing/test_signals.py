@@ -246,3 +246,43 @@ def test_a_signal_that_c_code_turned_into_another_error_still_ends_the_command_a
     assert done.returncode == 128 + signal.SIGHUP, done.stderr
     assert done.stdout.strip() == "TypeError"
     assert "Traceback" not in done.stderr
+
+
+# A signal landing while a module is imported: torch's C++ initialisation turned
+# the exception raised in it into an abort (exit -6, seen in CI with `ask`).
+DURING_AN_IMPORT = """
+import os, signal, sys, time
+from pathlib import Path
+from assistant.probing import processes
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as from a terminal, as CLI does
+folder = Path(sys.argv[1])
+(folder / "slow_module.py").write_text(
+    "import os, signal, time\\n"
+    "os.kill(os.getpid(), signal.SIGHUP)\\n"
+    "open(os.environ['REACHED'], 'w').close()  # the import went on: nothing raised in it\\n"
+    "time.sleep(30)\\n"
+)
+sys.path.insert(0, str(folder))
+try:
+    with processes.signals_raise():
+        import slow_module
+except processes.Terminated as exc:
+    sys.exit(exc.exit_code)
+"""
+
+
+def test_a_signal_during_an_import_raises_nothing_there_and_ends_the_run_at_once(tmp_path):
+    """The watchdog ends the run (its message says so), not a Terminated raised
+    through the import."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", DURING_AN_IMPORT, str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 128 + signal.SIGHUP, done.stderr
+    assert "assistant: terminated by SIGHUP" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - started < 20  # not the import's 30 s, nor the 5 s escape wait
