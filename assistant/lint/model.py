@@ -506,6 +506,16 @@ def position(node: ast.AST) -> tuple[int, int]:
     return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
 
 
+def enclosing_loop(node: ast.AST, parents: dict[int, ast.AST]) -> ast.For | ast.While | None:
+    """The nearest loop around `node` in the same function."""
+    parent = parents.get(id(node))
+    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(parent, (ast.For, ast.While)):
+            return parent
+        parent = parents.get(id(parent))
+    return None
+
+
 def full_text(expr: ast.AST) -> str:
     """`expr`'s whole source text, for a search of what it names: source_text
     abbreviates a long one, which would hide a `world_size` at its end. A deep

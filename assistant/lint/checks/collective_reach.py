@@ -13,6 +13,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    enclosing_loop,
     is_none,
     method_of,
     names_in,
@@ -710,16 +711,6 @@ def exits_cleanly(arguments: list[ast.expr]) -> bool:
     return not arguments or (
         isinstance(arguments[0], ast.Constant) and arguments[0].value in (0, None)
     )
-
-
-def enclosing_loop(node: ast.AST, parents: dict[int, ast.AST]) -> ast.For | ast.While | None:
-    """The nearest loop around `node` in the same function."""
-    parent = parents.get(id(node))
-    while parent is not None and not isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        if isinstance(parent, (ast.For, ast.While)):
-            return parent
-        parent = parents.get(id(parent))
-    return None
 
 
 # A model's own members: the same on every rank, whatever its data (a loop over them

@@ -266,7 +266,7 @@ def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterato
         callee, skipped = called_as(name)
         if callee is None:
             continue  # other methods are reached through objects: their calls are not read here
-        body = class_of(script, callee) if skipped else function
+        body = script.classes.get(callee) if skipped else function
         for parameter, position, default, gpu in fixed_gpu_parameters(function, bare_cuda_is_gpu0):
             if position is not None:
                 position -= skipped
@@ -286,13 +286,6 @@ def fixed_device_parameters(script: Script, rank_zero_only: set[int]) -> Iterato
                     f"rank's device there (or default {parameter} to None and use the current "
                     "device)",
                 )
-
-
-def class_of(script: Script, name: str) -> ast.ClassDef | None:
-    """The file's top-level class called `name`."""
-    return next(
-        (n for n in script.tree.body if isinstance(n, ast.ClassDef) and n.name == name), None
-    )
 
 
 def fields_set_from(function: Function, parameter: str) -> set[str]:

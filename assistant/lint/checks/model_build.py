@@ -396,7 +396,7 @@ def check_model_sized_by_the_ranks_own_data(script: Script) -> Iterator[Finding]
                 (
                     e
                     for e in measured
-                    if any(data.sharded_by_rank(v) for v in assigned.get(read_name(e), [e]))
+                    if any(data.sharded_by_rank(v) for v in assigned.get(getattr(e, "id", ""), [e]))
                 ),
                 None,
             )
@@ -425,10 +425,6 @@ def assignments_seen_from(script: Script, node: ast.AST) -> dict[str, list[ast.e
                 for target, value in name_value_pairs(statement):
                     assigned.setdefault(target.id, []).append(value)
     return assigned
-
-
-def read_name(expr: ast.expr) -> str:
-    return expr.id if isinstance(expr, ast.Name) else ""
 
 
 def unmoved(expr: ast.expr) -> ast.expr:

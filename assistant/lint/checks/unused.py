@@ -38,6 +38,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    enclosing_loop,
     keyword,
     names_in,
     own_nodes,
@@ -374,7 +375,7 @@ def check_output_the_step_throws_away(script: Script) -> Iterator[Finding]:
             and source_text(o.func) not in classes  # `Encoder()` builds, it does not step
             # the same step: the same loop runs both (PPG's policy and auxiliary phases,
             # two loops of one function, are different steps)
-            and innermost_loop(script, o) is innermost_loop(script, call)
+            and enclosing_loop(o, script.parents) is enclosing_loop(call, script.parents)
         ]
         _, built = wrapped_by(script, ddp, set(classes))
         for name in sorted(built):
@@ -836,14 +837,6 @@ def reads_after(name: str, nodes: list[ast.AST], assign: ast.AST) -> list[ast.Na
 
 def position_after(node: ast.AST, assign: ast.AST) -> bool:
     return (node.lineno, node.col_offset) > (assign.lineno, assign.col_offset)
-
-
-def innermost_loop(script: Script, node: ast.AST) -> ast.AST | None:
-    """The nearest loop around `node`."""
-    parent = script.parents.get(id(node))
-    while parent is not None and not isinstance(parent, ast.For | ast.While | ast.AsyncFor):
-        parent = script.parents.get(id(parent))
-    return parent
 
 
 def discarded_positions(
