@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
 from assistant.lint.launchtext import launched_world_size
-from assistant.lint.model import Script, keyword, names_in, short, source_text, walk
+from assistant.lint.model import Script, enclosing_loop, keyword, names_in, short, source_text, walk
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, enclosing_scope, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -294,16 +294,17 @@ def loads_before_it_saves(script: Script, load: ast.Call, save: ast.Call) -> boo
     scope = enclosing_scope(load, script)
     if scope is None or enclosing_scope(save, script) is not scope or load.lineno > save.lineno:
         return False
-    loops = (ast.For, ast.While, ast.AsyncFor)
-    around_load = {id(n) for n in ancestors(script, load) if isinstance(n, loops)}
-    return not any(id(n) in around_load for n in ancestors(script, save))
+    return not loops_around(script, load) & loops_around(script, save)
 
 
-def ancestors(script: Script, node: ast.AST) -> Iterator[ast.AST]:
-    parent = script.parents.get(id(node))
-    while parent is not None:
-        yield parent
-        parent = script.parents.get(id(parent))
+def loops_around(script: Script, node: ast.AST) -> set[int]:
+    """ids of the loops of its function that hold `node`."""
+    found: set[int] = set()
+    loop = enclosing_loop(node, script.parents)
+    while loop is not None:
+        found.add(id(loop))
+        loop = enclosing_loop(loop, script.parents)
+    return found
 
 
 # How many assignments a loaded checkpoint is followed through before it reaches
