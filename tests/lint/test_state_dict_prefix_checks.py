@@ -189,3 +189,44 @@ def test_a_state_dict_a_helper_makes_from_loaded_checkpoints_keeps_their_keys(re
     assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
         reported
     )
+
+
+TWO_LOADS = """
+def main():
+    net = build()
+    if args.resume:
+        state = torch.load("last.pt", map_location="cpu")
+        net.load_state_dict(state["model"])
+    elif args.loadckpt:
+        state = torch.load(args.loadckpt, map_location="cpu")
+        net.load_state_dict(SECOND)
+    model = DDP(net)
+    for epoch in range(3):
+        train_one_epoch(model)
+        torch.save({"model": model.state_dict()}, "last.pt")
+"""
+
+
+@pytest.mark.parametrize(
+    "second, reported",
+    [
+        # blind set cf's 19: the prefix stripped inside another load's own argument
+        # serves that load only; the resume above it still loads "module." keys
+        ('{k.replace("module.", "", 1): v for k, v in state["model"].items()}, strict=False', [6]),
+        ('state["model"], strict=False', [6]),
+    ],
+)
+def test_a_prefix_stripped_inside_another_loads_argument_serves_that_load_only(second, reported):
+    body = TWO_LOADS.replace("SECOND", second)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
+        reported
+    )
+
+
+def test_a_prefix_stripped_outside_any_load_quiets_every_load():
+    body = TWO_LOADS.replace("SECOND", 'state["model"], strict=False').replace(
+        '        net.load_state_dict(state["model"])',
+        '        state["model"] = {k.replace("module.", ""): v for k, v in state["model"].items()}\n'
+        '        net.load_state_dict(state["model"])',
+    )
+    assert lint_snippet(PRELUDE, body, ["state-dict-module-prefix"]) == []

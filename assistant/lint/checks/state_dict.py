@@ -8,8 +8,8 @@ key. The save and the load are paired by the file (the same path
 expression) or, for a dict, by the entry both use (`{"model": ...}` saved,
 `ckpt["model"]` loaded). Quiet when the save goes through `.module`, the
 load goes into the wrapper, `strict=False`, the script strips the prefix
-anywhere ("module." handed to a call or a comparison, `k[7:]`,
-consume_prefix_in_state_dict_if_present), or what the loaded name holds is
+anywhere but inside another load's own argument ("module." handed to a call
+or a comparison, `k[7:]`, consume_prefix_in_state_dict_if_present), or what the loaded name holds is
 not known (a parameter, a helper that may wrap, an imported loader).
 """
 
@@ -73,8 +73,9 @@ def check_wrapper_state_dict_loaded_unwrapped(script: Script) -> Iterator[Findin
     """A checkpoint of `ddp_model.state_dict()` loaded strictly into a plain model."""
     names = {short(name) for _node, name in script.call_names}
     wraps = any(wrapper_of(script, node) or is_prepare(node) for node, _name in script.call_names)
-    if not (wraps and "load_state_dict" in names and "save" in names) or strips_prefix(script):
+    if not (wraps and "load_state_dict" in names and "save" in names):
         return
+    strips = prefix_strips(script)
     where = Places(script)
     saved: dict[str | None, list[SavedEntry]] = {}
     for scope, call in where.calls_named({"torch.save", *forwarders_of_save(script)}):
@@ -89,6 +90,8 @@ def check_wrapper_state_dict_loaded_unwrapped(script: Script) -> Iterator[Findin
                 and isinstance(node.func, ast.Attribute)
                 and node.func.attr == "load_state_dict"
             ):
+                continue
+            if any(serves(strip, node, script) for strip in strips):
                 continue
             if not strict_load(node) or not where.unwrapped(scope, node.func.value, node.lineno):
                 continue
@@ -134,10 +137,11 @@ def forwarders_of_save(script: Script) -> set[str]:
     return found
 
 
-def strips_prefix(script: Script) -> bool:
-    """The script handles the prefix itself somewhere: "module." handed to a call or
-    a comparison (`k.replace("module.", "")`, `k.startswith("module.")`), `k[7:]`,
-    or torch's consume_prefix helper."""
+def prefix_strips(script: Script) -> list[ast.AST]:
+    """Where the script handles the prefix itself: "module." handed to a call or a
+    comparison (`k.replace("module.", "")`, `k.startswith("module.")`), `k[7:]`, or
+    torch's consume_prefix helper."""
+    found: list[ast.AST] = []
     for node in script.nodes:
         if isinstance(node, (ast.Call, ast.Compare)):
             parts = (
@@ -151,18 +155,35 @@ def strips_prefix(script: Script) -> bool:
                 and PREFIX_TEXT.search(part.value)
                 for part in parts
             ):
-                return True
+                found.append(node)
         name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
         if isinstance(name, str) and name.startswith("consume_prefix"):
-            return True
+            found.append(node)
         if (
             isinstance(node, ast.Slice)
             and is_int(node.lower)
             and node.lower.value == PREFIX_LENGTH
             and node.upper is None
         ):
-            return True
-    return False
+            found.append(node)
+    return found
+
+
+def serves(strip: ast.AST, load: ast.Call, script: Script) -> bool:
+    """A strip serves every load, except one written inside another load_state_dict's
+    own arguments: that one renames the keys of that load alone
+    (`net.load_state_dict({k.replace("module.", ""): v ...}, strict=False)` on one path
+    leaves the resume on another path loading "module." keys)."""
+    owner = script.parents.get(id(strip))
+    while owner is not None:
+        if (
+            isinstance(owner, ast.Call)
+            and isinstance(owner.func, ast.Attribute)
+            and owner.func.attr == "load_state_dict"
+        ):
+            return owner is load
+        owner = script.parents.get(id(owner))
+    return True
 
 
 def strict_load(call: ast.Call) -> bool:
