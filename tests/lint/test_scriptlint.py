@@ -462,6 +462,37 @@ def test_device_ids_on_a_model_a_helper_returns_with_other_values_is_not_judged(
     assert findings_of(built) == [("ddp-device-ids-cpu-module", 11)]
 
 
+def test_device_ids_on_a_parameter_is_not_judged_by_another_functions_same_name() -> None:
+    # blind set ce's 19: the wrapped name is the function's parameter; main's
+    # `model = None` / `model = train(...)` are another function's bindings
+    source = (
+        DDP_HEADER
+        + "def fresh():\n    return nn.Linear(4, 4).to(int(os.environ['LOCAL_RANK']))\n"
+        + "def train(model, epochs):\n"
+        + "    ddp = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+        + "    return model\n"
+        + "def main():\n"
+        + "    model = None\n"
+        + "    model = train(fresh(), 1)\n"
+    )
+    line = (
+        source.splitlines().index(
+            "    ddp = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])"
+        )
+        + 1
+    )
+    assert findings_of(source, "ddp-device-ids-cpu-module") == []
+    rebound = source.replace("    ddp = DDP(model,", "    model = DDP(model,")
+    assert findings_of(rebound, "ddp-device-ids-cpu-module") == []
+    # the same name assigned in the function itself is judged there
+    assigned = source.replace(
+        "def train(model, epochs):\n", "def train(model, epochs):\n    model = nn.Linear(4, 4)\n"
+    )
+    assert findings_of(assigned, "ddp-device-ids-cpu-module") == [
+        ("ddp-device-ids-cpu-module", line + 1)
+    ]
+
+
 @pytest.mark.parametrize(
     "setup, test",
     [

@@ -13,6 +13,7 @@ from assistant.lint.model import (
     is_int,
     keyword,
     name_value_pairs,
+    parameter_names,
     self_attribute,
     short,
     source_text,
@@ -771,6 +772,33 @@ def wrapped_by_name(script: Script, module: ast.expr) -> list[ast.expr]:
     return inner
 
 
+def parameter_not_rebound(script: Script, module: ast.expr) -> bool:
+    """`model` in `def train_round(model, ...): ddp = DDP(model, ...)`, never assigned
+    in that function: what it holds is whatever each caller passes (assigned_values is
+    file-wide, and main's `model = None` is not it)."""
+    if not isinstance(module, ast.Name):
+        return False
+    scope = enclosing_scope(module, script)
+    if module.id not in parameter_names(scope):
+        return False
+    return not any(
+        isinstance(node, ast.Name)
+        and node.id == module.id
+        and isinstance(node.ctx, ast.Store)
+        and not is_the_wrap(script, script.parents.get(id(node)))
+        for node in script.scope_nodes(scope)
+    )
+
+
+def is_the_wrap(script: Script, statement: ast.AST | None) -> bool:
+    """`model = DDP(model, ...)`: the name rebound to its own wrapper."""
+    return (
+        isinstance(statement, ast.Assign)
+        and isinstance(statement.value, ast.Call)
+        and is_ddp(script.name_of(statement.value.func))
+    )
+
+
 # Imported model factories (detectron2's build_model(cfg), a repository's
 # get_model(args)) may move the model to the device themselves.
 FACTORY = re.compile(r"^(build|get|create|make|load|setup|init|prepare)", re.IGNORECASE)
@@ -783,6 +811,8 @@ def built_elsewhere(script: Script, module: ast.expr) -> bool:
     name, or an imported factory builds it."""
     if not isinstance(module, (ast.Name, ast.Attribute)):
         return imported_factory(script, module)  # DDP(build_model(cfg), ...)
+    if parameter_not_rebound(script, module):
+        return True  # the caller's argument: other functions' same name is not it
     name = source_text(module)
     values = [
         value
