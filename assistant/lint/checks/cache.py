@@ -324,27 +324,29 @@ def build_when_missing(script: Script) -> Iterator[tuple[ast.If, list[ast.stmt]]
     """Each `if` with the statements that run when it tests a file missing.
 
     Two shapes: the `if` itself (`if not exists(p): build; save` or
-    `if exists(p): load else: build; save`), and an early return (`if
+    `if exists(p): load else: build; save`), and an early exit (`if
     exists(p): return load(p)`, then the build and the save after it in the
-    same block), the way a `build_or_load_cache()` helper is written.
+    same block), the way a `build_or_load_cache()` helper is written, or
+    `if exists(p): continue` in a loop that builds one cached file per item.
     """
     blocks = statement_blocks(script)
     for node in script.nodes:
         if not isinstance(node, ast.If):
             continue
         branch = [*node.body, *node.orelse]
-        if not node.orelse and returns(node.body):
+        if not node.orelse and leaves_the_block(node.body):
             block = blocks.get(id(node), [])
             branch += block[block.index(node) + 1 :]
         yield node, branch
 
 
-def returns(block: list[ast.stmt]) -> bool:
-    """The block ends in a return, also from inside `with open(p) as f: return load(f)`."""
+def leaves_the_block(block: list[ast.stmt]) -> bool:
+    """The block ends in a return or a continue, also from inside `with open(p) as f:
+    return load(f)`: what follows the `if` runs only when its test fails."""
     last = block[-1]
     if isinstance(last, (ast.With, ast.AsyncWith)):
-        return returns(last.body)
-    return isinstance(last, ast.Return)
+        return leaves_the_block(last.body)
+    return isinstance(last, ast.Return | ast.Continue)
 
 
 def tested_paths(test: ast.expr) -> list[ast.expr]:
