@@ -69,7 +69,7 @@ def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
         return False, None
     flag = argparse_flag(script, expr.attr)
     if flag is None:
-        return False, None
+        return dataclass_default(script, expr.attr)
     required = keyword(flag, "required")
     if required is not None and not (isinstance(required, ast.Constant) and not required.value):
         return False, None
@@ -80,6 +80,49 @@ def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     if isinstance(action, ast.Constant) and action.value in UNSET_DEFAULTS:
         return True, UNSET_DEFAULTS[action.value]
     return (True, None) if action is None else (False, None)
+
+
+def dataclass_default(script: Script, field: str) -> tuple[bool, object]:
+    """(known, value): the literal default of `field` in the file's @dataclass config
+    (`pool: str = "mean"`), when the file itself never changes it: no construction of
+    that class passes arguments, and no `cfg.pool = ...` outside the class. A config
+    file applied over it (`setattr(cfg, k, v)`) is the run's choice, as an option
+    given on the command line is. Unknown where two dataclasses define the field."""
+    defaults = [
+        (cls, statement.value)
+        for cls in script.classes.values()
+        if any(
+            short(script.name_of(d.func if isinstance(d, ast.Call) else d)) == "dataclass"
+            for d in cls.decorator_list
+        )
+        for statement in cls.body
+        if isinstance(statement, ast.AnnAssign)
+        and isinstance(statement.target, ast.Name)
+        and statement.target.id == field
+        and statement.value is not None
+    ]
+    if len(defaults) != 1:
+        return False, None
+    cls, default = defaults[0]
+    if any(name == cls.name and (call.args or call.keywords) for call, name in script.call_names):
+        return False, None
+    inside = {id(node) for node in ast.walk(cls)}
+    for node in script.nodes:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            continue
+        for target in targets:
+            if (
+                isinstance(target, ast.Attribute)
+                and target.attr == field
+                and (id(node) in inside or not is_self(target.value))
+            ):
+                return False, None
+    return named_constant(script, default)
+
+
+def is_self(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Name) and expr.id == "self"
 
 
 def named_constant(script: Script, expr: ast.expr) -> tuple[bool, object]:

@@ -547,3 +547,52 @@ for step, (x, click, conv) in enumerate(loader):
 def test_a_layer_a_function_of_the_file_builds_is_trainable(cvr, reported):
     body = TOWERS.replace("{cvr}", cvr)
     assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == reported
+
+
+# Blind set cn's 03: the mode read from a config object the model is given, whose
+# dataclass default picks one head.
+CONFIGURED = """
+from dataclasses import dataclass
+
+
+@dataclass
+class Config:
+    width: int = 4
+    pool: str = "mean"
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.pool = cfg.pool
+        self.body = nn.Linear(cfg.width, 4)
+        self.cls_token = nn.Parameter(torch.zeros(1, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.pool == "cls":
+            h = h + self.cls_token
+        return self.head(h)
+
+
+cfg = Config()
+{override}
+model = DDP(Encoder(cfg))
+"""
+
+
+@pytest.mark.parametrize(
+    "override, reported",
+    [
+        ("", True),  # the dataclass default leaves the token out
+        ("cfg.pool = 'cls'", False),  # the file sets it: not the default's
+        ("cfg = Config(pool='cls')", False),
+    ],
+)
+def test_a_mode_a_config_dataclass_defaults_to_is_a_built_flag(override, reported):
+    body = CONFIGURED.replace("{override}", override) + step_with("loss = model(x).sum()")
+    found = [f.message for _, f in lint_snippet(HEADER, body, ["unused-parameters"])]
+    assert bool(found) == reported, found
+    if reported:
+        assert "self.cls_token" in found[0] and "'mean'" in found[0]

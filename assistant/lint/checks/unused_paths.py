@@ -216,25 +216,44 @@ def built_flags(script: Script, cls: ast.ClassDef) -> dict[str, tuple[object, st
             isinstance(statement, ast.Assign)
             and len(statement.targets) == 1
             and (field := self_attribute(statement.targets[0]))
-            and isinstance(statement.value, ast.Name)
-            and statement.value.id in parameters
             and assignments_of(script, field) == 1
         ):
             continue
-        known, value, how = constructed_value(script, cls, init, statement.value.id)
+        parameter, entry = given_parameter(statement.value, parameters)
+        if parameter is None:
+            continue
+        known, value, how = constructed_value(script, cls, init, parameter, entry)
         if known:
             flags[f"self.{field}"] = (value, how)
     return flags
 
 
+def given_parameter(value: ast.expr, parameters: set[str]) -> tuple[str | None, str | None]:
+    """(parameter, entry) of what __init__ keeps: `mode` (the parameter itself) or
+    `cfg.pool` (an entry of a config object it is given); (None, None) otherwise."""
+    if isinstance(value, ast.Name) and value.id in parameters:
+        return value.id, None
+    if (
+        isinstance(value, ast.Attribute)
+        and isinstance(value.value, ast.Name)
+        and value.value.id in parameters
+    ):
+        return value.value.id, value.attr
+    return None, None
+
+
 def constructed_value(
-    script: Script, cls: ast.ClassDef, init: ast.FunctionDef, parameter: str
+    script: Script,
+    cls: ast.ClassDef,
+    init: ast.FunctionDef,
+    parameter: str,
+    entry: str | None = None,
 ) -> tuple[bool, object, str]:
     """(known, value, how) of what every construction of `cls` in the file gives
-    __init__'s `parameter` (built_value); unknown when there is none, when one
-    passes what the file does not say, or when two disagree."""
+    __init__'s `parameter` (or that argument's `entry`: built_value); unknown when
+    there is none, when one passes what the file does not say, or when two disagree."""
     built = [
-        built_value(script, init, call, parameter)
+        built_value(script, init, call, parameter, entry)
         for call, name in script.call_names
         if name == cls.name
     ]
@@ -258,14 +277,23 @@ def assignments_of(script: Script, field: str) -> int:
 
 
 def built_value(
-    script: Script, init: ast.FunctionDef, call: ast.Call, parameter: str
+    script: Script, init: ast.FunctionDef, call: ast.Call, parameter: str, entry: str | None
 ) -> tuple[bool, object, str]:
-    """(known, value, how) of what this construction gives __init__'s `parameter`."""
+    """(known, value, how) of what this construction gives __init__'s `parameter`,
+    or the `entry` of the config object it passes there (`Encoder(cfg)`: cfg.pool,
+    read as option_default reads an option)."""
     if any(isinstance(a, ast.Starred) for a in call.args) or any(
         k.arg is None for k in call.keywords
     ):
         return False, None, ""
     given = dict(bound_arguments(init, call, self_bound=True)).get(parameter)
+    if entry is not None:
+        if not isinstance(given, ast.Name | ast.Attribute):
+            return False, None, ""
+        given = ast.Attribute(value=given, attr=entry, ctx=ast.Load())
+        known, value = option_default(script, given)
+        how = f"line {call.lineno} passes {source_text(given)}, {value!r} unless the run sets it"
+        return known, value, how
     if given is None:
         defaults = constant_arguments(init, call, method=True)
         if parameter not in defaults:
