@@ -311,3 +311,39 @@ pl.Trainer(devices=DEVICES, strategy="ddp"SYNC).fit(Seg(), loader)
 def test_lightning_ddp_over_batchnorm_with_two_samples_per_gpu(devices, sync, reported):
     source = LIGHTNING_SEG.replace("DEVICES", devices).replace("SYNC", sync)
     assert [line for line, _ in lint_snippet("", source, ["batchnorm-not-synced"])] == reported
+
+
+KEPT_IN_EVAL = """
+class BEV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        r = torchvision.models.resnet50(weights="IMAGENET1K_V2")
+        self.backbone = nn.Sequential(r.conv1, r.bn1, r.relu, r.layer1)
+        self.head = nn.Conv2d(256, 2, 1)
+
+    def train(self, mode=True):
+        super().train(mode)
+        for m in self.backbone.modules():
+            if isinstance(m, KIND):
+                m.eval()
+        return self
+
+
+loader = DataLoader(ds, batch_size=2, shuffle=True)
+model = DDP(BEV().cuda())
+"""
+
+
+@pytest.mark.parametrize(
+    "kind, reported",
+    [
+        # blind set cl's 04, 09, 12 (and cj's 07): the BatchNorm layers kept in eval
+        # mode while the model trains use their running statistics, not the batch's
+        ("nn.BatchNorm2d", []),
+        ("(nn.BatchNorm1d, nn.BatchNorm2d)", []),
+        ("nn.modules.batchnorm._BatchNorm", []),
+        ("nn.Dropout", [18]),  # another layer kept in eval: the BatchNorm still trains
+    ],
+)
+def test_batch_norm_kept_in_eval_mode_while_training_needs_no_sync(kind, reported):
+    assert unsynced_lines(KEPT_IN_EVAL.replace("KIND", kind)) == reported

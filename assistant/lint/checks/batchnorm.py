@@ -124,6 +124,8 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
     if not loaders:
         yield from contrastive_without_sync(script)
         return
+    if keeps_batch_norm_in_eval_mode(script):
+        return
     loader, size = loaders[0]
     wrapped = ddp_over_plain_batchnorm(script)
     if wrapped is None:
@@ -140,6 +142,38 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
         "global batch; convert it before DDP: "
         "model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
     )
+
+
+def keeps_batch_norm_in_eval_mode(script: Script) -> bool:
+    """The file puts its BatchNorm layers in eval mode while the model trains
+    (`for m in self.backbone.modules(): if isinstance(m, nn.BatchNorm2d): m.eval()`,
+    mmdet's norm_eval): they normalise with their running statistics, not the
+    batch's, so how few samples a GPU holds does not move them."""
+    for node in script.nodes:
+        if not (
+            isinstance(node, ast.If)
+            and isinstance(node.test, ast.Call)
+            and script.name_of(node.test.func) == "isinstance"
+            and len(node.test.args) == 2
+            and isinstance(node.test.args[0], ast.Name)
+        ):
+            continue
+        kinds = node.test.args[1]
+        named = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]
+        if not any("BatchNorm" in short(source_text(kind)) for kind in named):
+            continue
+        layer = node.test.args[0].id
+        if any(
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "eval"
+            and isinstance(call.func.value, ast.Name)
+            and call.func.value.id == layer
+            for statement in node.body
+            for call in walk(statement)
+        ):
+            return True
+    return False
 
 
 def ddp_over_plain_batchnorm(script: Script) -> tuple[ast.Call, int] | None:
