@@ -5,8 +5,9 @@ checks that compare values stay quiet rather than guess."""
 from __future__ import annotations
 
 import ast
+import operator
 
-from assistant.lint.model import Script, keyword, short
+from assistant.lint.model import Script, keyword, short, source_text
 
 # How many hops (a name's one assignment, an argparse default) a value is followed:
 # `args.bs` -> `default=BATCH` -> `BATCH = 2`. A default that names itself
@@ -194,3 +195,69 @@ def literal_entry(script: Script, name: str, key: str, hops: int) -> tuple[bool,
         if isinstance(source, ast.Name):
             return literal_entry(script, source.id, key, hops - 1)
     return False, None
+
+
+# given[TEST_KEY + text of a test]: that test's truth (decide), whatever it reads.
+TEST_KEY = "test:"
+
+
+def decide(test: ast.expr, given: dict[str, object]) -> bool | None:
+    """The test's truth from the parameters' values (or given for the test itself,
+    under TEST_KEY and its text), None when they do not decide it."""
+    if TEST_KEY + source_text(test) in given:
+        return bool(given[TEST_KEY + source_text(test)])
+    if isinstance(test, ast.Name):
+        return bool(given[test.id]) if test.id in given else None
+    if isinstance(test, ast.Attribute | ast.Subscript):
+        key = source_text(test)  # a flag the model was built with (built_flags), an option
+        return bool(given[key]) if key in given else None
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = decide(test.operand, given)
+        return None if inner is None else not inner
+    if isinstance(test, ast.BoolOp):
+        parts = [decide(value, given) for value in test.values]
+        stop = isinstance(test.op, ast.Or)  # the value that settles an `or` (an `and`: False)
+        if stop in parts:
+            return stop
+        return None if None in parts else not stop
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and (compared := compared_key(test.left)) in given
+        and isinstance(test.comparators[0], ast.Constant)
+    ):
+        return compare(test.ops[0], given[compared], test.comparators[0].value)
+    return None
+
+
+def compared_key(left: ast.expr) -> str | None:
+    """What a comparison's left side is known by in `given`: a parameter's name, or
+    a flag the model was built with (`self.output_mode == "quantile"`), or an
+    option's text (`args.exist_weight`)."""
+    if isinstance(left, ast.Name):
+        return left.id
+    return source_text(left) if isinstance(left, ast.Attribute | ast.Subscript) else None
+
+
+def compare(op: ast.cmpop, left: object, right: object) -> bool | None:
+    if isinstance(op, ast.Eq):
+        return left == right
+    if isinstance(op, ast.NotEq):
+        return left != right
+    if isinstance(op, ast.Is):
+        return left is right
+    if isinstance(op, ast.IsNot):
+        return left is not right
+    if isinstance(op, ast.Gt | ast.GtE | ast.Lt | ast.LtE):
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (left, right)):
+            return None
+        return ORDERINGS[type(op)](left, right)
+    return None
+
+
+ORDERINGS = {
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+}

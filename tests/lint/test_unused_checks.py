@@ -790,3 +790,56 @@ def test_an_output_only_another_loop_keeps_is_left_out_of_this_loops_steps():
     )
     found = [f.line for f in lint_source(source) if f.cause_id == "unused-parameters"]
     assert found == [35, 41]  # and the auxiliary loop leaves lm_head out in turn
+
+
+# Blind set cm's 05: the auxiliary term joins the loss under a test of an option
+# whose default turns it off, in the step itself.
+WEIGHTED_HEAD_MODEL = """
+import argparse
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.cls = nn.Linear(4, 3)
+        self.exist = nn.Linear(4, 2)
+    def forward(self, x):
+        f = self.body(x)
+        return self.cls(f), self.exist(f)
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--exist-weight", type=float, default={default})
+args = ap.parse_args()
+model = DDP(Net(){options})
+for x, y, exist in loader:
+    cls_out, exist_out = model(x)
+    loss = F.cross_entropy(cls_out, y)
+    if {test}:
+        loss = loss + args.exist_weight * F.binary_cross_entropy_with_logits(exist_out, exist)
+    loss.backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("default", "test", "options", "reported"),
+    [
+        ("0.0", "args.exist_weight > 0", "", [21]),
+        ("0", "args.exist_weight", "", [21]),
+        ("0.0", "not args.exist_weight <= 0", "", [21]),
+        # on by default, allowed, or a test the default does not decide
+        ("0.1", "args.exist_weight > 0", "", []),
+        ("0.0", "args.exist_weight > 0", ", find_unused_parameters=True", []),
+        ("None", "args.exist_weight is not None and args.exist_weight > 0", "", [21]),
+        # a test the batch decides too: some steps leave it out (the per-step reading)
+        ("0.0", "args.exist_weight > 0 or exist.any()", "", [21]),
+    ],
+)
+def test_a_head_an_option_gate_in_the_step_leaves_out_by_default(default, test, options, reported):
+    body = (
+        WEIGHTED_HEAD_MODEL.replace("{default}", default)
+        .replace("{test}", test)
+        .replace("{options}", options)
+    )
+    found = lint_snippet(HEADER, "import torch.nn.functional as F\n" + body, ["unused-parameters"])
+    assert [line for line, _ in found] == reported
+    if reported:
+        assert "args.exist_weight" in found[0][1].message and "self.exist" in found[0][1].message

@@ -50,7 +50,7 @@ from assistant.lint.model import (
 )
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
-from assistant.lint.values import option_default
+from assistant.lint.values import decide, option_default
 from assistant.results import Finding
 
 
@@ -438,6 +438,11 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                     if left_out is not None and left_out[0].lineno not in reported:
                         reported.add(left_out[0].lineno)
                         yield default_option_finding(script, target.id, only_here, ddp, *left_out)
+                        continue
+                    off = gate_off_by_default(script, target.id, nodes, assign)
+                    if off is not None and off[0].lineno not in reported:
+                        reported.add(off[0].lineno)
+                        yield default_gate_finding(script, target.id, only_here, ddp, *off)
                     continue
                 if gate.lineno in reported:
                     continue
@@ -733,6 +738,55 @@ def left_out_by_the_default_option(
         return None
     option, value = options[walk.decided[1]]
     return walk.decided[0], option, value, function
+
+
+def gate_off_by_default(
+    script: Script, name: str, nodes: list[ast.AST], assign: ast.AST
+) -> tuple[ast.If, dict[str, object]] | None:
+    """`if args.exist_weight > 0: loss = loss + ... exist_out ...` in the step, every
+    later read of `name` under it, and the options it tests (argparse defaults, a
+    config's) make it false when the run leaves them: with the defaults the output
+    never reaches the loss. The `if` and the options it read."""
+    reads = reads_after(name, nodes, assign)
+    if not reads:
+        return None
+    gates = [n for n in nodes if isinstance(n, ast.If) and not encloses(n, assign)]
+    inside = {id(n): gate for gate in gates for s in gate.body for n in walk(s)}
+    if any(id(read) not in inside for read in reads):
+        return None
+    gate = inside[id(reads[0])]
+    if any(inside.get(id(read)) is not gate for read in reads):
+        return None
+    options: dict[str, object] = {}
+    for node in walk(gate.test):
+        if isinstance(node, ast.Attribute | ast.Subscript):
+            known, value = option_default(script, node)
+            if known:
+                options[source_text(node)] = value
+    if not options or decide(gate.test, options) is not False:
+        return None
+    return gate, options
+
+
+def default_gate_finding(
+    script: Script,
+    name: str,
+    only_here: list[str],
+    ddp: ast.Call,
+    gate: ast.If,
+    options: dict[str, object],
+) -> Finding:
+    shown = ", ".join(f"self.{member}" for member in only_here[:3])
+    defaults = ", ".join(f"{option}={value!r}" for option, value in options.items())
+    return script.finding(
+        "unused-parameters",
+        gate,
+        f"with the defaults ({defaults}) `{source_text(gate.test)}` is false, so {name} (the "
+        f"output of forward that alone runs {shown}) never reaches the loss: those parameters "
+        f"get no gradient, and DDP (line {ddp.lineno}) expects one for every parameter each "
+        'step and fails with "Expected to have finished reduction in the prior iteration"; '
+        "build the head only when its term is on, or pass find_unused_parameters=True",
+    )
 
 
 class DefaultPath:

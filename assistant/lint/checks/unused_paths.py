@@ -49,7 +49,7 @@ from assistant.lint.model import (
 )
 from assistant.lint.registry import check
 from assistant.lint.tracer import constant_arguments
-from assistant.lint.values import option_default
+from assistant.lint.values import TEST_KEY, decide, option_default
 from assistant.results import Finding
 
 # Layers built without parameters: leaving one out costs DDP nothing.
@@ -438,8 +438,6 @@ def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
     return found
 
 
-# given[TEST_KEY + text of a test]: that test's truth (decide), whatever it reads.
-TEST_KEY = "test:"
 # What counts a batch's items: `len(boxes)`, `masks.numel()`, `targets.shape[0]`,
 # `sum(b.shape[0] for b in boxes)`, `mask.any()`.
 SIZE_READS = frozenset({"len", "numel", "nelement", "size", "sum", "any", "count_nonzero"})
@@ -549,55 +547,6 @@ def fields_in(node: ast.AST, given: dict[str, object]) -> set[str]:
             found.add(member)
         pending.extend(children(current))
     return found
-
-
-def decide(test: ast.expr, given: dict[str, object]) -> bool | None:
-    """The test's truth from the parameters' values (or given for the test itself,
-    under TEST_KEY and its text), None when they do not decide it."""
-    if TEST_KEY + source_text(test) in given:
-        return bool(given[TEST_KEY + source_text(test)])
-    if isinstance(test, ast.Name):
-        return bool(given[test.id]) if test.id in given else None
-    if self_attribute(test):
-        key = source_text(test)  # a flag the model was built with (built_flags)
-        return bool(given[key]) if key in given else None
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = decide(test.operand, given)
-        return None if inner is None else not inner
-    if isinstance(test, ast.BoolOp):
-        parts = [decide(value, given) for value in test.values]
-        stop = isinstance(test.op, ast.Or)  # the value that settles an `or` (an `and`: False)
-        if stop in parts:
-            return stop
-        return None if None in parts else not stop
-    if (
-        isinstance(test, ast.Compare)
-        and len(test.ops) == 1
-        and (compared := compared_key(test.left)) in given
-        and isinstance(test.comparators[0], ast.Constant)
-    ):
-        return compare(test.ops[0], given[compared], test.comparators[0].value)
-    return None
-
-
-def compared_key(left: ast.expr) -> str | None:
-    """What a comparison's left side is known by in `given`: a parameter's name, or
-    a flag the model was built with (`self.output_mode == "quantile"`)."""
-    if isinstance(left, ast.Name):
-        return left.id
-    return source_text(left) if self_attribute(left) else None
-
-
-def compare(op: ast.cmpop, left: object, right: object) -> bool | None:
-    if isinstance(op, ast.Eq):
-        return left == right
-    if isinstance(op, ast.NotEq):
-        return left != right
-    if isinstance(op, ast.Is):
-        return left is right
-    if isinstance(op, ast.IsNot):
-        return left is not right
-    return None
 
 
 # Hugging Face base models built with a pooler (a dense layer over the first
