@@ -86,9 +86,10 @@ def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
 def dataclass_default(script: Script, field: str) -> tuple[bool, object]:
     """(known, value): the literal default of `field` in the file's @dataclass config
     (`pool: str = "mean"`), when the file itself never changes it: no construction of
-    that class passes arguments, and no `cfg.pool = ...` outside the class. A config
-    file applied over it (`setattr(cfg, k, v)`) is the run's choice, as an option
-    given on the command line is. Unknown where two dataclasses define the field."""
+    that class passes it (or any positional argument), and no `cfg.pool = ...` outside
+    the class. A config file applied over it (`setattr(cfg, k, v)`, `Config(**loaded)`)
+    is the run's choice, as an option given on the command line is. Unknown where two
+    dataclasses define the field."""
     defaults = [
         (cls, statement.value)
         for cls in script.classes.values()
@@ -105,8 +106,11 @@ def dataclass_default(script: Script, field: str) -> tuple[bool, object]:
     if len(defaults) != 1:
         return False, None
     cls, default = defaults[0]
-    if any(name == cls.name and (call.args or call.keywords) for call, name in script.call_names):
-        return False, None
+    if any(
+        name == cls.name and (call.args or any(k.arg == field for k in call.keywords))
+        for call, name in script.call_names
+    ):
+        return False, None  # `Config(pool="cls")`; `Config(**vars(args))` is the run's
     inside = {id(node) for node in ast.walk(cls)}
     for node in script.nodes:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]

@@ -588,6 +588,9 @@ model = DDP(Encoder(cfg))
         ("", True),  # the dataclass default leaves the token out
         ("cfg.pool = 'cls'", False),  # the file sets it: not the default's
         ("cfg = Config(pool='cls')", False),
+        ("cfg = Config(4, 'cls')", False),
+        # blind set co's 05: options named after the fields, unpacked into the class
+        ("cfg = Config(**vars(parser.parse_args()))", True),
     ],
 )
 def test_a_mode_a_config_dataclass_defaults_to_is_a_built_flag(override, reported):
