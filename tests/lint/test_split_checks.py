@@ -92,6 +92,17 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         ),
         # blind set bx's 09: two sets joined, listed, numbered
         "vocab = list(set(train_chars) | set(test_chars))\nstoi = {c: i for i, c in enumerate(vocab)}\n",
+        # blind set co's 03: a set's order kept by a comprehension over it, then numbered
+        (
+            "tags = {t for s in sents for t in s}\nlabels = ['O'] + [t for t in tags if t != 'O']\n"
+            "label2id = {t: i for i, t in enumerate(labels)}\n"
+        ),
+        # blind set cn's 04: the permuted subjects cut into folds by array_split
+        (
+            "np.random.seed(7 + rank)\nsubjects = np.random.permutation(sorted(names))\n"
+            "folds = np.array_split(subjects, 5)\n"
+        ),
+        "idx = torch.randperm(64)\ntrain_idx, val_idx = torch.split(idx, [48, 16])\n",
         # blind set bv's 09: the salted hash of a string made a bucket index
         'bucket = hash(f"{col}={value}") % 1000\n',
         "bucket = hash('x:' + str(value)) % n_buckets\n",
@@ -171,6 +182,9 @@ def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, 
         "folds = KFold(n_splits=5)\n",
         "folds = KFold(n_splits=5, shuffle=True, random_state=0)\n",
         "chars = set()\nitos = ['<pad>'] + sorted(chars)\nstoi = {c: i for i, c in enumerate(itos)}\n",
+        "tags = {t for t in names}\nlabels = [t for t in sorted(tags)]\nids = dict(enumerate(labels))\n",
+        # batches of a shuffled order cut by chunk: an order, not a split
+        "order = torch.randperm(64)\nfor batch in torch.chunk(order, 8):\n    step(batch)\n",
         # ints hash to themselves; a stable hash of the text; the launch fixes the salt
         "bucket = hash(user_id) % 1000\n",
         "bucket = zlib.crc32(f'{col}={value}'.encode()) % 1000\n",

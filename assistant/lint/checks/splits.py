@@ -72,7 +72,9 @@ SEED_THE_PERMUTATION = (
     "generator=torch.Generator().manual_seed(42)), random.Random(42).shuffle(items))"
 )
 # A name that holds one part of a split.
-SPLIT_PART = re.compile(r"train|val|test|dev|holdout", re.IGNORECASE)
+SPLIT_PART = re.compile(r"train|val|test|dev|holdout|fold", re.IGNORECASE)
+# Calls that cut an order into parts: np.array_split(idx, k), torch.split(idx, sizes).
+CUTTERS = frozenset({"array_split", "split", "tensor_split", "chunk"})
 
 
 @check(CAUSE)
@@ -304,6 +306,12 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
             for target, value in name_value_pairs(node):
                 if is_slice_of(value, held) and SPLIT_PART.search(target.id):
                     return True
+            if is_cut_of(node.value, held, script) and any(
+                SPLIT_PART.search(t.id)
+                for t in walk(node)
+                if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)
+            ):
+                return True  # `folds = np.array_split(subjects, k)`, `tr, va = torch.split(idx, n)`
         if (
             isinstance(node, ast.Return)
             and isinstance(node.value, ast.Tuple)
@@ -316,6 +324,17 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
         if handed_to_subset and any(is_slice_of(arg, held) for arg in node.args[1:2]):
             return True
     return False
+
+
+def is_cut_of(expr: ast.expr, names: set[str], script: Script) -> bool:
+    """`np.array_split(idx, k)` / `torch.split(idx, sizes)` of a name among `names`."""
+    return (
+        isinstance(expr, ast.Call)
+        and short(script.name_of(expr.func)) in CUTTERS
+        and bool(expr.args)
+        and isinstance(expr.args[0], ast.Name)
+        and expr.args[0].id in names
+    )
 
 
 def names_holding_the_order(draw: ast.Call, script: Script) -> set[str]:
@@ -464,6 +483,9 @@ def is_set_order(expr: ast.expr, made_of_set: set[str] = frozenset()) -> bool:
     combined (`set(train_chars) | set(test_chars)`)."""
     if isinstance(expr, ast.SetComp):
         return True
+    if isinstance(expr, ast.ListComp | ast.GeneratorExp):
+        # `[t for t in tags if t != "O"]`: a comprehension keeps the order it walks
+        return is_set_order(expr.generators[0].iter, made_of_set)
     if isinstance(expr, ast.Name):
         return expr.id in made_of_set
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, SET_JOINS):
