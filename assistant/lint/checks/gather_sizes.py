@@ -358,6 +358,7 @@ def content_sized_step(
                 or is_mask_selection(values, node)
                 or is_rank_stride(script, node)
                 or is_clipped_rank_block(script, values, node)
+                or returns_a_rank_share(script, node)
             ):
                 return node
             if dropping_collate(script, node) is not None:
@@ -487,6 +488,25 @@ def is_rank_stride(script: Script, node: ast.AST) -> bool:
         return False
     lower, step = node.slice.lower, node.slice.step
     return lower is not None and step is not None and is_rank_expr(lower, script)
+
+
+def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
+    """A call of the file's own function that returns this rank's strided share or
+    clipped block (`def shard(n, rank, world): return np.arange(n)[rank::world]`)."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return False
+    function = script.functions.get(node.func.id)
+    if function is None:
+        return False
+    nodes = list(own_nodes(function))
+    values = scope_values(nodes)
+    return any(
+        is_rank_stride(script, part) or is_clipped_rank_block(script, values, part)
+        for returned in nodes
+        if isinstance(returned, ast.Return) and returned.value is not None
+        for value in origin(values, returned.value)
+        for part in walk(value)
+    )
 
 
 def is_clipped_rank_block(script: Script, values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
