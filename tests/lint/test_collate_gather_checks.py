@@ -121,3 +121,38 @@ STACKED_LOSS = GATHER.replace("torch.cat(bufs, dim=0)", "torch.stack(bufs).mean(
 )
 def test_quiet_when_the_rows_agree_or_the_sizes_are_exchanged(collate, gather):
     assert findings(collate, gather) == []
+
+
+PADDED_QA = """
+from transformers import AutoModelForQuestionAnswering, DataCollatorWithPadding
+
+
+def evaluate(model, ds, tokenizer):
+    collator = DataCollatorWithPadding(tokenizer)
+    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds), collate_fn=collator)
+    for batch in loader:
+        out = model(**batch)
+        start = out.OUTPUT.contiguous()
+        bufs = [torch.zeros_like(start) for _ in range(world)]
+        dist.all_gather(bufs, start)
+"""
+
+
+@pytest.mark.parametrize(
+    "output, gathered, reported",
+    [
+        # blind set co's 01: per-token logits of a batch padded to its own longest
+        # sequence: each rank's batch has its own length
+        ("start_logits", "start", [12]),
+        ("end_logits", "start", [12]),
+        ("last_hidden_state", "start", [12]),
+        # one value per sample: the same shape on every rank
+        ("start_logits.argmax(-1)", "start", []),
+        ("pooler_output", "start", []),
+    ],
+)
+def test_per_token_outputs_of_a_batch_padded_to_its_longest_differ_in_length(
+    output, gathered, reported
+):
+    body = PADDED_QA.replace("OUTPUT", output)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, {CAUSE})] == reported

@@ -347,6 +347,10 @@ def content_sized_step(
     """The step in the tensor's making whose size depends on the data."""
     batches = loader_batches(values)
     lengths_differ = pads_to_the_longest(script) and gathered_per_batch(values, tensor, batches)
+    if pads_to_the_longest(script) and batches:
+        token_output = per_token_output_per_batch(values, tensor, batches)
+        if token_output is not None:
+            return token_output  # (batch, its longest sequence) of start_logits
     for value in origin(values, tensor):
         for node in equal_share_walk(values, value):
             if is_batch_field(node, batches):
@@ -391,6 +395,30 @@ def gathered_per_batch(
         for value in origin(values, tensor, concatenated)
         for node in walk_until(value, concatenated)
     )
+
+
+# A model's outputs with one row per token: as long as the batch's longest sequence.
+PER_TOKEN_OUTPUTS = frozenset({"start_logits", "end_logits", "last_hidden_state"})
+
+
+def per_token_output_per_batch(
+    values: dict[str, list[ast.expr]], tensor: ast.expr, batches: set[str]
+) -> ast.expr | None:
+    """`out.start_logits` (row-keeping calls around it aside) of a model run on a
+    loader's batch, reaching the tensor batch by batch: a QA model's span logits or
+    an encoder's token states, shaped (batch, the batch's longest sequence)."""
+
+    def concatenated(node: ast.AST) -> bool:
+        return isinstance(node, ast.Call) and called_name(node) in CONCATENATIONS
+
+    found = None
+    reads_a_batch = False
+    for value in origin(values, tensor, concatenated):
+        kept = unmoved(value, ROW_KEEPING_METHODS)
+        if found is None and isinstance(kept, ast.Attribute) and kept.attr in PER_TOKEN_OUTPUTS:
+            found = kept
+        reads_a_batch |= bool(names_in(value) & batches)
+    return found if reads_a_batch else None
 
 
 LOADER_NAME = re.compile(r"loader|(?<![a-z])dl(?![a-z])", re.IGNORECASE)
