@@ -70,8 +70,20 @@ def test_a_clipped_or_stretched_block_makes_the_gathered_rows_rank_sized(block):
                 "    gathered = [",
             ),
         ),
+        # blind set cq's 08: the sizes exchanged as objects, the pad a named difference
+        (
+            "part = Subset(test_ds, range(rank * per, min(n, (rank + 1) * per)))",
+            BODY.replace(
+                "    gathered = [",
+                "    sizes = [None] * world\n"
+                "    dist.all_gather_object(sizes, preds.size(0))\n"
+                "    pad = max(sizes) - preds.size(0)\n"
+                "    preds = torch.nn.functional.pad(preds, (0, 0, 0, pad))\n"
+                "    gathered = [",
+            ),
+        ),
     ],
-    ids=["even blocks", "sizes exchanged first"],
+    ids=["even blocks", "sizes exchanged first", "sizes exchanged as objects"],
 )
 def test_even_blocks_or_exchanged_sizes_are_quiet(block, body):
     assert reported(block, body) == []

@@ -92,8 +92,14 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
         for node in nodes:
             if not isinstance(node, ast.Call) or not is_dist_call(
                 script.name_of(node.func),
-                frozenset({"all_gather", "all_reduce", "all_gather_into_tensor"}),
+                frozenset(
+                    {"all_gather", "all_reduce", "all_gather_into_tensor", "all_gather_object"}
+                ),
             ):
+                continue
+            if short(script.name_of(node.func)) == "all_gather_object":
+                # all_gather_object(sizes, x.size(0)): the sizes exchanged as objects
+                sizes_exchanged |= any(reads_own_size(a) for a in node.args[1:2])
                 continue
             if short(script.name_of(node.func)) != "all_gather" or len(node.args) < 2:
                 sizes_exchanged |= any(reads_size(values, a) for a in node.args[:2])
