@@ -63,6 +63,9 @@ FLAGGED = {
     "size_chosen_in_a_rank_branch": (
         "if rank == 0:\n    n = 10\nelse:\n    n = 5\nt = torch.zeros(n)\ndist.all_reduce(t)"
     ),
+    "rows_unpacked_from_a_rank_shaped_tensor": (
+        "t = torch.zeros(rank + 1, 4)\nn, d = t.shape\nu = torch.ones(n, d)\ndist.all_reduce(u)"
+    ),
     "size_read_from_a_rank_shaped_tensor": (
         "t = torch.zeros(rank + 1)\nu = torch.ones(t.numel())\ndist.all_reduce(u)"
     ),
@@ -131,6 +134,13 @@ SILENT = {
     "a_size_chosen_by_rank_then_broadcast": (
         "if rank == 0:\n    n = 10\nelse:\n    n = 0\nsize = torch.tensor([n])\n"
         "dist.broadcast(size, 0)\nbuf = torch.empty(int(size.item()))\ndist.broadcast(buf, 0)"
+    ),
+    # blind set cs's 11: feature sizes unpacked from a shard's batch are the model's
+    "feature_sizes_unpacked_from_a_shape": (
+        "shard = range(rank, 64, world_size)\nfor i in shard:\n    e = x[i]\n"
+        "    b, d, h, w = e.shape\n    s = torch.zeros(h * w, d)\n"
+        "    c, k = e.size()\n    u = torch.zeros(k)\n"
+        "dist.all_reduce(s)\ndist.all_reduce(u)"
     ),
     "object_collectives_pickle_any_size": (
         "obj = list(range(rank))\nout = [None] * world_size\ndist.all_gather_object(out, obj)"
@@ -408,3 +418,39 @@ def test_a_group_only_some_ranks_create_is_reported(body, reported):
     )
     found = [f.line - 3 for f in lint_source(source) if f.cause_id == "collective-mismatch"]
     assert found == reported
+
+
+@pytest.mark.parametrize(
+    "returned, reported",
+    [
+        # blind set cs's 12: what a helper returns from the buffers it gathered into is
+        # every rank's, the same everywhere
+        ("torch.cat([o[:s] for o, s in zip(out, sizes)])", False),
+        ("padded", True),  # this rank's own padded rows
+    ],
+)
+def test_what_a_helper_returns_from_its_gathered_buffers_is_the_same_on_every_rank(
+    returned, reported
+) -> None:
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        "def gather_varlen(t):\n"
+        "    world = dist.get_world_size()\n"
+        "    n = torch.tensor([t.shape[0]])\n"
+        "    sizes = [torch.zeros_like(n) for _ in range(world)]\n"
+        "    dist.all_gather(sizes, n)\n"
+        "    sizes = [int(s.item()) for s in sizes]\n"
+        "    padded = torch.zeros((max(sizes),) + tuple(t.shape[1:]))\n"
+        "    padded[: t.shape[0]] = t\n"
+        "    out = [torch.empty_like(padded) for _ in range(world)]\n"
+        "    dist.all_gather(out, padded)\n"
+        f"    return {returned}\n"
+        "dist.init_process_group('gloo')\nrank = dist.get_rank()\n"
+        "mine = list(range(rank, 10, dist.get_world_size()))\n"
+        "feats = gather_varlen(torch.randn(len(mine), 4))\n"
+        "k = max(1, int(0.1 * len(feats)))\n"
+        "sel = torch.randperm(len(feats))[:k] if rank == 0 else torch.empty(k, dtype=torch.long)\n"
+        "dist.broadcast(sel, src=0)\n"
+    )
+    found = [f.cause_id for f in lint_source(source) if f.cause_id == "collective-mismatch"]
+    assert bool(found) == reported, found

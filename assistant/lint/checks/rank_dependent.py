@@ -312,6 +312,12 @@ def assigned_pairs(
             each_value.elts
         ):
             pending.extend(zip(each_target.elts, each_value.elts, strict=True))
+        elif (shape := shape_of(each_value)) is not None:
+            # `b, d, h, w = e.shape`: each name its own dimension (reads_a_feature_size)
+            pending.extend(
+                (element, ast.copy_location(element_of(shape, position), each_value))
+                for position, element in enumerate(each_target.elts)
+            )
         elif script is not None and returns_tuples_of(script, each_value, len(each_target.elts)):
             pending.extend(
                 (element, ast.copy_location(element_of(each_value, position), each_value))
@@ -320,6 +326,20 @@ def assigned_pairs(
         else:
             pairs.extend((name, each_value) for name in unpacked(each_target))
     return pairs
+
+
+def shape_of(value: ast.expr) -> ast.Attribute | None:
+    """`e.shape` of `e.shape` or `e.size()`, the tuple of e's dimensions."""
+    if isinstance(value, ast.Attribute) and value.attr == "shape":
+        return value
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr == "size"
+        and not value.args
+    ):
+        return ast.Attribute(value=value.func.value, attr="shape", ctx=ast.Load())
+    return None
 
 
 def returns_tuples_of(script: Script, value: ast.expr, size: int) -> bool:
@@ -667,6 +687,9 @@ def parameters_returned(
         elif isinstance(node, ast.withitem) and node.optional_vars is not None:
             for name in (n.id for n in walk(node.optional_vars) if isinstance(n, ast.Name)):
                 sources.setdefault(name, []).append(node.context_expr)
+    # What a collective wrote (the buffers all_gather filled) is every rank's alike:
+    # its values before the collective do not reach the return.
+    collected = received_buffers(function)
     reached: set[str] = set()
     pending = [n.value for n in walk(function) if isinstance(n, ast.Return) and n.value]
     if position is not None:
@@ -675,8 +698,26 @@ def parameters_returned(
         for node in walk(pending.pop()):
             if isinstance(node, ast.Name) and node.id not in reached:
                 reached.add(node.id)
-                pending.extend(sources.get(node.id, []))
-    return reached
+                if node.id not in collected:
+                    pending.extend(sources.get(node.id, []))
+    return reached - collected
+
+
+# Collectives that fill their first argument with what every rank sent.
+GATHERING = frozenset({"all_gather", "all_gather_object", "all_gather_into_tensor"})
+
+
+def received_buffers(function: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names a gathering collective in the function fills (`dist.all_gather(out, x)`: out)."""
+    return {
+        node.args[0].id
+        for node in walk(function)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute | ast.Name)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) in GATHERING
+        and node.args
+        and isinstance(node.args[0], ast.Name)
+    }
 
 
 def reads_a_feature_size(node: ast.AST) -> bool:
