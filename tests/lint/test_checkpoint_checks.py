@@ -87,6 +87,28 @@ def test_a_path_that_names_the_rank_is_one_file_per_rank():
     assert found == []
 
 
+@pytest.mark.parametrize(
+    "owned, reported",
+    [
+        # blind set cr's 13: one file per object of this rank's share
+        ("all_objs[rank::world]", False),
+        ("all_objs[rank * 4 : (rank + 1) * 4]", False),
+        ("all_objs", True),  # every rank writes every object's file
+    ],
+)
+def test_a_file_per_item_of_this_ranks_share_is_the_ranks_own(owned, reported):
+    found = findings(
+        f"""
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        my_objs = {owned}
+        for k, o in enumerate(my_objs):
+            torch.save(planes[k], os.path.join(out, f"{{o}}.pt"))
+        """
+    )
+    assert bool(found) == reported, found
+
+
 def test_one_process_in_the_group_has_nothing_to_race():
     found = findings(
         """

@@ -32,6 +32,7 @@ from assistant.lint.checks.collective_reach import statement_blocks
 from assistant.lint.model import (
     Script,
     bound_arguments,
+    enclosing_loop,
     keyword,
     parameter_names,
     short,
@@ -394,6 +395,7 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
     found: list[ast.expr] = [target]
     frontier: list[ast.expr] = [target]
     seen: set[str] = set()
+    walked = iterated_around(script, target)
     for _ in range(MAX_HOPS):
         names = {
             source_text(node)
@@ -405,7 +407,11 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
         frontier = [
             value
             for name in sorted(names)
-            for value in [*script.assigned_values.get(name, []), *passed_for(script, name)]
+            for value in [
+                *script.assigned_values.get(name, []),
+                *passed_for(script, name),
+                *walked.get(name, []),
+            ]
             if builds_a_path(script, value)
         ][:MAX_PATH_VALUES]
         found += frontier
@@ -414,6 +420,34 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
 
 # How many values a path is followed into: a name assigned in many places is no path's.
 MAX_PATH_VALUES = 32
+# Built-ins a loop's iterable goes through and keeps its items: `enumerate(objs)`.
+ITEM_KEEPING = frozenset({"enumerate", "sorted", "list", "tuple", "reversed"})
+
+
+def iterated_around(script: Script, node: ast.AST) -> dict[str, list[ast.expr]]:
+    """What the loops around `node` walk, by the names they bind (`for k, o in
+    enumerate(my_objs)`: o walks my_objs): a file named after each item is as shared
+    as the list the items come from. Only the loops around it: another function's
+    loop over another list may bind the same name."""
+    walked: dict[str, list[ast.expr]] = {}
+    loop = enclosing_loop(node, script.parents)
+    while loop is not None:
+        if isinstance(loop, ast.For):
+            items = loop.iter
+            while (
+                isinstance(items, ast.Call)
+                and isinstance(items.func, ast.Name)
+                and items.func.id in ITEM_KEEPING
+                and items.args
+            ):
+                items = items.args[0]
+            for bound in walk(loop.target):
+                if isinstance(bound, ast.Name):
+                    walked.setdefault(bound.id, []).append(items)
+        loop = enclosing_loop(loop, script.parents)
+    return walked
+
+
 # Calls that build a path or a name from their arguments.
 PATH_CALLS = frozenset(
     {"join", "Path", "format", "str", "joinpath", "with_suffix", "abspath", "expanduser"}
@@ -421,12 +455,15 @@ PATH_CALLS = frozenset(
 
 
 def builds_a_path(script: Script, value: ast.expr) -> bool:
-    """A value a path is made of: text, a name, `a + b`, an f-string, os.path.join(...);
-    not `ckpt["iter"]` of a loaded checkpoint nor another call's result, whose
-    arguments (a map_location naming the local rank) say nothing of the file name."""
+    """A value a path is made of: text, a name, `a + b`, an f-string, os.path.join(...),
+    a slice of a list of names (`objs[rank::world]`); not `ckpt["iter"]` of a loaded
+    checkpoint nor another call's result, whose arguments (a map_location naming the
+    local rank) say nothing of the file name."""
     if isinstance(value, ast.Call):
         # an in-memory buffer too (`buffer = io.BytesIO()`): shared_file reads it as one
         return short(script.name_of(value.func)) in PATH_CALLS | IN_MEMORY
+    if isinstance(value, ast.Subscript):
+        return isinstance(value.slice, ast.Slice)
     return isinstance(value, ast.Constant | ast.Name | ast.Attribute | ast.BinOp | ast.JoinedStr)
 
 
