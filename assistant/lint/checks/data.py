@@ -592,6 +592,59 @@ def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
     ]
 
 
+def expands_each_item(init: ast.FunctionDef, parameter: str) -> bool:
+    """__init__ walks `parameter` with a loop whose body runs a loop of its own that
+    collects (append / extend / +=): each item becomes as many samples as it holds."""
+    for loop in walk(init):
+        if not (
+            isinstance(loop, ast.For)
+            and parameter in {n.id for n in walk(loop.iter) if isinstance(n, ast.Name)}
+        ):
+            continue
+        for inner in (n for statement in loop.body for n in walk(statement)):
+            if isinstance(inner, ast.For | ast.comprehension) and collects(inner):
+                return True
+    return False
+
+
+def collects(loop: ast.AST) -> bool:
+    """The loop (or comprehension) adds to a collection: `.append`, `.extend`, `+=`."""
+    if isinstance(loop, ast.comprehension):
+        return True
+    return any(
+        (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("append", "extend")
+        )
+        or isinstance(n, ast.AugAssign)
+        for statement in loop.body
+        for n in walk(statement)
+    )
+
+
+def kept_parameter(init: ast.FunctionDef, field: str) -> str | None:
+    """The __init__ parameter `self.<field>` is set to (`self.n = n`, `self.a, self.n = a, n`)."""
+    parameters = {a.arg for a in init.args.args[1:]}
+    for node in walk(init):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = (
+                zip(target.elts, node.value.elts, strict=False)
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                else [(target, node.value)]
+            )
+            for each_target, each_value in pairs:
+                if (
+                    self_attribute(each_target) == field
+                    and isinstance(each_value, ast.Name)
+                    and each_value.id in parameters
+                ):
+                    return each_value.id
+    return None
+
+
 @check("uneven-inputs")
 def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]:
     """A training DataLoader over the files (or episodes, videos) this rank takes (`files[rank::world]`):
@@ -625,7 +678,7 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
             )
             continue
         split = data.files_split_by_rank(dataset)
-        if split is None:
+        if split is None or data.length_fixed_by_the_run(dataset):
             continue
         yield script.finding(
             "uneven-inputs",
@@ -1151,8 +1204,10 @@ class DataFlow:
 
     def files_split_by_rank(self, dataset: ast.expr) -> ast.Subscript | None:
         """`files[rank::world]` in the dataset's making, where `files` is a list of
-        files (glob, listdir, a name with "file" or "shard" in it)."""
-        for value in self.origin(dataset):
+        files (glob, listdir, a name with "file" or "shard" in it), or a list whose
+        items a dataset class of the file expands into samples of their own number."""
+        origin = self.origin(dataset)
+        for value in origin:
             for node in walk(value):
                 if (
                     isinstance(node, ast.Subscript)
@@ -1160,10 +1215,69 @@ class DataFlow:
                     and node.slice.step is not None
                     and node.slice.lower is not None
                     and self.value_reads_rank(node.slice.lower)
-                    and self.lists_files(node.value)
+                    and (self.lists_files(node.value) or self.expanded(origin, node))
                 ):
                     return node
         return None
+
+    def expanded(self, origin: list[ast.expr], share: ast.Subscript) -> bool:
+        """A dataset class of the file built from the share (or a name holding it) whose
+        __init__ walks that parameter and, for each item, a loop of its own that collects
+        samples (`for o in objs: for frame in meta["frames"]: self.items.append(...)`):
+        each item holds as many samples as its own data."""
+        held = {
+            target.id
+            for node in self.script.nodes
+            if isinstance(node, ast.Assign) and node.value is share
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        for value in origin:
+            for call in walk(value):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                    continue
+                init = self.script.functions.get(f"{call.func.id}.__init__")
+                if init is None:
+                    continue
+                given = {
+                    parameter
+                    for parameter, argument in bound_arguments(init, call, self_bound=True)
+                    if argument is share or (isinstance(argument, ast.Name) and argument.id in held)
+                }
+                if any(expands_each_item(init, parameter) for parameter in given if parameter):
+                    return True
+        return False
+
+    def length_fixed_by_the_run(self, dataset: ast.expr) -> bool:
+        """A dataset class of the file whose __len__ returns a field its __init__ keeps
+        from a parameter the construction gives a count that reads no data (`n =
+        args.steps * args.batch`): as many samples on every rank, whatever its share."""
+        for value in self.origin(dataset):
+            for call in walk(value):
+                if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+                    continue
+                init = self.script.functions.get(f"{call.func.id}.__init__")
+                length = self.script.functions.get(f"{call.func.id}.__len__")
+                if init is None or length is None:
+                    continue
+                returned = [n.value for n in walk(length) if isinstance(n, ast.Return)]
+                if len(returned) != 1 or (field := self_attribute(returned[0])) is None:
+                    continue
+                kept = kept_parameter(init, field)
+                arguments = dict(bound_arguments(init, call, self_bound=True))
+                if kept is not None and kept in arguments and self.is_a_count(arguments[kept]):
+                    return True
+        return False
+
+    def is_a_count(self, expr: ast.expr) -> bool:
+        """A number the run sets, not one read off data: constants, options, their
+        arithmetic (`args.steps_per_epoch * args.batch`), names the file gives such
+        values; no call (len(), a loader) nor an item read off a container."""
+        bases = {id(n.value) for n in walk(expr) if isinstance(n, ast.Attribute)}
+        named = {n.id for n in walk(expr) if isinstance(n, ast.Name) and id(n) not in bases}
+        values = [expr]  # `args.steps`: an option; `n_rows`: what the file gives it
+        values += [v for name in sorted(named) for v in self.script.assigned_values.get(name, [])]
+        return not any(isinstance(n, ast.Call | ast.Subscript) for v in values for n in walk(v))
 
     def shard_repacked(self, dataset: ast.expr) -> tuple[ast.Call, ast.Call] | None:
         """(the `.shard(num_shards=world, index=rank)` call, the batched `.map` or the

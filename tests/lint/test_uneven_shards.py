@@ -1,0 +1,108 @@
+"""uneven-inputs: a training DataLoader over the items this rank takes (`items[rank::world]`),
+each of which holds its own amount of data (assistant/lint/checks/data.py); the torchrun
+evidence is the fixture training_on_rank_file_shards_of_uneven_length.py's."""
+
+from __future__ import annotations
+
+import pytest
+from snippets import lint_snippet
+
+PRELUDE = """
+import json
+import os
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset
+"""
+
+EXPANDED = """
+class Views(Dataset):
+    def __init__(self, root, objs):
+        self.items = []
+        for k, o in enumerate(objs):
+            meta = json.load(open(os.path.join(root, o, "meta.json")))
+            for frame in meta["frames"]:
+                self.items.append((k, frame))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    all_objs = [line.strip() for line in open("objects.txt")]
+    mine = SHARE
+    loader = DataLoader(Views("renders", mine), batch_size=4, shuffle=True)
+    model = DDP(nn.Linear(4, 4).cuda())
+    for batch in loader:
+        model(batch).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "share, reported",
+    [
+        # blind set cr's 13: each object of this rank's share expands into its views
+        ("all_objs[rank::world]", [22]),
+        ("all_objs", []),  # every rank the same objects
+    ],
+)
+def test_a_dataset_that_expands_each_item_of_the_ranks_share_is_uneven(share, reported):
+    body = EXPANDED.replace("SHARE", share)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == reported
+
+
+FIXED_LENGTH = """
+class RandomWindows(Dataset):
+    def __init__(self, series, n):
+        self.series, self.n = series, n
+
+    def __len__(self):
+        return LENGTH
+
+    def __getitem__(self, i):
+        return self.series[i % len(self.series)]
+
+
+def main():
+    args = parse_args()  # options: an attribute of them is the run's count
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    files = sorted(os.listdir("parts"))
+    series = [torch.load(f) for f in files[rank::world]]
+    loader = DataLoader(RandomWindows(series, args.steps * args.batch), batch_size=args.batch)
+    model = DDP(nn.Linear(4, 4).cuda())
+    for batch in loader:
+        model(batch).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "length, reported",
+    [
+        # blind set cp's 17: windows drawn from the share, as many as the run asks for
+        ("self.n", []),
+        ("len(self.series)", [19]),  # as many as this rank's share holds
+    ],
+)
+def test_a_dataset_whose_length_the_run_fixes_is_even(length, reported):
+    body = FIXED_LENGTH.replace("LENGTH", length)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == reported
+
+
+def test_a_length_given_as_the_shares_size_is_not_fixed_by_the_run():
+    body = (
+        FIXED_LENGTH.replace("LENGTH", "self.n")
+        .replace("RandomWindows(series, args.steps * args.batch)", "RandomWindows(series, n_rows)")
+        .replace(
+            "    loader = DataLoader(",
+            "    n_rows = sum(len(s) for s in series)\n    loader = DataLoader(",
+        )
+    )
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == [20]
