@@ -1156,6 +1156,33 @@ def test_a_module_constant_is_matched_with_its_parameter_whatever_the_case(order
 
 
 @pytest.mark.parametrize(
+    "elsewhere, reported",
+    [
+        # blind set cn's 20: `train` is also another function's parameter (a
+        # dataset's train=False), which does not rebind the module's worker
+        (
+            "class Windows:\n    def __init__(self, rows, train=False):\n        self.train = train\n",
+            True,
+        ),
+        ("def fit(data):\n    train = data[:10]\n    return train\n", True),
+        # rebound where the spawn looks it up: not the file's function any more
+        ("train = make_worker()\n", False),
+    ],
+)
+def test_a_worker_name_another_function_binds_is_still_the_files_function(elsewhere, reported):
+    source = (
+        "import torch\nimport torch.multiprocessing as mp\n"
+        + elsewhere
+        + "def train(args, rank, world_size):\n    print(args.lr, rank, world_size)\n"
+        "if __name__ == '__main__':\n"
+        "    world_size = torch.cuda.device_count()\n"
+        "    mp.spawn(train, args=(args, world_size), nprocs=world_size)\n"
+    )
+    found = [f.message for f in lint_source(source) if f.cause_id == "mp-spawn-arguments"]
+    assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
     "step, reported",
     [
         ("_, loss = model(x, y)\nloss.backward()\n", True),

@@ -21,8 +21,8 @@ process: the process index comes first, then args unpacked with `*`. So:
   gpu, opt)`: every process gets the count as its GPU).
 
 Quiet when the worker is not a plain function of this file (a method, a
-`functools.partial`, a decorated or redefined function, a name rebound in
-the file), when args is built elsewhere or unpacks `*rest`, and when a
+`functools.partial`, a decorated or redefined function, a name rebound where
+the spawn reads it), when args is built elsewhere or unpacks `*rest`, and when a
 parenthesised name is assigned a tuple or list somewhere in the file
 (`args=(settings)` after `settings = (world_size, lr)` is fine).
 """
@@ -39,10 +39,12 @@ from assistant.lint.model import (
     called_name,
     is_int,
     keyword,
+    parameter_names,
     short,
     source_text,
     walk,
 )
+from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import LIGHTNING_HOOKED, lightning_classes
 from assistant.results import Finding
@@ -343,17 +345,18 @@ class Workers:
 
     def __init__(self, script: Script):
         self.script = script
-        self.rebound = rebound_names(script)
+        self.rebound: dict[int, frozenset[str]] = {}
         self.factories: dict[str, bool] = {}
 
     def plain_function(self, expr: ast.expr) -> Function | None:
-        """The top-level function `expr` names, when that name means nothing else in
-        the file (rebound_names) and it is undecorated, or decorated only with a
-        signature-keeping decorator."""
+        """The top-level function `expr` names, when that name means nothing else where
+        `expr` reads it (rebound_names) and it is undecorated, or decorated only with
+        a signature-keeping decorator."""
         script = self.script
         if not isinstance(expr, ast.Name) or expr.id not in script.functions:
             return None
-        if expr.id in self.rebound:
+        scope = enclosing_scope(expr, script)
+        if scope is None or expr.id in self.rebound_where(scope):
             return None
         function = script.functions[expr.id]
         if any(short(script.name_of(d.func if isinstance(d, ast.Call) else d))
@@ -372,14 +375,31 @@ class Workers:
             )
         return self.factories[function.name]
 
+    def rebound_where(self, scope: ast.AST) -> frozenset[str]:
+        if id(scope) not in self.rebound:
+            self.rebound[id(scope)] = rebound_names(self.script, scope)
+        return self.rebound[id(scope)]
 
-def rebound_names(script: Script) -> frozenset[str]:
-    """Names that may mean something else than the file's one top-level `def` of
-    them: parameters, assignment and loop targets, imports, and names defined
-    more than once at the top level (by `def` or `class`)."""
-    names = {n.arg for n in script.nodes if isinstance(n, ast.arg)}
+
+def rebound_names(script: Script, scope: ast.AST) -> frozenset[str]:
+    """Names that may mean something else, read in `scope`, than the file's one
+    top-level `def` of them: the parameters and the assignment and loop targets of
+    the scope and the functions around it and of the module (another function's
+    `train=False` is its own), imports, and names defined more than once at the top
+    level (by `def` or `class`)."""
+    names: set[str] = set()
+    while scope is not None:
+        names |= parameter_names(scope)
+        names |= {
+            n.id
+            for n in script.scope_nodes(scope)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        }
+        scope = None if scope is script.tree else enclosing_scope(scope, script)
     names |= {
-        n.id for n in script.nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        n.id
+        for n in script.scope_nodes(script.tree)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
     }
     defined: set[str] = set()
     for node in script.tree.body:
@@ -387,7 +407,7 @@ def rebound_names(script: Script) -> frozenset[str]:
             if node.name in defined:
                 names.add(node.name)
             defined.add(node.name)
-    return frozenset(names | set(script.aliases) | set(script.assigned_values))
+    return frozenset(names | set(script.aliases))
 
 
 # What pickle cannot send to a spawned process: a lambda, a function defined
