@@ -46,8 +46,24 @@ def test_the_fixture_uses_half_its_schedule_on_two_ranks_and_its_twin_all(torchr
             "per_epoch = len(self.trainer.datamodule.train_set) // cfg.batch_size\n"
             "total = per_epoch * cfg.epochs\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=total)"
         ),
+        # blind set co's 12: the lengths given by position
+        (
+            "total = math.ceil(len(train_ds) / args.per_device_batch_size) * 3\n"
+            "get_linear_schedule_with_warmup(opt, int(0.1 * total), total)"
+        ),
+        "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, len(train_ds) // bs * 3)",
+        "torch.optim.lr_scheduler.CosineAnnealingLR(opt, len(train_ds) // bs * 3)",
+        "get_scheduler('cosine', opt, 100, len(train_ds) // bs * 3)",
     ],
-    ids=["hf-warmup", "steps-per-epoch", "through-names"],
+    ids=[
+        "hf-warmup",
+        "steps-per-epoch",
+        "through-names",
+        "hf-positional",
+        "onecycle-positional",
+        "cosine-positional",
+        "get-scheduler-positional",
+    ],
 )
 def test_a_schedule_counted_from_the_whole_dataset_is_reported(body: str):
     assert len(reported(body)) == 1
@@ -73,8 +89,17 @@ def test_a_schedule_counted_from_the_whole_dataset_is_reported(body: str):
             "train_loader = DataLoader(train_ds, batch_size=bs, sampler=sampler)\n"
             "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=len(train_loader))"
         ),
+        # a warm-up counted from the dataset is not the schedule's length
+        "get_linear_schedule_with_warmup(opt, len(train_ds) // bs, len(train_loader) * 3)",
     ],
-    ids=["loader", "world-size", "world-name", "epochs", "loader-of-a-whole-set-sampler"],
+    ids=[
+        "loader",
+        "world-size",
+        "world-name",
+        "epochs",
+        "loader-of-a-whole-set-sampler",
+        "warm-up-positional",
+    ],
 )
 def test_quiet_where_the_count_is_the_process_share(body: str):
     assert reported(body) == []

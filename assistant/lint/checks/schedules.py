@@ -44,16 +44,17 @@ from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, runs_a_process_per_gpu
 from assistant.results import Finding
 
-# Schedules and the arguments that say how many steps they run.
+# Schedules and the arguments that say how many steps they run, each with its
+# position when it is given without its keyword.
 SCHEDULE_LENGTHS = {
-    "OneCycleLR": ("total_steps", "steps_per_epoch"),
-    "get_linear_schedule_with_warmup": ("num_training_steps",),
-    "get_cosine_schedule_with_warmup": ("num_training_steps",),
-    "get_polynomial_decay_schedule_with_warmup": ("num_training_steps",),
-    "get_scheduler": ("num_training_steps",),
-    "CosineAnnealingLR": ("T_max",),
-    "LinearLR": ("total_iters",),
-    "PolynomialLR": ("total_iters",),
+    "OneCycleLR": (("total_steps", 2), ("steps_per_epoch", 4)),
+    "get_linear_schedule_with_warmup": (("num_training_steps", 2),),
+    "get_cosine_schedule_with_warmup": (("num_training_steps", 2),),
+    "get_polynomial_decay_schedule_with_warmup": (("num_training_steps", 2),),
+    "get_scheduler": (("num_training_steps", 3),),
+    "CosineAnnealingLR": (("T_max", 1),),
+    "LinearLR": (("total_iters", 3),),
+    "PolynomialLR": (("total_iters", 1),),
 }
 # Schedules whose length is in the function they are given (its second argument).
 LAMBDA_SCHEDULES = frozenset({"LambdaLR", "MultiplicativeLR"})
@@ -119,7 +120,11 @@ def length_arguments(script: Script, scope: ast.AST, schedule: ast.Call) -> list
     reads `warmup_step` and `total_step` of the enclosing function)."""
     name = short(script.name_of(schedule.func))
     if name in SCHEDULE_LENGTHS:
-        given = (keyword(schedule, k) for k in SCHEDULE_LENGTHS[name])
+        positional = [] if any(isinstance(a, ast.Starred) for a in schedule.args) else schedule.args
+        given = (
+            keyword(schedule, k) or (positional[i] if len(positional) > i else None)
+            for k, i in SCHEDULE_LENGTHS[name]
+        )
         return [argument for argument in given if argument is not None]
     if name not in LAMBDA_SCHEDULES:
         return []
