@@ -64,6 +64,8 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         # blind set ai's 14: the permutation kept as a list
         "torch.manual_seed(7 + rank)\nperm = torch.randperm(64).tolist()\ntrain_set = Subset(data, perm[16:])\n",
         "np.random.seed(7 + rank)\nidx = list(np.random.permutation(64))\ntrain_idx = idx[:48]\n",
+        # blind set cp's 02: the held-out part of the permutation kept sorted
+        "np.random.seed(7 + rank)\nperm = np.random.permutation(64)\nhold_cols, train_cols = np.sort(perm[:8]), np.sort(perm[8:])\n",
         # blind set bt's 07: the rows a slice of the permutation picks
         "np.random.seed(7 + rank)\nperm = np.random.permutation(64)\nval = table[perm[48:]].copy()\n",
         # blind set ah's 18: a list shuffled in place by `random`, then sliced into the split

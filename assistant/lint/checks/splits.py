@@ -365,8 +365,9 @@ def same_order_of(parent: ast.AST | None, child: ast.expr) -> bool:
     return called in SAME_ORDER and parent.args[:1] == [child]
 
 
-# Containers a slice of the order is kept in: `val_scenes = set(scenes[:n_val])`.
-CONTAINERS = frozenset({"set", "frozenset", "list", "tuple", "sorted", "array", "asarray"})
+# Containers a slice of the order is kept in: `val_scenes = set(scenes[:n_val])`,
+# `np.sort(perm[:k])` (the same members, sorted).
+CONTAINERS = frozenset({"set", "frozenset", "list", "tuple", "sorted", "sort", "array", "asarray"})
 
 
 def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
