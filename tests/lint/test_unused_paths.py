@@ -599,3 +599,60 @@ def test_a_mode_a_config_dataclass_defaults_to_is_a_built_flag(override, reporte
     assert bool(found) == reported, found
     if reported:
         assert "self.cls_token" in found[0] and "'mean'" in found[0]
+
+
+# Blind set cp's 09: one head of a ModuleDict picked per call by the loss the run uses.
+PICKED_HEAD = """
+class TiDE(nn.Module):
+    def __init__(self, loss):
+        super().__init__()
+        self.loss_type = loss
+        self.body = nn.Linear(4, 4)
+        self.heads = {heads}
+
+    def forward(self, x):
+        h = self.body(x)
+        {pick}
+
+
+model = DDP(TiDE("mse"))
+"""
+
+
+@pytest.mark.parametrize(
+    "heads, pick, reported",
+    [
+        (
+            'nn.ModuleDict({"point": nn.Linear(4, 1), "quantile": nn.Linear(4, 3)})',
+            'key = "quantile" if self.loss_type == "quantile" else "point"\n'
+            "        return self.heads[key](h)",
+            True,
+        ),
+        (
+            "nn.ModuleList([nn.Linear(4, 1), nn.Linear(4, 1)])",
+            "return self.heads[self.task](h)",
+            True,
+        ),
+        # every entry runs
+        (
+            'nn.ModuleDict({"point": nn.Linear(4, 1), "quantile": nn.Linear(4, 3)})',
+            "return [head(h) for head in self.heads.values()]",
+            False,
+        ),
+        (
+            "nn.ModuleList([nn.Linear(4, 1), nn.Linear(4, 1)])",
+            "return sum(self.heads[i](h) for i in range(len(self.heads)))",
+            False,
+        ),
+        # one entry: nothing left out
+        ('nn.ModuleDict({"point": nn.Linear(4, 1)})', 'return self.heads["point"](h)', False),
+    ],
+)
+def test_one_entry_of_a_module_dict_picked_per_call_leaves_the_others_out(heads, pick, reported):
+    body = PICKED_HEAD.replace("{heads}", heads).replace("{pick}", pick) + step_with(
+        "loss = model(x).sum()"
+    )
+    found = [f.message for _, f in lint_snippet(HEADER, body, ["unused-parameters"])]
+    assert bool(found) == reported, found
+    if reported:
+        assert "self.heads" in found[0]

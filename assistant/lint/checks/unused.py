@@ -1136,8 +1136,11 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
 
 def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
     """`self.heads[task](x)` with `task` an input of forward, or a field of the model
-    (`self.heads[self.current_task](x)`: the task being learned, one head a step)."""
+    (`self.heads[self.current_task](x)`: the task being learned, one head a step), or
+    a name forward makes of fields alone (`key = "quantile" if self.loss_type ==
+    "quantile" else "point"`)."""
     inputs = {a.arg for a in forward.args.args[1:]}
+    from_fields = names_made_of_fields(forward)
     for node in walk(forward):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
             continue
@@ -1151,8 +1154,36 @@ def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
             continue
         if isinstance(chooser, ast.Name) and chooser.id in inputs:
             yield node, chooser.id
+        elif isinstance(chooser, ast.Name) and chooser.id in from_fields:
+            yield node, f"{chooser.id} = {source_text(from_fields[chooser.id])}"
         elif self_attribute(chooser):
             yield node, source_text(chooser)
+
+
+def names_made_of_fields(function: ast.FunctionDef) -> dict[str, ast.expr]:
+    """Names the function assigns once, from the model's fields and constants alone
+    (no input, no loop): the same member every call until a field changes."""
+    assigned: dict[str, list[ast.expr]] = {}
+    looped: set[str] = set()
+    for node in walk(function):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in walk(target):
+                    if isinstance(name, ast.Name):
+                        assigned.setdefault(name.id, []).append(node.value)
+        elif isinstance(node, ast.For | ast.comprehension | ast.AugAssign):
+            looped |= {n.id for n in walk(node.target) if isinstance(n, ast.Name)}
+    return {
+        name: values[0]
+        for name, values in assigned.items()
+        if len(values) == 1 and name not in looped and reads_only_fields(values[0])
+    }
+
+
+def reads_only_fields(value: ast.expr) -> bool:
+    """Every name the value reads is `self` (a field), with at least one field read."""
+    names = [n for n in walk(value) if isinstance(n, ast.Name)]
+    return bool(names) and all(n.id == "self" for n in names)
 
 
 def members_some_steps_leave_out(
