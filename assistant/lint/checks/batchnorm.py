@@ -40,11 +40,13 @@ from assistant.lint.model import (
     children,
     full_text,
     keyword,
+    name_value_pairs,
     position,
     short,
     source_text,
     walk,
 )
+from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
@@ -317,8 +319,23 @@ def batch_norm_built(script: Script, ddp: ast.Call, names: set[str]) -> int | No
     """The line of a BatchNorm the wrapped model builds: in the expressions that
     make it, through the file's classes and functions they call, transitively."""
     values: list[ast.AST] = [ddp.args[0]] if ddp.args else []
-    values += [v for name in names for v in script.assigned_values.get(name, [])]
+    values += [v for name in names for v in values_where(script, ddp, name)]
     return batch_norm_in(script, values)
+
+
+def values_where(script: Script, node: ast.AST, name: str) -> list[ast.expr]:
+    """What the plain `name` is assigned in the function that holds `node` (another
+    function's `net` is its own); the file's assignments of it where that function has
+    none (a parameter, a field set elsewhere)."""
+    scope = enclosing_scope(node, script)
+    local = [
+        value
+        for statement in (script.scope_nodes(scope) if scope is not None else [])
+        if isinstance(statement, ast.Assign)
+        for target, value in name_value_pairs(statement)
+        if target.id == name
+    ]
+    return local or script.assigned_values.get(name, [])
 
 
 def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
