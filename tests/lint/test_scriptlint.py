@@ -1245,3 +1245,22 @@ def test_a_loss_unpacked_from_a_loss_module_inside_forward_is_gathered_into_a_ve
     )
     found = findings_of(source, "dataparallel-unsafe-model")
     assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
+    "built, reported",
+    [
+        # blind set cw's 07: a method that returns the module itself after the move
+        ("nn.Linear(4, 4).to(int(os.environ['LOCAL_RANK'])).train()", False),
+        ("nn.Linear(4, 4).cuda().eval().requires_grad_(True)", False),
+        ("nn.Linear(4, 4).train()", True),
+    ],
+)
+def test_a_move_followed_by_a_method_that_returns_the_module_is_a_move(built, reported) -> None:
+    source = (
+        DDP_HEADER
+        + f"model = {built}\n"
+        + "net = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    found = findings_of(source, "ddp-device-ids-cpu-module")
+    assert bool(found) == reported, found

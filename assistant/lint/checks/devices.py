@@ -833,9 +833,22 @@ def imported_factory(script: Script, value: ast.expr) -> bool:
     return callee is not None and bool(FACTORY.match(short(callee)))
 
 
+# Module methods that return the module itself: `Net().to(device).train()` is moved.
+RETURN_THE_MODULE = frozenset(
+    {"train", "eval", "requires_grad_", "float", "half", "bfloat16", "double", "apply"}
+)
+
+
 def is_move(expr: ast.expr) -> bool:
     """`x.to(...)`, `x.cuda(...)`, a constructor given device=..., or a Hugging Face
-    model placed by from_pretrained's device_map=..."""
+    model placed by from_pretrained's device_map=...; also followed by methods that
+    return the module (`.train()`, `.eval()`)."""
+    while (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr in RETURN_THE_MODULE
+    ):
+        expr = expr.func.value
     if not isinstance(expr, ast.Call):
         return False
     if isinstance(expr.func, ast.Attribute) and expr.func.attr in ("to", "cuda"):
