@@ -624,8 +624,10 @@ model = DDP(TiDE("mse"))
     [
         (
             'nn.ModuleDict({"point": nn.Linear(4, 1), "quantile": nn.Linear(4, 3)})',
-            'key = "quantile" if self.loss_type == "quantile" else "point"\n'
-            "        return self.heads[key](h)",
+            (
+                'key = "quantile" if self.loss_type == "quantile" else "point"\n'
+                "        return self.heads[key](h)"
+            ),
             True,
         ),
         (
