@@ -1264,3 +1264,25 @@ def test_a_move_followed_by_a_method_that_returns_the_module_is_a_move(built, re
     )
     found = findings_of(source, "ddp-device-ids-cpu-module")
     assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
+    "init, reported",
+    [
+        # blind set cv's 09: every rank starts a run of the same name; the group names
+        # the experiment's folds, not one run per rank
+        ("wandb.init(project='p', group=args.exp, name=f'{args.exp}_fold{fold}')", True),
+        ("wandb.init(project='p')", True),
+        # one run per rank, grouped: the documented way
+        ("wandb.init(project='p', group=args.exp)", False),
+        ("wandb.init(project='p', group=args.exp, name=f'rank{dist.get_rank()}')", False),
+        ("wandb.init(project='p', mode='online' if dist.get_rank() == 0 else 'disabled')", False),
+    ],
+)
+def test_wandb_runs_grouped_per_rank_or_named_alike(init, reported) -> None:
+    source = (
+        "import torch.distributed as dist\nimport wandb\n"
+        'dist.init_process_group("gloo")\nfold = 0\n' + init + "\n"
+    )
+    found = findings_of(source, "experiment-logger-ddp")
+    assert bool(found) == reported, found

@@ -117,7 +117,7 @@ def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
         return
     every_rank, rank_zero = calls_by_ranks(script)
     for call in every_rank.values():
-        if call.name == WANDB_INIT and not per_rank_run(call.node):
+        if call.name == WANDB_INIT and not per_rank_run(script, call.node):
             yield script.finding(
                 "experiment-logger-ddp",
                 call.node,
@@ -204,11 +204,17 @@ def is_logger_call(call: TracedCall) -> bool:
     )
 
 
-def per_rank_run(node: ast.Call) -> bool:
+def per_rank_run(script: Script, node: ast.Call) -> bool:
     """`wandb.init(group=...)` (one run per rank, grouped) or a `mode=` the call
-    chooses (`"disabled"` on the other ranks); a constant "online" mode is no choice."""
+    chooses (`"disabled"` on the other ranks); a constant "online" mode is no choice.
+    A group whose runs every rank names alike (`name=f"{exp}_fold{k}"`, no rank in it)
+    is N runs of one name, not one per rank."""
     if keyword(node, "group") is not None:
-        return True
+        name = keyword(node, "name")
+        return name is None or any(
+            isinstance(part, ast.Name | ast.Attribute | ast.Call) and is_rank_expr(part, script)
+            for part in walk(name)
+        )
     mode = keyword(node, "mode")
     return mode is not None and not (isinstance(mode, ast.Constant) and mode.value == "online")
 
