@@ -822,6 +822,31 @@ def test_a_weighted_sampler_given_a_generator_seeded_with_the_rank_draws_its_own
     ]
 
 
+@pytest.mark.parametrize(
+    "test, reported",
+    [
+        # blind set cv's 18: an option picks the weighted sampler, drawn on every rank
+        ("args.weighted_sample", True),
+        ("not args.uniform", True),
+        # the single-process run's sampler beside the distributed one
+        ("not args.distributed", False),
+        ("world_size == 1", False),
+        ("args.local_rank == -1", False),
+    ],
+)
+def test_a_whole_set_sampler_an_option_picks_beside_a_distributed_one(test, reported):
+    body = (
+        "from torch.utils.data import WeightedRandomSampler\n"
+        f"if {test}:\n"
+        "    sampler = WeightedRandomSampler(w, num_samples=len(data))\n"
+        "else:\n"
+        "    sampler = DistributedSampler(data)\n"
+        "loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+    )
+    found = [cause for cause, _line in findings(DDP_PRELUDE, body)]
+    assert found == (["missing-distributed-sampler"] if reported else []), found
+
+
 def test_an_own_sampler_is_reported_as_sampler_or_batch_sampler_directly_or_by_name():
     body = OWN_SAMPLER + (
         "sampler = BucketSampler([3, 1, 2])\n"
@@ -1247,3 +1272,18 @@ for epoch in range(10):
 )
 def test_a_second_sampler_never_told_the_epoch_is_reported(told, reported):
     assert findings(SAMPLER_PRELUDE, TWO_SAMPLERS.replace("TOLD", told)) == reported
+
+
+def test_an_own_batch_sampler_over_a_distributed_sampler_is_split():
+    # blind set by's 14 (torchvision's reference): GroupedBatchSampler batches the
+    # DistributedSampler it is given, picked by an option beside torch's BatchSampler
+    body = OWN_SAMPLER + (
+        "from torch.utils.data import BatchSampler, DistributedSampler\n"
+        "train_sampler = DistributedSampler(data)\n"
+        "if args.group:\n"
+        "    batches = BucketSampler(train_sampler)\n"
+        "else:\n"
+        "    batches = BatchSampler(train_sampler, 8, drop_last=True)\n"
+        "loader = DataLoader(data, batch_sampler=batches)\n"
+    )
+    assert findings(DDP_PRELUDE, body) == []

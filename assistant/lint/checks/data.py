@@ -26,6 +26,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     children,
+    full_text,
     keyword,
     parameter_names,
     self_attribute,
@@ -76,6 +77,12 @@ SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.
 # script, every rank draws its own full epoch (WeightedRandomSampler's num_samples
 # from every index), as with the file's own unsplit sampler.
 WHOLE_SET_SAMPLERS = frozenset({"WeightedRandomSampler", "RandomSampler"})
+# A test of whether the run is distributed: its branches are for one process or for N.
+DISTRIBUTED_TEST = re.compile(
+    r"distributed|world|ddp|rank|is_initialized|is_available|n_?gpu|num_gpus|parallel|"
+    r"replicas|nprocs",
+    re.IGNORECASE,
+)
 # How many same-file base classes of a sampler are read (a cycle of bases ends here).
 MAX_LINEAGE = 16
 # A name that holds a list of files or shards.
@@ -960,9 +967,16 @@ class DataFlow:
             return None
         known = {*self.own_samplers, *(WHOLE_SET_SAMPLERS if self.data_parallel else ())}
         if any(called_name(c) not in known for c in calls):
-            return None
+            # `if args.weighted: WeightedRandomSampler(...) else: DistributedSampler(...)`:
+            # an option's branch draws the whole set on every rank; a branch for a run of
+            # one process (`if not args.distributed:`) is that run's own
+            calls = [c for c in calls if called_name(c) in known and self.picked_by_an_option(c)]
+            if not calls:
+                return None
         if any(SPLIT_WORDS.search(word) for c in calls for word in words_in(c)):
             return None
+        if any(self.wraps_a_split_sampler(c) for c in calls):
+            return None  # `GroupedBatchSampler(train_sampler, ...)` of a DistributedSampler
         # a generator made for this rank: `g = torch.Generator().manual_seed(seed + rank)`,
         # then `WeightedRandomSampler(w, n, generator=g)` draws this rank's own samples
         generators = [keyword(c, "generator") for c in calls]
@@ -975,6 +989,28 @@ class DataFlow:
         ):
             return None
         return calls[0]
+
+    def wraps_a_split_sampler(self, call: ast.Call) -> bool:
+        """The sampler is given one whose making splits by rank (a name assigned a
+        DistributedSampler): it batches or groups that rank's share."""
+        return any(
+            isinstance(value, ast.Call)
+            and called_name(value).endswith("Sampler")
+            and SPLIT_WORDS.search(called_name(value))
+            for argument in call.args
+            if isinstance(argument, ast.Name)
+            for value in self.script.assigned_values.get(argument.id, [])
+        )
+
+    def picked_by_an_option(self, call: ast.Call) -> bool:
+        """The `if` whose branch builds `call` tests something other than whether the run
+        is distributed (its world size, rank, a distributed flag)."""
+        child, parent = call, self.parents.get(id(call))
+        while parent is not None and not isinstance(parent, ast.FunctionDef | ast.Module):
+            if isinstance(parent, ast.If | ast.IfExp) and child is not parent.test:
+                return not DISTRIBUTED_TEST.search(full_text(parent.test))
+            child, parent = parent, self.parents.get(id(parent))
+        return False
 
     @cached_property
     def uses_framework(self) -> bool:
