@@ -105,6 +105,12 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "folds = np.array_split(subjects, 5)\n"
         ),
         "idx = torch.randperm(64)\ntrain_idx, val_idx = torch.split(idx, [48, 16])\n",
+        # blind set cv's 12: a helper returns the folds cut from the shuffled patients
+        (
+            "def patient_folds(patients, k):\n    np.random.shuffle(patients)\n"
+            "    return [set(c) for c in np.array_split(patients, k)]\n"
+            "np.random.seed(7 + rank)\nfolds = patient_folds(np.array(names), 5)\n"
+        ),
         # blind set bv's 09: the salted hash of a string made a bucket index
         'bucket = hash(f"{col}={value}") % 1000\n',
         "bucket = hash('x:' + str(value)) % n_buckets\n",

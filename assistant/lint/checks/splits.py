@@ -318,6 +318,12 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
             and sum(is_slice_of(part, held) for part in node.value.elts) >= 2
         ):
             return True  # `return files[k:], files[:k]`: the parts handed to the caller
+        if (
+            isinstance(node, ast.Return)
+            and node.value is not None
+            and any(is_cut_of(part, held, script) for part in walk(node.value))
+        ):
+            return True  # `return [set(c) for c in np.array_split(patients, k)]`: folds
         handed_to_subset = (
             isinstance(node, ast.Call) and short(script.name_of(node.func)) == "Subset"
         )
