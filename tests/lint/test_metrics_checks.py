@@ -653,3 +653,57 @@ def test_a_lightning_epoch_metric_from_a_field_summed_in_place_is_reported(summe
     assert lightning_findings(source) == [len(source.splitlines())]
     synced = source.replace("self.outputs.float()", "self.all_gather(self.outputs).sum(0)")
     assert lightning_findings(synced) == []
+
+
+# Blind set cl's 05: the loaders are a trainer's fields, built in __init__ and walked
+# in another method.
+TRAINER_FIELDS = """
+class Trainer:
+    def __init__(self, data):
+        self.val_sampler = DistributedSampler(data, shuffle=False)
+        self.val_loader = DataLoader(data, batch_size=8, sampler=self.val_sampler)
+
+    def validate(self, model):
+        total = 0.0
+        for x, y in self.val_loader:
+            total += (model(x) - y).abs().sum().item()
+        COMBINE
+        print(f"val {total:.3f}")
+"""
+
+# Blind set cp's 04: one loader per split, kept in a dict.
+LOADER_DICT = """
+def main(sets, model):
+    samplers = {f: DistributedSampler(ds, shuffle=(f == "train")) for f, ds in sets.items()}
+    loaders = {f: DataLoader(ds, batch_size=8, sampler=samplers[f]) for f, ds in sets.items()}
+    errors = []
+    for x, y in loaders["test"]:
+        errors.append((model(x) - y).abs().mean().item())
+    COMBINE
+    print(sum(errors) / len(errors))
+"""
+
+
+@pytest.mark.parametrize(
+    "body, combine, reported",
+    [
+        (TRAINER_FIELDS, "pass", True),
+        (TRAINER_FIELDS, "dist.barrier()", True),
+        (
+            TRAINER_FIELDS,
+            "t = torch.tensor([total])\n        dist.all_reduce(t)\n        total = t.item()",
+            False,
+        ),
+        (LOADER_DICT, "pass", True),
+        (
+            LOADER_DICT,
+            "parts = [None] * dist.get_world_size()\n    dist.all_gather_object(parts, errors)\n"
+            "    errors = sum(parts, [])",
+            False,
+        ),
+    ],
+    ids=["fields", "fields-barrier", "fields-reduced", "dict", "dict-gathered"],
+)
+def test_a_sharded_loader_kept_as_a_field_or_in_a_dict_is_sharded(body, combine, reported):
+    found = reported_lines("dist.init_process_group('nccl')\n" + body.replace("COMBINE", combine))
+    assert bool(found) == reported, found

@@ -302,7 +302,7 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
         (owners.get(id(node)), source_text(target))
         for node in script.nodes
         if isinstance(node, ast.Assign)
-        and (is_distributed_sampler(script, node.value) or given_a_share(node.value))
+        and (is_distributed_sampler(script, built := one_of(node.value)) or given_a_share(built))
         for target in node.targets
     }
     from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
@@ -323,14 +323,15 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
                 is_distributed_sampler(script, sampler)
                 or given_a_share(sampler)
                 or (owner, source_text(sampler)) in samplers
+                or any(known(owner, name, samplers) for name in held_names(sampler))
             )
         ) or (dataset is not None and flow.sharded_by_rank(dataset))
 
     found: set[tuple[str | None, str]] = set()
     for node in script.nodes:
-        if not isinstance(node, ast.Assign) or not isinstance(node.value, ast.Call):
+        if not isinstance(node, ast.Assign) or not isinstance(one_of(node.value), ast.Call):
             continue
-        call, owner = node.value, owners.get(id(node))
+        call, owner = one_of(node.value), owners.get(id(node))
         if shares(call, owner):
             found.update((owner, source_text(t)) for t in node.targets)
         elif isinstance(call.func, ast.Attribute) and call.func.attr == "prepare":
@@ -388,6 +389,30 @@ def given_a_share(value: ast.expr) -> bool:
         for argument in all_arguments(value)
         for node in walk(argument)
     )
+
+
+def one_of(value: ast.expr) -> ast.expr:
+    """What each entry of a dict comprehension is (`{f: DataLoader(...) for f in
+    splits}`: one loader per split), or the value itself."""
+    return value.value if isinstance(value, ast.DictComp) else value
+
+
+def held_names(expr: ast.expr) -> list[str]:
+    """`samplers` of `samplers[f]` (an entry of a dict of them), and `self.x` of itself."""
+    if isinstance(expr, ast.Subscript):
+        return [source_text(expr.value)]
+    return [source_text(expr)] if isinstance(expr, ast.Attribute) else []
+
+
+def known(owner: str | None, name: str, pairs: set[tuple[str | None, str]]) -> bool:
+    """(owner, name) among `pairs`; a field (`self.val_loader`) set in any method of
+    the same class counts for every method of it."""
+    if (owner, name) in pairs:
+        return True
+    if not (name.startswith("self.") and owner and "." in owner):
+        return False
+    cls = owner.split(".")[0]
+    return any(other == name and where and where.split(".")[0] == cls for where, other in pairs)
 
 
 def is_distributed_sampler(script: Script, value: ast.expr) -> bool:
@@ -485,7 +510,7 @@ def evaluation_loops(
         function = owners.get(id(node))
         if loader is None:
             continue
-        if (function, loader) not in sharded:
+        if not known(function, loader, sharded):
             continue
         if trains(script, node) or any(collective_call(script, n) for n in walk(node)):
             continue
@@ -525,9 +550,12 @@ def sharded_parameters(
 
 
 def iterated_name(expr: ast.expr) -> str | None:
-    """`loader` in `for b in loader`, `enumerate(loader)`, `tqdm(loader, ...)`."""
+    """`loader` in `for b in loader`, `enumerate(loader)`, `tqdm(loader, ...)`;
+    `loaders` in `for b in loaders["test"]` (an entry of a dict of loaders)."""
     while isinstance(expr, ast.Call) and expr.args:
         expr = expr.args[0]
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant):
+        expr = expr.value
     return source_text(expr) if isinstance(expr, (ast.Name, ast.Attribute)) else None
 
 
