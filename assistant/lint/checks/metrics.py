@@ -942,9 +942,11 @@ def shown_by_callers(
     parents = script.parents
     for node, name in script.call_names:
         assigned = parents.get(id(node))
-        if name != function or not (isinstance(assigned, ast.Assign) and assigned.value is node):
+        if not (isinstance(assigned, ast.Assign) and assigned.value is node):
             continue
         caller = owners.get(id(node))
+        if name != function and not own_method_call(name, function, caller):
+            continue
         if loader_parameter is not None and not passes_a_sharded_loader(
             script.functions[function], node, loader_parameter, caller, sharded
         ):
@@ -959,6 +961,13 @@ def shown_by_callers(
         if shown is not None:
             return shown
     return None
+
+
+def own_method_call(name: str, function: str, caller: str | None) -> bool:
+    """`self.evaluate()` in a method of the class whose `evaluate` is `function`
+    ("Trainer.evaluate")."""
+    cls, _, method = function.rpartition(".")
+    return bool(cls) and name == f"self.{method}" and (caller or "").startswith(f"{cls}.")
 
 
 def passes_a_sharded_loader(
