@@ -831,7 +831,23 @@ def collective_call(script: Script, node: ast.AST) -> bool:
         return False  # torch.gather, torch.scatter_reduce, functools.reduce: no ranks met
     if method == "gather" and (len(node.args) >= 2 or keyword(node, "dim") is not None):
         return False  # Tensor.gather(dim, index), as a kNN monitor picks labels
-    return bool(COMBINING_HELPER.search(method or "")) or combining_lambda(script, node.func)
+    return (
+        bool(COMBINING_HELPER.search(method or ""))
+        or combining_lambda(script, node.func)
+        or combining_function(script, node.func)
+    )
+
+
+def combining_function(script: Script, func: ast.expr) -> bool:
+    """A function of the file whose own body runs a collective that combines
+    (`def collect(scores, idx, world): dist.all_gather(g_scores, scores) ...`)."""
+    function = script.functions.get(func.id) if isinstance(func, ast.Name) else None
+    return function is not None and any(
+        isinstance(n, ast.Call)
+        and is_collective(script.name_of(n.func))
+        and short(script.name_of(n.func)) not in WAITS
+        for n in walk(function)
+    )
 
 
 def combining_lambda(script: Script, func: ast.expr) -> bool:
