@@ -115,3 +115,27 @@ def main(model, test_ds):
 )
 def test_a_share_the_files_helper_returns_makes_the_gathered_rows_rank_sized(share, reported_lines):
     assert reported("", SHARE_HELPER.replace("SHARE", share)) == reported_lines
+
+
+def test_a_callers_selection_made_after_the_gather_is_not_what_was_gathered():
+    # blind set cw's 18: the padded repeats masked out after the ids were gathered
+    body = """
+def gather(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return torch.cat(out)
+
+
+def main(model, test_ds):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids = torch.cat([y for _, y in DataLoader(test_ds, batch_size=64)])
+    all_ids = gather(ids)
+    real = ids >= 0
+    ids = ids[real]
+"""
+    assert reported("", body) == []
+    before = body.replace("    all_ids = gather(ids)\n", "").replace(
+        "    ids = ids[real]\n", "    ids = ids[real]\n    all_ids = gather(ids)\n"
+    )
+    assert reported("", before) == [4]

@@ -493,8 +493,9 @@ def content_sized_by_callers(
 
 
 def caller_arguments(script: Script, function: ast.AST, parameters: set[str]):
-    """(the calling scope, its values, the argument) for each argument that a call of
-    `function` in the file passes to one of `parameters`."""
+    """(the calling scope, its values before the call, the argument) for each argument
+    that a call of `function` in the file passes to one of `parameters` (`q_pid =
+    q_pid[real]` after `gather(q_pid)` is not what was gathered)."""
     for scope in script.all_scopes:
         nodes = script.scope_nodes(scope)
         calls = [
@@ -504,10 +505,8 @@ def caller_arguments(script: Script, function: ast.AST, parameters: set[str]):
             and isinstance(n.func, ast.Name)
             and n.func.id == function.name
         ]
-        if not calls:
-            continue
-        values = scope_values(nodes)
         for call in calls:
+            values = scope_values(before(nodes, call))
             for parameter, argument in bound_arguments(function, call):
                 if parameter in parameters:
                     yield scope, values, argument
