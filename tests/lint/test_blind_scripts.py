@@ -93,7 +93,7 @@ import pytest
 from assistant.lint import lint_script
 
 BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
-# of 1553 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
+# of 1617 (measured once: a, b 10/32; c, d 16/32; e, f 24/32; g 10/16; h 7/16; i 8/16;
 # k 8/16; j 10/16; l 9/16; m 11/16; n 6/16; o 8/16; p 1/16; q 11/16; r 6/16; s 8/16;
 # t 8/16; u 13/16; w 13/16; v 13/16; x 13/16; y 9/16; z 15/16; aa 13/16; ab 8/16; ac 11/16;
 # ad 12/16; ae 10/16; af 9/16; ag 11/16; ah 13/16; ai 9/16; aj 14/16; ak 14/16; al 14/16;
@@ -104,8 +104,8 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # bt 15/16; bu 11/16; bv 13/16; bx 12/16; by 14/17; bw 14/16; bz 10/16; ca 12/16;
 # cb 11/16; cc 15/16; cd 12/16; ce 10/16; cf 14/16; cg 14/16; ch 15/16; ci 15/16;
 # cj 15/16; ck 14/16; cm 14/16; cn 12/16; co 12/16; cl 13/16; cp 13/16; cq 15/16;
-# cs 13/16; cr 11/16)
-FOUND_FLOOR = 1416  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# cs 13/16; cr 11/16; cv 7/16; cu 13/16; cw 15/16; ct 15/16)
+FOUND_FLOOR = 1477  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -238,7 +238,13 @@ FOUND_FLOOR = 1416  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # share a file helper returns (cn's 19), per-token outputs of batches padded to their longest
 # (co's 01) (1363); 1404 of 1537 with cp, cq and cs (measured once at 93a0b02); 1415 of 1553
 # with cr (measured once at c7a2fe6), then a dataset that expands each item of the share
-# (cr's 13) (1416)
+# (cr's 13) (1416), a worker name another function binds (cn's 20), a schedule's length by
+# position (co's 12), a permutation's slice kept through np.sort (cp's 02, with cd's 06 and
+# cr's 14), a ModuleDict entry a name of fields picks (cp's 09) (1422); 1429 of 1569 with cv
+# (measured once at 5df479e); 1457 of 1601 with cu and cw (measured once at adca77f); 1472 of
+# 1617 with ct (measured once at 2da2037), then wandb runs grouped but named alike (cv's 09),
+# a weighted sampler an option picks (cv's 18), folds a helper returns (cv's 12), loaders in
+# a dict or a field (cp's 04), a method's result shown by another method (cl's 05) (1477)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -339,8 +345,14 @@ FOUND_FLOOR = 1416  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # over the share read as uneven: false, mended later), 122 after, 125 with cr (the spelling
 # note on cr's 03; cr's 12 a NeRF step that runs its appearance layers only when some sample
 # is kept: the reading is right, the batch that keeps none is rare; cr's 13 one file per
-# object of the rank's share read as shared: false, mended), 124 after, 123 with cp's 17
-OTHER_FINDINGS_CEILING = 123
+# object of the rank's share read as shared: false, mended), 124 after, 123 with cp's 17;
+# 124 with cv (cv's 03 the spelling note; cv's 02, a correct script, another function's
+# frozen feature extractor read as the wrapped model's BatchNorm: mended), 128 with cu and cw
+# (the spelling note on cu's 16 and cw's 16; cu's 17 scores a file helper gathers read as
+# never combined: false, mended with bq's 07; cw's 18 a mask applied after the gather read
+# as what was gathered: false, mended; cw's 07, a correct script, a move followed by
+# .train() read as never moved: mended), 129 with ct (the spelling note on ct's 17), 126 after
+OTHER_FINDINGS_CEILING = 126
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -358,8 +370,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 1553
-    assert sum(label["cause"] is None for label in labels) == 387
+    assert sum(label["cause"] is not None for label in labels) == 1617
+    assert sum(label["cause"] is None for label in labels) == 403
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):
