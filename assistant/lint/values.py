@@ -61,7 +61,8 @@ UNSET_DEFAULTS = {"store_true": False, "store_false": True}
 def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     """(known, value): what `args.<dest>` holds when its flag is not given, from
     the add_argument call's constant default (`default="verb"`, `action="store_true"`),
-    or what `cfg["key"]` holds when no config file overrides it (config_default).
+    or what `cfg["key"]` holds when no config file overrides it (config_default), or
+    for a field no add_argument names, its @dataclass default (dataclass_default).
     Unknown for anything but an option of the file's own parser with a literal
     default, and for a required option (every run names it)."""
     if isinstance(expr, ast.Subscript):

@@ -20,7 +20,7 @@ from functools import cached_property, wraps
 from itertools import islice
 from typing import TypeVar
 
-from assistant.lint.checks.rank_dependent import is_placement
+from assistant.lint.checks.rank_dependent import is_placement, target_value_pairs
 from assistant.lint.model import (
     Script,
     bound_arguments,
@@ -636,19 +636,13 @@ def kept_parameter(init: ast.FunctionDef, field: str) -> str | None:
     for node in walk(init):
         if not isinstance(node, ast.Assign):
             continue
-        for target in node.targets:
-            pairs = (
-                zip(target.elts, node.value.elts, strict=False)
-                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
-                else [(target, node.value)]
-            )
-            for each_target, each_value in pairs:
-                if (
-                    self_attribute(each_target) == field
-                    and isinstance(each_value, ast.Name)
-                    and each_value.id in parameters
-                ):
-                    return each_value.id
+        for target, value in target_value_pairs(node):
+            if (
+                self_attribute(target) == field
+                and isinstance(value, ast.Name)
+                and value.id in parameters
+            ):
+                return value.id
     return None
 
 
