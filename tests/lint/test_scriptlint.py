@@ -283,6 +283,34 @@ def test_gpu_zero_in_a_helper_every_rank_calls_is_reported() -> None:
 
 
 @pytest.mark.parametrize(
+    "option, setting, reported",
+    [
+        # blind set cl's 14: the single-GPU script's --gpuid option, one value for all
+        ("p.add_argument('--gpuid', type=int, default=0)\n", "", True),
+        ("p.add_argument('--gpuid', type=int, default=0)\n", "args.gpuid = local_rank\n", False),
+        # the launcher's per-process option is local-rank-not-from-env's
+        ("p.add_argument('--local_rank', type=int, default=0)\n", "", False),
+    ],
+)
+def test_a_gpu_index_from_an_option_is_the_same_on_every_rank(option, setting, reported) -> None:
+    name = "local_rank" if "local_rank'" in option else "gpuid"
+    source = (
+        DDP_HEADER
+        + "import argparse\nimport torch.distributed as dist\n"
+        + "p = argparse.ArgumentParser()\n"
+        + option
+        + "args = p.parse_args()\n"
+        + "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        + setting
+        + "torch.cuda.set_device(local_rank)\n"
+        + 'dist.init_process_group("nccl")\n'
+        + f"loss_fn = torch.nn.BCEWithLogitsLoss().cuda(args.{name})\n"
+    )
+    found = findings_of(source, "hardcoded-device")
+    assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
     "setting, reported",
     [
         ("GPU = 0\n", True),  # br's 12: left from the single-GPU script

@@ -43,6 +43,7 @@ from assistant.lint.torchapi import (
     uses_cuda,
 )
 from assistant.lint.tracer import TracedCall
+from assistant.lint.values import argparse_flag, option_default
 from assistant.results import Finding
 
 CURRENT_DEVICE = (
@@ -78,7 +79,14 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
             fixed_index = constant_index(script, index)
             if fixed_index is not None:
                 shown = source_text(index)
-                named = "" if is_int(index) else f" ({shown} = {fixed_index} wherever it is set)"
+                named = (
+                    ""
+                    if is_int(index)
+                    else f" ({shown} = {fixed_index} unless the command line sets it, one "
+                    "value for every process)"
+                    if isinstance(index, ast.Attribute)
+                    else f" ({shown} = {fixed_index} wherever it is set)"
+                )
                 yield script.finding(
                     "hardcoded-device",
                     node,
@@ -101,11 +109,25 @@ def constant_index(script: Script, index: ast.expr | None) -> int | None:
     from a single-GPU script)."""
     if is_int(index):
         return index.value  # type: ignore[union-attr]
+    if isinstance(index, ast.Attribute):
+        return option_index(script, index)
     if not isinstance(index, ast.Name) or index.id in script.every_parameter_name:
         return None
     values = script.assigned_values.get(index.id, [])
     numbers = {v.value for v in values if is_int(v)}  # type: ignore[attr-defined]
     return numbers.pop() if values and len(numbers) == 1 and all(map(is_int, values)) else None
+
+
+def option_index(script: Script, index: ast.Attribute) -> int | None:
+    """`args.gpuid` of an option with an int default that the file never sets (a
+    single-GPU script's `--gpuid`): every process parses the same command line, so it
+    is one GPU for all of them. Not the launcher's own per-process `--local_rank`."""
+    if "rank" in index.attr.lower() or script.assigned_values.get(source_text(index)):
+        return None
+    if argparse_flag(script, index.attr) is None:
+        return None
+    known, value = option_default(script, index)
+    return value if known and isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @check("hardcoded-device")
