@@ -658,3 +658,51 @@ def test_one_entry_of_a_module_dict_picked_per_call_leaves_the_others_out(heads,
     assert bool(found) == reported, found
     if reported:
         assert "self.heads" in found[0]
+
+
+# Blind set cr's 10: a trainer's step counter field decides whether the fine network runs.
+WARMUP_FIELD = """
+class Nerf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.coarse = nn.Linear(4, 4)
+        self.fine = nn.Linear(4, 4)
+
+    def forward(self, x, use_fine=True):
+        out = {"coarse": self.coarse(x)}
+        if use_fine:
+            out["fine"] = self.fine(x)
+        return out
+
+
+class Trainer:
+    def __init__(self):
+        self.model = DDP(Nerf())
+        self.step = 0
+
+    def train_step(self, x):
+        use_fine = GATE
+        out = self.model(x, use_fine=use_fine)
+        loss = out["coarse"].sum()
+        if use_fine:
+            loss = loss + out["fine"].sum()
+        loss.backward()
+
+    def fit(self, loader):
+        for x in loader:
+            self.train_step(x)
+            self.step += 1
+"""
+
+
+@pytest.mark.parametrize(
+    "gate, reported",
+    [
+        ("self.step >= 2000", True),
+        ("self.global_step > self.cfg.warmup", True),
+        ("self.cfg.use_fine", False),  # one value for the whole run, every step alike
+    ],
+)
+def test_a_step_counter_field_compared_decides_per_step(gate, reported):
+    found = lint_snippet(HEADER, WARMUP_FIELD.replace("GATE", gate), ["unused-parameters"])
+    assert bool(found) == reported, found

@@ -30,6 +30,7 @@ its function sets to None.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -256,7 +257,8 @@ def varying_line(
     around: ast.AST | None = None,
 ) -> int | None:
     """Where an argument is decided per step: a modulo, a random draw, a
-    comparison of a step counter (a loop variable, a name `+=`'d), or any read of
+    comparison of a step counter (a loop variable, a name `+=`'d, a trainer's
+    `self.step` / `self.global_step` field), or any read of
     a name that holds the step's batch (`batch_names`), in it or in what the scope
     assigns to a name it reads. With `around` (the model's call), only the loops
     around it count steps: a loop inside the step runs alike every step."""
@@ -281,12 +283,26 @@ def varying_line(
             modulo = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)
             drawn = isinstance(node, ast.Call) and draws_random(node)
             counted = isinstance(node, ast.Compare) and any(
-                isinstance(n, ast.Name) and n.id in counters for n in walk(node)
+                (isinstance(n, ast.Name) and n.id in counters) or step_field(n) for n in walk(node)
             )
             batch_read = isinstance(node, ast.Name) and node.id in batch_names
             if modulo or drawn or counted or batch_read:
                 return value.lineno
     return None
+
+
+# A trainer's progress kept in a field (`self.step`, Lightning's `self.global_step`,
+# `self.current_epoch`): compared, it decides per step, as a loop's counter does.
+STEP_FIELD = re.compile(r"^(global_|current_)?(step|steps|iter|iters|iteration|epoch)$")
+
+
+def step_field(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and bool(STEP_FIELD.match(node.attr))
+    )
 
 
 RANDOM_SKIP = (
