@@ -621,6 +621,33 @@ def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None
 
 
 @pytest.mark.parametrize(
+    "parts, flagged",
+    [
+        # blind sets cq's 11 and cs's 17: the gathered parts listed, then sent in a loop
+        ("torch.cat(probs), torch.cat(ids)", True),
+        ("torch.cat(probs).to(device), torch.cat(ids).to(device)", False),
+    ],
+)
+def test_a_collective_in_a_loop_over_listed_tensors_sends_each_of_them(parts, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def collect(model, loader, device, world):\n"
+        "    probs, ids = [], []\n"
+        "    for x, i in loader:\n"
+        "        probs.append(model(x.to(device)).sigmoid().cpu())\n"
+        "        ids.append(i)\n"
+        f"    local = ({parts})\n"
+        "    out = []\n"
+        "    for t in local:\n"
+        "        bufs = [torch.empty_like(t) for _ in range(world)]\n"
+        "        dist.all_gather(bufs, t)\n"
+        "        out.append(torch.cat(bufs))\n"
+        "    return out\n"
+    )
+    found = findings_of(source, "nccl-with-cpu-tensors")
+    assert bool(found) == flagged, found
+
+
+@pytest.mark.parametrize(
     "converted, flagged",
     [
         # a numpy result turned into a CPU tensor under its own name (blind set ap's 04)

@@ -104,7 +104,26 @@ def tensor_origins(
         items = appended.get(name, [])
         return bool(items) and all(makes_cpu_tensor(script, item, on_cpu_so_far) for item in items)
 
-    for node in sorted((n for n in nodes if isinstance(n, ast.Assign)), key=lambda n: n.lineno):
+    listed: dict[str, list[ast.expr]] = {}  # `local = (a, b)`: the tensors a loop sends
+    for node in sorted(
+        (n for n in nodes if isinstance(n, ast.Assign | ast.For)), key=lambda n: n.lineno
+    ):
+        if isinstance(node, ast.For):
+            # `for t in local: dist.all_gather(bufs, t)` sends each listed tensor in turn:
+            # t is on the CPU when one of them is
+            items = sequence_items(node.iter, listed)
+            if isinstance(node.target, ast.Name) and items:
+                on_cpu = any(
+                    makes_cpu_tensor(script, item, on_cpu_so_far, list_on_cpu=list_on_cpu)
+                    for item in items
+                )
+                origins.setdefault(node.target.id, []).append((node.lineno, on_cpu))
+            continue
+        for target, value in name_value_pairs(node):
+            if isinstance(value, ast.Tuple | ast.List) and value.elts:
+                listed[target.id] = value.elts
+            else:
+                listed.pop(target.id, None)
         for target, position in unpacked_from_own_function(script, node, depth):
             # `imp, n = compute_importance(...)`: what the file's function returns there
             on_cpu = returned_on_cpu(script, node.value, position, depth)  # type: ignore[arg-type]
@@ -119,6 +138,14 @@ def tensor_origins(
                 origins[target.id] = []
             origins.setdefault(target.id, []).append((node.lineno, on_cpu))
     return origins
+
+
+def sequence_items(iterable: ast.expr, listed: dict[str, list[ast.expr]]) -> list[ast.expr]:
+    """The items of a literal list or tuple a loop walks, itself or by the name it
+    was assigned to."""
+    if isinstance(iterable, ast.Tuple | ast.List):
+        return iterable.elts
+    return listed.get(iterable.id, []) if isinstance(iterable, ast.Name) else []
 
 
 # How many helpers deep a returned tensor is followed (a helper calling a helper).
