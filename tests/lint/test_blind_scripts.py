@@ -105,7 +105,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # cb 11/16; cc 15/16; cd 12/16; ce 10/16; cf 14/16; cg 14/16; ch 15/16; ci 15/16;
 # cj 15/16; ck 14/16; cm 14/16; cn 12/16; co 12/16; cl 13/16; cp 13/16; cq 15/16;
 # cs 13/16; cr 11/16; cv 7/16; cu 13/16; cw 15/16; ct 15/16)
-FOUND_FLOOR = 1477  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 1481  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -244,7 +244,9 @@ FOUND_FLOOR = 1477  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # (measured once at 5df479e); 1457 of 1601 with cu and cw (measured once at adca77f); 1472 of
 # 1617 with ct (measured once at 2da2037), then wandb runs grouped but named alike (cv's 09),
 # a weighted sampler an option picks (cv's 18), folds a helper returns (cv's 12), loaders in
-# a dict or a field (cp's 04), a method's result shown by another method (cl's 05) (1477)
+# a dict or a field (cp's 04), a method's result shown by another method (cl's 05) (1477),
+# a GPU index from an option no process sets apart (cl's 14), a trainer's step field compared
+# (cr's 10), a collective looped over listed CPU tensors (cq's 11, cs's 17) (1481)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
