@@ -34,19 +34,18 @@ import itertools
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.model_build import assignments_seen_from
 from assistant.lint.checks.unused import inside_no_grad, wrapped_by
 from assistant.lint.model import (
     Script,
     children,
     full_text,
     keyword,
-    name_value_pairs,
     position,
     short,
     source_text,
     walk,
 )
-from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
@@ -324,17 +323,10 @@ def batch_norm_built(script: Script, ddp: ast.Call, names: set[str]) -> int | No
 
 
 def values_where(script: Script, node: ast.AST, name: str) -> list[ast.expr]:
-    """What the plain `name` is assigned in the function that holds `node` (another
-    function's `net` is its own); the file's assignments of it where that function has
-    none (a parameter, a field set elsewhere)."""
-    scope = enclosing_scope(node, script)
-    local = [
-        value
-        for statement in (script.scope_nodes(scope) if scope is not None else [])
-        if isinstance(statement, ast.Assign)
-        for target, value in name_value_pairs(statement)
-        if target.id == name
-    ]
+    """What the plain `name` is assigned in the function that holds `node` or at module
+    level (another function's `net` is its own); the file's assignments of it where
+    those have none (a parameter, a field set elsewhere)."""
+    local = assignments_seen_from(script, node).get(name, [])
     return local or script.assigned_values.get(name, [])
 
 

@@ -387,20 +387,17 @@ def rebound_names(script: Script, scope: ast.AST) -> frozenset[str]:
     the scope and the functions around it and of the module (another function's
     `train=False` is its own), imports, and names defined more than once at the top
     level (by `def` or `class`)."""
-    names: set[str] = set()
-    while scope is not None:
-        names |= parameter_names(scope)
-        names |= {
-            n.id
-            for n in script.scope_nodes(scope)
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-        }
-        scope = None if scope is script.tree else enclosing_scope(scope, script)
-    names |= {
+    scopes = [script.tree]  # the module's names, then each function around `scope`
+    while scope is not None and scope is not script.tree:
+        scopes.append(scope)
+        scope = enclosing_scope(scope, script)  # None past a class: its methods' own end
+    names = {
         n.id
-        for n in script.scope_nodes(script.tree)
+        for each in scopes
+        for n in script.scope_nodes(each)
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
     }
+    names |= {name for each in scopes for name in parameter_names(each)}
     defined: set[str] = set()
     for node in script.tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
