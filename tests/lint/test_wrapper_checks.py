@@ -394,6 +394,30 @@ def test_a_closure_called_before_the_wrapping_or_rebinding_its_name_is_not_judge
     assert findings(own) == []
 
 
+CALLBACK = """
+def main(estimator):
+    model = DDP(nn.Linear(2, 2))
+
+    def density(x):
+        return model.query_density(x)
+
+    estimator.update_every_n_steps(step=1, occ_eval_fn=density)
+"""
+
+
+def test_a_closure_handed_on_as_a_callback_reads_the_wrapper_it_runs_with():
+    """Blind set cr's 01: an occupancy-grid callback nested in main reads `model`,
+    the DDP wrapper from where main hands the callback on to the end of main."""
+    assert [line for line, _ in findings(CALLBACK)] == [6]
+
+
+def test_a_callback_whose_name_is_rebound_after_the_hand_over_is_not_judged():
+    later = CALLBACK + "    model = model.module\n"
+    assert findings(later) == []
+    before = CALLBACK.replace("    model = DDP(nn.Linear(2, 2))\n", "    model = nn.Linear(2, 2)\n")
+    assert findings(before + "    model = DDP(model)\n") == []
+
+
 FLAG = """
 class Net(nn.Module):
     def __init__(self):

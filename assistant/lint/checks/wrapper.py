@@ -324,27 +324,46 @@ def wrappers_passed(
 def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
     """A nested function's free name holds the wrapper when every call of the function
     in its enclosing function comes where that name holds the same wrapper
-    (`def evaluate(): model.generate(...)` called after `model = DDP(model)`)."""
+    (`def evaluate(): model.generate(...)` called after `model = DDP(model)`).
+
+    A function handed on as a callback (`estimator.update(occ_eval_fn=occ_eval_fn)`)
+    runs at some later time: its name holds the wrapper when it does where the
+    name holds the same wrapper at the hand-over and from there to the end of
+    the enclosing function (no later rebinding can give it the bare model)."""
     for inner in script.all_scopes:
         if not isinstance(inner, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         outer = enclosing_scope(inner, script)
         if not isinstance(outer, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
-        calls = [
-            node.lineno
-            for node in script.scope_nodes(outer)
-            if isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id == inner.name
-        ]
+        calls, handed = uses_of_function(script.scope_nodes(outer), inner.name)
         inner_facts, outer_facts = scopes[id(inner)], scopes[id(outer)]
         read = {node.value.id for node in inner_facts.reads}
         free = read - parameter_names(inner) - set(inner_facts.bindings)
+        end = outer.end_lineno or outer.lineno
         for name in free:
             held = {outer_facts.wrapper_at(name, line) for line in calls}
+            held |= {outer_facts.wrapper_at(name, line) for line in handed}
+            if handed:
+                held.add(outer_facts.wrapper_at(name, end + 1))
             if len(held) == 1 and None not in held:
                 inner_facts.bind(name, inner.lineno, next(iter(held)))
+
+
+def uses_of_function(nodes: list[ast.AST], name: str) -> tuple[list[int], list[int]]:
+    """The lines where a scope calls the function `name` (`name(...)`) and where it
+    hands it to a call as an argument (`f(name)`, `f(callback=name)`)."""
+    calls: list[int] = []
+    handed: list[int] = []
+    for node in nodes:
+        if not isinstance(node, ast.Call):
+            continue
+        if isinstance(node.func, ast.Name) and node.func.id == name:
+            calls.append(node.lineno)
+        arguments = [*node.args, *(keyword.value for keyword in node.keywords)]
+        if any(isinstance(arg, ast.Name) and arg.id == name for arg in arguments):
+            handed.append(node.lineno)
+    return calls, handed
 
 
 def called_function(script: Script, call: ast.Call) -> tuple[str, int] | None:
