@@ -40,6 +40,25 @@ def test_a_batch_whose_mask_or_labels_hold_no_target_is_a_skip_on_local_data():
     assert skipped_lines(body) == [3, 7]
 
 
+def test_a_value_the_step_computes_from_its_batch_is_the_ranks_own_data():
+    """Blind set cw's 11: hard negatives mined for this rank's batch; a batch with
+    none usable is skipped on this rank alone."""
+    body = """
+    for step, (x, ids, idx) in enumerate(loader):
+        idx = idx.to(device)
+        hard_idx, ok = mine_hard(bank, idx, args.k)
+        if not ok.any():
+            continue
+        model(x).sum().backward()
+    for step, (x, ids, idx) in enumerate(loader):
+        ok = bank.ready
+        if not ok.any():
+            continue
+        model(x).sum().backward()
+    """
+    assert skipped_lines(body) == [5]
+
+
 def test_a_batch_with_no_boxes_by_its_shape_or_size_is_a_skip_on_local_data():
     # A detector's batch of background images: the targets tensor has no rows.
     body = """

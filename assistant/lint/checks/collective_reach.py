@@ -452,9 +452,9 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         loop = enclosing_loop(node, parents)
         if loop is None:
             continue
-        own_data = reads_local_value(node.test, batch_names(loop)) or compares_a_reduction(
-            node.test
-        )
+        own_data = reads_local_value(
+            node.test, step_data_names(loop, node)
+        ) or compares_a_reduction(node.test)
         own_signal = not own_data and reads_flag(node.test, signalled)
         own_rank = not (own_data or own_signal) and decided_by_rank(script, node, loop)
         if not (own_data or own_signal or own_rank):
@@ -739,6 +739,34 @@ def batch_names(loop: ast.For | ast.While) -> set[str]:
     ):
         target = target.elts[1]
     return {n.id for n in walk(target) if isinstance(n, ast.Name)}
+
+
+def step_data_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
+    """The loop's batch names and the names its body assigns from them above
+    `before`, in source order (`hard_idx, ok = mine(bank, idx)`: what is mined
+    from this rank's batch is this rank's own too)."""
+    names = batch_names(loop)
+    if not names:
+        return names
+    line = getattr(before, "lineno", 0)
+    assigns = sorted(
+        (
+            n
+            for statement in loop.body
+            for n in walk(statement)
+            if isinstance(n, ast.Assign) and n.lineno < line
+        ),
+        key=lambda n: n.lineno,
+    )
+    for assign in assigns:
+        if names_in(assign.value) & names:
+            names |= {
+                n.id
+                for target in assign.targets
+                for n in walk(target)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
+    return names
 
 
 def reads_local_value(test: ast.expr, batch: set[str]) -> bool:
