@@ -706,3 +706,46 @@ class Trainer:
 def test_a_step_counter_field_compared_decides_per_step(gate, reported):
     found = lint_snippet(HEADER, WARMUP_FIELD.replace("GATE", gate), ["unused-parameters"])
     assert bool(found) == reported, found
+
+
+SIDE_METHOD = """
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.key_head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+    def key_logits(self, h):
+        return self.key_head(h.mean(0, keepdim=True))
+
+
+def train(loader, optimizer):
+    model = DDP(Net())
+    for x, key in loader:
+        h = model(x)
+        loss = h.sum()
+        has_key = key >= 0
+        {call}
+        loss.backward()
+        optimizer.step()
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "reported"),
+    [
+        # blind set ct's 10: a key head only a method besides forward runs, called
+        # when the batch holds an annotated song
+        ("if has_key.any():\n            loss = loss + model.module.key_logits(h).sum()", [21]),
+        # every step: the head gets a gradient each step
+        ("loss = loss + model.module.key_logits(h).sum()", []),
+        # decided once for the run, not per step
+        ("if USE_KEY:\n            loss = loss + model.module.key_logits(h).sum()", []),
+    ],
+)
+def test_a_method_besides_forward_called_on_some_steps_leaves_its_submodules_out(call, reported):
+    body = SIDE_METHOD.replace("{call}", call)
+    assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == reported

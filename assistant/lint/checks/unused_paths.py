@@ -26,6 +26,7 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import (
+    batch_names,
     forward_of,
     inside_no_grad,
     model_classes,
@@ -45,6 +46,7 @@ from assistant.lint.model import (
     self_attribute,
     source_text,
     truth_at_count,
+    unmoved,
     walk,
 )
 from assistant.lint.registry import check
@@ -133,6 +135,19 @@ def left_out_by_the_steps(
                     "find_unused_parameters=True"
                 ),
             )
+        for gate, method, left_out in side_methods_some_steps_call(
+            script, ddp, cls, trainable - everywhere, calls
+        ):
+            yield (
+                gate,
+                (
+                    f"only {method}() runs {fields_shown(left_out)} (forward does not), and the "
+                    f"training step calls it only when `{source_text(gate.test)}` holds: on "
+                    f"the other steps their parameters get no gradient, and {fails}: call it "
+                    "every step and weight what it adds by zero, or pass "
+                    "find_unused_parameters=True"
+                ),
+            )
         for member_call, member, inner, left_out, shown in inner_members_left_out(
             script, classes, cls
         ):
@@ -145,6 +160,66 @@ def left_out_by_the_steps(
                     "pass find_unused_parameters=True"
                 ),
             )
+
+
+def side_methods_some_steps_call(
+    script: Script,
+    ddp: ast.Call,
+    cls: ast.ClassDef,
+    outside_forward: set[str],
+    calls: list[tuple[ast.Call, list[ast.AST]]],
+) -> Iterator[tuple[ast.If, str, set[str]]]:
+    """(the gate, the method, the submodules) for a method of the wrapped model
+    other than forward that alone runs trainable submodules, called in a training
+    step through the wrapper's `.module` (or the unwrapped model's name) only
+    under an `if` decided per step that the step's forward call is not under
+    (`if has_key.any(): kl = model.module.key_logits(h[has_key])`)."""
+    if not outside_forward:
+        return
+    wrapped = {n.id for n in walk(ddp.args[0]) if isinstance(n, ast.Name)} if ddp.args else set()
+    wrappers = {
+        source_text(target)
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and unmoved(node.value) is ddp
+        for target in node.targets
+    }
+    reachers = {f"{name}.module" for name in wrappers} | (wrapped - wrappers)
+    methods = [
+        s.name
+        for s in cls.body
+        if isinstance(s, ast.FunctionDef) and not s.name.startswith("__") and s.name != "forward"
+    ]
+    forward_calls: dict[int, tuple[list[ast.AST], list[ast.Call]]] = {}
+    for call, nodes in calls:  # the step's forward calls, by the scope they are in
+        forward_calls.setdefault(id(nodes), (nodes, []))[1].append(call)
+    for nodes, forwards in forward_calls.values():
+        for node in nodes:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in methods or source_text(node.func.value) not in reachers:
+                continue
+            left_out = reached(cls, {}, node.func.attr) & outside_forward
+            gate = per_step_gate_around(node, forwards, nodes)
+            if left_out and gate is not None:
+                yield gate, node.func.attr, left_out
+
+
+def per_step_gate_around(
+    call: ast.Call, forwards: list[ast.Call], nodes: list[ast.AST]
+) -> ast.If | None:
+    """The innermost `if` around `call`, decided per step (a step count, a random
+    draw, the step's batch), that holds none of the step's forward calls (an `if`
+    that skips the whole step leaves nothing out alone)."""
+    batch = batch_names(nodes, forwards[0])
+    gates = [
+        node
+        for node in nodes
+        if isinstance(node, ast.If)
+        and any(n is call for statement in node.body for n in walk(statement))
+        and not any(n is forward for forward in forwards for n in walk(node))
+        and varying_line(node.test, nodes, batch, around=forwards[0]) is not None
+    ]
+    return max(gates, key=lambda gate: gate.lineno, default=None)
 
 
 def fields_shown(fields: set[str]) -> str:
@@ -417,14 +492,15 @@ def attributes_in(expr: ast.AST) -> set[str]:
     return {n.attr for n in walk(expr) if isinstance(n, ast.Attribute)}
 
 
-def reached(cls: ast.ClassDef, given: dict[str, object]) -> set[str]:
-    """The `self.x` fields forward may use with these parameter values (a test it
-    cannot decide is followed both ways), with its own methods it calls."""
+def reached(cls: ast.ClassDef, given: dict[str, object], start: str = "forward") -> set[str]:
+    """The `self.x` fields forward (or the method `start`) may use with these
+    parameter values (a test it cannot decide is followed both ways), with its own
+    methods it calls."""
     methods = {s.name: s for s in cls.body if isinstance(s, ast.FunctionDef)}
     found: set[str] = set()
-    walk_block(methods["forward"].body, given, found)
-    pending = sorted(found & set(methods) - {"forward"})
-    seen = {"forward", *pending}
+    walk_block(methods[start].body, given, found)
+    pending = sorted(found & set(methods) - {start})
+    seen = {start, *pending}
     while pending and len(seen) <= MAX_METHODS:
         method = pending.pop()
         more: set[str] = set()
