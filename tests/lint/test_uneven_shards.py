@@ -106,3 +106,44 @@ def test_a_length_given_as_the_shares_size_is_not_fixed_by_the_run():
         )
     )
     assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == [20]
+
+
+HELPER_SHARE = """
+def load_my_parts(parts_dir, rank, world, stats):
+    files = sorted(glob.glob(os.path.join(parts_dir, "part-*.parquet")))
+    mine = files[rank::world]
+    rows = torch.cat([torch.load(f) for f in mine])
+    return TensorDataset(rows), len(files)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with open("stats.json") as f:
+        stats = json.load(f)
+    train_ds, n_files = load_my_parts("parts", rank, world, stats)
+    net = nn.Linear(len(stats["num_cols"]), 4).cuda()
+    model = DDP(net)
+    loader = DataLoader(train_ds, batch_size=4, shuffle=True)
+    for batch in loader:
+        model(batch).sum().backward()
+"""
+
+
+def test_a_share_a_file_function_returns_in_a_tuple_is_followed_to_the_loader():
+    """Blind set dc's 16: the dataset comes back from a function of the file, beside
+    a count, and is read from `files[rank::world]` there."""
+    body = HELPER_SHARE.replace(
+        '    with open("stats.json") as f:\n        stats = json.load(f)\n',
+        '    stats = {"num_cols": ["a", "b"]}\n',
+    )
+    found = lint_snippet(PRELUDE, body, ["uneven-inputs"])
+    assert [line for line, _ in found] == [16]
+
+
+def test_a_comprehensions_variable_is_not_the_same_name_outside_it():
+    """Blind set dc's 16: main's `f` (the stats file) is not the comprehension's `f`
+    over this rank's files, so the model built from the stats is the same on every
+    rank."""
+    found = lint_snippet(PRELUDE, HELPER_SHARE, ["model-differs-across-ranks"])
+    assert found == []

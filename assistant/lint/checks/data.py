@@ -28,6 +28,7 @@ from assistant.lint.model import (
     children,
     full_text,
     keyword,
+    own_nodes,
     parameter_names,
     self_attribute,
     short,
@@ -102,6 +103,8 @@ STREAM_SPLIT_WORDS = re.compile(
 # How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...):
 # files[rank::world] read, split, then wrapped in a Dataset is four steps back.
 ORIGIN_DEPTH = 5
+# Expressions that bind their own loop variables.
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 # A name assigned hundreds of times is not a dataset being built; stop following there.
 MAX_ORIGINS = 64
 
@@ -1124,9 +1127,15 @@ class DataFlow:
                 value
                 for current in frontier
                 for name in self.assigned_names_in(current)
-                for value in [*self.assignments.get(name, ()), *self.loop_sources.get(name, ())]
+                for value in [
+                    *self.assignments.get(name, ()),
+                    *self.loop_sources.get(name, ()),
+                    *self.comprehension_sources_around(current, name),
+                    *self.returned_to.get(name, ()),
+                ]
                 if id(value) not in found
             )
+
             # The first few only: a name assigned thousands of times is not a dataset's.
             frontier = list(islice(assigned, MAX_ORIGINS))
             found.update((id(v), v) for v in frontier)
@@ -1134,12 +1143,54 @@ class DataFlow:
                 break
         return list(found.values())
 
+    @cached_property
+    def returned_to(self) -> dict[str, list[ast.expr]]:
+        """Name -> what the file's function returns into it where the name is
+        assigned its call: `ds = build(root)` takes each `return` value,
+        `train_ds, n = load_my_parts(root, rank, world)` the element of a returned
+        tuple at its place (the dataset built from `files[rank::world]`, not the
+        count beside it; `rank, world = setup()` the rank, not the world size)."""
+        found: dict[str, list[ast.expr]] = {}
+        for node in self.script.nodes:
+            if not (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Name)
+                and (function := self.script.functions.get(node.value.func.id)) is not None
+            ):
+                continue
+            target = node.targets[0]
+            for returned in self.return_values(function):
+                if isinstance(target, ast.Name):
+                    found.setdefault(target.id, []).append(returned)
+                elif (
+                    isinstance(target, ast.Tuple)
+                    and isinstance(returned, ast.Tuple)
+                    and len(returned.elts) == len(target.elts)
+                ):
+                    for name, element in zip(target.elts, returned.elts, strict=True):
+                        if isinstance(name, ast.Name):
+                            found.setdefault(name.id, []).append(element)
+        return found
+
+    @memoized
+    def return_values(self, function: ast.AST) -> list[ast.expr]:
+        """The values of a function's own `return` statements (not its inner functions')."""
+        return [
+            node.value
+            for node in own_nodes(function)
+            if isinstance(node, ast.Return) and node.value is not None
+        ]
+
     @memoized
     def assigned_names_in(self, value: ast.expr) -> list[str]:
         """The names read in `value` that the file assigns to or loops over; not
         those a comprehension or lambda in `value` binds itself (`t` in `[t for
         _, t in items]` is not the file's other `t`s)."""
-        bound = self.assignments.keys() | self.loop_sources.keys()
+        bound = (
+            self.assignments.keys() | self.loop_sources.keys() | self.comprehension_sources.keys()
+        )
         local = names_bound_inside(value)
         return [
             name
@@ -1152,9 +1203,35 @@ class DataFlow:
         """A plain loop variable (`for cid in my_clients`) -> what its loops iterate."""
         sources: dict[str, list[ast.expr]] = {}
         for node in self.script.nodes:
-            if isinstance(node, (ast.For, ast.comprehension)) and isinstance(node.target, ast.Name):
+            if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
                 sources.setdefault(node.target.id, []).append(node.iter)
         return sources
+
+    @cached_property
+    def comprehension_sources(self) -> dict[str, list[tuple[ast.expr, ast.expr]]]:
+        """A comprehension's plain variable -> (the comprehension, what it iterates).
+        Python binds it inside the comprehension only: `[read(f) for f in mine]`
+        says nothing of main's `with open(path) as f`."""
+        sources: dict[str, list[tuple[ast.expr, ast.expr]]] = {}
+        for node in self.script.nodes:
+            if isinstance(node, COMPREHENSIONS):
+                for generator in node.generators:
+                    if isinstance(generator.target, ast.Name):
+                        entry = (node, generator.iter)
+                        sources.setdefault(generator.target.id, []).append(entry)
+        return sources
+
+    def comprehension_sources_around(self, expr: ast.expr, name: str) -> list[ast.expr]:
+        """What `name` iterates in the comprehensions that hold `expr`."""
+        held = self.comprehension_sources.get(name)
+        if not held:
+            return []
+        around = set()
+        node = self.script.parents.get(id(expr))
+        while node is not None:
+            around.add(id(node))
+            node = self.script.parents.get(id(node))
+        return [iterated for comprehension, iterated in held if id(comprehension) in around]
 
     def may_be_iterable(self, dataset: ast.expr) -> bool:
         """An instance of an IterableDataset class of this file, or a stream (streaming=True)."""
