@@ -1208,6 +1208,46 @@ def test_a_graph_dataset_that_downloads_when_built_is_built_by_every_rank(made, 
     assert bool(found) == reported, found
 
 
+CACHE_PER_ITEM = """
+import os
+import numpy as np
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+for i, item in enumerate(items):
+    dst = os.path.join("cache", f"{i:05d}.npy")
+    if os.path.exists(dst):
+        continue
+    WRITE
+"""
+
+
+@pytest.mark.parametrize(
+    "write, reported",
+    [
+        ("np.save(dst, voxelize(item))", True),
+        # blind set cz's 08: a temporary file renamed into place in one step
+        (
+            "tmp = f'{dst}.tmp.npy'\n    np.save(tmp, voxelize(item))\n    os.replace(tmp, dst)",
+            False,
+        ),
+        (
+            "with open(dst + '.part', 'wb') as f:\n        pickle.dump(voxelize(item), f)\n"
+            "    os.rename(dst + '.part', dst)",
+            False,
+        ),
+        # renamed, but another file than the one written
+        ("np.save(dst, voxelize(item))\n    os.replace(other, dst)", True),
+    ],
+    ids=["in-place", "os-replace", "with-open-rename", "another-file-renamed"],
+)
+def test_a_cache_file_renamed_into_place_is_never_read_half_written(write, reported):
+    source = CACHE_PER_ITEM.replace("WRITE", write)
+    found = [f.cause_id for f in lint_source(source) if f.cause_id == "dataset-cache-race"]
+    assert bool(found) == reported, found
+
+
 PREFETCH_LOADER = """
 class PrefetchDataLoader(DataLoader):
     def __init__(self, num_prefetch_queue, **kwargs):

@@ -774,20 +774,22 @@ def test_a_helper_that_returns_a_rank_test_is_read_as_one() -> None:
         ("engine, *_ = deepspeed.initialize(model=model)", "deepspeed.initialize()"),
         ("deepspeed.init_distributed()", "deepspeed.init_distributed()"),
         ("accelerator = Accelerator()", "accelerate.Accelerator()"),
+        # blind set de's 02: TrainingArguments sets up the devices in __post_init__
+        ("args = TrainingArguments(output_dir='out')", "transformers.TrainingArguments()"),
     ],
 )
 def test_a_rank_asked_before_a_library_starts_the_group_is_reported(setup, name) -> None:
     source = (
         "import deepspeed\nimport torch.distributed as dist\n"
-        "from accelerate import Accelerator\n"
+        "from accelerate import Accelerator\nfrom transformers import TrainingArguments\n"
         "def main(model):\n"
         "    rank = dist.get_rank()\n"
         f"    {setup}\n"
         "    print(rank, dist.get_rank())\n"
     )
     findings = lint_source(source)
-    assert [(f.cause_id, f.line) for f in findings] == [("process-group-not-initialized", 5)]
-    assert f"{name}, which starts it, comes later (line 6)" in findings[0].message
+    assert [(f.cause_id, f.line) for f in findings] == [("process-group-not-initialized", 6)]
+    assert f"{name}, which starts it, comes later (line 7)" in findings[0].message
 
 
 def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag() -> None:

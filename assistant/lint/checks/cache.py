@@ -300,9 +300,67 @@ def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
             for inner in walk(statement):
                 if not isinstance(inner, ast.Call):
                     continue
-                if writes_cache(script, inner, torch_save, HELPER_DEPTH):
+                if writes_cache(
+                    script, inner, torch_save, HELPER_DEPTH
+                ) and not published_atomically(script, inner, branch):
                     writes.setdefault(id(inner), test.lineno)
     return writes
+
+
+# Renames that replace the destination in one step (POSIX rename): a reader sees the
+# old file or the whole new one, never half of it.
+RENAMES = frozenset({"os.replace", "os.rename", "shutil.move"})
+PATH_RENAMES = frozenset({"replace", "rename"})
+
+
+def published_atomically(script: Script, write: ast.Call, branch: list[ast.stmt]) -> bool:
+    """The write goes to a file the branch then renames into place (`np.save(tmp,
+    x); os.replace(tmp, dst)`, `tmp.rename(dst)`): however many ranks build it at
+    once, a rank that finds the file reads a whole one."""
+    written = written_path(script, write, branch)
+    if written is None:
+        return False
+    for statement in branch:
+        for node in walk(statement):
+            if not isinstance(node, ast.Call):
+                continue
+            if script.name_of(node.func) in RENAMES and node.args:
+                renamed = node.args[0]
+            elif (
+                isinstance(node.func, ast.Attribute)
+                and node.func.attr in PATH_RENAMES
+                and len(node.args) == 1
+            ):
+                renamed = node.func.value  # Path(tmp).replace(dst)
+            else:
+                continue
+            if source_text(renamed) == written:
+                return True
+    return False
+
+
+def written_path(script: Script, write: ast.Call, branch: list[ast.stmt]) -> str | None:
+    """The source text of the path a write goes to: np.save's first argument,
+    pickle.dump's file through `with open(tmp, "wb") as f`, df.to_parquet(path)."""
+    position = FILE_WRITERS.get(script.name_of(write.func), 0)
+    if len(write.args) <= position:
+        return None
+    target = write.args[position]
+    if isinstance(target, ast.Name):
+        for statement in branch:
+            for node in walk(statement):
+                if isinstance(node, ast.With | ast.AsyncWith):
+                    for item in node.items:
+                        opened = item.context_expr
+                        if (
+                            isinstance(item.optional_vars, ast.Name)
+                            and item.optional_vars.id == target.id
+                            and isinstance(opened, ast.Call)
+                            and short(script.name_of(opened.func)) == "open"
+                            and opened.args
+                        ):
+                            return source_text(opened.args[0])
+    return source_text(target)
 
 
 def writes_cache(script: Script, call: ast.Call, torch_save: bool, depth: int) -> bool:

@@ -25,6 +25,15 @@ FRAMEWORK_SETUP = frozenset(
         "accelerate.Accelerator",
         "accelerate.PartialState",
         "accelerate.state.PartialState",
+        # Hugging Face's TrainingArguments.__post_init__ reads self.device (and, with a
+        # DeepSpeed config, the world size): that sets up the devices, which under
+        # torchrun starts the default group (a traceback of it: microsoft/dp-transformers#6).
+        "transformers.TrainingArguments",
+        "transformers.Seq2SeqTrainingArguments",
+        "transformers.training_args.TrainingArguments",
+        "trl.SFTConfig",
+        "trl.DPOConfig",
+        "trl.RewardConfig",
     }
 )
 
