@@ -1233,8 +1233,10 @@ for i, item in enumerate(items):
             False,
         ),
         (
-            "with open(dst + '.part', 'wb') as f:\n        pickle.dump(voxelize(item), f)\n"
-            "    os.rename(dst + '.part', dst)",
+            (
+                "with open(dst + '.part', 'wb') as f:\n        pickle.dump(voxelize(item), f)\n"
+                "    os.rename(dst + '.part', dst)"
+            ),
             False,
         ),
         # renamed, but another file than the one written
