@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
+from functools import partial
 
 
 class Net(nn.Module):
@@ -48,3 +49,78 @@ def test_literal_false_none_or_no_setting_leave_distinct_blocks_alone():
 def test_a_static_graph_is_quiet_whatever_the_setting():
     body = "model = DDP(Net(), find_unused_parameters=cfg.unused, static_graph=True)\n"
     assert findings(body) == []
+
+
+ROLLOUT = """
+def train(loader, optimizer, k):
+    model = DDP(Net())
+    for x, y in loader:
+        loss = 0.0
+        for step in range(k):
+            x = model(x)
+            loss = loss + (x - y).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+"""
+
+
+def test_a_model_run_several_times_before_one_backward_reuses_its_checkpointed_blocks():
+    """Blind set cx's 05: an autoregressive rollout of the DDP model, one backward."""
+    (message,) = findings(ROLLOUT)
+    assert "runs several times before one backward (line" in message
+
+
+def test_a_model_run_once_per_backward_or_without_gradients_is_left_alone():
+    once = (
+        ROLLOUT.replace("            loss = loss + (x - y).pow(2).mean()\n", "")
+        .replace("        loss.backward()\n", "")
+        .replace(
+            "            x = model(x)\n",
+            "            x = model(x)\n            x.sum().backward()\n",
+        )
+    )
+    assert findings(once) == []
+    no_grad = ROLLOUT.replace("def train(", "@torch.no_grad()\ndef train(")
+    assert findings(no_grad) == []
+
+
+MULTI_CROP = """
+class Wrapper(nn.Module):
+    def __init__(self, backbone):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, crops):
+        return torch.cat([self.backbone(c) for c in crops]) if FLAG else self.loop(crops)
+
+    def loop(self, crops):
+        feats = []
+        for c in crops:
+            feats.append(self.backbone(c))
+        return torch.cat(feats)
+
+
+make = partial(Net)
+model = DDP(Wrapper(make()))
+"""
+
+
+def test_a_checkpointing_module_a_wrapper_runs_once_per_crop_is_reused():
+    """Blind set dd's 12: DINO's multi-crop wrapper runs the backbone (built through
+    functools.partial and handed to the wrapper) once per crop size."""
+    (message,) = findings(MULTI_CROP)
+    assert "in Net, which Wrapper runs several times in one forward (self.backbone on line" in (
+        message
+    )
+    once = MULTI_CROP.replace(
+        "        for c in crops:\n            feats.append(self.backbone(c))\n",
+        "        feats.append(self.backbone(crops[0]))\n",
+    ).replace("if FLAG else", "if False else")
+    assert findings(once.replace("[self.backbone(c) for c in crops]", "[crops[0]]")) == []
+
+
+def test_a_comprehension_over_the_crops_runs_the_backbone_once_per_crop():
+    body = MULTI_CROP.replace(
+        "        for c in crops:\n            feats.append(self.backbone(c))\n", ""
+    )
+    assert len(findings(body)) == 1

@@ -39,7 +39,19 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, own_nodes, short, source_text
+from assistant.lint.checks.rank_dependent import target_value_pairs
+from assistant.lint.checks.unused import inside_no_grad, without_gradients, wrapped_by
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    called_name,
+    keyword,
+    own_nodes,
+    self_attribute,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -55,6 +67,11 @@ DDP_CONFIGS = frozenset({"DistributedDataParallel", "DistributedDataParallelKwar
 LIGHTNING_FIND_UNUSED = "ddp_find_unused_parameters_true"
 
 REENTRANT, NOT_REENTRANT, UNKNOWN = "reentrant", "not reentrant", "unknown"
+UNSUPPORTED = (
+    "which DDP without a static graph does not support: depending on when its gradient "
+    'buckets fill, it stops with "Expected to mark a variable ready only once"; pass '
+    "use_reentrant=False (or DDP(..., static_graph=True))"
+)
 
 
 @check("ddp-reentrant-checkpoint")
@@ -70,6 +87,7 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
     patched = patches_checkpoint(script)
     own_enable = HF_ENABLE in script.methods_by_name
     loops: Loops | None = None  # built at the first checkpoint call that needs it
+    runs: ModelRuns | None = None
     for node, name in script.call_names:
         if name in CHECKPOINTS:
             if torch_checkpoint_mode(node, name, patched) != REENTRANT:
@@ -92,10 +110,17 @@ def check_reentrant_checkpoint(script: Script) -> Iterator[Finding]:
                     "ddp-reentrant-checkpoint",
                     node,
                     f"{variant} checkpoints {module} inside a loop: its parameters get "
-                    "gradients in several reentrant backward passes, which DDP without a "
-                    "static graph does not support: depending on when its gradient buckets "
-                    'fill, it stops with "Expected to mark a variable ready only once"; pass '
-                    "use_reentrant=False (or DDP(..., static_graph=True))",
+                    f"gradients in several reentrant backward passes, {UNSUPPORTED}",
+                )
+                continue
+            runs = runs or ModelRuns(script, configs)
+            if again := runs.run_again(node):
+                yield script.finding(
+                    "ddp-reentrant-checkpoint",
+                    node,
+                    f"{variant} {again}: each run checkpoints the same "
+                    f"blocks, so their parameters get gradients in several reentrant backward "
+                    f"passes, {UNSUPPORTED}",
                 )
         elif (
             isinstance(node.func, ast.Attribute)
@@ -293,6 +318,194 @@ class Loops:
         if self.backward[id(loop)] or target.attr in self.fields_set[id(loop)]:
             return None
         return source_text(target)
+
+
+# How many fields deep a model's classes are followed (a wrapper's backbone's blocks).
+FIELD_DEPTH = 4
+
+
+class ModelRuns:
+    """Where a module that checkpoints is run more than once before one backward:
+    a field of a model class called inside a loop of its method, or twice there
+    (DINO's multi-crop wrapper runs its backbone once per crop size), and the
+    DDP-wrapped model called inside a `range` loop of a training step (an
+    autoregressive rollout: `for s in range(k): x = model(x)`, one backward)."""
+
+    def __init__(self, script: Script, configs: list[ast.Call]):
+        self.script = script
+        self.classes = {
+            node.name: node for node in script.tree.body if isinstance(node, ast.ClassDef)
+        }
+        self.loops = Loops(script)
+        self.wrapped: list[tuple[set[str], set[str]]] = [
+            wrapped_by(script, config, set(self.classes))
+            for config in configs
+            if short(script.name_of(config.func)) == "DistributedDataParallel"
+        ]
+
+    def run_again(self, checkpoint_call: ast.Call) -> str | None:
+        """How the module holding the checkpoint call is run again, or None."""
+        owner = self.owner_class(checkpoint_call)
+        if owner is None:
+            return None
+        for cls in self.classes.values():
+            for field, call in self.fields_run_twice(cls):
+                if owner in self.held_by_field(cls, field, FIELD_DEPTH):
+                    return (
+                        f"in {owner}, which {cls.name} runs several times in one forward "
+                        f"(self.{field} on line {call.lineno})"
+                    )
+        for holders, built in self.wrapped:
+            if not any(owner in self.reached_from(name, FIELD_DEPTH) for name in built):
+                continue
+            for call in self.training_calls_in_a_range_loop(holders):
+                return (
+                    f"in {owner}, part of the DDP-wrapped model, which runs several times "
+                    f"before one backward (line {call.lineno}, in a loop over range)"
+                )
+        return None
+
+    def owner_class(self, node: ast.AST) -> str | None:
+        parent = self.script.parents.get(id(node))
+        while parent is not None and not isinstance(parent, ast.ClassDef):
+            parent = self.script.parents.get(id(parent))
+        return parent.name if parent is not None else None
+
+    def fields_run_twice(self, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call]]:
+        """`self.backbone(...)` inside a loop of a method (with no backward in it),
+        or called twice in one method."""
+        for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
+            seen: dict[str, int] = {}
+            for node in own_nodes(method):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                field = node.func.attr
+                if not (isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
+                    continue
+                seen[field] = seen.get(field, 0) + 1
+                loop = self.loops.loop_of.get(id(node))
+                looped = loop is not None and not self.loops.backward[id(loop)]
+                if seen[field] == 2 or looped or self.in_a_comprehension(node, method):
+                    yield field, node
+
+    def in_a_comprehension(self, node: ast.AST, method: ast.FunctionDef) -> bool:
+        """`[self.backbone(c) for c in crops]`: run once per item."""
+        parent = self.script.parents.get(id(node))
+        while parent is not None and parent is not method:
+            if isinstance(parent, ast.ListComp | ast.GeneratorExp | ast.SetComp | ast.DictComp):
+                return True
+            parent = self.script.parents.get(id(parent))
+        return False
+
+    def held_by_field(self, cls: ast.ClassDef, field: str, depth: int) -> set[str]:
+        """The file's classes built into `self.field` of cls, and those their fields hold."""
+        held: set[str] = set()
+        for value in self.field_values(cls, field):
+            for built in self.classes_built(value):
+                held |= self.reached_from(built, depth - 1)
+        return held
+
+    def reached_from(self, name: str, depth: int) -> set[str]:
+        """The class and the classes its fields hold, `depth` fields deep."""
+        reached = {name}
+        cls = self.classes.get(name)
+        if cls is None or depth <= 0:
+            return reached
+        fields = {
+            target.attr
+            for node in walk(cls)
+            if isinstance(node, ast.Assign)
+            for target in node.targets
+            if isinstance(target, ast.Attribute) and self_attribute(target)
+        }
+        for field in sorted(fields):
+            reached |= self.held_by_field(cls, field, depth)
+        return reached
+
+    def field_values(self, cls: ast.ClassDef, field: str) -> list[ast.expr]:
+        """What `self.field = ...` is given, and for a parameter of __init__ assigned
+        to it, what the file's constructions of the class pass for it."""
+        values: list[ast.expr] = []
+        init = next(
+            (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__init__"), None
+        )
+        for node in walk(cls):
+            if not isinstance(node, ast.Assign):
+                continue
+            for target, value in target_value_pairs(node):
+                if self_attribute(target) != field:
+                    continue
+                values.append(value)
+                if init is not None and isinstance(value, ast.Name):
+                    values += self.passed_to(cls.name, init, value.id)
+        return values
+
+    def passed_to(self, cls_name: str, init: ast.FunctionDef, parameter: str) -> list[ast.expr]:
+        return [
+            argument
+            for node, name in self.script.call_names
+            if short(name) == cls_name
+            for bound, argument in bound_arguments(init, node, self_bound=True)
+            if bound == parameter
+        ]
+
+    def classes_built(self, value: ast.expr) -> set[str]:
+        """The file's classes a value constructs, directly or through a function of the
+        file that returns one (`vit(use_checkpoint=True)`)."""
+        built: set[str] = set()
+        for node in walk(value):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            if node.func.id in self.classes:
+                built.add(node.func.id)
+            elif partial := self.partial_class(node.func.id):
+                built.add(partial)  # `vit = partial(ViT, depth=12)` ... `vit(...)`
+            elif (function := self.script.functions.get(node.func.id)) is not None:
+                built |= {
+                    n.func.id
+                    for r in own_nodes(function)
+                    if isinstance(r, ast.Return) and r.value is not None
+                    for n in walk(r.value)
+                    if isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Name)
+                    and n.func.id in self.classes
+                }
+        return built
+
+    def partial_class(self, name: str) -> str | None:
+        """The file's class a name holds bound by functools.partial, if that is all it holds."""
+        values = self.script.assigned_values.get(name, [])
+        classes = {
+            value.args[0].id
+            for value in values
+            if isinstance(value, ast.Call)
+            and short(self.script.name_of(value.func)) == "partial"
+            and value.args
+            and isinstance(value.args[0], ast.Name)
+            and value.args[0].id in self.classes
+        }
+        return next(iter(classes)) if len(classes) == 1 and len(values) == 1 else None
+
+    def training_calls_in_a_range_loop(self, holders: set[str]) -> Iterator[ast.Call]:
+        """Calls of the wrapped model inside a `for ... in range(...)` loop whose body
+        runs no backward, outside no_grad."""
+        for scope in self.script.all_scopes:
+            if without_gradients(scope):
+                continue
+            nodes = list(own_nodes(scope))
+            no_grad = inside_no_grad(nodes)
+            for node in nodes:
+                if not (isinstance(node, ast.Call) and source_text(node.func) in holders):
+                    continue
+                loop = self.loops.loop_of.get(id(node))
+                if (
+                    id(node) not in no_grad
+                    and isinstance(loop, ast.For)
+                    and isinstance(loop.iter, ast.Call)
+                    and called_name(loop.iter) == "range"
+                    and not self.loops.backward[id(loop)]
+                ):
+                    yield node
 
 
 def own_nodes_of(stmt: ast.stmt) -> Iterator[ast.AST]:
