@@ -17,12 +17,17 @@ MAX_HOPS = 3
 
 def resolved_int(script: Script, expr: ast.expr | None, hops: int = MAX_HOPS) -> int | None:
     """An int the expression surely holds: a literal, `args.<dest>` with an int
-    argparse default, or a name assigned one of those once."""
+    argparse default (or a @dataclass config field's, dataclass_default), or a name
+    assigned one of those once."""
     if isinstance(expr, ast.Constant) and type(expr.value) is int:
         return expr.value
     if hops <= 0:
         return None
     if isinstance(expr, ast.Attribute):
+        if argparse_flag(script, expr.attr) is None:
+            # `cfg.batch_size` of the file's @dataclass config, when nothing overrides it
+            known, value = dataclass_default(script, expr.attr)
+            return value if known and type(value) is int else None
         return argparse_default(script, expr.attr, hops - 1)
     if isinstance(expr, ast.Name):
         values = script.assigned_values.get(expr.id, [])

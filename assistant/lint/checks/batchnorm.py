@@ -127,17 +127,22 @@ def check_batchnorm_over_a_few_samples_per_gpu(script: Script) -> Iterator[Findi
         return
     if keeps_batch_norm_in_eval_mode(script):
         return
-    loader, size = loaders[0]
+    loader, size, shared = loaders[0]
     wrapped = ddp_over_plain_batchnorm(script)
     if wrapped is None:
         yield from lightning_trainers_without_sync(script, loader, size)
         return
     ddp, norm = wrapped
+    samples = (
+        f"at most {size} samples per process, a global batch of {shared} divided over two or more,"
+        if shared
+        else f"{size} sample{'s' if size != 1 else ''} per process"
+    )
     yield script.finding(
         "batchnorm-not-synced",
         ddp,
-        f"DDP wraps a model with plain BatchNorm (line {norm}) trained on {size} "
-        f"sample{'s' if size != 1 else ''} per process (the DataLoader on line "
+        f"DDP wraps a model with plain BatchNorm (line {norm}) trained on {samples} "
+        f"(the DataLoader on line "
         f"{loader.lineno}): each GPU's BatchNorm normalises over those alone, so its "
         "statistics are noise and the model trains worse than one GPU with the same "
         "global batch; convert it before DDP: "
@@ -267,9 +272,12 @@ def may_sync_batchnorm(script: Script) -> bool:
     )
 
 
-def small_training_loaders(script: Script) -> list[tuple[ast.Call, int]]:
+def small_training_loaders(script: Script) -> list[tuple[ast.Call, int, int | None]]:
     """Training DataLoaders (drawing through a sampler or shuffling, not assigned
-    to a val / test name) whose batch size resolves to at most SMALL_PER_GPU_BATCH."""
+    to a val / test name) whose batch size resolves to at most SMALL_PER_GPU_BATCH:
+    (the loader, that size, and the global batch when the size is a global batch
+    divided over the processes, `max(1, args.batch_size // world)`: at most half
+    of it, as a DDP run has two processes or more)."""
     evaluation = {
         id(node.value)
         for node in script.nodes
@@ -282,9 +290,33 @@ def small_training_loaders(script: Script) -> list[tuple[ast.Call, int]]:
             continue
         given = keyword(node, "batch_size") or (node.args[1] if len(node.args) > 1 else None)
         size = resolved_int(script, given)
+        shared = global_batch_divided(script, given)
+        if shared is not None:
+            size = shared // 2
         if size is not None and 0 < size <= SMALL_PER_GPU_BATCH:
-            found.append((node, size))
+            found.append((node, size, shared))
     return found
+
+
+WORLD_SIZE = re.compile(r"world|nprocs|n_?gpus|num_gpus|replicas|num_processes", re.IGNORECASE)
+
+
+def global_batch_divided(script: Script, given: ast.expr | None) -> int | None:
+    """The global batch a per-process batch size divides by the number of processes
+    (`args.batch_size // world`, `max(1, bs // dist.get_world_size())`, `int(bs /
+    world)`), through a name assigned it once; None for anything else."""
+    if isinstance(given, ast.Name):
+        values = script.assigned_values.get(given.id, [])
+        given = values[0] if len(values) == 1 else None
+    while isinstance(given, ast.Call) and short(script.name_of(given.func)) in ("max", "int"):
+        # max(1, x // world): the 1 is a floor, the share is the other argument
+        divided = [a for a in given.args if not isinstance(a, ast.Constant)]
+        given = divided[0] if len(divided) == 1 else None
+    if not (isinstance(given, ast.BinOp) and isinstance(given.op, ast.FloorDiv | ast.Div)):
+        return None
+    if not WORLD_SIZE.search(source_text(given.right)):
+        return None
+    return resolved_int(script, given.left)
 
 
 def shuffles(loader: ast.Call) -> bool:
