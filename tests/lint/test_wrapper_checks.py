@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -232,7 +233,9 @@ def test_the_wrapper_handed_to_a_function_is_the_wrapper_there():
     "other_call, reported",
     [
         ("", [3]),  # br's 08: main -> meta_eval(model) -> logits(model) -> model.scale
-        ("logits(bare, torch.ones(2))", []),  # logits also gets the bare model somewhere
+        # logits also gets the bare model somewhere: the call through meta_eval still
+        # hands it the wrapper, and fails there (blind set cy's 18)
+        ("logits(bare, torch.ones(2))", [3]),
     ],
 )
 def test_the_wrapper_is_followed_through_the_functions_it_is_handed_on_to(other_call, reported):
@@ -313,7 +316,7 @@ def test_a_method_called_on_an_object_of_another_class_is_not_judged():
     assert found == []
 
 
-def test_a_function_also_given_the_bare_model_is_not_judged():
+def test_a_function_also_given_the_bare_model_fails_where_it_is_given_the_wrapper():
     found = findings(
         """
         def evaluate(net, batch):
@@ -326,7 +329,8 @@ def test_a_function_also_given_the_bare_model_is_not_judged():
             evaluate(bare, torch.ones(2))
         """
     )
-    assert found == []
+    assert [line for line, _ in found] == [3]
+    assert "(other calls pass the bare model)" in found[0][1]
 
 
 def test_accelerate_prepare_wraps_the_module_among_what_it_returns():
@@ -466,3 +470,40 @@ def test_a_flag_set_on_a_field_that_only_ever_holds_the_wrapper_is_reported():
         "    def validate(self):\n        self.net.deep_supervision = False\n",
     )
     assert [line for line, _ in findings(trainer)] == [16]
+
+
+MIXED_CALLS = """
+def energy(model, net, x):
+    edges = radius(x, net.cutoff)
+    return model(x, edges)
+
+
+def main():
+    model = DDP(nn.Linear(2, 2))
+    energy(model, model, torch.ones(2))
+    bare = model.module
+    energy(bare, bare, torch.ones(2))
+"""
+
+
+def test_a_parameter_one_call_passes_the_wrapper_fails_at_that_call():
+    """Blind set cy's 18: training passes the DDP wrapper as the model whose fields
+    the helper reads, evaluation the bare model."""
+    found = findings(MIXED_CALLS)
+    assert [line for line, _ in found] == [3]
+    assert re.search(
+        r"the call on line \d+ passes the DistributedDataParallel wrapper as net", found[0][1]
+    )
+
+
+def test_a_function_that_tests_for_the_wrapper_unwraps_it_itself():
+    tested = MIXED_CALLS.replace(
+        "edges = radius(x, net.cutoff)",
+        "edges = radius(x, net.module.cutoff if isinstance(net, DDP) else net.cutoff)",
+    )
+    assert findings(tested) == []
+    probed = MIXED_CALLS.replace(
+        "edges = radius(x, net.cutoff)",
+        'edges = radius(x, net.module.cutoff if hasattr(net, "module") else net.cutoff)',
+    )
+    assert findings(probed) == []

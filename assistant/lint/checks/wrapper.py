@@ -141,6 +141,12 @@ class ScopeFacts:
         self.reads: list[ast.Attribute] = []
         self.stores: list[ast.Attribute] = []  # `name.attr = ...`, in source order
         self.probes: list[ast.Call] = []  # `hasattr(name, "attr")`, `getattr(name, "attr", d)`
+        # a parameter some calls pass the wrapper and others the bare model: the line of
+        # the first call that passes the wrapper
+        self.passed_by: dict[str, int] = {}
+        # names the scope tests for a wrapper (`isinstance(m, DDP)`, `hasattr(m, "module")`):
+        # it reads them one way or the other as they are
+        self.unwrapped_here: set[str] = set()
         for node in nodes:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 for name, wrapper in bound_wrappers(script, node):
@@ -153,6 +159,10 @@ class ScopeFacts:
                         self.bind(name, node.lineno, None)
             elif isinstance(node, ast.Call) and probed_attribute(script, node):
                 self.probes.append(node)
+                if node.args[1].value == "module":  # `hasattr(m, "module")`: unwraps itself
+                    self.unwrapped_here.add(node.args[0].id)
+            elif isinstance(node, ast.Call) and (tested := wrapper_type_test(script, node)):
+                self.unwrapped_here.add(tested)
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 if isinstance(node.ctx, ast.Load):
                     self.reads.append(node)
@@ -177,6 +187,7 @@ class ScopeFacts:
                 wrapper is None
                 or attribute in WRAPPERS[wrapper]
                 or (name, attribute) in self.set_on
+                or name in self.unwrapped_here
             ):
                 continue
             if wrapper == TRAINER_WRAPPED:
@@ -189,6 +200,17 @@ class ScopeFacts:
                     f"{attribute!r}: AttributeError on the first step, though one GPU works; "
                     f"read self.model.{attribute} (the Trainer keeps the unwrapped model "
                     "there)",
+                )
+                continue
+            if name in self.passed_by:
+                line = self.passed_by[name]
+                yield script.finding(
+                    "ddp-wrapper-attribute",
+                    node,
+                    f"{name}.{attribute}: the call on line {line} passes the {wrapper} wrapper "
+                    f"as {name} (other calls pass the bare model), and the wrapper has no "
+                    f"attribute {attribute!r}: AttributeError on every rank at that call; "
+                    "pass the unwrapped model there (.module)",
                 )
                 continue
             yield script.finding(
@@ -230,6 +252,19 @@ class ScopeFacts:
                 f"under that name is silently skipped (one GPU, unwrapped, uses it); probe "
                 f"{name}.module, or pass the unwrapped model",
             )
+
+
+def wrapper_type_test(script: Script, node: ast.Call) -> str | None:
+    """The name in `isinstance(name, DDP)` (or a tuple of types naming a wrapper)."""
+    if script.name_of(node.func) != "isinstance" or len(node.args) != 2:
+        return None
+    tested, kinds = node.args
+    named = kinds.elts if isinstance(kinds, ast.Tuple) else [kinds]
+    if isinstance(tested, ast.Name) and any(
+        short(script.name_of(kind)) in WRAPPERS for kind in named
+    ):
+        return tested.id
+    return None
 
 
 def probed_attribute(script: Script, node: ast.Call) -> bool:
@@ -284,16 +319,16 @@ def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> No
         for (function_name, position), wrappers in passed.items():
             function = script.functions[function_name]
             parameters = function.args.posonlyargs + function.args.args
-            if (
-                (function_name, position) in bound
-                or len(wrappers) != 1
-                or None in wrappers
-                or position >= len(parameters)
-            ):
+            kinds = set(wrappers) - {None}
+            if (function_name, position) in bound or len(kinds) != 1 or position >= len(parameters):
                 continue
             facts = scopes.get(id(function))
             if facts is not None:
-                facts.bind(parameters[position].arg, function.lineno, next(iter(wrappers)))
+                wrapper = next(iter(kinds))
+                name = parameters[position].arg
+                facts.bind(name, function.lineno, wrapper)
+                if None in wrappers:  # other calls pass the bare model: say which one fails
+                    facts.passed_by[name] = wrappers[wrapper]
                 bound.add((function_name, position))
                 newly = True
         if not newly:
@@ -302,9 +337,10 @@ def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> No
 
 def wrappers_passed(
     script: Script, scopes: dict[int, ScopeFacts]
-) -> dict[tuple[str, int], set[str | None]]:
-    """(function, position) -> the wrappers (None: not one) its calls pass there."""
-    passed: dict[tuple[str, int], set[str | None]] = {}
+) -> dict[tuple[str, int], dict[str | None, int]]:
+    """(function, position) -> the wrappers (None: not one) its calls pass there,
+    each with the line of the first call that passes it."""
+    passed: dict[tuple[str, int], dict[str | None, int]] = {}
     for scope in script.all_scopes:
         facts = scopes[id(scope)]
         for node in script.scope_nodes(scope):
@@ -317,7 +353,9 @@ def wrappers_passed(
             for position, arg in enumerate(node.args, start=first):
                 if isinstance(arg, ast.Name):
                     wrapper = facts.wrapper_at(arg.id, node.lineno)
-                    passed.setdefault((function_name, position), set()).add(wrapper)
+                    passed.setdefault((function_name, position), {}).setdefault(
+                        wrapper, node.lineno
+                    )
     return passed
 
 
