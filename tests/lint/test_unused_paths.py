@@ -749,3 +749,18 @@ def train(loader, optimizer):
 def test_a_method_besides_forward_called_on_some_steps_leaves_its_submodules_out(call, reported):
     body = SIDE_METHOD.replace("{call}", call)
     assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == reported
+
+
+@pytest.mark.parametrize(
+    ("flag", "reported_lines"),
+    [
+        # blind set cx's 20: the head trains only when the run turns the option on
+        ('parser.add_argument("--aux", action="store_true")', [24]),
+        ('parser.add_argument("--aux", type=int, default=1)', []),
+        ('parser.add_argument("--aux", required=True)', []),  # every run names it
+    ],
+)
+def test_an_option_passed_as_it_is_routes_forward_by_its_default(flag, reported_lines):
+    extra = f"\nparser = argparse.ArgumentParser()\n{flag}\nargs = parser.parse_args()\n"
+    step = step_with("out, aux = model(x, with_aux=args.aux)\n        loss = out.sum()")
+    assert reported(EARLY_EXIT, step, extra=extra) == reported_lines

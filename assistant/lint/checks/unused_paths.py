@@ -111,7 +111,7 @@ def left_out_by_the_steps(
         flags = built_flags(script, cls)
         calls = list(training_calls(script, holders))
         for call, nodes in calls:
-            for left_out, where, how in routes(cls, call, nodes, everywhere, flags):
+            for left_out, where, how in routes(script, cls, call, nodes, everywhere, flags):
                 yield (
                     where,
                     (
@@ -227,6 +227,7 @@ def fields_shown(fields: set[str]) -> str:
 
 
 def routes(
+    script: Script,
     cls: ast.ClassDef,
     call: ast.Call,
     nodes: list[ast.AST],
@@ -240,10 +241,17 @@ def routes(
     decided = decided_in(forward)
     given = constant_arguments(forward, call, method=True)
     given.update({flag: value for flag, (value, _how) in flags.items()})
+    # an option passed as it is (`net(x, diagnose=args.train_precip)`): its default
+    options = options_passed(script, forward, call, decided - set(given))
+    given.update({parameter: value for parameter, (value, _how) in options.items()})
+    notes = {
+        **{k: how for k, (_v, how) in flags.items()},
+        **{k: h for k, (_v, h) in options.items()},
+    }
     left_out = everywhere - reached(cls, given)
     if left_out:
         shown = ", ".join(
-            f"{k}={v!r}" + (f" ({flags[k][1]})" if k in flags else "")
+            f"{k}={v!r}" + (f" ({notes[k]})" if k in notes else "")
             for k, v in given.items()
             if k in decided or k in flags
         )
@@ -256,6 +264,21 @@ def routes(
                 how = f"on the steps where {source_text(argument)} is {value},"
                 yield left_out, line, how
                 break
+
+
+def options_passed(
+    script: Script, forward: ast.FunctionDef, call: ast.Call, parameters: set[str]
+) -> dict[str, tuple[object, str]]:
+    """{parameter: (value, how)} for each of `parameters` the call passes an option
+    of the run (`args.train_precip`, a config entry) whose default the file says."""
+    found: dict[str, tuple[object, str]] = {}
+    for parameter, argument in bound_arguments(forward, call, self_bound=True):
+        if parameter not in parameters or not isinstance(argument, ast.Attribute | ast.Subscript):
+            continue
+        known, value = option_default(script, argument)
+        if known:
+            found[parameter] = (value, f"{source_text(argument)}, unless the run sets it")
+    return found
 
 
 def per_step_arguments(
