@@ -764,3 +764,25 @@ def test_an_option_passed_as_it_is_routes_forward_by_its_default(flag, reported_
     extra = f"\nparser = argparse.ArgumentParser()\n{flag}\nargs = parser.parse_args()\n"
     step = step_with("out, aux = model(x, with_aux=args.aux)\n        loss = out.sum()")
     assert reported(EARLY_EXIT, step, extra=extra) == reported_lines
+
+
+@pytest.mark.parametrize(
+    ("default", "reported_lines"),
+    [
+        # blind sets cy's 11, da's 11: an auxiliary weight of 0 by default turns the
+        # head off through a name the step passes
+        ("0.0", [25]),
+        ("0.5", []),
+    ],
+)
+def test_a_name_made_of_options_at_their_defaults_routes_forward(default, reported_lines):
+    extra = (
+        "\nparser = argparse.ArgumentParser()\n"
+        f'parser.add_argument("--aux-weight", type=float, default={default})\n'
+        "args = parser.parse_args()\n"
+    )
+    step = STEP.replace(
+        "def train(loader, optimizer):\n",
+        "def train(loader, optimizer):\n    use_aux = args.aux_weight > 0\n",
+    ).replace("{call}", "out, aux = model(x, with_aux=use_aux)\n        loss = out.sum()")
+    assert reported(EARLY_EXIT, step, extra=extra) == reported_lines

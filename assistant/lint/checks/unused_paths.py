@@ -25,6 +25,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.model_build import assignments_seen_from
 from assistant.lint.checks.unused import (
     batch_names,
     forward_of,
@@ -272,13 +273,37 @@ def options_passed(
     """{parameter: (value, how)} for each of `parameters` the call passes an option
     of the run (`args.train_precip`, a config entry) whose default the file says."""
     found: dict[str, tuple[object, str]] = {}
+    seen: dict[str, list[ast.expr]] | None = None
     for parameter, argument in bound_arguments(forward, call, self_bound=True):
-        if parameter not in parameters or not isinstance(argument, ast.Attribute | ast.Subscript):
+        if parameter not in parameters:
             continue
-        known, value = option_default(script, argument)
-        if known:
-            found[parameter] = (value, f"{source_text(argument)}, unless the run sets it")
+        if isinstance(argument, ast.Attribute | ast.Subscript):
+            known, value = option_default(script, argument)
+            if known:
+                found[parameter] = (value, f"{source_text(argument)}, unless the run sets it")
+        elif isinstance(argument, ast.Name):
+            # `use_dipole = args.dipole_weight > 0` ... `model(..., with_dipole=use_dipole)`
+            seen = assignments_seen_from(script, call) if seen is None else seen
+            values = seen.get(argument.id, [])
+            taken = decided_by_options(script, values[0]) if len(values) == 1 else None
+            if taken is not None:
+                how = f"{argument.id} = {source_text(values[0])}, unless the run sets it"
+                found[parameter] = (taken, how)
     return found
+
+
+def decided_by_options(script: Script, value: ast.expr) -> bool | None:
+    """The truth of a test made of the run's options at their defaults
+    (`args.dipole_weight > 0` with default 0.0: False); None if it is not one."""
+    options = [
+        node
+        for node in walk(value)
+        if isinstance(node, ast.Attribute | ast.Subscript) and option_default(script, node)[0]
+    ]
+    if not options:
+        return None
+    given = {source_text(node): option_default(script, node)[1] for node in options}
+    return decide(value, given)
 
 
 def per_step_arguments(
