@@ -18,6 +18,7 @@ from assistant.lint.model import (
     called_name,
     is_int,
     is_none,
+    name_value_pairs,
     parameter_names,
     short,
     source_text,
@@ -266,6 +267,19 @@ def enclosing_scope(node: ast.AST, script: Script) -> ast.AST | None:
             return None
         parent = script.parents.get(id(parent))
     return parent or script.tree
+
+
+def assignments_seen_from(script: Script, node: ast.AST) -> dict[str, list[ast.expr]]:
+    """Name -> values assigned in the function that holds `node`, and at module level."""
+    scope = enclosing_scope(node, script) or script.tree
+    scopes = [script.tree] if scope is script.tree else [script.tree, scope]
+    assigned: dict[str, list[ast.expr]] = {}
+    for each in scopes:
+        for statement in script.scope_nodes(each):
+            if isinstance(statement, ast.Assign):
+                for target, value in name_value_pairs(statement):
+                    assigned.setdefault(target.id, []).append(value)
+    return assigned
 
 
 def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:

@@ -627,6 +627,47 @@ def test_a_timm_model_without_a_head_or_run_whole_is_quiet(change):
     assert reported_lines(TIMM_FEATURES.replace(old, new)) == []
 
 
+TIMM_PIECES = """
+import timm
+
+
+class MAE(nn.Module):
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = nn.Linear(encoder.embed_dim, 768)
+
+    def forward(self, x):
+        enc = self.encoder
+        h = enc.blocks(enc.patch_embed(x) + enc.pos_embed[:, 1:])
+        return self.decoder(enc.norm(h))
+
+
+encoder = timm.create_model("vit_base_patch16_224", pretrained=False)
+model = DDP(MAE(encoder))
+"""
+
+
+def test_a_timm_model_handed_in_and_run_piece_by_piece_keeps_an_unused_classifier():
+    """Blind set dd's 15: MAE runs the encoder's patch_embed, blocks and norm itself."""
+    assert reported_lines(TIMM_PIECES) == [17]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        ("pretrained=False)", "pretrained=False, num_classes=0)"),
+        ("return self.decoder(enc.norm(h))", "return self.decoder(enc.head(enc.norm(h)))"),
+        ("model = DDP(MAE(encoder))", "model = DDP(MAE(encoder))\nother = MAE(nn.Linear(2, 2))"),
+    ],
+    ids=["no-classes", "head-run", "another-encoder"],
+)
+def test_a_timm_model_handed_in_without_a_head_or_with_it_run_is_quiet(change):
+    old, new = change
+    assert old in TIMM_PIECES
+    assert reported_lines(TIMM_PIECES.replace(old, new)) == []
+
+
 @pytest.mark.slow
 def test_an_expert_skipped_when_no_token_reaches_it_fails_under_torchrun_and_its_twin_runs(
     torchrun,

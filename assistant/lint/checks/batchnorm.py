@@ -34,7 +34,6 @@ import itertools
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.model_build import assignments_seen_from
 from assistant.lint.checks.unused import inside_no_grad, wrapped_by
 from assistant.lint.model import (
     Script,
@@ -46,6 +45,7 @@ from assistant.lint.model import (
     source_text,
     walk,
 )
+from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,

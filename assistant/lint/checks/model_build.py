@@ -32,12 +32,18 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     is_int,
-    name_value_pairs,
     short,
     source_text,
     walk,
 )
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, RankPath, enclosing_scope
+from assistant.lint.ranks import (
+    NO_RANKS,
+    OTHER_RANKS,
+    RANK_ZERO,
+    RankPath,
+    assignments_seen_from,
+    enclosing_scope,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, is_distributed
 from assistant.lint.tracer import TracedCall, once_per_call
@@ -412,19 +418,6 @@ def check_model_sized_by_the_ranks_own_data(script: Script) -> Iterator[Finding]
                 "broadcast it) before building the model",
             )
             break
-
-
-def assignments_seen_from(script: Script, node: ast.AST) -> dict[str, list[ast.expr]]:
-    """Name -> values assigned in the function that holds `node`, and at module level."""
-    scope = enclosing_scope(node, script) or script.tree
-    scopes = [script.tree] if scope is script.tree else [script.tree, scope]
-    assigned: dict[str, list[ast.expr]] = {}
-    for each in scopes:
-        for statement in script.scope_nodes(each):
-            if isinstance(statement, ast.Assign):
-                for target, value in name_value_pairs(statement):
-                    assigned.setdefault(target.id, []).append(value)
-    return assigned
 
 
 def unmoved(expr: ast.expr) -> ast.expr:

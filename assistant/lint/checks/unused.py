@@ -41,6 +41,7 @@ from assistant.lint.model import (
     called_name,
     enclosing_loop,
     keyword,
+    method_of,
     names_in,
     own_nodes,
     self_attribute,
@@ -49,6 +50,7 @@ from assistant.lint.model import (
     unmoved,
     walk,
 )
+from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp
 from assistant.lint.values import decide, option_default
@@ -1387,12 +1389,13 @@ def check_timm_model_run_for_its_features(script: Script) -> Iterator[Finding]:
         return
     for cls in model_classes(script):
         for field, built in timm_models_with_a_head(script, cls):
-            if not runs_only_features(cls, field) or classifier_taken_out(script, field):
+            runs = pieces_it_runs(cls, field)
+            if runs is None or classifier_taken_out(script, field):
                 continue
             yield script.finding(
                 "unused-parameters",
                 built,
-                f"{cls.name} calls {field}.forward_features() and never the model's classifier, "
+                f"{cls.name} {runs} and never the model's classifier, "
                 "which timm.create_model builds (num_classes defaults to 1000): its parameters "
                 f"get no gradient at any step, and DDP (line {strict[0].lineno}) expects one for "
                 'every parameter and fails with "Expected to have finished reduction in the '
@@ -1408,39 +1411,93 @@ TIMM_HEAD_READS = frozenset({"forward", "forward_head", "get_classifier", *TIMM_
 
 def timm_models_with_a_head(script: Script, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call]]:
     """(`self.x`, the call) for each `self.x = timm.create_model(...)` that keeps its
-    classifier: not told num_classes=0 (or a name for it) nor features_only=True."""
+    classifier: not told num_classes=0 (or a name for it) nor features_only=True;
+    also `self.x = encoder` for an __init__ parameter that every construction of the
+    class passes such a model (`encoder = timm.create_model(arch)`; `MAE(encoder)`)."""
     for node in walk(cls):
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
             continue
-        value = unmoved(node.value)
-        if not (isinstance(value, ast.Call) and script.name_of(value.func) == "timm.create_model"):
-            continue
-        classes = keyword(value, "num_classes")
-        if classes is not None and not (
-            isinstance(classes, ast.Constant) and classes.value not in (0, None)
-        ):
-            continue  # num_classes=0, or a value the file decides
-        features_only = keyword(value, "features_only")
-        if features_only is not None and not (
-            isinstance(features_only, ast.Constant) and features_only.value is False
-        ):
-            continue
-        if self_attribute(node.targets[0]):
-            yield source_text(node.targets[0]), value
+        for value in timm_models_given(script, cls, unmoved(node.value)):
+            if keeps_its_classifier(value) and self_attribute(node.targets[0]):
+                yield source_text(node.targets[0]), value
 
 
-def runs_only_features(cls: ast.ClassDef, field: str) -> bool:
-    """The class's methods call `field.forward_features(...)`, and never the model
-    itself nor anything that reaches its classifier."""
+def timm_models_given(script: Script, cls: ast.ClassDef, value: ast.expr) -> list[ast.Call]:
+    """The timm.create_model call a field's value is, or, for an __init__ parameter,
+    the one every construction of the class passes for it (by a name assigned once)."""
+    if isinstance(value, ast.Call):
+        return [value] if script.name_of(value.func) == "timm.create_model" else []
+    init = method_of(cls, "__init__")
+    if not (isinstance(value, ast.Name) and init is not None):
+        return []
+    passed = [
+        argument
+        for call, name in script.call_names
+        if name == cls.name
+        for parameter, argument in bound_arguments(init, call, self_bound=True)
+        if parameter == value.id
+    ]
+    models = []
+    for argument in passed:
+        if isinstance(argument, ast.Name):
+            seen = assignments_seen_from(script, argument).get(argument.id, [])
+            argument = unmoved(seen[0]) if len(seen) == 1 else argument
+        if not (
+            isinstance(argument, ast.Call) and script.name_of(argument.func) == "timm.create_model"
+        ):
+            return []  # one construction passes something else
+        models.append(argument)
+    return models[:1]
+
+
+def keeps_its_classifier(value: ast.Call) -> bool:
+    """timm.create_model(...) not told num_classes=0 (or a name for it) nor features_only."""
+    classes = keyword(value, "num_classes")
+    if classes is not None and not (
+        isinstance(classes, ast.Constant) and classes.value not in (0, None)
+    ):
+        return False  # num_classes=0, or a value the file decides
+    features_only = keyword(value, "features_only")
+    return features_only is None or (
+        isinstance(features_only, ast.Constant) and features_only.value is False
+    )
+
+
+def pieces_it_runs(cls: ast.ClassDef, field: str) -> str | None:
+    """How the class's methods run the model in `field` without its classifier:
+    "calls self.x.forward_features()", or "runs self.x piece by piece (patch_embed,
+    blocks)" through the field or a name for it (`enc = self.encoder`); None when
+    they call the model itself or anything that reaches its classifier."""
+    aliases = {field} | {
+        target.id
+        for node in walk(cls)
+        if isinstance(node, ast.Assign) and source_text(node.value) == field
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     features = False
+    pieces: list[str] = []
     for node in walk(cls):
-        if isinstance(node, ast.Call) and source_text(node.func) == field:
-            return False
-        if isinstance(node, ast.Attribute) and source_text(node.value) == field:
+        if isinstance(node, ast.Call) and source_text(node.func) in aliases:
+            return None
+        if isinstance(node, ast.Attribute) and source_text(node.value) in aliases:
             if node.attr in TIMM_HEAD_READS:
-                return False
+                return None
             features |= node.attr == "forward_features"
-    return features
+    for node in walk(cls):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and source_text(node.func.value) in aliases
+            and node.func.attr != "forward_features"
+            and node.func.attr not in pieces
+        ):
+            pieces.append(node.func.attr)
+    if features:
+        return f"calls {field}.forward_features()"
+    if pieces:
+        return f"runs {field} piece by piece ({', '.join(pieces[:3])})"
+    return None
 
 
 def classifier_taken_out(script: Script, field: str) -> bool:

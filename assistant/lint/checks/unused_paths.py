@@ -25,7 +25,6 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.model_build import assignments_seen_from
 from assistant.lint.checks.unused import (
     batch_names,
     forward_of,
@@ -50,6 +49,7 @@ from assistant.lint.model import (
     unmoved,
     walk,
 )
+from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
 from assistant.lint.tracer import constant_arguments
 from assistant.lint.values import TEST_KEY, decide, option_default
