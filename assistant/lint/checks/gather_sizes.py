@@ -368,6 +368,7 @@ def content_sized_step(
                 or is_mask_selection(values, node)
                 or is_rank_stride(script, node)
                 or is_clipped_rank_block(script, values, node)
+                or is_uneven_split_share(script, node)
                 or returns_a_rank_share(script, node)
             ):
                 return node
@@ -534,7 +535,9 @@ def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
     nodes = list(own_nodes(function))
     values = scope_values(nodes)
     return any(
-        is_rank_stride(script, part) or is_clipped_rank_block(script, values, part)
+        is_rank_stride(script, part)
+        or is_clipped_rank_block(script, values, part)
+        or is_uneven_split_share(script, part)
         for returned in nodes
         if isinstance(returned, ast.Return) and returned.value is not None
         for value in origin(values, returned.value)
@@ -542,12 +545,32 @@ def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
     )
 
 
+# Splits into a number of parts that may differ in length by one (np.array_split,
+# torch.tensor_split) or leave the last part short (torch.chunk); not np.split, which
+# refuses a length that does not divide.
+UNEVEN_SPLITS = frozenset({"array_split", "tensor_split", "chunk"})
+
+
+def is_uneven_split_share(script: Script, node: ast.AST) -> bool:
+    """`np.array_split(idx, world)[rank]`: this rank's part of a split into as many
+    parts as ranks, one shorter on some ranks unless the length divides evenly."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Call)
+        and called_name(node.value) in UNEVEN_SPLITS
+        and not isinstance(node.slice, ast.Slice)
+        and is_rank_expr(node.slice, script)
+    )
+
+
 def is_clipped_rank_block(script: Script, values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
     """`range(rank * per, min(n, (rank + 1) * per))` or `items[start:end]` with
     `end = n if rank == world - 1 else start + per`: this rank's contiguous block,
     whose end is clipped to the length or stretched for the last rank, so the
-    last rank holds fewer (or more) items unless the length divides evenly. A
-    block of `n // world` items each, not clipped, is the same size everywhere."""
+    last rank holds fewer (or more) items unless the length divides evenly; the
+    same for a slice of blocks of `ceil(n / world)` items, which Python's slicing
+    clips at the end. A block of `n // world` items each, not clipped, is the same
+    size everywhere."""
     if isinstance(node, ast.Call) and called_name(node) == "range" and len(node.args) == 2:
         start, end = node.args
     elif (
@@ -560,7 +583,38 @@ def is_clipped_rank_block(script: Script, values: dict[str, list[ast.expr]], nod
         start, end = node.slice.lower, node.slice.upper
     else:
         return False
-    return reads_rank(script, values, start) and is_clipped(values, end)
+    sliced = isinstance(node, ast.Subscript)
+    return reads_rank(script, values, start) and (
+        is_clipped(values, end) or (sliced and rounds_up(values, end))
+    )
+
+
+def rounds_up(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
+    """A block size rounded up, here or in the value of a name it reads:
+    `math.ceil(n / world)`, `(n + world - 1) // world`, `-(-n // world)`."""
+    followed = [expr, *(v for n in sorted(names_in(expr)) for v in values.get(n, ())[:1])]
+    for value in followed:
+        for node in walk(value):
+            if isinstance(node, ast.Call) and called_name(node) == "ceil":
+                return True
+            if (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, ast.FloorDiv)
+                and isinstance(node.left, ast.BinOp)
+                and isinstance(node.left.op, ast.Add)
+                and isinstance(node.left.right, ast.BinOp)
+                and isinstance(node.left.right.op, ast.Sub)
+            ):
+                return True  # (n + world - 1) // world
+            if (
+                isinstance(node, ast.UnaryOp)
+                and isinstance(node.op, ast.USub)
+                and isinstance(node.operand, ast.BinOp)
+                and isinstance(node.operand.op, ast.FloorDiv)
+                and isinstance(node.operand.left, ast.UnaryOp)
+            ):
+                return True  # -(-n // world)
+    return False
 
 
 def reads_rank(script: Script, values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
