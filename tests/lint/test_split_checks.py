@@ -111,6 +111,11 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "    return [set(c) for c in np.array_split(patients, k)]\n"
             "np.random.seed(7 + rank)\nfolds = patient_folds(np.array(names), 5)\n"
         ),
+        # blind set dd's 13: the process seeded through a name made with its rank
+        (
+            "seed = args.seed + rank\ntorch.manual_seed(seed)\nperm = torch.randperm(64).tolist()\n"
+            "train, val = Subset(ds, perm[16:]), Subset(ds, perm[:16])\n"
+        ),
         # blind set bv's 09: the salted hash of a string made a bucket index
         'bucket = hash(f"{col}={value}") % 1000\n',
         "bucket = hash('x:' + str(value)) % n_buckets\n",

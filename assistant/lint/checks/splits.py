@@ -35,10 +35,16 @@ from assistant.lint.model import (
     called_name,
     keyword,
     name_value_pairs,
+    names_in,
     short,
     walk,
 )
-from assistant.lint.ranks import enclosing_scope, inside_rank_zero_branch, is_rank_expr
+from assistant.lint.ranks import (
+    assignments_seen_from,
+    enclosing_scope,
+    inside_rank_zero_branch,
+    is_rank_expr,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
 from assistant.results import Finding
@@ -139,14 +145,22 @@ def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
             continue
         else:
             values = [*node.args, *(k.value for k in node.keywords)]
-        ranked = any(
-            is_rank_expr(part, script)
-            for value in values
-            for part in walk(value)
-            if isinstance(part, ast.expr)
-        )
+        ranked = any(reads_the_rank(script, value, node) for value in values)
         (per_rank if ranked else common).append(node)
     return common, per_rank
+
+
+def reads_the_rank(script: Script, value: ast.expr, where: ast.AST) -> bool:
+    """The value reads the rank, itself or through a name its function (or the
+    module) assigns it from (`seed = args.seed + rank; torch.manual_seed(seed)`)."""
+    seen = assignments_seen_from(script, where)
+    followed = [value, *(v for n in sorted(names_in(value)) for v in seen.get(n, ())[:2])]
+    return any(
+        is_rank_expr(part, script)
+        for each in followed
+        for part in walk(each)
+        if isinstance(part, ast.expr)
+    )
 
 
 def seeding_helpers(script: Script) -> dict[str, tuple[Function, list[tuple[ast.Call, str]]]]:
