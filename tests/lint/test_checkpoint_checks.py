@@ -507,3 +507,32 @@ def test_a_load_right_after_rank_zeros_save_names_data_or_a_checkpoint(saved, ca
     body = PREPARED_THEN_LOADED.replace("SAVED", saved)
     found = lint_snippet("", body, ["dataset-cache-race", "checkpoint-written-by-every-rank"])
     assert [(line, f.cause_id) for line, f in found] == [(14, cause)]
+
+
+WINNER_SAVES = """
+def finish(model, acc):
+    rank = dist.get_rank()
+    board = [None] * dist.get_world_size()
+    dist.all_gather_object(board, (acc, rank))
+    best_acc, best_rank = max(board)
+    if rank == WHO:
+        torch.save(model.state_dict(), "best.pt")
+
+
+dist.init_process_group("nccl")
+finish(DDP(nn.Linear(2, 2)), 0.5)
+"""
+
+
+@pytest.mark.parametrize(
+    ("who", "reported"),
+    [
+        # blind set dm's 13 and 17: the population's winner, agreed from a gather
+        ("best_rank", []),
+        ("max(board)[1]", []),
+        # the process's own rank on the other side too: every rank passes
+        ("dist.get_rank()", [8]),
+    ],
+)
+def test_a_save_by_the_one_rank_every_rank_agreed_on_is_one_writer(who, reported):
+    assert findings(WINNER_SAVES.replace("WHO", who)) == reported

@@ -1329,3 +1329,49 @@ def test_an_own_batch_sampler_over_a_distributed_sampler_is_split():
         "loader = DataLoader(data, batch_sampler=batches)\n"
     )
     assert findings(DDP_PRELUDE, body) == []
+
+
+MEMBER_PRELUDE = """\
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+dist.init_process_group("nccl")
+rank = dist.get_rank()
+data = TensorDataset(torch.randn(64, 4))
+model = torch.nn.Linear(4, 1).cuda()
+"""
+MEMBER_STEP = """
+loader = DataLoader(data, batch_size=8, shuffle=True)
+for (x,) in loader:
+    model(x.cuda()).sum().backward()
+scores = [None] * dist.get_world_size()
+dist.all_gather_object(scores, rank)
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "reported"),
+    [
+        # blind set dm: each rank trains its own population member on all the data
+        ("", []),
+        # the ranks average their gradients (or weights) by hand: one model
+        (
+            "for p in model.parameters():\n    dist.all_reduce(p.grad)\n",
+            [("missing-distributed-sampler", 2)],
+        ),
+        (
+            "for p in model.parameters():\n    dist.all_reduce(p.data)\n",
+            [("missing-distributed-sampler", 2)],
+        ),
+    ],
+    ids=["own-models", "gradients-averaged", "weights-averaged"],
+)
+def test_ranks_that_each_train_a_model_of_their_own_read_all_the_data(extra, reported):
+    assert findings(MEMBER_PRELUDE, MEMBER_STEP + extra) == reported
+
+
+def test_ranks_that_share_one_job_without_training_still_split_it():
+    """Blind set z's 04: an embedding pass over the corpus, gathered: each rank does all of it."""
+    body = MEMBER_STEP.replace("    model(x.cuda()).sum().backward()\n", "    model(x.cuda())\n")
+    assert findings(MEMBER_PRELUDE, body) == [("missing-distributed-sampler", 2)]

@@ -1171,6 +1171,8 @@ def test_a_loader_over_a_subset_picked_in_a_loop_over_this_ranks_share_is_sharde
         "        for x, y in loader:\n"
         "            model(x).sum().backward()\n"
         "            opt.step()\n"
+        "    for p in model.parameters():\n"
+        "        dist.all_reduce(p.data)\n"  # the clients' weights averaged: one model
     )
     assert findings_of(source, "missing-distributed-sampler") == []
     # every rank looping over all the clients trains on the same data

@@ -43,7 +43,15 @@ from assistant.lint.model import (
     source_text,
     walk,
 )
-from assistant.lint.ranks import NO_RANKS, OTHER_RANKS, RANK_ZERO, enclosing_scope, some_rank_runs
+from assistant.lint.ranks import (
+    NO_RANKS,
+    OTHER_RANKS,
+    RANK_ZERO,
+    compared_rank,
+    enclosing_scope,
+    is_rank_expr,
+    some_rank_runs,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
@@ -135,8 +143,65 @@ def every_rank_saves(script: Script, call: TracedCall) -> bool:
     """torch.save of a file every rank would name alike, on a path some rank runs."""
     if call.name != "torch.save" or not some_rank_runs(call.rank_path):
         return False
+    if under_one_ranks_number(script, call.node):
+        return False
     target = saved_file(call.node)
     return target is not None and shared_file(script, target)
+
+
+def under_one_ranks_number(script: Script, node: ast.AST) -> bool:
+    """The node runs under `if rank == winner["member"]:`, the rank compared for
+    equality with a value that does not read the rank (agreed on by every rank,
+    as a gathered winner is): one rank runs it, whichever number that is."""
+    child, parent = node, script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(parent, ast.If) and any(child is s for s in parent.body):
+            test = parent.test
+            if (
+                isinstance(test, ast.Compare)
+                and len(test.ops) == 1
+                and isinstance(test.ops[0], ast.Eq)
+                and one_side_is_the_rank(script, test.left, test.comparators[0])
+            ):
+                return True
+        child, parent = parent, script.parents.get(id(parent))
+    return False
+
+
+def one_side_is_the_rank(script: Script, left: ast.expr, right: ast.expr) -> bool:
+    """`rank == x` or `x == rank`, x not a number (rank 0's own test is read elsewhere)
+    and not reading the rank."""
+    for rank_side, other in ((left, right), (right, left)):
+        if not compared_rank(rank_side, script) or isinstance(other, ast.Constant):
+            continue
+        if not reads_the_rank(script, other):
+            return True
+    return False
+
+
+def reads_the_rank(script: Script, expr: ast.expr) -> bool:
+    """The expression reads this process's rank; a name (`best_rank`) by what its
+    function assigns it (`_, best_rank = max(board)`, a gathered winner: not this
+    process's rank, whatever its name says)."""
+    if isinstance(expr, ast.Name):
+        values = [
+            node.value
+            for node in script.scope_nodes(enclosing_scope(expr, script) or script.tree)
+            if isinstance(node, ast.Assign)
+            and any(
+                isinstance(name, ast.Name) and name.id == expr.id
+                for target in node.targets
+                for name in walk(target)
+            )
+        ]  # an unpacked tuple's element: the whole value it came from
+        if values:
+            return any(
+                is_rank_expr(n, script)
+                for value in values
+                for n in walk(value)
+                if isinstance(n, ast.expr)
+            )
+    return any(is_rank_expr(n, script) for n in walk(expr) if isinstance(n, ast.expr))
 
 
 @check("checkpoint-written-by-every-rank")

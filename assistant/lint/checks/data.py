@@ -26,6 +26,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     children,
+    enclosing_loop,
     full_text,
     keyword,
     own_nodes,
@@ -114,7 +115,7 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
     """A DataLoader with no sampler in a DDP script that has no DistributedSampler, or a
     shuffled (training) one left without it where other loaders have one."""
     data = DataFlow(script)
-    if data.uses_framework or data.model_parallel_only:
+    if data.uses_framework or data.model_parallel_only or data.independent_models:
         return
     if not data.is_distributed:
         # An Accelerate script starts no process group itself: its loaders are
@@ -861,6 +862,31 @@ def averages_a_gradient(node: ast.Call, name: str) -> bool:
     )
 
 
+WEIGHT_SOURCES = frozenset({"parameters", "named_parameters", "state_dict", "values", "items"})
+
+
+def averages_weights(script: Script, node: ast.Call, name: str) -> bool:
+    """`dist.all_reduce(p.data)`, or an all_reduce inside a loop over a model's
+    parameters or state_dict (FedAvg, local SGD): the ranks train one model."""
+    if not is_dist_call(name, {"all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce"}):
+        return False
+    if any(
+        isinstance(inner, ast.Attribute) and inner.attr == "data"
+        for argument in node.args[:1]
+        for inner in walk(argument)
+    ):
+        return True
+    loop = enclosing_loop(node, script.parents)
+    while loop is not None:
+        if isinstance(loop, ast.For) and any(
+            isinstance(inner, ast.Call) and called_name(inner) in WEIGHT_SOURCES
+            for inner in walk(loop.iter)
+        ):
+            return True
+        loop = enclosing_loop(loop, script.parents)
+    return False
+
+
 @dataclass
 class DataFlow:
     """What both checks ask of a script: its loaders, samplers, and where names come from."""
@@ -885,6 +911,25 @@ class DataFlow:
         each need their own share, not pipeline stages that read the same batches."""
         wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"}
         return any(short(name) in wrappers for _node, name in self.script.call_names)
+
+    @cached_property
+    def independent_models(self) -> bool:
+        """Each process trains a model of its own (a population member, a search
+        trial): a process group and a backward, but no data-parallel wrapper, no
+        DeepSpeed engine, no gradients or weights averaged by hand. Every rank reading
+        the whole dataset is then the point, not N times the work. (Without a
+        backward, ranks that read the same data share one job, an embedding pass
+        whose outputs they gather, and each does all of it.)"""
+        if not is_distributed(self.script) or self.data_parallel or self.model_parallel_only:
+            return False
+        if not any(is_backward(node) for node, _name in self.script.call_names):
+            return False
+        if calls_any(self.script, {("deepspeed", "initialize")} | SCRIPT_SAMPLED_LAUNCHERS):
+            return False
+        return not any(
+            averages_a_gradient(node, name) or averages_weights(self.script, node, name)
+            for node, name in self.script.call_names
+        )
 
     @cached_property
     def model_parallel_only(self) -> bool:
