@@ -1136,8 +1136,14 @@ def test_a_graph_loader_of_every_seed_node_on_every_rank_is_reported(body: str) 
         # an evaluation loader every rank reads whole (not shuffled), or rank 0's own
         "loader = NeighborLoader(data, input_nodes=split_idx['test'], num_neighbors=[-1])\n",
         "if rank == 0:\n    loader = NeighborLoader(data, input_nodes=train_idx, shuffle=True)\n",
+        # blind set dg's 05: a helper of the function returns this rank's block, in place
+        (
+            "def shard(idx):\n    n = idx.numel() // world_size\n"
+            "    return idx[rank * n:(rank + 1) * n]\n"
+            "loader = NeighborLoader(data, input_nodes=shard(train_idx), num_neighbors=[10], shuffle=True)\n"
+        ),
     ],
-    ids=["tensor-split", "strided", "use-ddp", "evaluation", "rank-zero"],
+    ids=["tensor-split", "strided", "use-ddp", "evaluation", "rank-zero", "helper-in-place"],
 )
 def test_a_graph_loader_split_by_rank_or_not_training_is_quiet(body: str) -> None:
     assert findings(GRAPH_PRELUDE, body) == []

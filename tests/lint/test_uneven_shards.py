@@ -147,3 +147,56 @@ def test_a_comprehensions_variable_is_not_the_same_name_outside_it():
     rank."""
     found = lint_snippet(PRELUDE, HELPER_SHARE, ["model-differs-across-ranks"])
     assert found == []
+
+
+SELF_SPLITTING = """
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, keys, rank, world):
+        self.keys = keys[rank::world]
+
+    def __iter__(self):
+        keys = list(self.keys)
+        for key in keys:
+            yield from torch.load(key)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    keys = sorted(os.listdir("shards"))
+    loader = DataLoader(Stream(keys, rank, world), batch_size=4)
+    model = DDP(nn.Linear(4, 4).cuda())
+    for batch in loader:
+        model(batch).sum().backward()
+"""
+
+
+def test_a_share_a_dataset_class_keeps_in_its_init_is_followed():
+    """Blind set bc's 19: the stream keeps `keys[rank::world]` of the files it is
+    handed; __iter__'s own `keys` is another name than main's."""
+    found = lint_snippet(PRELUDE, SELF_SPLITTING, ["uneven-inputs"])
+    assert [line for line, _ in found] == [16]
+
+
+TWO_FUNCTIONS = """
+def read_rows(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def predict(model, rows, rank, world):
+    f = rows[rank::world]
+    return model(f)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rows = read_rows("speakers.json")
+    net = nn.Linear(len(rows), 4).cuda()
+    model = DDP(net)
+"""
+
+
+def test_a_functions_own_name_is_not_another_functions():
+    """Blind set aq's 18: read_rows's `f` (a file) is not predict's `f` (a share)."""
+    assert lint_snippet(PRELUDE, TWO_FUNCTIONS, ["model-differs-across-ranks"]) == []

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, wraps
-from itertools import islice
+from itertools import chain, islice
 from typing import TypeVar
 
 from assistant.lint.checks.rank_dependent import is_placement, target_value_pairs
@@ -1173,20 +1173,57 @@ class DataFlow:
                 for current in frontier
                 for name in self.assigned_names_in(current)
                 for value in [
-                    *self.assignments.get(name, ()),
+                    *self.assignments_seen_from(current, name),
                     *self.loop_sources.get(name, ()),
                     *self.comprehension_sources_around(current, name),
                     *self.returned_to.get(name, ()),
                 ]
                 if id(value) not in found
             )
-
+            assigned = chain(assigned, self.returned_inline(frontier, found))
             # The first few only: a name assigned thousands of times is not a dataset's.
             frontier = list(islice(assigned, MAX_ORIGINS))
             found.update((id(v), v) for v in frontier)
             if len(found) > MAX_ORIGINS:
                 break
         return list(found.values())
+
+    def assignments_seen_from(self, node: ast.AST, name: str) -> list[ast.expr]:
+        """The values `name` is assigned where `node` reads it: the function's own
+        when it assigns the name (another function's `n` or `lo` is not this one's),
+        else the file's (a parameter's callers, a closure's outer function, a field)."""
+        every = self.assignments.get(name, [])
+        if not every or not any(isinstance(n, ast.Name) and n.id == name for n in walk(node)):
+            return every  # read as a field (`self.train_idx`): the class's, not a local
+        scope = enclosing_scope(node, self.script)
+        if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+            return every
+        local = self.scope_assignments(scope).get(name)
+        return local if local else every
+
+    @memoized
+    def scope_assignments(self, scope: ast.AST) -> dict[str, list[ast.expr]]:
+        """Name -> the values a function's own statements bind it to: assignments,
+        `with ... as name` (the context's value), a loop's variable (what it iterates)."""
+        values: dict[str, list[ast.expr]] = {}
+        for node in self.script.scope_nodes(scope):
+            if isinstance(node, ast.Assign):
+                pairs = [(t, node.value) for t in node.targets]
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                pairs = [(node.target, node.value)]
+            elif isinstance(node, ast.With | ast.AsyncWith):  # `with open(p) as f`: f is local
+                pairs = [(i.optional_vars, i.context_expr) for i in node.items if i.optional_vars]
+            elif isinstance(node, ast.For | ast.AsyncFor):  # the loop's items
+                pairs = [(node.target, node.iter)]
+            else:
+                continue
+            for target, value in pairs:
+                # plain names only: `self.keys = ...` is the object's field, not a local
+                plain = {n.id for n in walk(target) if isinstance(n, ast.Name)}
+                for each, element in paired(target, value):
+                    if each in plain:
+                        values.setdefault(each, []).append(element)
+        return values
 
     @cached_property
     def returned_to(self) -> dict[str, list[ast.expr]]:
@@ -1218,6 +1255,40 @@ class DataFlow:
                         if isinstance(name, ast.Name):
                             found.setdefault(name.id, []).append(element)
         return found
+
+    def returned_inline(
+        self, frontier: list[ast.expr], found: dict[int, ast.expr]
+    ) -> Iterator[ast.expr]:
+        """What the file's functions return where a value calls one in place
+        (`NeighborLoader(data, input_nodes=shard(idx))`, `def shard(idx): return
+        idx[rank * n:(rank + 1) * n]`), and what the __init__ of a class of the
+        file it builds keeps (`self.keys = keys[rank::world]`); a returned tuple only
+        through the names its call is assigned to (returned_to), element by element."""
+        for current in frontier:
+            for node in walk(current):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                    continue
+                function = self.script.functions.get(node.func.id)
+                init = self.script.functions.get(f"{node.func.id}.__init__")
+                if function is not None:
+                    values = self.return_values(function)
+                elif init is not None:
+                    values = self.fields_set_in(init)  # `self.keys = keys[rank::world]`
+                else:
+                    continue
+                for value in values:
+                    if not isinstance(value, ast.Tuple) and id(value) not in found:
+                        yield value
+
+    @memoized
+    def fields_set_in(self, init: ast.AST) -> list[ast.expr]:
+        """What a class's __init__ assigns to its own fields (`self.x = ...`)."""
+        return [
+            node.value
+            for node in own_nodes(init)
+            if isinstance(node, ast.Assign)
+            and any(self_attribute(target) for target in node.targets)
+        ]
 
     @memoized
     def return_values(self, function: ast.AST) -> list[ast.expr]:
