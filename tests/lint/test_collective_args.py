@@ -72,6 +72,17 @@ FLAGGED = {
 }
 
 SILENT = {
+    # blind set dk's 15: the comprehension's `c` holds the gathered counts, not the
+    # rank-sized `c` made before it
+    "comprehension_variable_of_gathered_counts": (
+        "c = torch.zeros(rank + 1)\n"
+        "counts = [torch.zeros(1, dtype=torch.long) for _ in range(world_size)]\n"
+        "dist.all_gather(counts, torch.tensor([c.shape[0]]))\n"
+        "max_n = max(int(c.item()) for c in counts)\n"
+        "padded = torch.zeros(max_n, 8)\n"
+        "bucket = [torch.empty_like(padded) for _ in range(world_size)]\n"
+        "dist.all_gather(bucket, padded)"
+    ),
     "device_placement": (
         "t = torch.zeros(4).to(rank)\nu = torch.zeros(4, device=local_rank)\n"
         "v = torch.zeros(4).cuda(local_rank)\nd = torch.device(f'cuda:{local_rank}')\n"

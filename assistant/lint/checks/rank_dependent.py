@@ -512,8 +512,23 @@ def key_of(expr: ast.expr) -> str | None:
 def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
     """The value of `expr` may differ between ranks (strings and devices aside)."""
     stack: list[ast.AST] = [expr]
+    # a comprehension's own variables: `c` of `max(c.item() for c in counts)` holds
+    # the items of counts, not the file's other `c`; what they hold is judged by the
+    # iterable, which is walked
+    bound: set[int] = set()
     while stack:
         node = stack.pop()
+        if id(node) in bound:
+            continue
+        if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp):
+            names = {
+                n.id for g in node.generators for n in walk(g.target) if isinstance(n, ast.Name)
+            }
+            bound.update(
+                id(n)
+                for n in walk(node)
+                if isinstance(n, ast.Name) and n.id in names and n is not node
+            )
         if isinstance(node, (ast.JoinedStr, ast.Lambda, ast.keyword, ast.Slice)):
             # f"cuda:{rank}" or a log line is text, never a size; a keyword
             # (DistributedSampler(rank=rank), device=rank) configures an object;
