@@ -273,6 +273,8 @@ def test_a_schedule_accelerate_steps_once_per_process_is_counted_in_one_gpus_ste
             [],
         ),
         ("accum_steps = args.accum_steps // 1", []),
+        # blind set dl's 06: a tensor-parallel run's data-parallel size counted
+        ("accum = args.global_batch // (args.micro_batch * MP.dp_size)", []),
     ],
 )
 def test_accumulation_that_reaches_an_update_target_counts_every_process(accumulation, reported_):

@@ -72,7 +72,9 @@ SAMPLE_COUNT = re.compile(
 # Anything that names the number of processes or asks the framework for the count.
 PROCESS_COUNT = re.compile(
     r"world|num_devices|devices|num_gpus|n_gpus|ngpus|gpus|num_processes|nprocs|"
-    r"replicas|stepping_batches|num_nodes",
+    r"replicas|stepping_batches|num_nodes|"
+    # the data-parallel size of a tensor- or pipeline-parallel run (Megatron's dp_size)
+    r"dp_size|dp_world|dp_degree|data_parallel",
     re.IGNORECASE,
 )
 MAX_DEPTH = 5  # assignments followed back from the schedule's argument
