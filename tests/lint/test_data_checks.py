@@ -1381,3 +1381,37 @@ def test_ranks_that_share_one_job_without_training_still_split_it():
     """Blind set z's 04: an embedding pass over the corpus, gathered: each rank does all of it."""
     body = MEMBER_STEP.replace("    model(x.cuda()).sum().backward()\n", "    model(x.cuda())\n")
     assert findings(MEMBER_PRELUDE, body) == [("missing-distributed-sampler", 2)]
+
+
+TRIAL_THEN_RETRAIN = """
+def run_epoch(model, loader, opt):
+    for x, y in loader:
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+
+def trial(config):
+    model = torch.nn.Linear(4, 1).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=config["lr"])
+    loader = DataLoader(data, batch_size=8, shuffle=True)
+    run_epoch(model, loader, opt)
+
+
+def retrain(best):
+    net = DDP(torch.nn.Linear(4, 1).cuda())
+    opt = torch.optim.AdamW(net.parameters(), lr=best["lr"])
+    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data))
+    run_epoch(net, loader, opt)
+"""
+
+
+def test_a_trial_that_trains_a_model_of_its_own_reads_all_the_data():
+    """Blind set dm's 02: successive halving, one trial per rank (its own model, no
+    wrapper), then the winner retrained with DDP and a DistributedSampler."""
+    assert findings(SAMPLER_PRELUDE, TRIAL_THEN_RETRAIN) == []
+    wrapped = TRIAL_THEN_RETRAIN.replace(
+        "    model = torch.nn.Linear(4, 1).cuda()\n",
+        "    model = DDP(torch.nn.Linear(4, 1).cuda())\n",
+    )
+    assert findings(SAMPLER_PRELUDE, wrapped) == [("missing-distributed-sampler", 12)]

@@ -34,6 +34,7 @@ from assistant.lint.model import (
     self_attribute,
     short,
     source_text,
+    unmoved,
     walk,
 )
 from assistant.lint.ranks import (
@@ -151,6 +152,8 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
             continue
         if data.rank_zero_only(node) or data.read_into_memory(node):
             continue
+        if trains_a_model_of_its_own(script, node):
+            continue
         shown = source_text(dataset)
         why = (
             "shuffles with no sampler while the script gives other loaders a DistributedSampler"
@@ -163,6 +166,65 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
             f"DataLoader over {shown} {why}: every rank iterates the whole dataset, so N ranks "
             f"do N times the work with no speedup; {sampler_fix(script, shown)}",
         )
+
+
+def trains_a_model_of_its_own(script: Script, loader: ast.Call) -> bool:
+    """The function that builds the loader also builds the model it trains, an
+    optimizer over it and a backward (its own, or a helper's it calls), with no DDP or
+    FSDP wrapper there: each rank
+    trains its own (a search trial, a population member) and reads all the data,
+    however another function of the file later trains one model together."""
+    scope = enclosing_scope(loader, script)
+    if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    nodes = list(script.scope_nodes(scope))
+    calls = [(n, script.name_of(n.func)) for n in nodes if isinstance(n, ast.Call)]
+    if any(
+        short(name) in DATA_PARALLEL_WRAPPERS
+        or averages_a_gradient(n, name)
+        or averages_weights(script, n, name)
+        for n, name in calls
+    ):
+        return False  # wrapped, or data parallelism written by hand
+    if not any(is_backward(n) or runs_a_backward(script, n) for n, _name in calls):
+        return False
+    built = {
+        target.id
+        for n in nodes
+        if isinstance(n, ast.Assign) and isinstance(unmoved(n.value), ast.Call)
+        for target in n.targets
+        if isinstance(target, ast.Name)
+    }  # `model = MLP(...).to(device)`: made here
+    return any(
+        name.startswith("torch.optim.")
+        and any(
+            isinstance(inner, ast.Call)
+            and called_name(inner) == "parameters"
+            and isinstance(inner.func, ast.Attribute)
+            and isinstance(inner.func.value, ast.Name)
+            and inner.func.value.id in built
+            and inner.func.value.id not in parameter_names(scope)
+            for argument in n.args[:1]
+            for inner in walk(argument)
+        )
+        for n, name in calls
+    )
+
+
+def runs_a_backward(script: Script, call: ast.Call) -> bool:
+    """A call of the file's own function that runs a backward (`run_epoch(model, ...)`)."""
+    if not isinstance(call.func, ast.Name):
+        return False
+    function = script.functions.get(call.func.id)
+    return function is not None and any(is_backward(n) for n in walk(function))
+
+
+# What wraps a model for data parallelism: torch's, and the libraries' that wrap it in
+# DDP (Ray's prepare_model, Accelerate's prepare, Fabric's setup, DeepSpeed's initialize).
+DATA_PARALLEL_WRAPPERS = frozenset(
+    {"DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard",
+     "prepare_model", "prepare", "setup", "setup_module", "initialize"}
+)  # fmt: skip
 
 
 def loader_dataset(loader: ast.Call) -> ast.expr | None:
