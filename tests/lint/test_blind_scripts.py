@@ -104,8 +104,10 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # bt 15/16; bu 11/16; bv 13/16; bx 12/16; by 14/17; bw 14/16; bz 10/16; ca 12/16;
 # cb 11/16; cc 15/16; cd 12/16; ce 10/16; cf 14/16; cg 14/16; ch 15/16; ci 15/16;
 # cj 15/16; ck 14/16; cm 14/16; cn 12/16; co 12/16; cl 13/16; cp 13/16; cq 15/16;
-# cs 13/16; cr 11/16; cv 7/16; cu 13/16; cw 15/16; ct 15/16)
-FOUND_FLOOR = 1481  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# cs 13/16; cr 11/16; cv 7/16; cu 13/16; cw 15/16; ct 15/16; dc 15/16; db 14/16; cx 13/16;
+# cy 12/16; cz 16/16; da 13/16; dd 12/16; de 13/16; dg 12/16; dj 10/16; dm 10/16; df 12/16;
+# dh 15/16; di 15/16; dk 11/16; dl 9/16), of 1873 with session 51's twenty sets
+FOUND_FLOOR = 1700  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -246,7 +248,13 @@ FOUND_FLOOR = 1481  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # a weighted sampler an option picks (cv's 18), folds a helper returns (cv's 12), loaders in
 # a dict or a field (cp's 04), a method's result shown by another method (cl's 05) (1477),
 # a GPU index from an option no process sets apart (cl's 14), a trainer's step field compared
-# (cr's 10), a collective looped over listed CPU tensors (cq's 11, cs's 17) (1481)
+# (cr's 10), a collective looped over listed CPU tensors (cq's 11, cs's 17) (1481);
+# session 51: 1484 after a callback's wrapper (cr's 01), a skip on a value mined from the
+# batch (cw's 11), a side method a gate calls (ct's 10); 1592 of 1745 with dc, db, cx, cy,
+# cz, da, dd, de (measured once at 48247fe and b3e7e9d), 1606 after their lessons; 1636 of
+# 1793 with dg, dj, dm (measured once at e5215e3); 1698 of 1873 with df, dh, di, dk, dl
+# (measured once at 7597648), 1700 after (dm's 01 lost a hit at the wrong line: the save it
+# pointed at has one writer)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -353,8 +361,16 @@ FOUND_FLOOR = 1481  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # (the spelling note on cu's 16 and cw's 16; cu's 17 scores a file helper gathers read as
 # never combined: false, mended with bq's 07; cw's 18 a mask applied after the gather read
 # as what was gathered: false, mended; cw's 07, a correct script, a move followed by
-# .train() read as never moved: mended), 129 with ct (the spelling note on ct's 17), 126 after
-OTHER_FINDINGS_CEILING = 126
+# .train() read as never moved: mended), 129 with ct (the spelling note on ct's 17), 126 after;
+# session 51: 137 with dc, db, cx, cy, cz, da, dd, de (the spelling note on six; dc's 16 a
+# stats file read through another function's comprehension variable: false, mended; de's 13
+# an FSDP forward on rank 0 named zero3-partitioned-parameters where the label says
+# collective-mismatch: the same hang; cz's 08 and de's 02, correct scripts: a cache renamed
+# into place, TrainingArguments starting the group: mended), 178 with dg, dj, dm, df, dh, di,
+# dk, dl (dm's population-based trainings, each rank its own model, read as missing samplers
+# and every-rank saves: false, mended; dg's seed-node shards a helper returns: mended; dk's
+# 15, dl's 06 and dm's 02, correct: mended), 152 after
+OTHER_FINDINGS_CEILING = 152
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -372,8 +388,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 1617
-    assert sum(label["cause"] is None for label in labels) == 403
+    assert sum(label["cause"] is not None for label in labels) == 1873
+    assert sum(label["cause"] is None for label in labels) == 467
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):
