@@ -40,7 +40,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.rank_dependent import target_value_pairs
-from assistant.lint.checks.unused import inside_no_grad, without_gradients, wrapped_by
+from assistant.lint.checks.unused import calls_with_gradients, wrapped_by
 from assistant.lint.model import (
     Script,
     bound_arguments,
@@ -489,23 +489,15 @@ class ModelRuns:
     def training_calls_in_a_range_loop(self, holders: set[str]) -> Iterator[ast.Call]:
         """Calls of the wrapped model inside a `for ... in range(...)` loop whose body
         runs no backward, outside no_grad."""
-        for scope in self.script.all_scopes:
-            if without_gradients(scope):
-                continue
-            nodes = list(own_nodes(scope))
-            no_grad = inside_no_grad(nodes)
-            for node in nodes:
-                if not (isinstance(node, ast.Call) and source_text(node.func) in holders):
-                    continue
-                loop = self.loops.loop_of.get(id(node))
-                if (
-                    id(node) not in no_grad
-                    and isinstance(loop, ast.For)
-                    and isinstance(loop.iter, ast.Call)
-                    and called_name(loop.iter) == "range"
-                    and not self.loops.backward[id(loop)]
-                ):
-                    yield node
+        for node, _nodes in calls_with_gradients(self.script, holders):
+            loop = self.loops.loop_of.get(id(node))
+            if (
+                isinstance(loop, ast.For)
+                and isinstance(loop.iter, ast.Call)
+                and called_name(loop.iter) == "range"
+                and not self.loops.backward[id(loop)]
+            ):
+                yield node
 
 
 def own_nodes_of(stmt: ast.stmt) -> Iterator[ast.AST]:

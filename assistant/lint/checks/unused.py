@@ -104,17 +104,24 @@ def training_calls(script: Script) -> Iterator[tuple[ast.Call, list[ast.AST], as
     if not strict:
         return
     wrapped = set().union(*(wrapped_by(script, ddp, set())[0] for ddp in strict))
+    for node, nodes in calls_with_gradients(script, wrapped):
+        yield node, nodes, strict[0]
+
+
+def calls_with_gradients(
+    script: Script, holders: set[str]
+) -> Iterator[tuple[ast.Call, list[ast.AST]]]:
+    """Each call of a name in `holders` (`model(x)`) outside no_grad (sampling or
+    evaluation: no backward, nothing to reduce), with its scope's nodes."""
     for scope in script.all_scopes:
         if without_gradients(scope):
             continue
         nodes = list(own_nodes(scope))
         no_grad = inside_no_grad(nodes)
         for node in nodes:
-            if not (isinstance(node, ast.Call) and source_text(node.func) in wrapped):
-                continue
-            if id(node) in no_grad:
-                continue  # sampling or evaluation: no backward, nothing to reduce
-            yield node, nodes, strict[0]
+            called = isinstance(node, ast.Call) and source_text(node.func) in holders
+            if called and id(node) not in no_grad:
+                yield node, nodes
 
 
 NO_GRAD = frozenset({"no_grad", "inference_mode"})
