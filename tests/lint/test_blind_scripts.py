@@ -107,7 +107,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # cs 13/16; cr 11/16; cv 7/16; cu 13/16; cw 15/16; ct 15/16; dc 15/16; db 14/16; cx 13/16;
 # cy 12/16; cz 16/16; da 13/16; dd 12/16; de 13/16; dg 12/16; dj 10/16; dm 10/16; df 12/16;
 # dh 15/16; di 15/16; dk 11/16; dl 9/16), of 1873 with session 51's twenty sets
-FOUND_FLOOR = 1700  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 1701  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -254,7 +254,7 @@ FOUND_FLOOR = 1700  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # cz, da, dd, de (measured once at 48247fe and b3e7e9d), 1606 after their lessons; 1636 of
 # 1793 with dg, dj, dm (measured once at e5215e3); 1698 of 1873 with df, dh, di, dk, dl
 # (measured once at 7597648), 1700 after (dm's 01 lost a hit at the wrong line: the save it
-# pointed at has one writer)
+# pointed at has one writer), 1701 with a device_map to one fixed GPU (de's 18)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

@@ -209,3 +209,25 @@ def test_a_device_map_to_the_ranks_own_gpu_or_one_inferring_process_is_not():
         )
         == []
     )
+
+
+@pytest.mark.parametrize(
+    ("device_map", "reported"),
+    [
+        # blind set de's 18: a single-GPU QLoRA recipe's map under torchrun
+        ('{"": 0}', [5]),
+        ('"cuda:0"', [5]),
+        ('{"": local_rank}', []),  # each process its own GPU
+        ('"cuda"', []),  # the current device: each process's own after set_device
+        ('{"": "cpu"}', []),
+    ],
+)
+def test_a_device_map_to_one_fixed_gpu_under_a_process_per_gpu(device_map, reported):
+    body = f"""
+        dist.init_process_group("nccl")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        model = AutoModelForCausalLM.from_pretrained("m", device_map={device_map})
+        """
+    found = lint_snippet(HEADER, body, ["hardcoded-device"])
+    assert [line for line, _ in found] == reported

@@ -959,6 +959,51 @@ def check_device_map_with_data_parallel(script: Script) -> Iterator[Finding]:
         )
 
 
+@check("hardcoded-device")
+def check_device_map_to_one_fixed_gpu(script: Script) -> Iterator[Finding]:
+    """`from_pretrained(..., device_map={"": 0})` in a script that runs one process per
+    GPU (a single-GPU QLoRA recipe carried over): every process loads its copy onto
+    GPU 0, which runs out of memory, while the batches and DDP's device_ids name
+    each process's own GPU."""
+    if not runs_a_process_per_gpu(script):
+        return
+    rank_zero_only = rank_zero_only_calls(script)
+    for node, _name in script.call_names:
+        given = keyword(node, "device_map")
+        if id(node) in rank_zero_only or given is None:
+            continue
+        placed = given
+        if isinstance(given, ast.Dict) and len(given.keys) == 1:
+            key = given.keys[0]
+            if not (isinstance(key, ast.Constant) and key.value == ""):
+                continue
+            placed = given.values[0]  # {"": 0}: the whole model on one device
+        index = fixed_gpu(placed)
+        if index is None or (placed is given and isinstance(given.value, str)):
+            continue  # device_map="cuda:0" is a device string the literal check reads
+        yield script.finding(
+            "hardcoded-device",
+            given,
+            f"device_map={source_text(given)} loads the whole model onto GPU {index} in "
+            "every process this script runs (one per GPU): they all crowd onto that card "
+            "(out of memory) while their batches and DDP name their own GPUs; map it to "
+            'the process\'s own GPU: device_map={"": local_rank} (int(os.environ["LOCAL_RANK"]))',
+        )
+
+
+def fixed_gpu(value: ast.expr) -> int | None:
+    """The GPU a literal names: `0`, `"cuda:1"`; None for anything else ("cpu",
+    "auto", a name, or "cuda": the current device, each process's own after set_device)."""
+    if not isinstance(value, ast.Constant):
+        return None
+    if type(value.value) is int:
+        return value.value
+    if isinstance(value.value, str) and value.value.startswith("cuda:"):
+        index = value.value.partition(":")[2]
+        return int(index) if index.isdigit() else None
+    return None
+
+
 def runs_a_process_per_gpu(script: Script) -> bool:
     """A process group or DDP, or a training loop under Accelerate's `Accelerator`
     (launched one process per GPU; one process alone may spread a model to infer),
