@@ -391,6 +391,10 @@ def parameter_names(scope: ast.AST) -> set[str]:
     return {argument.arg for argument in every}
 
 
+# Expressions that bind loop variables of their own, visible only inside them.
+COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
 def names_in(node: ast.AST) -> set[str]:
     """Every plain name read or bound anywhere in `node`."""
     return {n.id for n in walk(node) if isinstance(n, ast.Name)}

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from assistant.lint.checks.rank_dependent import is_placement, target_value_pairs
 from assistant.lint.model import (
+    COMPREHENSIONS,
     Script,
     bound_arguments,
     called_name,
@@ -105,8 +106,6 @@ STREAM_SPLIT_WORDS = re.compile(
 # How many assignments back a dataset's origin is followed (ds = Subset(base, idx); idx = ...):
 # files[rank::world] read, split, then wrapped in a Dataset is four steps back.
 ORIGIN_DEPTH = 5
-# Expressions that bind their own loop variables.
-COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 # A name assigned hundreds of times is not a dataset being built; stop following there.
 MAX_ORIGINS = 64
 
@@ -221,10 +220,10 @@ def runs_a_backward(script: Script, call: ast.Call) -> bool:
 
 # What wraps a model for data parallelism: torch's, and the libraries' that wrap it in
 # DDP (Ray's prepare_model, Accelerate's prepare, Fabric's setup, DeepSpeed's initialize).
-DATA_PARALLEL_WRAPPERS = frozenset(
-    {"DistributedDataParallel", "DDP", "FullyShardedDataParallel", "FSDP", "fully_shard",
-     "prepare_model", "prepare", "setup", "setup_module", "initialize"}
-)  # fmt: skip
+TORCH_WRAPPERS = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"})
+DATA_PARALLEL_WRAPPERS = TORCH_WRAPPERS | {
+    "DDP", "FSDP", "prepare_model", "prepare", "setup", "setup_module", "initialize"
+}  # fmt: skip
 
 
 def loader_dataset(loader: ast.Call) -> ast.expr | None:
@@ -971,8 +970,7 @@ class DataFlow:
     def data_parallel(self) -> bool:
         """A model wrapped for data parallelism (DDP, FSDP): the ranks are replicas that
         each need their own share, not pipeline stages that read the same batches."""
-        wrappers = {"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"}
-        return any(short(name) in wrappers for _node, name in self.script.call_names)
+        return any(short(name) in TORCH_WRAPPERS for _node, name in self.script.call_names)
 
     @cached_property
     def independent_models(self) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.model import (
+    COMPREHENSIONS,
     Script,
     bound_arguments,
     children,
@@ -520,7 +521,7 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
         node = stack.pop()
         if id(node) in bound:
             continue
-        if isinstance(node, ast.ListComp | ast.SetComp | ast.GeneratorExp | ast.DictComp):
+        if isinstance(node, COMPREHENSIONS):
             names = {
                 n.id for g in node.generators for n in walk(g.target) if isinstance(n, ast.Name)
             }

@@ -42,6 +42,7 @@ from collections.abc import Iterator
 from assistant.lint.checks.rank_dependent import target_value_pairs
 from assistant.lint.checks.unused import calls_with_gradients, wrapped_by
 from assistant.lint.model import (
+    COMPREHENSIONS,
     Script,
     bound_arguments,
     called_name,
@@ -392,7 +393,7 @@ class ModelRuns:
         """`[self.backbone(c) for c in crops]`: run once per item."""
         parent = self.script.parents.get(id(node))
         while parent is not None and parent is not method:
-            if isinstance(parent, ast.ListComp | ast.GeneratorExp | ast.SetComp | ast.DictComp):
+            if isinstance(parent, COMPREHENSIONS):
                 return True
             parent = self.script.parents.get(id(parent))
         return False
