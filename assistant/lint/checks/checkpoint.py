@@ -174,12 +174,12 @@ def one_side_is_the_rank(script: Script, left: ast.expr, right: ast.expr) -> boo
     for rank_side, other in ((left, right), (right, left)):
         if not compared_rank(rank_side, script) or isinstance(other, ast.Constant):
             continue
-        if not reads_the_rank(script, other):
+        if not is_this_process_rank(script, other):
             return True
     return False
 
 
-def reads_the_rank(script: Script, expr: ast.expr) -> bool:
+def is_this_process_rank(script: Script, expr: ast.expr) -> bool:
     """The expression reads this process's rank; a name (`best_rank`) by what its
     function assigns it (`_, best_rank = max(board)`, a gathered winner: not this
     process's rank, whatever its name says)."""

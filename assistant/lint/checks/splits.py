@@ -145,12 +145,12 @@ def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
             continue
         else:
             values = [*node.args, *(k.value for k in node.keywords)]
-        ranked = any(reads_the_rank(script, value, node) for value in values)
+        ranked = any(mixes_in_the_rank(script, value, node) for value in values)
         (per_rank if ranked else common).append(node)
     return common, per_rank
 
 
-def reads_the_rank(script: Script, value: ast.expr, where: ast.AST) -> bool:
+def mixes_in_the_rank(script: Script, value: ast.expr, where: ast.AST) -> bool:
     """The value reads the rank, itself or through a name its function (or the
     module) assigns it from (`seed = args.seed + rank; torch.manual_seed(seed)`)."""
     seen = assignments_seen_from(script, where)

@@ -1142,12 +1142,7 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
         return set(), set()
     names = {source_text(n) for n in walk(ddp.args[0]) if isinstance(n, ast.Name)}
     values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
-    names |= {
-        source_text(target)
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and unmoved(node.value) is ddp
-        for target in node.targets
-    }
+    names |= wrapper_names(script, ddp)
     built = {
         node.func.id
         for value in values
@@ -1157,6 +1152,17 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
         and node.func.id in classes
     }
     return names, built
+
+
+def wrapper_names(script: Script, ddp: ast.Call) -> set[str]:
+    """The names (or fields) the DDP call is assigned to: `model = DDP(net)`,
+    `self.model = DDP(...).cuda()`."""
+    return {
+        source_text(target)
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and unmoved(node.value) is ddp
+        for target in node.targets
+    }
 
 
 def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:

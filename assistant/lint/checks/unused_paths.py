@@ -34,6 +34,7 @@ from assistant.lint.checks.unused import (
     varying_line,
     without_gradients,
     wrapped_by,
+    wrapper_names,
 )
 from assistant.lint.model import (
     Script,
@@ -46,7 +47,6 @@ from assistant.lint.model import (
     self_attribute,
     source_text,
     truth_at_count,
-    unmoved,
     walk,
 )
 from assistant.lint.ranks import assignments_seen_from
@@ -178,12 +178,7 @@ def side_methods_some_steps_call(
     if not outside_forward:
         return
     wrapped = {n.id for n in walk(ddp.args[0]) if isinstance(n, ast.Name)} if ddp.args else set()
-    wrappers = {
-        source_text(target)
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and unmoved(node.value) is ddp
-        for target in node.targets
-    }
+    wrappers = wrapper_names(script, ddp)
     reachers = {f"{name}.module" for name in wrappers} | (wrapped - wrappers)
     methods = [
         s.name
