@@ -70,6 +70,10 @@ ABORTS_THE_FIRST_TIME = (
     "    marker.touch()\n"
     "    os.abort()\n"
 )
+# A bus error the first time (CI saw a gloo rank die of SIGBUS, exit code -7).
+BUS_ERROR_THE_FIRST_TIME = ABORTS_THE_FIRST_TIME.replace(
+    "os.abort()", "import signal; os.kill(os.getpid(), signal.SIGBUS)"
+)
 ALWAYS_ABORTS = 'import os\nprint("trained", flush=True)\nos.abort()\n'
 # What gloo's size check does on a collective mismatch: a thrown error, not a crash.
 THROWS_THEN_ABORTS = (
@@ -92,6 +96,16 @@ def test_a_run_whose_rank_crashed_is_launched_once_more_with_a_warning(torchrun,
         crashes = torchrun.start(files["crashes"])()
     assert crashes.returncode != 0
     assert len(torchrun.launched) == 4  # each launched twice, no more
+
+
+@pytest.mark.slow
+def test_a_run_whose_rank_died_of_a_bus_error_is_launched_once_more(torchrun, tmp_path):
+    files = scripts(tmp_path, bus=BUS_ERROR_THE_FIRST_TIME)
+    with pytest.warns(torchrun.RankCrashed, match="bus.py: a rank crashed"):
+        ran = torchrun.start(files["bus"])()
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.count("trained") == 2
+    assert len(torchrun.launched) == 2
 
 
 @pytest.mark.slow
