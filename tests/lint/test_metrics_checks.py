@@ -742,3 +742,42 @@ def test_totals_handed_to_a_file_function_that_gathers_them_are_combined():
     )
     assert reported_lines(body.replace("COMBINE", "scores = collect(scores, 4)")) == []
     assert reported_lines(body.replace("COMBINE", "scores = scores.float()"))
+
+
+# One loader per task kept in a container entry by entry, each given a
+# DistributedSampler, and a loop over one entry picked by a variable (blind set
+# bz's 04): the entries are shares like any sharded loader.
+LOADERS_PER_TASK = """
+def evaluate(model, loaders):
+    acc = {}
+    for task in TASKS:
+        correct, total = 0, 0
+        for x, y in loaders[task]:
+            correct += (model(x).argmax(1) == y).sum().item()
+            total += y.numel()
+        acc[task] = correct / max(total, 1)
+    return acc
+
+
+def main():
+    dist.init_process_group("nccl")
+    val_loaders = {}
+    for task in TASKS:
+        data = TaskSet(task)
+        val_loaders[task] = DataLoader(data, sampler=DistributedSampler(data, shuffle=False))
+    acc = evaluate(model, val_loaders)
+    {shown}
+"""
+
+
+def test_a_container_of_sharded_loaders_filled_entry_by_entry_is_a_share():
+    shown = 'if dist.get_rank() == 0:\n        print("val", acc)'
+    assert reported_lines(LOADERS_PER_TASK.replace("{shown}", shown)) == [6]
+    reduced = (
+        "for task in acc:\n"
+        "        value = torch.tensor(acc[task])\n"
+        "        dist.all_reduce(value)\n"
+        "        acc[task] = value.item() / dist.get_world_size()\n"
+        '    if dist.get_rank() == 0:\n        print("val", acc)'
+    )
+    assert reported_lines(LOADERS_PER_TASK.replace("{shown}", reduced)) == []

@@ -332,8 +332,8 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
         if not isinstance(node, ast.Assign) or not isinstance(one_of(node.value), ast.Call):
             continue
         call, owner = one_of(node.value), owners.get(id(node))
-        if shares(call, owner):
-            found.update((owner, source_text(t)) for t in node.targets)
+        if shares(call, owner):  # `val_loaders[t] = DataLoader(...)`: the container
+            found.update((owner, name) for t in node.targets for name in assigned_names(t))
         elif isinstance(call.func, ast.Attribute) and call.func.attr == "prepare":
             for target in node.targets:
                 elements = target.elts if isinstance(target, ast.Tuple) else [target]
@@ -551,10 +551,11 @@ def sharded_parameters(
 
 def iterated_name(expr: ast.expr) -> str | None:
     """`loader` in `for b in loader`, `enumerate(loader)`, `tqdm(loader, ...)`;
-    `loaders` in `for b in loaders["test"]` (an entry of a dict of loaders)."""
+    `loaders` in `for b in loaders["test"]` or `loaders[task]` (an entry of a
+    container of loaders)."""
     while isinstance(expr, ast.Call) and expr.args:
         expr = expr.args[0]
-    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Constant):
+    if isinstance(expr, ast.Subscript):
         expr = expr.value
     return source_text(expr) if isinstance(expr, (ast.Name, ast.Attribute)) else None
 
