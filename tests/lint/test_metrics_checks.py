@@ -781,3 +781,34 @@ def test_a_container_of_sharded_loaders_filled_entry_by_entry_is_a_share():
         '    if dist.get_rank() == 0:\n        print("val", acc)'
     )
     assert reported_lines(LOADERS_PER_TASK.replace("{shown}", reduced)) == []
+
+
+# An evaluation helper that stops at a cap it is given (`if i >= max_batches:
+# break`), called once over the shard with its totals all-reduced and once with
+# a cap for a quick look at a converted model on rank 0 (blind set dq's 02).
+CAPPED_EVALUATION = """
+def evaluate(model, loader, max_batches=None):
+    correct, seen = 0, 0
+    for i, (x, y) in enumerate(loader):
+        if max_batches is not None and i >= max_batches:
+            break
+        correct += (model(x).argmax(1) == y).sum().item()
+        seen += y.numel()
+    return correct, seen
+
+
+def main():
+    dist.init_process_group("nccl")
+    loader = DataLoader(data, sampler=DistributedSampler(data, shuffle=False))
+    counts = torch.tensor(evaluate(model, loader))
+    dist.all_reduce(counts)
+    if dist.get_rank() == 0:
+        print("top1", (counts[0] / counts[1]).item())
+        c8, n8 = evaluate(int8_model, loader, {cap})
+        print("int8 top1 on the first batches", c8 / n8)
+"""
+
+
+def test_a_capped_look_at_the_first_batches_is_a_sample_by_design():
+    assert reported_lines(CAPPED_EVALUATION.replace("{cap}", "args.int8_batches")) == []
+    assert reported_lines(CAPPED_EVALUATION.replace("{cap}", "None")) == [4]

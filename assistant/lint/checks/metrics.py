@@ -479,7 +479,8 @@ class EvaluationLoop:
             return None
         through = self.loader if self.loader in {a.arg for a in function.args.args} else None
         positions = returned_positions(function, derived)
-        return shown_by_callers(script, evaluator, owners, sharded, through, positions)
+        caps = cap_parameters(function, self.node)
+        return shown_by_callers(script, evaluator, owners, sharded, through, positions, caps)
 
     def evaluator(self, script: Script) -> str | None:
         """The function whose return hands the totals on: the loop's own function, or
@@ -950,12 +951,15 @@ def shown_by_callers(
     sharded: set[tuple[str | None, str]],
     loader_parameter: str | None,
     positions: frozenset[int] | None = None,
+    caps: frozenset[str] = frozenset(),
 ) -> ast.AST | None:
     """Where a caller shows what `function` returned, unreduced (the elements at
     `positions` of the tuple it returns; all of it when None). When the loader
     is the function's parameter `loader_parameter`, only the calls that hand it a
     sharded loader count: the same helper run over the whole test set on rank 0
-    reports the whole."""
+    reports the whole. A call that gives one of the loop's `caps` (`if i >=
+    max_batches: break`) a value asks for a sample of the data by design (a
+    quick check of a converted model on its first batches), whatever its share."""
     parents = script.parents
     for node, name in script.call_names:
         assigned = parents.get(id(node))
@@ -968,6 +972,8 @@ def shown_by_callers(
             script.functions[function], node, loader_parameter, caller, sharded
         ):
             continue
+        if caps and given_a_value(script.functions[function], node, caps):
+            continue
         received = received_names(assigned.targets, positions)
         scope: ast.AST = script.functions[caller] if caller else script.tree
         after = walk_after(scope, assigned.end_lineno or assigned.lineno)
@@ -978,6 +984,29 @@ def shown_by_callers(
         if shown is not None:
             return shown
     return None
+
+
+def cap_parameters(function: Function, loop: ast.For) -> frozenset[str]:
+    """The function's parameters the loop stops at: `if i >= max_batches: break`."""
+    parameters = {a.arg for a in function.args.args}
+    return frozenset(
+        name
+        for node in walk(loop)
+        if isinstance(node, ast.If)
+        and any(isinstance(s, ast.Break) for s in node.body)
+        for name in names_in(node.test) & parameters
+    )
+
+
+def given_a_value(function: Function, call: ast.Call, parameters: frozenset[str]) -> bool:
+    """The call passes one of `parameters` something other than None."""
+    names = [a.arg for a in function.args.args]
+    given = [
+        argument
+        for index, argument in enumerate(call.args)
+        if index < len(names) and names[index] in parameters
+    ] + [k.value for k in call.keywords if k.arg in parameters]
+    return any(not (isinstance(g, ast.Constant) and g.value is None) for g in given)
 
 
 def own_method_call(name: str, function: str, caller: str | None) -> bool:
