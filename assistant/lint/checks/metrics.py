@@ -992,8 +992,7 @@ def cap_parameters(function: Function, loop: ast.For) -> frozenset[str]:
     return frozenset(
         name
         for node in walk(loop)
-        if isinstance(node, ast.If)
-        and any(isinstance(s, ast.Break) for s in node.body)
+        if isinstance(node, ast.If) and any(isinstance(s, ast.Break) for s in node.body)
         for name in names_in(node.test) & parameters
     )
 
