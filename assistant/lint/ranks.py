@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from assistant.lint.model import (
+    Function,
     Script,
     called_name,
     is_int,
@@ -283,10 +284,9 @@ def assignments_seen_from(script: Script, node: ast.AST) -> dict[str, list[ast.e
 
 
 def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:
-    """`is_main()` where the file defines `def is_main(): return dist.get_rank() == 0`."""
-    if not (isinstance(test, ast.Call) and isinstance(test.func, ast.Name)):
-        return None
-    function = script.functions.get(test.func.id)
+    """`is_main()` where the file defines `def is_main(): return dist.get_rank() == 0`;
+    `self.is_main` where the class has that as a property (`self.is_main()` a method)."""
+    function = tested_helper(test, script)
     body = [
         stmt
         for stmt in (function.body if function else [])
@@ -295,6 +295,32 @@ def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:
     if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
         return None
     return rank_branch_sides(body[0].value, script, depth + 1)[0]
+
+
+def tested_helper(test: ast.expr, script: Script) -> Function | None:
+    """The file's function a test calls (`is_main()`), or the method of the test's
+    own class it calls or reads as a property (`self.is_main()`, `self.is_main`)."""
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Name):
+        return script.functions.get(test.func.id)
+    called = isinstance(test, ast.Call)
+    read = test.func if isinstance(test, ast.Call) else test
+    if not (
+        isinstance(read, ast.Attribute)
+        and isinstance(read.value, ast.Name)
+        and read.value.id == "self"
+    ):
+        return None
+    parent = script.parents.get(id(test))
+    while parent is not None and not isinstance(parent, ast.ClassDef):
+        parent = script.parents.get(id(parent))
+    if parent is None:
+        return None
+    method = script.functions.get(f"{parent.name}.{read.attr}")
+    if method is None or called == any(
+        isinstance(d, ast.Name) and d.id == "property" for d in method.decorator_list
+    ):
+        return None  # a property called, or a method read without a call
+    return method
 
 
 def assigned_side(test: ast.expr, script: Script, depth: int) -> str | None:

@@ -106,8 +106,9 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # cj 15/16; ck 14/16; cm 14/16; cn 12/16; co 12/16; cl 13/16; cp 13/16; cq 15/16;
 # cs 13/16; cr 11/16; cv 7/16; cu 13/16; cw 15/16; ct 15/16; dc 15/16; db 14/16; cx 13/16;
 # cy 12/16; cz 16/16; da 13/16; dd 12/16; de 13/16; dg 12/16; dj 10/16; dm 10/16; df 12/16;
-# dh 15/16; di 15/16; dk 11/16; dl 9/16), of 1873 with session 51's twenty sets
-FOUND_FLOOR = 1701  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# dh 15/16; di 15/16; dk 11/16; dl 9/16; dn 12/16; do 15/16; dp 15/16; dq 13/16; dr 15/16;
+# ds 13/16), of 1969 with session 52's six sets
+FOUND_FLOOR = 1785  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -254,7 +255,9 @@ FOUND_FLOOR = 1701  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # cz, da, dd, de (measured once at 48247fe and b3e7e9d), 1606 after their lessons; 1636 of
 # 1793 with dg, dj, dm (measured once at e5215e3); 1698 of 1873 with df, dh, di, dk, dl
 # (measured once at 7597648), 1700 after (dm's 01 lost a hit at the wrong line: the save it
-# pointed at has one writer), 1701 with a device_map to one fixed GPU (de's 18)
+# pointed at has one writer), 1701 with a device_map to one fixed GPU (de's 18);
+# session 52: 1702 after loaders kept in a container entry by entry (bz's 04), 1785 of 1969
+# with dn, do, dp, dq, dr, ds (measured once at 357698c)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -369,8 +372,12 @@ FOUND_FLOOR = 1701  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # into place, TrainingArguments starting the group: mended), 178 with dg, dj, dm, df, dh, di,
 # dk, dl (dm's population-based trainings, each rank its own model, read as missing samplers
 # and every-rank saves: false, mended; dg's seed-node shards a helper returns: mended; dk's
-# 15, dl's 06 and dm's 02, correct: mended), 152 after
-OTHER_FINDINGS_CEILING = 152
+# 15, dl's 06 and dm's 02, correct: mended), 152 after; session 52: 162 with dn, do, dp, dq,
+# dr, ds (the spelling note on four; dq's 02, correct, a capped look at a converted model's
+# first batches read as a share's metric: mended; dn's 12 a low-rank layer's rank handed on
+# from the outer module's `low_rank=64`, dr's 09 a save under a property `is_main`, dr's 18 a
+# few examples kept to show, dq's 03 a model the file's factory moved: false, mended), 157 after
+OTHER_FINDINGS_CEILING = 157
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -388,8 +395,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 1873
-    assert sum(label["cause"] is None for label in labels) == 467
+    assert sum(label["cause"] is not None for label in labels) == 1969
+    assert sum(label["cause"] is None for label in labels) == 491
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

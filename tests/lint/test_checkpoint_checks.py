@@ -536,3 +536,53 @@ finish(DDP(nn.Linear(2, 2)), 0.5)
 )
 def test_a_save_by_the_one_rank_every_rank_agreed_on_is_one_writer(who, reported):
     assert findings(WINNER_SAVES.replace("WHO", who)) == reported
+
+
+# A trainer class whose `is_main` is a property (or a method) returning the
+# rank test, read in its save method's early return (blind set dr's 09).
+PROPERTY_GUARD = """
+class Trainer:
+    def __init__(self, model):
+        self.rank = dist.get_rank()
+        self.model = DDP(model)
+
+    DECORATOR
+    def is_main(self):
+        return RETURNED
+
+    def save(self, epoch):
+        if not GUARD:
+            return
+        torch.save(self.model.module.state_dict(), f"epoch-{epoch}.pt")
+
+
+def main():
+    dist.init_process_group("nccl")
+    trainer = Trainer(nn.Linear(2, 2))
+    for epoch in range(3):
+        trainer.save(epoch)
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "decorator, returned, guard, reported",
+    [
+        ("@property", "self.rank == 0", "self.is_main", []),
+        ("@staticmethod", "dist.get_rank() == 0", "self.is_main()", []),
+        ("@property", "self.epochs > 0", "self.is_main", [14]),  # no rank in it
+        ("@property", "self.rank == 0", "self.is_main()", [14]),  # a property called: not it
+    ],
+)
+def test_a_property_or_method_of_the_class_that_returns_the_rank_test(
+    decorator, returned, guard, reported
+):
+    body = (
+        PROPERTY_GUARD.replace("DECORATOR", decorator)
+        .replace("RETURNED", returned)
+        .replace("GUARD", guard)
+    )
+    found = [line for line, _ in lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])]
+    assert found == reported

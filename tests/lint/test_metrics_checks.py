@@ -812,3 +812,39 @@ def main():
 def test_a_capped_look_at_the_first_batches_is_a_sample_by_design():
     assert reported_lines(CAPPED_EVALUATION.replace("{cap}", "args.int8_batches")) == []
     assert reported_lines(CAPPED_EVALUATION.replace("{cap}", "None")) == [4]
+
+
+# Sums all-reduced, and a few (reference, hypothesis) pairs kept while the list
+# is short, to show (blind set dr's 18): the examples are no total.
+EXAMPLES_TO_SHOW = """
+def evaluate(model, loader):
+    sums = torch.zeros(2)
+    examples = []
+    for x, refs in loader:
+        hyps = model(x)
+        sums[0] += errors(refs, hyps)
+        sums[1] += len(refs)
+        for ref, hyp in zip(refs, hyps):
+            KEPT
+    dist.all_reduce(sums)
+    return sums[0] / sums[1], examples
+
+
+def main():
+    dist.init_process_group("nccl")
+    loader = DataLoader(data, sampler=DistributedSampler(data, shuffle=False))
+    wer, examples = evaluate(model, loader)
+    if dist.get_rank() == 0:
+        print(wer, examples)
+"""
+
+
+@pytest.mark.parametrize(
+    "kept, reported",
+    [
+        ("if len(examples) < 5:\n                examples.append((ref, hyp))", []),
+        ("examples.append((ref, hyp))", [5]),  # every pair of the share: its own part
+    ],
+)
+def test_a_few_examples_kept_to_show_are_no_total(kept, reported):
+    assert reported_lines(EXAMPLES_TO_SHOW.replace("KEPT", kept)) == reported

@@ -376,6 +376,43 @@ def test_a_rank_every_construction_gives_a_size_is_a_size(given, reported):
     assert reported_lines(FACTORISED.replace("RANK_GIVEN", given)) == reported
 
 
+NESTED_LOW_RANK = """
+class CrossLayer(nn.Module):
+    def __init__(self, d, rank=None):
+        super().__init__()
+        if rank:
+            self.U = nn.Linear(d, rank, bias=False)
+            self.V = nn.Linear(rank, d)
+        else:
+            self.U, self.V = None, nn.Linear(d, d)
+
+    def forward(self, x0, x):
+        return x0 * (self.V(self.U(x)) if self.U is not None else self.V(x)) + x
+
+
+class DCN(nn.Module):
+    def __init__(self, d, n_cross=3, low_rank=LOW_RANK):
+        super().__init__()
+        self.cross = nn.ModuleList([CrossLayer(d, low_rank) for _ in range(n_cross)])
+
+    def forward(self, x0):
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        return x
+
+
+dist.init_process_group("nccl")
+model = DDP(DCN(64))
+"""
+
+
+@pytest.mark.parametrize("default, reported", [("64", []), ("dist.get_rank()", [6, 7])])
+def test_a_rank_given_the_outer_modules_parameter_is_that_parameters_size(default, reported):
+    # blind set dn's 12: DCN-v2 hands each cross layer its own `low_rank=64`
+    assert reported_lines(NESTED_LOW_RANK.replace("LOW_RANK", default)) == reported
+
+
 def test_a_size_read_where_the_model_is_built_is_not_another_functions_name():
     # blind set ca's 10: an evaluation helper's `rels` (gathered from the ranks' shares)
     # is not main's `rels` (read from a file) that sizes the model

@@ -449,6 +449,31 @@ def test_a_module_the_files_factory_moves_before_returning_it_is_on_its_device(
 
 
 @pytest.mark.parametrize(
+    "factory, reported",
+    [
+        # blind set dq's 03: pruned = Net(...).to(model's device); return pruned
+        ("    m = nn.Linear(4, n).to(device)\n    return m\n", False),
+        ("    m = nn.Linear(4, n)\n    return m\n", True),
+    ],
+)
+def test_a_name_the_files_factory_filled_then_wrapped_in_place_is_on_its_device(
+    factory, reported
+) -> None:
+    source = (
+        DDP_HEADER
+        + "def prune(n, device):\n"
+        + factory
+        + "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        + "student = prune(10, local_rank)\n"
+        + "student = nn.SyncBatchNorm.convert_sync_batchnorm(student)\n"
+        + "net = DDP(student, device_ids=[local_rank])\n"
+    )
+    line = source.count("\n")
+    expected = [("ddp-device-ids-cpu-module", line)] if reported else []
+    assert findings_of(source, "ddp-device-ids-cpu-module") == expected
+
+
+@pytest.mark.parametrize(
     "init, reported",
     [
         ("self.model = model", False),  # cc's 16: a loss wrapper that holds the moved model

@@ -702,8 +702,7 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             continue  # placed part by part (`model.mm_projector.to(device)`, LLaVA's way)
         if holds_moved_modules_only(script, module, moved, node):
             continue  # `DDP(LossWrapper(model, size))`: its parameters are model's
-        origins = wrapped_by_name(script, module)
-        if origins and all(is_move(m) or source_text(m) in moved for m in origins):
+        if moved_by_every_origin(script, module, moved):
             continue  # `compiled = torch.compile(model)` of a model moved before
         when = "only after DDP wraps it" if text in moved else "never"
         yield script.finding(
@@ -714,6 +713,18 @@ def check_ddp_device_ids_cpu_module(script: Script) -> Iterator[Finding]:
             "built and raises for parameters on the CPU; move it first, or drop device_ids "
             "on CPU",
         )
+
+
+def moved_by_every_origin(script: Script, module: ast.expr, moved: Moves) -> bool:
+    """Every value the name holds (inside device-keeping wrappers) was moved: a name
+    moved before, or a call of the file's factory that moves what it returns
+    (`student = prune_channels(base, ...)`, then `convert_sync_batchnorm(student)`:
+    the name's own earlier value)."""
+    text = source_text(module)
+    origins = [m for m in wrapped_by_name(script, module) if source_text(m) != text]
+    return bool(origins) and all(
+        is_move(m) or source_text(m) in moved or returns_a_moved_module(script, m) for m in origins
+    )
 
 
 def returns_a_moved_module(script: Script, value: ast.expr) -> bool:
@@ -789,7 +800,10 @@ def wrapped_by_name(script: Script, module: ast.expr) -> list[ast.expr]:
         for branch in ((value.body, value.orelse) if isinstance(value, ast.IfExp) else (value,))
     ]
     inner = [unwrapped_module(script, branch) for branch in branches]
-    if any(i is b and not isinstance(i, ast.Name) for i, b in zip(inner, branches, strict=True)):
+    if any(
+        i is b and not isinstance(i, ast.Name) and not returns_a_moved_module(script, i)
+        for i, b in zip(inner, branches, strict=True)
+    ):
         return []  # built here by something else: not a wrapper of another name
     return inner
 

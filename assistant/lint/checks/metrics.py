@@ -598,6 +598,10 @@ def called_functions(script: Script, call: ast.Call) -> list[Function]:
 
 
 def accumulated_names(loop: ast.For) -> set[str]:
+    """Names the loop adds to (`total += n`, `preds.append(p)`); a container filled
+    only while it is short (`if len(examples) < 5: examples.append(...)`) keeps a
+    few examples to show, not a total."""
+    shown_few = {id(n) for capped in capped_fills(loop) for n in walk(capped)}
     totals: set[str] = set()
     for node in walk(loop):
         if isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Name, ast.Attribute)):
@@ -607,9 +611,25 @@ def accumulated_names(loop: ast.For) -> set[str]:
             and isinstance(node.func, ast.Attribute)
             and node.func.attr in ACCUMULATORS
             and isinstance(node.func.value, ast.Name)
+            and id(node) not in shown_few
         ):
             totals.add(node.func.value.id)
     return totals
+
+
+def capped_fills(loop: ast.For) -> Iterator[ast.If]:
+    """`if len(examples) < 5:` blocks of the loop (a length kept under a bound)."""
+    for node in walk(loop):
+        test = node.test if isinstance(node, ast.If) else None
+        if (
+            isinstance(test, ast.Compare)
+            and len(test.ops) == 1
+            and isinstance(test.ops[0], ast.Lt | ast.LtE)
+            and isinstance(test.left, ast.Call)
+            and isinstance(test.left.func, ast.Name)
+            and test.left.func.id == "len"
+        ):
+            yield node
 
 
 def carried_totals(loop: ast.For, scope: ast.AST) -> set[str]:

@@ -345,6 +345,9 @@ def rank_given_as_a_size(script: Script, class_name: str, init: ast.FunctionDef)
 def is_a_size(script: Script, value: ast.expr) -> bool:
     if is_int(value):
         return value.value >= 2  # type: ignore[attr-defined]
+    default = parameter_default(script, value)
+    if default is not None:  # `CrossLayer(d, low_rank)` in `def __init__(..., low_rank=64)`
+        return is_int(default) and default.value >= 2  # type: ignore[attr-defined]
     known, default = option_default(script, value)
     if known:
         return type(default) is int and default >= 2
@@ -359,6 +362,20 @@ def is_a_size(script: Script, value: ast.expr) -> bool:
         and node.value is not None
     ]
     return bool(fields) and all(is_int(f) and f.value >= 2 for f in fields)  # type: ignore[attr-defined]
+
+
+def parameter_default(script: Script, value: ast.expr) -> ast.expr | None:
+    """The default of the parameter `value` names, in the function it is read in."""
+    if not isinstance(value, ast.Name):
+        return None
+    function = enclosing_scope(value, script)
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    arguments = function.args
+    positional = arguments.posonlyargs + arguments.args
+    pairs = list(zip(positional[len(positional) - len(arguments.defaults) :], arguments.defaults))
+    pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None]
+    return next((d for a, d in pairs if a.arg == value.id), None)
 
 
 def builds_a_parameter(script: Script, call: ast.Call) -> bool:
