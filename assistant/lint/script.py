@@ -71,20 +71,31 @@ def lint_source(
     return Findings(ordered, tuple(skipped))
 
 
-def run_checks(script) -> tuple[set[Finding], list[str]]:
-    """Every check's findings, and the checks that raised (their partial findings dropped)."""
-    findings: set[Finding] = set()
+def run_checks(script) -> tuple[list[Finding], list[str]]:
+    """Every check's findings, and the checks that raised (their partial findings dropped).
+
+    Two checks that reach the same mistake by different roads (a gather's shape
+    read from the rank, and from the data) say it once, in the words of the
+    check registered first; one check's findings on one line (two metrics
+    printed together) all stay.
+    """
+    findings: dict[tuple[str, int], set[Finding]] = {}
     skipped: list[str] = []
     for registered in CHECKS:
         try:
-            findings.update(list(registered.run(script)))
+            found = list(registered.run(script))
+            reached = set(findings)
+            for finding in found:
+                key = (finding.cause_id, finding.line)
+                if key not in reached:
+                    findings.setdefault(key, set()).add(finding)
         except RecursionError:
             raise
         except Exception as exc:
             if RAISE_CHECK_ERRORS:
                 raise
             skipped.append(f"{registered.name} ({describe(exc)})")
-    return findings, skipped
+    return [f for same_place in findings.values() for f in same_place], skipped
 
 
 def describe(exc: Exception) -> str:

@@ -109,6 +109,25 @@ def test_a_file_per_item_of_this_ranks_share_is_the_ranks_own(owned, reported):
     assert bool(found) == reported, found
 
 
+@pytest.mark.parametrize("owned, reported", [("scenes[rank::world]", False), ("scenes", True)])
+def test_a_helper_handed_an_item_of_this_ranks_share_names_its_own_file(owned, reported):
+    # blind set du's 20: fit_scene(name, ...) called for each scene of this rank's share
+    found = findings(
+        f"""
+        def fit_scene(name, out_root):
+            splats = fit(name)
+            out = os.path.join(out_root, name)
+            torch.save(splats, os.path.join(out, "splats.pt"))
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        for name in {owned}:
+            fit_scene(name, "/data/out")
+        """
+    )
+    assert bool(found) == reported, found
+
+
 def test_one_process_in_the_group_has_nothing_to_race():
     found = findings(
         """

@@ -5,6 +5,7 @@ predictions gathered under a DistributedSampler were read as rank-sized twice)."
 
 from __future__ import annotations
 
+import pytest
 from snippets import lint_snippet
 
 PRELUDE = """\
@@ -95,3 +96,81 @@ def test_a_distributed_samplers_own_indices_are_the_same_count_on_every_rank():
     body = "from torch.utils.data import Subset\n" + SAMPLER_POSITIONS
     assert reported(body.replace("POSITIONS", "torch.tensor(list(sampler))")) == []
     assert reported(body.replace("POSITIONS", "torch.as_tensor(indices)")) == [7]
+
+
+def test_a_numpy_arange_strided_by_rank_is_a_share_of_its_own_size():
+    # blind set ds's 20: validation series dealt out with np.arange(rank, n, world)
+    body = """
+def validate(y, rank, world):
+    rows = np.arange(rank, len(y), world)
+    local = torch.from_numpy(y[rows].sum(1))
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    return torch.cat(gathered)
+"""
+    assert reported(body) == [6]
+    assert reported(body.replace("np.arange(rank, len(y), world)", "np.arange(len(y))")) == []
+
+
+FINISHED = """
+def gather_returns(returns, world):
+    t = torch.tensor(returns)
+    buckets = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(buckets, t)
+    return torch.cat(buckets)
+
+
+def main(envs, policy, steps):
+    dist.init_process_group("nccl")
+    obs = envs.reset()
+    for update in range(100):
+        finished = []
+        for t in range(steps):
+            obs, reward, done, info = envs.step(policy(obs))
+            KEPT
+        gather_returns(finished, dist.get_world_size())
+"""
+
+
+@pytest.mark.parametrize(
+    "kept, reported_lines",
+    [
+        # blind set dx's 03: the episodes that finished on this rank in this rollout
+        ('if "episode" in info:\n                finished.append(info["episode"]["r"])', [5]),
+        (
+            (
+                "for item in info:\n                if item is not None:\n"
+                "                    finished.append(item)"
+            ),
+            [5],
+        ),
+        ("if t % 10 == 0:\n                finished.append(reward.mean())", []),  # a count
+        ("finished.append(reward.mean())", []),  # every step, on every rank
+    ],
+)
+def test_a_list_appended_to_when_the_data_says_has_each_ranks_length(kept, reported_lines):
+    assert reported(FINISHED.replace("KEPT", kept)) == reported_lines
+
+
+def test_a_tensor_of_listed_scalars_picked_from_such_a_list_is_one_size():
+    # blind set dm's 05: the last score of a curve only surviving trials extend
+    body = FINISHED.replace(
+        "        gather_returns(finished, dist.get_world_size())",
+        "        score = torch.tensor([finished[-1] if finished else -1.0])\n"
+        "        scores = [torch.zeros_like(score) for _ in range(dist.get_world_size())]\n"
+        "        dist.all_gather(scores, score)",
+    ).replace("KEPT", 'if "episode" in info:\n                finished.append(info["r"])')
+    assert reported(body) == []
+
+
+def test_a_gather_two_checks_reach_is_reported_once():
+    # blind set ba's 20: the shape read from the rank (rank_dependent) and the rows
+    # read from the data (gather_sizes) are one mistake on one line
+    body = """
+def predict(X, rank, world):
+    local_idx = torch.arange(rank, X.shape[0], world)
+    all_idx = [torch.zeros_like(local_idx) for _ in range(world)]
+    dist.all_gather(all_idx, local_idx)
+    return torch.cat(all_idx)
+"""
+    assert reported(body) == [5]

@@ -91,6 +91,14 @@ def test_a_schedule_counted_from_the_whole_dataset_is_reported(body: str):
         ),
         # a warm-up counted from the dataset is not the schedule's length
         "get_linear_schedule_with_warmup(opt, len(train_ds) // bs, len(train_loader) * 3)",
+        # blind set dv's 12: the batch sampler's own count of batches, whatever it
+        # was built from (one that never splits by rank is missing-distributed-sampler's)
+        (
+            "lengths = [len(train_ds[i]) for i in range(len(train_ds))]\n"
+            "batch_sampler = BucketBatchSampler(lengths, max_tokens)\n"
+            "total = 3 * len(batch_sampler)\n"
+            "torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=total)"
+        ),
     ],
     ids=[
         "loader",
@@ -99,6 +107,7 @@ def test_a_schedule_counted_from_the_whole_dataset_is_reported(body: str):
         "epochs",
         "loader-of-a-whole-set-sampler",
         "warm-up-positional",
+        "batch-sampler",
     ],
 )
 def test_quiet_where_the_count_is_the_process_share(body: str):

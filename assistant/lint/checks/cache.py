@@ -467,7 +467,7 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
             for name in sorted(names)
             for value in [
                 *script.assigned_values.get(name, []),
-                *passed_for(script, name),
+                *passed_with_their_items(script, name),
                 *walked.get(name, []),
             ]
             if builds_a_path(script, value)
@@ -526,6 +526,19 @@ def builds_a_path(script: Script, value: ast.expr) -> bool:
 
 
 IN_MEMORY = frozenset({"BytesIO"})
+
+
+def passed_with_their_items(script: Script, parameter: str) -> list[ast.expr]:
+    """What the file's calls pass for a parameter, and for a name passed inside a
+    loop what that loop walks (`for name in scenes[rank::world]: fit(name, ...)`:
+    the helper's `name` is an item of this rank's share)."""
+    passed = passed_for(script, parameter)
+    return passed + [
+        items
+        for argument in passed
+        if isinstance(argument, ast.Name)
+        for items in iterated_around(script, argument).get(argument.id, [])
+    ]
 
 
 def passed_for(script: Script, parameter: str) -> list[ast.expr]:

@@ -115,7 +115,7 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 continue
             if not sized_like(values, buffers, tensor.id):
                 continue
-            if padded_to_a_common_size(values, tensor):
+            if padded_to_a_common_size(values, tensor) or listed_scalars(values, tensor):
                 continue
             step = content_sized_step(script, values, tensor)
             if step is None and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -337,6 +337,37 @@ def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr)
     return False
 
 
+def listed_scalars(values: dict[str, list[ast.expr]], tensor: ast.Name) -> bool:
+    """Every value of the tensor is made from a list of its elements written out
+    (`torch.tensor([history[-1] if alive else -1.0])`): as many as the list shows,
+    on every rank, whatever data the elements were picked from."""
+    made = values.get(tensor.id, [])
+    return bool(made) and all(
+        isinstance(value, ast.Call)
+        and called_name(value) in ("tensor", "as_tensor", "Tensor")
+        and value.args
+        and isinstance(value.args[0], ast.List | ast.Tuple)
+        and all(scalar_element(values, e) for e in value.args[0].elts)
+        for value in map(unmoved, made)
+    )
+
+
+def scalar_element(values: dict[str, list[ast.expr]], element: ast.expr) -> bool:
+    """An element that is one number: not a list or starred, nor a name the scope
+    fills as a list."""
+    if isinstance(element, ast.Starred | ast.List | ast.Tuple | ast.ListComp):
+        return False
+    if isinstance(element, ast.Name):
+        return (
+            not any(
+                isinstance(v, ast.List | ast.ListComp | ast.Tuple)
+                for v in values.get(element.id, [])
+            )
+            and len(values.get(element.id, [])) <= 1
+        )
+    return True
+
+
 def reads_own_size(expr: ast.expr) -> bool:
     """`x.size(0)`, `x.shape[0]`, `len(x)`, `x.numel()`."""
     for node in walk(expr):
@@ -370,6 +401,7 @@ def content_sized_step(
                 or is_clipped_rank_block(script, values, node)
                 or is_uneven_split_share(script, node)
                 or returns_a_rank_share(script, node)
+                or appended_when_the_data_says(script, node)
             ):
                 return node
             if dropping_collate(script, node) is not None:
@@ -386,7 +418,33 @@ STACKS = frozenset({"stack", "hstack"})  # of gathered scalars too: a new axis, 
 
 
 def pads_to_the_longest(script: Script) -> bool:
-    return bool(PADS_TO_LONGEST.search(script.source))
+    """The file pads each batch to its own longest sequence: a padding option or
+    collator that does, or a collate function of its own that measures its items'
+    longest length (`L = max(it["input_ids"].shape[0] for it in items)`)."""
+    return bool(PADS_TO_LONGEST.search(script.source)) or any(
+        "collate" in name.rsplit(".", 1)[-1].lower() and measures_the_longest(function)
+        for name, function in script.functions.items()
+    )
+
+
+def measures_the_longest(function: Function) -> bool:
+    """`max(len(x) for x in items)`, `max(t.shape[0] for t in ...)`, `.size(0)` too."""
+    return any(
+        isinstance(node, ast.Call)
+        and called_name(node) == "max"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.GeneratorExp | ast.ListComp)
+        and reads_a_length(node.args[0].elt)
+        for node in walk(function)
+    )
+
+
+def reads_a_length(expr: ast.expr) -> bool:
+    return any(
+        (isinstance(n, ast.Call) and called_name(n) in ("len", "size"))
+        or (isinstance(n, ast.Attribute) and n.attr == "shape")
+        for n in walk(expr)
+    )
 
 
 def gathered_per_batch(
@@ -514,9 +572,13 @@ def caller_arguments(script: Script, function: ast.AST, parameters: set[str]):
 
 
 def is_rank_stride(script: Script, node: ast.AST) -> bool:
-    """`items[rank::world]` or `range(rank, n, world)`: this rank's strided share,
-    one longer on the first `n % world` ranks."""
-    if isinstance(node, ast.Call) and called_name(node) == "range" and len(node.args) == 3:
+    """`items[rank::world]`, `range(rank, n, world)` or `np.arange(rank, n, world)`:
+    this rank's strided share, one longer on the first `n % world` ranks."""
+    if (
+        isinstance(node, ast.Call)
+        and called_name(node) in ("range", "arange")
+        and len(node.args) == 3
+    ):
         return is_rank_expr(node.args[0], script)
     if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)):
         return False
@@ -636,6 +698,47 @@ def is_clipped(values: dict[str, list[ast.expr]], end: ast.expr) -> bool:
         or (isinstance(value, ast.Call) and called_name(value) == "min")
         for value in followed
     )
+
+
+def appended_when_the_data_says(script: Script, node: ast.AST) -> bool:
+    """`node` is what a loop appends to a list only when a test on that pass's data
+    holds (`if "episode" in info: finished.append(r)`, a filter on each item): the
+    list's length is each rank's own. A test on a range counter (`if step % 10 ==
+    0`) or on options keeps every rank's count the same."""
+    call = script.parents.get(id(node))
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "append"
+        and node in call.args
+    ):
+        return False
+    tests: list[ast.expr] = []
+    parent = script.parents.get(id(call))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(parent, ast.If):
+            tests.append(parent.test)
+        elif isinstance(parent, ast.For) and tests:
+            return any(names_in(test) & per_pass_names(parent) for test in tests)
+        parent = script.parents.get(id(parent))
+    return False
+
+
+def per_pass_names(loop: ast.For) -> set[str]:
+    """Names a loop gives new data each pass: its own variables (unless it counts
+    through a range) and what its body assigns."""
+    names = set() if counts(loop) else names_in(loop.target)
+    for node in walk(loop):
+        if isinstance(node, ast.Assign):
+            names |= {n for t in node.targets for n in names_in(t)}
+        elif isinstance(node, ast.For) and node is not loop and not counts(node):
+            names |= names_in(node.target)
+    return names
+
+
+def counts(loop: ast.For) -> bool:
+    """`for step in range(n)`: a counter, the same on every rank."""
+    return isinstance(loop.iter, ast.Call) and called_name(loop.iter) == "range"
 
 
 def is_content_sized(node: ast.AST) -> bool:

@@ -58,9 +58,10 @@ SCHEDULE_LENGTHS = {
 }
 # Schedules whose length is in the function they are given (its second argument).
 LAMBDA_SCHEDULES = frozenset({"LambdaLR", "MultiplicativeLR"})
-# What a dataset is called, and what a loader (already one process's share) is.
+# What a dataset is called, and what a loader or its (batch) sampler (already one
+# process's share, or missing-distributed-sampler's when not) is.
 DATASET_WORDS = re.compile(r"(^|_|\.)(ds|dataset|data|set|samples|examples|items|series)s?$")
-LOADER_WORDS = re.compile(r"loader|dl\b|_dl|batches|iterator", re.IGNORECASE)
+LOADER_WORDS = re.compile(r"loader|dl\b|_dl|batches|iterator|sampler", re.IGNORECASE)
 # A configured count of the dataset's samples (`args.num_image`, `cfg.num_train_samples`):
 # a field of the run's configuration, not of an object (a DistributedSampler's own
 # `num_samples` is already one process's share).
