@@ -32,7 +32,24 @@ def resolved_int(script: Script, expr: ast.expr | None, hops: int = MAX_HOPS) ->
     if isinstance(expr, ast.Name):
         values = script.assigned_values.get(expr.id, [])
         return resolved_int(script, values[0], hops - 1) if len(values) == 1 else None
+    if isinstance(expr, ast.Subscript):  # `cfg["samples_per_gpu"]` of the file's dict
+        known, value = config_default(script, expr, hops - 1)
+        return value if known and type(value) is int else None
+    if is_get_with_a_default(expr):  # `cfg.get("batch_size", 2)`: the file's default
+        return resolved_int(script, expr.args[1], hops - 1)  # type: ignore[attr-defined]
     return None
+
+
+def is_get_with_a_default(expr: ast.expr) -> bool:
+    """`mapping.get("key", default)`."""
+    return (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr == "get"
+        and len(expr.args) == 2
+        and isinstance(expr.args[0], ast.Constant)
+        and isinstance(expr.args[0].value, str)
+    )
 
 
 def argparse_default(script: Script, dest: str, hops: int = MAX_HOPS) -> int | None:

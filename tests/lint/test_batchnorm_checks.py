@@ -248,6 +248,27 @@ def test_a_torchvision_deeplab_with_a_literal_batch_of_two_is_reported():
 @pytest.mark.parametrize(
     ("batch", "reported"),
     [
+        # blind set dt's 02: an entry of the file's own config dict
+        ('settings["samples_per_gpu"]', [5]),
+        # blind set dv's 02: a config read with the file's default
+        ('loaded.get("batch_size", 2)', [5]),
+        ('loaded.get("batch_size", 32)', []),
+        ('loaded["batch_size"]', []),  # a loaded config: the run's choice
+    ],
+)
+def test_a_config_dicts_entry_or_a_get_default_is_a_per_gpu_size(batch, reported):
+    body = f"""
+        settings = dict(lr=0.01, samples_per_gpu=2)
+        loaded = yaml.safe_load(open("run.yaml"))
+        loader = DataLoader(ds, batch_size={batch}, sampler=DistributedSampler(ds))
+        model = DDP(Disc())
+        """
+    assert unsynced_lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    ("batch", "reported"),
+    [
         # blind set da's 06: a @dataclass config's default, nothing overrides it
         ("cfg.batch_size", [10]),
         # blind set cs's 18: a global batch of 8 divided over the processes

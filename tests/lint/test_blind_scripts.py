@@ -109,7 +109,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # dh 15/16; di 15/16; dk 11/16; dl 9/16; dn 12/16; do 15/16; dp 15/16; dq 13/16; dr 15/16;
 # ds 13/16; dw 15/16; dx 10/16; dv 14/16; dt 14/16; du 11/16; dy 14/16), of 2065 with
 # session 52's twelve sets
-FOUND_FLOOR = 1868  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 1871  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -262,7 +262,9 @@ FOUND_FLOOR = 1868  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # (measured once at 46282fb); 1863 of 2065 with dt, du, dy (measured once at b3d350d), 1868
 # after gathers of a np.arange stride (ds's 20), of a list appended to when the data says
 # (dx's 03, dm's 05), of fields a collate of the file's own pads to the longest (dw's 19)
-# (bi's 06 found too)
+# (bi's 06 found too), 1871 after a per-GPU batch from the file's config dict or a
+# .get default (dt's 02, dv's 02) and a module checkpointed chunk by chunk in a
+# comprehension (du's 13)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

@@ -124,3 +124,31 @@ def test_a_comprehension_over_the_crops_runs_the_backbone_once_per_crop():
         "        for c in crops:\n            feats.append(self.backbone(c))\n", ""
     )
     assert len(findings(body)) == 1
+
+
+CHUNKED = """
+class Field(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rgbnet = nn.Linear(8, 3)
+        self.chunk = 1024
+
+    def forward(self, h):
+        return torch.cat(CHUNKS)
+
+
+model = DDP(Field())
+"""
+
+
+def test_a_module_checkpointed_chunk_by_chunk_in_a_comprehension_is_reused():
+    # blind set du's 13: the colour MLP checkpointed per chunk of samples in one forward
+    chunks = (
+        "[checkpoint(self.rgbnet, h[s:s + self.chunk], use_reentrant=True)"
+        " for s in range(0, h.shape[0], self.chunk)]"
+    )
+    assert any("inside a loop" in m for m in findings(CHUNKED.replace("CHUNKS", chunks)))
+    once = "[checkpoint(self.rgbnet, h, use_reentrant=True)]"
+    assert findings(CHUNKED.replace("CHUNKS", once)) == []
+    non_reentrant = chunks.replace("use_reentrant=True", "use_reentrant=False")
+    assert findings(CHUNKED.replace("CHUNKS", non_reentrant)) == []

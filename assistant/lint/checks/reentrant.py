@@ -281,10 +281,10 @@ class Loops:
         self.loop_of: dict[int, ast.AST] = {}
         self.backward: dict[int, bool] = {}
         self.fields_set: dict[int, set[str]] = {}
-        loops = (ast.For, ast.AsyncFor, ast.While)
+        loops = (ast.For, ast.AsyncFor, ast.While, *COMPREHENSIONS)
         for scope in script.all_scopes:
             for loop in (n for n in script.scope_nodes(scope) if isinstance(n, loops)):
-                inside = [n for stmt in loop.body for n in own_nodes_of(stmt)]
+                inside = loop_body_nodes(loop)
                 self.backward[id(loop)] = any(
                     isinstance(n, ast.Attribute) and n.attr == "backward" for n in inside
                 )
@@ -499,6 +499,15 @@ class ModelRuns:
                 and not self.loops.backward[id(loop)]
             ):
                 yield node
+
+
+def loop_body_nodes(loop: ast.AST) -> list[ast.AST]:
+    """What a loop runs each pass: its body's statements, or a comprehension's
+    element (`[checkpoint(self.mlp, h[s:s + n]) for s in range(0, len(h), n)]`)."""
+    if isinstance(loop, COMPREHENSIONS):
+        parts = [loop.key, loop.value] if isinstance(loop, ast.DictComp) else [loop.elt]
+        return [n for part in parts for n in (part, *own_nodes(part))]
+    return [n for stmt in loop.body for n in own_nodes_of(stmt)]
 
 
 def own_nodes_of(stmt: ast.stmt) -> Iterator[ast.AST]:
