@@ -174,3 +174,28 @@ def predict(X, rank, world):
     return torch.cat(all_idx)
 """
     assert reported(body) == [5]
+
+
+@pytest.mark.parametrize(
+    "rows, reported_lines",
+    [
+        ("math.ceil(n_total / world)", []),  # blind set ee's 10: padded to a common size
+        ("x.size(0)", [6]),  # this rank's own rows, filled in place: its own size
+    ],
+)
+def test_a_buffer_allocated_at_a_common_size_then_filled_in_place(rows, reported_lines):
+    body = f"""
+def pad_gather(x, n_total, world):
+    padded = torch.zeros({rows}, x.size(1))
+    padded[: x.size(0)] = x
+    bufs = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(bufs, padded)
+    return torch.cat(bufs)
+
+
+def main(feats, rank, world):
+    dist.init_process_group("nccl")
+    mine = feats[rank::world]
+    pad_gather(mine, len(feats), world)
+"""
+    assert reported(body) == reported_lines

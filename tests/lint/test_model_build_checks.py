@@ -438,3 +438,43 @@ def main(path):
         "    rels = open(path).read().split()[dist.get_rank()::8]",
     )
     assert reported_lines(shared) == [13]
+
+
+HELPER_LOADERS = """
+class Net(nn.Module):
+    def __init__(self, n_classes):
+        super().__init__()
+        self.fc = nn.Linear(8, n_classes)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def build_loaders(root, world, rank):
+    train_ds = ImageFolder(root)
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank)
+    return CUT, DataLoader(train_ds, sampler=sampler)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_ds, loader = build_loaders("/data", world, rank)
+    classes = train_ds.classes
+    model = timm.create_model("resnet50", num_classes=len(classes))
+    model = DDP(model)
+
+
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "cut, reported",
+    [
+        ("train_ds", []),  # blind set ec's 06: the rank goes to the sampler only
+        ("Subset(train_ds, range(rank, len(train_ds), world))", [23]),
+    ],
+)
+def test_a_helper_that_hands_the_rank_to_a_sampler_returns_the_whole_dataset(cut, reported):
+    assert reported_lines(HELPER_LOADERS.replace("CUT", cut)) == reported

@@ -1482,7 +1482,8 @@ class DataFlow:
         if None in rank_parameters:
             return False  # into *args or **kwargs: cannot tell
         return bool(rank_parameters) and all(
-            only_compared(function, name) for name in rank_parameters
+            only_compared(function, name, also=ranks_given_to_samplers(self.script, function))
+            for name in rank_parameters
         )
 
     def files_split_by_rank(self, dataset: ast.expr) -> ast.Subscript | None:
@@ -2243,11 +2244,24 @@ def is_constant(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Tuple | ast.List | ast.Set) and all(map(is_constant, expr.elts))
 
 
-def only_compared(function: ast.AST, name: str) -> bool:
-    """Every read of `name` in `function` is a side of a comparison with a constant."""
-    tested = constant_tests(function)
+def only_compared(function: ast.AST, name: str, also: frozenset[int] = frozenset()) -> bool:
+    """Every read of `name` in `function` is a side of a comparison with a constant
+    (or one of the nodes `also` allows)."""
+    tested = constant_tests(function) | also
     return all(
         id(n) in tested
         for n in walk(function)
         if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    )
+
+
+def ranks_given_to_samplers(script: Script, function: ast.AST) -> frozenset[int]:
+    """ids of the names a sampler is given as its rank (`DistributedSampler(ds,
+    rank=rank)`): the sampler takes this rank's share, the dataset stays whole."""
+    return frozenset(
+        id(k.value)
+        for node in walk(function)
+        if isinstance(node, ast.Call) and short(script.name_of(node.func)).endswith("Sampler")
+        for k in node.keywords
+        if k.arg == "rank" and isinstance(k.value, ast.Name)
     )

@@ -115,7 +115,11 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 continue
             if not sized_like(values, buffers, tensor.id):
                 continue
-            if padded_to_a_common_size(values, tensor) or listed_scalars(values, tensor):
+            if (
+                padded_to_a_common_size(values, tensor)
+                or listed_scalars(values, tensor)
+                or allocated_at_a_common_size(before(nodes, node), values, tensor)
+            ):
                 continue
             step = content_sized_step(script, values, tensor)
             if step is None and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -335,6 +339,48 @@ def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr)
                 ):
                     return True
     return False
+
+
+# Calls that allocate a tensor of the size they are given.
+ALLOCATIONS = frozenset(
+    {"zeros", "empty", "ones", "full", "new_zeros", "new_empty", "new_ones", "new_full"}
+)
+
+
+def allocated_at_a_common_size(
+    nodes: list[ast.AST], values: dict[str, list[ast.expr]], tensor: ast.Name
+) -> bool:
+    """The tensor is allocated with a row count that measures no data (`padded =
+    torch.zeros(math.ceil(n / world), d)`) and only filled in place after (`padded[:
+    len(x)] = x`): the same size on every rank, whatever fills it."""
+    allocations = [
+        node.value
+        for node in nodes
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == tensor.id for t in node.targets)
+    ]
+    return bool(allocations) and all(
+        isinstance(a, ast.Call)
+        and called_name(a) in ALLOCATIONS
+        and a.args
+        and not measures_data(values, rows_of(a.args[0]))
+        for a in allocations
+    )
+
+
+def rows_of(size: ast.expr) -> ast.expr:
+    """The first dimension of a size given as a tuple or list."""
+    return size.elts[0] if isinstance(size, ast.Tuple | ast.List) and size.elts else size
+
+
+def measures_data(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
+    """The expression, or what its names hold a few assignments back, reads a length."""
+    return any(
+        (isinstance(n, ast.Call) and called_name(n) in SIZE_READS)
+        or (isinstance(n, ast.Attribute) and n.attr == "shape")
+        for value in origin(values, expr)
+        for n in walk(value)
+    )
 
 
 def listed_scalars(values: dict[str, list[ast.expr]], tensor: ast.Name) -> bool:
