@@ -196,6 +196,11 @@ def test_a_torchvision_model_told_its_norm_layer_has_that_norm(backbone, reporte
         "D = DDP(Disc())\nif real:\n    out = D(a)\nelse:\n    out = D(b)\nout.mean().backward()",
         # the module called by its own name goes around DDP
         "net = Disc()\nD = DDP(net)\nloss = net(a).mean() + net(b).mean()\nloss.backward()",
+        # blind set ed's 18: a backward chained on a loss made of the first call
+        (
+            "D = DDP(Disc())\nwith D.no_sync():\n    F.cross_entropy(D(a), y).backward()\n"
+            "loss = F.cross_entropy(D(b), y)\nloss.backward()"
+        ),
     ],
     ids=[
         "no-broadcast",
@@ -207,6 +212,7 @@ def test_a_torchvision_model_told_its_norm_layer_has_that_norm(backbone, reporte
         "first-detached",
         "two-arms",
         "unwrapped-module",
+        "chained-backward-first",
     ],
 )
 def test_quiet_where_nothing_moves_a_saved_buffer(body: str):

@@ -306,6 +306,8 @@ def test_accumulation_that_reaches_an_update_target_counts_every_process(accumul
         ("Sampler(ds, global_batch=args.global_batch)", []),  # not handed as a batch size
         # a key of that name the file does not say counts every process (u's 13)
         ("DataLoader(ds, batch_size=args.ims_per_batch)", []),
+        # blind set ea's 04: a sampler of the file that divides it by the world itself
+        ("IdentitySampler(ds, CFG['IMS_PER_BATCH'], world)", []),
     ],
 )
 def test_a_global_batch_given_as_each_processs_batch_is_reported(loader, reported_):
@@ -320,5 +322,8 @@ def test_a_global_batch_given_as_each_processs_batch_is_reported(loader, reporte
         class Sampler:
             def __init__(self, data, global_batch):
                 self.n = global_batch
+        class IdentitySampler:
+            def __init__(self, data, batch_size, world_size):
+                self.mini_batch = batch_size // world_size
         """
     assert reported(body) == reported_

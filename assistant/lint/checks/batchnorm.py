@@ -450,7 +450,12 @@ def second_calls_before_backward(
     calls = [
         node for node in nodes if isinstance(node, ast.Call) and source_text(node.func) in names
     ]
-    backwards = [position(node) for node in nodes if is_backward(node)]
+    # where each backward ends: `loss_of(model(x)).backward()` runs after the call inside it
+    backwards = [
+        (node.end_lineno or node.lineno, node.end_col_offset or 0)
+        for node in nodes
+        if is_backward(node)
+    ]
     if len(calls) < 2 or not backwards:
         return
     arms = branch_arms(scope)

@@ -459,8 +459,22 @@ def batch_size_arguments(script: Script, call: ast.Call, name: str) -> list[ast.
     if function is None:
         return []
     constructor = callee not in script.functions
+    if splits_over_processes(function, "batch_size"):
+        return []  # `self.mini_batch = batch_size // world_size`: it takes the global batch
     return [
         argument
         for parameter, argument in bound_arguments(function, call, self_bound=constructor)
         if parameter == "batch_size"
     ]
+
+
+def splits_over_processes(function: ast.AST, parameter: str) -> bool:
+    """The function divides its parameter by the number of processes itself."""
+    return any(
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.FloorDiv | ast.Div)
+        and isinstance(node.left, ast.Name)
+        and node.left.id == parameter
+        and any(PROCESS_COUNT.search(text) for text in names_in([node.right]))
+        for node in walk(function)
+    )
