@@ -108,8 +108,9 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # cy 12/16; cz 16/16; da 13/16; dd 12/16; de 13/16; dg 12/16; dj 10/16; dm 10/16; df 12/16;
 # dh 15/16; di 15/16; dk 11/16; dl 9/16; dn 12/16; do 15/16; dp 15/16; dq 13/16; dr 15/16;
 # ds 13/16; dw 15/16; dx 10/16; dv 14/16; dt 14/16; du 11/16; dy 14/16; ee 12/16;
-# ec 14/16; ed 11/16; dz 13/16; ea 13/16; eb 13/16), of 2161 with session 52's eighteen sets
-FOUND_FLOOR = 1947  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# ec 14/16; ed 11/16; dz 13/16; ea 13/16; eb 13/16; ei 13/16; ef 16/16; ej 14/16; eg 11/16;
+# eh 15/16), of 2241 with session 52's twenty-three sets
+FOUND_FLOOR = 2017  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -265,7 +266,9 @@ FOUND_FLOOR = 1947  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # (bi's 06 found too), 1871 after a per-GPU batch from the file's config dict or a
 # .get default (dt's 02, dv's 02) and a module checkpointed chunk by chunk in a
 # comprehension (du's 13); 1897 of 2097 with ee and ec (measured once at 0ccc085); 1947 of
-# 2161 with ed, dz, ea, eb (measured once at a39bd1e)
+# 2161 with ed, dz, ea, eb (measured once at a39bd1e), 1948 after a skip on a name the step
+# reads from its batch (eb's 01); 1991 of 2209 with ei, ef, ej (measured once at 9a2a97c);
+# 2017 of 2241 with eg, eh (measured once at ffabac3)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -396,8 +399,11 @@ FOUND_FLOOR = 1947  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # the root of its uneven exit; ed's 14 a bias layer every rank fits on the same seeded batches;
 # ed's 18 a replay stream every rank draws alike, and a backward chained on the first forward
 # read as none between two forwards: false, mended, cg's 12 too; ea's 04 a global batch given
-# to a sampler that divides it itself: false, mended), 170 after
-OTHER_FINDINGS_CEILING = 170
+# to a sampler that divides it itself: false, mended), 170 after; 174 with ei, ef, ej (the
+# spelling note on three, and on ej's 12, correct, a file its docstring launches with the
+# deepspeed launcher: mended, de's 14 and p's 20 too), 171 after; 173 with eg, eh (the
+# spelling note on two)
+OTHER_FINDINGS_CEILING = 173
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -415,8 +421,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 2161
-    assert sum(label["cause"] is None for label in labels) == 539
+    assert sum(label["cause"] is not None for label in labels) == 2241
+    assert sum(label["cause"] is None for label in labels) == 559
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

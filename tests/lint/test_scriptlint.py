@@ -829,6 +829,27 @@ def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag() -> None:
     assert findings_of(source) == []
 
 
+@pytest.mark.parametrize(
+    "launch, reported",
+    [
+        # blind set ej's 12: a Trainer with a DeepSpeed config, run by that launcher
+        ("deepspeed --num_gpus=8 train.py --deepspeed ds.json", False),
+        ("torchrun --nproc_per_node=8 train.py", True),
+    ],
+)
+def test_a_file_that_documents_the_deepspeed_launcher_takes_its_flag(launch, reported) -> None:
+    source = (
+        f'"""Fine-tune.\n\nLaunch:\n    {launch}\n"""\n'
+        "import argparse\n"
+        "parser = argparse.ArgumentParser()\n"
+        'parser.add_argument("--local_rank", type=int, default=-1)\n'
+        "args = parser.parse_args()\n"
+        "print(args.local_rank)\n"
+    )
+    found = [cause for cause, _line in findings_of(source)]
+    assert ("local-rank-arg-mismatch" in found) == reported
+
+
 def test_a_download_in_the_parent_before_spawning_runs_once() -> None:
     source = (
         "import torch.distributed as dist\nimport torch.multiprocessing as mp\n"

@@ -334,3 +334,32 @@ def test_early_stopping_on_rank_zero_alone_fails_under_torchrun_and_the_shared_t
     ran = wait_ran()
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.count("stopped early at epoch 2") == 2
+
+
+@pytest.mark.parametrize(
+    "measured, reported",
+    [
+        # blind set eb's 01: the share of valid pixels in this rank's batch
+        ("valid = (y != IGNORE).float().mean().item()", [4]),
+        ("valid = (y != IGNORE).sum()", [4]),
+        ("valid = y.size(0)", []),  # a row count below a bound: the short last batch
+        ("valid = args.min_valid_frac * 2", []),  # no data of the step
+        # blind set bt's 02 (correct): a flag every rank agreed on, read after its all_reduce
+        (
+            (
+                "flag = torch.tensor([float(PREEMPTED)])\n        dist.all_reduce(flag)\n"
+                "        valid = flag.item()"
+            ),
+            [],
+        ),
+    ],
+)
+def test_a_name_the_step_reads_from_its_batch_is_its_own_data(measured, reported):
+    body = f"""
+    for step, (x, y) in enumerate(loader):
+        {measured}
+        if valid < args.min_valid_frac:
+            continue
+        model(x).sum().backward()
+    """
+    assert skipped_lines(body) == reported

@@ -452,9 +452,11 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         loop = enclosing_loop(node, parents)
         if loop is None:
             continue
-        own_data = reads_local_value(
-            node.test, step_data_names(loop, node)
-        ) or compares_a_reduction(node.test)
+        own_data = (
+            reads_local_value(node.test, step_data_names(loop, node))
+            or bool(names_in(node.test) & local_value_names(loop, node))
+            or compares_a_reduction(node.test)
+        )
         own_signal = not own_data and reads_flag(node.test, signalled)
         own_rank = not (own_data or own_signal) and decided_by_rank(script, node, loop)
         if not (own_data or own_signal or own_rank):
@@ -767,6 +769,38 @@ def step_data_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
             }
     return names
+
+
+def local_value_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
+    """Names the loop's body assigns, above `before`, a value read from this rank's
+    batch (`valid_frac = (y != IGNORE).float().mean().item()`): a test of one is a
+    test of this rank's own data. Not a row count (`n = x.size(0)`), which
+    counts_no_rows judges where it is compared (a short last batch is as short
+    on every rank)."""
+    batch = step_data_names(loop, before)
+    line = getattr(before, "lineno", 0)
+    return {
+        n.id
+        for statement in loop.body
+        for assign in walk(statement)
+        if isinstance(assign, ast.Assign)
+        and assign.lineno < line
+        and reads_a_tensor_value(assign.value, batch)
+        for target in assign.targets
+        for n in walk(target)
+        if isinstance(n, ast.Name)
+    }
+
+
+def reads_a_tensor_value(value: ast.expr, batch: set[str]) -> bool:
+    """`.item()`, isfinite / isnan / isinf, or a reduction (`.mean()`) of the batch
+    (not of a flag every rank agreed on: `stop = flag.item() > 0` after its all_reduce)."""
+    return any(
+        isinstance(node, ast.Call)
+        and called_name(node) in VALUE_READS | TENSOR_READS
+        and bool(names_in(node) & batch)
+        for node in walk(value)
+    )
 
 
 def reads_local_value(test: ast.expr, batch: set[str]) -> bool:

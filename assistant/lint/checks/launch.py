@@ -129,7 +129,7 @@ def reads_the_value_of(script: Script, variable: str) -> bool:
 @check("local-rank-arg-mismatch")
 def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
     """Only one spelling of the local-rank flag, or a flag torchrun never passes."""
-    if uses_deepspeed(script):
+    if uses_deepspeed(script) or names_the_deepspeed_launcher(script):
         return  # the `deepspeed` launcher passes --local_rank=N, the spelling it expects
     for node, flags in local_rank_arguments(script):
         accepted = flags & set(LOCAL_RANK_FLAGS)
@@ -149,6 +149,19 @@ def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
             yield script.finding(
                 "local-rank-arg-mismatch", node, "; ".join(problems) + arg_fix(script, node)
             )
+
+
+# A command line the file documents that starts with the `deepspeed` launcher
+# (`deepspeed --num_gpus=8 train.py ...`, in its docstring or a comment).
+DEEPSPEED_LAUNCH = re.compile(
+    r"^[\s#]*(?:[A-Z_]+=\S+\s+)*deepspeed\s+(?:--|\S+\.py\b)", re.MULTILINE
+)
+
+
+def names_the_deepspeed_launcher(script: Script) -> bool:
+    """The file says it is launched by `deepspeed` (a Trainer handed a DeepSpeed
+    config, run by that launcher, imports no deepspeed itself)."""
+    return bool(DEEPSPEED_LAUNCH.search(script.source))
 
 
 def arg_fix(script: Script, node: ast.Call) -> str:
