@@ -110,7 +110,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # ds 13/16; dw 15/16; dx 10/16; dv 14/16; dt 14/16; du 11/16; dy 14/16; ee 12/16;
 # ec 14/16; ed 11/16; dz 13/16; ea 13/16; eb 13/16; ei 13/16; ef 16/16; ej 14/16; eg 11/16;
 # eh 15/16), of 2241 with session 52's twenty-three sets
-FOUND_FLOOR = 2017  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 2019  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -268,7 +268,8 @@ FOUND_FLOOR = 2017  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # comprehension (du's 13); 1897 of 2097 with ee and ec (measured once at 0ccc085); 1947 of
 # 2161 with ed, dz, ea, eb (measured once at a39bd1e), 1948 after a skip on a name the step
 # reads from its batch (eb's 01); 1991 of 2209 with ei, ef, ej (measured once at 9a2a97c);
-# 2017 of 2241 with eg, eh (measured once at ffabac3)
+# 2017 of 2241 with eg, eh (measured once at ffabac3), 2019 after a GPU index handed on as a
+# library's device_id (ei's 12) and an FFCV training loader without distributed=True (ei's 08)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

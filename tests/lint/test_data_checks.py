@@ -1415,3 +1415,32 @@ def test_a_trial_that_trains_a_model_of_its_own_reads_all_the_data():
         "    model = DDP(torch.nn.Linear(4, 1).cuda())\n",
     )
     assert findings(SAMPLER_PRELUDE, wrapped) == [("missing-distributed-sampler", 12)]
+
+
+FFCV = """
+import os
+import torch.distributed as dist
+from ffcv.loader import Loader, OrderOption
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("nccl")
+model = DDP(net, device_ids=[int(os.environ["LOCAL_RANK"])])
+train = Loader("train.beton", batch_size=64, order=OrderOption.ORDER, pipelines=p{given})
+"""
+
+
+@pytest.mark.parametrize(
+    "order, given, reported",
+    [
+        # blind set ei's 08: the training loader left without distributed=True
+        ("RANDOM", "", True),
+        ("QUASI_RANDOM", ", distributed=False", True),
+        ("RANDOM", ", distributed=True", False),
+        ("RANDOM", ", distributed=args.distributed", False),  # the run decides
+        ("SEQUENTIAL", "", False),  # an evaluation may read everything
+    ],
+)
+def test_an_ffcv_training_loader_needs_distributed_true(order, given, reported):
+    source = FFCV.replace("ORDER", order).replace("{given}", given)
+    found = [f for f in lint_source(source) if f.cause_id == "missing-distributed-sampler"]
+    assert bool(found) == reported, found

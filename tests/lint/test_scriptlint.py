@@ -916,6 +916,20 @@ def test_a_helper_whose_device_parameter_defaults_to_a_fixed_gpu_is_reported_whe
     assert findings_of(named) == []
 
 
+def test_a_gpu_index_handed_on_as_a_librarys_device_id_places_work() -> None:
+    # blind set ei's 12: a DALI pipeline built with device_id=device_id, defaulting to 0
+    helper = (
+        "def dali_loader(root, batch_size, device_id=0):\n"
+        "    return DALIClassificationIterator(pipe(root, batch_size, device_id=device_id))\n"
+        "local_rank = int(os.environ['LOCAL_RANK'])\n"
+        "model = DDP(nn.Linear(4, 4).to(local_rank), device_ids=[local_rank])\n"
+    )
+    bare = DDP_HEADER + helper + "loader = dali_loader('/data', 64)\n"
+    assert findings_of(bare) == [("hardcoded-device", 5)]
+    given = bare.replace("'/data', 64)", "'/data', 64, device_id=local_rank)")
+    assert findings_of(given) == []
+
+
 def test_a_parameter_handed_on_as_a_librarys_device_keyword_places_work() -> None:
     # blind set cb's 05: MONAI's sliding_window_inference(..., sw_device=sw_device)
     helper = (

@@ -167,6 +167,35 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
         )
 
 
+@check("missing-distributed-sampler")
+def check_ffcv_loader_read_whole_by_every_rank(script: Script) -> Iterator[Finding]:
+    """An FFCV `Loader(..., order=OrderOption.RANDOM)` (a training order) without
+    `distributed=True` in a script that trains across processes: FFCV splits the
+    dataset between the ranks only when told, so every rank trains on all of it."""
+    data = DataFlow(script)
+    if not data.is_distributed or data.uses_framework or data.independent_models:
+        return
+    for node, name in script.call_names:
+        if not (name.startswith("ffcv.") and short(name) == "Loader"):
+            continue
+        order = keyword(node, "order")
+        if order is None or "RANDOM" not in source_text(order):
+            continue  # sequential: an evaluation may read everything on purpose
+        distributed = keyword(node, "distributed")
+        if distributed is not None and not (
+            isinstance(distributed, ast.Constant) and distributed.value is False
+        ):
+            continue  # True, or an option the run decides
+        yield script.finding(
+            "missing-distributed-sampler",
+            node,
+            f"FFCV Loader over {source_text(node.args[0]) if node.args else 'its dataset'} "
+            "in a random order without distributed=True: FFCV gives each process its own "
+            "share only when told, so every rank trains on the whole dataset (N times the "
+            "work, epochs N times longer); pass distributed=True",
+        )
+
+
 def trains_a_model_of_its_own(script: Script, loader: ast.Call) -> bool:
     """The function that builds the loader also builds the model it trains, an
     optimizer over it and a backward (its own, or a helper's it calls), with no DDP or

@@ -484,12 +484,18 @@ def places_on(node: ast.Call, name: str) -> bool:
 GPU_ARGUMENT_CALLS = frozenset({"Stream", "device", "set_device"})
 
 
+# Keywords that hand a library the index of the GPU to work on (DALI's pipelines).
+GPU_INDEX_KEYWORDS = frozenset({"device_id", "gpu_id", "gpu_index"})
+
+
 def places_on_any(node: ast.Call, names: set[str]) -> bool:
     """`places_on` for any of `names` (a parameter, or the `self.x` that keeps it);
     also `torch.cuda.Stream(name)`, which makes a stream on that GPU, and a keyword
-    named like a device (`sw_device=name`)."""
+    named like a device (`sw_device=name`) or a GPU index (DALI's `device_id=name`)."""
     if any(  # `device=name`, or a device keyword of a library (MONAI's `sw_device=name`)
-        k.arg and k.arg.endswith("device") and source_text(k.value) in names
+        k.arg
+        and (k.arg.endswith("device") or k.arg in GPU_INDEX_KEYWORDS)
+        and source_text(k.value) in names
         for k in node.keywords
         if isinstance(k.value, ast.Name | ast.Attribute)
     ):
