@@ -199,3 +199,23 @@ def main(feats, rank, world):
     pad_gather(mine, len(feats), world)
 """
     assert reported(body) == reported_lines
+
+
+@pytest.mark.parametrize(
+    "picked, reported_lines",
+    [
+        # blind set em's 08: the k highest negatives of a mask's selection, k on every rank
+        ("neg.topk(k).values", []),
+        ("neg", [6]),  # the selection itself: each rank's own count
+    ],
+)
+def test_the_top_k_of_a_selection_has_k_rows_on_every_rank(picked, reported_lines):
+    body = f"""
+def hits(scores, labels, k, world):
+    neg = scores[labels == 0]
+    top = {picked}
+    tops = [torch.empty_like(top) for _ in range(world)]
+    dist.all_gather(tops, top)
+    return torch.cat(tops).topk(k).values[-1]
+"""
+    assert reported(body) == reported_lines

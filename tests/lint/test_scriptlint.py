@@ -769,6 +769,32 @@ def test_a_list_of_cpu_tensors_joined_then_gathered_is_on_the_cpu(appended, flag
     assert findings_of(source, "nccl-with-cpu-tensors") == expected, appended
 
 
+@pytest.mark.parametrize(
+    "appended, passed, flagged",
+    [
+        # blind set ea's 09: features moved to the CPU, then handed to a gathering helper
+        ("F.normalize(f).cpu()", "torch.cat(feats)", True),
+        ("F.normalize(f)", "torch.cat(feats)", False),
+        ("F.normalize(f).cpu()", "torch.cat(feats).cuda()", False),  # moved back first
+    ],
+)
+def test_a_cpu_tensor_handed_to_a_helper_that_gathers_it(appended, passed, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def all_gather_cat(t):\n"
+        "    bufs = [torch.empty_like(t) for _ in range(dist.get_world_size())]\n"
+        "    dist.all_gather(bufs, t)\n"
+        "    return torch.cat(bufs)\n"
+        "def inference(net, loader):\n"
+        "    feats = []\n"
+        "    for x in loader:\n"
+        "        f = net(x.cuda())\n"
+        f"        feats.append({appended})\n"
+        f"    return all_gather_cat({passed})\n"
+    )
+    found = findings_of(source, "nccl-with-cpu-tensors")
+    assert bool(found) == flagged, found
+
+
 def test_a_tensor_made_on_the_gpu_in_one_branch_is_not_judged() -> None:
     source = NCCL_HEADER + (
         "if torch.cuda.is_available():\n"

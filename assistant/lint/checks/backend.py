@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, keyword, name_value_pairs, short
+from assistant.lint.model import Script, bound_arguments, keyword, name_value_pairs, short
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
@@ -52,14 +52,65 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
             cpu_line = made_on_cpu_before(made.get(tensor.id, []), node.lineno)
             if cpu_line is None:
                 cpu_line = last_made_on_cpu(script, nodes, made, tensor.id, node)
+            why = f"created on the CPU (line {cpu_line})"
+            if cpu_line is None and tensor.id not in made:
+                cpu_line = passed_on_cpu(script, scope, tensor.id)
+                why = f"the CPU tensor the call on line {cpu_line} passes"
             if cpu_line is not None:
                 yield script.finding(
                     "nccl-with-cpu-tensors",
                     node,
-                    f"{short(name)}({tensor.id}) on the nccl backend, but {tensor.id} is "
-                    f"created on the CPU (line {cpu_line}): create it with "
-                    "device=... or move it with .to(device)",
+                    f"{short(name)}({tensor.id}) on the nccl backend, but {tensor.id} is {why}: "
+                    "create it with device=... or move it with .to(device)",
                 )
+
+
+def passed_on_cpu(script: Script, scope: ast.AST, parameter: str) -> int | None:
+    """The line of a call of the file's helper `scope` that passes its `parameter`
+    a tensor made on the CPU (`all_gather_cat(torch.cat(feats))` with every
+    feature appended `.cpu()`): the helper's collective sends it."""
+    if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    if parameter not in {a.arg for a in scope.args.args}:
+        return None
+    for caller in script.all_scopes:
+        nodes = script.scope_nodes(caller)
+        calls = [
+            n
+            for n in nodes
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == scope.name
+        ]
+        if not calls:
+            continue
+        made = tensor_origins(script, nodes)
+        appended = appended_items(nodes)
+        for call in calls:
+            for bound, argument in bound_arguments(scope, call):
+                if bound == parameter and on_cpu_at(script, made, appended, argument, call):
+                    return call.lineno
+    return None
+
+
+def on_cpu_at(
+    script: Script,
+    made: dict[str, list[tuple[int, bool]]],
+    appended: dict[str, list[ast.expr]],
+    value: ast.expr,
+    where: ast.AST,
+) -> bool:
+    """The value, read where `where` stands, is a tensor made on the CPU."""
+    line = getattr(where, "lineno", 0)
+
+    def cpu_name(name: str) -> bool:
+        return made_on_cpu_before(made.get(name, []), line) is not None
+
+    def list_on_cpu(name: str) -> bool:
+        items = appended.get(name, [])
+        return bool(items) and all(makes_cpu_tensor(script, item, cpu_name) for item in items)
+
+    if isinstance(value, ast.Name):
+        return cpu_name(value.id)
+    return makes_cpu_tensor(script, value, cpu_name, list_on_cpu=list_on_cpu)
 
 
 # Where a collective takes the tensor this rank sends: all_gather(tensor_list,

@@ -434,7 +434,7 @@ def content_sized_step(
         token_output = per_token_output_per_batch(values, tensor, batches)
         if token_output is not None:
             return token_output  # (batch, its longest sequence) of start_logits
-    for value in origin(values, tensor):
+    for value in origin(values, tensor, stop=fixes_the_rows):
         for node in equal_share_walk(values, value):
             if is_batch_field(node, batches):
                 if lengths_differ:
@@ -744,6 +744,11 @@ def is_clipped(values: dict[str, list[ast.expr]], end: ast.expr) -> bool:
         or (isinstance(value, ast.Call) and called_name(value) == "min")
         for value in followed
     )
+
+
+def fixes_the_rows(node: ast.AST) -> bool:
+    """`scores.topk(k)`: k rows on every rank, whatever the rows it picks from."""
+    return isinstance(node, ast.Call) and called_name(node) == "topk"
 
 
 def appended_when_the_data_says(script: Script, node: ast.AST) -> bool:
