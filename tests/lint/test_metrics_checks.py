@@ -848,3 +848,33 @@ def main():
 )
 def test_a_few_examples_kept_to_show_are_no_total(kept, reported):
     assert reported_lines(EXAMPLES_TO_SHOW.replace("KEPT", kept)) == reported
+
+
+# Each rank writes its share's predictions to a file of its own, merged after a
+# barrier (VideoMAE's multi-view test: blind set ek's 08).
+PER_RANK_FILES = """
+def final_test(model, loader, path):
+    lines = []
+    for x, ids in loader:
+        lines.append(f"{ids} {model(x).argmax(1)}")
+    with open(path, "w") as f:
+        f.write("\\\\n".join(lines))
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    loader = DataLoader(data, sampler=DistributedSampler(data, shuffle=False))
+    final_test(model, loader, PATH)
+"""
+
+
+@pytest.mark.parametrize(
+    "path, reported",
+    [
+        ('os.path.join(out_dir, f"{rank}.txt")', []),  # a part per rank, merged later
+        ('os.path.join(out_dir, "test.txt")', [4]),  # one file: the last rank's share wins
+    ],
+)
+def test_a_share_written_to_a_file_of_its_rank_is_a_part_to_merge(path, reported):
+    assert reported_lines(PER_RANK_FILES.replace("PATH", path)) == reported

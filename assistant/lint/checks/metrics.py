@@ -31,6 +31,7 @@ from assistant.lint.checks.unused import position_after, wrapped_by
 from assistant.lint.model import (
     Function,
     Script,
+    called_name,
     keyword,
     own_nodes,
     self_attribute,
@@ -906,9 +907,38 @@ def first_shown(script: Script, after: list[ast.AST], derived: set[str]) -> ast.
             and shows(node)
             and any(names_in(argument) & derived for argument in all_arguments(node))
             and not names_the_rank(script, node)
+            and not writes_a_file_of_its_rank(script, node)
         ):
             return node
     return None
+
+
+def writes_a_file_of_its_rank(script: Script, call: ast.Call) -> bool:
+    """`f.write(...)` into `with open(path) as f` where the path names the rank,
+    itself or through what the callers pass (`final_test(..., f"{rank}.txt")`):
+    one part per rank, for a later merge to combine."""
+    from assistant.lint.checks.cache import shared_file  # cache imports the checks' helpers
+
+    if not (isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)):
+        return False
+    handle = call.func.value.id
+    withs = []  # the `with` statements around the call (another `as f` is another file)
+    parent = script.parents.get(id(call))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(parent, ast.With):
+            withs.append(parent)
+        parent = script.parents.get(id(parent))
+    opened = [
+        item.context_expr.args[0]
+        for node in withs
+        for item in node.items
+        if isinstance(item.optional_vars, ast.Name)
+        and item.optional_vars.id == handle
+        and isinstance(item.context_expr, ast.Call)
+        and called_name(item.context_expr) == "open"
+        and item.context_expr.args
+    ]
+    return bool(opened) and not any(shared_file(script, path) for path in opened)
 
 
 def names_the_rank(script: Script, call: ast.Call) -> bool:
