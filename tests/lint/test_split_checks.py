@@ -230,3 +230,40 @@ def test_a_long_chain_of_names_made_from_a_set_is_followed_in_a_few_passes(monke
     assert found == [10_002]
     # a few calls per assignment (the value's parts) and pass; one pass per name: ~10**8
     assert len(passes) <= 8 * splits.SET_ORDER_PASSES * 10_002
+
+
+@pytest.mark.parametrize(
+    "seed, reported",
+    [
+        # blind set em's 03: PyG's RandomLinkSplit draws from torch's generator
+        ("torch.manual_seed(args.seed + rank)", [3]),
+        ("torch.manual_seed(args.seed)", []),
+    ],
+)
+def test_a_graph_split_reads_the_generator_the_file_seeds(seed, reported):
+    body = f"""
+{seed}
+split = RandomLinkSplit(num_val=0.05, num_test=0.1)
+train, val, test = split(graph)
+"""
+    prelude = DDP_PRELUDE + "from torch_geometric.transforms import RandomLinkSplit\n"
+    assert lines(body, prelude) == reported
+
+
+def test_a_split_in_a_helper_called_on_rank_zero_only_is_drawn_once():
+    # blind set em's 05 (correct): rank 0 builds the split and caches it for the others
+    body = """
+torch.manual_seed(rank)
+def build(graph):
+    return RandomLinkSplit(num_val=0.05, num_test=0.1)(graph)
+def load_or_build(path):
+    if rank == 0 and not os.path.exists(path):
+        torch.save(build(graph), path)
+    dist.barrier()
+    return torch.load(path)
+train, val, test = load_or_build("split.pt")
+"""
+    prelude = DDP_PRELUDE + "import os\nfrom torch_geometric.transforms import RandomLinkSplit\n"
+    assert lines(body, prelude) == []
+    every_rank = body.replace("    if rank == 0 and not os.path.exists(path):\n", "    if True:\n")
+    assert lines(every_rank, prelude) == [4]

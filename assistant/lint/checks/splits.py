@@ -59,6 +59,8 @@ SPLITS = {"random_split": ("generator", 2), "train_test_split": ("random_state",
 # sklearn's fold and shuffle splitters: random unless given random_state; the K-fold
 # ones only with shuffle=True.
 SPLITTERS = frozenset({"ShuffleSplit", "StratifiedShuffleSplit", "GroupShuffleSplit"})
+# PyG's transforms that hold out random edges or nodes, drawn from torch's generator.
+GRAPH_SPLITS = frozenset({"RandomLinkSplit", "RandomNodeSplit"})
 FOLD_SPLITTERS = frozenset({"KFold", "StratifiedKFold", "StratifiedGroupKFold", "RepeatedKFold"})
 HF_SPLIT_SEED = "seed"  # datasets.Dataset.train_test_split(test_size=..., seed=42)
 # Index permutations drawn from a global generator; torch's takes its own with generator=.
@@ -284,6 +286,8 @@ def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
             return None
         return keyword(node, "generator") is not None
     called = short(name)
+    if name.startswith("torch_geometric.") and called in GRAPH_SPLITS:
+        return False  # it takes no seed: torch's generator, as the file seeds it, decides
     if name.startswith("sklearn.") and called in SPLITTERS | FOLD_SPLITTERS:
         shuffle = keyword(node, "shuffle")
         if called in FOLD_SPLITTERS and not (
@@ -407,9 +411,27 @@ def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
     )
 
 
-def on_rank_zero_only(node: ast.AST, script: Script) -> bool:
+def on_rank_zero_only(node: ast.AST, script: Script, depth: int = 0) -> bool:
+    """Inside a rank-0 branch, or in a function of the file that every call runs on
+    rank 0 only (`build_graph()` called under `if rank == 0 and not cached:`), a
+    few calls up."""
     scope = enclosing_scope(node, script) or script.tree
-    return inside_rank_zero_branch(node, scope, script, 0)
+    if inside_rank_zero_branch(node, scope, script, 0):
+        return True
+    if depth >= RANK_ZERO_CALLERS or not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        return False
+    if script.functions.get(scope.name) is not scope:
+        return False  # a method, or a nested function: its calls are not read here
+    calls = [
+        call
+        for call, called in script.call_names
+        if called == scope.name and isinstance(call.func, ast.Name)
+    ]
+    return bool(calls) and all(on_rank_zero_only(call, script, depth + 1) for call in calls)
+
+
+# How many calls up a split is followed into rank-0 branches.
+RANK_ZERO_CALLERS = 2
 
 
 def numbered_sets(script: Script) -> Iterator[Finding]:
