@@ -381,6 +381,18 @@ def returned_calls(script: Script, call: ast.expr) -> list[ast.Call]:
     return found
 
 
+def parameter_defaults(function: Function) -> dict[str, ast.expr]:
+    """A function's parameters that have a default, name -> the default."""
+    arguments = function.args
+    positional = arguments.posonlyargs + arguments.args
+    paired = zip(positional[len(positional) - len(arguments.defaults) :], arguments.defaults)
+    defaults = {a.arg: d for a, d in paired}
+    defaults.update(
+        {a.arg: d for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None}
+    )
+    return defaults
+
+
 def parameter_names(scope: ast.AST) -> set[str]:
     """Every name a function's (or a lambda's) parameters bind (none for the module)."""
     if not isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):

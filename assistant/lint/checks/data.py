@@ -172,12 +172,17 @@ def check_ffcv_loader_read_whole_by_every_rank(script: Script) -> Iterator[Findi
     """An FFCV `Loader(..., order=OrderOption.RANDOM)` (a training order) without
     `distributed=True` in a script that trains across processes: FFCV splits the
     dataset between the ranks only when told, so every rank trains on all of it."""
+    loaders = [
+        node
+        for node, name in script.call_names
+        if name.startswith("ffcv.") and short(name) == "Loader"
+    ]
+    if not loaders:
+        return  # no FFCV: the data flow is not worth building here
     data = DataFlow(script)
     if not data.is_distributed or data.uses_framework or data.independent_models:
         return
-    for node, name in script.call_names:
-        if not (name.startswith("ffcv.") and short(name) == "Loader"):
-            continue
+    for node in loaders:
         order = keyword(node, "order")
         if order is None or "RANDOM" not in source_text(order):
             continue  # sequential: an evaluation may read everything on purpose
@@ -1510,9 +1515,9 @@ class DataFlow:
         ]
         if None in rank_parameters:
             return False  # into *args or **kwargs: cannot tell
+        to_samplers = ranks_given_to_samplers(self.script, function)
         return bool(rank_parameters) and all(
-            only_compared(function, name, also=ranks_given_to_samplers(self.script, function))
-            for name in rank_parameters
+            only_compared(function, name, also=to_samplers) for name in rank_parameters
         )
 
     def files_split_by_rank(self, dataset: ast.expr) -> ast.Subscript | None:

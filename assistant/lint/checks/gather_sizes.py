@@ -375,12 +375,7 @@ def rows_of(size: ast.expr) -> ast.expr:
 
 def measures_data(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
     """The expression, or what its names hold a few assignments back, reads a length."""
-    return any(
-        (isinstance(n, ast.Call) and called_name(n) in SIZE_READS)
-        or (isinstance(n, ast.Attribute) and n.attr == "shape")
-        for value in origin(values, expr)
-        for n in walk(value)
-    )
+    return any(reads_own_size(value) for value in origin(values, expr))
 
 
 def listed_scalars(values: dict[str, list[ast.expr]], tensor: ast.Name) -> bool:
@@ -480,16 +475,8 @@ def measures_the_longest(function: Function) -> bool:
         and called_name(node) == "max"
         and len(node.args) == 1
         and isinstance(node.args[0], ast.GeneratorExp | ast.ListComp)
-        and reads_a_length(node.args[0].elt)
+        and reads_own_size(node.args[0].elt)
         for node in walk(function)
-    )
-
-
-def reads_a_length(expr: ast.expr) -> bool:
-    return any(
-        (isinstance(n, ast.Call) and called_name(n) in ("len", "size"))
-        or (isinstance(n, ast.Attribute) and n.attr == "shape")
-        for n in walk(expr)
     )
 
 

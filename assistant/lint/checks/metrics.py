@@ -31,6 +31,7 @@ from assistant.lint.checks.unused import position_after, wrapped_by
 from assistant.lint.model import (
     Function,
     Script,
+    bound_arguments,
     called_name,
     keyword,
     own_nodes,
@@ -1049,13 +1050,10 @@ def cap_parameters(function: Function, loop: ast.For) -> frozenset[str]:
 
 def given_a_value(function: Function, call: ast.Call, parameters: frozenset[str]) -> bool:
     """The call passes one of `parameters` something other than None."""
-    names = [a.arg for a in function.args.args]
-    given = [
-        argument
-        for index, argument in enumerate(call.args)
-        if index < len(names) and names[index] in parameters
-    ] + [k.value for k in call.keywords if k.arg in parameters]
-    return any(not (isinstance(g, ast.Constant) and g.value is None) for g in given)
+    return any(
+        parameter in parameters and not (isinstance(given, ast.Constant) and given.value is None)
+        for parameter, given in bound_arguments(function, call)
+    )
 
 
 def own_method_call(name: str, function: str, caller: str | None) -> bool:

@@ -32,6 +32,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     is_int,
+    parameter_defaults,
     short,
     source_text,
     walk,
@@ -371,11 +372,7 @@ def parameter_default(script: Script, value: ast.expr) -> ast.expr | None:
     function = enclosing_scope(value, script)
     if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
         return None
-    arguments = function.args
-    positional = arguments.posonlyargs + arguments.args
-    pairs = list(zip(positional[len(positional) - len(arguments.defaults) :], arguments.defaults))
-    pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None]
-    return next((d for a, d in pairs if a.arg == value.id), None)
+    return parameter_defaults(function).get(value.id)
 
 
 def builds_a_parameter(script: Script, call: ast.Call) -> bool:
