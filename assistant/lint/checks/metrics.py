@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+from assistant.lint.checks.cache import shared_file
 from assistant.lint.checks.rank_dependent import tuple_size_returned
 from assistant.lint.checks.schedules import PROCESS_COUNT
 from assistant.lint.checks.unused import position_after, wrapped_by
@@ -918,8 +919,6 @@ def writes_a_file_of_its_rank(script: Script, call: ast.Call) -> bool:
     """`f.write(...)` into `with open(path) as f` where the path names the rank,
     itself or through what the callers pass (`final_test(..., f"{rank}.txt")`):
     one part per rank, for a later merge to combine."""
-    from assistant.lint.checks.cache import shared_file  # cache imports the checks' helpers
-
     if not (isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)):
         return False
     handle = call.func.value.id
