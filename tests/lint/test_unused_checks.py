@@ -884,3 +884,73 @@ def test_a_head_an_option_gate_in_the_step_leaves_out_by_default(default, test, 
     assert [line for line, _ in found] == reported
     if reported:
         assert "args.exist_weight" in found[0][1].message and "self.exist" in found[0][1].message
+
+
+# Blind set ds's 05: forward returns a dict of heads, and the step reads the point
+# head's entry only under the `else` of an option whose default takes the other way.
+ENTRY_MODEL = """
+import argparse
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.quantile_head = nn.Linear(4, 3)
+        self.point_head = nn.Linear(4, 1)
+    def forward(self, x):
+        h = self.body(x)
+        return {"quantiles": self.quantile_head(h), "point": self.point_head(h)}
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--loss", choices=["quantile", "mse"], default={default})
+args = ap.parse_args()
+model = DDP(Net(){options})
+for x, y in loader:
+    out = model(x)
+    if args.loss == "quantile":
+        loss = pinball({first}, y)
+    else:
+        loss = F.mse_loss({second}, y)
+    {extra}loss.backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("default", "first", "second", "options", "extra", "reported"),
+    [
+        ('"quantile"', 'out["quantiles"]', 'out["point"]', "", "", [20]),
+        # the other default: the quantile head is the one left out, read under the `if`
+        ('"mse"', 'out["quantiles"]', 'out["point"]', "", "", [20]),
+        # allowed, both entries read every step, or the output handed on whole
+        ('"quantile"', 'out["quantiles"]', 'out["point"]', ", find_unused_parameters=True", "", []),
+        ('"quantile"', 'out["quantiles"]', 'out["point"]', "", 'loss = loss + out["point"].mean()\n    ', []),
+        ('"quantile"', 'out["quantiles"]', 'out["point"]', "", "log(out)\n    ", []),
+        # a default the file does not fix: the environment decides
+        ('os.environ.get("LOSS", "quantile")', 'out["quantiles"]', 'out["point"]', "", "", []),
+    ],
+)
+def test_an_entry_of_the_output_an_option_default_leaves_out(
+    default, first, second, options, extra, reported
+):
+    body = (
+        ENTRY_MODEL.replace("{default}", default)
+        .replace("{first}", first)
+        .replace("{second}", second)
+        .replace("{options}", options)
+        .replace("{extra}", extra)
+    )
+    found = lint_snippet(HEADER, "import torch.nn.functional as F\n" + body, ["unused-parameters"])
+    assert [line for line, _ in found] == reported
+    if reported:
+        head = "self.point_head" if "quantile" in default else "self.quantile_head"
+        assert head in found[0][1].message and "args.loss" in found[0][1].message
+
+
+def test_a_head_read_only_under_the_else_of_an_option_gate_is_left_out_by_default():
+    body = WEIGHTED_HEAD_MODEL.replace("{default}", "0.0").replace("{options}", "")
+    body = body.replace(
+        "    if {test}:\n        loss = loss + args",
+        "    if args.exist_weight == 0:\n        pass\n    else:\n        loss = loss + args",
+    )
+    found = lint_snippet(HEADER, "import torch.nn.functional as F\n" + body, ["unused-parameters"])
+    assert [line for line, _ in found] == [21]
+    assert "is true" in found[0][1].message and "`else`" in found[0][1].message

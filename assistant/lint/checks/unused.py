@@ -486,6 +486,67 @@ def check_output_the_loss_takes_on_some_steps(script: Script) -> Iterator[Findin
                 )
 
 
+@check("unused-parameters")
+def check_output_entry_the_default_loss_leaves_out(script: Script) -> Iterator[Finding]:
+    """`out = model(x)` where forward returns {"quantiles": self.quantile_head(h),
+    "point": self.point_head(h)}, and the step reads out["point"] only under the
+    `else` of `if args.loss == "quantile":` (`--loss` defaulting to "quantile"): with
+    the defaults point_head's parameters never get a gradient, under a DDP that
+    expects every parameter."""
+    classes = {cls.name: cls for cls in model_classes(script)}
+    if not classes:
+        return
+    reported: set[int] = set()
+    for call, nodes, ddp in training_calls(script):
+        assign = named_assignment(call, nodes)
+        if assign is None:
+            continue
+        name = assign.targets[0].id
+        reads = reads_after(name, nodes, assign)
+        keys = {id(read): entry_read(read, script.parents) for read in reads}
+        if not reads or None in keys.values():
+            continue  # `out` handed on whole: what reads its entries is not in the step
+        _, built = wrapped_by(script, ddp, set(classes))
+        for cls in sorted(built):
+            entries = returned_entries(forward_of(classes[cls])) or {}
+            for key, runs in entries.items():
+                others = set().union(*(r for k, r in entries.items() if k != key))
+                only_here = sorted(runs - others)
+                key_reads = [read for read in reads if keys[id(read)] == key]
+                if not (only_here and key_reads):
+                    continue
+                off = default_gate_around(script, key_reads, nodes, assign)
+                if off is not None and off[0].lineno not in reported:
+                    reported.add(off[0].lineno)
+                    yield default_gate_finding(script, f'{name}["{key}"]', only_here, ddp, *off)
+
+
+def named_assignment(call: ast.Call, nodes: list[ast.AST]) -> ast.Assign | None:
+    """`out = model(x)`: the assignment of the call to one name."""
+    for node in nodes:
+        if (
+            isinstance(node, ast.Assign)
+            and node.value is call
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
+            return node
+    return None
+
+
+def entry_read(read: ast.Name, parents: dict[int, ast.AST]) -> str | None:
+    """The key of `out["point"]` for the name `out` in it; None for any other read."""
+    parent = parents.get(id(read))
+    if (
+        isinstance(parent, ast.Subscript)
+        and parent.value is read
+        and isinstance(parent.slice, ast.Constant)
+        and isinstance(parent.slice.value, str)
+    ):
+        return parent.slice.value
+    return None
+
+
 # Library models built with an auxiliary classifier: torchvision's segmentation models
 # (`aux_loss=True`: output["aux"]) and Inception / GoogLeNet (`aux_logits=True`).
 AUX_SWITCHES = ("aux_loss", "aux_logits")
@@ -767,30 +828,42 @@ def left_out_by_the_default_option(
 
 def gate_off_by_default(
     script: Script, name: str, nodes: list[ast.AST], assign: ast.AST
-) -> tuple[ast.If, dict[str, object]] | None:
+) -> tuple[ast.If, dict[str, object], bool] | None:
     """`if args.exist_weight > 0: loss = loss + ... exist_out ...` in the step, every
     later read of `name` under it, and the options it tests (argparse defaults, a
     config's) make it false when the run leaves them: with the defaults the output
-    never reaches the loss. The `if` and the options it read."""
-    reads = reads_after(name, nodes, assign)
+    never reaches the loss. The `if`, the options it read, and the branch the reads
+    sit in (True: its body, False: its `else`)."""
+    return default_gate_around(script, reads_after(name, nodes, assign), nodes, assign)
+
+
+def default_gate_around(
+    script: Script, reads: list[ast.AST], nodes: list[ast.AST], assign: ast.AST
+) -> tuple[ast.If, dict[str, object], bool] | None:
+    """The `if` of the step (not around the model's call) one branch of which holds
+    every read in `reads`, when the options its test reads take, at their defaults,
+    the other branch: the `if`, the options and the branch that holds the reads."""
     if not reads:
         return None
-    gates = [n for n in nodes if isinstance(n, ast.If) and not encloses(n, assign)]
-    inside = {id(n): gate for gate in gates for s in gate.body for n in walk(s)}
-    if any(id(read) not in inside for read in reads):
+    gates = [n for n in nodes if isinstance(n, ast.If) and not any(a is assign for a in walk(n))]
+    inside: dict[int, tuple[ast.If, bool]] = {}
+    for gate in gates:  # the scope's order: an inner `if` (an `elif`) overwrites its outer one
+        for branch, block in ((True, gate.body), (False, gate.orelse)):
+            for node in (n for statement in block for n in walk(statement)):
+                inside[id(node)] = (gate, branch)
+    held = {inside.get(id(read)) for read in reads}
+    if len(held) != 1 or None in held:
         return None
-    gate = inside[id(reads[0])]
-    if any(inside.get(id(read)) is not gate for read in reads):
-        return None
+    gate, branch = held.pop()
     options: dict[str, object] = {}
     for node in walk(gate.test):
         if isinstance(node, ast.Attribute | ast.Subscript):
             known, value = option_default(script, node)
             if known:
                 options[source_text(node)] = value
-    if not options or decide(gate.test, options) is not False:
+    if not options or decide(gate.test, options) is not (not branch):
         return None
-    return gate, options
+    return gate, options, branch
 
 
 def default_gate_finding(
@@ -800,17 +873,20 @@ def default_gate_finding(
     ddp: ast.Call,
     gate: ast.If,
     options: dict[str, object],
+    branch: bool,
 ) -> Finding:
     shown = ", ".join(f"self.{member}" for member in only_here[:3])
     defaults = ", ".join(f"{option}={value!r}" for option, value in options.items())
+    where = "under it" if branch else "under its `else`"
     return script.finding(
         "unused-parameters",
         gate,
-        f"with the defaults ({defaults}) `{source_text(gate.test)}` is false, so {name} (the "
-        f"output of forward that alone runs {shown}) never reaches the loss: those parameters "
-        f"get no gradient, and DDP (line {ddp.lineno}) expects one for every parameter each "
-        'step and fails with "Expected to have finished reduction in the prior iteration"; '
-        "build the head only when its term is on, or pass find_unused_parameters=True",
+        f"with the defaults ({defaults}) `{source_text(gate.test)}` is "
+        f"{'false' if branch else 'true'}, and {name} (the output of forward that alone runs "
+        f"{shown}) is read only {where}: it never reaches the loss, those parameters get no "
+        f"gradient, and DDP (line {ddp.lineno}) expects one for every parameter each step and "
+        'fails with "Expected to have finished reduction in the prior '
+        'iteration"; build the head only when its term is on, or pass find_unused_parameters=True',
     )
 
 
@@ -936,13 +1012,43 @@ def returned_elements(forward: ast.FunctionDef) -> list[set[str]] | None:
     returns = [n for n in walk(forward) if isinstance(n, ast.Return)]
     if len(returns) != 1 or not isinstance(returns[0].value, ast.Tuple):
         return None
+    assigned = names_assigned_in(forward)
+    return [submodules_run(element, assigned) for element in returns[0].value.elts]
+
+
+def returned_entries(forward: ast.FunctionDef) -> dict[str, set[str]] | None:
+    """For forward's one `return {"logits": a, "aux": b}` (or `dict(logits=a, aux=b)`):
+    the submodules each entry's value runs. None if it returns otherwise."""
+    returns = [n for n in walk(forward) if isinstance(n, ast.Return)]
+    if len(returns) != 1:
+        return None
+    value = returns[0].value
+    if isinstance(value, ast.Dict) and all(
+        isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys
+    ):
+        pairs = [(k.value, v) for k, v in zip(value.keys, value.values, strict=True)]
+    elif (
+        isinstance(value, ast.Call)
+        and called_name(value) == "dict"
+        and not value.args
+        and all(k.arg for k in value.keywords)
+    ):
+        pairs = [(k.arg, k.value) for k in value.keywords]
+    else:
+        return None
+    assigned = names_assigned_in(forward)
+    return {key: submodules_run(entry, assigned) for key, entry in pairs}
+
+
+def names_assigned_in(function: ast.FunctionDef) -> dict[str, list[ast.expr]]:
+    """Each name the function assigns, with every value it is given."""
     assigned: dict[str, list[ast.expr]] = {}
-    for node in walk(forward):
+    for node in walk(function):
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 for name in (n.id for n in walk(target) if isinstance(n, ast.Name)):
                     assigned.setdefault(name, []).append(node.value)
-    return [submodules_run(element, assigned) for element in returns[0].value.elts]
+    return assigned
 
 
 def submodules_run(expr: ast.expr, assigned: dict[str, list[ast.expr]]) -> set[str]:
