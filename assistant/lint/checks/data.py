@@ -23,6 +23,7 @@ from typing import TypeVar
 from assistant.lint.checks.rank_dependent import is_placement, target_value_pairs
 from assistant.lint.model import (
     COMPREHENSIONS,
+    MOVES,
     Script,
     bound_arguments,
     called_name,
@@ -1716,17 +1717,39 @@ class DataFlow:
 
     def collected(self, read: ast.expr) -> bool:
         """The batches kept as they come: a comprehension whose items call nothing
-        (`(x, y)`, not `loss(model(x), y)`), or list() / tuple() of the loader."""
+        (`(x, y)`, not `loss(model(x), y)`), or list() / tuple() of the loader. Items
+        moved as they are kept (`[x.to(device) for x, _ in loader]`, the images of a
+        BatchNorm recalibration) are kept too, unless a loop over the table trains."""
         parent = self.parents.get(id(read))
         if isinstance(parent, ast.comprehension) and parent.iter is read:
             comprehension = self.parents.get(id(parent))
             items = [getattr(comprehension, f, None) for f in ("elt", "key", "value")]
-            return not any(isinstance(n, ast.Call) for item in items if item for n in walk(item))
+            calls = [n for item in items if item for n in walk(item) if isinstance(n, ast.Call)]
+            if not calls:
+                return True
+            moves = all(isinstance(c.func, ast.Attribute) and c.func.attr in MOVES for c in calls)
+            return moves and not self.trained_over(comprehension)
         return (
             isinstance(parent, ast.Call)
             and read_name(parent.func) in ("list", "tuple")
             and parent.args == [read]
         )
+
+    def trained_over(self, table: ast.expr) -> bool:
+        """A loop with a backward over a name the table is bound to (or a field of that
+        name, `self.batches`), or a file function it is handed to that loops with one."""
+        names = set(self.names_bound_to(table))
+        if not names:
+            return True  # a table no name holds: where it goes is not followed
+        for node in self.script.nodes:
+            over_the_table = isinstance(node, ast.For) and iterated_name(node.iter) in names
+            if over_the_table and any(is_backward(n) for s in node.body for n in walk(s)):
+                return True
+            if isinstance(node, ast.Call) and any(read_name(a) in names for a in node.args):
+                function = self.script.functions.get(read_name(node.func) or "")
+                if function is not None and loops_with_backward(function):
+                    return True
+        return False
 
     def trains_on(self, loader: ast.Call, capped: bool = False) -> bool:
         """A `for ... in loader` loop (by a name bound to it) with a backward in it;

@@ -113,11 +113,16 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
             why = f"the process was just seeded with its rank (line {ranked_seed.lineno})"
         else:
             why = f"the file seeds only with the rank (line {ranked_seed.lineno})"
+        drawn = (
+            "order and takes its share of it, so the shares overlap and some items no rank reads"
+            if name in RANDOM_ORDERS and cut_into_rank_shares(node, script)
+            else "split, so one rank's validation samples are the others' training samples"
+        )
         yield script.finding(
             CAUSE,
             node,
             f"{short(name)}() runs in every process and {why}: each rank draws another "
-            "split, so one rank's validation samples are the others' training samples; "
+            f"{drawn}; "
             f"{SEED_THE_PERMUTATION if name in RANDOM_ORDERS else SEED_THE_SPLIT} or split "
             "once and save it",
         )
@@ -324,6 +329,8 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
             for target, value in name_value_pairs(node):
                 if is_slice_of(value, held) and SPLIT_PART.search(target.id):
                     return True
+                if is_rank_share_of(value, held, script):
+                    return True  # `shards[rank::world]`: the rank's share of its own order
             if is_cut_of(node.value, held, script) and any(
                 SPLIT_PART.search(t.id)
                 for t in walk(node)
@@ -348,6 +355,31 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
         if handed_to_subset and any(is_slice_of(arg, held) for arg in node.args[1:2]):
             return True
     return False
+
+
+def is_rank_share_of(expr: ast.expr, names: set[str], script: Script) -> bool:
+    """`files[rank::world]`, `idx[rank * n:(rank + 1) * n]`: a slice of a name among
+    `names` that starts at a place the rank decides."""
+    return (
+        isinstance(expr, ast.Subscript)
+        and isinstance(expr.value, ast.Name)
+        and expr.value.id in names
+        and isinstance(expr.slice, ast.Slice)
+        and expr.slice.lower is not None
+        and mixes_in_the_rank(script, expr.slice.lower, expr)
+    )
+
+
+def cut_into_rank_shares(draw: ast.Call, script: Script) -> bool:
+    """The order the draw makes is cut into the ranks' shares in its scope."""
+    held = names_holding_the_order(draw, script)
+    scope = enclosing_scope(draw, script) or script.tree
+    return bool(held) and any(
+        is_rank_share_of(value, held, script)
+        for node in script.scope_nodes(scope)
+        if isinstance(node, ast.Assign)
+        for _target, value in name_value_pairs(node)
+    )
 
 
 def is_cut_of(expr: ast.expr, names: set[str], script: Script) -> bool:
