@@ -110,8 +110,8 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # ds 13/16; dw 15/16; dx 10/16; dv 14/16; dt 14/16; du 11/16; dy 14/16; ee 12/16;
 # ec 14/16; ed 11/16; dz 13/16; ea 13/16; eb 13/16; ei 13/16; ef 16/16; ej 14/16; eg 11/16;
 # eh 15/16; ek 14/16; el 13/16; em 13/16; en 13/16; eo 13/16; eq 12/16; er 14/16;
-# es 11/16; et 12/16; ep 12/16), of 2401 with session 53's sets
-FOUND_FLOOR = 2153  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# es 11/16; et 12/16; ep 12/16; ev 14/16; ex 14/16; eu 9/16), of 2449 with session 53's sets
+FOUND_FLOOR = 2194  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -276,7 +276,11 @@ FOUND_FLOOR = 2153  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # split drawn from torch's generator (em's 03, bf's 04, dg's 03); session 53: 2078 after a dict
 # entry of forward's output the default loss option leaves out (ds's 05); 2140 of 2385 with eo,
 # eq, er, es, et (measured once at 6a87478), 2152 of 2401 with ep (measured once at 9110b1d),
-# 2153 after the rank's share cut from an order each rank shuffles its own way (eq's 01)
+# 2153 after the rank's share cut from an order each rank shuffles its own way (eq's 01);
+# 2167 of 2417 with ev (measured once at fad428c), 2181 of 2433 with ex (at 4de0cc0), 2190 of
+# 2449 with eu (at 18cdb1c), 2194 after a state_dict under FSDP.state_dict_type (eo's 10),
+# Accelerate's get_state_dict under an FSDP plugin (es's 08), a DistributedSampler under a
+# BatchSampler (ep's 03), passes run by the file's own cycle() over the loader (eq's 05)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -416,8 +420,11 @@ FOUND_FLOOR = 2153  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # session 53: 185 with eo, eq, er, es, et (the spelling note on four; eq's 03 and 14, correct,
 # a per-rank data-state file each rank loads back, read as a checkpoint piled on cuda:0; et's
 # 03, correct, and 06, BatchNorm recalibration images moved to the GPU as they are kept, read
-# as a loader every rank reads whole: false, mended), 186 with ep (the spelling note), 185 after
-OTHER_FINDINGS_CEILING = 185
+# as a loader every rank reads whole: false, mended), 186 with ep (the spelling note), 185 after;
+# 187 with ev and ex (the spelling note on two), 190 with eu (eu's 18 a forward on rank 0
+# of a fully_shard model named by its sharding where the label says collective-mismatch: the
+# same hang; eu's 20 a per-rank save and a step loop resumed from a per-rank file)
+OTHER_FINDINGS_CEILING = 190
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -435,8 +442,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 2401
-    assert sum(label["cause"] is None for label in labels) == 599
+    assert sum(label["cause"] is not None for label in labels) == 2449
+    assert sum(label["cause"] is None for label in labels) == 611
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

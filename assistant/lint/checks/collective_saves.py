@@ -61,6 +61,10 @@ FSDP_CLASS_GATHERS = frozenset(
     {"optim_state_dict", "full_optim_state_dict", "sharded_optim_state_dict",
      "summon_full_params"}
 )  # fmt: skip
+# Accelerate under an FSDP plugin: `accelerator.get_state_dict(model)` gathers the shards
+# ("must be called on all processes"), like FSDP's own state_dict.
+ACCELERATOR = re.compile(r"(^|[._])accelerator$", re.IGNORECASE)
+ACCELERATE_GATHERS = frozenset({"get_state_dict"})
 DCP = "torch.distributed.checkpoint"
 DCP_COLLECTIVES = frozenset({"save", "load", "async_save", "save_state_dict", "load_state_dict"})
 DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
@@ -138,6 +142,31 @@ class Receivers:
         return False
 
     @cached_property
+    def accelerate_fsdp(self) -> bool:
+        """Accelerate shards the model with FSDP: a `FullyShardedDataParallelPlugin(...)`
+        or an `Accelerator(fsdp_plugin=...)` in the file."""
+        return any(
+            short(name) == "FullyShardedDataParallelPlugin"
+            or (short(name) == "Accelerator" and keyword(node, "fsdp_plugin") is not None)
+            for node, name in self.script.call_names
+        )
+
+    def under_state_dict_type(self, call: ast.Call, owner: str) -> bool:
+        """The call sits in `with FSDP.state_dict_type(owner, ...):`, the file's own
+        word that `owner` is an FSDP model (a helper's parameter, say)."""
+        node: ast.AST | None = call
+        while (node := self.script.parents.get(id(node))) is not None:
+            if isinstance(node, ast.With | ast.AsyncWith) and any(
+                isinstance(item.context_expr, ast.Call)
+                and short(self.script.name_of(item.context_expr.func)) == "state_dict_type"
+                and item.context_expr.args
+                and source_text(item.context_expr.args[0]) == owner
+                for item in node.items
+            ):
+                return True
+        return False
+
+    @cached_property
     def full_state_dict_options(self) -> bool:
         """The file asks for a full state dict: `StateDictOptions(full_state_dict=True)`."""
         for node, name in self.script.call_names:
@@ -155,6 +184,7 @@ class Receivers:
             or self.lightning
             or FSDP_CLASS in names
             or any(name.startswith(DCP) for name in self.script.aliases.values())
+            or self.accelerate_fsdp
         )
 
     def saving(self, call: TracedCall) -> CollectiveSave | None:
@@ -182,13 +212,20 @@ class Receivers:
                 "writes (rank 0 under DDP, every rank under FSDP), then they synchronise",
             )
         if method == "state_dict" and (
-            owner in self.fsdp_models or (self.fsdp_strategy and LIGHTNING_MODULE.match(owner))
+            owner in self.fsdp_models
+            or (self.fsdp_strategy and LIGHTNING_MODULE.match(owner))
+            or self.under_state_dict_type(call.node, owner)
         ):
             return CollectiveSave(
                 "fsdp-state-dict",
                 "FSDP's state_dict() all-gathers every rank's shard (with "
                 "FullStateDictConfig(rank0_only=True, offload_to_cpu=True) only rank 0 "
                 "keeps the result)",
+            )
+        if self.accelerate_fsdp and method in ACCELERATE_GATHERS and ACCELERATOR.search(owner):
+            return CollectiveSave(
+                "fsdp-state-dict",
+                f"under Accelerate's FSDP plugin {method}() all-gathers every rank's shard",
             )
         if short(module) == FSDP_CLASS and method in FSDP_CLASS_GATHERS:
             return CollectiveSave("fsdp-state-dict", f"FSDP.{method}() gathers every rank's shard")

@@ -539,6 +539,10 @@ def check_sampler_set_epoch(script: Script) -> Iterator[Finding]:
         else:
             loaders = data.loaders_of(sampler)
         loop = data.epoch_loop_over(loaders, near=sampler)
+        if loop is None:
+            # `cycle(train_loader)`, the file's `while True: for batch in loader: yield`:
+            # the passes run inside the function the loader is handed to
+            loop = data.pass_loop_of_a_helper(loaders)
         if loop is None or (sampler not in prepared and data.reseeded_each_pass(sampler, loaders)):
             continue
         if sampler in prepared:
@@ -1901,9 +1905,33 @@ class DataFlow:
     # -------------------------------------------------------------- samplers and epochs
 
     def loaders_of(self, sampler: ast.Call) -> set[str]:
-        """Names of the loaders a DistributedSampler feeds (by the names they are bound to)."""
-        keys = [id(sampler), *self.names_bound_to(sampler)]
+        """Names of the loaders a DistributedSampler feeds (by the names they are bound
+        to), itself or through a batch sampler built over it (`BatchSampler(sampler, b)`)."""
+        keys: list[int | str] = [id(sampler), *self.names_bound_to(sampler)]
+        for node, name in self.script.call_names:
+            over = node.args[0] if short(name).endswith("BatchSampler") and node.args else None
+            if over is not None and (over is sampler or read_name(over) in keys):
+                keys += [id(node), *self.names_bound_to(node)]
         return {name for key in keys for name in self.loaders_by_sampler.get(key, ())}
+
+    def pass_loop_of_a_helper(self, loaders: set[str]) -> ast.For | ast.While | None:
+        """The loop of a file function, handed one of `loaders`, that walks its
+        parameter pass after pass (`def cycle(loader): while True: for b in loader:`)."""
+        for node in self.script.nodes:
+            if not (isinstance(node, ast.Call) and any(read_name(a) in loaders for a in node.args)):
+                continue
+            function = self.script.functions.get(read_name(node.func) or "")
+            if function is None:
+                continue
+            parameters = {
+                parameter
+                for parameter, argument in bound_arguments(function, node)
+                if parameter and read_name(argument) in loaders
+            }
+            loop = self.epoch_loop_over(parameters, near=function)
+            if loop is not None and self.home(loop) is function:
+                return loop
+        return None
 
     @cached_property
     def loaders_by_sampler(self) -> dict[int | str, set[str]]:
