@@ -293,7 +293,8 @@ def calls_in_evaluation_order(node: ast.AST) -> list[ast.Call]:
 
 def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list[str]:
     """The functions of this file a call runs: `f()`, `Cls()` (its __init__, and the
-    __post_init__ a dataclass's generated __init__ calls), `self.m()`, `super().m()`;
+    __post_init__ a dataclass's generated __init__ calls), `self.m()`, `super().m()`,
+    `Cls(args).m()`;
     a method a class inherits from a base of this file is the base's.
 
     `owner` is the class whose method makes the call; without it `self.m()`
@@ -312,6 +313,13 @@ def same_file_callees(script: Script, func: ast.expr, owner: str | None) -> list
             script.resolved_method(b.id, func.attr) for b in bases if isinstance(b, ast.Name)
         )
         return [m for m in resolved if m][:1]
+    built = func.value
+    if (
+        isinstance(built, ast.Call)
+        and isinstance(built.func, ast.Name)
+        and built.func.id in script.classes
+    ):  # `Trainer(cfg).fit()`: the method of the instance just built
+        return [m for m in (script.resolved_method(built.func.id, func.attr),) if m]
     if not isinstance(func.value, ast.Name):
         return []
     if func.value.id != "self":

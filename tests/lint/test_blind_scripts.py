@@ -110,8 +110,9 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # ds 13/16; dw 15/16; dx 10/16; dv 14/16; dt 14/16; du 11/16; dy 14/16; ee 12/16;
 # ec 14/16; ed 11/16; dz 13/16; ea 13/16; eb 13/16; ei 13/16; ef 16/16; ej 14/16; eg 11/16;
 # eh 15/16; ek 14/16; el 13/16; em 13/16; en 13/16; eo 13/16; eq 12/16; er 14/16;
-# es 11/16; et 12/16; ep 12/16; ev 14/16; ex 14/16; eu 9/16), of 2449 with session 53's sets
-FOUND_FLOOR = 2194  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# es 11/16; et 12/16; ep 12/16; ev 14/16; ex 14/16; eu 9/16; ew 12/16; fa 12/16;
+# ez 15/16; ey 11/16), of 2513 with session 53's sets
+FOUND_FLOOR = 2250  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -280,7 +281,11 @@ FOUND_FLOOR = 2194  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # 2167 of 2417 with ev (measured once at fad428c), 2181 of 2433 with ex (at 4de0cc0), 2190 of
 # 2449 with eu (at 18cdb1c), 2194 after a state_dict under FSDP.state_dict_type (eo's 10),
 # Accelerate's get_state_dict under an FSDP plugin (es's 08), a DistributedSampler under a
-# BatchSampler (ep's 03), passes run by the file's own cycle() over the loader (eq's 05)
+# BatchSampler (ep's 03), passes run by the file's own cycle() over the loader (eq's 05);
+# 2206 of 2465 with ew (measured once at 9079ad4), 2209 after `Trainer(cfg).fit()` traced into
+# the method of the instance it builds (eu's 04, da's 19, ea's 06); 2236 of 2497 with fa and
+# ez (measured once at 62664e7), 2247 of 2513 with ey (at 9a1d068), 2250 after modules
+# registered walking a set of strings (ew's 10, bz's 12, e's 12)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -423,8 +428,12 @@ FOUND_FLOOR = 2194  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # as a loader every rank reads whole: false, mended), 186 with ep (the spelling note), 185 after;
 # 187 with ev and ex (the spelling note on two), 190 with eu (eu's 18 a forward on rank 0
 # of a fully_shard model named by its sharding where the label says collective-mismatch: the
-# same hang; eu's 20 a per-rank save and a step loop resumed from a per-rank file)
-OTHER_FINDINGS_CEILING = 190
+# same hang; eu's 20 a per-rank save and a step loop resumed from a per-rank file), 191 with
+# ew (the spelling note), 190 after `Trainer(cfg).train()` traced (dk's 08: a collective
+# read as before init_process_group, which the constructor calls: false, mended), 192 with
+# fa and ez (the spelling note on two; fa's 13, correct, CPU statistics reduced over a gloo
+# group the file made, read as NCCL with CPU tensors: mended)
+OTHER_FINDINGS_CEILING = 192
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -442,8 +451,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 2449
-    assert sum(label["cause"] is None for label in labels) == 611
+    assert sum(label["cause"] is not None for label in labels) == 2513
+    assert sum(label["cause"] is None for label in labels) == 627
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

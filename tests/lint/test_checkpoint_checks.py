@@ -631,3 +631,27 @@ def test_a_load_without_map_location_of_a_file_every_rank_shares(path, reported)
     body = RESUMED.replace("{path}", path)
     found = lint_snippet(HEADER, body, ["checkpoint-map-location"])
     assert [line for line, _f in found] == reported
+
+
+BUILT_AND_RUN = """
+dist.init_process_group("nccl")
+class Trainer:
+    def __init__(self, cfg):
+        self.model = DDP(nn.Linear(4, 4))
+    def fit(self):
+        torch.save(self.model.module.state_dict(), "consolidated.pt")
+CALL
+"""
+
+
+@pytest.mark.parametrize(
+    ("call", "reported"),
+    [
+        # blind set eu's 04: the method of an instance built in the same expression runs
+        ("Trainer(cfg).fit()", [7]),
+        ("trainer = Trainer(cfg)\ntrainer.fit()", [7]),
+        ("if dist.get_rank() == 0:\n    Trainer(cfg).fit()", []),
+    ],
+)
+def test_a_method_of_an_instance_built_in_the_call_is_traced(call, reported):
+    assert findings(BUILT_AND_RUN.replace("CALL", call)) == reported

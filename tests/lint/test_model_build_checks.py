@@ -478,3 +478,72 @@ main()
 )
 def test_a_helper_that_hands_the_rank_to_a_sampler_returns_the_whole_dataset(cut, reported):
     assert reported_lines(HELPER_LOADERS.replace("CUT", cut)) == reported
+
+
+SET_BROKEN = SCRIPTS / "modules_registered_in_a_sets_order.py"
+SET_FIXED = SCRIPTS / "correct_modules_registered_in_sorted_order.py"
+
+
+@pytest.mark.slow
+def test_modules_registered_in_a_sets_order_fail_under_torchrun_and_sorted_ones_run(torchrun):
+    # each process salts string hashes its own way: 7 keys in one order on both ranks
+    # has a chance of about 1 in 5,000
+    assert_broken_fails_and_twin_runs(
+        torchrun, SET_BROKEN, "appears not to match sizes of the same param", SET_FIXED, "trained"
+    )
+
+
+SET_ORDER_MODEL = """
+class Heads(nn.Module):
+    def __init__(self, tasks, width=8):
+        super().__init__()
+        REGISTER
+    def forward(self, x):
+        return x
+WALKED
+model = DDP(Heads(given))
+"""
+
+
+@pytest.mark.parametrize(
+    ("register", "walked", "given", "reported"),
+    [
+        # blind set ew's 10: a ModuleDict over a set comprehension of the keys
+        ("self.heads = nn.ModuleDict({t: nn.Linear(width, 2) for t in tasks})",
+         "keys = {k for k in names if k}", "keys", [5]),
+        # blind set e's 12: a list made from a set, then a list of its sizes
+        ("self.embs = nn.ModuleList([nn.Embedding(c, 4) for c in tasks])",
+         "cols = list(set(columns) - {'target'})\ncards = [len(c) for c in cols]", "cards", [5]),
+        # blind set bz's 12: a dict made walking a set, registered in a loop over its items
+        (("self.heads = nn.ModuleDict()\n        for t, n in tasks.items():\n"
+          "            self.heads[t] = nn.Linear(width, n)"),
+         "active = set(requested) & set(REGISTRY)", "{t: REGISTRY[t] for t in active}", [7]),
+        # sorted, or a list the file orders itself: every rank walks it alike
+        ("self.heads = nn.ModuleDict({t: nn.Linear(width, 2) for t in tasks})",
+         "keys = sorted({k for k in names if k})", "keys", []),
+        ("self.heads = nn.ModuleDict({t: nn.Linear(width, 2) for t in tasks})",
+         "keys = [k for k in names if k]", "keys", []),
+        # a set walked only to read, not to register modules
+        ("self.count = sum(1 for t in tasks)", "keys = {k for k in names if k}", "keys", []),
+    ],
+)  # fmt: skip
+def test_modules_registered_walking_a_set_of_strings(register, walked, given, reported):
+    body = (
+        SET_ORDER_MODEL.replace("REGISTER", register)
+        .replace("WALKED", walked)
+        .replace("given", given)
+    )
+    assert reported_lines(body) == reported
+
+
+def test_a_launch_that_fixes_the_hash_salt_walks_sets_alike():
+    body = (
+        SET_ORDER_MODEL.replace(
+            "REGISTER", "self.heads = nn.ModuleDict({t: nn.Linear(width, 2) for t in tasks})"
+        )
+        .replace("WALKED", "keys = {k for k in names if k}")
+        .replace("given", "keys")
+    )
+    assert (
+        reported_lines('"""PYTHONHASHSEED=0 torchrun --nproc_per_node=8 train.py"""\n' + body) == []
+    )

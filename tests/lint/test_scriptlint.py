@@ -634,6 +634,28 @@ def test_the_last_assignment_above_a_collective_decides_its_device(made, flagged
     assert findings_of(source, "nccl-with-cpu-tensors") == expected
 
 
+@pytest.mark.parametrize(
+    ("group", "flagged"),
+    [
+        # blind set fa's 13: statistics summed on the CPU over a gloo group the file made
+        ("stats_group", False),
+        ("self_group", True),  # a group on the default backend
+        (None, True),
+    ],
+)
+def test_a_cpu_tensor_reduced_over_a_gloo_group(group, flagged) -> None:
+    passed = "" if group is None else f", group={group}"
+    source = NCCL_HEADER + (
+        'stats_group = dist.new_group(backend="gloo")\n'
+        "self_group = dist.new_group()\n"
+        "def statistics(files):\n"
+        "    counts = torch.zeros(3, dtype=torch.float64)\n"
+        f"    dist.all_reduce(counts{passed})\n"
+    )
+    expected = [("nccl-with-cpu-tensors", 8)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected
+
+
 def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None:
     source = NCCL_HEADER + (
         "def sync(count, total):\n"

@@ -37,6 +37,7 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
     nccl = any((backend_of(c) or "").startswith("nccl") for c in init_calls(script))
     if not (nccl or ray_trains_on_nccl(script)):
         return
+    on_gloo = gloo_groups(script)
     for scope in script.all_scopes:
         nodes = script.scope_nodes(scope)
         made = tensor_origins(script, nodes)
@@ -46,6 +47,9 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
             name = script.name_of(node.func)
             if not is_dist_call(name, COLLECTIVES - {"barrier", "monitored_barrier"}):
                 continue
+            group = keyword(node, "group")
+            if group is not None and group_name(group) in on_gloo:
+                continue  # a gloo group the file made for CPU tensors
             tensor = tensor_sent(node, short(name))
             if tensor is None:
                 continue
@@ -63,6 +67,28 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
                     f"{short(name)}({tensor.id}) on the nccl backend, but {tensor.id} is {why}: "
                     "create it with device=... or move it with .to(device)",
                 )
+
+
+def gloo_groups(script: Script) -> set[str]:
+    """Names the file binds to a group on gloo (`cpu_group = dist.new_group(backend="gloo")`),
+    by their last part (`self.cpu_group` as "cpu_group", a helper's parameter of that name)."""
+    found = set()
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+            continue
+        if short(script.name_of(node.value.func)) != "new_group":
+            continue
+        backend = keyword(node.value, "backend")
+        if isinstance(backend, ast.Constant) and "gloo" in str(backend.value):
+            found |= {group_name(target) for target in node.targets} - {None}
+    return found
+
+
+def group_name(expr: ast.expr) -> str | None:
+    """`cpu_group` and `self.cpu_group` -> "cpu_group"."""
+    if isinstance(expr, ast.Name):
+        return expr.id
+    return expr.attr if isinstance(expr, ast.Attribute) else None
 
 
 def passed_on_cpu(script: Script, scope: ast.AST, parameter: str) -> int | None:

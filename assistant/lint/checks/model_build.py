@@ -18,6 +18,11 @@ from `files[rank::world]`), followed back as data.py follows a dataset to a
 rank-sharded origin. And a hyper-parameter search every rank runs for itself
 (`optuna.create_study()` on every rank, the objective training under DDP):
 each rank draws its own width, depth or learning rate.
+
+And a model whose modules are registered walking a set of strings (or a list,
+a dict made from one): Python salts string hashes per process, so every rank
+registers the same modules in another order (and, where each has its own
+size, other shapes at each place).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.rank_dependent import OWN_RANK_NAME, depends_on_rank, flow_walk
+from assistant.lint.checks.splits import is_set_order, names_in_set_order
 from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
 from assistant.lint.model import (
     Script,
@@ -474,3 +480,112 @@ def size_arguments(
         if assigned is None:
             return
         arguments = [value for name in names for value in assigned.get(name, [])]
+
+
+# Containers that register the modules (or parameters) they are built from, in order.
+MODULE_CONTAINERS = frozenset(
+    {"ModuleDict", "ModuleList", "ParameterDict", "ParameterList", "Sequential"}
+)
+# What registers a module into a container or the model inside a loop.
+REGISTERING_METHODS = frozenset({"append", "add_module", "register_module", "update"})
+
+
+@check("model-differs-across-ranks")
+def check_modules_registered_in_a_sets_order(script: Script) -> Iterator[Finding]:
+    """`nn.ModuleDict({k: nn.Linear(shapes[k], 32) for k in keys})` where `keys` is a
+    set of strings (`{k for k in obs if ...}`), or a model class built with such a set
+    (or a list or dict made from one) that registers a module per item: each process
+    walks the set in its own order, so the ranks' parameters differ place by place."""
+    if "PYTHONHASHSEED" in script.source:
+        return  # the launch fixes the salt
+    if not any(is_ddp(name) for _node, name in script.call_names):
+        return
+    made_of_set = names_in_set_order(script)
+    reported: set[int] = set()
+    for scope in script.all_scopes:
+        walked = set_ordered_names_of(script, scope, made_of_set)
+        if not walked:
+            continue
+        for node in script.scope_nodes(scope):
+            registration = registration_in_set_order(node, walked)
+            if registration is None or registration.lineno in reported:
+                continue
+            reported.add(registration.lineno)
+            yield script.finding(
+                "model-differs-across-ranks",
+                registration,
+                "the model's modules are registered walking a set (or a list or dict made "
+                "from one), whose order for strings differs between processes (Python salts "
+                "their hashes): each rank holds the same modules in another order, so DDP "
+                'finds other shapes at a place ("DDP expects same model across all ranks") '
+                "or broadcasts one module's weights into another; walk sorted(...) instead",
+            )
+
+
+def set_ordered_names_of(script: Script, scope: ast.AST, made_of_set: set[str]) -> set[str]:
+    """The names a scope walks in a set's order: for a model's __init__, its
+    parameters that a construction of the class fills with a set-ordered value; for
+    any other scope, the file's names made from a set."""
+    if not (isinstance(scope, ast.FunctionDef) and scope.name == "__init__"):
+        return made_of_set
+    owner = next(
+        (name for name, cls in script.classes.items() if any(s is scope for s in cls.body)),
+        None,
+    )
+    if owner is None:
+        return set()
+    function = script.functions.get(f"{owner}.__init__")
+    if function is None:
+        return set()
+    walked = {
+        parameter
+        for node in script.nodes
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == owner
+        for parameter, argument in bound_arguments(function, node, self_bound=True)
+        if parameter and is_set_order(argument, made_of_set)
+    }
+    if walked:  # and the names __init__ makes from them (`layers = {k: ... for k in keys}`)
+        for node in script.scope_nodes(scope):
+            if isinstance(node, ast.Assign) and is_set_order(node.value, walked):
+                walked |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return walked
+
+
+def registration_in_set_order(node: ast.AST, walked: set[str]) -> ast.AST | None:
+    """`nn.ModuleDict({k: ... for k in keys})` / `nn.ModuleList([... for c in cards])`
+    built from a comprehension over a set-ordered name, or a loop over one that
+    registers a module each pass (`self.heads[name] = nn.Linear(...)`, `.append`)."""
+    if isinstance(node, ast.Call) and called_name(node) in MODULE_CONTAINERS and node.args:
+        built = node.args[0]
+        comprehensions = ast.ListComp | ast.DictComp | ast.GeneratorExp
+        if isinstance(built, comprehensions):
+            built = built.generators[0].iter
+        return node if is_set_order(built, walked) else None
+    if isinstance(node, ast.For) and walks_in_set_order(node.iter, walked):
+        for inner in (n for statement in node.body for n in walk(statement)):
+            if registers_a_module(inner):
+                return inner
+    return None
+
+
+def walks_in_set_order(iterable: ast.expr, walked: set[str]) -> bool:
+    """`keys`, `heads.items()`, `enumerate(keys)` of a set-ordered name."""
+    if isinstance(iterable, ast.Call) and called_name(iterable) == "enumerate" and iterable.args:
+        iterable = iterable.args[0]
+    return is_set_order(iterable, walked)  # a dict's views too (splits.DICT_VIEWS)
+
+
+def registers_a_module(node: ast.AST) -> bool:
+    """`self.heads[k] = <call>`, `self.heads.append(<call>)`, `self.add_module(k, <call>)`."""
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+        return any(
+            isinstance(target, ast.Subscript) and source_text(target.value).startswith("self.")
+            for target in node.targets
+        )
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in REGISTERING_METHODS
+        and source_text(node.func.value).startswith("self")
+        and any(isinstance(a, ast.Call) for a in node.args)
+    )

@@ -534,6 +534,10 @@ SET_ORDER_PASSES = 3
 SET_JOINS = (ast.Add, ast.BitOr, ast.BitAnd, ast.Sub, ast.BitXor)
 
 
+# A dict's views walk it in the order it was filled.
+DICT_VIEWS = frozenset({"items", "keys", "values"})
+
+
 def names_in_set_order(script: Script) -> set[str]:
     """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`),
     followed through the file's assignments."""
@@ -558,9 +562,16 @@ def is_set_order(expr: ast.expr, made_of_set: set[str] = frozenset()) -> bool:
     combined (`set(train_chars) | set(test_chars)`)."""
     if isinstance(expr, ast.SetComp):
         return True
-    if isinstance(expr, ast.ListComp | ast.GeneratorExp):
+    if isinstance(expr, ast.ListComp | ast.GeneratorExp | ast.DictComp):
         # `[t for t in tags if t != "O"]`: a comprehension keeps the order it walks
         return is_set_order(expr.generators[0].iter, made_of_set)
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr in DICT_VIEWS
+        and not expr.args
+    ):
+        return is_set_order(expr.func.value, made_of_set)  # `heads.items()` of a dict so made
     if isinstance(expr, ast.Name):
         return expr.id in made_of_set
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, SET_JOINS):
