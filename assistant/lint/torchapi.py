@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import re
 
-from assistant.lint.model import Script, is_int, keyword, short
+from assistant.lint.model import Script, called_name, is_int, keyword, short
 
 DIST = "torch.distributed"
 
@@ -151,8 +151,14 @@ def is_collective(name: str) -> bool:
     return method in LIGHTNING_COLLECTIVES and bool(LIGHTNING_OWNERS.match(owner))
 
 
+# DeepSpeed's own start of the default group (torch.distributed's, under its comm layer).
+DEEPSPEED_INITS = frozenset({"deepspeed.init_distributed", "deepspeed.comm.init_distributed"})
+# DeepSpeed's engine: it starts the group itself when none is, and trains data-parallel.
+DEEPSPEED_ENGINE = "deepspeed.initialize"
+
+
 def is_init(name: str) -> bool:
-    return short(name) == "init_process_group"
+    return short(name) == "init_process_group" or name in DEEPSPEED_INITS
 
 
 def is_set_device(name: str) -> bool:
@@ -169,8 +175,10 @@ def init_calls(script: Script) -> list[ast.Call]:
 
 
 def is_distributed(script: Script) -> bool:
-    """The script starts a process group or wraps a model in DDP."""
-    return bool(init_calls(script)) or any(is_ddp(name) for _node, name in script.call_names)
+    """The script starts a process group or wraps a model in DDP (or DeepSpeed's engine)."""
+    return bool(init_calls(script)) or any(
+        is_ddp(name) or name == DEEPSPEED_ENGINE for _node, name in script.call_names
+    )
 
 
 def runs_a_process_per_gpu(script: Script) -> bool:
@@ -307,8 +315,13 @@ def sets_visible_devices_per_process(script: Script) -> bool:
 
 
 def backend_of(call: ast.Call) -> str | None:
-    """The literal backend of an init_process_group call, None if absent or computed."""
-    value = keyword(call, "backend") or (call.args[0] if call.args else None)
+    """The literal backend of an init_process_group call, None if absent or computed;
+    DeepSpeed's init_distributed takes `dist_backend`, NCCL unless told."""
+    if called_name(call) == "init_distributed":
+        given = keyword(call, "dist_backend") or (call.args[0] if call.args else None)
+        value = given if given is not None else ast.Constant("nccl")
+    else:
+        value = keyword(call, "backend") or (call.args[0] if call.args else None)
     if isinstance(value, ast.Constant) and isinstance(value.value, str):
         return value.value.lower()
     return None

@@ -489,3 +489,35 @@ def test_ray_workers_need_prepared_loaders_and_their_own_devices():
         lines("", prepared, "missing-distributed-sampler") == []
     )  # the dev loader reads all on purpose
     assert lines("", prepared, "hardcoded-device") == [6]
+
+
+DEEPSPEED_BY_HAND = """
+import deepspeed
+import torch
+from torch.utils.data import DataLoader
+deepspeed.init_distributed(BACKEND)
+loader = DataLoader(dataset, batch_size=8, shuffle=True)
+ENGINE
+for batch in loader:
+    x = batch.cuda()
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "engine", "causes"),
+    [
+        # blind set fb's 01 and 17: DeepSpeed starts the group, so the loader is every rank's
+        ("", "engine, _, _, _ = deepspeed.initialize(model=model, config=cfg)",
+         [("missing-distributed-sampler", 6)]),
+        # no engine to set each rank's device: NCCL (DeepSpeed's default) on cuda:0 everywhere
+        ("", "", [("missing-distributed-sampler", 6), ("set-device-order", 5)]),
+        ('dist_backend="gloo"', "", [("missing-distributed-sampler", 6)]),
+    ],
+)  # fmt: skip
+def test_deepspeeds_own_start_of_the_group_makes_the_script_distributed(backend, engine, causes):
+    body = DEEPSPEED_BY_HAND.replace("BACKEND", backend).replace("ENGINE", engine)
+    found = [
+        (f.cause_id, line)
+        for line, f in lint_snippet("", body, ["missing-distributed-sampler", "set-device-order"])
+    ]
+    assert sorted(found) == sorted(causes)

@@ -860,7 +860,8 @@ def test_a_rank_asked_before_a_library_starts_the_group_is_reported(setup, name)
         f"    {setup}\n"
         "    print(rank, dist.get_rank())\n"
     )
-    findings = lint_source(source)
+    # (DeepSpeed's init_distributed alone, NCCL with no device set, is set-device-order's too)
+    findings = [f for f in lint_source(source) if f.cause_id != "set-device-order"]
     assert [(f.cause_id, f.line) for f in findings] == [("process-group-not-initialized", 6)]
     assert f"{name}, which starts it, comes later (line 7)" in findings[0].message
 

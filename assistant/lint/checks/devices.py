@@ -23,6 +23,7 @@ from assistant.lint.ranks import RANK_ZERO, enclosing_scope, is_rank_expr, some_
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
+    DEEPSPEED_ENGINE,
     FIXED_CUDA,
     RAY_TRAIN,
     TENSOR_FACTORIES,
@@ -654,6 +655,8 @@ def check_set_device_order(script: Script) -> Iterator[Finding]:
 def missing_set_device(script: Script, first_init: ast.Call) -> Iterator[Finding]:
     if keyword(first_init, "device_id") is not None:
         return  # the communicator is bound to an explicit device
+    if any(name == DEEPSPEED_ENGINE for _node, name in script.call_names):
+        return  # deepspeed.initialize sets each rank's device from its local rank
     if sets_visible_devices_per_process(script):
         return  # each process sees only its own GPU, as cuda:0
     backend = backend_of(first_init)

@@ -56,7 +56,8 @@ def check_process_group_not_initialized(script: Script) -> Iterator[Finding]:
             before = trace[:first]
             setup = trace[first]
             named = setup.name if setup.name in FRAMEWORK_SETUP else short(setup.name)
-            what = "init_process_group" if is_init(setup.name) else f"{named}(), which starts it,"
+            plain = short(setup.name) == "init_process_group"
+            what = "init_process_group" if plain else f"{named}(), which starts it,"
             why = f"{what} comes later (line {setup.node.lineno})"
         for call in before:
             if needs_group(call, protected):
