@@ -299,23 +299,30 @@ def returned_side(test: ast.expr, script: Script, depth: int) -> str | None:
 
 def tested_helper(test: ast.expr, script: Script) -> Function | None:
     """The file's function a test calls (`is_main()`), or the method of the test's
-    own class it calls or reads as a property (`self.is_main()`, `self.is_main`)."""
+    own class it calls or reads as a property (`self.is_main()`, `self.is_main`), or
+    of the one class of the file that has it (`env.is_main`)."""
     if isinstance(test, ast.Call) and isinstance(test.func, ast.Name):
         return script.functions.get(test.func.id)
     called = isinstance(test, ast.Call)
     read = test.func if isinstance(test, ast.Call) else test
-    if not (
-        isinstance(read, ast.Attribute)
-        and isinstance(read.value, ast.Name)
-        and read.value.id == "self"
-    ):
+    if not isinstance(read, ast.Attribute):
         return None
-    parent = script.parents.get(id(test))
-    while parent is not None and not isinstance(parent, ast.ClassDef):
-        parent = script.parents.get(id(parent))
-    if parent is None:
-        return None
-    method = script.functions.get(f"{parent.name}.{read.attr}")
+    if isinstance(read.value, ast.Name) and read.value.id == "self":
+        parent = script.parents.get(id(test))
+        while parent is not None and not isinstance(parent, ast.ClassDef):
+            parent = script.parents.get(id(parent))
+        if parent is None:
+            return None
+        method = script.functions.get(f"{parent.name}.{read.attr}")
+    else:
+        # `env.is_main`, `self.env.is_main`: another object's, when one class of the
+        # file alone has a method of that name (a DistEnv dataclass's property)
+        owners = [
+            function
+            for name, function in script.functions.items()
+            if name.count(".") == 1 and name.endswith(f".{read.attr}")
+        ]
+        method = owners[0] if len(owners) == 1 else None
     if method is None or called == any(
         isinstance(d, ast.Name) and d.id == "property" for d in method.decorator_list
     ):

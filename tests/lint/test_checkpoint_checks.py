@@ -655,3 +655,62 @@ CALL
 )
 def test_a_method_of_an_instance_built_in_the_call_is_traced(call, reported):
     assert findings(BUILT_AND_RUN.replace("CALL", call)) == reported
+
+
+PRETRAINED_SAVE = """
+import deepspeed
+class DistEnv:
+    def __init__(self, rank):
+        self.rank = rank
+    @property
+    def is_main(self):
+        return self.rank == 0
+deepspeed.init_distributed()
+rank = dist.get_rank()
+engine, _, _, _ = deepspeed.initialize(model=model, config="ds.json")
+def snapshot(engine, tok, out):
+    engine.module.save_pretrained(out)
+    tok.save_pretrained(out)
+GUARDsnapshot(engine, tok, "hf/final")
+"""
+
+
+@pytest.mark.parametrize(
+    ("guard", "reported"),
+    [
+        # blind set fb's 20: a DeepSpeed script's Hugging Face snapshot written by every rank
+        ("", [13, 14]),
+        ("if rank == 0:\n    ", []),
+        # blind set co's 17: a property of the file's environment object
+        ("env = DistEnv(rank)\nif env.is_main:\n    ", []),
+    ],
+)
+def test_save_pretrained_every_rank_of_a_process_group_reaches(guard, reported):
+    body = PRETRAINED_SAVE.replace("GUARD", guard)
+    found = lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])
+    assert [line for line, _f in found] == reported
+    assert all("Accelerate" not in f.message for _line, f in found)
+
+
+def test_save_pretrained_by_the_one_rank_every_rank_agreed_on():
+    # blind set dm's 07: the member with the best accuracy, gathered, saves its model
+    body = (
+        "import deepspeed\ndeepspeed.init_distributed()\nrank = dist.get_rank()\n"
+        "final = [None] * 2\ndist.all_gather_object(final, (acc, rank))\n"
+        "best_acc, best_rank = max(final)\n"
+        "if rank == best_rank:\n    model.save_pretrained('best')\n"
+        "model.save_pretrained('every')\n"
+    )
+    found = lint_snippet(HEADER, body, ["checkpoint-written-by-every-rank"])
+    assert [line for line, _f in found] == [9]
+
+
+def test_a_save_under_a_property_of_another_object_that_tests_the_rank():
+    # blind set co's 17: `env.is_main`, a property of the file's DistEnv dataclass
+    body = (
+        "class DistEnv:\n    def __init__(self, rank):\n        self.rank = rank\n"
+        "    @property\n    def is_main(self):\n        return self.rank == 0\n"
+        "dist.init_process_group('nccl')\nenv = DistEnv(dist.get_rank())\n"
+        "if env.is_main:\n    torch.save(state, 'best.pt')\n"
+    )
+    assert findings(body) == []

@@ -206,8 +206,12 @@ def is_this_process_rank(script: Script, expr: ast.expr) -> bool:
 
 @check("checkpoint-written-by-every-rank")
 def check_save_pretrained_on_every_process(script: Script) -> Iterator[Finding]:
-    """`model.save_pretrained(folder)` that every process of an Accelerate script reaches."""
-    if not script.traces or "Accelerator" not in script.called_short_names:
+    """`model.save_pretrained(folder)` that every process of an Accelerate script, or of
+    a script that starts the group itself (DDP, DeepSpeed), reaches."""
+    accelerate = "Accelerator" in script.called_short_names
+    if not script.traces or not (accelerate or is_distributed(script)):
+        return
+    if one_process_group(script):
         return
     # Not every_rank_reaches: a save on rank 0 earlier (a periodic checkpoint)
     # does not make a later save of every process safe, as it does a download.
@@ -216,16 +220,22 @@ def check_save_pretrained_on_every_process(script: Script) -> Iterator[Finding]:
         for call in script.traces[0]
         if saves_pretrained_on_every_process(call)
         and not sides(call.rank_path) & {RANK_ZERO, NO_RANKS}
+        and not under_one_ranks_number(script, call.node)
     )
     for call in without_turns(script, saves):
+        fix = (
+            "save under `if accelerator.is_main_process:` after "
+            "accelerator.wait_for_everyone(), or pass is_main_process=accelerator.is_main_process"
+            if accelerate
+            else "save under `if rank == 0:` (gather a sharded model's weights on every rank "
+            "first), or pass is_main_process=(rank == 0)"
+        )
         yield script.finding(
             "checkpoint-written-by-every-rank",
             call.node,
-            f"{source_text(call.node.func)}() runs on every process Accelerate started: "
-            "each writes the same weights and config files into one folder at once, and "
-            "a reader (or an upload) can find them half-written; save under `if "
-            "accelerator.is_main_process:` after accelerator.wait_for_everyone(), or pass "
-            "is_main_process=accelerator.is_main_process",
+            f"{source_text(call.node.func)}() runs on every process: each writes the same "
+            "weights and config files into one folder at once, and a reader (or an upload) "
+            f"can find them half-written; {fix}",
         )
 
 
