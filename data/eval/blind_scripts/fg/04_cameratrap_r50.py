@@ -1,0 +1,356 @@
+"""Camera-trap species classifier (ResNet-50, ImageNet init).
+
+The class distribution is very long-tailed, so besides top-1 we report mean per-class
+accuracy from the full confusion matrix. Built from torchvision/references/classification.
+
+    torchrun --standalone --nproc_per_node=8 train_cameratrap.py --data-path /data/cameratrap \
+        --epochs 30 -b 64 --lr 0.02 --amp --output-dir ./runs/ct_r50
+"""
+import argparse
+import datetime
+import json
+import os
+import time
+from collections import defaultdict, deque
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch import nn
+
+import presets
+
+# --------------------------------------------------------------------------
+# distributed helpers (trimmed copy of references/classification/utils.py)
+# --------------------------------------------------------------------------
+def is_dist_avail_and_initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_world_size():
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def get_rank():
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def is_main_process():
+    return get_rank() == 0
+
+
+def save_on_master(*args, **kwargs):
+    if is_main_process():
+        torch.save(*args, **kwargs)
+
+
+def setup_for_distributed(is_master):
+    """Disable printing on the non-master processes (use print(..., force=True) to override)."""
+    import builtins as __builtin__
+
+    builtin_print = __builtin__.print
+
+    def print(*args, **kwargs):
+        force = kwargs.pop("force", False)
+        if is_master or force:
+            builtin_print(*args, **kwargs)
+
+    __builtin__.print = print
+
+
+def init_distributed_mode(args):
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        args.rank = int(os.environ["RANK"])
+        args.world_size = int(os.environ["WORLD_SIZE"])
+        args.gpu = int(os.environ["LOCAL_RANK"])
+    else:
+        print("Not using distributed mode")
+        args.distributed = False
+        args.rank, args.world_size, args.gpu = 0, 1, 0
+        return
+
+    args.distributed = True
+    torch.cuda.set_device(args.gpu)
+    print(f"| distributed init (rank {args.rank}): {args.dist_url}", flush=True)
+    dist.init_process_group(backend="nccl", init_method=args.dist_url, world_size=args.world_size, rank=args.rank)
+    dist.barrier()
+    setup_for_distributed(args.rank == 0)
+
+
+class SmoothedValue:
+    """Track a series of values and provide access to smoothed values over a
+    window or the global series average."""
+
+    def __init__(self, window_size=20, fmt=None):
+        self.deque = deque(maxlen=window_size)
+        self.total = 0.0
+        self.count = 0
+        self.fmt = fmt or "{median:.4f} ({global_avg:.4f})"
+
+    def update(self, value, n=1):
+        self.deque.append(value)
+        self.count += n
+        self.total += value * n
+
+    def synchronize_between_processes(self):
+        """Warning: does not synchronize the deque!"""
+        if not is_dist_avail_and_initialized():
+            return
+        t = torch.tensor([self.count, self.total], dtype=torch.float64, device="cuda")
+        dist.barrier()
+        dist.all_reduce(t)
+        t = t.tolist()
+        self.count = int(t[0])
+        self.total = t[1]
+
+    @property
+    def median(self):
+        return torch.tensor(list(self.deque)).median().item()
+
+    @property
+    def avg(self):
+        return torch.tensor(list(self.deque), dtype=torch.float32).mean().item()
+
+    @property
+    def global_avg(self):
+        return self.total / max(self.count, 1)
+
+    @property
+    def value(self):
+        return self.deque[-1]
+
+    def __str__(self):
+        return self.fmt.format(median=self.median, avg=self.avg, global_avg=self.global_avg, value=self.value)
+
+
+class MetricLogger:
+    def __init__(self, delimiter="\t"):
+        self.meters = defaultdict(SmoothedValue)
+        self.delimiter = delimiter
+
+    def update(self, **kwargs):
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            self.meters[k].update(v)
+
+    def __getattr__(self, attr):
+        if attr in self.meters:
+            return self.meters[attr]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{attr}'")
+
+    def __str__(self):
+        return self.delimiter.join(f"{name}: {meter}" for name, meter in self.meters.items())
+
+    def synchronize_between_processes(self):
+        for meter in self.meters.values():
+            meter.synchronize_between_processes()
+
+    def add_meter(self, name, meter):
+        self.meters[name] = meter
+
+    def log_every(self, iterable, print_freq, header=""):
+        start_time = time.time()
+        end = time.time()
+        iter_time = SmoothedValue(fmt="{avg:.4f}")
+        data_time = SmoothedValue(fmt="{avg:.4f}")
+        n = len(iterable)
+        for i, obj in enumerate(iterable):
+            data_time.update(time.time() - end)
+            yield obj
+            iter_time.update(time.time() - end)
+            if i % print_freq == 0 or i == n - 1:
+                eta = datetime.timedelta(seconds=int(iter_time.global_avg * (n - i)))
+                mem = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else 0
+                print(f"{header} [{i}/{n}] eta: {eta} {self} time: {iter_time} data: {data_time} mem: {mem:.0f}MB")
+            end = time.time()
+        total_time = time.time() - start_time
+        print(f"{header} Total time: {datetime.timedelta(seconds=int(total_time))} ({total_time / max(n, 1):.4f} s / it)")
+
+
+def accuracy(output, target, topk=(1,)):
+    """Computes the accuracy over the k top predictions for the specified values of k"""
+    with torch.inference_mode():
+        maxk = max(topk)
+        batch_size = target.size(0)
+        if target.ndim == 2:
+            target = target.max(dim=1)[1]
+        _, pred = output.topk(maxk, 1, True, True)
+        pred = pred.t()
+        correct = pred.eq(target[None])
+        res = []
+        for k in topk:
+            correct_k = correct[:k].flatten().sum(dtype=torch.float32)
+            res.append(correct_k * (100.0 / batch_size))
+        return res
+
+
+def train_one_epoch(model, criterion, optimizer, data_loader, device, epoch, args, scaler=None):
+    model.train()
+    metric_logger = MetricLogger(delimiter="  ")
+    metric_logger.add_meter("lr", SmoothedValue(window_size=1, fmt="{value:.5f}"))
+    header = f"Epoch: [{epoch}]"
+    for image, target in metric_logger.log_every(data_loader, args.print_freq, header):
+        image, target = image.to(device, non_blocking=True), target.to(device, non_blocking=True)
+        with torch.autocast("cuda", enabled=scaler is not None):
+            output = model(image)
+            loss = criterion(output, target)
+
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+
+        acc1, acc5 = accuracy(output, target, topk=(1, 5))
+        batch_size = image.shape[0]
+        metric_logger.update(loss=loss.item(), lr=optimizer.param_groups[0]["lr"])
+        metric_logger.meters["acc1"].update(acc1.item(), n=batch_size)
+        metric_logger.meters["acc5"].update(acc5.item(), n=batch_size)
+
+
+@torch.inference_mode()
+def evaluate(model, data_loader, device, num_classes):
+    """Each rank sees a disjoint shard of the val set (no padding); confusion matrices are summed."""
+    model.eval()
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    for image, target in data_loader:
+        image = image.to(device, non_blocking=True)
+        output = model(image)
+        pred = output.argmax(dim=1).cpu()
+        confusion += torch.bincount(target * num_classes + pred, minlength=num_classes**2).view(num_classes, num_classes)
+
+    if is_dist_avail_and_initialized():
+        dist.all_reduce(confusion)
+
+    total = confusion.sum().item()
+    top1 = confusion.diag().sum().item() / max(total, 1) * 100.0
+    per_class = confusion.diag().float() / confusion.sum(dim=1).clamp(min=1).float()
+    seen = confusion.sum(dim=1) > 0
+    mean_class_acc = per_class[seen].mean().item() * 100.0
+    print(f"Test: {total} images  Acc@1 {top1:.3f}  mean per-class acc {mean_class_acc:.3f}")
+    return top1, mean_class_acc, per_class.tolist()
+
+
+def main(args):
+    init_distributed_mode(args)
+    if args.output_dir and is_main_process():
+        os.makedirs(args.output_dir, exist_ok=True)
+    print(args)
+    device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True
+
+    dataset = torchvision.datasets.ImageFolder(
+        os.path.join(args.data_path, "train"),
+        presets.ClassificationPresetTrain(crop_size=224, auto_augment_policy="ta_wide", random_erase_prob=0.1),
+    )
+    dataset_test = torchvision.datasets.ImageFolder(
+        os.path.join(args.data_path, "val"), presets.ClassificationPresetEval(crop_size=224, resize_size=256)
+    )
+    num_classes = len(dataset.classes)
+
+    if args.distributed:
+        train_sampler = torch.utils.data.distributed.DistributedSampler(dataset)
+        # strided shard without the padding DistributedSampler would add
+        shard = list(range(args.rank, len(dataset_test), args.world_size))
+        dataset_test_shard = torch.utils.data.Subset(dataset_test, shard)
+    else:
+        train_sampler = torch.utils.data.RandomSampler(dataset)
+        dataset_test_shard = dataset_test
+
+    data_loader = torch.utils.data.DataLoader(
+        dataset, batch_size=args.batch_size, sampler=train_sampler, num_workers=args.workers,
+        pin_memory=True, drop_last=True,
+    )
+    data_loader_test = torch.utils.data.DataLoader(
+        dataset_test_shard, batch_size=args.batch_size, shuffle=False, num_workers=args.workers, pin_memory=True
+    )
+
+    model = torchvision.models.resnet50(weights="IMAGENET1K_V2")
+    model.fc = nn.Linear(model.fc.in_features, num_classes)
+    model.to(device)
+
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    params_bn = [p for n, p in model.named_parameters() if p.ndim <= 1]
+    params_w = [p for n, p in model.named_parameters() if p.ndim > 1]
+    optimizer = torch.optim.SGD(
+        [{"params": params_w, "weight_decay": args.weight_decay}, {"params": params_bn, "weight_decay": 0.0}],
+        lr=args.lr, momentum=0.9, nesterov=True,
+    )
+    scaler = torch.cuda.amp.GradScaler() if args.amp else None
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=args.lr_warmup_epochs)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - args.lr_warmup_epochs)
+    lr_scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[args.lr_warmup_epochs])
+
+    model_without_ddp = model
+    if args.distributed:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[args.gpu])
+        model_without_ddp = model.module
+
+    if args.resume:
+        checkpoint = torch.load(args.resume, map_location="cpu", weights_only=False)
+        model_without_ddp.load_state_dict(checkpoint["model"])
+        if not args.test_only:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            lr_scheduler.load_state_dict(checkpoint["lr_scheduler"])
+        args.start_epoch = checkpoint["epoch"] + 1
+
+    if args.test_only:
+        top1, mca, per_class = evaluate(model_without_ddp, data_loader_test, device, num_classes)
+        if is_main_process() and args.output_dir:
+            with open(os.path.join(args.output_dir, "per_class_acc.json"), "w") as f:
+                json.dump(dict(zip(dataset.classes, per_class)), f, indent=1)
+        return
+
+    best_mca = 0.0
+    start_time = time.time()
+    for epoch in range(args.start_epoch, args.epochs):
+        if args.distributed:
+            train_sampler.set_epoch(epoch)
+        train_one_epoch(model, criterion, optimizer, data_loader, device, epoch, args, scaler)
+        lr_scheduler.step()
+        top1, mca, _ = evaluate(model_without_ddp, data_loader_test, device, num_classes)
+        if args.output_dir:
+            checkpoint = {
+                "model": model_without_ddp.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "lr_scheduler": lr_scheduler.state_dict(),
+                "epoch": epoch,
+                "args": args,
+            }
+            save_on_master(checkpoint, os.path.join(args.output_dir, "checkpoint.pth"))
+            if mca > best_mca:
+                best_mca = mca
+                save_on_master(checkpoint, os.path.join(args.output_dir, "model_best.pth"))
+
+    print(f"Training time {datetime.timedelta(seconds=int(time.time() - start_time))}, best mca {best_mca:.3f}")
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Camera-trap classifier")
+    parser.add_argument("--data-path", default="/data/cameratrap", type=str)
+    parser.add_argument("--device", default="cuda", type=str)
+    parser.add_argument("-b", "--batch-size", default=64, type=int, help="images per gpu")
+    parser.add_argument("--epochs", default=30, type=int)
+    parser.add_argument("-j", "--workers", default=8, type=int)
+    parser.add_argument("--lr", default=0.02, type=float)
+    parser.add_argument("--lr-warmup-epochs", default=2, type=int)
+    parser.add_argument("--wd", "--weight-decay", default=1e-4, type=float, dest="weight_decay")
+    parser.add_argument("--amp", action="store_true")
+    parser.add_argument("--print-freq", default=50, type=int)
+    parser.add_argument("--output-dir", default="./runs/ct_r50", type=str)
+    parser.add_argument("--resume", default="", type=str)
+    parser.add_argument("--start-epoch", default=0, type=int)
+    parser.add_argument("--test-only", action="store_true")
+    parser.add_argument("--dist-url", default="env://", type=str)
+    return parser
+
+
+if __name__ == "__main__":
+    args = get_args_parser().parse_args()
+    main(args)
+    if args.distributed:
+        dist.destroy_process_group()
