@@ -107,6 +107,21 @@ def torchrun_under_many_srun_tasks(lines: list[tuple[int, str]]) -> Iterator[Pro
         )
 
 
+# srun's command is torchrun: `srun torchrun ...`, `srun --ntasks-per-node=1 -N 2 torchrun`,
+# `srun bash -c "torchrun ..."` (a sentence that names both, "srun, not torchrun", is no launch).
+SRUN_RUNS_TORCHRUN = re.compile(
+    r"\bsrun\b(?:\s+(?:-\S+(?:\s+[^-\s]\S*)?|\w+=\S+))*\s+(?:bash\s+-c\s+['\"]?)?"
+    r"(?:torchrun\b|python3?\s+-m\s+torch\.distributed\.(?:run|launch)\b)"
+)
+
+
+def torchrun_under_srun(text: str) -> tuple[int, str] | None:
+    """The first launch line of `text` where srun runs torchrun (`srun torchrun
+    --nnodes=$SLURM_NNODES ...`, continuations joined): its line number and text."""
+    lines = logical_lines(text)
+    return next(((n, line) for n, line in lines if SRUN_RUNS_TORCHRUN.search(line)), None)
+
+
 NODE_RANGE = re.compile(r"--nnodes(?:\s*=\s*|\s+)['\"]?(\d+):(\d+)\b")
 
 

@@ -8,7 +8,7 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
-from assistant.lint.launchtext import TASKS_PER_NODE, launch_problems
+from assistant.lint.launchtext import TASKS_PER_NODE, launch_problems, torchrun_under_srun
 from assistant.lint.model import Script, is_int, keyword, short, source_text, walk
 from assistant.lint.ranks import environment_variable, without_int
 from assistant.lint.registry import check
@@ -639,6 +639,80 @@ def env_default(script: Script, node: ast.AST, variable: str) -> ast.expr | None
         return None  # os.environ["X"] = ...: a write
     has_default = isinstance(node, ast.Call) and len(node.args) > 1
     return node.args[1] if has_default else ast.Constant(value=None)
+
+
+# What torchrun sets for each worker: a read of these first means the file asks torchrun.
+TORCHRUN_VARIABLES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"})
+# srun's variables for the task it started, and which of them place the GPU.
+SLURM_TASK_VARIABLES = frozenset({*SLURM_LAYOUT, SLURM_LOCAL_RANK})
+
+
+@check("slurm-without-torchrun", "duplicate-gpu-per-rank")
+def check_srun_task_variables_under_torchrun(script: Script) -> Iterator[Finding]:
+    """The file's launch runs torchrun under srun (one srun task per node, torchrun
+    starting a worker per GPU), but takes its rank, world size or GPU from srun's
+    variables first: they describe the srun task, so every worker of a node gets the
+    node's SLURM_PROCID and SLURM_LOCALID (0), one rank and one GPU for them all.
+    Quiet where a torchrun variable is read first (`.get("LOCAL_RANK", <srun's>)`,
+    an `if "RANK" in os.environ:` around it)."""
+    launch = torchrun_under_srun(script.source)
+    if launch is None:
+        return
+    reported: set[str] = set()  # one finding per cause: the same launch explains the rest
+    for node in script.nodes:
+        if not isinstance(node, ast.expr):
+            continue
+        variable = environment_variable(node, script)
+        if variable not in SLURM_TASK_VARIABLES:
+            continue
+        local = variable == SLURM_LOCAL_RANK
+        cause = "duplicate-gpu-per-rank" if local else "slurm-without-torchrun"
+        if cause in reported or (
+            isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load)
+        ):
+            continue
+        if torchrun_asked_first(script, node):
+            continue
+        reported.add(cause)
+        taken = "the same GPU" if local else "one rank (and a world of nodes, not of processes)"
+        yield script.finding(
+            cause,
+            node,
+            f"the file's own launch runs torchrun under srun (line {launch[0]}), and {variable} "
+            "is read first: srun sets it once per task, and every torchrun worker of a node "
+            f"inherits the same value, so they all take {taken}; read torchrun's "
+            "LOCAL_RANK / RANK / WORLD_SIZE first",
+        )
+
+
+def torchrun_asked_first(script: Script, read: ast.expr) -> bool:
+    """A torchrun variable decides before `read`: it is the default of a `.get` of one
+    (`os.environ.get("LOCAL_RANK", os.environ["SLURM_LOCALID"])`), comes after one in
+    an `or`, or sits in either arm of an `if` that tests one."""
+    child, parent = read, script.parents.get(id(read))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.Module):
+        default_of = isinstance(parent, ast.Call) and child in parent.args[1:]
+        if default_of and environment_variable(parent, script) in TORCHRUN_VARIABLES:
+            return True
+        if isinstance(parent, ast.BoolOp):
+            earlier = parent.values[: parent.values.index(child)] if child in parent.values else []
+            if any(names_torchrun_variable(script, value) for value in earlier):
+                return True
+        in_an_arm = isinstance(parent, ast.If | ast.IfExp) and child is not parent.test
+        if in_an_arm and names_torchrun_variable(script, parent.test):
+            return True
+        child, parent = parent, script.parents.get(id(parent))
+    return False
+
+
+def names_torchrun_variable(script: Script, expr: ast.expr) -> bool:
+    """`"RANK" in os.environ`, `os.environ.get("LOCAL_RANK")`: the expression reads or
+    names one of torchrun's variables."""
+    return any(
+        (isinstance(n, ast.Constant) and n.value in TORCHRUN_VARIABLES)
+        or (isinstance(n, ast.expr) and environment_variable(n, script) in TORCHRUN_VARIABLES)
+        for n in walk(expr)
+    )
 
 
 def nodes_under_launcher_tests(script: Script) -> set[int]:
