@@ -332,8 +332,9 @@ def tested_helper(test: ast.expr, script: Script) -> Function | None:
 
 def assigned_side(test: ast.expr, script: Script, depth: int) -> str | None:
     """The side of a flag assigned from a rank test: `master_process = rank == 0`
-    (nanoGPT), `self.is_master = args.rank % ngpus == 0`. Constants assigned to the
-    same name (`master_process = True` when not distributed) do not count; tests
+    (nanoGPT), `self.is_master = args.rank % ngpus == 0`, and `trainer.is_main` read
+    elsewhere by the field a class of the file sets on itself. Constants assigned to
+    the same name (`master_process = True` when not distributed) do not count; tests
     that disagree make it any rank's."""
     if not isinstance(test, (ast.Name, ast.Attribute)):
         return None
@@ -342,6 +343,9 @@ def assigned_side(test: ast.expr, script: Script, depth: int) -> str | None:
         return script.assigned_sides[name]  # known, or being worked out (a cycle): None
     script.assigned_sides[name] = None
     values = script.assigned_values.get(name, [])
+    if not values and isinstance(test, ast.Attribute) and source_text(test.value) != "self":
+        # `trainer.is_main` in a callback: the field the file's classes set on themselves
+        values = script.assigned_values.get(f"self.{test.attr}", [])
     sides = {
         rank_branch_sides(value, script, depth + 1)[0]
         for value in values

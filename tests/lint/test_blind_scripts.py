@@ -112,8 +112,8 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # eh 15/16; ek 14/16; el 13/16; em 13/16; en 13/16; eo 13/16; eq 12/16; er 14/16;
 # es 11/16; et 12/16; ep 12/16; ev 14/16; ex 14/16; eu 9/16; ew 12/16; fa 12/16;
 # ez 15/16; ey 11/16; fb 5/16; fc 13/16; fd 11/16; fe 10/16; ff 9/16; fh 10/16;
-# fg 14/16), of 2625 with session 53's sets
-FOUND_FLOOR = 2328  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+# fg 14/16; fi 14/16; fj 9/16; fk 14/16), of 2673 with session 53's sets
+FOUND_FLOOR = 2366  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -292,7 +292,9 @@ FOUND_FLOOR = 2328  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # process group (fb's 20; co's 17 and dm's 07, under a property of an environment object and
 # under the one rank every rank agreed on, stay quiet); 2312 of 2609 with fe, ff, fh
 # (measured once at 332c78b), 2314 after srun's task variables read first under `srun
-# torchrun` (fh's 03, 20), 2328 of 2625 with fg (measured once at 06b3f4b)
+# torchrun` (fh's 03, 20), 2328 of 2625 with fg (measured once at 06b3f4b); 2365 of 2673
+# with fi, fj, fk (measured once at 1616414), 2366 after a metric's running sums kept in CPU
+# fields made in another method (fj's 10)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -441,8 +443,10 @@ FOUND_FLOOR = 2328  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # fa and ez (the spelling note on two; fa's 13, correct, CPU statistics reduced over a gloo
 # group the file made, read as NCCL with CPU tensors: mended), 194 with fb, fc, fd (the
 # spelling note on two), 197 with fe, ff, fh (the spelling note; ff's 11 a loader and ff's
-# 13 a save beside their labelled causes)
-OTHER_FINDINGS_CEILING = 197
+# 13 a save beside their labelled causes), 201 with fi, fj, fk (the spelling note on three;
+# fj's 04, correct, and 15, a callback's save under `trainer.is_main`, the field the Trainer
+# sets on itself, read as every rank's: false, mended, em's 07 too), 199 after
+OTHER_FINDINGS_CEILING = 199
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -460,8 +464,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 2625
-    assert sum(label["cause"] is None for label in labels) == 655
+    assert sum(label["cause"] is not None for label in labels) == 2673
+    assert sum(label["cause"] is None for label in labels) == 667
 
 
 def test_the_labelled_cause_is_found_in_enough_broken_scripts(linted):

@@ -714,3 +714,18 @@ def test_a_save_under_a_property_of_another_object_that_tests_the_rank():
         "if env.is_main:\n    torch.save(state, 'best.pt')\n"
     )
     assert findings(body) == []
+
+
+def test_a_save_in_a_callback_under_the_trainers_own_rank_flag():
+    # blind set fj's 04: `trainer.is_main`, the field the Trainer class sets on itself
+    body = (
+        "class Trainer:\n    def __init__(self, callbacks):\n"
+        "        self.is_main = not dist.is_initialized() or dist.get_rank() == 0\n"
+        "        self.callbacks = callbacks\n"
+        "    def fit(self):\n        for cb in self.callbacks:\n            cb.on_epoch_end(self)\n"
+        "class ModelCheckpoint:\n    def on_epoch_end(self, trainer):\n"
+        "        if trainer.is_main:\n            torch.save(trainer, 'last.pt')\n"
+        "        torch.save(trainer, 'every.pt')\n"
+        "dist.init_process_group('nccl')\nTrainer([ModelCheckpoint()]).fit()\n"
+    )
+    assert findings(body) == [12]

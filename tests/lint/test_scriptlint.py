@@ -656,6 +656,43 @@ def test_a_cpu_tensor_reduced_over_a_gloo_group(group, flagged) -> None:
     assert findings_of(source, "nccl-with-cpu-tensors") == expected
 
 
+@pytest.mark.parametrize(
+    ("reset", "flagged"),
+    [
+        # blind set fj's 10: running sums a metric keeps in CPU fields, joined and reduced
+        (
+            "self.sums = torch.zeros(3, dtype=torch.float64)\n        self.count = torch.zeros(1)",
+            True,
+        ),
+        (
+            "self.sums = torch.zeros(3, device=d)\n        self.count = torch.zeros(1, device=d)",
+            False,
+        ),
+        # moved where they are made elsewhere: not every value of the fields is on the CPU
+        (
+            (
+                "self.sums, self.count = torch.zeros(3), torch.zeros(1)\n"
+                "    def to(self, d):\n"
+                "        self.sums, self.count = self.sums.to(d), self.count.to(d)"
+            ),
+            False,
+        ),
+    ],
+)
+def test_fields_made_on_the_cpu_in_another_method_then_reduced(reset, flagged) -> None:
+    source = NCCL_HEADER + (
+        "class Accumulator:\n"
+        "    def reset(self, d):\n        " + reset + "\n"
+        "    def compute(self):\n"
+        "        buf = torch.cat([self.sums, self.count])\n"
+        "        dist.all_reduce(buf)\n"
+        "        return buf\n"
+    )
+    line = source.count("\n") - 1
+    expected = [("nccl-with-cpu-tensors", line)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected
+
+
 def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None:
     source = NCCL_HEADER + (
         "def sync(count, total):\n"

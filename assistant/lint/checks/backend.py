@@ -5,7 +5,14 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, bound_arguments, keyword, name_value_pairs, short
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    keyword,
+    name_value_pairs,
+    short,
+    source_text,
+)
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COLLECTIVES,
@@ -320,6 +327,16 @@ def makes_cpu_tensor(
         return False
     if isinstance(value, ast.Name):
         return cpu_name(value.id)
+    if isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name):
+        # `self.sums`, made in another method (`reset`): on the CPU when every value
+        # the file gives that field is made there (a plain field; a module's .to()
+        # moves only parameters and registered buffers)
+        made = script.assigned_values.get(source_text(value), [])
+        return (
+            value.value.id == "self"
+            and bool(made)
+            and all(makes_cpu_tensor(script, given, depth=depth + 1) for given in made)
+        )
     if isinstance(value, ast.BinOp):  # `torch.tensor([a, b]) / n`: arithmetic keeps the device
         sides = (value.left, value.right)
         return any(
