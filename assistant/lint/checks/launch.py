@@ -82,7 +82,9 @@ HF_ARGUMENT_PACKAGES = frozenset({"transformers", "trl"})
 @check("local-rank-not-from-env")
 def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
     """A local rank from an argparse default or a constant: every rank picks one GPU."""
-    if reads_the_value_of(script, TORCHRUN_LOCAL_RANK) or uses_deepspeed(script):
+    if reads_the_value_of(script, TORCHRUN_LOCAL_RANK):
+        return
+    if uses_deepspeed(script) and not documented_torchrun_only(script):
         return  # the `deepspeed` launcher passes --local_rank=N
     for node, _flags in local_rank_arguments(script):
         if not is_required(node) and not flag_value_read(script, node):
@@ -156,6 +158,19 @@ def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
 DEEPSPEED_LAUNCH = re.compile(
     r"^[\s#]*(?:[A-Z_]+=\S+\s+)*deepspeed\s+(?:--|\S+\.py\b)", re.MULTILINE
 )
+
+
+# A launch line that starts the script with torchrun (or its module form).
+TORCHRUN_LINE = re.compile(
+    r"^[\s#]*(?:[A-Z_]+=\S+\s+)*(?:torchrun|python3?\s+-m\s+torch\.distributed\.run)\b",
+    re.MULTILINE,
+)
+
+
+def documented_torchrun_only(script: Script) -> bool:
+    """The file's own text launches it with torchrun and never with the `deepspeed`
+    launcher: a DeepSpeed script so started gets no --local_rank argument."""
+    return bool(TORCHRUN_LINE.search(script.source)) and not names_the_deepspeed_launcher(script)
 
 
 def names_the_deepspeed_launcher(script: Script) -> bool:
