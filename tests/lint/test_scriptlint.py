@@ -903,6 +903,28 @@ def test_a_rank_asked_before_a_library_starts_the_group_is_reported(setup, name)
     assert f"{name}, which starts it, comes later (line 7)" in findings[0].message
 
 
+HYDRA_CONFIG = (
+    "from dataclasses import dataclass\nimport torch\nimport torch.distributed as dist\n"
+    "@dataclass\nclass DistConfig:\n    backend: str = 'nccl'\n    local_rank: int = 0\n"
+    "def main(cfg):\n    SET\n    torch.cuda.set_device(cfg.dist.local_rank)\n"
+    "    dist.init_process_group(cfg.dist.backend)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("set_it", "reported"),
+    [
+        # blind set fn's 03: a Hydra structured config's local rank that no launcher sets
+        ("pass", [("local-rank-not-from-env", 7)]),
+        ('cfg.dist.local_rank = int(os.environ["LOCAL_RANK"])', []),
+        ("cfg.dist.local_rank = args.local_rank", []),
+    ],
+)
+def test_a_config_dataclass_local_rank_nothing_sets(set_it, reported) -> None:
+    source = "import os\n" + HYDRA_CONFIG.replace("SET", set_it)
+    assert findings_of(source, "local-rank-not-from-env") == [(c, n + 1) for c, n in reported]
+
+
 @pytest.mark.parametrize(
     ("documented", "reported"),
     [

@@ -107,6 +107,46 @@ def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
                         f"{target.id} is the constant {node.value.value}: every process "
                         'uses the same GPU; use int(os.environ["LOCAL_RANK"])',
                     )
+    yield from local_rank_config_defaults(script)
+
+
+def local_rank_config_defaults(script: Script) -> Iterator[Finding]:
+    """`local_rank: int = 0` in a config dataclass (a Hydra structured config) that the
+    file reads (`cfg.dist.local_rank`) and nothing sets: torchrun passes no such
+    override, so every process takes the default GPU."""
+    assigned = {
+        target.attr
+        for node in script.nodes
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Attribute)
+    }
+    read = {
+        node.attr
+        for node in script.nodes
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+    }
+    for cls in (n for n in script.tree.body if isinstance(n, ast.ClassDef)):
+        if not any("dataclass" in source_text(d) for d in cls.decorator_list):
+            continue
+        for field in cls.body:
+            if not (
+                isinstance(field, ast.AnnAssign)
+                and isinstance(field.target, ast.Name)
+                and LOCAL_RANK_NAME.match(field.target.id)
+                and field.value is not None
+                and is_int(field.value)
+            ):
+                continue
+            name = field.target.id
+            if name in read and name not in assigned:
+                yield script.finding(
+                    "local-rank-not-from-env",
+                    field,
+                    f"{cls.name}.{name} defaults to {field.value.value} and nothing in the file "
+                    "sets it: torchrun passes no such option, so every process uses the same "
+                    'GPU; read int(os.environ["LOCAL_RANK"]) into it',
+                )
 
 
 def reads_the_value_of(script: Script, variable: str) -> bool:
