@@ -90,3 +90,31 @@ def test_the_strict_load_fails_under_torchrun_and_the_twin_loads(torchrun):
     assert_broken_fails_and_twin_runs(
         torchrun, BROKEN, "Missing key(s) in state_dict", FIXED, "loaded the best weights"
     )
+
+
+FSDP_COMPILED = """
+import torch
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+model = FSDP(net, device_id=0OPTIONS)
+BETWEEN
+model = torch.compile(model)
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "between", "reported"),
+    [
+        # blind sets eu's 01 and fm's 12: FSDP1's default flattens the parameters
+        ("", "", [6]),
+        ("", "fsdp_model = model", [6]),
+        (", use_orig_params=False", "", [6]),
+        (", use_orig_params=True", "", []),
+        (", **fsdp_options", "", []),  # a value the file does not show
+        # compiled before the wrap, or another model compiled: not FSDP's flat parameters
+        ("", "model = build()", []),
+    ],
+)
+def test_compile_of_an_fsdp_model_with_flat_parameters(options, between, reported):
+    body = FSDP_COMPILED.replace("OPTIONS", options).replace("BETWEEN", between)
+    found = lint_snippet("", body, ["torch-compile-ddp"])
+    assert [line for line, _ in found] == reported

@@ -8,6 +8,11 @@ fresh model that is not compiled (the final test, an export, a resume before the
 compile) fails on every key, after the whole training has run. torch-compile-ddp,
 reported at the load.
 
+And torch.compile of a model FSDP (FullyShardedDataParallel) wrapped without
+use_orig_params=True: FSDP1 then hands Dynamo flattened FlatParameters, which it
+does not trace ("TorchDynamo only supports FSDP with use_orig_params=True"), so
+the distributed run fails where a one-GPU run compiles.
+
 The save and the load are paired by their path's text, within one function.
 Quiet when the load is not strict, goes into a compiled model, and wherever the
 file names `_orig_mod` (saving `model.module._orig_mod.state_dict()`, or
@@ -20,7 +25,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.state_dict import strict_load
-from assistant.lint.model import Script, keyword, source_text, walk
+from assistant.lint.model import Script, keyword, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, loaded_file
 from assistant.results import Finding
@@ -147,3 +152,51 @@ def loaded_path(script: Script, load: ast.Call, scope: ast.AST) -> str | None:
         path = loaded_file(state)
         return None if path is None else source_text(path)
     return None
+
+
+FSDP_CLASS = "FullyShardedDataParallel"
+
+
+@check("torch-compile-ddp")
+def check_compile_of_fsdp_without_original_parameters(script: Script) -> Iterator[Finding]:
+    """`model = FSDP(model, ...)` without use_orig_params=True, then
+    `torch.compile(model)` in the same function."""
+    if not any(name == "torch.compile" for _node, name in script.call_names):
+        return
+    for scope in script.all_scopes:
+        flat: dict[str, int] = {}  # names bound to an FSDP1 of flat parameters -> line
+        nodes = sorted(
+            (n for n in script.scope_nodes(scope) if isinstance(n, ast.Assign | ast.Call)),
+            key=lambda n: (n.lineno, isinstance(n, ast.Assign), n.col_offset),
+        )  # a call before the assignment it stands in: `model = torch.compile(model)`
+        for node in nodes:
+            if isinstance(node, ast.Call) and script.name_of(node.func) == "torch.compile":
+                given = node.args[0] if node.args else keyword(node, "model")
+                if isinstance(given, ast.Name) and given.id in flat:
+                    yield compiled_flat_fsdp(script, node, given.id, flat[given.id])
+            elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                flattens = short(script.name_of(node.value.func)) == FSDP_CLASS
+                for target in (t for t in node.targets if isinstance(t, ast.Name)):
+                    if flattens and not keeps_params(node.value):
+                        flat[target.id] = node.lineno
+                    else:
+                        flat.pop(target.id, None)
+
+
+def compiled_flat_fsdp(script: Script, call: ast.Call, name: str, wrapped: int) -> Finding:
+    return script.finding(
+        "torch-compile-ddp",
+        call,
+        f"torch.compile of {name}, wrapped by FSDP on line {wrapped} without "
+        "use_orig_params=True: FSDP then holds flattened parameters, which Dynamo does not "
+        'trace ("TorchDynamo only supports FSDP with use_orig_params=True"), so the '
+        "distributed run fails; pass use_orig_params=True to FSDP",
+    )
+
+
+def keeps_params(fsdp: ast.Call) -> bool:
+    """FSDP(..., use_orig_params=True), or a value the file does not fix."""
+    given = keyword(fsdp, "use_orig_params")
+    if given is None:
+        return any(k.arg is None for k in fsdp.keywords)  # **options: unknown
+    return not (isinstance(given, ast.Constant) and not given.value)
