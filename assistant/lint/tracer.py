@@ -105,6 +105,9 @@ class Tracer:
         # leaves falsy (`accuracy(..., reduce=False)`, or a `reduce=False` default
         # not passed): `if reduce:` there never runs on this path.
         self.falsy: list[frozenset[str]] = [frozenset()]
+        # Per function being walked: the strings this call gives its parameters
+        # (`self.hook("on_fit_start")`), so `getattr(cb, name)(self)` there names a method.
+        self.strings: list[dict[str, str]] = [{}]
 
     def run_module(self) -> list[TracedCall]:
         drive(self.module())
@@ -122,7 +125,12 @@ class Tracer:
             yield self.statement(stmt, Where(stmt.lineno, is_main_guard(stmt), NO_RANK))
 
     def enter(
-        self, name: str, func: ast.AST, where: Where, falsy: frozenset[str] = frozenset()
+        self,
+        name: str,
+        func: ast.AST,
+        where: Where,
+        falsy: frozenset[str] = frozenset(),
+        strings: dict[str, str] | None = None,
     ) -> Step:
         if name in self.active:  # recursion: walk a function once per path
             return
@@ -130,7 +138,9 @@ class Tracer:
         self.active.add(name)
         self.owners.append(name.split(".")[0] if "." in name else self.owners[-1])
         self.falsy.append(falsy)
+        self.strings.append(strings or {})
         yield self.block(func.body, where)
+        self.strings.pop()
         self.falsy.pop()
         self.owners.pop()
         self.active.discard(name)
@@ -189,12 +199,15 @@ class Tracer:
         for target in self.targets(node, name):
             func = self.script.functions[target]
             # a spawned target gets the spawner's arguments, not this call's
-            falsy = frozenset() if name in SPAWNERS else falsy_parameters(func, node, "." in target)
-            yield self.enter(target, func, where, falsy)
+            spawned = name in SPAWNERS
+            falsy = frozenset() if spawned else falsy_parameters(func, node, "." in target)
+            strings = {} if spawned else string_arguments(func, node, "." in target)
+            yield self.enter(target, func, where, falsy, strings)
 
     def targets(self, node: ast.Call, name: str) -> list[str]:
         """Same-file functions this call runs: the callee, or a spawned target."""
         found = same_file_callees(self.script, node.func, self.owners[-1] or None)
+        found += methods_looked_up(self.script, node.func, self.strings[-1])
         if name in SPAWNERS:
             candidates = list(node.args[:1]) + [
                 k.value for k in node.keywords if k.arg in ("fn", "target")
@@ -203,6 +216,38 @@ class Tracer:
                 if isinstance(arg, ast.Name) and arg.id in self.script.functions:
                     found.append(arg.id)
         return found
+
+
+def methods_looked_up(script: Script, func: ast.expr, strings: dict[str, str]) -> list[str]:
+    """`getattr(cb, "on_epoch_end")(...)`, or `getattr(cb, name)(...)` where this call
+    of the enclosing function gave `name` a string: the file's methods of that name
+    (a Trainer dispatching a hook to its callbacks), not one other objects have too."""
+    if not (
+        isinstance(func, ast.Call)
+        and isinstance(func.func, ast.Name)
+        and func.func.id == "getattr"
+        and len(func.args) >= 2
+    ):
+        return []
+    key = func.args[1]
+    if isinstance(key, ast.Constant) and isinstance(key.value, str):
+        method = key.value
+    elif isinstance(key, ast.Name) and key.id in strings:
+        method = strings[key.id]
+    else:
+        return []
+    if method in COMMON_METHODS or method.startswith("__"):
+        return []
+    return list(script.methods_by_name.get(method, []))
+
+
+def string_arguments(func: Function, call: ast.Call, method: bool) -> dict[str, str]:
+    """The parameters of `func` this call gives a string constant (passed or default)."""
+    return {
+        name: value
+        for name, value in constant_arguments(func, call, method).items()
+        if isinstance(value, str)
+    }
 
 
 FALSY_CONSTANTS = (False, None, 0, "")

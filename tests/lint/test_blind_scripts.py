@@ -114,7 +114,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # ez 15/16; ey 11/16; fb 5/16; fc 13/16; fd 11/16; fe 10/16; ff 9/16; fh 10/16;
 # fg 14/16; fi 14/16; fj 9/16; fk 14/16; fn 15/16; fl 11/16; fm 11/16), of 2721 with
 # session 53's twenty-six sets
-FOUND_FLOOR = 2408  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 2409  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -299,7 +299,8 @@ FOUND_FLOOR = 2408  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # launches with torchrun only, which passes no --local_rank (fb's 16, fe's 20); 2383 of 2689
 # with fn (measured once at 236617b), 2384 after a config dataclass's local rank that nothing
 # sets (fn's 03); 2406 of 2721 with fl and fm (measured once at 7b29949), 2408 after
-# torch.compile of an FSDP model with flat parameters (eu's 01, fm's 12)
+# torch.compile of an FSDP model with flat parameters (eu's 01, fm's 12), 2409 after a
+# Trainer's hooks dispatched by name to its callbacks traced (fj's 07)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

@@ -729,3 +729,33 @@ def test_a_save_in_a_callback_under_the_trainers_own_rank_flag():
         "dist.init_process_group('nccl')\nTrainer([ModelCheckpoint()]).fit()\n"
     )
     assert findings(body) == [12]
+
+
+HOOKED_TRAINER = """
+dist.init_process_group("nccl")
+class Trainer:
+    def __init__(self, callbacks):
+        self.callbacks = callbacks
+    def hook(self, name):
+        for cb in self.callbacks:
+            getattr(cb, name)(self)
+    def fit(self):
+        self.hook(HOOK)
+class Snapshot:
+    def on_fit_end(self, trainer):
+        torch.save(trainer, "last.pt")
+Trainer([Snapshot()]).fit()
+"""
+
+
+@pytest.mark.parametrize(
+    ("hook", "reported"),
+    [
+        # blind set fj's 07: a Trainer dispatching its hooks by name to its callbacks
+        ('"on_fit_end"', [13]),
+        ('"on_fit_start"', []),  # a hook no callback of the file has
+        ("hook_name", []),  # a name the file does not fix
+    ],
+)
+def test_a_hook_dispatched_by_name_to_the_callbacks_is_traced(hook, reported):
+    assert findings(HOOKED_TRAINER.replace("HOOK", hook)) == reported
