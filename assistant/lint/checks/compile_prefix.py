@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from assistant.lint.checks.collective_saves import FSDP_CLASS
 from assistant.lint.checks.state_dict import strict_load
 from assistant.lint.model import Script, keyword, short, source_text, walk
 from assistant.lint.registry import check
@@ -152,9 +153,6 @@ def loaded_path(script: Script, load: ast.Call, scope: ast.AST) -> str | None:
         path = loaded_file(state)
         return None if path is None else source_text(path)
     return None
-
-
-FSDP_CLASS = "FullyShardedDataParallel"
 
 
 @check("torch-compile-ddp")

@@ -1745,15 +1745,15 @@ class DataFlow:
         names = set(self.names_bound_to(table))
         if not names:
             return True  # a table no name holds: where it goes is not followed
-        for node in self.script.nodes:
-            over_the_table = isinstance(node, ast.For) and iterated_name(node.iter) in names
-            if over_the_table and any(is_backward(n) for s in node.body for n in walk(s)):
-                return True
-            if isinstance(node, ast.Call) and any(read_name(a) in names for a in node.args):
-                function = self.script.functions.get(read_name(node.func) or "")
-                if function is not None and loops_with_backward(function):
-                    return True
-        return False
+        if self.trains_on(table, capped=True):
+            return True
+        return any(
+            loops_with_backward(function)
+            for node in self.script.nodes
+            if isinstance(node, ast.Call) and any(read_name(a) in names for a in node.args)
+            for function in [self.script.functions.get(read_name(node.func) or "")]
+            if function is not None
+        )
 
     def trains_on(self, loader: ast.Call, capped: bool = False) -> bool:
         """A `for ... in loader` loop (by a name bound to it) with a backward in it;
