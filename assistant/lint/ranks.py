@@ -318,9 +318,9 @@ def tested_helper(test: ast.expr, script: Script) -> Function | None:
         # `env.is_main`, `self.env.is_main`: another object's, when one class of the
         # file alone has a method of that name (a DistEnv dataclass's property)
         owners = [
-            function
-            for name, function in script.functions.items()
-            if name.count(".") == 1 and name.endswith(f".{read.attr}")
+            script.functions[name]
+            for name in script.methods_by_name.get(read.attr, [])
+            if name.count(".") == 1
         ]
         method = owners[0] if len(owners) == 1 else None
     if method is None or called == any(

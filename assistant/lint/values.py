@@ -106,15 +106,10 @@ def option_default(script: Script, expr: ast.expr) -> tuple[bool, object]:
     return (True, None) if action is None else (False, None)
 
 
-def dataclass_default(script: Script, field: str) -> tuple[bool, object]:
-    """(known, value): the literal default of `field` in the file's @dataclass config
-    (`pool: str = "mean"`), when the file itself never changes it: no construction of
-    that class passes it (or any positional argument), and no `cfg.pool = ...` outside
-    the class. A config file applied over it (`setattr(cfg, k, v)`, `Config(**loaded)`)
-    is the run's choice, as an option given on the command line is. Unknown where two
-    dataclasses define the field."""
-    defaults = [
-        (cls, statement.value)
+def dataclass_fields(script: Script, field: str) -> list[tuple[ast.ClassDef, ast.AnnAssign]]:
+    """(class, statement) for each @dataclass of the file that gives `field` a default."""
+    return [
+        (cls, statement)
         for cls in script.classes.values()
         if any(
             short(script.name_of(d.func if isinstance(d, ast.Call) else d)) == "dataclass"
@@ -126,9 +121,20 @@ def dataclass_default(script: Script, field: str) -> tuple[bool, object]:
         and statement.target.id == field
         and statement.value is not None
     ]
+
+
+def dataclass_default(script: Script, field: str) -> tuple[bool, object]:
+    """(known, value): the literal default of `field` in the file's @dataclass config
+    (`pool: str = "mean"`), when the file itself never changes it: no construction of
+    that class passes it (or any positional argument), and no `cfg.pool = ...` outside
+    the class. A config file applied over it (`setattr(cfg, k, v)`, `Config(**loaded)`)
+    is the run's choice, as an option given on the command line is. Unknown where two
+    dataclasses define the field."""
+    defaults = dataclass_fields(script, field)
     if len(defaults) != 1:
         return False, None
-    cls, default = defaults[0]
+    cls, statement = defaults[0]
+    default = statement.value
     if any(
         name == cls.name and (call.args or any(k.arg == field for k in call.keywords))
         for call, name in script.call_names

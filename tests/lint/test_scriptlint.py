@@ -926,6 +926,31 @@ def test_a_config_dataclass_local_rank_nothing_sets(set_it, reported) -> None:
 
 
 @pytest.mark.parametrize(
+    "trainer",
+    [
+        # the GPU comes from the trainer's own field, not from the config's default
+        (
+            "        self.local_rank = dist.get_rank() % torch.cuda.device_count()\n"
+            "        torch.cuda.set_device(self.local_rank)\n"
+        ),
+        # the config is built with the rank the launcher gave
+        (
+            "        cfg = DistConfig(local_rank=int(os.environ['LOCAL_RANK']))\n"
+            "        torch.cuda.set_device(cfg.local_rank)\n"
+        ),
+    ],
+)
+def test_a_config_dataclass_local_rank_the_file_does_not_use_as_is(trainer) -> None:
+    source = (
+        "import os\n"
+        + HYDRA_CONFIG.split("def main")[0]
+        + "class Trainer:\n    def __init__(self):\n"
+        + trainer
+    )
+    assert findings_of(source, "local-rank-not-from-env") == []
+
+
+@pytest.mark.parametrize(
     ("documented", "reported"),
     [
         ("", []),

@@ -23,7 +23,7 @@ from assistant.lint.torchapi import (
     reads_env,
     uses_deepspeed,
 )
-from assistant.lint.values import MAX_HOPS
+from assistant.lint.values import MAX_HOPS, dataclass_default, dataclass_fields, is_self
 from assistant.results import Finding
 
 
@@ -113,40 +113,28 @@ def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
 def local_rank_config_defaults(script: Script) -> Iterator[Finding]:
     """`local_rank: int = 0` in a config dataclass (a Hydra structured config) that the
     file reads (`cfg.dist.local_rank`) and nothing sets: torchrun passes no such
-    override, so every process takes the default GPU."""
-    assigned = {
-        target.attr
-        for node in script.nodes
-        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
-        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(target, ast.Attribute)
-    }
+    override, so every process takes the default GPU. A read of `self.local_rank` is
+    some class's own field (a Trainer's), not the config's."""
     read = {
         node.attr
         for node in script.nodes
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Load)
+        and LOCAL_RANK_NAME.match(node.attr)
+        and not is_self(node.value)
     }
-    for cls in (n for n in script.tree.body if isinstance(n, ast.ClassDef)):
-        if not any("dataclass" in source_text(d) for d in cls.decorator_list):
+    for name in sorted(read):
+        known, value = dataclass_default(script, name)
+        if not (known and isinstance(value, int)) or isinstance(value, bool):
             continue
-        for field in cls.body:
-            if not (
-                isinstance(field, ast.AnnAssign)
-                and isinstance(field.target, ast.Name)
-                and LOCAL_RANK_NAME.match(field.target.id)
-                and field.value is not None
-                and is_int(field.value)
-            ):
-                continue
-            name = field.target.id
-            if name in read and name not in assigned:
-                yield script.finding(
-                    "local-rank-not-from-env",
-                    field,
-                    f"{cls.name}.{name} defaults to {field.value.value} and nothing in the file "
-                    "sets it: torchrun passes no such option, so every process uses the same "
-                    'GPU; read int(os.environ["LOCAL_RANK"]) into it',
-                )
+        [(cls, field)] = dataclass_fields(script, name)
+        yield script.finding(
+            "local-rank-not-from-env",
+            field,
+            f"{cls.name}.{name} defaults to {value} and nothing in the file sets it: "
+            "torchrun passes no such option, so every process uses the same GPU; "
+            'read int(os.environ["LOCAL_RANK"]) into it',
+        )
 
 
 def reads_the_value_of(script: Script, variable: str) -> bool:
