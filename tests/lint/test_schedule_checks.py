@@ -114,6 +114,25 @@ def test_quiet_where_the_count_is_the_process_share(body: str):
     assert reported(body) == []
 
 
+@pytest.mark.parametrize(
+    ("steps", "reported_"),
+    [
+        # blind set fp's 18: the steps of a configured batch of all ranks together
+        ("steps_per_epoch = len(train_set) // args.global_batch", False),
+        ("steps_per_epoch = len(train_set) // cfg.train.total_batch_size", False),
+        # a "total" batch the file computes without the world size is one process's
+        (
+            "total_batch = args.batch_size * args.accum\nsteps_per_epoch = len(train_set) // total_batch",
+            True,
+        ),
+    ],
+    ids=["global-batch", "total-batch-size", "computed-total"],
+)
+def test_steps_counted_in_a_configured_global_batch_are_each_processs(steps, reported_):
+    body = f"{steps}\ntorch.optim.lr_scheduler.OneCycleLR(opt, 0.1, epochs=3, steps_per_epoch=steps_per_epoch)"
+    assert bool(reported(body)) is reported_
+
+
 POLY = """
 def poly_lr(step):
     if step < warmup_step:

@@ -17,8 +17,8 @@ of a dataset (not of a loader, which is already the process's share), or a
 configured count of the dataset's samples (`args.num_image // args.batch_size`,
 as face-recognition trainers size their schedules), and divides by nothing
 that names the number of processes (world_size, num_devices,
-trainer.estimated_stepping_batches...), in a file written to run as a
-process per GPU.
+trainer.estimated_stepping_batches...) or a configured batch of all processes
+together (`args.global_batch`), in a file written to run as a process per GPU.
 """
 
 from __future__ import annotations
@@ -78,6 +78,15 @@ PROCESS_COUNT = re.compile(
     r"dp_size|dp_world|dp_degree|data_parallel",
     re.IGNORECASE,
 )
+# A configured batch of every process together (`args.global_batch`,
+# `cfg.train.total_batch_size`): steps counted in it are already each process's
+# steps. Only a configured one: a name the file computes (`total_batch = bs * accum`)
+# says no more than what it is computed from, which expand() follows.
+CONFIGURED_GLOBAL_BATCH = re.compile(
+    r"^(self\.)?(args|opts?|cfg|config|conf|hparams|hp|params|flags)\.(\w+\.)*"
+    r"(global|total|effective)_?(train_)?batch(_size)?$",
+    re.IGNORECASE,
+)
 MAX_DEPTH = 5  # assignments followed back from the schedule's argument
 
 
@@ -98,7 +107,8 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
                     expanded += constructed_with(script, scope, expanded)
                 counted = dataset_length(expanded)
                 if counted is None or any(
-                    PROCESS_COUNT.search(text) for text in names_in(expanded)
+                    PROCESS_COUNT.search(text) or CONFIGURED_GLOBAL_BATCH.search(text)
+                    for text in names_in(expanded)
                 ):
                     continue
                 if stepped_per_process_by_accelerate(script, nodes, node):
