@@ -13,20 +13,25 @@ lines it must report.
 - collective_reach: collectives only some ranks reach (collective-mismatch;
   the DDP wrapper's forward, which broadcasts BatchNorm buffers, counts),
   also under a test of the rank's own tensor values (`if loss.mean() > t:`),
-  and a step one rank skips on its own data (a NaN loss, an empty batch)
-  before its backward's gradient all-reduce (uneven-inputs);
+  and a step one rank skips on its own data (a NaN loss, an empty batch, a
+  batch that ran out of GPU memory) before its backward's gradient all-reduce
+  (uneven-inputs);
 - collective_saves: checkpoint calls that are collectives (DeepSpeed's
   engine.save_checkpoint, Lightning's trainer.save_checkpoint, Fabric's save,
-  FSDP's state_dict) under a rank test (collective-mismatch, fsdp-state-dict);
+  FSDP's state_dict, ZeroRedundancyOptimizer's consolidate_state_dict) under a
+  rank test (collective-mismatch, fsdp-state-dict);
 - rank_dependent: collectives every rank calls, but with tensors whose
   shape or dtype depends on the rank (collective-mismatch too), or in a
   loop whose number of iterations does (uneven-inputs);
-- backend: CPU tensors handed to NCCL collectives;
+- backend: CPU tensors handed to NCCL collectives; NCCL chosen in a file that
+  also runs on an accelerator NCCL does not serve (xpu, npu, mps, hpu)
+  (nccl-not-available);
 - batching: a batch sampler that shards the samples by rank, then batches
   each rank's share by length or bucket on its own (uneven-inputs);
 - batchnorm: a DDP model with BatchNorm called twice before one backward while
   DDP broadcasts buffers at each forward (ddp-broadcast-buffers-inplace), and
-  plain BatchNorm over a per-GPU batch of a few samples (batchnorm-not-synced);
+  plain BatchNorm over a per-GPU batch of a few samples (batchnorm-not-synced),
+  and SyncBatchNorm in a run on the CPU over gloo (syncbn-without-process-group);
 - data: a DataLoader with no DistributedSampler in a DDP script
   (missing-distributed-sampler), a DistributedSampler whose set_epoch is
   never called in the epoch loop (sampler-set-epoch);
@@ -68,7 +73,8 @@ lines it must report.
 - logger: wandb.init or a TensorBoard SummaryWriter on every rank, or
   wandb.log on every rank after an init on rank 0 only (experiment-logger-ddp);
 - zero: the engine's state_dict read under DeepSpeed ZeRO stage 3, outside
-  GatheredParameters (zero3-partitioned-parameters);
+  GatheredParameters, and torch.nn.utils.clip_grad_norm_ over FSDP's shards
+  (zero3-partitioned-parameters);
 - compile_prefix: a torch.compile'd model's checkpoint ("_orig_mod." keys)
   loaded strictly into a model that is not compiled (torch-compile-ddp);
 - endpoint: MASTER_ADDR set to each process's own host name in a file that
@@ -97,6 +103,9 @@ lines it must report.
   default of 0 runs, under strategy="ddp" (unused-parameters);
 - seen_keys: a collective over one row per key (class, speaker) that the
   rank's own data filled into a dict (collective-mismatch);
+- precision: a model cast to float16 whose optimizer a GradScaler steps, and
+  float16 autocast / FSDP MixedPrecision with no loss scaler
+  (mixed-precision-dtype);
 - splits: a random split every rank draws unseeded (or seeded with its rank),
   and a set of class names numbered in its iteration order
   (rank-divergent-data-split).
@@ -123,6 +132,7 @@ from assistant.lint.checks import (
     metrics,
     model_build,
     node_local,
+    precision,
     process_group,
     rank_dependent,
     reentrant,
@@ -162,6 +172,7 @@ __all__ = [
     "metrics",
     "model_build",
     "node_local",
+    "precision",
     "process_group",
     "rank_dependent",
     "reentrant",
