@@ -355,6 +355,21 @@ def short(name: str) -> str:
     return name.split(".")[-1]
 
 
+def names_bound_to(script: Script, class_name: str) -> set[str]:
+    """What the file binds to `class_name(...)`, or to a helper of the file returning
+    one (`model = FSDP(model)`, `self.model = wrap(model)`), by source text."""
+    return {
+        source_text(target)
+        for node in script.nodes
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        if any(
+            short(script.name_of(call.func)) == class_name
+            for call in [node.value, *returned_calls(script, node.value)]
+        )
+        for target in node.targets
+    }
+
+
 def returned_calls(script: Script, call: ast.expr) -> list[ast.Call]:
     """The calls a same-file function returns, as `call` of it builds them:
     `return FSDP(model, ...)`, or `wrapped = FSDP(...)` ... `return wrapped`."""

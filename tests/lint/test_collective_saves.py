@@ -123,6 +123,25 @@ def test_fsdp_gathers_on_rank_zero_only_are_reported():
 @pytest.mark.parametrize(
     ("guard", "reported"),
     [
+        # blind set fp's 05: the sharded optimizer state consolidated on rank 0 only
+        ("if rank == 0:\n    ", [(4, "collective-mismatch")]),
+        ("", []),
+    ],
+    ids=["rank-zero", "every-rank"],
+)
+def test_zero_redundancy_optimizers_consolidation_on_rank_zero(guard, reported):
+    body = (
+        "from torch.distributed.optim import ZeroRedundancyOptimizer\n"
+        "optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)\n"
+        f"{guard}optimizer.consolidate_state_dict(to=0)\n"
+        "if rank == 0:\n    torch.save(optimizer.state_dict(), 'opt.pt')\n"
+    )
+    assert findings(FSDP, body) == reported
+
+
+@pytest.mark.parametrize(
+    ("guard", "reported"),
+    [
         # blind set eo's 10: a helper's parameter, named FSDP by the `with` around its state_dict
         ("if rank == 0:\n        ", [(5, "fsdp-state-dict")]),
         ("", []),

@@ -13,9 +13,11 @@ collective: every rank must enter it, even where only rank 0 writes a file.
   torch.distributed.checkpoint's `save` / `load`, and its `get_*_state_dict`
   when they are asked for a full state dict. FSDP2's `fully_shard` state_dict
   is not flagged: it returns the local shards without communicating.
+- ZeroRedundancyOptimizer's `consolidate_state_dict(to=0)` sends every rank's
+  shard of the optimizer state to one rank: every rank calls it.
 
 Only a receiver the file shows is read: the engine `deepspeed.initialize`
-returned, a name bound to `FSDP(...)`, a trainer or fabric in a file that
+returned, a name bound to `FSDP(...)` or `ZeroRedundancyOptimizer(...)`, a trainer or fabric in a file that
 imports Lightning. Who reaches the call, and whether the other ranks make it in
 an else or a paired `if`, is collective_reach.py's.
 """
@@ -30,7 +32,7 @@ from functools import cached_property
 
 from assistant.lint.checks.collective_reach import lonely_calls
 from assistant.lint.checks.zero import engine_names
-from assistant.lint.model import Script, full_text, keyword, returned_calls, short, source_text
+from assistant.lint.model import Script, full_text, keyword, names_bound_to, short, source_text
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
 from assistant.lint.tracer import TracedCall
@@ -65,6 +67,10 @@ FSDP_CLASS_GATHERS = frozenset(
 # ("must be called on all processes"), like FSDP's own state_dict.
 ACCELERATOR = re.compile(r"(^|[._])accelerator$", re.IGNORECASE)
 ACCELERATE_GATHERS = frozenset({"get_state_dict"})
+# ZeroRedundancyOptimizer shards the optimizer state; consolidate_state_dict(to=0) sends
+# every rank's shard to one rank, so every rank calls it.
+ZERO_OPTIMIZER = "ZeroRedundancyOptimizer"
+ZERO_OPTIMIZER_GATHERS = frozenset({"consolidate_state_dict"})
 DCP = "torch.distributed.checkpoint"
 DCP_COLLECTIVES = frozenset({"save", "load", "async_save", "save_state_dict", "load_state_dict"})
 DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
@@ -109,20 +115,22 @@ class Receivers:
         )
 
     @cached_property
+    def zero_optimizers(self) -> set[str]:
+        return names_bound_to(self.script, ZERO_OPTIMIZER)
+
+    @cached_property
     def fsdp_models(self) -> set[str]:
         """Names bound to `FSDP(...)` (`model = FSDP(model)`, `self.model = FSDP(...)`,
         `model = wrap(model)` where the file's `wrap` returns one),
         or to what Fabric's setup returns under an FSDP strategy (`model, opt =
         fabric.setup(model, opt)`: the model comes first)."""
-        bound = set()
-        fabric_fsdp = self.fsdp_strategy
+        bound = names_bound_to(self.script, FSDP_CLASS)
+        if not self.fsdp_strategy:
+            return bound
         for node in self.script.nodes:
             if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
                 continue
-            built = [node.value, *returned_calls(self.script, node.value)]  # or a helper's
-            if any(short(self.script.name_of(call.func)) == FSDP_CLASS for call in built):
-                bound.update(source_text(target) for target in node.targets)
-            elif fabric_fsdp and is_fabric_setup(node.value):
+            if is_fabric_setup(node.value):
                 for target in node.targets:
                     first = target.elts[0] if isinstance(target, ast.Tuple | ast.List) else target
                     bound.add(source_text(first))
@@ -185,6 +193,7 @@ class Receivers:
             or FSDP_CLASS in names
             or any(name.startswith(DCP) for name in self.script.aliases.values())
             or self.accelerate_fsdp
+            or ZERO_OPTIMIZER in names
         )
 
     def saving(self, call: TracedCall) -> CollectiveSave | None:
@@ -226,6 +235,12 @@ class Receivers:
             return CollectiveSave(
                 "fsdp-state-dict",
                 f"under Accelerate's FSDP plugin {method}() all-gathers every rank's shard",
+            )
+        if owner in self.zero_optimizers and method in ZERO_OPTIMIZER_GATHERS:
+            return CollectiveSave(
+                "collective-mismatch",
+                f"ZeroRedundancyOptimizer's {method}() is a collective: every rank sends its "
+                "shard of the optimizer state to the rank `to` names",
             )
         if short(module) == FSDP_CLASS and method in FSDP_CLASS_GATHERS:
             return CollectiveSave("fsdp-state-dict", f"FSDP.{method}() gathers every rank's shard")

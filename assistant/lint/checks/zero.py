@@ -24,6 +24,10 @@ The placeholders are what a loop over the engine's parameters reads too:
 `for name, p in engine.module.named_parameters(): client.update_named_param(name,
 p.data)`, an RL trainer pushing its weights to a generation server, sends
 torch.Size([0]) tensors unless the loop runs inside GatheredParameters.
+
+FSDP's wrapper shards the gradients the same way: torch.nn.utils.clip_grad_norm_
+over its parameters measures each rank's own shard (FSDP's own clip_grad_norm_
+all-reduces the norms).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import lonely_calls
-from assistant.lint.model import Script, keyword, short, source_text, walk
+from assistant.lint.model import Script, keyword, names_bound_to, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -261,3 +265,40 @@ def gathered_nodes(script: Script) -> set[int]:
             for statement in node.body:
                 inside.update(id(part) for part in walk(statement))
     return inside
+
+
+# torch.nn.utils' gradient clipping, which reads the gradients each rank holds.
+CLIP_GRAD_NORM = "clip_grad_norm_"
+
+
+@check("zero3-partitioned-parameters")
+def check_gradients_of_fsdp_shards_clipped_by_torch(script: Script) -> Iterator[Finding]:
+    """`torch.nn.utils.clip_grad_norm_(model.parameters(), c)` of a model FSDP (the
+    FullyShardedDataParallel wrapper) shards: each rank holds the gradients of its own
+    shard only, so the norm is its shard's, every rank clips by another factor and
+    the norm logged is no norm of the model. FSDP's own `model.clip_grad_norm_(c)`
+    all-reduces the shards' norms first. (FSDP2's fully_shard keeps DTensors, which
+    torch's function handles.)"""
+    fsdp = names_bound_to(script, "FullyShardedDataParallel")
+    if not fsdp:
+        return
+    for node, name in script.call_names:
+        if short(name) != CLIP_GRAD_NORM or not name.startswith("torch.nn.utils") or not node.args:
+            continue
+        parameters = node.args[0]
+        if not (
+            isinstance(parameters, ast.Call)
+            and isinstance(parameters.func, ast.Attribute)
+            and parameters.func.attr == "parameters"
+            and source_text(parameters.func.value) in fsdp
+        ):
+            continue
+        model = source_text(parameters.func.value)
+        yield script.finding(
+            "zero3-partitioned-parameters",
+            node,
+            f"torch.nn.utils.clip_grad_norm_ over {model}, which FSDP shards: each rank "
+            "holds its own shard's gradients, so the norm is the shard's, every rank clips "
+            f"by another factor and the norm logged is not the model's; call FSDP's own "
+            f"{model}.clip_grad_norm_(max_norm), which all-reduces the shards' norms",
+        )
