@@ -122,6 +122,15 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         # blind set bv's 09: the salted hash of a string made a bucket index
         'bucket = hash(f"{col}={value}") % 1000\n',
         "bucket = hash('x:' + str(value)) % n_buckets\n",
+        # blind set ft's 10: two sets made in one tuple assignment, numbered in their order
+        "src, tgt = set(), set()\nsrc.update(w)\ng2i = {g: i for i, g in enumerate(['<pad>'] + list(src))}\n",
+        # blind set ft's 04: a sampler dealing shares of one order, seeded with the rank
+        "seed = args.seed + rank\nsampler = DistributedSampler(ds, seed=seed)\n",
+        (
+            "class Buckets:\n    def __init__(self, lengths, num_replicas, rank, shuffle=True, seed=0):\n"
+            "        self.seed = seed\n"
+            "seed = args.seed + rank\nsampler = Buckets(lens, world, rank, shuffle=True, seed=seed)\n"
+        ),
     ],
 )
 def test_a_split_or_numbering_each_rank_draws_is_reported(body):
@@ -208,6 +217,14 @@ def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, 
         "bucket = hash(user_id) % 1000\n",
         "bucket = zlib.crc32(f'{col}={value}'.encode()) % 1000\n",
         "LAUNCH = 'PYTHONHASHSEED=0 torchrun train.py'\nbucket = hash(f'{col}={value}') % 1000\n",
+        # a sampler given the same seed on every rank, or one that does not shuffle
+        "sampler = DistributedSampler(ds, seed=args.seed)\n",
+        "sampler = DistributedSampler(ds, shuffle=False, seed=args.seed + rank)\n",
+        # a sampler of the file that takes no rank: each rank's own order is its own business
+        (
+            "class Buckets:\n    def __init__(self, lengths, seed=0):\n        self.seed = seed\n"
+            "sampler = Buckets(lens, seed=args.seed + rank)\n"
+        ),
     ],
 )
 def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):

@@ -19,6 +19,9 @@ Reported, in a script run as several processes:
 - `enumerate(set(...))` (or of `list(set(...))`, or of a name made so)
   numbering a set into a mapping: `sorted(set(...))` is the fix;
 - `hash(f"...") % buckets`: the built-in, salted hash of a string as an index.
+- a sampler that deals each rank its share of one shuffled order
+  (DistributedSampler, or the file's own taking a rank and a number of
+  replicas) given a seed that mixes in the rank: the shares overlap.
 Quiet on rank 0 only, and where the split is seeded explicitly.
 """
 
@@ -34,9 +37,11 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     keyword,
+    method_of,
     name_value_pairs,
     names_in,
     short,
+    source_text,
     walk,
 )
 from assistant.lint.ranks import (
@@ -128,6 +133,7 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
         )
     yield from numbered_sets(script)
     yield from hashed_strings(script)
+    yield from samplers_seeded_with_the_rank(script)
 
 
 def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
@@ -466,6 +472,61 @@ def on_rank_zero_only(node: ast.AST, script: Script, depth: int = 0) -> bool:
 RANK_ZERO_CALLERS = 2
 
 
+# A sampler that deals each rank its share of one shuffled order takes these.
+SAMPLER_RANK = re.compile(r"^(rank|global_rank|replica_rank)$")
+SAMPLER_REPLICAS = re.compile(r"^(num_replicas|world_size|world|replicas|num_ranks)$")
+DISTRIBUTED_SAMPLER_SEED = ("seed", 4)  # DistributedSampler(ds, replicas, rank, shuffle, seed)
+
+
+def samplers_seeded_with_the_rank(script: Script) -> Iterator[Finding]:
+    """`DistributedSampler(ds, seed=args.seed + rank)`, or the file's own sampler
+    that takes the rank and the number of replicas, given a seed that mixes in the
+    rank: each rank shuffles the one order another way before taking its share, so
+    the shares overlap (some samples trained several times an epoch, others never)."""
+    for node, name in script.call_names:
+        seed = sampler_seed(script, node, name)
+        if seed is None or not mixes_in_the_rank(script, seed, node):
+            continue
+        shuffle = keyword(node, "shuffle")
+        if isinstance(shuffle, ast.Constant) and shuffle.value is False:
+            continue
+        yield script.finding(
+            CAUSE,
+            node,
+            f"{short(name)} deals each rank its share of one shuffled order, but its seed "
+            f"({source_text(seed)}) mixes in the rank: every rank shuffles another way, so the "
+            "shares overlap and some samples are never seen in an epoch; give it the same "
+            "seed on every rank (it changes the order per epoch through set_epoch)",
+        )
+
+
+def sampler_seed(script: Script, call: ast.Call, name: str) -> ast.expr | None:
+    """The seed given to DistributedSampler, or to a sampler class of the file whose
+    constructor takes a rank, a number of replicas and a seed."""
+    if short(name) == "DistributedSampler":
+        word, position = DISTRIBUTED_SAMPLER_SEED
+        given = keyword(call, word)
+        return given if given is not None or len(call.args) <= position else call.args[position]
+    cls = script.classes.get(name)
+    init = method_of(cls, "__init__") if cls is not None else None
+    if init is None:
+        return None
+    parameters = {a.arg for a in [*init.args.args, *init.args.kwonlyargs]}
+    if not (
+        any(SAMPLER_RANK.match(p) for p in parameters)
+        and any(SAMPLER_REPLICAS.match(p) for p in parameters)
+    ):
+        return None
+    return next(
+        (
+            argument
+            for parameter, argument in bound_arguments(init, call, self_bound=True)
+            if parameter == "seed"
+        ),
+        None,
+    )
+
+
 def numbered_sets(script: Script) -> Iterator[Finding]:
     """`{c: i for i, c in enumerate(set(names))}`: a set's order, numbered."""
     made_of_set = names_in_set_order(script)
@@ -539,8 +600,8 @@ DICT_VIEWS = frozenset({"items", "keys", "values"})
 
 
 def names_in_set_order(script: Script) -> set[str]:
-    """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`),
-    followed through the file's assignments."""
+    """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`,
+    `src, tgt = set(), set()`), followed through the file's assignments."""
     assignments = sorted(
         (node for node in script.nodes if isinstance(node, ast.Assign)),
         key=lambda node: (node.lineno, node.col_offset),
@@ -549,8 +610,9 @@ def names_in_set_order(script: Script) -> set[str]:
     for _ in range(SET_ORDER_PASSES):
         before = len(found)
         for node in assignments:
-            if is_set_order(node.value, found):
-                found |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            found |= {
+                name.id for name, value in name_value_pairs(node) if is_set_order(value, found)
+            }
         if len(found) == before:
             break
     return found
