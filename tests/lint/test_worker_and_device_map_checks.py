@@ -152,6 +152,33 @@ def test_actor_processes_forked_after_cuda_and_moving_to_the_gpu(init, process, 
     assert fork_lines(ACTORS.format(init=init, process=process)) == reported
 
 
+NOTEBOOK = """
+import torch.multiprocessing as mp
+
+def train_fn(rank, world_size):
+    dist.init_process_group("nccl", rank=rank, world_size=world_size)
+    model = torch.nn.Linear(4, 2).to(torch.device("cuda", rank))
+
+probe = torch.nn.Linear(4, 2).cuda()
+if __name__ == "__main__":
+    {start}
+"""
+
+
+@pytest.mark.parametrize(
+    ("start", "reported"),
+    [
+        # blind set fq's 10: a notebook's sanity check on the GPU at import, then a fork
+        ('mp.start_processes(train_fn, args=(2,), nprocs=2, start_method="fork")', [10]),
+        ('mp.start_processes(train_fn, args=(2,), nprocs=2, start_method="spawn")', []),
+        ("mp.spawn(train_fn, args=(2,), nprocs=2)", []),
+    ],
+    ids=["fork", "spawn-method", "spawn"],
+)
+def test_processes_started_by_fork_after_cuda_at_import(start, reported):
+    assert fork_lines(NOTEBOOK.format(start=start)) == reported
+
+
 def test_device_map_auto_under_a_process_group_or_an_accelerate_training_loop_is_reported():
     assert device_map_lines(
         """

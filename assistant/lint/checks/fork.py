@@ -18,8 +18,11 @@ is said to be the CPU.
 The same fork, made by the script itself: `mp.Process(target=actor_loop,
 ...)` started after this process set its GPU (an Ape-X / IMPALA learner
 forking its actors), whose target, or the file's functions it calls, puts a
-model or a tensor on the GPU. Quiet with a start method chosen, and for a
-process made from a context (`mp.get_context("spawn").Process`).
+model or a tensor on the GPU; also `mp.start_processes(fn, ...,
+start_method="fork")` after CUDA started, in the calling function or at the
+module's top level on import (a notebook's sanity check of the model on the
+GPU). Quiet with a start method chosen, and for a process made from a context
+(`mp.get_context("spawn").Process`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from assistant.lint.model import (
     Script,
     keyword,
     own_nodes,
+    position,
     self_attribute,
     short,
     source_text,
@@ -42,7 +46,7 @@ from assistant.lint.model import (
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_ddp, is_distributed
-from assistant.lint.tracer import same_file_callees
+from assistant.lint.tracer import is_main_guard, same_file_callees
 from assistant.results import Finding
 
 # What the workers run for a dataset: the item and batch readers, the stream.
@@ -53,6 +57,15 @@ GPU_DEVICE = re.compile(r"cuda|device|gpu|rank", re.IGNORECASE)
 MAX_METHODS = 16
 # A process started with the module's default start method: fork, on Linux.
 FORKED_PROCESSES = frozenset({"torch.multiprocessing.Process", "multiprocessing.Process"})
+# torch.multiprocessing.start_processes(fn, ..., start_method="fork"): mp.spawn's
+# sibling, forking when told to.
+STARTS_PROCESSES = "torch.multiprocessing.start_processes"
+FORK_HOW = dict.fromkeys(FORKED_PROCESSES, "the default start method on Linux") | {
+    STARTS_PROCESSES: 'start_method="fork"'
+}
+SPAWN_HOW = dict.fromkeys(FORKED_PROCESSES, "start it from mp.get_context('spawn')") | {
+    STARTS_PROCESSES: 'start it with start_method="spawn" (mp.spawn)'
+}
 
 
 @check("cuda-init-before-fork")
@@ -197,8 +210,8 @@ def check_cuda_in_forked_processes(script: Script) -> Iterator[Finding]:
     if not is_distributed(script) or "set_start_method" in script.called_short_names:
         return
     for call, name in script.call_names:
-        target = keyword(call, "target")
-        if name not in FORKED_PROCESSES or not isinstance(target, ast.Name):
+        target = forked_target(call, name)
+        if not isinstance(target, ast.Name):
             continue
         initialised = cuda_initialised_before(script, call)
         if initialised is None:
@@ -209,33 +222,63 @@ def check_cuda_in_forked_processes(script: Script) -> Iterator[Finding]:
         yield script.finding(
             "cuda-init-before-fork",
             call,
-            f"{target.id}() runs in a process forked (the default start method on Linux) "
-            f"after this one initialised CUDA (line {initialised.lineno}), and moves to the "
-            f"GPU there (line {move.lineno}: {shown_move(move)}): the child fails with "
-            "'Cannot re-initialize CUDA in forked subprocess'; start it from "
-            "mp.get_context('spawn') (its arguments must then pickle), or keep the child "
-            "on the CPU",
+            f"{target.id}() runs in a process forked ({FORK_HOW[name]}) after this one "
+            f"initialised CUDA (line {initialised.lineno}), and moves to the GPU there (line "
+            f"{move.lineno}: {shown_move(move)}): the child fails with 'Cannot re-initialize "
+            f"CUDA in forked subprocess'; {SPAWN_HOW[name]} (its arguments must then pickle), "
+            "or keep the child on the CPU",
         )
 
 
+def forked_target(call: ast.Call, name: str) -> ast.expr | None:
+    """The function a process started by forking runs: `Process(target=f)`, or
+    `start_processes(f, ..., start_method="fork")`."""
+    if name in FORKED_PROCESSES:
+        return keyword(call, "target")
+    method = keyword(call, "start_method")
+    if name == STARTS_PROCESSES and isinstance(method, ast.Constant) and method.value == "fork":
+        return keyword(call, "fn") or (call.args[0] if call.args else None)
+    return None
+
+
 def cuda_initialised_before(script: Script, call: ast.Call) -> ast.Call | None:
-    """A call of the same function, before `call`, that initialises CUDA in this
-    process: set_device, a move to the GPU, or DDP (read as over a GPU model: the
-    check only asks where the forked target moves to the GPU too)."""
+    """A call before `call` that initialises CUDA in this process: set_device, a move
+    to the GPU, or DDP (read as over a GPU model: the check only asks where the
+    forked target moves to the GPU too), in the same function or at the module's
+    top level, which runs on import (a notebook's sanity check of the model)."""
     scope = enclosing_scope(call, script)
     if scope is None:
         return None
-    earlier = (
-        node
-        for node in own_nodes(scope)
-        if isinstance(node, ast.Call)
-        and (node.lineno, node.col_offset) < (call.lineno, call.col_offset)
-    )
+    on_import = [] if scope is script.tree else imported_calls(script)
+    earlier = [
+        *on_import,
+        *(
+            node
+            for node in own_nodes(scope)
+            if isinstance(node, ast.Call) and position(node) < position(call)
+        ),
+    ]
     for node in earlier:
         name = script.name_of(node.func) or ""
         if name == "torch.cuda.set_device" or is_ddp(name) or moves_to_gpu(node):
             return node
     return None
+
+
+def imported_calls(script: Script) -> list[ast.Call]:
+    """Calls of the module's top level outside `if __name__ == "__main__":`: they run
+    on import, before any function the file defines is called."""
+    guarded = {
+        id(node)
+        for statement in script.tree.body
+        if is_main_guard(statement)
+        for node in ast.walk(statement)
+    }
+    return [
+        node
+        for node in own_nodes(script.tree)
+        if isinstance(node, ast.Call) and id(node) not in guarded
+    ]
 
 
 def reached(script: Script, class_name: str | None, start: list[str]) -> list[Function]:
