@@ -5,6 +5,7 @@ flag its own signal handler set (a preemption notice)."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,37 @@ def test_a_name_the_step_reads_from_its_batch_is_its_own_data(measured, reported
         model(x).sum().backward()
     """
     assert skipped_lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    ("handler", "reported"),
+    [
+        # blind set ft's 17: a long batch out of memory on one rank, skipped there alone
+        ("except torch.cuda.OutOfMemoryError:\n    torch.cuda.empty_cache()\n    continue", [6]),
+        (
+            (
+                "except RuntimeError as e:\n    if 'out of memory' in str(e):\n"
+                "        optimizer.zero_grad()\n        continue\n    raise"
+            ),
+            [6],
+        ),
+        # the ranks agree to skip; a handler that stops the run; another error skipped
+        (
+            (
+                "except torch.cuda.OutOfMemoryError:\n    oom = torch.ones(1)\n"
+                "    dist.all_reduce(oom)\n    continue"
+            ),
+            [],
+        ),
+        ("except torch.cuda.OutOfMemoryError:\n    print('OOM')\n    raise", []),
+        ("except ValueError:\n    print('out of memory')\n    continue", []),
+    ],
+    ids=["oom-error", "runtime-error-message", "agreed", "re-raised", "other-error"],
+)
+def test_a_step_skipped_when_this_ranks_batch_runs_out_of_memory(handler, reported):
+    body = (
+        "for x, y in loader:\n    try:\n        loss = model(x).sum()\n        loss.backward()\n"
+        + textwrap.indent(handler, "    ")
+        + "\n    optimizer.step()\n"
+    )
+    assert skipped_lines("\n" + body) == reported

@@ -493,6 +493,80 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         )
 
 
+# What a handler catches when a rank runs out of GPU memory.
+OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|out of memory|\bOOM\b", re.IGNORECASE)
+
+
+@check("uneven-inputs")
+def check_step_skipped_on_out_of_memory(script: Script) -> Iterator[Finding]:
+    """`try: loss.backward() except torch.cuda.OutOfMemoryError: continue` in a loop:
+    the rank whose batch ran out of memory skips the step alone, while the others
+    wait in (or have started) the gradient all-reduce of that backward; the ranks
+    then pair their all-reduces wrong, or hang. Quiet when the handler runs a
+    collective (the ranks agree to skip together)."""
+    if not runs_a_process_per_gpu(script):
+        return
+    for node in script.nodes:
+        if not isinstance(node, ast.Try) or enclosing_loop(node, script.parents) is None:
+            continue
+        backward = next(
+            (
+                call
+                for statement in node.body
+                for call in walk(statement)
+                if isinstance(call, ast.Call) and called_name(call) in STEP_COLLECTIVE_METHODS
+            ),
+            None,
+        )
+        if backward is None:
+            continue
+        for handler in node.handlers:
+            if not catches_out_of_memory(handler) or not skips_the_step(handler):
+                continue
+            if any(
+                isinstance(call, ast.Call) and is_collective(script.name_of(call.func))
+                for statement in handler.body
+                for call in walk(statement)
+            ):
+                continue
+            yield script.finding(
+                "uneven-inputs",
+                handler,
+                "this rank skips the step when its own batch runs out of memory, but "
+                f"backward() on line {backward.lineno} all-reduces gradients with the other "
+                "ranks, which wait for it (or pair their next all-reduce with this one): "
+                "agree on the skip (all_reduce a flag) or size the batches so that none "
+                "runs out of memory",
+            )
+
+
+def catches_out_of_memory(handler: ast.ExceptHandler) -> bool:
+    """`except torch.cuda.OutOfMemoryError`, or `except RuntimeError as e` whose body
+    tests the message for "out of memory"."""
+    if handler.type is not None and OUT_OF_MEMORY.search(source_text(handler.type)):
+        return True
+    tests = [
+        node.test
+        for statement in handler.body
+        for node in walk(statement)
+        if isinstance(node, ast.If)
+    ]
+    return any(
+        isinstance(part, ast.Constant)
+        and isinstance(part.value, str)
+        and OUT_OF_MEMORY.search(part.value)
+        for test in tests
+        for part in walk(test)
+    )
+
+
+def skips_the_step(handler: ast.ExceptHandler) -> bool:
+    """The handler goes on to the next batch: a `continue` in it."""
+    return any(
+        isinstance(node, ast.Continue) for statement in handler.body for node in walk(statement)
+    )
+
+
 def decided_by_rank(script: Script, test_if: ast.If, loop: ast.AST) -> bool:
     """Only some ranks take the branch: its test, or an `if` around it inside the
     loop, runs it on rank 0 alone (`if rank == 0 and early_stopping.early_stop:
