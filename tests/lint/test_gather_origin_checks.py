@@ -219,3 +219,39 @@ def hits(scores, labels, k, world):
     return torch.cat(tops).topk(k).values[-1]
 """
     assert reported(body) == reported_lines
+
+
+FOLD_VALIDATION = """
+def gather_cat(t, world):
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return torch.cat(out)
+
+
+def run(model, loader, world, epochs):
+    for epoch in range(epochs):
+        rows, inter = validate(model, loader)
+        rows, inter = gather_cat(rows, world), gather_cat(inter, world)
+        _, keep = np.unique(rows.cpu().numpy(), return_index=True)
+        inter = inter[torch.from_numpy(keep)]
+    REVALIDATE
+    inter = gather_cat(inter, world)
+"""
+
+
+@pytest.mark.parametrize(
+    ("revalidate", "reported_lines"),
+    [
+        # blind set fu's 02: the rows made unique inside the epoch loop are replaced by a
+        # new validation before the last gather
+        ("rows, inter = validate(model, loader)", []),
+        # nothing replaces them: the last gather takes the deduplicated, rank-sized rows
+        ("pass", [4]),
+        # blind set am's 06: a statement that reads the name keeps what it held
+        ("inter = torch.cat([inter])", [4]),
+    ],
+    ids=["replaced", "not-replaced", "self-reference"],
+)
+def test_rows_a_later_statement_replaces_are_not_the_gathered_ones(revalidate, reported_lines):
+    body = FOLD_VALIDATION.replace("REVALIDATE", revalidate)
+    assert reported(body) == reported_lines

@@ -12,7 +12,9 @@ depending on the backend and version. The fix: gather the sizes first and
 pad to the largest (or all_gather_object).
 
 Read within one function: the tensor's value, back through the names and
-the lists appended to that made it, must hold such a content-sized step;
+the lists appended to that made it (what a statement on every path to the
+gather assigns anew replaces what came before it), must hold such a
+content-sized step;
 the receive buffers must be sized from the tensor itself (`zeros_like(t)`);
 and the function must not exchange sizes first (a collective on a tensor
 built from `len()`, `.shape`, `.size()` or `.numel()`), which is how a
@@ -52,6 +54,7 @@ from assistant.lint.model import (
     children,
     names_in,
     own_nodes,
+    position,
     short,
     source_text,
     unmoved,
@@ -105,9 +108,8 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 sizes_exchanged |= any(reads_size(values, a) for a in node.args[:2])
                 continue
             buffers, tensor = node.args[0], gathered_name(node.args[1])
-            values = scope_values(
-                before(nodes, node)
-            )  # `keys = np.unique(keys)` after it is no origin
+            # `keys = np.unique(keys)` after it is no origin, nor one overwritten before it
+            values = scope_values(reaching(script, nodes, node))
             if reads_size(values, tensor):
                 sizes_exchanged = True  # all_gather(sizes, local_size)
                 continue
@@ -206,6 +208,51 @@ def before(nodes: list[ast.AST], call: ast.Call) -> list[ast.AST]:
     before it again only on the next pass, which the data of this one decides)."""
     here = (call.lineno, call.col_offset)
     return [n for n in nodes if (getattr(n, "lineno", 0), getattr(n, "col_offset", 0)) < here]
+
+
+def reaching(script: Script, nodes: list[ast.AST], call: ast.Call) -> list[ast.AST]:
+    """The scope's nodes before `call` (before()), less the assignments that one made
+    surely later overwrites: `rows, inter = validate(...)` in the block that holds the
+    call (or a block around it) replaces what an earlier loop made of `inter`; an
+    assignment that reads the name itself (`local = torch.cat(local)`) replaces nothing."""
+    earlier = before(nodes, call)
+    surely_ran = statements_before(script, call)
+    last: dict[str, tuple[int, int]] = {}
+    for node in earlier:
+        if isinstance(node, ast.Assign) and id(node) in surely_ran:
+            for name in (n for t in node.targets for n in plain_names(t)):
+                if name not in names_in(node.value):  # `local = torch.cat(local)` keeps it
+                    last[name] = max(last.get(name, (0, 0)), position(node))
+    return [
+        node
+        for node in earlier
+        if not (
+            isinstance(node, ast.Assign)
+            and any(
+                position(node) < last.get(name, (0, 0))
+                for t in node.targets
+                for name in plain_names(t)
+            )
+        )
+    ]
+
+
+def statements_before(script: Script, node: ast.AST) -> set[int]:
+    """Ids of the statements that run before `node` on every path to it: those ahead
+    of it, or of a statement around it, in the same list of statements."""
+    found: set[int] = set()
+    child, parent = node, script.parents.get(id(node))
+    while parent is not None:
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(parent, field, None)
+            if isinstance(block, list) and any(s is child for s in block):
+                found.update(
+                    id(s) for s in block[: next(i for i, s in enumerate(block) if s is child)]
+                )
+        if isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+            break
+        child, parent = parent, script.parents.get(id(parent))
+    return found
 
 
 def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
@@ -598,7 +645,7 @@ def caller_arguments(script: Script, function: ast.AST, parameters: set[str]):
             and n.func.id == function.name
         ]
         for call in calls:
-            values = scope_values(before(nodes, call))
+            values = scope_values(reaching(script, nodes, call))
             for parameter, argument in bound_arguments(function, call):
                 if parameter in parameters:
                     yield scope, values, argument
