@@ -212,6 +212,31 @@ NO_SAMPLER_CLEAN = {
 }
 
 
+CALLER_CUT = """
+def validate(net, val_ds):
+    for batch in DataLoader(val_ds, batch_size=1):
+        net(batch)
+
+
+def run_fold(net, cases):
+    part = CASES
+    validate(net, TensorDataset(part))
+"""
+
+
+@pytest.mark.parametrize(
+    ("cases", "reported"),
+    [
+        # blind set fu's 17: the caller hands the helper its rank's partition of the cases
+        ("cases[rank::world_size]", []),
+        ("cases", [("missing-distributed-sampler", 3)]),
+    ],
+    ids=["rank-share", "whole"],
+)
+def test_a_loader_over_a_parameter_is_cut_as_the_callers_argument(cases, reported) -> None:
+    assert findings(DDP_PRELUDE, CALLER_CUT.replace("CASES", cases)) == reported
+
+
 @pytest.mark.parametrize("case", sorted(NO_SAMPLER_CLEAN))
 def test_a_loader_the_script_splits_otherwise_is_not_reported(case: str) -> None:
     assert findings(DDP_PRELUDE, NO_SAMPLER_CLEAN[case]) == []

@@ -1260,22 +1260,32 @@ class DataFlow:
 
     # -------------------------------------------------------------- where a value comes from
 
-    def origin(self, expr: ast.expr) -> list[ast.expr]:
+    def origin(self, expr: ast.expr, through_parameters: bool = False) -> list[ast.expr]:
         """`expr` and the values assigned to the names in it, a few assignments back;
         a loop variable's values come from what its loop iterates
-        (`for cid in my_clients`: `Subset(ds, idx[cid])` is cut as my_clients is)."""
+        (`for cid in my_clients`: `Subset(ds, idx[cid])` is cut as my_clients is).
+        `through_parameters`: a parameter of the function is followed to what the
+        file's calls pass for it (passed_for)."""
         found: dict[int, ast.expr] = {id(expr): expr}
         frontier = [expr]
+        # Only the parameters of the function `expr` is in: past its callers, another
+        # function's parameters would take the values of every call of it.
+        home = self.enclosing_function(expr) if through_parameters else None
         for _ in range(ORIGIN_DEPTH):
             assigned = (
                 value
                 for current in frontier
-                for name in self.assigned_names_in(current)
+                for at_home in [home is not None and self.enclosing_function(current) is home]
+                for name in [
+                    *self.assigned_names_in(current),
+                    *(self.parameters_read_in(current) if at_home else ()),
+                ]
                 for value in [
                     *self.assignments_seen_from(current, name),
                     *self.loop_sources.get(name, ()),
                     *self.comprehension_sources_around(current, name),
                     *self.returned_to.get(name, ()),
+                    *(self.passed_for(current, name) if at_home else ()),
                 ]
                 if id(value) not in found
             )
@@ -1286,6 +1296,23 @@ class DataFlow:
             if len(found) > MAX_ORIGINS:
                 break
         return list(found.values())
+
+    def passed_for(self, node: ast.AST, name: str) -> list[ast.expr]:
+        """What the file's calls of the function around `node` pass for its parameter
+        `name`, which the function does not reassign (`validate(net, va_ds)` for
+        `def validate(net, val_ds)`: the loader there is over what the caller cut)."""
+        function = self.enclosing_function(node)
+        if function is None or name not in parameter_names(function):
+            return []
+        if self.scope_assignments(function).get(name):
+            return []
+        method = isinstance(self.parents.get(id(function)), ast.ClassDef)
+        return [
+            argument
+            for call in self.callers.get(id(function), [])
+            for parameter, argument in bound_arguments(function, call, self_bound=method)
+            if parameter == name
+        ]
 
     def assignments_seen_from(self, node: ast.AST, name: str) -> list[ast.expr]:
         """The values `name` is assigned where `node` reads it: the function's own
@@ -1413,6 +1440,20 @@ class DataFlow:
             if name in bound and name not in local
         ]
 
+    @memoized
+    def parameters_read_in(self, value: ast.expr) -> list[str]:
+        """The parameters of `value`'s function that it reads (passed_for follows them
+        to what the file's calls pass)."""
+        function = self.enclosing_function(value)
+        if function is None:
+            return []
+        parameters = parameter_names(function) - names_bound_inside(value)
+        return [
+            name
+            for name in map(read_name, outside_placements(self.script, value))
+            if name in parameters
+        ]
+
     @cached_property
     def loop_sources(self) -> dict[str, list[ast.expr]]:
         """A plain loop variable (`for cid in my_clients`) -> what its loops iterate."""
@@ -1495,7 +1536,7 @@ class DataFlow:
                 and not is_rank_expr(without_int(value), self.script)
                 and not self.helper_only_compares_rank(value)
             )
-            for value in self.origin(dataset)
+            for value in self.origin(dataset, through_parameters=True)
         )
 
     def splits_itself(self, value: ast.expr) -> bool:
