@@ -8,7 +8,7 @@ import inspect
 from pathlib import Path
 
 import pytest
-from snippets import lint_snippet
+from snippets import assert_broken_fails_and_twin_runs, lint_snippet
 
 SCRIPTS = Path(__file__).parents[1] / "data" / "scripts"
 BROKEN = SCRIPTS / "gan_batchnorm_discriminator_called_twice.py"
@@ -434,3 +434,43 @@ def main():
 )
 def test_a_name_the_wrap_reads_is_judged_by_its_own_functions_values(model, reported):
     assert unsynced_lines(SAME_NAME_ELSEWHERE.replace("MODEL", model)) == reported
+
+
+@pytest.mark.slow
+def test_sync_batchnorm_on_the_cpu_fails_under_torchrun_and_plain_batchnorm_trains(torchrun):
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "sync_batchnorm_on_the_cpu_under_gloo.py",
+        "SyncBatchNorm layers only work with GPU modules",
+        SCRIPTS / "correct_plain_batchnorm_on_the_cpu_under_gloo.py",
+        "trained",
+    )
+
+
+CPU_RUN = """
+import torch
+import torch.distributed as dist
+from torch import nn
+dist.init_process_group(BACKEND)
+model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(4)))
+DEVICE
+"""
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "reported"),
+    [
+        # blind set fw's 18: a CPU partition's run over gloo
+        ('"gloo"', "model = model.to('cpu')", [6]),
+        # a GPU somewhere in the file, a backend the run chooses, or NCCL
+        ('"gloo"', "model = model.cuda()", []),
+        ('"gloo"', "device = 'cuda' if torch.cuda.is_available() else 'cpu'", []),
+        ("args.backend", "model = model.to('cpu')", []),
+        ('"nccl"', "pass", []),
+    ],
+    ids=["cpu", "cuda-model", "cuda-if-available", "backend-option", "nccl"],
+)
+def test_sync_batchnorm_in_a_run_on_the_cpu(backend, device, reported):
+    source = CPU_RUN.replace("BACKEND", backend).replace("DEVICE", device)
+    found = lint_snippet("", source, ["syncbn-without-process-group"])
+    assert [line for line, _ in found] == reported

@@ -49,7 +49,9 @@ from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     LIGHTNING_PACKAGES,
+    backend_of,
     framework_processes,
+    init_calls,
     is_backward,
     is_ddp,
     lightning_classes,
@@ -494,3 +496,43 @@ def exclusive(first: tuple[tuple[int, str], ...], second: tuple[tuple[int, str],
     """The two nodes sit in different arms of the same `if`: one runs, not both."""
     taken = dict(first)
     return any(branch in taken and taken[branch] != arm for branch, arm in second)
+
+
+@check("syncbn-without-process-group")
+def check_sync_batchnorm_on_the_cpu(script: Script) -> Iterator[Finding]:
+    """SyncBatchNorm in a file that trains on the CPU: every process group it starts is
+    gloo, and nothing in it names CUDA (no `.cuda()`, no "cuda" device, no
+    torch.cuda call). SyncBatchNorm works on GPU modules only: DDP refuses the model
+    ("SyncBatchNorm layers only work with GPU modules"), and without DDP its forward
+    fails ("SyncBatchNorm expected input tensor to be on GPU"): keep plain BatchNorm
+    on the CPU (or GroupNorm)."""
+    backends = [backend_of(call) for call in init_calls(script)]
+    if not backends or any(backend != "gloo" for backend in backends) or names_cuda(script):
+        return
+    for node, name in script.call_names:
+        if short(name) in ("SyncBatchNorm", SYNC_CONVERSION):
+            yield script.finding(
+                "syncbn-without-process-group",
+                node,
+                "SyncBatchNorm in a run on the CPU (a gloo process group, nothing on a GPU): "
+                'it works on GPU modules only, so DDP refuses the model ("SyncBatchNorm '
+                'layers only work with GPU modules") or its forward fails ("SyncBatchNorm '
+                'expected input tensor to be on GPU"); keep plain BatchNorm (or GroupNorm) '
+                "on the CPU",
+            )
+
+
+def names_cuda(script: Script) -> bool:
+    """The file puts something on a GPU, or may: `.cuda()`, torch.cuda, a "cuda" device,
+    device_ids, or another accelerator's device string."""
+    return any(
+        (isinstance(node, ast.Attribute) and node.attr in ("cuda", "device_ids"))
+        or (isinstance(node, ast.Name) and node.id == "cuda")
+        or (isinstance(node, ast.keyword) and node.arg == "device_ids")
+        or (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.search(r"\b(cuda|xpu|npu|mps|hpu)\b", node.value)
+        )
+        for node in script.nodes
+    )

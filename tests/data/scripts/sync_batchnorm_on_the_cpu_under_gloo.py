@@ -1,0 +1,28 @@
+"""A CPU run over gloo whose model is converted to SyncBatchNorm
+(syncbn-without-process-group).
+
+Under torchrun DDP refuses the model: "SyncBatchNorm layers only work with GPU
+modules" (without DDP the forward fails: "SyncBatchNorm expected input tensor to
+be on GPU").
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    model = nn.Sequential(nn.Conv1d(1, 4, 3), nn.BatchNorm1d(4), nn.ReLU(), nn.Flatten())
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # expect: syncbn-without-process-group
+    model = DDP(model)
+    for _ in range(2):
+        model(torch.randn(4, 1, 16)).sum().backward()
+    print("trained", flush=True)
+    del model  # DDP before its group (see tests/data/scripts/README.md)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
