@@ -1,4 +1,5 @@
-"""Backend checks: a tensor created on the CPU handed to a collective on NCCL."""
+"""Backend checks: a tensor created on the CPU handed to a collective on NCCL, and
+NCCL chosen in a file that also runs on an accelerator NCCL does not serve."""
 
 from __future__ import annotations
 
@@ -429,3 +430,58 @@ def ray_trains_on_nccl(script: Script) -> bool:
             backend = keyword(node, "backend")
             backend_named |= not (isinstance(backend, ast.Constant) and backend.value == "nccl")
     return on_gpus and not backend_named
+
+
+# Accelerators with no NCCL: Intel GPUs (xpu, whose backend is ccl / xccl), Ascend
+# NPUs (hccl), Apple's mps, Habana's hpu; a file that picks one of them runs there.
+OTHER_ACCELERATORS = frozenset({"xpu", "npu", "mps", "hpu"})
+OTHER_ACCELERATOR_PACKAGES = {
+    "torch_npu": "npu",
+    "intel_extension_for_pytorch": "xpu",
+    "oneccl_bindings_for_pytorch": "xpu",
+    "habana_frameworks": "hpu",
+}
+
+
+@check("nccl-not-available")
+def check_nccl_on_another_accelerator(script: Script) -> Iterator[Finding]:
+    """`init_process_group("nccl")` in a file that picks a device NCCL does not serve:
+    an Intel GPU (`torch.device("xpu", ...)`), an Ascend NPU, mps or hpu. There the
+    build has no NCCL ("Distributed package doesn't have NCCL built in") and the
+    backend must follow the device (ccl / xccl, hccl, gloo)."""
+    nccl = [call for call in init_calls(script) if backend_of(call) == "nccl"]
+    other = other_accelerator(script)
+    if not nccl or other is None:
+        return
+    for call in nccl:
+        yield script.finding(
+            "nccl-not-available",
+            call,
+            f"the backend is NCCL, but the file also runs on {other}, whose PyTorch has no "
+            'NCCL ("Distributed package doesn\'t have NCCL built in"): choose the backend '
+            "with the device (xccl / ccl on xpu, hccl on npu, gloo on the CPU), or let "
+            "init_process_group() pick it",
+        )
+
+
+def other_accelerator(script: Script) -> str | None:
+    """The first non-CUDA accelerator the file names as a device or imports the
+    support of (`torch.device("xpu", rank)`, `torch.xpu.set_device`, `import torch_npu`)."""
+    for node in script.nodes:
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in OTHER_ACCELERATORS
+            and source_text(node.value) == "torch"
+        ):
+            return node.attr
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.split(":")[0] in OTHER_ACCELERATORS
+        ):
+            return node.value.split(":")[0]
+    imported = {name.split(".")[0] for name in script.aliases.values()}
+    return next(
+        (device for package, device in OTHER_ACCELERATOR_PACKAGES.items() if package in imported),
+        None,
+    )
