@@ -33,8 +33,11 @@ def test_a_rank_read_from_the_node_local_index_is_reported(read):
         f'dist.init_process_group("nccl", rank={read}, world_size=int(os.environ["WORLD_SIZE"]))\n'
     )
     named = f'local = {read}\ndist.init_process_group("nccl", rank=local)\n'
+    # blind set fv's 15: the local rank kept in the arguments' namespace
+    field = f'args.local_rank = {read}\ndist.init_process_group("nccl", rank=args.local_rank)\n'
     assert reported(direct) == [1]
     assert reported(named) == [2]
+    assert reported(field) == [2]
 
 
 @pytest.mark.parametrize(

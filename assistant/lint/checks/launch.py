@@ -325,9 +325,13 @@ def check_world_sized_by_one_nodes_gpus(script: Script) -> Iterator[Finding]:
 
 
 def counts_this_nodes_gpus(script: Script, value: ast.expr) -> bool:
-    """`torch.cuda.device_count()`, directly or through a name every assignment of
-    which is that call."""
-    values = script.assigned_values.get(value.id, []) if isinstance(value, ast.Name) else [value]
+    """`torch.cuda.device_count()`, directly or through a name (or a field,
+    `args.world_size`) every assignment of which is that call."""
+    values = (
+        script.assigned_values.get(source_text(value), [])
+        if isinstance(value, ast.Name | ast.Attribute)
+        else [value]
+    )
     return bool(values) and all(
         isinstance(v, ast.Call) and script.name_of(v.func) == "torch.cuda.device_count"
         for v in values
@@ -344,14 +348,14 @@ def global_rank_name(script: Script, name: str) -> bool:
 
 def local_rank_variable(script: Script, value: ast.expr) -> str | None:
     """The node-local variable `value` is read from: directly, through int(...), or
-    through a name every assignment of which reads it."""
+    through a name (or a field, `args.local_rank`) every assignment of which reads it."""
     inner = without_int(value)
     variable = environment_variable(inner, script)
     if variable is not None:
         return variable if variable in LOCAL_RANK_VARIABLES else None
-    if not isinstance(inner, ast.Name):
+    if not isinstance(inner, ast.Name | ast.Attribute):
         return None
-    sources = script.assigned_values.get(inner.id, [])
+    sources = script.assigned_values.get(source_text(inner), [])
     found = {environment_variable(without_int(v), script) for v in sources}
     if len(found) == 1 and (variable := found.pop()) in LOCAL_RANK_VARIABLES:
         return variable
