@@ -230,3 +230,36 @@ def test_a_prefix_stripped_outside_any_load_quiets_every_load():
         '        net.load_state_dict(state["model"])',
     )
     assert lint_snippet(PRELUDE, body, ["state-dict-module-prefix"]) == []
+
+
+FOLDS = """
+import glob
+
+
+def train_fold(fold, net, out):
+    model = DDP(net)
+    torch.save(model.state_dict(), os.path.join(out, f"resnet_fold{fold}.pth"))
+
+
+def ensemble(out):
+    for path in sorted(glob.glob(os.path.join(out, PATTERN))):
+        model = build()
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("pattern", "reported"),
+    [
+        # blind set fu's 07: each fold's wrapper checkpoint, read back through a glob
+        ('f"resnet_fold*.pth"', [13]),
+        ('"resnet_fold*.pth"', [13]),
+        # another model's files
+        ('"teacher_*.pth"', []),
+    ],
+    ids=["f-string", "plain", "other-files"],
+)
+def test_files_saved_per_fold_are_paired_with_the_glob_that_reads_them(pattern, reported):
+    source = FOLDS.replace("PATTERN", pattern)
+    found = lint_snippet(PRELUDE, source, ["state-dict-module-prefix"])
+    assert [line for line, _ in found] == reported

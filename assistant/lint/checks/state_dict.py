@@ -56,6 +56,18 @@ PREFIX_TEXT = re.compile(r"module\\?\.")
 PREFIX_LENGTH = len("module.")
 
 
+GLOBS = frozenset({"glob", "iglob"})
+# A formatted value of an f-string: any text in its place.
+FORMATTED = re.compile(r"\{[^{}]*\}")
+
+
+def wildcarded(text: str) -> str:
+    """A path's source text with each f-string field, and each glob `*`, made one `*`,
+    and no f prefix (f"{arch}_fold{k}.pth", "resnet_fold*.pth" read alike)."""
+    unformatted = re.sub(r"\bf(['\"])", r"\1", FORMATTED.sub("*", text))
+    return re.sub(r"\*+", "*", unformatted)
+
+
 @dataclass(frozen=True)
 class SavedEntry:
     """A wrapper's state_dict() that a torch.save writes, and where in the saved object."""
@@ -555,7 +567,38 @@ class Places:
         if entries[0].key is not None and not FOREIGN_WEIGHTS.search(full_text(path)):
             return entries[0]
         files = self.files_of(entries)
-        return next((files[t] for t in self.path_texts(scope, path) if t in files), None)
+        found = next((files[t] for t in self.path_texts(scope, path) if t in files), None)
+        if found is not None:
+            return found
+        # `for path in glob.glob(f"{arch}_fold*.pth")`: the files saved as f"{arch}_fold{k}.pth"
+        patterns = {wildcarded(p) for p in self.glob_patterns(scope, path)}
+        return next((entry for text, entry in files.items() if wildcarded(text) in patterns), None)
+
+    def glob_patterns(self, scope: ast.AST, path: ast.expr) -> list[str]:
+        """The glob patterns a loop variable walks the matches of (`for path in
+        sorted(glob.glob(pattern))`, or a name assigned those matches)."""
+        if not isinstance(path, ast.Name):
+            return []
+        walked = [
+            node.iter
+            for node in self.script.scope_nodes(scope)
+            if isinstance(node, ast.For)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == path.id
+        ]
+        walked += [
+            value
+            for w in list(walked)
+            for value in self.script.assigned_values.get(source_text(w), [])
+        ]
+        return [
+            source_text(call.args[0])
+            for expr in walked
+            for call in walk(expr)
+            if isinstance(call, ast.Call)
+            and short(self.script.name_of(call.func)) in GLOBS
+            and call.args
+        ]
 
     def files_of(self, entries: list[SavedEntry]) -> dict[str, SavedEntry]:
         """Each way the entries' files may read, to the first entry written there."""
