@@ -598,6 +598,15 @@ def test_a_timm_model_run_for_its_features_keeps_an_unused_classifier():
     assert reported_lines(TIMM_FEATURES) == [8]
 
 
+def test_the_modules_own_head_named_like_timms_is_not_the_backbones():
+    """Blind set fu's 19: `self.fc = nn.Linear(...)` is the wrapper's own head; the
+    backbone's classifier is still there, unused."""
+    own_fc = TIMM_FEATURES.replace("self.projector = nn.Linear", "self.fc = nn.Linear").replace(
+        "self.projector(", "self.fc("
+    )
+    assert reported_lines(own_fc) == [8]
+
+
 @pytest.mark.parametrize(
     "change",
     [

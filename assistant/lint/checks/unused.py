@@ -1687,8 +1687,13 @@ def head_taken_out(script: Script, field: str, head: str) -> bool:
     for node in script.nodes:
         if isinstance(node, ast.Assign | ast.Delete):
             targets = node.targets
-            if any(isinstance(t, ast.Attribute) and t.attr == head for t in targets):
-                return True  # `base.fc = nn.Identity()`, `del base.fc`
+            if any(
+                isinstance(t, ast.Attribute) and t.attr == head and source_text(t.value) != "self"
+                for t in targets
+            ):
+                return (
+                    True  # `base.fc = nn.Identity()`, `del base.fc`; not the class's own `self.fc`
+                )
         if isinstance(node, ast.Attribute) and node.attr in ("requires_grad_", "requires_grad"):
             owner = node.value
             if isinstance(owner, ast.Attribute) and owner.attr in (head, local):
