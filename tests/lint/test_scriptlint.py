@@ -693,6 +693,26 @@ def test_fields_made_on_the_cpu_in_another_method_then_reduced(reset, flagged) -
     assert findings_of(source, "nccl-with-cpu-tensors") == expected
 
 
+@pytest.mark.parametrize(
+    ("made", "flagged"),
+    [
+        # blind set fz's 02: a loss table kept in CPU fields, each all-reduced as it is
+        ("torch.zeros(n)", True),
+        ("torch.zeros(n, device=d)", False),
+    ],
+)
+def test_a_field_made_on_the_cpu_reduced_as_it_is(made, flagged) -> None:
+    source = NCCL_HEADER + (
+        "class LossHistory:\n"
+        f"    def __init__(self, n, d):\n        self.sum = {made}\n"
+        "    def sync(self):\n"
+        "        dist.all_reduce(self.sum)\n"
+    )
+    line = source.count("\n")
+    expected = [("nccl-with-cpu-tensors", line)] if flagged else []
+    assert findings_of(source, "nccl-with-cpu-tensors") == expected
+
+
 def test_a_cpu_tensor_reassigned_only_after_the_collective_is_reported() -> None:
     source = NCCL_HEADER + (
         "def sync(count, total):\n"
@@ -1550,3 +1570,22 @@ def test_wandb_runs_grouped_per_rank_or_named_alike(init, reported) -> None:
     )
     found = findings_of(source, "experiment-logger-ddp")
     assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
+    ("given", "reported"),
+    [
+        # blind set gb's 01: a DALI pipeline built on GPU 0 by every rank
+        ("device_id=0", [("hardcoded-device", 8)]),
+        ("device_id=local_rank", []),
+    ],
+)
+def test_a_librarys_gpu_index_given_as_a_number(given, reported) -> None:
+    source = (
+        "import os\nimport torch\nimport torch.distributed as dist\n"
+        'local_rank = int(os.environ["LOCAL_RANK"])\ntorch.cuda.set_device(local_rank)\n'
+        'dist.init_process_group("nccl")\n'
+        "from nvidia.dali import pipeline_def\n"
+        f"pipe = imagenet_pipe(batch_size=64, num_threads=4, {given}, seed=12)\n"
+    )
+    assert findings_of(source, "hardcoded-device") == reported

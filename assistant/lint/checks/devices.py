@@ -60,6 +60,7 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
         return  # one process drives every GPU; DataParallel's home is cuda:0
     current_device_is_cuda0 = current_device_left_at_cuda0(script)
     rank_zero_only = rank_zero_only_calls(script)
+    per_gpu = runs_a_process_per_gpu(script)
     for node, name in script.call_names:
         if id(node) in rank_zero_only:
             continue  # GPU 0 is rank 0's own (a log, an evaluation, a save)
@@ -95,6 +96,8 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
                 )
         if is_ddp(name):
             yield from fixed_ddp_devices(script, node)
+        if per_gpu:
+            yield from fixed_gpu_index_keywords(script, node)
     yield from fixed_device_variables(script, rank_zero_only)
     yield from fixed_device_fields(script, rank_zero_only)
     yield from fixed_device_parameters(script, rank_zero_only)
@@ -609,6 +612,19 @@ def current_device_uses(script: Script, node: ast.Call, name: str) -> Iterator[F
         yield script.finding("hardcoded-device", node, f'torch.device("cuda") {CURRENT_DEVICE}')
     elif isinstance(device_kw, ast.Constant) and device_kw.value == "cuda":
         yield script.finding("hardcoded-device", node, f'device="cuda" {CURRENT_DEVICE}')
+
+
+def fixed_gpu_index_keywords(script: Script, node: ast.Call) -> Iterator[Finding]:
+    """A library told the index of its GPU as a number (DALI's `device_id=0`, FSDP's,
+    `gpu_id=0`) in a script run as a process per GPU: every rank works on that GPU."""
+    for given in node.keywords:
+        if given.arg in GPU_INDEX_KEYWORDS and is_int(given.value):
+            yield script.finding(
+                "hardcoded-device",
+                given.value,
+                f"{given.arg}={given.value.value} is the same GPU on every rank: every process "
+                "puts this work on it while its model is on its own; pass the local rank",
+            )
 
 
 def fixed_ddp_devices(script: Script, node: ast.Call) -> Iterator[Finding]:
