@@ -58,6 +58,16 @@ def check_nccl_with_cpu_tensors(script: Script) -> Iterator[Finding]:
             group = keyword(node, "group")
             if group is not None and group_name(group) in on_gloo:
                 continue  # a gloo group the file made for CPU tensors
+            field = field_sent(node, short(name))
+            if field is not None and makes_cpu_tensor(script, field):
+                yield script.finding(
+                    "nccl-with-cpu-tensors",
+                    node,
+                    f"{short(name)}({source_text(field)}) on the nccl backend, but every value "
+                    f"the file gives {source_text(field)} is made on the CPU: create it with "
+                    "device=... or move it with .to(device)",
+                )
+                continue
             tensor = tensor_sent(node, short(name))
             if tensor is None:
                 continue
@@ -156,6 +166,15 @@ SENT_POSITION = {
     "reduce_scatter_tensor": 1,
     "all_to_all_single": 1,
 }
+
+
+def field_sent(call: ast.Call, collective: str) -> ast.Attribute | None:
+    """The object's field the collective sends (`dist.all_reduce(self.sum)`)."""
+    position = SENT_POSITION.get(collective, 0)
+    sent = call.args[position] if len(call.args) > position else None
+    if isinstance(sent, ast.Attribute) and source_text(sent.value) == "self":
+        return sent
+    return None
 
 
 def tensor_sent(call: ast.Call, collective: str) -> ast.Name | None:
