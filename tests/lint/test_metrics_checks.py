@@ -878,3 +878,34 @@ def main():
 )
 def test_a_share_written_to_a_file_of_its_rank_is_a_part_to_merge(path, reported):
     assert reported_lines(PER_RANK_FILES.replace("PATH", path)) == reported
+
+
+TOKEN_BUCKETS = """
+class TokenBuckets:
+    def __init__(self, lengths, max_tokens, PARAMETERS):
+        self.lengths = lengths
+
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+dev = DataLoader(data, batch_sampler=TokenBuckets(lengths, 4096, ARGUMENTS))
+correct = 0
+for x, y in dev:
+    correct += (model(x).argmax(-1) == y).sum().item()
+print("dev acc", correct / len(data))
+"""
+
+
+@pytest.mark.parametrize(
+    ("parameters", "arguments", "reported"),
+    [
+        # blind set ft's 09: the file's own bucketing sampler deals each rank its batches
+        ("num_replicas, rank", "world, rank", [11]),
+        # a sampler of the file that takes no rank: every rank reads the whole set
+        ("shuffle=False", "shuffle=False", []),
+    ],
+    ids=["rank-dealing", "whole"],
+)
+def test_an_evaluation_over_the_files_own_rank_dealing_sampler(parameters, arguments, reported):
+    body = TOKEN_BUCKETS.replace("PARAMETERS", parameters).replace("ARGUMENTS", arguments)
+    assert reported_lines(body) == reported

@@ -124,6 +124,8 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
         "bucket = hash('x:' + str(value)) % n_buckets\n",
         # blind set ft's 10: two sets made in one tuple assignment, numbered in their order
         "src, tgt = set(), set()\nsrc.update(w)\ng2i = {g: i for i, g in enumerate(['<pad>'] + list(src))}\n",
+        # blind set fz's 07: a weighted subset each rank draws itself, cut into shares
+        "torch.manual_seed(7 + rank)\nsubset = torch.multinomial(probs, 32)\nmine = subset[rank::world].tolist()\n",
         # blind set ft's 04: a sampler dealing shares of one order, seeded with the rank
         "seed = args.seed + rank\nsampler = DistributedSampler(ds, seed=seed)\n",
         (
@@ -290,3 +292,33 @@ train, val, test = load_or_build("split.pt")
     assert lines(body, prelude) == []
     every_rank = body.replace("    if rank == 0 and not os.path.exists(path):\n", "    if True:\n")
     assert lines(every_rank, prelude) == [4]
+
+
+TWO_D = """
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=DIMS)
+SAMPLER
+"""
+
+
+@pytest.mark.parametrize(
+    ("dims", "sampler", "reported"),
+    [
+        # blind set fx's 04: the default group's split under a dp x tp mesh
+        ('("dp", "tp")', "sampler = DistributedSampler(ds, shuffle=True)", [4]),
+        (
+            '("dp", "tp")',
+            (
+                "sampler = DistributedSampler(ds, num_replicas=mesh['dp'].size(), "
+                "rank=mesh['dp'].get_local_rank())"
+            ),
+            [],
+        ),
+        # a mesh of data-parallel dimensions only (HSDP): every rank its own share
+        ('("replicate", "shard")', "sampler = DistributedSampler(ds, shuffle=True)", []),
+    ],
+    ids=["global-split", "dp-split", "hsdp"],
+)
+def test_a_sampler_over_the_whole_job_under_a_tensor_parallel_mesh(dims, sampler, reported):
+    body = TWO_D.replace("DIMS", dims).replace("SAMPLER", sampler)
+    assert lines(body) == reported

@@ -28,6 +28,7 @@ from typing import TypeVar
 from assistant.lint.checks.cache import shared_file
 from assistant.lint.checks.rank_dependent import tuple_size_returned
 from assistant.lint.checks.schedules import PROCESS_COUNT
+from assistant.lint.checks.splits import rank_dealing_sampler
 from assistant.lint.checks.unused import position_after, wrapped_by
 from assistant.lint.model import (
     Function,
@@ -419,9 +420,12 @@ def known(owner: str | None, name: str, pairs: set[tuple[str | None, str]]) -> b
 
 
 def is_distributed_sampler(script: Script, value: ast.expr) -> bool:
-    return isinstance(value, ast.Call) and short(script.name_of(value.func)) == (
-        "DistributedSampler"
-    )
+    """DistributedSampler, or a sampler class of the file that deals each rank its
+    share (its constructor takes the rank and the number of replicas)."""
+    if not isinstance(value, ast.Call):
+        return False
+    name = script.name_of(value.func)
+    return short(name) == "DistributedSampler" or rank_dealing_sampler(script, name) is not None
 
 
 def owning_functions(script: Script) -> dict[int, str]:

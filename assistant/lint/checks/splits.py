@@ -21,7 +21,9 @@ Reported, in a script run as several processes:
 - `hash(f"...") % buckets`: the built-in, salted hash of a string as an index.
 - a sampler that deals each rank its share of one shuffled order
   (DistributedSampler, or the file's own taking a rank and a number of
-  replicas) given a seed that mixes in the rank: the shares overlap.
+  replicas) given a seed that mixes in the rank: the shares overlap;
+- a DistributedSampler over the whole job in a file with a tensor-parallel
+  mesh: the ranks of one model replica read different batches.
 Quiet on rank 0 only, and where the split is seeded explicitly.
 """
 
@@ -68,8 +70,11 @@ SPLITTERS = frozenset({"ShuffleSplit", "StratifiedShuffleSplit", "GroupShuffleSp
 GRAPH_SPLITS = frozenset({"RandomLinkSplit", "RandomNodeSplit"})
 FOLD_SPLITTERS = frozenset({"KFold", "StratifiedKFold", "StratifiedGroupKFold", "RepeatedKFold"})
 HF_SPLIT_SEED = "seed"  # datasets.Dataset.train_test_split(test_size=..., seed=42)
-# Index permutations drawn from a global generator; torch's takes its own with generator=.
-PERMUTATIONS = frozenset({"numpy.random.permutation", "torch.randperm"})
+# Index permutations (and subsets drawn in a random order) from a global generator;
+# torch's take their own with generator=.
+PERMUTATIONS = frozenset(
+    {"numpy.random.permutation", "torch.randperm", "torch.multinomial", "numpy.random.choice"}
+)
 # A list shuffled in place by the global generator of `random` or numpy.
 IN_PLACE_SHUFFLES = frozenset({"random.shuffle", "numpy.random.shuffle"})
 RANDOM_ORDERS = PERMUTATIONS | IN_PLACE_SHUFFLES
@@ -133,6 +138,7 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
         )
     yield from numbered_sets(script)
     yield from hashed_strings(script)
+    yield from samplers_split_over_tensor_parallel_ranks(script)
     yield from samplers_seeded_with_the_rank(script)
 
 
@@ -365,7 +371,14 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
 
 def is_rank_share_of(expr: ast.expr, names: set[str], script: Script) -> bool:
     """`files[rank::world]`, `idx[rank * n:(rank + 1) * n]`: a slice of a name among
-    `names` that starts at a place the rank decides."""
+    `names` that starts at a place the rank decides (or `.tolist()` of one)."""
+    if (
+        isinstance(expr, ast.Call)
+        and isinstance(expr.func, ast.Attribute)
+        and expr.func.attr in SAME_ORDER
+        and not expr.args
+    ):
+        expr = expr.func.value
     return (
         isinstance(expr, ast.Subscript)
         and isinstance(expr.value, ast.Name)
@@ -507,15 +520,8 @@ def sampler_seed(script: Script, call: ast.Call, name: str) -> ast.expr | None:
         word, position = DISTRIBUTED_SAMPLER_SEED
         given = keyword(call, word)
         return given if given is not None or len(call.args) <= position else call.args[position]
-    cls = script.classes.get(name)
-    init = method_of(cls, "__init__") if cls is not None else None
+    init = rank_dealing_sampler(script, name)
     if init is None:
-        return None
-    parameters = {a.arg for a in [*init.args.args, *init.args.kwonlyargs]}
-    if not (
-        any(SAMPLER_RANK.match(p) for p in parameters)
-        and any(SAMPLER_REPLICAS.match(p) for p in parameters)
-    ):
         return None
     return next(
         (
@@ -525,6 +531,60 @@ def sampler_seed(script: Script, call: ast.Call, name: str) -> ast.expr | None:
         ),
         None,
     )
+
+
+# Mesh dimensions whose ranks hold parts of one model replica and read the same batch.
+MODEL_PARALLEL_DIMS = frozenset({"tp", "cp", "pp", "sp", "tensor", "model", "context"})
+
+
+def samplers_split_over_tensor_parallel_ranks(script: Script) -> Iterator[Finding]:
+    """`DistributedSampler(ds)` (the default group: every rank of the job) in a file
+    whose device mesh has a tensor- or context-parallel dimension: the ranks of one
+    model replica must read the same batch, but each gets another share."""
+    if not tensor_parallel_mesh(script):
+        return
+    for node, name in script.call_names:
+        if short(name) != "DistributedSampler" or len(node.args) > 1:
+            continue
+        if keyword(node, "num_replicas") is not None or keyword(node, "rank") is not None:
+            continue
+        yield script.finding(
+            CAUSE,
+            node,
+            "DistributedSampler splits the data over every rank of the job, but the ranks "
+            "of one tensor-parallel group hold parts of one model and must read the same "
+            "batch: each gets another share; pass num_replicas=mesh['dp'].size(), "
+            "rank=mesh['dp'].get_local_rank()",
+        )
+
+
+def tensor_parallel_mesh(script: Script) -> bool:
+    """init_device_mesh(..., mesh_dim_names=(..., "tp")) or parallelize_module."""
+    for node, name in script.call_names:
+        if short(name) == "parallelize_module":
+            return True
+        names = keyword(node, "mesh_dim_names") if short(name) == "init_device_mesh" else None
+        if isinstance(names, ast.Tuple | ast.List) and any(
+            isinstance(e, ast.Constant) and e.value in MODEL_PARALLEL_DIMS for e in names.elts
+        ):
+            return True
+    return False
+
+
+def rank_dealing_sampler(script: Script, name: str) -> ast.FunctionDef | None:
+    """The __init__ of a sampler class of the file that takes a rank and a number of
+    replicas (`DistributedTokenBucketSampler(lengths, tokens, world, rank)`): it
+    deals each rank its share, as DistributedSampler does."""
+    cls = script.classes.get(name)
+    init = method_of(cls, "__init__") if cls is not None else None
+    if init is None:
+        return None
+    parameters = {a.arg for a in [*init.args.args, *init.args.kwonlyargs]}
+    if any(SAMPLER_RANK.match(p) for p in parameters) and any(
+        SAMPLER_REPLICAS.match(p) for p in parameters
+    ):
+        return init
+    return None
 
 
 def numbered_sets(script: Script) -> Iterator[Finding]:
