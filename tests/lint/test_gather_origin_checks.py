@@ -255,3 +255,21 @@ def run(model, loader, world, epochs):
 def test_rows_a_later_statement_replaces_are_not_the_gathered_ones(revalidate, reported_lines):
     body = FOLD_VALIDATION.replace("REVALIDATE", revalidate)
     assert reported(body) == reported_lines
+
+
+def test_a_strided_share_named_at_each_step_is_followed_to_its_stride():
+    # blind set fz's 08: shard -> loader -> batch -> named logits -> list -> cat -> gather
+    body = """
+def gold(model, dataset, rank, world):
+    n = len(dataset)
+    shard = list(range(rank, n, world))
+    loader = DataLoader(torch.utils.data.Subset(dataset, shard), batch_size=256)
+    out = []
+    for batch in loader:
+        logits = model(**batch).logits.float()
+        out.append(logits)
+    local = torch.cat(out)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+"""
+    assert reported(body) == [12]

@@ -79,7 +79,8 @@ DETECTION_KEYS = frozenset({"boxes", "scores", "labels", "masks", "keypoints", "
 LIKE_BUFFERS = frozenset({"zeros_like", "empty_like", "ones_like", "clone"})
 SIZE_READS = frozenset({"len", "size", "numel"})
 SIZE_TENSORS = frozenset({"tensor", "as_tensor", "LongTensor", "IntTensor", "new_tensor", "full"})
-MAX_DEPTH = 6  # assignments followed back from the gathered tensor
+MAX_DEPTH = 8  # assignments followed back from the gathered tensor (a loader named, a
+# shard named, the batch unpacked, the output named: each a step)
 # Calls that keep a tensor's rows: `all_gather(bufs, x.detach().contiguous())` gathers x.
 ROW_KEEPING_METHODS = MOVES | {"detach", "contiguous", "clone"}
 
