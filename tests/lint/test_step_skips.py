@@ -398,3 +398,28 @@ def test_a_step_skipped_when_this_ranks_batch_runs_out_of_memory(handler, report
         + "\n    optimizer.step()\n"
     )
     assert skipped_lines("\n" + body) == reported
+
+
+@pytest.mark.parametrize(
+    ("tested", "reported"),
+    [
+        # blind set fx's 12: the gradient norm after the backward's all-reduce is every
+        # rank's alike, so the skip on it is taken together
+        ("gn", []),
+        # the loss before the backward is this rank's own
+        ("loss", [6]),
+    ],
+)
+def test_a_skip_on_the_gradient_norm_is_taken_together(tested, reported):
+    body = f"""
+    for x, y in loader:
+        loss = model(x).sum()
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if not torch.isfinite({tested}):
+            optimizer.zero_grad()
+            continue
+        optimizer.step()
+        dist.all_reduce(loss.detach())
+    """
+    assert skipped_lines(body) == reported

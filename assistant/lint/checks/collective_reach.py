@@ -16,6 +16,7 @@ from assistant.lint.model import (
     enclosing_loop,
     is_none,
     method_of,
+    names_bound_to,
     names_in,
     own_nodes,
     parameter_names,
@@ -456,7 +457,7 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
             reads_local_value(node.test, step_data_names(loop, node))
             or bool(names_in(node.test) & local_value_names(loop, node))
             or compares_a_reduction(node.test)
-        )
+        ) and not tests_the_agreed_gradient_norm(script, node.test, loop)
         own_signal = not own_data and reads_flag(node.test, signalled)
         own_rank = not (own_data or own_signal) and decided_by_rank(script, node, loop)
         if not (own_data or own_signal or own_rank):
@@ -565,6 +566,36 @@ def skips_the_step(handler: ast.ExceptHandler) -> bool:
     return any(
         isinstance(node, ast.Continue) for statement in handler.body for node in walk(statement)
     )
+
+
+# What returns the norm of the gradients after the backward's all-reduce: the same on
+# every rank (DDP's averaged gradients; FSDP's own clip and FSDP2's DTensors reduce
+# the shards' norms), so a skip on it is taken by every rank together.
+GRADIENT_NORMS = frozenset({"clip_grad_norm_", "get_global_grad_norm"})
+
+
+def tests_the_agreed_gradient_norm(script: Script, test: ast.expr, loop: ast.AST) -> bool:
+    """Every name the test reads holds the gradient norm (`gn = clip_grad_norm_(...)`;
+    `if not torch.isfinite(gn): continue`). Not torch's clip over FSDP1's shards, whose
+    norm is each rank's own (zero3-partitioned-parameters says so)."""
+    read = {n.id for n in walk(test) if isinstance(n, ast.Name) and n.id != "torch"}
+    if not read:
+        return False
+    fsdp1 = bool(names_bound_to(script, "FullyShardedDataParallel"))
+    norms = {
+        target.id
+        for assign in walk(loop)
+        if isinstance(assign, ast.Assign)
+        and any(
+            isinstance(call, ast.Call)
+            and called_name(call) in GRADIENT_NORMS
+            and not (fsdp1 and script.name_of(call.func).startswith("torch.nn.utils"))
+            for call in walk(assign.value)
+        )
+        for target in assign.targets
+        if isinstance(target, ast.Name)
+    }
+    return read <= norms
 
 
 def decided_by_rank(script: Script, test_if: ast.If, loop: ast.AST) -> bool:
