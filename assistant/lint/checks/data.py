@@ -217,9 +217,10 @@ def trains_a_model_of_its_own(script: Script, loader: ast.Call) -> bool:
         short(name) in DATA_PARALLEL_WRAPPERS
         or averages_a_gradient(n, name)
         or averages_weights(script, n, name)
+        or wraps_in_a_helper(script, n)
         for n, name in calls
     ):
-        return False  # wrapped, or data parallelism written by hand
+        return False  # wrapped (here or by a helper of the file), or by hand
     if not any(is_backward(n) or runs_a_backward(script, n) for n, _name in calls):
         return False
     built = {
@@ -256,6 +257,18 @@ def runs_a_backward(script: Script, call: ast.Call) -> bool:
 # What wraps a model for data parallelism: torch's, and the libraries' that wrap it in
 # DDP (Ray's prepare_model, Accelerate's prepare, Fabric's setup, DeepSpeed's initialize).
 TORCH_WRAPPERS = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "fully_shard"})
+
+
+def wraps_in_a_helper(script: Script, call: ast.Call) -> bool:
+    """`policy = build(mesh, ...)`: a function of the file that wraps what it builds
+    (DDP, FSDP, fully_shard), so the model it returns trains together."""
+    function = script.functions.get(called_name(call)) if isinstance(call.func, ast.Name) else None
+    return function is not None and any(
+        isinstance(node, ast.Call) and short(script.name_of(node.func)) in DATA_PARALLEL_WRAPPERS
+        for node in walk(function)
+    )
+
+
 DATA_PARALLEL_WRAPPERS = TORCH_WRAPPERS | {
     "DDP", "FSDP", "prepare_model", "prepare", "setup", "setup_module", "initialize"
 }  # fmt: skip
