@@ -108,3 +108,28 @@ def test_two_nodes_claiming_the_same_ranks_never_meet_while_the_twin_does(tmp_pa
 )
 def test_a_world_sized_by_one_nodes_gpus_under_a_launchers_rank_is_reported(body, lines):
     assert reported("import torch\n" + body) == [line + 1 for line in lines]
+
+
+@pytest.mark.parametrize(
+    ("launch", "size", "lines"),
+    [
+        # blind set fx's 19: a dp x tp mesh of one node's processes on two nodes
+        (
+            "torchrun --nnodes=2 --nproc_per_node=8 train.py",
+            'int(os.environ["LOCAL_WORLD_SIZE"])',
+            [5],
+        ),
+        ("torchrun --nnodes=2 --nproc_per_node=8 train.py", "dist.get_world_size()", []),
+        ("torchrun --nproc_per_node=8 train.py", 'int(os.environ["LOCAL_WORLD_SIZE"])', []),
+    ],
+    ids=["one-node-mesh", "world-mesh", "one-node-job"],
+)
+def test_a_device_mesh_sized_by_one_nodes_processes(launch, size, lines):
+    body = (
+        f'"""{launch}"""\n'
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        f"n = {size}\n"
+        "tp = 2\n"
+        'mesh = init_device_mesh("cuda", (n // tp, tp), mesh_dim_names=("dp", "tp"))\n'
+    )
+    assert reported(body) == lines

@@ -8,7 +8,12 @@ import re
 from collections import Counter
 from collections.abc import Iterator
 
-from assistant.lint.launchtext import TASKS_PER_NODE, launch_problems, torchrun_under_srun
+from assistant.lint.launchtext import (
+    TASKS_PER_NODE,
+    launch_problems,
+    launched_nodes,
+    torchrun_under_srun,
+)
 from assistant.lint.model import Script, is_int, keyword, short, source_text, walk
 from assistant.lint.ranks import environment_variable, without_int
 from assistant.lint.registry import check
@@ -322,6 +327,59 @@ def check_world_sized_by_one_nodes_gpus(script: Script) -> Iterator[Finding]:
             "ranks past it are outside the world and rendezvous fails or waits; pass "
             'world_size=int(os.environ["WORLD_SIZE"]) (or leave both out under torchrun)',
         )
+
+
+# What counts one node's processes: LOCAL_WORLD_SIZE, or its GPUs.
+NODE_COUNTS = frozenset({"LOCAL_WORLD_SIZE"})
+
+
+@check("world-size-mismatch")
+def check_mesh_sized_by_one_node(script: Script) -> Iterator[Finding]:
+    """`init_device_mesh("cuda", (gpus_per_node // tp, tp))` with gpus_per_node read from
+    LOCAL_WORLD_SIZE (or the node's GPU count) in a job the file launches on several
+    nodes: the mesh covers one node's ranks, not the job's, and the ranks of the
+    other nodes have no place in it."""
+    nodes = launched_nodes(script.source)
+    if nodes is None:
+        return
+    for node, name in script.call_names:
+        if short(name) != "init_device_mesh" or len(node.args) < 2:
+            continue
+        shape = node.args[1]
+        read = shape_sources(script, shape)
+        if read & {"WORLD_SIZE", "world"} or not read & (NODE_COUNTS | {"device_count"}):
+            continue
+        yield script.finding(
+            "world-size-mismatch",
+            node,
+            f"the mesh's shape {source_text(shape)} is counted from one node's processes "
+            f"(LOCAL_WORLD_SIZE or its GPU count), but the launch on line {nodes[0]} starts "
+            f"{nodes[1]} nodes: the ranks of the others have no place in it; size it from "
+            "dist.get_world_size()",
+        )
+
+
+# Calls behind a mesh shape: one node's GPUs, or the job's world.
+SIZE_CALLS = {"device_count": "device_count", "get_world_size": "world"}
+
+
+def shape_sources(script: Script, shape: ast.expr, hops: int = 3) -> set[str]:
+    """The environment variables, GPU-count calls and world-size reads behind a mesh
+    shape, a few assignments back (`dp = gpus_per_node // tp`)."""
+    found: set[str] = set()
+    frontier = [shape]
+    for _ in range(hops):
+        following: list[ast.expr] = []
+        for part in (p for expr in frontier for p in walk(expr) if isinstance(p, ast.expr)):
+            variable = environment_variable(without_int(part), script)
+            if variable is not None:
+                found.add(variable)
+            if isinstance(part, ast.Call) and short(script.name_of(part.func)) in SIZE_CALLS:
+                found.add(SIZE_CALLS[short(script.name_of(part.func))])
+            if isinstance(part, ast.Name):
+                following += script.assigned_values.get(part.id, [])
+        frontier = following
+    return found
 
 
 def counts_this_nodes_gpus(script: Script, value: ast.expr) -> bool:
