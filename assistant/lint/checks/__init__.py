@@ -7,8 +7,10 @@ the mistake under tests/data/scripts/ with `# expect: <cause id>` on the
 lines it must report.
 
 - launch: the main guard, the local rank (flag or env), hard-coded world size,
-  a spawned worker's per-process rank beside a world size of nodes;
-- devices: fixed GPUs, set_device order, DDP device_ids on a CPU module;
+  a spawned worker's per-process rank beside a world size of nodes, a device
+  mesh sized from one node's processes in a job of several nodes;
+- devices: fixed GPUs (also a library's `device_id=0`), set_device order, DDP
+  device_ids on a CPU module;
 - process_group: torch.distributed calls before init_process_group;
 - collective_reach: collectives only some ranks reach (collective-mismatch;
   the DDP wrapper's forward, which broadcasts BatchNorm buffers, counts),
@@ -78,7 +80,8 @@ lines it must report.
 - compile_prefix: a torch.compile'd model's checkpoint ("_orig_mod." keys)
   loaded strictly into a model that is not compiled (torch-compile-ddp);
 - endpoint: MASTER_ADDR set to each process's own host name in a file that
-  shows several nodes (master-endpoint-mismatch);
+  shows several nodes, and MASTER_PORT chosen in each process mp.spawn starts
+  (master-endpoint-mismatch);
 - fork: a Dataset's item reader or a collate_fn that moves data to the GPU
   inside DataLoader workers forked after CUDA started, or the target of a
   process the script forks itself after CUDA started (cuda-init-before-fork);
