@@ -81,6 +81,16 @@ def test_weights_in_float16_under_a_grad_scaler(setup: str, lines: list[int]) ->
     assert reported_lines(setup + SCALED_STEP) == lines
 
 
+def test_a_grad_scaler_switched_off_steps_plainly() -> None:
+    body = (
+        "model = nn.Linear(4, 1).cuda()\nmodel = model.half()\n"
+        "optimizer = torch.optim.SGD(model.parameters())\n"
+        "scaler = torch.amp.GradScaler(enabled=False)\nscaler.scale(loss).backward()\n"
+        "scaler.step(optimizer)\n"
+    )
+    assert reported_lines(body) == []
+
+
 def test_a_half_model_trained_without_a_scaler_is_not_this_rule() -> None:
     body = (
         "model = DDP(nn.Linear(4, 1).half())\noptimizer = torch.optim.SGD(model.parameters())\n"

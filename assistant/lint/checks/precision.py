@@ -88,8 +88,15 @@ def check_float16_without_a_loss_scaler(script: Script) -> Iterator[Finding]:
 
 
 def scaler_steps(script: Script) -> bool:
-    """A GradScaler is made and something steps or unscales an optimizer through it."""
-    made = any(short(name) in SCALERS for _node, name in script.call_names)
+    """A GradScaler is made (not `enabled=False`, which makes its steps plain ones) and
+    something steps or unscales an optimizer through it."""
+    made = any(
+        short(name) in SCALERS
+        and not (
+            isinstance(enabled := keyword(node, "enabled"), ast.Constant) and enabled.value is False
+        )
+        for node, name in script.call_names
+    )
     return made and any(
         isinstance(node.func, ast.Attribute)
         and node.func.attr in SCALER_METHODS
