@@ -302,9 +302,19 @@ def calls_external_setup(script: Script) -> bool:
 
 
 def sets_visible_devices_per_process(script: Script) -> bool:
-    """`os.environ["CUDA_VISIBLE_DEVICES"] = <computed>`: each process then sees
-    one GPU as cuda:0, so the current device is already its own."""
+    """`os.environ["CUDA_VISIBLE_DEVICES"] = <computed>` (or `os.environ.update(
+    CUDA_VISIBLE_DEVICES=<computed>)`): each process then sees one GPU as cuda:0, so
+    the current device is already its own."""
     for node in script.nodes:
+        if (
+            isinstance(node, ast.Call)
+            and called_name(node) == "update"
+            and any(
+                k.arg == "CUDA_VISIBLE_DEVICES" and not isinstance(k.value, ast.Constant)
+                for k in node.keywords
+            )
+        ):
+            return True
         if not isinstance(node, ast.Assign) or isinstance(node.value, ast.Constant):
             continue
         for target in node.targets:

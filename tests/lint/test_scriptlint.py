@@ -1589,3 +1589,29 @@ def test_a_librarys_gpu_index_given_as_a_number(given, reported) -> None:
         f"pipe = imagenet_pipe(batch_size=64, num_threads=4, {given}, seed=12)\n"
     )
     assert findings_of(source, "hardcoded-device") == reported
+
+
+@pytest.mark.parametrize(
+    ("pin", "reported"),
+    [
+        # blind sets gg's 07 and 13 (correct): each worker sees its own GPU alone, as cuda:0
+        ('os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]', []),
+        ("os.environ.update(CUDA_VISIBLE_DEVICES=gpus[rank], MASTER_PORT='29500')", []),
+        ("pass", [("hardcoded-device", 10)]),
+    ],
+    ids=["subscript", "update", "none"],
+)
+def test_cuda0_is_each_workers_own_gpu_where_it_sees_one(pin, reported) -> None:
+    source = (
+        "import os\nimport torch\nimport torch.distributed as dist\n"
+        "import torch.multiprocessing as mp\n"
+        "def worker(rank, gpus):\n"
+        f"    {pin}\n"
+        "    dist.init_process_group('nccl', rank=rank, world_size=len(gpus))\n"
+        "    model = torch.nn.Linear(4, 2)\n"
+        "    x = torch.randn(2, 4)\n"
+        "    model = model.to('cuda:0')\n"
+        "if __name__ == '__main__':\n"
+        "    mp.spawn(worker, args=(['2', '3'],), nprocs=2)\n"
+    )
+    assert findings_of(source, "hardcoded-device") == reported

@@ -58,6 +58,8 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
     """A fixed GPU ("cuda:0", device_ids=[0]) instead of the rank's own device."""
     if single_process_data_parallel(script):
         return  # one process drives every GPU; DataParallel's home is cuda:0
+    if sets_visible_devices_per_process(script):
+        return  # each process sees its own GPU alone, as cuda:0
     current_device_is_cuda0 = current_device_left_at_cuda0(script)
     rank_zero_only = rank_zero_only_calls(script)
     per_gpu = runs_a_process_per_gpu(script)
