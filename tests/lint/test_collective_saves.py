@@ -236,3 +236,37 @@ def test_a_callbacks_state_dict_of_the_module_on_global_zero_under_fsdp(strategy
     """
     found = findings(LIGHTNING, body)
     assert found == ([(5, "fsdp-state-dict")] if reported else [])
+
+
+GROUPS = """
+import torch.distributed as dist
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+sp = 2
+CREATE
+"""
+
+
+@pytest.mark.parametrize(
+    ("create", "reported"),
+    [
+        # blind set gd's 04: only this rank's own sequence-parallel group
+        ("group = dist.new_group([rank // sp * sp + i for i in range(sp)])", [6]),
+        # every group on every rank, this rank's kept
+        (
+            (
+                "for g in range(world // sp):\n"
+                "    members = [g * sp + i for i in range(sp)]\n"
+                "    made = dist.new_group(members)\n"
+                "    if rank in members:\n"
+                "        group = made"
+            ),
+            [],
+        ),
+        ("group = dist.new_group([0, 1])", []),
+    ],
+    ids=["own-group", "every-group", "fixed-members"],
+)
+def test_a_group_whose_members_this_rank_decides(create, reported):
+    found = lint_snippet("", GROUPS.replace("CREATE", create), ["collective-mismatch"])
+    assert [line for line, _ in found] == reported

@@ -8,13 +8,16 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from assistant.lint.checks.batchnorm import batch_norm_built, broadcasts_buffers
+from assistant.lint.checks.splits import mixes_in_the_rank
 from assistant.lint.checks.unused import wrapped_by
 from assistant.lint.model import (
+    COMPREHENSIONS,
     Script,
     bound_arguments,
     called_name,
     enclosing_loop,
     is_none,
+    keyword,
     method_of,
     names_bound_to,
     names_in,
@@ -379,6 +382,41 @@ class CallGraph:
 
 # Calls every process of the default group must make, members of the new group or not.
 GROUP_CREATORS = frozenset({"new_group", "new_subgroups", "new_subgroups_by_enumeration"})
+
+
+@check("collective-mismatch")
+def check_group_of_this_ranks_own_members(script: Script) -> Iterator[Finding]:
+    """`sp_group = dist.new_group([dp_rank * sp + i for i in range(sp)])`, outside any
+    loop over the groups: each rank creates only the group it belongs to, whose members
+    its own rank decides, so the ranks call new_group with different lists in the same
+    place: every process must create every group, in the same order."""
+    for node, name in script.call_names:
+        if short(name) != "new_group" or not name.startswith("torch.distributed"):
+            continue
+        members = keyword(node, "ranks") or (node.args[0] if node.args else None)
+        if members is None or enclosing_loop(node, script.parents) is not None:
+            continue
+        if any(isinstance(n, COMPREHENSIONS) for n in ancestors_in_scope(script, node)):
+            continue
+        if not mixes_in_the_rank(script, members, node):
+            continue
+        yield script.finding(
+            "collective-mismatch",
+            node,
+            f"new_group({source_text(members)}) makes only the group this rank belongs to, "
+            "its members decided by the rank: every process must call new_group for every "
+            "group, in the same order (members or not), so the ranks' calls disagree and "
+            "hang or pair the wrong communicators; create all groups in a loop on every "
+            "rank and keep this rank's",
+        )
+
+
+def ancestors_in_scope(script: Script, node: ast.AST) -> Iterator[ast.AST]:
+    """The nodes around `node`, up to its function."""
+    parent = script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+        yield parent
+        parent = script.parents.get(id(parent))
 
 
 @check("collective-mismatch")
