@@ -17,7 +17,8 @@ lines it must report.
   also under a test of the rank's own tensor values (`if loss.mean() > t:`),
   and a step one rank skips on its own data (a NaN loss, an empty batch, a
   batch that ran out of GPU memory) before its backward's gradient all-reduce
-  (uneven-inputs);
+  (uneven-inputs); a new_group of the members this rank decides, outside a loop
+  over every group (collective-mismatch);
 - collective_saves: checkpoint calls that are collectives (DeepSpeed's
   engine.save_checkpoint, Lightning's trainer.save_checkpoint, Fabric's save,
   FSDP's state_dict, ZeroRedundancyOptimizer's consolidate_state_dict) under a
