@@ -25,9 +25,9 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.data import TORCH_WRAPPERS
 from assistant.lint.model import Script, keyword, short, source_text, walk
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp
 from assistant.results import Finding
 
 # torch.float16 / torch.half by name; not bfloat16.
@@ -150,12 +150,13 @@ def trained_modules(script: Script) -> set[str]:
     return trained
 
 
-# What wraps a model and trains the same parameters: DDP / DataParallel, FSDP, compile.
-WRAPPERS = frozenset({"DataParallel", "FullyShardedDataParallel", "FSDP", "compile"})
+# What wraps a model and trains the same parameters: data.py's torch wrappers (DDP,
+# FSDP, fully_shard), DataParallel, torch.compile.
+WRAPPERS = TORCH_WRAPPERS | {"DataParallel", "compile"}
 
 
 def is_wrapper(name: str) -> bool:
-    return is_ddp(name) or short(name) in WRAPPERS
+    return short(name) in WRAPPERS
 
 
 def cast_module(script: Script, call: ast.Call) -> str | None:

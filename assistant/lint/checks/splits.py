@@ -33,6 +33,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.data import seed_of
 from assistant.lint.model import (
     Function,
     Script,
@@ -488,7 +489,6 @@ RANK_ZERO_CALLERS = 2
 # A sampler that deals each rank its share of one shuffled order takes these.
 SAMPLER_RANK = re.compile(r"^(rank|global_rank|replica_rank)$")
 SAMPLER_REPLICAS = re.compile(r"^(num_replicas|world_size|world|replicas|num_ranks)$")
-DISTRIBUTED_SAMPLER_SEED = ("seed", 4)  # DistributedSampler(ds, replicas, rank, shuffle, seed)
 
 
 def samplers_seeded_with_the_rank(script: Script) -> Iterator[Finding]:
@@ -517,9 +517,7 @@ def sampler_seed(script: Script, call: ast.Call, name: str) -> ast.expr | None:
     """The seed given to DistributedSampler, or to a sampler class of the file whose
     constructor takes a rank, a number of replicas and a seed."""
     if short(name) == "DistributedSampler":
-        word, position = DISTRIBUTED_SAMPLER_SEED
-        given = keyword(call, word)
-        return given if given is not None or len(call.args) <= position else call.args[position]
+        return seed_of(call)
     init = rank_dealing_sampler(script, name)
     if init is None:
         return None
