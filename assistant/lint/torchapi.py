@@ -284,6 +284,29 @@ def imported_callee(script: Script, call: ast.Call) -> str | None:
     return None if name == "torch" or name.startswith("torch.") else name
 
 
+# Libraries whose `init` / `setup` / `*dist*` calls have nothing to do with
+# torch.distributed: experiment trackers (`wandb.init` starts a run, not a process
+# group) and numeric libraries (`scipy.spatial.distance.cdist`).
+UNRELATED_TO_SETUP = frozenset(
+    {
+        "wandb",
+        "mlflow",
+        "neptune",
+        "comet_ml",
+        "clearml",
+        "aim",
+        "swanlab",
+        "tensorboardX",
+        "numpy",
+        "scipy",
+        "sklearn",
+        "math",
+        "random",
+        "logging",
+    }
+)
+
+
 def external_setup_helpers(script: Script) -> list[ast.Call]:
     """Calls to imported, non-torch functions that may set up distributed
     (`utils.init_distributed_mode(args)`, `init_dist(launcher)`, `setup_ddp()`):
@@ -292,6 +315,7 @@ def external_setup_helpers(script: Script) -> list[ast.Call]:
         node
         for node, _name in script.call_names
         if (callee := imported_callee(script, node))
+        and callee.split(".")[0] not in UNRELATED_TO_SETUP
         and re.search(r"dist|setup|init", short(callee), re.IGNORECASE)
     ]
 

@@ -215,6 +215,63 @@ def findings_of(source: str, cause: str | None = None) -> list[tuple[str, int]]:
     return [(f.cause_id, f.line) for f in lint_source(source) if cause in (None, f.cause_id)]
 
 
+MESH_FIRST = (
+    "import torch.distributed as dist\n"
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "def main():\n"
+    "    mesh = init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))\n"
+    "    rank = dist.get_rank()\n"
+    "    dist.barrier()\n"
+    "main()\n"
+)
+
+
+def test_a_device_mesh_starts_the_default_group() -> None:
+    """DeviceMesh's constructor calls init_process_group() when no group exists
+    (blind set gh: 3D meshes made with no init_process_group of their own); a
+    call before the mesh still needs a group it does not have."""
+    assert findings_of(MESH_FIRST) == []
+    before = MESH_FIRST.replace(
+        "    mesh = init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))\n"
+        "    rank = dist.get_rank()\n",
+        "    rank = dist.get_rank()\n"
+        "    mesh = init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))\n",
+    )
+    findings = lint_source(before)
+    assert [(f.cause_id, f.line) for f in findings] == [("process-group-not-initialized", 4)]
+    assert "init_device_mesh(), which starts it, comes later (line 5)" in findings[0].message
+
+
+def test_a_mesh_made_first_really_starts_the_group_under_torchrun(torchrun, tmp_path) -> None:
+    script = tmp_path / "mesh_first.py"
+    script.write_text(MESH_FIRST + "assert dist.get_world_size() == 2\n")
+    result = torchrun(script)
+    assert result.returncode == 0, result.stderr[-2000:]
+    broken = tmp_path / "rank_first.py"
+    broken.write_text("import torch.distributed as dist\ndist.get_rank()\n")
+    assert "Default process group has not been initialized" in torchrun(broken).stderr
+
+
+def test_a_trackers_init_is_not_a_distributed_setup_helper() -> None:
+    """`wandb.init()` starts an experiment run, not a process group: a file whose only
+    "init" is a tracker's still has no process group (blind set gh's 06 read it as one)."""
+    source = (
+        "import wandb\n"
+        "import torch.distributed as dist\n"
+        "print(dist.get_world_size())\n"
+        "wandb.init(project='x')\n"
+    )
+    findings = lint_source(source)
+    assert [(f.cause_id, f.line) for f in findings] == [("process-group-not-initialized", 3)]
+    assert "init_process_group is never called in this file" in findings[0].message
+    # and a tracker's init first does not silence a file with no process group at all
+    first = source.replace(
+        "print(dist.get_world_size())\nwandb.init(project='x')\n",
+        "wandb.init(project='x')\nprint(dist.get_world_size())\n",
+    )
+    assert findings_of(first) == [("process-group-not-initialized", 4)]
+
+
 # The twins of the correct_* fixtures that real repositories' scripts gave
 # (data/eval/README.md, "Session 18"): each narrowing still reports the mistake.
 DDP_HEADER = (

@@ -34,6 +34,12 @@ FRAMEWORK_SETUP = frozenset(
         "trl.SFTConfig",
         "trl.DPOConfig",
         "trl.RewardConfig",
+        # A device mesh made before any process group starts the default one itself
+        # (DeviceMesh's constructor: "init_process_group() if not is_initialized()").
+        "torch.distributed.device_mesh.init_device_mesh",
+        "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed.init_device_mesh",
+        "torch.distributed.DeviceMesh",
     }
 )
 
