@@ -341,6 +341,20 @@ def keyword(call: ast.Call, name: str) -> ast.expr | None:
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
+def string_keyed_entries(expr: ast.expr) -> list[tuple[str, ast.expr]]:
+    """(key, value) of each string-keyed entry of a dict written out: `{"model": m}`
+    or `dict(model=m)`, the two ways checkpoints are built."""
+    if isinstance(expr, ast.Dict):
+        return [
+            (key.value, value)
+            for key, value in zip(expr.keys, expr.values, strict=True)
+            if isinstance(key, ast.Constant) and isinstance(key.value, str)
+        ]
+    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "dict":
+        return [(k.arg, k.value) for k in expr.keywords if k.arg is not None]
+    return []
+
+
 def is_int(expr: ast.expr | None) -> bool:
     """An int literal (not a bool)."""
     return (

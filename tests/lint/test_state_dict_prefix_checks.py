@@ -100,6 +100,30 @@ def test_a_checkpoint_loaded_only_when_it_exists_is_paired_with_its_save(saved, 
     )
 
 
+DICT_CALL = """
+def main(args):
+    model = build()
+    if args.resume_from:
+        ckpt = torch.load(args.resume_from, map_location="cpu")
+        model.load_state_dict(ckpt["model"])
+    model = DDP(model)
+    for step in range(3):
+        train_one_epoch(model)
+        state = dict(model=SAVED.state_dict(), step=step)
+        torch.save(state, os.path.join(args.ckpt_dir, f"step_{step:06d}.pt"))
+"""
+
+
+@pytest.mark.parametrize("saved, reported", [("model", [6]), ("model.module", [])])
+def test_a_checkpoint_built_with_dict_keywords_has_its_entries_read(saved, reported):
+    # blind set gk's 08: `state = dict(model=model.state_dict(), ...)`, the keyword
+    # spelling of {"model": ...}, resumed into the plain model before the wrap
+    body = DICT_CALL.replace("SAVED", saved)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["state-dict-module-prefix"])] == (
+        reported
+    )
+
+
 RESUMED_BEFORE_THE_WRAP = """
 import open_clip
 

@@ -38,6 +38,7 @@ from assistant.lint.model import (
     self_attribute,
     short,
     source_text,
+    string_keyed_entries,
     walk,
 )
 from assistant.lint.registry import check
@@ -468,15 +469,9 @@ class Places:
                 if item_line < line and (wrapped := self.state_dict_of_wrapper(scope, item)):
                     found.append((key, wrapped))
         for value in dicts:
-            if not isinstance(value, ast.Dict):
-                continue
-            for key, item in zip(value.keys, value.values, strict=True):
-                if (
-                    isinstance(key, ast.Constant)
-                    and isinstance(key.value, str)
-                    and (wrapped := self.state_dict_of_wrapper(scope, item))
-                ):
-                    found.append((key.value, wrapped))
+            for key, item in string_keyed_entries(value):
+                if wrapped := self.state_dict_of_wrapper(scope, item):
+                    found.append((key, wrapped))
         return found
 
     def state_dict_of_wrapper(
