@@ -209,8 +209,10 @@ for x in loader:
     [
         ("self.aux(h)", "out, _", "", [13]),
         ("self.aux(h)", "out, aux", "", []),  # both kept
-        ("h.mean()", "out, _", "", []),  # the discarded output runs no submodule of its own
-        ("self.head(h).sum()", "out, _", "", []),  # its submodule also feeds the kept output
+        # the discarded output runs no submodule of its own (self.aux is then read
+        # nowhere: unread_layers' finding, at its construction)
+        ("h.mean()", "out, _", "", [7]),
+        ("self.head(h).sum()", "out, _", "", [7]),  # its submodule also feeds the kept output
         ("self.aux(h)", "out, _", ", find_unused_parameters=True", []),
     ],
     ids=["discarded-head", "kept", "no-submodule", "shared", "find-unused"],

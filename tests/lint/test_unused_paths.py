@@ -406,7 +406,7 @@ class Detector(nn.Module):
         return self.mask_head(feats[: len(boxes)])
 
     def forward(self, x, boxes):
-        feats = self.backbone(x)
+        feats = self.blocks[0](self.backbone(x))
         if not self.training:
             return self.mask_logits(feats, boxes)
         loss = self.box_head(feats).sum()

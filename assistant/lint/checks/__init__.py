@@ -101,6 +101,9 @@ lines it must report.
 - timeouts: rank 0 walking data alone (an evaluation) while the others wait
   in the next collective, under a process-group timeout shortened below
   NCCL's default (collective-timeout);
+- unread_layers: a layer the wrapped model builds with parameters that nothing
+  in the file reads (a learned position table left after a switch to rotary
+  positions; unused-parameters);
 - unused_paths: a training call whose own arguments (constants, defaults, a
   flag decided per step) route forward around a submodule (unused-parameters);
 - weighted_heads: a LightningModule's head that only a loss weight with a
@@ -148,6 +151,7 @@ from assistant.lint.checks import (
     splits,
     state_dict,
     timeouts,
+    unread_layers,
     unused,
     unused_paths,
     weighted_heads,
@@ -188,6 +192,7 @@ __all__ = [
     "splits",
     "state_dict",
     "timeouts",
+    "unread_layers",
     "unused",
     "unused_paths",
     "weighted_heads",
