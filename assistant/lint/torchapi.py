@@ -174,10 +174,21 @@ def init_calls(script: Script) -> list[ast.Call]:
     return [node for node, name in script.call_names if is_init(name)]
 
 
+# Making a device mesh starts the default process group when none exists
+# (DeviceMesh's constructor calls init_process_group), so a script may never call it.
+MESH_BUILDERS = frozenset({"init_device_mesh", "DeviceMesh"})
+
+
+def makes_a_device_mesh(name: str) -> bool:
+    return name.startswith("torch.distributed") and short(name) in MESH_BUILDERS
+
+
 def is_distributed(script: Script) -> bool:
-    """The script starts a process group or wraps a model in DDP (or DeepSpeed's engine)."""
+    """The script starts a process group (itself, or by making a device mesh) or wraps
+    a model in DDP (or DeepSpeed's engine)."""
     return bool(init_calls(script)) or any(
-        is_ddp(name) or name == DEEPSPEED_ENGINE for _node, name in script.call_names
+        is_ddp(name) or name == DEEPSPEED_ENGINE or makes_a_device_mesh(name)
+        for _node, name in script.call_names
     )
 
 

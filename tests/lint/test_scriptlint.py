@@ -252,6 +252,40 @@ def test_a_mesh_made_first_really_starts_the_group_under_torchrun(torchrun, tmp_
     assert "Default process group has not been initialized" in torchrun(broken).stderr
 
 
+# blind set gh: 3D-parallel scripts whose only process-group start is the device mesh
+MESH_JOB = (
+    "import os\nimport torch\nimport wandb\n"
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "def main():\n"
+    "    mesh = init_device_mesh('cuda', (2, 2, 2), mesh_dim_names=('pp', 'dp', 'tp'))\n"
+    "    is_last = mesh['pp'].get_local_rank() == 1\n"
+    "    if is_last:\n"
+    "        wandb.init(project='x')\n"
+    "    torch.save({'step': 1}, 'trainer_state.pt')\n"
+    "main()\n"
+)
+
+
+def test_a_script_that_only_makes_a_device_mesh_is_distributed() -> None:
+    """Every check that asks whether the script runs as one process of several counts
+    the mesh as the process group's start: a save and a tracker's run on many ranks."""
+    found = {cause: line for cause, line in findings_of(MESH_JOB)}
+    assert found.get("checkpoint-written-by-every-rank") == 10
+    assert found.get("experiment-logger-ddp") == 9
+    single = MESH_JOB.replace("init_device_mesh('cuda', (2, 2, 2), ", "dict(")
+    assert findings_of(single) == []
+
+
+def test_a_tracker_under_a_test_that_many_ranks_pass_is_said_to_run_on_those() -> None:
+    [logger] = [f for f in lint_source(MESH_JOB) if f.cause_id == "experiment-logger-ddp"]
+    assert "wandb.init runs on every rank where `is_last` holds, not on one" in logger.message
+    plain = MESH_JOB.replace(
+        "    if is_last:\n        wandb.init", "    if True:\n        pass\n    wandb.init"
+    )
+    [logger] = [f for f in lint_source(plain) if f.cause_id == "experiment-logger-ddp"]
+    assert logger.message.startswith("wandb.init runs on every rank: N runs")
+
+
 def test_a_trackers_init_is_not_a_distributed_setup_helper() -> None:
     """`wandb.init()` starts an experiment run, not a process group: a file whose only
     "init" is a tracker's still has no process group (blind set gh's 06 read it as one)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
-from assistant.lint.model import Script, children, keyword, short, walk
+from assistant.lint.model import Script, children, keyword, short, source_text, walk
 from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
@@ -117,11 +117,12 @@ def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
         return
     every_rank, rank_zero = calls_by_ranks(script)
     for call in every_rank.values():
+        ranks = ranks_reaching(script, call.node)
         if call.name == WANDB_INIT and not per_rank_run(script, call.node):
             yield script.finding(
                 "experiment-logger-ddp",
                 call.node,
-                "wandb.init runs on every rank: N runs of one experiment and N wandb "
+                f"wandb.init runs on {ranks}: N runs of one experiment and N wandb "
                 "services that can time out; call it on rank 0 only (and wandb.log there "
                 "too), or give every rank's run the same group=",
             )
@@ -129,7 +130,7 @@ def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
             yield script.finding(
                 "experiment-logger-ddp",
                 call.node,
-                f"{call.name} runs on every rank: N runs of one experiment, every metric "
+                f"{call.name} runs on {ranks}: N runs of one experiment, every metric "
                 "and artifact logged N times (and N clients on the tracking server); start "
                 "the run and log on rank 0 only",
             )
@@ -137,7 +138,7 @@ def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
             yield script.finding(
                 "experiment-logger-ddp",
                 call.node,
-                f"{short(call.name)}() is created on every rank: N writers put N event files "
+                f"{short(call.name)}() is created on {ranks}: N writers put N event files "
                 "into one run folder (every curve N times); create it on rank 0 only, or "
                 "give each rank a folder of its own",
             )
@@ -153,6 +154,23 @@ def check_logger_on_every_rank(script: Script) -> Iterator[Finding]:
                 'ranks raise "You must call wandb.init() before wandb.log()"; log under '
                 "the same rank-0 test",
             )
+
+
+def ranks_reaching(script: Script, node: ast.AST) -> str:
+    """ "every rank", or, under tests the trace does not read as one rank's (`if
+    is_last:`, a pipeline's last stage: every rank of it), "every rank where `is_last`
+    holds": what the finding can say of who runs the call."""
+    tests = []
+    child, parent = node, script.parents.get(id(node))
+    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
+        if isinstance(parent, ast.If) and any(child is s for s in parent.body):
+            tests.append(source_text(parent.test))
+        elif isinstance(parent, ast.If) and any(child is s for s in parent.orelse):
+            tests.append(f"not ({source_text(parent.test)})")
+        child, parent = parent, script.parents.get(id(parent))
+    if not tests:
+        return "every rank"
+    return f"every rank where `{' and '.join(reversed(tests))}` holds, not on one"
 
 
 def runs_once_per_rank(script: Script) -> bool:

@@ -13,6 +13,7 @@ from assistant.lint.torchapi import (
     init_calls,
     is_dist_call,
     is_init,
+    makes_a_device_mesh,
 )
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -34,12 +35,6 @@ FRAMEWORK_SETUP = frozenset(
         "trl.SFTConfig",
         "trl.DPOConfig",
         "trl.RewardConfig",
-        # A device mesh made before any process group starts the default one itself
-        # (DeviceMesh's constructor: "init_process_group() if not is_initialized()").
-        "torch.distributed.device_mesh.init_device_mesh",
-        "torch.distributed.device_mesh.DeviceMesh",
-        "torch.distributed.init_device_mesh",
-        "torch.distributed.DeviceMesh",
     }
 )
 
@@ -75,13 +70,22 @@ def check_process_group_not_initialized(script: Script) -> Iterator[Finding]:
 
 
 def starts_group(call: TracedCall, external: set[int]) -> bool:
-    return is_init(call.name) or call.name in FRAMEWORK_SETUP or id(call.node) in external
+    return (
+        is_init(call.name)
+        or call.name in FRAMEWORK_SETUP
+        or makes_a_device_mesh(call.name)
+        or id(call.node) in external
+    )
 
 
 def external_setup_calls(script: Script) -> set[int]:
     """ids of the calls that may start the group in code not shown: a library's
     (deepspeed.initialize, Accelerator()) or an imported helper's."""
-    found = {id(node) for node, name in script.call_names if name in FRAMEWORK_SETUP}
+    found = {
+        id(node)
+        for node, name in script.call_names
+        if name in FRAMEWORK_SETUP or makes_a_device_mesh(name)
+    }
     return found | {id(node) for node in external_setup_helpers(script)}
 
 
