@@ -65,6 +65,34 @@ def test_an_inline_loop_and_a_metric_fed_batch_by_batch_are_reported():
     assert lines == [5, 11]
 
 
+STEP_COUNTER = """
+dist.init_process_group("nccl")
+train = DataLoader(data, sampler=DistributedSampler(data))
+step = 0
+for x, y in train:
+    loss = model(x, y)
+    COUNT
+if dist.get_rank() == 0:
+    print("lr", schedule(step))
+"""
+
+
+@pytest.mark.parametrize(
+    "count, reported",
+    [
+        # blind set gj's 07 (correct): a step counter, the same on every rank, shown
+        # as the learning rate at that step
+        ("step += 1", []),
+        # a count of what the batch holds, or of the batches that pass a test, is
+        # this rank's share
+        ("step += len(y)", [5]),
+        ("if loss > 1:\n        step += 1", [5]),
+    ],
+)
+def test_a_counter_of_the_loops_batches_is_not_a_total_of_the_data(count, reported):
+    assert reported_lines(STEP_COUNTER.replace("COUNT", count)) == reported
+
+
 NESTED_EVALUATION = """
 def main():
     accelerator = Accelerator()

@@ -35,6 +35,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    is_int,
     keyword,
     own_nodes,
     self_attribute,
@@ -609,8 +610,11 @@ def accumulated_names(loop: ast.For) -> set[str]:
     only while it is short (`if len(examples) < 5: examples.append(...)`) keeps a
     few examples to show, not a total."""
     shown_few = {id(n) for capped in capped_fills(loop) for n in walk(capped)}
+    counters = {id(statement) for statement in loop.body if counts_iterations(statement)}
     totals: set[str] = set()
     for node in walk(loop):
+        if id(node) in counters:
+            continue
         if isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Name, ast.Attribute)):
             totals.add(source_text(node.target))
         elif (
@@ -622,6 +626,17 @@ def accumulated_names(loop: ast.For) -> set[str]:
         ):
             totals.add(node.func.value.id)
     return totals
+
+
+def counts_iterations(statement: ast.stmt) -> bool:
+    """`step += 1` straight in the loop's body: it counts the loop's batches, which a
+    sampler that shares the data out gives every rank equally many of (the same
+    number on every rank, not a total of this rank's data)."""
+    return (
+        isinstance(statement, ast.AugAssign)
+        and isinstance(statement.op, ast.Add)
+        and is_int(statement.value)
+    )
 
 
 def capped_fills(loop: ast.For) -> Iterator[ast.If]:
