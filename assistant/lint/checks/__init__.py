@@ -110,6 +110,9 @@ lines it must report.
   default of 0 runs, under strategy="ddp" (unused-parameters);
 - seen_keys: a collective over one row per key (class, speaker) that the
   rank's own data filled into a dict (collective-mismatch);
+- own_launcher: workers the file starts itself (multiprocessing, spawn, Popen)
+  with RANK and WORLD_SIZE but no MASTER_ADDR / MASTER_PORT, joined over
+  env:// (launched-without-torchrun);
 - precision: a model cast to float16 whose optimizer a GradScaler steps, and
   float16 autocast / FSDP MixedPrecision with no loss scaler
   (mixed-precision-dtype);
@@ -139,6 +142,7 @@ from assistant.lint.checks import (
     metrics,
     model_build,
     node_local,
+    own_launcher,
     precision,
     process_group,
     rank_dependent,
@@ -180,6 +184,7 @@ __all__ = [
     "metrics",
     "model_build",
     "node_local",
+    "own_launcher",
     "precision",
     "process_group",
     "rank_dependent",
