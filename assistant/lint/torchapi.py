@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 
 from assistant.lint.model import Script, called_name, is_int, keyword, short
 
@@ -336,27 +337,35 @@ def calls_external_setup(script: Script) -> bool:
     return bool(external_setup_helpers(script))
 
 
-def sets_visible_devices_per_process(script: Script) -> bool:
-    """`os.environ["CUDA_VISIBLE_DEVICES"] = <computed>` (or `os.environ.update(
-    CUDA_VISIBLE_DEVICES=<computed>)`): each process then sees one GPU as cuda:0, so
-    the current device is already its own."""
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_device_settings(script: Script) -> Iterator[tuple[ast.AST, ast.expr]]:
+    """(where, value) of each CUDA_VISIBLE_DEVICES written into an environment:
+    `os.environ["CUDA_VISIBLE_DEVICES"] = gpu`, `{"CUDA_VISIBLE_DEVICES": gpu}`,
+    `env.update(CUDA_VISIBLE_DEVICES=gpu)`, `dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)`."""
     for node in script.nodes:
-        if (
-            isinstance(node, ast.Call)
-            and called_name(node) == "update"
-            and any(
-                k.arg == "CUDA_VISIBLE_DEVICES" and not isinstance(k.value, ast.Constant)
-                for k in node.keywords
-            )
-        ):
-            return True
-        if not isinstance(node, ast.Assign) or isinstance(node.value, ast.Constant):
-            continue
-        for target in node.targets:
-            key = target.slice if isinstance(target, ast.Subscript) else None
-            if isinstance(key, ast.Constant) and key.value == "CUDA_VISIBLE_DEVICES":
-                return True
-    return False
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == VISIBLE_DEVICES:
+                    yield node, value
+        elif isinstance(node, ast.Call):
+            for given in node.keywords:
+                if given.arg == VISIBLE_DEVICES:
+                    yield node, given.value
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                key = target.slice if isinstance(target, ast.Subscript) else None
+                if isinstance(key, ast.Constant) and key.value == VISIBLE_DEVICES:
+                    yield node, node.value
+
+
+def sets_visible_devices_per_process(script: Script) -> bool:
+    """CUDA_VISIBLE_DEVICES set to a computed value (visible_device_settings): each
+    process then sees its own GPU as cuda:0, so the current device is already its own."""
+    return any(
+        not isinstance(value, ast.Constant) for _node, value in visible_device_settings(script)
+    )
 
 
 def backend_of(call: ast.Call) -> str | None:

@@ -1,6 +1,9 @@
-"""launched-without-torchrun: workers a file starts itself with RANK and WORLD_SIZE but
-no MASTER_ADDR / MASTER_PORT, joined over env:// (assistant/lint/checks/own_launcher.py);
-the fixture really fails that way when run with python, and its twin joins."""
+"""Workers a file starts itself (assistant/lint/checks/own_launcher.py):
+launched-without-torchrun, RANK and WORLD_SIZE but no MASTER_ADDR / MASTER_PORT, joined
+over env:// (the fixture really fails that way when run with python, and its twin
+joins); cuda-visible-devices-mismatch, one GPU per worker through CUDA_VISIBLE_DEVICES and
+the device then picked by rank (a GPU-only failure: "invalid device ordinal", read
+from the text)."""
 
 from __future__ import annotations
 
@@ -109,3 +112,54 @@ def test_the_workers_fail_without_the_master_and_the_twins_join(tmp_path):
     out, err = run_with_python(FIXED, tmp_path)
     assert "joined rank 0 of 2" in out and "joined rank 1 of 2" in out, err[-2000:]
     assert "exit codes [0, 0]" in out, err[-2000:]
+
+
+# blind sets gg's 03 and gl's 20: each worker pinned to one GPU, then its device by rank
+PINNED = """
+def start(gpus, port):
+    procs = []
+    for local_rank, gpu in enumerate(gpus):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=ONE_GPU, LOCAL_RANK=str(local_rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker"], env=env))
+    return procs
+
+
+def worker():
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(PICK)
+    model = DDP(net.cuda(), device_ids=[PICK])
+"""
+
+
+def pinned(visible: str = "gpu", pick: str = "local_rank") -> list[tuple[int, str]]:
+    body = PINNED.replace("ONE_GPU", visible).replace("PICK", pick)
+    header = HEADER + "import torch\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+    found = lint_snippet(header, body, ["cuda-visible-devices-mismatch"])
+    return [(line, finding.message) for line, finding in found]
+
+
+def test_one_visible_gpu_per_worker_picked_by_rank_is_reported_once():
+    [(line, message)] = pinned()
+    assert line == 13
+    assert "CUDA_VISIBLE_DEVICES gives each worker one GPU" in message
+    assert "picking the device by local_rank (and again on line " in message
+    assert "invalid device ordinal" in message
+
+
+@pytest.mark.parametrize(
+    "visible, pick",
+    [
+        ("gpu", "0"),  # the worker's only GPU, as it sees it (gg's 07 and 13, gl's 02)
+        ('",".join(gpus)', "local_rank"),  # every worker sees them all: by rank is right
+        ("os.environ.get('CUDA_VISIBLE_DEVICES', '0')", "local_rank"),
+    ],
+)
+def test_quiet_where_the_worker_sees_the_gpu_it_picks(visible, pick):
+    assert pinned(visible, pick) == []
+
+
+def test_a_gpu_taken_by_index_or_given_as_the_rank_is_one_gpu():
+    assert len(pinned(visible="gpus[local_rank]")) == 1
+    assert len(pinned(visible="str(local_rank)")) == 1
+    assert len(pinned(visible='f"{gpu}"')) == 1

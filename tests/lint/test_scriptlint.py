@@ -1688,9 +1688,12 @@ def test_a_librarys_gpu_index_given_as_a_number(given, reported) -> None:
         # blind sets gg's 07 and 13 (correct): each worker sees its own GPU alone, as cuda:0
         ('os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]', []),
         ("os.environ.update(CUDA_VISIBLE_DEVICES=gpus[rank], MASTER_PORT='29500')", []),
+        # gl's 02 (correct): the worker's environment built as dict(os.environ, ...)
+        ("env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpus[rank])", []),
+        ('env = {"CUDA_VISIBLE_DEVICES": gpus[rank]}', []),
         ("pass", [("hardcoded-device", 10)]),
     ],
-    ids=["subscript", "update", "none"],
+    ids=["subscript", "update", "dict-call", "dict", "none"],
 )
 def test_cuda0_is_each_workers_own_gpu_where_it_sees_one(pin, reported) -> None:
     source = (

@@ -112,7 +112,9 @@ lines it must report.
   rank's own data filled into a dict (collective-mismatch);
 - own_launcher: workers the file starts itself (multiprocessing, spawn, Popen)
   with RANK and WORLD_SIZE but no MASTER_ADDR / MASTER_PORT, joined over
-  env:// (launched-without-torchrun);
+  env:// (launched-without-torchrun); one GPU per worker through
+  CUDA_VISIBLE_DEVICES, then the device picked by rank
+  (cuda-visible-devices-mismatch);
 - precision: a model cast to float16 whose optimizer a GradScaler steps, and
   float16 autocast / FSDP MixedPrecision with no loss scaler
   (mixed-precision-dtype);
