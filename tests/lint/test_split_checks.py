@@ -233,6 +233,34 @@ def test_a_seeded_sorted_or_rank_zero_draw_is_quiet(body):
     assert lines(body) == []
 
 
+# blind set gm's 02 (correct): one function builds the character set and writes it
+# sorted; another reads the file back into a list of the same name and numbers that
+VOCABULARY = """
+def build_dict(labels, path):
+    chars = set()
+    for text in labels:
+        chars.update(text)
+    chars = sorted(chars)
+    open(path, "w").write("\\n".join(chars))
+
+
+def load_dict(path):
+    chars = LOADED
+    return {c: i + 1 for i, c in enumerate(chars)}
+"""
+
+
+@pytest.mark.parametrize(
+    "loaded, reported",
+    [
+        ("[line.rstrip() for line in open(path)]", []),
+        ("set(open(path).read())", [12]),  # this function's own set: numbered in its order
+    ],
+)
+def test_a_name_is_what_its_own_function_last_gave_it(loaded, reported):
+    assert lines(VOCABULARY.replace("LOADED", loaded)) == reported
+
+
 def test_a_script_run_as_one_process_is_not_judged():
     single = "import torch\nfrom torch.utils.data import random_split\ndata = list(range(8))\n"
     assert lines("train, val = random_split(data, [6, 2])\n", prelude=single) == []

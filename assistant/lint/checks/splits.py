@@ -594,6 +594,12 @@ def numbered_sets(script: Script) -> Iterator[Finding]:
         if node.func.id != "enumerate" or not node.args:
             continue
         numbered = node.args[0]
+        if isinstance(numbered, ast.Name):
+            # what the name holds here: its last assignment in this function, when it has one
+            # (a `chars` another function builds as a set is not this one)
+            local = last_assignment(script, node, numbered.id)
+            if local is not None:
+                numbered = local
         if is_set_order(numbered, made_of_set):
             if on_rank_zero_only(node, script):
                 continue
@@ -655,6 +661,24 @@ SET_JOINS = (ast.Add, ast.BitOr, ast.BitAnd, ast.Sub, ast.BitXor)
 
 # A dict's views walk it in the order it was filled.
 DICT_VIEWS = frozenset({"items", "keys", "values"})
+
+
+def last_assignment(script: Script, node: ast.AST, name: str) -> ast.expr | None:
+    """The value `name` was last given before `node` in the function holding it
+    (a parameter: unknown, so the name itself); None when the function never binds it."""
+    scope = enclosing_scope(node, script) or script.tree
+    if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
+        parameters = scope.args.posonlyargs + scope.args.args + scope.args.kwonlyargs
+        if any(argument.arg == name for argument in parameters):
+            return ast.Name(id=name)
+    values = [
+        (assign.lineno, value)
+        for assign in script.scope_nodes(scope)
+        if isinstance(assign, ast.Assign) and assign.lineno <= node.lineno
+        for target, value in name_value_pairs(assign)
+        if target.id == name
+    ]
+    return max(values, key=lambda pair: pair[0])[1] if values else None
 
 
 def names_in_set_order(script: Script) -> set[str]:
