@@ -340,24 +340,29 @@ def calls_external_setup(script: Script) -> bool:
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
 
-def visible_device_settings(script: Script) -> Iterator[tuple[ast.AST, ast.expr]]:
-    """(where, value) of each CUDA_VISIBLE_DEVICES written into an environment:
-    `os.environ["CUDA_VISIBLE_DEVICES"] = gpu`, `{"CUDA_VISIBLE_DEVICES": gpu}`,
-    `env.update(CUDA_VISIBLE_DEVICES=gpu)`, `dict(os.environ, CUDA_VISIBLE_DEVICES=gpu)`."""
+def environment_settings(script: Script, variable: str) -> Iterator[tuple[ast.AST, ast.expr]]:
+    """(where, value) of each time the file writes `variable` into an environment:
+    `os.environ["MASTER_PORT"] = port`, `{"MASTER_PORT": port}`,
+    `env.update(MASTER_PORT=port)`, `dict(os.environ, MASTER_PORT=port)`."""
     for node in script.nodes:
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values, strict=True):
-                if isinstance(key, ast.Constant) and key.value == VISIBLE_DEVICES:
+                if isinstance(key, ast.Constant) and key.value == variable:
                     yield node, value
         elif isinstance(node, ast.Call):
             for given in node.keywords:
-                if given.arg == VISIBLE_DEVICES:
+                if given.arg == variable:
                     yield node, given.value
         elif isinstance(node, ast.Assign):
             for target in node.targets:
                 key = target.slice if isinstance(target, ast.Subscript) else None
-                if isinstance(key, ast.Constant) and key.value == VISIBLE_DEVICES:
+                if isinstance(key, ast.Constant) and key.value == variable:
                     yield node, node.value
+
+
+def visible_device_settings(script: Script) -> Iterator[tuple[ast.AST, ast.expr]]:
+    """Each CUDA_VISIBLE_DEVICES the file writes into an environment (environment_settings)."""
+    return environment_settings(script, VISIBLE_DEVICES)
 
 
 def sets_visible_devices_per_process(script: Script) -> bool:

@@ -5,6 +5,8 @@ show what such a rendezvous does (tests/multinode)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from snippets import lint_snippet
 
@@ -126,5 +128,88 @@ def test_a_port_the_parent_chose_and_passed_is_the_same_in_every_child():
         "if __name__ == '__main__':\n"
         "    port = free_port()\n"
         "    mp.spawn(worker, args=(2, port), nprocs=2)\n"
+    )
+    assert lint_snippet("", source, ["master-endpoint-mismatch"]) == []
+
+
+# blind sets gg's 11 and gl's 01: a Popen launcher whose helper builds each worker's
+# environment, drawing a free port every call
+LAUNCHER = """
+import os
+import socket
+import subprocess
+import sys
+
+
+def find_free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(rank, port):
+    return dict(os.environ, RANK=str(rank), MASTER_PORT=PORT_GIVEN)
+
+
+def launch(nproc):
+    CHOSEN
+    procs = []
+    for rank in range(nproc):
+        procs.append(subprocess.Popen([sys.executable, "train.py"], env=worker_env(rank, port)))
+"""
+
+
+@pytest.mark.parametrize(
+    ("port", "chosen", "reported"),
+    [
+        ("str(find_free_port())", "port = None", [15]),  # drawn anew for each worker
+        ("str(port)", "port = find_free_port()", []),  # once, before the loop
+        ("'29500'", "port = None", []),
+    ],
+)
+def test_a_master_port_chosen_anew_for_each_worker_a_loop_starts(port, chosen, reported):
+    source = LAUNCHER.replace("PORT_GIVEN", port).replace("CHOSEN", chosen)
+    found = lint_snippet("", source, ["master-endpoint-mismatch"])
+    assert [line for line, _ in found] == reported
+
+
+def test_a_port_drawn_in_the_loop_that_starts_the_workers_is_per_worker_too():
+    source = (
+        LAUNCHER.replace("PORT_GIVEN", "str(port)")
+        .replace("CHOSEN", "port = None")
+        .replace(
+            "env=worker_env(rank, port)",
+            "env=dict(os.environ, MASTER_PORT=str(find_free_port()))",
+        )
+    )
+    [(line, finding)] = lint_snippet("", source, ["master-endpoint-mismatch"])
+    assert line == 22
+    assert "once per pass of the loop on line 21 that starts them" in finding.message
+
+
+@pytest.mark.slow
+def test_workers_told_other_ports_never_meet_and_the_twin_joins(tmp_path):
+    """Run with python: the broken launcher's workers time out in the rendezvous
+    (rank 0's store waits for a client that connects elsewhere); the twin's join."""
+    from test_own_launcher import run_with_python
+
+    from assistant.lint import lint_script as lint
+
+    scripts = Path(__file__).resolve().parent.parent / "data" / "scripts"
+    broken = scripts / "launcher_port_per_worker.py"
+    assert [f.cause_id for f in lint(broken)] == ["master-endpoint-mismatch"]
+    out, err = run_with_python(broken, tmp_path)
+    assert "exit codes [1, 1]" in out, err[-2000:]
+    assert "waiting for clients. 1/2 clients joined" in err
+    out, err = run_with_python(scripts / "correct_launcher_port_chosen_once.py", tmp_path)
+    assert "joined rank 0 of 2" in out and "joined rank 1 of 2" in out, err[-2000:]
+
+
+def test_a_port_drawn_once_before_the_loop_is_every_workers():
+    # blind sets gg's 08 and gl's 20: drawn before the loop, written into each environment
+    source = (
+        LAUNCHER.replace("PORT_GIVEN", "str(port)")
+        .replace("CHOSEN", "port = find_free_port()")
+        .replace("env=worker_env(rank, port)", "env=dict(os.environ, MASTER_PORT=str(port))")
     )
     assert lint_snippet("", source, ["master-endpoint-mismatch"]) == []

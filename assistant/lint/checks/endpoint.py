@@ -11,7 +11,9 @@ A host name sent from rank 0 to the others (MPI's `bcast`) is the master's,
 not each node's own.
 
 And MASTER_PORT chosen in each process mp.spawn starts (a free port the OS
-gives a socket bound to port 0, a random draw): the ranks never agree on it.
+gives a socket bound to port 0, a random draw), or chosen anew for each worker a
+launcher of the file starts (`env=worker_env(rank)` in the loop that starts them,
+worker_env drawing a free port each call): the ranks never agree on it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from assistant.lint.checks.fork import reached
 from assistant.lint.model import Script, called_name, keyword, short, source_text, walk
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
+from assistant.lint.torchapi import environment_settings
 from assistant.results import Finding
 
 OWN_HOST_CALLS = frozenset({"gethostname", "getfqdn", "node"})  # socket's, platform.node()
@@ -93,6 +96,8 @@ def own_host_name(script: Script, value: ast.expr) -> bool:
 
 
 # Launchers that run a function of the file in each process they start.
+# What starts one worker process of a launcher loop.
+WORKER_STARTS = frozenset({"Popen", "Process"})
 PROCESS_STARTERS = frozenset(
     {"torch.multiprocessing.spawn", "torch.multiprocessing.start_processes"}
 )
@@ -131,6 +136,76 @@ def check_master_port_chosen_in_each_process(script: Script) -> Iterator[Finding
             "connect to theirs, and init_process_group times out; choose the port once in "
             "the parent before mp.spawn and pass it (or set it there in os.environ)",
         )
+
+
+@check("master-endpoint-mismatch")
+def check_master_port_chosen_per_worker(script: Script) -> Iterator[Finding]:
+    """`env = dict(os.environ, MASTER_PORT=str(find_free_port()), RANK=str(r))` for each
+    worker a launcher loop starts (in the loop, or in a function the loop calls once
+    per worker): every worker is told another port."""
+    per_worker = {id(loop): loop for loop in loops_starting_workers(script)}
+    if not per_worker:
+        return
+    calling_loops = function_calls_in_loops(script, per_worker.values())
+    for where, value in environment_settings(script, "MASTER_PORT"):
+        scope = enclosing_scope(where, script)
+        if scope is None:
+            continue
+        chosen = port_choice(script, scope, value)
+        if chosen is None:
+            continue
+        # where the port is drawn, not where it is written: a port drawn once before the
+        # loop and written into each worker's environment is the same for all
+        drawn_in = enclosing_scope(chosen, script)
+        loop = inside_one_of(script, chosen, per_worker) or calling_loops.get(
+            getattr(drawn_in, "name", None)
+        )
+        if loop is None:
+            continue
+        yield script.finding(
+            "master-endpoint-mismatch",
+            value,
+            f"MASTER_PORT is chosen anew for each worker (`{source_text(chosen)}`, once per "
+            f"pass of the loop on line {loop.lineno} that starts them): every worker is told "
+            "another port, so rank 0's store listens on one while the others connect to "
+            "theirs, and init_process_group times out; choose the port once, before the "
+            "loop, and give every worker that one",
+        )
+
+
+def loops_starting_workers(script: Script) -> Iterator[ast.For]:
+    """Loops whose body starts a process (`subprocess.Popen`, `Process(...)`)."""
+    for node in script.nodes:
+        if isinstance(node, ast.For) and any(
+            isinstance(n, ast.Call) and called_name(n) in WORKER_STARTS
+            for statement in node.body
+            for n in walk(statement)
+        ):
+            yield node
+
+
+def function_calls_in_loops(script: Script, loops) -> dict[str, ast.For]:
+    """The file's functions called in these loops' bodies, to the innermost loop."""
+    called: dict[str, ast.For] = {}
+    for loop in sorted(loops, key=lambda loop: -loop.lineno):  # nested loops start later
+        for statement in loop.body:
+            for node in walk(statement):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Name)
+                    and node.func.id in script.functions
+                ):
+                    called.setdefault(node.func.id, loop)
+    return called
+
+
+def inside_one_of(script: Script, node: ast.AST, loops: dict[int, ast.For]) -> ast.For | None:
+    parent = script.parents.get(id(node))
+    while parent is not None:
+        if id(parent) in loops:
+            return loops[id(parent)]
+        parent = script.parents.get(id(parent))
+    return None
 
 
 def names_port(target: ast.expr) -> bool:
