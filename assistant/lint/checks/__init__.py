@@ -110,6 +110,8 @@ lines it must report.
   default of 0 runs, under strategy="ddp" (unused-parameters);
 - seen_keys: a collective over one row per key (class, speaker) that the
   rank's own data filled into a dict (collective-mismatch);
+- clock_stops: a training loop each rank leaves by its own clock (a time
+  budget no rank shares; uneven-inputs);
 - own_launcher: workers the file starts itself (multiprocessing, spawn, Popen)
   with RANK and WORLD_SIZE but no MASTER_ADDR / MASTER_PORT, joined over
   env:// (launched-without-torchrun); one GPU per worker through
@@ -129,6 +131,7 @@ from assistant.lint.checks import (
     batchnorm,
     cache,
     checkpoint,
+    clock_stops,
     collective_reach,
     collective_saves,
     compile_prefix,
@@ -171,6 +174,7 @@ __all__ = [
     "batchnorm",
     "cache",
     "checkpoint",
+    "clock_stops",
     "collective_reach",
     "collective_saves",
     "compile_prefix",
