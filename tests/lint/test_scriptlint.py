@@ -1709,3 +1709,25 @@ def test_cuda0_is_each_workers_own_gpu_where_it_sees_one(pin, reported) -> None:
         "    mp.spawn(worker, args=(['2', '3'],), nprocs=2)\n"
     )
     assert findings_of(source, "hardcoded-device") == reported
+
+
+# blind set gr's 16 (correct): a context manager whose barrier pair straddles its yield
+MAIN_FIRST = (
+    "from contextlib import contextmanager\nimport torch.distributed as dist\n"
+    "@contextmanager\ndef main_process_first():\n"
+    "    if dist.get_rank() != 0:\n        dist.barrier()\n"
+    "    try:\n        yield\n    finally:\n"
+    "        if dist.get_rank() == 0:\n            SECOND\n"
+    "def main():\n    dist.init_process_group('gloo')\n"
+    "    with main_process_first():\n        data = load()\n"
+    "main()\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("second", "reported"),
+    [("dist.barrier()", []), ("pass", [("collective-mismatch", 6)])],
+    ids=["paired-in-finally", "unpaired"],
+)
+def test_a_barrier_pair_across_a_try_finally_is_one_call_per_rank(second, reported) -> None:
+    assert findings_of(MAIN_FIRST.replace("SECOND", second), "collective-mismatch") == reported

@@ -267,6 +267,18 @@ def statement_blocks(script: Script) -> dict[int, list[ast.stmt]]:
     return blocks
 
 
+def in_order(block: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The block's statements in the order they run, a try's (body, else, finally, not
+    the handlers: the exception's path) and a with's own statements in their place."""
+    for stmt in block:
+        if isinstance(stmt, ast.Try):
+            yield from in_order(stmt.body + stmt.orelse + stmt.finalbody)
+        elif isinstance(stmt, ast.With):
+            yield from in_order(stmt.body)
+        else:
+            yield stmt
+
+
 class CollectiveReach:
     """Which statements reach one collective, directly or through same-file functions.
 
@@ -295,17 +307,28 @@ class CollectiveReach:
         return self.statements(other) or self.paired(test_if)
 
     def paired(self, test_if: ast.If) -> bool:
-        """`if rank != 0: barrier()` ... `if rank == 0: barrier()`: each rank calls it once."""
-        block = self.blocks.get(id(test_if), [])
+        """`if rank != 0: barrier()` ... `if rank == 0: barrier()`: each rank calls it once
+        (the second may sit in a `finally:` or a `with` of the same function: a context
+        manager's `if not main: barrier()`, `try: yield`, `finally: if main: barrier()`)."""
+        block = self.outer_block(test_if)
         if id(block) not in self.paired_ifs:
             self.paired_ifs[id(block)] = self.pairs_in(block)
         return id(test_if) in self.paired_ifs[id(block)]
+
+    def outer_block(self, stmt: ast.stmt) -> list[ast.stmt]:
+        """The statement list holding `stmt`, or the one holding the try / with it is in."""
+        block = self.blocks.get(id(stmt), [])
+        parent = self.script.parents.get(id(stmt))
+        while isinstance(parent, ast.Try | ast.With) and id(parent) in self.blocks:
+            block = self.blocks[id(parent)]
+            parent = self.script.parents.get(id(parent))
+        return block
 
     def pairs_in(self, block: list[ast.stmt]) -> set[int]:
         """ids of the rank `if`s of a block matched with one for the other side."""
         paired: set[int] = set()
         unmatched: dict[str, list[ast.stmt]] = {RANK_ZERO: [], OTHER_RANKS: []}  # stacks
-        for stmt in block:
+        for stmt in in_order(block):
             side = self.reaching_side(stmt)
             if side is None:
                 continue
