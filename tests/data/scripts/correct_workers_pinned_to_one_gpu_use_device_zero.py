@@ -42,6 +42,7 @@ def worker() -> None:
     dist.init_process_group("nccl")
     model = DDP(torch.nn.Linear(8, 2).cuda(), device_ids=[0])
     model(torch.randn(4, 8, device="cuda")).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 
