@@ -25,6 +25,7 @@ from assistant.lint.model import (
     source_text,
     walk,
 )
+from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import runs_a_process_per_gpu
 from assistant.results import Finding
@@ -72,7 +73,7 @@ def reads_the_clock(script: Script, test: ast.expr, loop: ast.AST) -> bool:
     if any(is_clock(script, node) for node in walk(test)):
         return True
     read = names_in(test)
-    scope = enclosing_function(script, loop)
+    scope = enclosing_scope(loop, script) or script.tree
     for node in script.scope_nodes(scope):
         if isinstance(node, ast.Assign):
             pairs = name_value_pairs(node)  # `step, tic = 0, time.time()`: tic alone
@@ -91,10 +92,3 @@ def is_clock(script: Script, node: ast.AST) -> bool:
         return False
     name = script.name_of(node.func)
     return name.startswith("time.") and short(name) in CLOCKS
-
-
-def enclosing_function(script: Script, node: ast.AST) -> ast.AST:
-    parent = script.parents.get(id(node))
-    while parent is not None and not isinstance(parent, ast.FunctionDef | ast.AsyncFunctionDef):
-        parent = script.parents.get(id(parent))
-    return parent or script.tree

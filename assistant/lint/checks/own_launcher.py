@@ -28,6 +28,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.data import words_in
 from assistant.lint.model import Script, called_name, keyword, short, source_text
 from assistant.lint.ranks import is_rank_expr
 from assistant.lint.registry import check
@@ -70,33 +71,24 @@ def check_own_launcher_without_the_master(script: Script) -> Iterator[Finding]:
 
 
 def code_words(script: Script) -> Iterator[str]:
-    """The names, attributes, imported modules and strings of the code, but its
-    docstrings (which may say what torchrun would do)."""
+    """The code's identifiers and strings (data.words_in) and the modules it imports,
+    but its docstrings (which may say what torchrun would do)."""
     docstrings = {
-        id(body[0].value)
+        body[0].value.value
         for node in [script.tree, *script.nodes]
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
         and (body := node.body)
         and isinstance(body[0], ast.Expr)
         and isinstance(body[0].value, ast.Constant)
     }
+    yield from (word for word in words_in(script.tree) if word not in docstrings)
     for node in script.nodes:
-        if isinstance(node, ast.Name):
-            yield node.id
-        elif isinstance(node, ast.Attribute):
-            yield node.attr
-        elif isinstance(node, ast.alias):
+        if isinstance(node, ast.alias):
             yield node.name
         elif isinstance(node, ast.ImportFrom) and node.module:
             yield node.module
         elif isinstance(node, ast.keyword) and node.arg:
             yield node.arg
-        elif (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, str)
-            and id(node) not in docstrings
-        ):
-            yield node.value
 
 
 def env_rendezvous(init: ast.Call) -> bool:
