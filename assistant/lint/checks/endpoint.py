@@ -22,6 +22,7 @@ import ast
 import re
 from collections.abc import Iterator
 
+from assistant.lint.checks.collective_reach import ancestors_in_scope
 from assistant.lint.checks.fork import reached
 from assistant.lint.model import Script, called_name, keyword, short, source_text, walk
 from assistant.lint.ranks import enclosing_scope
@@ -200,12 +201,8 @@ def function_calls_in_loops(script: Script, loops) -> dict[str, ast.For]:
 
 
 def inside_one_of(script: Script, node: ast.AST, loops: dict[int, ast.For]) -> ast.For | None:
-    parent = script.parents.get(id(node))
-    while parent is not None:
-        if id(parent) in loops:
-            return loops[id(parent)]
-        parent = script.parents.get(id(parent))
-    return None
+    """The innermost of `loops` around `node` in its own function."""
+    return next((loops[id(a)] for a in ancestors_in_scope(script, node) if id(a) in loops), None)
 
 
 def names_port(target: ast.expr) -> bool:
