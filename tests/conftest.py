@@ -154,6 +154,11 @@ class Torchrun:
     Hung = TorchrunHung
     RankCrashed = TorchrunRankCrashed
 
+    @staticmethod
+    def crashed(result: subprocess.CompletedProcess) -> bool:
+        """Whether the run's first failing rank died of a crash signal, not an error it threw."""
+        return result.returncode != 0 and killed_by_a_crash_signal(result.stderr)
+
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.launched: list[MarkedProcess] = []

@@ -1,6 +1,6 @@
 """The fixture every torchrun test relies on: a launch that hangs is killed whole
 (the workers too, though torchrun starts them in sessions of their own), says what
-was still alive, and a twin that only hung in its teardown is told apart."""
+was still alive, and a twin that only hung or crashed in its teardown is told apart."""
 
 from __future__ import annotations
 
@@ -116,6 +116,38 @@ def test_a_rank_that_aborts_on_an_error_it_threw_is_not_launched_again(torchrun,
         thrown = torchrun.start(files["throws"])()
     assert thrown.returncode != 0
     assert len(torchrun.launched) == 1
+
+
+# Both ranks print their line, then rank 0 aborts each time (the first run and
+# its rerun): the teardown crash CI saw twice in a row on one twin.
+TRAINS_THEN_ALWAYS_ABORTS = (
+    'import os\nprint("trained", flush=True)\nif os.environ["RANK"] == "0":\n    os.abort()\n'
+)
+# Rank 0 aborts before it prints: the twin did not train on every rank.
+ABORTS_BEFORE_ONE_RANK_TRAINS = (
+    'import os\nif os.environ["RANK"] == "0":\n    os.abort()\nprint("trained", flush=True)\n'
+)
+
+
+@pytest.mark.slow
+def test_a_twin_that_crashed_only_in_its_teardown_twice_is_marked_xfail(torchrun, tmp_path):
+    files = scripts(tmp_path, broken=FAILS, twin=TRAINS_THEN_ALWAYS_ABORTS)
+    with pytest.warns(torchrun.RankCrashed), pytest.raises(pytest.xfail.Exception) as outcome:
+        assert_broken_fails_and_twin_runs(
+            torchrun, files["broken"], "the broken fixture failed", files["twin"], "trained"
+        )
+    assert "crashed at exit" in str(outcome.value)
+    assert "SIGABRT" in str(outcome.value)
+    assert len(torchrun.launched) == 3  # the broken once, the twin twice
+
+
+@pytest.mark.slow
+def test_a_twin_that_crashed_before_every_rank_trained_fails(torchrun, tmp_path):
+    files = scripts(tmp_path, broken=FAILS, twin=ABORTS_BEFORE_ONE_RANK_TRAINS)
+    with pytest.warns(torchrun.RankCrashed), pytest.raises(AssertionError):
+        assert_broken_fails_and_twin_runs(
+            torchrun, files["broken"], "the broken fixture failed", files["twin"], "trained"
+        )
 
 
 def ddp_kept_past_destroy(source: str) -> list[int]:
