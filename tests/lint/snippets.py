@@ -26,14 +26,18 @@ def lint_snippet(
 
 # How gloo reports ranks that stopped matching (a collective one rank never
 # joins): whichever rank notices first times out, and the other sees its pair
-# closed or reset. Which of them reaches stderr before torchrun stops the group
-# depends on timing (CI once saw only the pair closure), so a hang fixture
-# accepts the family, not one member of it.
+# closed or reset; where the collectives that meet differ in size, the rank that
+# receives the other's throws gloo's size check ("Received data size doesn't
+# match expected size. Is there a distributed collective mismatch in your
+# code?") and aborts. Which of them reaches stderr before torchrun stops the
+# group depends on timing (CI once saw only the pair closure, once only the size
+# check), so a hang fixture accepts the family, not one member of it.
 RANKS_STOPPED_MATCHING = (
     "Timed out",
     "Application timeout caused pair closure",
     "Connection closed by peer",
     "Connection reset by peer",
+    "Received data size doesn't match expected size",
 )
 
 
