@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from types import UnionType
 from typing import TYPE_CHECKING
 
 from assistant.errors import UserError
@@ -60,6 +61,17 @@ class Script:
     # places from other such fields otherwise costs exponential time.
     assigned_sides: dict[str, str | None] = field(default_factory=dict, repr=False)
     source: str = field(default="", repr=False)  # the text: its docstring's launch lines
+    of_type_cache: dict[object, list[ast.AST]] = field(default_factory=dict, repr=False)
+
+    def of_type(self, kinds: type | tuple | UnionType) -> list[ast.AST]:
+        """The file's nodes of `kinds` (what isinstance takes), in walk order.
+
+        Filtered once per kind for all checks: a hundred scans of every node per
+        file, one per check that looks for assignments or calls, were the
+        linter's largest shared cost."""
+        if kinds not in self.of_type_cache:
+            self.of_type_cache[kinds] = [n for n in self.nodes if isinstance(n, kinds)]
+        return self.of_type_cache[kinds]
 
     def scope_nodes(self, scope: ast.AST) -> list[ast.AST]:
         """`own_nodes(scope)`, computed once per scope for all checks."""
@@ -70,8 +82,7 @@ class Script:
     @cached_property
     def call_names(self) -> list[tuple[ast.Call, str]]:
         """Every call in the file with its resolved name, in source order."""
-        found = [n for n in self.nodes if isinstance(n, ast.Call)]
-        found.sort(key=lambda n: (n.lineno, n.col_offset))
+        found = sorted(self.of_type(ast.Call), key=lambda n: (n.lineno, n.col_offset))
         return [(node, self.name_of(node.func)) for node in found]
 
     @cached_property
@@ -82,14 +93,12 @@ class Script:
     @cached_property
     def string_constants(self) -> frozenset[str]:
         """Every string literal in the file ("LOCAL_RANK", "cuda:0", ...)."""
-        return frozenset(
-            n.value for n in self.nodes if isinstance(n, ast.Constant) and isinstance(n.value, str)
-        )
+        return frozenset(n.value for n in self.of_type(ast.Constant) if isinstance(n.value, str))
 
     @cached_property
     def every_parameter_name(self) -> frozenset[str]:
         """The names any function or lambda of the file takes as parameters."""
-        lambdas = [n for n in self.nodes if isinstance(n, ast.Lambda)]
+        lambdas = self.of_type(ast.Lambda)
         return frozenset().union(*(parameter_names(s) for s in [*self.all_scopes, *lambdas]))
 
     @cached_property
@@ -127,7 +136,7 @@ class Script:
     def all_scopes(self) -> list[ast.AST]:
         """The module and every function in it, nested ones (callbacks, closures) too."""
         defs = (ast.FunctionDef, ast.AsyncFunctionDef)
-        return [self.tree, *(node for node in self.nodes if isinstance(node, defs))]
+        return [self.tree, *(node for node in self.of_type(defs))]
 
     @cached_property
     def assigned_values(self) -> dict[str, list[ast.expr]]:
@@ -374,8 +383,8 @@ def names_bound_to(script: Script, class_name: str) -> set[str]:
     one (`model = FSDP(model)`, `self.model = wrap(model)`), by source text."""
     return {
         source_text(target)
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        for node in script.of_type(ast.Assign)
+        if isinstance(node.value, ast.Call)
         if any(
             short(script.name_of(call.func)) == class_name
             for call in [node.value, *returned_calls(script, node.value)]

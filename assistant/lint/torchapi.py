@@ -259,9 +259,8 @@ def lightning_classes(
     Lightning calls their hooks, on every process, out of the file's sight."""
     return [
         node
-        for node in script.nodes
-        if isinstance(node, ast.ClassDef)
-        and any(short(script.name_of(base)).endswith(kinds) for base in node.bases)
+        for node in script.of_type(ast.ClassDef)
+        if any(short(script.name_of(base)).endswith(kinds) for base in node.bases)
     ]
 
 
@@ -344,7 +343,7 @@ def environment_settings(script: Script, variable: str) -> Iterator[tuple[ast.AS
     """(where, value) of each time the file writes `variable` into an environment:
     `os.environ["MASTER_PORT"] = port`, `{"MASTER_PORT": port}`,
     `env.update(MASTER_PORT=port)`, `dict(os.environ, MASTER_PORT=port)`."""
-    for node in script.nodes:
+    for node in script.of_type((ast.Dict, ast.Call, ast.Assign)):
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values, strict=True):
                 if isinstance(key, ast.Constant) and key.value == variable:

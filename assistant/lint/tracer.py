@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from assistant.lint.model import Function, Script, children, walk
+from assistant.lint.model import Function, Script, children, unmoved, walk
 from assistant.lint.ranks import NO_RANK, RankPath, narrowed, rank_branch_sides
 from assistant.lint.torchapi import SPAWNERS
 
@@ -413,10 +413,36 @@ def own_method_of_an_object(script: Script, receiver: str, method: str) -> list[
     return list(script.methods_by_name.get(method, []))
 
 
+def callees_with_forwards(script: Script, func: ast.expr) -> list[str]:
+    """same_file_callees, and the forward a call runs on an instance of the file's
+    own classes (`pfc(embeddings, labels)` with `pfc = PartialFC(...).to(device)`:
+    nn.Module's call runs forward, any object's its __call__) or of an autograd
+    Function of the file (`DistCrossEntropy.apply(logits, labels)`). Not followed by
+    the tracer, whose module calls are judged where they are made."""
+    if (
+        isinstance(func, ast.Name)
+        and func.id not in script.classes
+        and func.id not in script.functions
+    ):
+        resolved = (
+            script.resolved_method(cls, "__call__") or script.resolved_method(cls, "forward")
+            for cls in classes_built_as(script, func.id)
+        )
+        return list(dict.fromkeys(m for m in resolved if m))
+    if (
+        isinstance(func, ast.Attribute)
+        and func.attr == "apply"
+        and isinstance(func.value, ast.Name)
+        and func.value.id in script.classes
+    ):
+        return [m for m in (script.resolved_method(func.value.id, "forward"),) if m]
+    return same_file_callees(script, func, None)
+
+
 def classes_built_as(script: Script, name: str) -> list[str]:
     """The file's classes `name` is an instance of, where every value the file
     assigns it is such a class's constructor; empty where any is something else."""
-    values = script.assigned_values.get(name, [])
+    values = [unmoved(value) for value in script.assigned_values.get(name, [])]
     built = [
         value.func.id
         for value in values

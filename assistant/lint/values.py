@@ -192,8 +192,7 @@ def config_default(
         isinstance(target, ast.Subscript)
         and isinstance(target.slice, ast.Constant)
         and target.slice.value == key.value
-        for node in script.nodes
-        if isinstance(node, ast.Assign)
+        for node in script.of_type(ast.Assign)
         for target in node.targets
     ):
         return False, None

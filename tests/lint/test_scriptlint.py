@@ -1090,7 +1090,7 @@ def test_deepspeeds_launcher_passes_the_underscore_local_rank_flag(documented, r
     [
         # blind set ej's 12: a Trainer with a DeepSpeed config, run by that launcher
         ("deepspeed --num_gpus=8 train.py --deepspeed ds.json", False),
-        ("torchrun --nproc_per_node=8 train.py", True),
+        ("python -m torch.distributed.launch --nproc_per_node=8 train.py", True),
     ],
 )
 def test_a_file_that_documents_the_deepspeed_launcher_takes_its_flag(launch, reported) -> None:
@@ -1104,6 +1104,36 @@ def test_a_file_that_documents_the_deepspeed_launcher_takes_its_flag(launch, rep
     )
     found = [cause for cause, _line in findings_of(source)]
     assert ("local-rank-arg-mismatch" in found) == reported
+
+
+@pytest.mark.parametrize(
+    "launch, causes",
+    [
+        # blind sets gs-hh (twelve files): torchrun passes no flag of either spelling,
+        # so the flag's default is what goes wrong, not its spelling
+        ("torchrun --nproc_per_node=4 train.py", ["local-rank-not-from-env"]),
+        (
+            "python -m torch.distributed.launch --nproc_per_node=4 train.py",
+            ["local-rank-arg-mismatch", "local-rank-not-from-env"],
+        ),
+        ("", ["local-rank-arg-mismatch", "local-rank-not-from-env"]),  # launch not shown
+    ],
+)
+def test_a_local_rank_flag_of_a_file_launched_by_torchrun_is_not_a_spelling_mismatch(
+    launch, causes
+) -> None:
+    source = (
+        f'"""Train.\n\n    {launch}\n"""\n'
+        "import argparse\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        "parser = argparse.ArgumentParser()\n"
+        'parser.add_argument("--local_rank", type=int, default=0)\n'
+        "args = parser.parse_args()\n"
+        "torch.cuda.set_device(args.local_rank)\n"
+        'dist.init_process_group("nccl")\n'
+    )
+    assert sorted(cause for cause, _line in findings_of(source)) == causes
 
 
 def test_a_download_in_the_parent_before_spawning_runs_once() -> None:

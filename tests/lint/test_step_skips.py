@@ -423,3 +423,42 @@ def test_a_skip_on_the_gradient_norm_is_taken_together(tested, reported):
         dist.all_reduce(loss.detach())
     """
     assert skipped_lines(body) == reported
+
+
+def test_a_loss_a_module_of_the_file_all_reduces_before_returning_it_is_agreed():
+    """Blind set gs's 11 (correct): a partial-FC head whose cross-entropy Function
+    all-reduces the loss before returning it: a non-finite loss is non-finite on
+    every rank, so all of them skip the step together. A module that gathers
+    features and returns a loss of its own rank's rows is not agreed."""
+    body = """
+    class DistCrossEntropy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, label):
+            loss = F.cross_entropy(logits, label, reduction="none")
+            dist.all_reduce(loss)
+            return loss.mean()
+
+    class PartialFC(torch.nn.Module):
+        def forward(self, emb, label):
+            return DistCrossEntropy.apply(self.fc(emb), label)
+
+    class GatheredLoss(torch.nn.Module):
+        def forward(self, emb, label):
+            every = [torch.zeros_like(emb) for _ in range(dist.get_world_size())]
+            dist.all_gather(every, emb)
+            return F.cross_entropy(emb @ torch.cat(every).T, label)
+
+    pfc = PartialFC().to(device)
+    gathered = GatheredLoss().to(device)
+    for x, y in loader:
+        loss = pfc(model(x), y)
+        if not torch.isfinite(loss):
+            continue
+        loss.backward()
+    for x, y in loader:
+        loss = gathered(model(x), y)
+        if not torch.isfinite(loss):
+            continue
+        loss.backward()
+    """
+    assert skipped_lines(body) == [28]

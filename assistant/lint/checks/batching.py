@@ -49,7 +49,7 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
     if not is_distributed(script) or equalizes_steps(script):
         return
     made = batching_classes(script)
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in made):
+    for cls in (n for n in script.of_type(ast.ClassDef) if n.name in made):
         if not any(isinstance(s, ast.FunctionDef) and s.name == "__iter__" for s in cls.body):
             continue
         cut = data_grouping(cls)

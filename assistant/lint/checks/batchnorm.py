@@ -221,7 +221,7 @@ def gradient_gather(script: Script) -> ast.Call | None:
     for node, name in script.call_names:
         if short(name) == "all_gather" and name.startswith("torch.distributed.nn"):
             return node
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+    for cls in script.of_type(ast.ClassDef):
         if not any(short(script.name_of(base)) == "Function" for base in cls.bases):
             continue
         for node in walk(cls):
@@ -282,9 +282,8 @@ def small_training_loaders(script: Script) -> list[tuple[ast.Call, int, int | No
     of it, as a DDP run has two processes or more)."""
     evaluation = {
         id(node.value)
-        for node in script.nodes
-        if isinstance(node, ast.Assign)
-        and any(EVALUATION_LOADER.search(full_text(t)) for t in node.targets)
+        for node in script.of_type(ast.Assign)
+        if any(EVALUATION_LOADER.search(full_text(t)) for t in node.targets)
     }
     found = []
     for node, name in script.call_names:
@@ -342,8 +341,8 @@ def wrapper_names(script: Script, ddp: ast.Call) -> set[str]:
     calls of the module it wraps, by its own name, go around DDP and sync nothing."""
     return {
         source_text(target)
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and node.value is ddp
+        for node in script.of_type(ast.Assign)
+        if node.value is ddp
         for target in node.targets
     }
 

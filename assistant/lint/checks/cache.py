@@ -171,7 +171,7 @@ def nodes_taking_turns(script: Script) -> set[int]:
     and in the same-file functions called only from there (`with
     args.main_process_first(): items = build_cache(...)`)."""
     inside: set[int] = set()
-    for node in script.nodes:
+    for node in script.of_type((ast.With, ast.AsyncWith, ast.FunctionDef, ast.AsyncFunctionDef)):
         if isinstance(node, (ast.With, ast.AsyncWith)) and any(
             "first" in short(script.name_of(context_call(item.context_expr))).lower()
             for item in node.items
@@ -183,10 +183,9 @@ def nodes_taking_turns(script: Script) -> set[int]:
         ):
             inside.update(id(n) for n in walk(node))
     calls: dict[str, list[ast.Call]] = {}
-    for node in script.nodes:
-        if isinstance(node, ast.Call):
-            for callee in same_file_callees(script, node.func, None):
-                calls.setdefault(callee, []).append(node)
+    for node in script.of_type(ast.Call):
+        for callee in same_file_callees(script, node.func, None):
+            calls.setdefault(callee, []).append(node)
     rank_zero = {
         id(call) for found in calls.values() for call in found if on_rank_zero(script, call)
     }
@@ -389,9 +388,7 @@ def build_when_missing(script: Script) -> Iterator[tuple[ast.If, list[ast.stmt]]
     `if exists(p): continue` in a loop that builds one cached file per item.
     """
     blocks = statement_blocks(script)
-    for node in script.nodes:
-        if not isinstance(node, ast.If):
-            continue
+    for node in script.of_type(ast.If):
         branch = [*node.body, *node.orelse]
         if not node.orelse and leaves_the_block(node.body):
             block = blocks.get(id(node), [])

@@ -50,7 +50,7 @@ from assistant.lint.torchapi import (
     runs_a_process_per_gpu,
     syncs_metric,
 )
-from assistant.lint.tracer import TracedCall, same_file_callees
+from assistant.lint.tracer import TracedCall, callees_with_forwards, same_file_callees
 from assistant.results import Finding
 
 Kind = TypeVar("Kind")
@@ -129,7 +129,7 @@ def communicating_classes(script: Script) -> dict[str, str]:
     all-gathers its shards), or that build or apply such a class, transitively; with
     the collective. A forward of one that only some ranks run (an evaluation on
     rank 0) waits in it for the others."""
-    classes = {n.name: n for n in script.nodes if isinstance(n, ast.ClassDef)}
+    classes = {n.name: n for n in script.of_type(ast.ClassDef)}
     issuing: dict[str, str] = {}
     for name, cls in classes.items():
         forward = method_of(cls, "forward")
@@ -167,8 +167,8 @@ def may_hold_a_model(script: Script, call: TracedCall, models: dict[str, str]) -
 def instances_by_name(script: Script, classes: dict[str, str]) -> dict[str, str]:
     """Names assigned an instance of one of `classes` (`model = TPGPT(args).cuda()`)."""
     found: dict[str, str] = {}
-    for node in script.nodes:
-        if isinstance(node, ast.Assign) and (cls := instance_of(node.value, classes)):
+    for node in script.of_type(ast.Assign):
+        if cls := instance_of(node.value, classes):
             found.update((source_text(target), cls) for target in node.targets)
     return found
 
@@ -795,6 +795,7 @@ class StepFacts:
         self.reaching = CallGraph(script).reaching_any(STEP_COLLECTIVE_METHODS)
         self.work_from: dict[int, list[ast.Call | None]] = {}  # id(block) -> per index
         self.agreed_until: dict[int, list[frozenset[str]]] = {}  # id(block) -> per index
+        self.agreed_functions = functions_returning_agreed_values(script)
 
     def agreed_before(self, test_if: ast.If, loop: ast.AST) -> bool:
         """A name the test reads went through a collective earlier in the iteration
@@ -844,11 +845,78 @@ class StepFacts:
         return any(c in self.reaching for c in same_file_callees(self.script, func, None))
 
     def collective_arguments(self, statement: ast.stmt) -> frozenset[str]:
+        """Names handed to a collective, and names assigned what a function of the
+        file returns agreed on every rank (`loss = pfc(emb, labels)`)."""
         names: set[str] = set()
         for node in walk(statement):
             if isinstance(node, ast.Call) and is_collective(self.script.name_of(node.func)):
                 names |= argument_names(node)
+            elif isinstance(node, ast.Assign) and calls_one_of(
+                self.script, node.value, self.agreed_functions
+            ):
+                names |= {name for target in node.targets for name in names_in(target)}
         return frozenset(names)
+
+
+# Collectives whose first argument holds the same value on every rank after them
+# (not reduce_scatter's or all_to_all's output: each rank's own share).
+FILLS_ALIKE = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_object",
+        "broadcast",
+        "broadcast_object_list",
+    }
+)
+
+
+def functions_returning_agreed_values(script: Script) -> set[str]:
+    """The file's functions whose every return reads only tensors a collective
+    filled alike on every rank (`dist.all_reduce(loss); return loss.log().mean()`),
+    or calls such a function (`return DistCrossEntropy.apply(logits, labels)`, a
+    module whose forward ends that way): a loss made like that is the same number
+    on every rank. A return that mixes in this rank's own rows is not."""
+    collected = {
+        name: set().union(
+            *(
+                names_in(n.args[0])
+                for n in own_nodes(function)
+                if isinstance(n, ast.Call)
+                and n.args
+                and short(script.name_of(n.func)) in FILLS_ALIKE
+                and is_collective(script.name_of(n.func))
+            )
+        )
+        for name, function in script.functions.items()
+    }
+    returned = {
+        name: [n.value for n in own_nodes(function) if isinstance(n, ast.Return) and n.value]
+        for name, function in script.functions.items()
+    }
+    agreed: set[str] = set()
+    grown = True
+    while grown:  # a function returning another's agreed value, a few levels up
+        grown = False
+        for name, values in returned.items():
+            if name in agreed or not values:
+                continue
+            if all(
+                calls_one_of(script, value, agreed)
+                or (names_in(value) - set(script.aliases) or {""}) <= collected[name]
+                for value in values
+            ):
+                agreed.add(name)
+                grown = True
+    return agreed
+
+
+def calls_one_of(script: Script, value: ast.expr, functions: set[str]) -> bool:
+    """`value` is a call that runs one of `functions`."""
+    return isinstance(value, ast.Call) and bool(
+        set(callees_with_forwards(script, value.func)) & functions
+    )
 
 
 # Calls that end the process: the block leaves every loop around it.

@@ -695,7 +695,7 @@ def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
     self.epoch elsewhere (a seed + epoch); a DistributedSampler subclass that
     keeps the base's __iter__ shuffles by it too."""
     classes = set()
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef)):
+    for cls in script.of_type(ast.ClassDef):
         methods = [m for m in cls.body if isinstance(m, ast.FunctionDef)]
         inherits = any(called_name_of(base) == "DistributedSampler" for base in cls.bases)
         if not inherits and not any(m.name == "set_epoch" for m in methods):
@@ -709,10 +709,8 @@ def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
             classes.add(cls.name)
     return [
         node
-        for node in script.nodes
-        if isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in classes
+        for node in script.of_type(ast.Call)
+        if isinstance(node.func, ast.Name) and node.func.id in classes
     ]
 
 
@@ -1006,9 +1004,9 @@ class DataFlow:
 
     script: Script
 
-    @cached_property
+    @property
     def parents(self) -> dict[int, ast.AST]:
-        return {id(child): node for node in self.script.nodes for child in children(node)}
+        return self.script.parents
 
     @cached_property
     def is_distributed(self) -> bool:
@@ -1295,7 +1293,8 @@ class DataFlow:
                 ]
                 for value in [
                     *self.assignments_seen_from(current, name),
-                    *self.loop_sources.get(name, ()),
+                    *self.loop_sources_seen_from(current, name),
+                    *self.appended_seen_from(current, name),
                     *self.comprehension_sources_around(current, name),
                     *self.returned_to.get(name, ()),
                     *(self.passed_for(current, name) if at_home else ()),
@@ -1443,9 +1442,7 @@ class DataFlow:
         """The names read in `value` that the file assigns to or loops over; not
         those a comprehension or lambda in `value` binds itself (`t` in `[t for
         _, t in items]` is not the file's other `t`s)."""
-        bound = (
-            self.assignments.keys() | self.loop_sources.keys() | self.comprehension_sources.keys()
-        )
+        bound = self.assignments.keys() | self.loop_names | self.comprehension_sources.keys()
         local = names_bound_inside(value)
         return [
             name
@@ -1468,13 +1465,50 @@ class DataFlow:
         ]
 
     @cached_property
-    def loop_sources(self) -> dict[str, list[ast.expr]]:
-        """A plain loop variable (`for cid in my_clients`) -> what its loops iterate."""
-        sources: dict[str, list[ast.expr]] = {}
-        for node in self.script.nodes:
-            if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
-                sources.setdefault(node.target.id, []).append(node.iter)
+    def loop_names(self) -> set[str]:
+        """The names the file's loops bind, in any function."""
+        return {name for _function, name in self.loop_sources_by_function}
+
+    @cached_property
+    def appended_to(self) -> dict[tuple[int, str], list[ast.expr]]:
+        """(id of the function, list name) of a list built by appending
+        (`parts.append(AssetWindows(df, aid))`, `parts.extend(...)`) -> the values
+        appended: `ConcatDataset(parts)` is made of them, and of what their loop
+        iterates. By function: another function's `records` is another list."""
+        appended: dict[tuple[int, str], list[ast.expr]] = {}
+        for node in self.script.of_type(ast.Call):
+            func = node.func
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr in ("append", "extend")
+                and isinstance(func.value, ast.Name)
+                and len(node.args) == 1
+            ):
+                key = (id(self.enclosing_function(node)), func.value.id)
+                appended.setdefault(key, []).append(node.args[0])
+        return appended
+
+    @cached_property
+    def loop_sources_by_function(self) -> dict[tuple[int, str], list[ast.expr]]:
+        """(id of the function, name) of a loop variable (`for cid in my_clients`,
+        `for aid, t in mine`) -> what its loops iterate. By function: the `pid` of a
+        sampler's loop over its batches is not the `pid` a reader parses from a file
+        name, nor the `i` of every `for i, x in enumerate(...)` one."""
+        sources: dict[tuple[int, str], list[ast.expr]] = {}
+        for node in self.script.of_type(ast.For):
+            function = id(self.enclosing_function(node))
+            for target in walk(node.target):
+                if isinstance(target, ast.Name):
+                    sources.setdefault((function, target.id), []).append(node.iter)
         return sources
+
+    def loop_sources_seen_from(self, node: ast.AST, name: str) -> list[ast.expr]:
+        """What the loops of the function around `node` that bind `name` iterate."""
+        return self.loop_sources_by_function.get((id(self.enclosing_function(node)), name), [])
+
+    def appended_seen_from(self, node: ast.AST, name: str) -> list[ast.expr]:
+        """What the function around `node` appends to its list `name` (appended_to)."""
+        return self.appended_to.get((id(self.enclosing_function(node)), name), [])
 
     @cached_property
     def comprehension_sources(self) -> dict[str, list[tuple[ast.expr, ast.expr]]]:

@@ -92,7 +92,7 @@ def check_batch_sizes_against_world_size(script: Script) -> Iterator[Finding]:
     """`{"train_batch_size": 512, "train_micro_batch_size_per_gpu": 8,
     "gradient_accumulation_steps": 4}` launched on 8 GPUs: 8 x 4 x 8 = 256."""
     world = None
-    for config in (n for n in script.nodes if isinstance(n, ast.Dict)):
+    for config in script.of_type(ast.Dict):
         sizes = batch_sizes(script, config)
         if sizes is None:
             continue
@@ -218,9 +218,7 @@ def auto_paths(config: ast.Dict, prefix: tuple[str, ...] = ()) -> list[tuple[str
 def filled_paths(script: Script, names: set[str]) -> list[tuple[str, ...]]:
     """Key paths the file assigns into these dicts (`cfg["a"]["b"] = v`, v not "auto")."""
     found = []
-    for node in script.nodes:
-        if not isinstance(node, ast.Assign):
-            continue
+    for node in script.of_type(ast.Assign):
         if isinstance(node.value, ast.Constant) and node.value.value == "auto":
             continue
         for target in node.targets:

@@ -441,11 +441,10 @@ def field_of(expr: ast.expr) -> str | None:
 def set_elsewhere(script: Script, field: str) -> bool:
     """Any `x.field = ...` or `x["field"] = ...` in the file (set per rank, or
     from a command-line flag a launch may set per process)."""
-    for node in script.nodes:
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(field_of(target) == field for target in targets):
-                return True
+    for node in script.of_type((ast.Assign, ast.AugAssign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if any(field_of(target) == field for target in targets):
+            return True
     return False
 
 

@@ -176,8 +176,8 @@ def check_master_port_chosen_per_worker(script: Script) -> Iterator[Finding]:
 
 def loops_starting_workers(script: Script) -> Iterator[ast.For]:
     """Loops whose body starts a process (`subprocess.Popen`, `Process(...)`)."""
-    for node in script.nodes:
-        if isinstance(node, ast.For) and any(
+    for node in script.of_type(ast.For):
+        if any(
             isinstance(n, ast.Call) and called_name(n) in WORKER_STARTS
             for statement in node.body
             for n in walk(statement)

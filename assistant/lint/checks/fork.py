@@ -74,7 +74,7 @@ def check_cuda_in_forked_workers(script: Script) -> Iterator[Finding]:
     # A start method chosen for the script (spawn, forkserver) forks no CUDA.
     if not is_distributed(script) or "set_start_method" in script.called_short_names:
         return
-    classes = {node.name: node for node in script.nodes if isinstance(node, ast.ClassDef)}
+    classes = {node.name: node for node in script.of_type(ast.ClassDef)}
     reported: set[int] = set()
     for loader in forking_loaders(script):
         for owner, functions in worker_code(script, classes, loader):

@@ -102,8 +102,8 @@ def check_local_rank_not_from_env(script: Script) -> Iterator[Finding]:
             f"local rank comes from a command-line flag (default {shown}); torchrun passes "
             'none, so every process gets the default: use int(os.environ["LOCAL_RANK"])',
         )
-    for node in script.nodes:
-        if isinstance(node, ast.Assign) and is_int(node.value):
+    for node in script.of_type(ast.Assign):
+        if is_int(node.value):
             for target in node.targets:
                 if isinstance(target, ast.Name) and LOCAL_RANK_NAME.match(target.id):
                     yield script.finding(
@@ -122,9 +122,8 @@ def local_rank_config_defaults(script: Script) -> Iterator[Finding]:
     some class's own field (a Trainer's), not the config's."""
     read = {
         node.attr
-        for node in script.nodes
-        if isinstance(node, ast.Attribute)
-        and isinstance(node.ctx, ast.Load)
+        for node in script.of_type(ast.Attribute)
+        if isinstance(node.ctx, ast.Load)
         and LOCAL_RANK_NAME.match(node.attr)
         and not is_self(node.value)
     }
@@ -169,7 +168,7 @@ def check_local_rank_arg_mismatch(script: Script) -> Iterator[Finding]:
     for node, flags in local_rank_arguments(script):
         accepted = flags & set(LOCAL_RANK_FLAGS)
         problems = []
-        if accepted == {"--local_rank"}:
+        if accepted == {"--local_rank"} and not launched_by_torchrun_alone(script):
             problems.append(
                 "accepts --local_rank only; torch.distributed.launch in PyTorch 2.x passes "
                 '--local-rank ("unrecognized arguments: --local-rank=0")'
@@ -198,6 +197,14 @@ TORCHRUN_LINE = re.compile(
     r"^[\s#]*(?:[A-Z_]+=\S+\s+)*(?:torchrun|python3?\s+-m\s+torch\.distributed\.run)\b",
     re.MULTILINE,
 )
+
+
+def launched_by_torchrun_alone(script: Script) -> bool:
+    """The file's own text launches it with torchrun, never with torch.distributed.launch
+    or the `deepspeed` launcher: no launcher passes it a local-rank flag of either
+    spelling, so a flag's spelling cannot be what goes wrong (that the flag's default
+    is read instead of LOCAL_RANK is local-rank-not-from-env's finding)."""
+    return documented_torchrun_only(script) and "torch.distributed.launch" not in script.source
 
 
 def documented_torchrun_only(script: Script) -> bool:
@@ -764,9 +771,7 @@ def check_srun_task_variables_under_torchrun(script: Script) -> Iterator[Finding
     if launch is None:
         return
     reported: set[str] = set()  # one finding per cause: the same launch explains the rest
-    for node in script.nodes:
-        if not isinstance(node, ast.expr):
-            continue
+    for node in script.of_type(ast.expr):
         variable = environment_variable(node, script)
         if variable not in SLURM_TASK_VARIABLES:
             continue
@@ -825,8 +830,8 @@ def nodes_under_launcher_tests(script: Script) -> set[int]:
     (`if "SLURM_PROCID" in os.environ:`, `if "RANK" in os.environ:` ... `elif`): the
     script picks its launcher there, and each arm reads that launcher's variables."""
     inside: set[int] = set()
-    for node in script.nodes:
-        if isinstance(node, ast.If) and any(
+    for node in script.of_type(ast.If):
+        if any(
             isinstance(n, ast.Constant) and isinstance(n.value, str) and ENV_NAME.fullmatch(n.value)
             for n in walk(node.test)
         ):

@@ -204,9 +204,7 @@ def rank_zero_choices(script: Script) -> set[int]:
     """ids of the nodes in the rank-0 side of a conditional expression
     (`SummaryWriter(out) if rank == 0 else None`)."""
     chosen: set[int] = set()
-    for node in script.nodes:
-        if not isinstance(node, ast.IfExp):
-            continue
+    for node in script.of_type(ast.IfExp):
         body, orelse = rank_branch_sides(node.test, script)
         for side, branch in ((body, node.body), (orelse, node.orelse)):
             if side == RANK_ZERO:

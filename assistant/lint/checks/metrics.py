@@ -305,9 +305,8 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
     `loader` parameter of a helper."""
     samplers = {
         (owners.get(id(node)), source_text(target))
-        for node in script.nodes
-        if isinstance(node, ast.Assign)
-        and (is_distributed_sampler(script, built := one_of(node.value)) or given_a_share(built))
+        for node in script.of_type(ast.Assign)
+        if (is_distributed_sampler(script, built := one_of(node.value)) or given_a_share(built))
         for target in node.targets
     }
     from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
@@ -512,9 +511,7 @@ class EvaluationLoop:
 def evaluation_loops(
     script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
 ) -> Iterator[EvaluationLoop]:
-    for node in script.nodes:
-        if not isinstance(node, ast.For):
-            continue
+    for node in script.of_type(ast.For):
         loader = iterated_name(node.iter)
         function = owners.get(id(node))
         if loader is None:

@@ -362,9 +362,8 @@ def is_a_size(script: Script, value: ast.expr) -> bool:
         return False
     fields = [  # `rank: int = 1000` of a dataclass the file defines
         node.value
-        for node in script.nodes
-        if isinstance(node, ast.AnnAssign)
-        and isinstance(node.target, ast.Name)
+        for node in script.of_type(ast.AnnAssign)
+        if isinstance(node.target, ast.Name)
         and node.target.id == value.attr
         and node.value is not None
     ]
@@ -539,8 +538,8 @@ def set_ordered_names_of(script: Script, scope: ast.AST, made_of_set: set[str]) 
         return set()
     walked = {
         parameter
-        for node in script.nodes
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == owner
+        for node in script.of_type(ast.Call)
+        if isinstance(node.func, ast.Name) and node.func.id == owner
         for parameter, argument in bound_arguments(function, node, self_bound=True)
         if parameter and is_set_order(argument, made_of_set)
     }

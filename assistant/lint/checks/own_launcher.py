@@ -166,11 +166,10 @@ def one_gpu(script: Script, value: ast.expr) -> bool:
 def is_loop_element(script: Script, name: str) -> bool:
     """`name` is what a loop takes from a list one at a time: `for gpu in gpus`,
     `for i, gpu in enumerate(gpus)`, `for gpu, port in zip(gpus, ports)`."""
-    for node in script.nodes:
-        if isinstance(node, ast.For | ast.comprehension):
-            targets = node.target.elts if isinstance(node.target, ast.Tuple) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                return not (isinstance(node.iter, ast.Call) and called_name(node.iter) == "range")
+    for node in script.of_type(ast.For | ast.comprehension):
+        targets = node.target.elts if isinstance(node.target, ast.Tuple) else [node.target]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return not (isinstance(node.iter, ast.Call) and called_name(node.iter) == "range")
     return False
 
 
@@ -191,8 +190,8 @@ def devices_picked_by_rank(script: Script) -> Iterator[tuple[ast.AST, ast.expr]]
             and is_rank_expr(node.args[1], script)
         ):
             yield node, node.args[1]
-    for node in script.nodes:
-        if isinstance(node, ast.JoinedStr) and cuda_prefix(node):
+    for node in script.of_type(ast.JoinedStr):
+        if cuda_prefix(node):
             picked = [v.value for v in node.values if isinstance(v, ast.FormattedValue)]
             if len(picked) == 1 and is_rank_expr(picked[0], script):
                 yield node, picked[0]

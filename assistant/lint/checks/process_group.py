@@ -108,8 +108,7 @@ def calls_behind_is_initialized(script: Script) -> set[int]:
     # `a and (b or c)`: the outer BoolOp covers the inner one; walking both is quadratic.
     inner = {
         id(value)
-        for node in script.nodes
-        if isinstance(node, ast.BoolOp)
+        for node in script.of_type(ast.BoolOp)
         for value in node.values
         if isinstance(value, ast.BoolOp)
     }

@@ -155,11 +155,7 @@ def unused_parameters_setting(script: Script, configs: list[ast.Call]) -> tuple[
             return node.lineno, f"find_unused_parameters={source_text(value)}, when that is true"
     if LIGHTNING_FIND_UNUSED not in script.string_constants:
         return None
-    line = next(
-        n.lineno
-        for n in script.nodes
-        if isinstance(n, ast.Constant) and n.value == LIGHTNING_FIND_UNUSED
-    )
+    line = next(n.lineno for n in script.of_type(ast.Constant) if n.value == LIGHTNING_FIND_UNUSED)
     return line, "find_unused_parameters=True"
 
 
@@ -264,11 +260,10 @@ def hf_mode(script: Script, node: ast.Call, kwargs: ast.expr | None) -> str:
 def patches_checkpoint(script: Script) -> bool:
     """The script replaces torch's checkpoint function (`torch.utils.checkpoint.checkpoint
     = partial(checkpoint, use_reentrant=False)`), so its default is not torch's."""
-    for node in script.nodes:
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Attribute) and script.name_of(target) in CHECKPOINTS:
-                    return True
+    for node in script.of_type(ast.Assign):
+        for target in node.targets:
+            if isinstance(target, ast.Attribute) and script.name_of(target) in CHECKPOINTS:
+                return True
     return False
 
 

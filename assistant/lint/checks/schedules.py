@@ -203,7 +203,10 @@ def constructed_with(script: Script, scope: ast.AST, exprs: list[ast.expr]) -> l
     what the file's constructions of the class pass for that `__init__` parameter,
     expanded in the constructing function (`Model(steps_per_epoch=len(ds) // bs)` in
     main(), a LightningModule's configure_optimizers reading it back)."""
-    cls = next((c for c in script.nodes if isinstance(c, ast.ClassDef) and scope in c.body), None)
+    cls = next(
+        (c for c in script.of_type(ast.ClassDef) if scope in c.body),
+        None,
+    )
     init = method_of(cls, "__init__") if cls is not None else None
     if init is None:
         return []
@@ -322,10 +325,8 @@ def rescaled_by_process_count(script: Script) -> set[str]:
     """Names the file sets from the number of processes (`args.batch_size //= world_size`,
     `args.batch_size = int(args.batch_size / args.world_size)`): a global batch split."""
     found = set()
-    for node in script.nodes:
-        if isinstance(node, ast.AugAssign | ast.Assign) and PROCESS_COUNT.search(
-            full_text(node.value)
-        ):
+    for node in script.of_type(ast.AugAssign | ast.Assign):
+        if PROCESS_COUNT.search(full_text(node.value)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             found |= {source_text(target) for target in targets}
     return found
@@ -408,6 +409,12 @@ ACROSS_PROCESSES = re.compile(
     re.IGNORECASE,
 )
 NAMED_KEY = re.compile(r"[\"']?(\w+)[\"']?\s*[:=]")
+# A comment that says the batch is one process's, whatever it says next
+# (`# per GPU; the learning rates below are for 8 GPUs (global batch 64)`).
+PER_PROCESS = re.compile(
+    r"#.*\b(per|each|one|a single)[ _-]?(gpu|device|process|rank|card|replica|worker)\b",
+    re.IGNORECASE,
+)
 
 
 @check("effective-batch-size-changed")
@@ -453,7 +460,7 @@ def keys_said_global(script: Script) -> set[str]:
     keys = (
         NAMED_KEY.findall(line.split("#")[0])
         for line in script.source.splitlines()
-        if ACROSS_PROCESSES.search(line)
+        if ACROSS_PROCESSES.search(line) and not PER_PROCESS.search(line)
     )
     return {found[-1] for found in keys if found and "batch" in found[-1].lower()}
 

@@ -419,7 +419,7 @@ def check_unpicklable_field_sent_to_spawned_processes(script: Script) -> Iterato
     file's own class handed to mp.spawn's args: pickle cannot send it ("Can't
     pickle <function <lambda>>", "Can't pickle local object")."""
     spawned = spawned_classes(script)
-    for cls in (n for n in script.nodes if isinstance(n, ast.ClassDef) and n.name in spawned):
+    for cls in (n for n in script.of_type(ast.ClassDef) if n.name in spawned):
         for field, node in unpicklable_fields(cls):
             yield script.finding(
                 "spawn-pickle-error",

@@ -685,7 +685,7 @@ def names_in_set_order(script: Script) -> set[str]:
     """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`,
     `src, tgt = set(), set()`), followed through the file's assignments."""
     assignments = sorted(
-        (node for node in script.nodes if isinstance(node, ast.Assign)),
+        script.of_type(ast.Assign),
         key=lambda node: (node.lineno, node.col_offset),
     )
     found: set[str] = set()

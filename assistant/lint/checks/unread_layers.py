@@ -90,22 +90,15 @@ def names_read(script: Script) -> set[str]:
     a field."""
     keys = {
         id(key)
-        for node in script.nodes
-        if isinstance(node, ast.Call)
-        and called_name(node) in CONTAINERS
-        and node.args
-        and isinstance(node.args[0], ast.Dict)
+        for node in script.of_type(ast.Call)
+        if called_name(node) in CONTAINERS and node.args and isinstance(node.args[0], ast.Dict)
         for key in node.args[0].keys
     }
-    read = {
-        node.attr
-        for node in script.nodes
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
-    }
+    read = {node.attr for node in script.of_type(ast.Attribute) if isinstance(node.ctx, ast.Load)}
     return read | {
         node.value
-        for node in script.nodes
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in keys
+        for node in script.of_type(ast.Constant)
+        if isinstance(node.value, str) and id(node) not in keys
     }
 
 

@@ -166,9 +166,8 @@ def expects_all(ddp: ast.Call) -> bool:
 def model_classes(script: Script) -> list[ast.ClassDef]:
     return [
         node
-        for node in script.nodes
-        if isinstance(node, ast.ClassDef)
-        and any(isinstance(s, ast.FunctionDef) and s.name == "forward" for s in node.body)
+        for node in script.of_type(ast.ClassDef)
+        if any(isinstance(s, ast.FunctionDef) and s.name == "forward" for s in node.body)
     ]
 
 
@@ -1265,8 +1264,8 @@ def wrapper_names(script: Script, ddp: ast.Call) -> set[str]:
     `self.model = DDP(...).cuda()`."""
     return {
         source_text(target)
-        for node in script.nodes
-        if isinstance(node, ast.Assign) and unmoved(node.value) is ddp
+        for node in script.of_type(ast.Assign)
+        if unmoved(node.value) is ddp
         for target in node.targets
     }
 

@@ -386,8 +386,7 @@ def assignments_of(script: Script, field: str) -> int:
     """How many assignments in the file set a field of this name (`self.x = `, `m.x = `)."""
     return sum(
         1
-        for node in script.nodes
-        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign)
+        for node in script.of_type(ast.Assign | ast.AugAssign | ast.AnnAssign)
         for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
         for part in walk(target)
         if isinstance(part, ast.Attribute) and part.attr == field
@@ -519,7 +518,7 @@ def frozen(script: Script) -> set[str]:
     """Fields frozen somewhere: `self.x.requires_grad_(False)`, `model.x.eval()` does
     not count; `for p in self.x.parameters(): p.requires_grad = False` does."""
     found: set[str] = set()
-    for node in script.nodes:
+    for node in script.of_type((ast.Call, ast.For)):
         if isinstance(node, ast.Call) and called_name(node) == "requires_grad_":
             found |= attributes_in(node.func)
         elif isinstance(node, ast.For) and any(

@@ -235,10 +235,9 @@ def flag_defaults(script: Script, weight: str) -> Iterator[ast.expr]:
 
 def field_defaults(script: Script, weight: str) -> Iterator[ast.expr]:
     """`aux_weight: float = 0.0` in a class body (a dataclass or a config class)."""
-    for node in script.nodes:
+    for node in script.of_type(ast.AnnAssign):
         if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
+            isinstance(node.target, ast.Name)
             and node.target.id == weight
             and node.value is not None
         ):

@@ -101,7 +101,7 @@ def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
     if not engines:
         return
     gathered = gathered_nodes(script)
-    for loop in (n for n in script.nodes if isinstance(n, ast.For) and id(n) not in gathered):
+    for loop in (n for n in script.of_type(ast.For) if id(n) not in gathered):
         if not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Attribute)):
             continue
         if loop.iter.func.attr not in PARAMETER_ITERATORS:
@@ -192,14 +192,12 @@ def check_sharded_forward_on_some_ranks(script: Script) -> Iterator[Finding]:
 def sharded_models(script: Script) -> dict[str, str]:
     """Names of the sharded models the file binds, with how they were sharded."""
     sharded: dict[str, str] = {}
-    for node in script.nodes:
-        if not isinstance(node, ast.Call):
-            continue
+    for node in script.of_type(ast.Call):
         name = short(script.name_of(node.func))
         if name == FSDP2_SHARD and node.args:
             sharded[source_text(node.args[0])] = f"fully_shard on line {node.lineno}"
-    for node in script.nodes:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+    for node in script.of_type(ast.Assign):
+        if isinstance(node.value, ast.Call):
             name = short(script.name_of(node.value.func))
             if name in FSDP_WRAPPERS or name == FSDP2_SHARD:
                 for target in node.targets:
@@ -214,7 +212,7 @@ def sharded_models(script: Script) -> dict[str, str]:
 def zero3_stage(script: Script) -> ast.AST | None:
     """Where the file sets ZeRO stage 3: `"zero_optimization": {"stage": 3}` in a
     config dict, or `zero_stage=3` (Accelerate's DeepSpeedPlugin)."""
-    for node in script.nodes:
+    for node in script.of_type((ast.Dict, ast.keyword)):
         if isinstance(node, ast.Dict):
             for key, value in zip(node.keys, node.values, strict=True):
                 if is_key(key, "zero_optimization") and isinstance(value, ast.Dict):
@@ -260,9 +258,7 @@ def engine_names(script: Script) -> set[str]:
 def gathered_nodes(script: Script) -> set[int]:
     """ids of the nodes inside `with deepspeed.zero.GatheredParameters(...):` blocks."""
     inside: set[int] = set()
-    for node in script.nodes:
-        if not isinstance(node, ast.With):
-            continue
+    for node in script.of_type(ast.With):
         contexts = [item.context_expr for item in node.items]
         if any(
             isinstance(c, ast.Call) and short(script.name_of(c.func)) in GATHERING_CONTEXTS
