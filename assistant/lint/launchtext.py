@@ -179,3 +179,23 @@ def launched_nodes(text: str) -> tuple[int, int] | None:
             if count > 1:
                 return number, count
     return None
+
+
+# What says a job spans several machines: a node's own index or count read (not a
+# task's: srun's SLURM_PROCID / SLURM_NTASKS are there on one node too), a launch of
+# 2+ nodes, or words a person writes of a job run on several computers by hand ("run
+# one copy on each PC", "split over two machines"; not "node": a graph's).
+NODE_VARIABLES = re.compile(r"SLURM_(?:NODEID|NNODES)|NODE_RANK|NNODES|NUM_NODES")
+SEVERAL_NODES = re.compile(r"--(?:nodes|nnodes)[= ](?:[2-9]|\d{2,})\b|\s-N\s*(?:[2-9]|\d{2,})\b")
+SEVERAL_MACHINES = re.compile(
+    r"\b(?:each|every|both|two|three|four|second|other|another)\s+"
+    r"(?:machines?|pcs?|computers?|box(?:es)?|hosts?|servers?|workstations?)\b",
+    re.IGNORECASE,
+)
+
+
+def runs_on_several_machines(text: str) -> bool:
+    """The file (its code, docstring and comments) shows a job of several machines."""
+    return bool(
+        NODE_VARIABLES.search(text) or SEVERAL_NODES.search(text) or SEVERAL_MACHINES.search(text)
+    )

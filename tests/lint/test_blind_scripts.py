@@ -116,7 +116,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # fp 14/16; fq 14/16; fr 14/16; fs 16/16; ft 12/16; fu 13/16; fv 14/16; fw 13/16;
 # gb 13/16; fz 10/16; fx 8/16; gd 13/16; gf 14/16; gg 6/16), of 2961 with session 54's
 # fifteen sets
-FOUND_FLOOR = 2993  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 3048  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -332,7 +332,10 @@ FOUND_FLOOR = 2993  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # 13/16, 16/16); session 56: 2878 of 3265 with gs, gt, gu, gv, gw, gx, gy, gz (measured once
 # at bb019df: 13/16, 13/16, 13/16, 15/16, 13/16, 16/16, 9/16, 12/16), 2993 of 3393 with ha,
 # hb, hc, hd, he, hf, hg, hh (measured once at 80702dc: 16/16, 16/16, 13/16, 14/16, 12/16,
-# 15/16, 13/16, 16/16)
+# 15/16, 13/16, 16/16), 2999 after a loopback master address on two machines (gy's 03), a GPU
+# named by the global rank on two machines (gy's 14), loaders kept in a dict by key (gw's 19,
+# bz's 09) and a loader handed to a generator of batches (gu's 15, bz's 15); 3048 of 3457
+# with hi, hj, hk, hl (measured once at bfb3980: 13/16, 15/16, 10/16, 11/16)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -517,8 +520,10 @@ FOUND_FLOOR = 2993  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # global one: false, mended), 275 with ha-hh (the spelling note on eight; hf's 17, correct,
 # datasets appended from the assets this rank owns: false, mended); 132 once a file launched
 # by torchrun alone is no longer told its --local_rank flag has the wrong spelling
-# (torchrun passes no flag at all: local-rank-not-from-env says what goes wrong)
-OTHER_FINDINGS_CEILING = 132
+# (torchrun passes no flag at all: local-rank-not-from-env says what goes wrong); 134 with
+# hi, hj, hk, hl (hl's 02, correct, ceil-sized blocks of a list padded to blocks * ranks
+# first, read as a short last block: false, mended)
+OTHER_FINDINGS_CEILING = 134
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -536,8 +541,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 3393
-    assert sum(label["cause"] is None for label in labels) == 847
+    assert sum(label["cause"] is not None for label in labels) == 3457
+    assert sum(label["cause"] is None for label in labels) == 863
 
 
 # Linting every blind script (3,700 files) takes about four minutes on two idle cores,

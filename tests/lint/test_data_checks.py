@@ -463,6 +463,21 @@ SET_EPOCH_FLAGGED.update(
         ),
     }
 )
+# blind set gw's 19: one loader per task, kept in a dict by key, each pass restarted
+# with iter(loaders[t]): no sampler is told the epoch
+SET_EPOCH_FLAGGED["samplers_of_loaders_kept_by_key"] = (
+    (
+        "loaders = {}\n"
+        "for t in ('a', 'b'):\n"
+        "    sampler = DistributedSampler(data)\n"
+        "    loaders[t] = DataLoader(data, sampler=sampler)\n"
+        "for epoch in range(3):\n"
+        "    its = {t: iter(loaders[t]) for t in ('a', 'b')}\n"
+        "    for step in range(4):\n"
+        "        model(next(its['a'])[0])"
+    ),
+    3,
+)
 SET_EPOCH_ONCE_CLEAN = {
     # before the loop and again inside it
     "also_inside_the_loop": (
@@ -1577,3 +1592,37 @@ def test_a_dataset_appended_from_this_ranks_own_items_is_cut_by_rank(owned, repo
     loader = DataLoader(torch.utils.data.ConcatDataset(parts), batch_size=8, shuffle=True)
     """
     assert findings(DDP_PRELUDE, body) == reported
+
+
+@pytest.mark.parametrize(
+    "helper, reported",
+    [
+        # blind set gu's 15: the target loader handed to a generator that yields its
+        # batches to the training loop, the source loader to the same with its sampler
+        (
+            "def batches(loader, sampler=None):\n    while True:\n        yield from loader\n",
+            [("missing-distributed-sampler", 4)],
+        ),
+        # a pass that only scores what it reads trains nothing
+        (
+            (
+                "def batches(loader, sampler=None):\n"
+                "    return sum(float(model(x).sum()) for (x,) in loader)\n"
+            ),
+            [],
+        ),
+    ],
+)
+def test_a_loader_handed_to_a_generator_of_batches_is_trained_on(helper, reported) -> None:
+    body = (
+        "src_sampler = DistributedSampler(data)\n"
+        "src_loader = DataLoader(data, sampler=src_sampler)\n"
+        "tgt = TensorDataset(torch.randn(64, 4))\n"
+        "tgt_loader = DataLoader(tgt, batch_size=8, shuffle=True)\n"
+        + helper
+        + "src_it, tgt_it = batches(src_loader, src_sampler), batches(tgt_loader)\n"
+        "for step in range(10):\n"
+        "    (x,), (t,) = next(src_it), next(tgt_it)\n"
+        "    (model(x).sum() + model(t).sum()).backward()\n"
+    )
+    assert findings(SAMPLER_PRELUDE, body) == reported

@@ -103,6 +103,16 @@ def test_a_clipped_or_stretched_block_makes_the_gathered_rows_rank_sized(block):
             "size = n // world\n    part = Subset(test_ds, list(range(n))[rank * size:(rank + 1) * size])",
             BODY,
         ),
+        # blind set hl's 02 (correct): ceil blocks of a list wrapped around to per * world
+        # items first, as DistributedSampler pads
+        (
+            (
+                "idx = list(range(n))\n"
+                "    padded = idx + idx[: per * world - n]\n"
+                "    part = Subset(test_ds, padded[rank * per:(rank + 1) * per])"
+            ),
+            BODY,
+        ),
     ],
     ids=[
         "even blocks",
@@ -110,6 +120,7 @@ def test_a_clipped_or_stretched_block_makes_the_gathered_rows_rank_sized(block):
         "sizes exchanged as objects",
         "np.split",
         "even sliced blocks",
+        "ceil blocks of a padded list",
     ],
 )
 def test_even_blocks_or_exchanged_sizes_are_quiet(block, body):

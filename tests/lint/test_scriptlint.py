@@ -1761,3 +1761,74 @@ MAIN_FIRST = (
 )
 def test_a_barrier_pair_across_a_try_finally_is_one_call_per_rank(second, reported) -> None:
     assert findings_of(MAIN_FIRST.replace("SECOND", second), "collective-mismatch") == reported
+
+
+@pytest.mark.parametrize(
+    "text, address, reported",
+    [
+        # blind set gy's 03: the tutorial's setup() on two PCs
+        ("Run one copy on each PC.", '"localhost"', True),
+        ("Split over two machines.", '"127.0.0.1"', True),
+        ("#SBATCH --nodes=2", '"localhost"', True),
+        # one machine, or the graph's nodes: a loopback master is right there
+        ("Four processes on this workstation.", '"localhost"', False),
+        ("Features of every node of the graph.", '"localhost"', False),
+        # the address of rank 0's machine, given to every machine
+        ("Run one copy on each PC.", 'os.environ.get("MASTER_IP", "192.168.1.10")', False),
+    ],
+)
+def test_a_loopback_master_address_is_reported_where_the_job_spans_machines(
+    text, address, reported
+) -> None:
+    source = (
+        f'"""Train.\n\n{text}\n"""\n'
+        "import os\n"
+        "import torch.distributed as dist\n"
+        f'os.environ["MASTER_ADDR"] = {address}\n'
+        'os.environ["MASTER_PORT"] = "12355"\n'
+        'dist.init_process_group("gloo", rank=0, world_size=2)\n'
+    )
+    found = findings_of(source, "master-endpoint-mismatch")
+    assert bool(found) == reported, found
+
+
+def test_a_loopback_tcp_init_method_on_several_machines_is_reported() -> None:
+    source = (
+        '"""Run one copy on each PC."""\n'
+        "import torch.distributed as dist\n"
+        'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:23456", rank=0, world_size=2)\n'
+    )
+    assert findings_of(source, "master-endpoint-mismatch") == [("master-endpoint-mismatch", 3)]
+
+
+@pytest.mark.parametrize(
+    "launch, index, reported",
+    [
+        # blind set gy's 14: one GPU in each of two machines, the GPU named by the rank
+        ("torchrun --nnodes=2 --nproc_per_node=1 train.py", 'int(os.environ["RANK"])', True),
+        ("torchrun --nnodes=2 --nproc_per_node=1 train.py", "dist.get_rank()", True),
+        ("Run one copy on each PC.", "rank", True),
+        # one machine: the rank is the local rank; or the local rank itself
+        ("torchrun --nproc_per_node=4 train.py", 'int(os.environ["RANK"])', False),
+        ("torchrun --nnodes=2 --nproc_per_node=4 train.py", 'int(os.environ["LOCAL_RANK"])', False),
+        (
+            "torchrun --nnodes=2 --nproc_per_node=4 train.py",
+            "rank % torch.cuda.device_count()",
+            False,
+        ),
+    ],
+)
+def test_a_gpu_named_by_the_global_rank_is_reported_where_the_job_spans_machines(
+    launch, index, reported
+) -> None:
+    source = (
+        f'"""Train.\n\n    {launch}\n"""\n'
+        "import os\n"
+        "import torch\n"
+        "import torch.distributed as dist\n"
+        'rank = int(os.environ["RANK"])\n'
+        f"torch.cuda.set_device({index})\n"
+        'dist.init_process_group("nccl")\n'
+    )
+    found = findings_of(source, "local-rank-not-from-env")
+    assert bool(found) == reported, found

@@ -1769,7 +1769,9 @@ class DataFlow:
     def only_scored(self, loader: ast.Call) -> bool:
         """Every use of the loader is known and none trains: it is handed only to
         the file's own functions, whose loops over it run no backward (a
-        BatchNorm recalibration for SWA weights, a calibration pass)."""
+        BatchNorm recalibration for SWA weights, a calibration pass), and which do
+        not yield its batches on (`def batches(loader): while True: yield from
+        loader`, whose caller trains)."""
         names = set(self.names_bound_to(loader))
         uses = [
             (node, position)
@@ -1787,6 +1789,8 @@ class DataFlow:
             parameters = function.args.posonlyargs + function.args.args
             if position >= len(parameters) or loops_with_backward(function):
                 return False
+            if any(isinstance(n, ast.Yield | ast.YieldFrom) for n in own_nodes(function)):
+                return False  # a generator hands the batches on to the loop that trains
         return True
 
     def read_into_memory(self, loader: ast.Call) -> bool:
@@ -1933,9 +1937,9 @@ class DataFlow:
         while isinstance(parent, ast.IfExp) and parent.test is not value:
             value, parent = parent, self.parents.get(id(parent))
         if isinstance(parent, ast.Assign) and parent.value is value:
-            return [n for target in parent.targets for n in bound_names(target)]
+            return [n for target in parent.targets for n in bound_names(kept_in(target))]
         if isinstance(parent, (ast.AnnAssign, ast.NamedExpr)) and parent.value is value:
-            return bound_names(parent.target)
+            return bound_names(kept_in(parent.target))
         return []
 
     # -------------------------------------------------------------- who runs a loader
@@ -2272,10 +2276,18 @@ class DataFlow:
         if isinstance(node, (ast.For, ast.AsyncFor)):
             return {n for n in map(read_name, walk(node.iter)) if n}, set()
         if isinstance(node, ast.Call):
-            passed = [*node.args, *(k.value for k in node.keywords)]
+            passed = [kept_in(a) for a in [*node.args, *(k.value for k in node.keywords)]]
             called = same_file_callees(self.script, node.func, None)
             return {n for n in map(read_name, passed) if n}, set(called)
         return set(), set()
+
+
+def kept_in(target: ast.expr) -> ast.expr:
+    """`loaders[task]` -> `loaders`: a value stored in (or read from) a container by key
+    is the container's (`loaders[t] = DataLoader(...)`, then `iter(loaders[t])`)."""
+    while isinstance(target, ast.Subscript):
+        target = target.value
+    return target
 
 
 def in_body(child: ast.AST, loop: ast.For | ast.AsyncFor) -> bool:

@@ -8,7 +8,9 @@ one machine only, so it is reported when the file shows several nodes: a
 node's index or count it reads (SLURM_NODEID, NODE_RANK; a task's SLURM_PROCID
 is there on one node too), or a launch line of more than one node.
 A host name sent from rank 0 to the others (MPI's `bcast`) is the master's,
-not each node's own.
+not each node's own. The same for a loopback address (`localhost`,
+`127.0.0.1`) where the file says, in words too, that the job spans machines
+("run one copy on each PC"): a tutorial's setup() copied onto two computers.
 
 And MASTER_PORT chosen in each process mp.spawn starts (a free port the OS
 gives a socket bound to port 0, a random draw), or chosen anew for each worker a
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import ancestors_in_scope
 from assistant.lint.checks.fork import reached
+from assistant.lint.launchtext import runs_on_several_machines
 from assistant.lint.model import Script, called_name, keyword, short, source_text, walk
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
@@ -31,16 +34,14 @@ from assistant.lint.torchapi import environment_settings
 from assistant.results import Finding
 
 OWN_HOST_CALLS = frozenset({"gethostname", "getfqdn", "node"})  # socket's, platform.node()
-# What says several nodes: a node's own index or count (not a task's: srun's
-# SLURM_PROCID / SLURM_NTASKS are there on one node too), or a launch of 2+ nodes.
-NODE_VARIABLES = re.compile(r"SLURM_(?:NODEID|NNODES)|NODE_RANK|NNODES|NUM_NODES")
-SEVERAL_NODES = re.compile(r"--(?:nodes|nnodes)[= ](?:[2-9]|\d{2,})\b|\s-N\s*(?:[2-9]|\d{2,})\b")
+# Addresses that name the machine a process runs on, whichever machine that is.
+LOOPBACK = re.compile(r"^(?:localhost|127(?:\.\d{1,3}){3}|::1)$")
 
 
 @check("master-endpoint-mismatch")
 def check_master_address_of_each_node(script: Script) -> Iterator[Finding]:
     """MASTER_ADDR (or a tcp:// init_method) made of this process's own host name."""
-    if not (NODE_VARIABLES.search(script.source) or SEVERAL_NODES.search(script.source)):
+    if not runs_on_several_machines(script.source):
         return
     for node in script.nodes:
         value = master_address_value(script, node)
@@ -54,6 +55,47 @@ def check_master_address_of_each_node(script: Script) -> Iterator[Finding]:
                 "the job's first host (`scontrol show hostnames $SLURM_JOB_NODELIST | head "
                 "-n1`, exported before srun) or rank 0's",
             )
+
+
+@check("master-endpoint-mismatch")
+def check_loopback_master_on_several_machines(script: Script) -> Iterator[Finding]:
+    """`os.environ["MASTER_ADDR"] = "localhost"` (or `tcp://127.0.0.1:port`) in a job
+    the file says runs on several machines: each machine's processes look for rank
+    0's store on themselves; those of the other machines never find it."""
+    if not runs_on_several_machines(script.source):
+        return
+    for node in script.of_type((ast.Assign, ast.Call)):
+        value = master_address_value(script, node)
+        host = loopback_in(value) if value is not None else tcp_host(script, node)
+        if host is None:
+            continue
+        yield script.finding(
+            "master-endpoint-mismatch",
+            node,
+            f"the master address is `{host}`, the machine each process runs on, but this "
+            "job runs on several machines: the processes of the others look for rank 0's "
+            "store on themselves and never find it (init_process_group waits, then times "
+            "out); give every machine rank 0's address (its LAN IP or host name), from the "
+            "environment or a flag",
+        )
+
+
+def loopback_in(value: ast.expr) -> str | None:
+    text = value.value.strip() if isinstance(value, ast.Constant) else None
+    return text if isinstance(text, str) and LOOPBACK.match(text) else None
+
+
+def tcp_host(script: Script, node: ast.AST) -> str | None:
+    """The loopback host of `init_process_group(init_method="tcp://127.0.0.1:23456")`."""
+    if not (
+        isinstance(node, ast.Call) and short(script.name_of(node.func)) == "init_process_group"
+    ):
+        return None
+    method = keyword(node, "init_method")
+    if not (isinstance(method, ast.Constant) and isinstance(method.value, str)):
+        return None
+    found = re.match(r"tcp://\[?([^\]/]+?)\]?:\d+", method.value)
+    return found.group(1) if found and LOOPBACK.match(found.group(1)) else None
 
 
 def master_address_value(script: Script, node: ast.AST) -> ast.expr | None:

@@ -727,9 +727,29 @@ def is_clipped_rank_block(script: Script, values: dict[str, list[ast.expr]], nod
     else:
         return False
     sliced = isinstance(node, ast.Subscript)
+    if sliced and padded_with_its_own_head(values, node.value):
+        return False  # padded to blocks * ranks first: no block is short
     return reads_rank(script, values, start) and (
         is_clipped(values, end) or (sliced and rounds_up(values, end))
     )
+
+
+def padded_with_its_own_head(values: dict[str, list[ast.expr]], sliced: ast.expr) -> bool:
+    """`padded = indices + indices[:total - len(indices)]`: the list wrapped around
+    to a whole number of blocks, as DistributedSampler pads, so that every rank's
+    block of `ceil(n / world)` items is whole."""
+    if not isinstance(sliced, ast.Name):
+        return False
+    for value in values.get(sliced.id, ())[:1]:
+        if (
+            isinstance(value, ast.BinOp)
+            and isinstance(value.op, ast.Add)
+            and isinstance(value.right, ast.Subscript)
+            and isinstance(value.right.slice, ast.Slice)
+            and source_text(value.right.value) == source_text(value.left)
+        ):
+            return True
+    return False
 
 
 def rounds_up(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:

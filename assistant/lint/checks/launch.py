@@ -12,6 +12,7 @@ from assistant.lint.launchtext import (
     TASKS_PER_NODE,
     launch_problems,
     launched_nodes,
+    runs_on_several_machines,
     torchrun_under_srun,
 )
 from assistant.lint.model import Script, is_int, keyword, short, source_text, walk
@@ -647,19 +648,58 @@ def check_gpu_from_the_global_task_index(script: Script) -> Iterator[Finding]:
             )
 
 
-def copies_the_global_task_index(script: Script, expr: ast.expr, hops: int) -> bool:
-    """Whether `expr` is SLURM_PROCID, read directly or through a few names
-    (`int(...)` kept; any arithmetic, like `% gpus_per_node`, makes it another number)."""
+def copies_the_global_task_index(
+    script: Script, expr: ast.expr, hops: int, variable: str = SLURM_GLOBAL_RANK
+) -> bool:
+    """Whether `expr` is SLURM_PROCID (or another `variable`), read directly or through
+    a few names (`int(...)` kept; any arithmetic, like `% gpus_per_node`, makes it
+    another number); for torchrun's RANK, dist.get_rank() too."""
     while isinstance(expr, ast.Call) and short(script.name_of(expr.func)) == "int" and expr.args:
         expr = expr.args[0]
-    if environment_variable(expr, script) == SLURM_GLOBAL_RANK:
+    if environment_variable(expr, script) == variable:
+        return True
+    if (
+        variable == TORCHRUN_GLOBAL_RANK
+        and isinstance(expr, ast.Call)
+        and script.name_of(expr.func) == "torch.distributed.get_rank"
+    ):
         return True
     if hops == 0 or not isinstance(expr, (ast.Name, ast.Attribute)):
         return False
     return any(
-        copies_the_global_task_index(script, value, hops - 1)
+        copies_the_global_task_index(script, value, hops - 1, variable)
         for value in script.assigned_values.get(source_text(expr), [])
     )
+
+
+TORCHRUN_GLOBAL_RANK = "RANK"
+
+
+@check("local-rank-not-from-env")
+def check_gpu_from_the_global_rank_on_several_machines(script: Script) -> Iterator[Finding]:
+    """`torch.cuda.set_device(int(os.environ["RANK"]))` (or dist.get_rank()) in a job
+    the file says spans several machines: the rank counts every process of the job,
+    so on the second machine it names GPUs that machine does not have (invalid
+    device ordinal; with one GPU per machine, rank 1 asks for cuda:1). On one
+    machine RANK is LOCAL_RANK, so the file must show the machines."""
+    if not runs_on_several_machines(script.source):
+        return
+    for node, name in script.call_names:
+        if not is_set_device(name) or not node.args:
+            continue
+        index = node.args[0]
+        if copies_the_global_task_index(script, index, MAX_HOPS):
+            continue  # srun's task index: check_gpu_from_the_global_task_index says it
+        if copies_the_global_task_index(script, index, MAX_HOPS, TORCHRUN_GLOBAL_RANK):
+            yield script.finding(
+                "local-rank-not-from-env",
+                node,
+                f"the GPU index {source_text(index)} is the process's rank in the whole job, "
+                "and this job spans several machines: on the first machine it matches the "
+                "GPUs, but on the others the processes ask for GPUs their machine does not "
+                'have (invalid device ordinal); use int(os.environ["LOCAL_RANK"]), the '
+                "process's index on its own machine",
+            )
 
 
 # A launch line in the file's own text (its docstring) that runs Python under
