@@ -462,3 +462,46 @@ def test_a_loss_a_module_of_the_file_all_reduces_before_returning_it_is_agreed()
         loss.backward()
     """
     assert skipped_lines(body) == [28]
+
+
+def test_an_epoch_loop_left_on_this_ranks_own_accuracy_is_reported():
+    """Blind set hl's 05: training stops once this rank's own shard reaches a
+    target accuracy, counted over the epoch's batches; the ranks reach it at
+    different epochs, and those still training wait in the gradient all-reduce.
+    Counted after an all_reduce of the counts, every rank stops together."""
+    body = """
+    for epoch in range(100):
+        n_correct, n_seen = 0, 0
+        for x, y in loader:
+            out = model(x)
+            F.cross_entropy(out, y).backward()
+            n_correct += (out.argmax(1) == y).sum().item()
+            n_seen += y.size(0)
+        acc = n_correct / max(n_seen, 1)
+        if acc >= 0.99:
+            break
+    for epoch in range(100):
+        counts = torch.zeros(2)
+        for x, y in loader:
+            out = model(x)
+            F.cross_entropy(out, y).backward()
+            counts += torch.tensor([(out.argmax(1) == y).sum().item(), y.size(0)])
+        dist.all_reduce(counts)
+        acc = counts[0] / counts[1]
+        if acc >= 0.99:
+            break
+    best, bad = float("inf"), 0
+    for epoch in range(100):
+        val = torch.zeros(2)
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            val += torch.tensor([F.mse_loss(model(x), y).item(), 1.0])
+        dist.all_reduce(val)
+        val_loss = (val[0] / val[1]).item()
+        improved = val_loss < best
+        best = min(best, val_loss)
+        bad = 0 if improved else bad + 1
+        if bad >= 5:
+            break
+    """
+    assert skipped_lines(body) == [10]

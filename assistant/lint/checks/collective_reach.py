@@ -823,10 +823,22 @@ class StepFacts:
         return self.work_from[id(block)]
 
     def agreed(self, block: list[ast.stmt]) -> list[frozenset[str]]:
+        """Per statement: the names agreed before it, handed to a collective or
+        made only of names that were (`dist.all_reduce(counts)`, then `acc =
+        counts[0] / counts[1]`; not `scores = q @ gathered.T`, which mixes in
+        this rank's own rows)."""
         if id(block) not in self.agreed_until:
             names: list[frozenset[str]] = [frozenset()]
             for statement in block:
-                names.append(names[-1] | self.collective_arguments(statement))
+                agreed = set(names[-1] | self.collective_arguments(statement))
+                for node in walk(statement):
+                    if not isinstance(node, ast.Assign | ast.AugAssign):
+                        continue
+                    for targets, value in pairs_of(node):
+                        read = self.data_names(value)
+                        if read and read <= agreed:
+                            agreed |= targets
+                names.append(frozenset(agreed))
             self.agreed_until[id(block)] = names
         return self.agreed_until[id(block)]
 
@@ -843,6 +855,16 @@ class StepFacts:
         if is_collective(self.script.name_of(func)):
             return True
         return any(c in self.reaching for c in same_file_callees(self.script, func, None))
+
+    def data_names(self, value: ast.expr) -> set[str]:
+        """The names `value` reads as data: not the functions it calls nor the
+        modules it names (`F`, `torch`)."""
+        called = {id(n.func) for n in walk(value) if isinstance(n, ast.Call)}
+        return {
+            n.id
+            for n in walk(value)
+            if isinstance(n, ast.Name) and id(n) not in called and n.id not in self.script.aliases
+        }
 
     def collective_arguments(self, statement: ast.stmt) -> frozenset[str]:
         """Names handed to a collective, and names assigned what a function of the
@@ -980,50 +1002,110 @@ def batch_names(loop: ast.For | ast.While) -> set[str]:
 def step_data_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     """The loop's batch names and the names its body assigns from them above
     `before`, in source order (`hard_idx, ok = mine(bank, idx)`: what is mined
-    from this rank's batch is this rank's own too)."""
+    from this rank's batch is this rank's own too; `n_correct += ...` too)."""
+    line = getattr(before, "lineno", 0)
     names = batch_names(loop)
     if not names:
         return names
-    line = getattr(before, "lineno", 0)
-    assigns = sorted(
+    for assign in assignments_above(loop, line):
+        if names_in(assign.value) & names:
+            names |= assigned_names(assign)
+    return names
+
+
+def assignments_above(loop: ast.For | ast.While, line: int) -> list[ast.Assign | ast.AugAssign]:
+    """The loop body's assignments above `line`, in source order."""
+    return sorted(
         (
             n
             for statement in loop.body
             for n in walk(statement)
-            if isinstance(n, ast.Assign) and n.lineno < line
+            if isinstance(n, ast.Assign | ast.AugAssign) and n.lineno < line
         ),
-        key=lambda n: n.lineno,
+        key=lambda n: (n.lineno, n.col_offset),
     )
-    for assign in assigns:
-        if names_in(assign.value) & names:
-            names |= {
-                n.id
-                for target in assign.targets
-                for n in walk(target)
-                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-            }
-    return names
+
+
+def assigned_names(assign: ast.Assign | ast.AugAssign) -> set[str]:
+    targets = assign.targets if isinstance(assign, ast.Assign) else [assign.target]
+    return {
+        n.id
+        for target in targets
+        for n in walk(target)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
 
 
 def local_value_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     """Names the loop's body assigns, above `before`, a value read from this rank's
-    batch (`valid_frac = (y != IGNORE).float().mean().item()`): a test of one is a
-    test of this rank's own data. Not a row count (`n = x.size(0)`), which
-    counts_no_rows judges where it is compared (a short last batch is as short
-    on every rank)."""
-    batch = step_data_names(loop, before)
+    batch (`valid_frac = (y != IGNORE).float().mean().item()`), or made from such a
+    name (`n_correct += (out.argmax(1) == y).sum().item()`, then `acc = n_correct /
+    n_seen`): a test of one is a test of this rank's own data. Not a row count (`n =
+    x.size(0)`), which counts_no_rows judges where it is compared (a short last
+    batch is as short on every rank)."""
     line = getattr(before, "lineno", 0)
-    return {
-        n.id
+    # each loop's own batch: the loop's, and an epoch loop's passes over the data
+    # inside it (`for x, y in loader:` under `for epoch in ...:`)
+    loops = [loop, *(n for s in loop.body for n in walk(s) if isinstance(n, ast.For))]
+    batch_of = {id(each): step_data_names(each, before) for each in loops if each.lineno < line}
+    local: set[str] = set()
+    for event in assignments_and_agreements_above(loop, line):
+        if isinstance(event, ast.Call):  # `dist.all_reduce(val)`: val is agreed from here on
+            local -= names_in(event.args[0])
+            continue
+        batch = set().union(*(batch_of.get(id(each), ()) for each in loops_around(event, loops)))
+        for targets, value in pairs_of(event):
+            if isinstance(value, ast.Call) and called_name(value) in RETURNS_AGREED:
+                local -= targets  # `preds = accelerator.gather(preds)`
+            elif reads_a_tensor_value(value, batch) or names_in(value) & local:
+                local |= targets
+    return local
+
+
+# Calls whose result every rank holds alike (Accelerate's gathers and reduce).
+RETURNS_AGREED = frozenset({"gather", "gather_for_metrics", "reduce", "all_gather_object"})
+
+
+def assignments_and_agreements_above(
+    loop: ast.For | ast.While, line: int
+) -> list[ast.Assign | ast.AugAssign | ast.Call]:
+    """The loop body's assignments above `line`, and its calls of collectives that
+    fill their first argument alike on every rank, in source order."""
+    found = [
+        n
         for statement in loop.body
-        for assign in walk(statement)
-        if isinstance(assign, ast.Assign)
-        and assign.lineno < line
-        and reads_a_tensor_value(assign.value, batch)
-        for target in assign.targets
-        for n in walk(target)
-        if isinstance(n, ast.Name)
-    }
+        for n in walk(statement)
+        if (isinstance(n, ast.Assign | ast.AugAssign) and n.lineno < line)
+        or (
+            isinstance(n, ast.Call) and n.lineno < line and n.args and called_name(n) in FILLS_ALIKE
+        )
+    ]
+    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+
+
+def pairs_of(assign: ast.Assign | ast.AugAssign) -> list[tuple[set[str], ast.expr]]:
+    """(names bound, the value they get): `best, waited = acc, 0` pairs each name with
+    its own value (`waited` is not made of `acc`); otherwise all names, the whole value."""
+    if (
+        isinstance(assign, ast.Assign)
+        and len(assign.targets) == 1
+        and isinstance(assign.targets[0], ast.Tuple)
+        and isinstance(assign.value, ast.Tuple)
+        and len(assign.targets[0].elts) == len(assign.value.elts)
+    ):
+        return [
+            ({n.id for n in walk(target) if isinstance(n, ast.Name)}, value)
+            for target, value in zip(assign.targets[0].elts, assign.value.elts, strict=True)
+        ]
+    return [(assigned_names(assign), assign.value)]
+
+
+def loops_around(node: ast.AST, loops: list[ast.For | ast.While]) -> list[ast.AST]:
+    """Those of `loops` whose body holds `node` (by position: loops do not overlap
+    otherwise)."""
+    return [
+        each for each in loops if each.lineno <= node.lineno <= (each.end_lineno or each.lineno)
+    ]
 
 
 def reads_a_tensor_value(value: ast.expr, batch: set[str]) -> bool:
