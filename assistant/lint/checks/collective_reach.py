@@ -904,7 +904,7 @@ def functions_returning_agreed_values(script: Script) -> set[str]:
         name: set().union(
             *(
                 names_in(n.args[0])
-                for n in own_nodes(function)
+                for n in script.scope_nodes(function)
                 if isinstance(n, ast.Call)
                 and n.args
                 and short(script.name_of(n.func)) in FILLS_ALIKE
@@ -914,7 +914,9 @@ def functions_returning_agreed_values(script: Script) -> set[str]:
         for name, function in script.functions.items()
     }
     returned = {
-        name: [n.value for n in own_nodes(function) if isinstance(n, ast.Return) and n.value]
+        name: [
+            n.value for n in script.scope_nodes(function) if isinstance(n, ast.Return) and n.value
+        ]
         for name, function in script.functions.items()
     }
     agreed: set[str] = set()

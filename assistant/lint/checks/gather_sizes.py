@@ -90,7 +90,7 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
     """all_gather into buffers shaped like the local tensor, whose row count
     comes from the data (detections, a mask's selection)."""
     for scope in script.all_scopes:
-        nodes = list(own_nodes(scope))
+        nodes = script.scope_nodes(scope)
         values = scope_values(nodes)
         sizes_exchanged = False
         for node in nodes:

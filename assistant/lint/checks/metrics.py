@@ -116,7 +116,7 @@ def check_evaluation_of_a_share_of_the_count(script: Script) -> Iterator[Finding
         return
     models = model_names(script)
     for scope in script.all_scopes:
-        nodes = list(own_nodes(scope))
+        nodes = script.scope_nodes(scope)
         shares = share_counts(nodes)
         if not shares or not models:
             continue

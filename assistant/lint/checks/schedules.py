@@ -96,7 +96,7 @@ def check_schedule_counted_in_one_gpus_steps(script: Script) -> Iterator[Finding
     if not runs_a_process_per_gpu(script):
         return
     for scope in script.all_scopes:
-        nodes = list(own_nodes(scope))
+        nodes = script.scope_nodes(scope)
         assigned = scope_values(nodes)
         for node in nodes:
             if not isinstance(node, ast.Call):

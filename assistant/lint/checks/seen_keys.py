@@ -32,7 +32,7 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.gather_sizes import is_loader, origin, scope_values, walk_until
-from assistant.lint.model import Script, called_name, own_nodes, short, source_text, walk
+from assistant.lint.model import Script, called_name, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call, runs_a_process_per_gpu
 from assistant.results import Finding
@@ -70,7 +70,7 @@ def check_collective_over_the_keys_a_rank_saw(script: Script) -> Iterator[Findin
     if not runs_a_process_per_gpu(script):
         return
     for scope in script.all_scopes:
-        nodes = list(own_nodes(scope))
+        nodes = script.scope_nodes(scope)
         if any(is_object_collective(script, node) for node in nodes):
             continue
         values = scope_values(nodes)

@@ -43,7 +43,6 @@ from assistant.lint.model import (
     keyword,
     method_of,
     names_in,
-    own_nodes,
     self_attribute,
     source_text,
     truth_at_count,
@@ -116,7 +115,7 @@ def calls_with_gradients(
     for scope in script.all_scopes:
         if without_gradients(scope):
             continue
-        nodes = list(own_nodes(scope))
+        nodes = script.scope_nodes(scope)
         no_grad = inside_no_grad(nodes)
         for node in nodes:
             called = isinstance(node, ast.Call) and source_text(node.func) in holders

@@ -43,7 +43,6 @@ from assistant.lint.model import (
     children,
     keyword,
     method_of,
-    own_nodes,
     self_attribute,
     source_text,
     truth_at_count,
@@ -470,7 +469,7 @@ def training_calls(script: Script, holders: set[str]) -> Iterator[tuple[ast.Call
     for scope in script.all_scopes:
         if without_gradients(scope):
             continue
-        nodes = list(own_nodes(scope))
+        nodes = script.scope_nodes(scope)
         if not any(isinstance(n, ast.Call) and called_name(n) in BACKWARDS for n in nodes):
             continue
         no_grad = inside_no_grad(nodes)
