@@ -835,7 +835,7 @@ class StepFacts:
                     if not isinstance(node, ast.Assign | ast.AugAssign):
                         continue
                     for targets, value in pairs_of(node):
-                        read = self.data_names(value)
+                        read = data_names(self.script, value)
                         if read and read <= agreed:
                             agreed |= targets
                 names.append(frozenset(agreed))
@@ -855,16 +855,6 @@ class StepFacts:
         if is_collective(self.script.name_of(func)):
             return True
         return any(c in self.reaching for c in same_file_callees(self.script, func, None))
-
-    def data_names(self, value: ast.expr) -> set[str]:
-        """The names `value` reads as data: not the functions it calls nor the
-        modules it names (`F`, `torch`)."""
-        called = {id(n.func) for n in walk(value) if isinstance(n, ast.Call)}
-        return {
-            n.id
-            for n in walk(value)
-            if isinstance(n, ast.Name) and id(n) not in called and n.id not in self.script.aliases
-        }
 
     def collective_arguments(self, statement: ast.stmt) -> frozenset[str]:
         """Names handed to a collective, and names assigned what a function of the
@@ -928,12 +918,23 @@ def functions_returning_agreed_values(script: Script) -> set[str]:
                 continue
             if all(
                 calls_one_of(script, value, agreed)
-                or (names_in(value) - set(script.aliases) or {""}) <= collected[name]
+                or (data_names(script, value) or {""}) <= collected[name]
                 for value in values
             ):
                 agreed.add(name)
                 grown = True
     return agreed
+
+
+def data_names(script: Script, value: ast.expr) -> set[str]:
+    """The names `value` reads as data: not the functions it calls nor the modules
+    it names (`F`, `torch`)."""
+    called = {id(n.func) for n in walk(value) if isinstance(n, ast.Call)}
+    return {
+        n.id
+        for n in walk(value)
+        if isinstance(n, ast.Name) and id(n) not in called and n.id not in script.aliases
+    }
 
 
 def calls_one_of(script: Script, value: ast.expr, functions: set[str]) -> bool:
@@ -1009,23 +1010,10 @@ def step_data_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     names = batch_names(loop)
     if not names:
         return names
-    for assign in assignments_above(loop, line):
-        if names_in(assign.value) & names:
+    for assign in assignments_and_agreements_above(loop, line):
+        if not isinstance(assign, ast.Call) and names_in(assign.value) & names:
             names |= assigned_names(assign)
     return names
-
-
-def assignments_above(loop: ast.For | ast.While, line: int) -> list[ast.Assign | ast.AugAssign]:
-    """The loop body's assignments above `line`, in source order."""
-    return sorted(
-        (
-            n
-            for statement in loop.body
-            for n in walk(statement)
-            if isinstance(n, ast.Assign | ast.AugAssign) and n.lineno < line
-        ),
-        key=lambda n: (n.lineno, n.col_offset),
-    )
 
 
 def assigned_names(assign: ast.Assign | ast.AugAssign) -> set[str]:
@@ -1064,8 +1052,9 @@ def local_value_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     return local
 
 
-# Calls whose result every rank holds alike (Accelerate's gathers and reduce).
-RETURNS_AGREED = frozenset({"gather", "gather_for_metrics", "reduce", "all_gather_object"})
+# Calls whose result every rank holds alike (Accelerate's gathers and reduce; torch's
+# all_gather_object fills its first argument, FILLS_ALIKE, and returns None).
+RETURNS_AGREED = frozenset({"gather", "gather_for_metrics", "reduce"})
 
 
 def assignments_and_agreements_above(
