@@ -116,7 +116,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # fp 14/16; fq 14/16; fr 14/16; fs 16/16; ft 12/16; fu 13/16; fv 14/16; fw 13/16;
 # gb 13/16; fz 10/16; fx 8/16; gd 13/16; gf 14/16; gg 6/16), of 2961 with session 54's
 # fifteen sets
-FOUND_FLOOR = 3051  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 3103  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -337,7 +337,8 @@ FOUND_FLOOR = 3051  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # bz's 09) and a loader handed to a generator of batches (gu's 15, bz's 15); 3048 of 3457
 # with hi, hj, hk, hl (measured once at bfb3980: 13/16, 15/16, 10/16, 11/16), 3051 after an
 # epoch loop left on this rank's own accuracy (hl's 05; dx's 01 and eq's 11, missed since
-# sessions 52 and 53)
+# sessions 52 and 53); session 57: 3103 of 3521 with hm, hn, ho, hp (measured once at
+# af17b85: 14/16, 12/16, 12/16, 14/16)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -524,8 +525,9 @@ FOUND_FLOOR = 3051  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # by torchrun alone is no longer told its --local_rank flag has the wrong spelling
 # (torchrun passes no flag at all: local-rank-not-from-env says what goes wrong); 134 with
 # hi, hj, hk, hl (hl's 02, correct, ceil-sized blocks of a list padded to blocks * ranks
-# first, read as a short last block: false, mended)
-OTHER_FINDINGS_CEILING = 134
+# first, read as a short last block: false, mended); session 57: 140 with hm, hn, ho, hp
+# (the spelling note on two)
+OTHER_FINDINGS_CEILING = 140
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -543,8 +545,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 3457
-    assert sum(label["cause"] is None for label in labels) == 863
+    assert sum(label["cause"] is not None for label in labels) == 3521
+    assert sum(label["cause"] is None for label in labels) == 879
 
 
 # Linting every blind script (3,700 files) takes about four minutes on two idle cores,
