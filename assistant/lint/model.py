@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import UnionType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from assistant.errors import UserError
 from assistant.results import Finding
@@ -46,6 +46,9 @@ Function = ast.FunctionDef | ast.AsyncFunctionDef
 RANK_TAKERS = frozenset({"init_process_group", "DistributedSampler"})
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class Script:
     """A parsed training script and what the checks need to know about it."""
@@ -62,6 +65,15 @@ class Script:
     assigned_sides: dict[str, str | None] = field(default_factory=dict, repr=False)
     source: str = field(default="", repr=False)  # the text: its docstring's launch lines
     of_type_cache: dict[object, list[ast.AST]] = field(default_factory=dict, repr=False)
+    facts_cache: dict[tuple, object] = field(default_factory=dict, repr=False)
+
+    def fact(self, key: tuple, compute: Callable[[], T]) -> T:
+        """`compute()`, worked out once per file for `key` (a question and the ids of
+        the nodes it is about): a check that asks it once per statement of a long
+        loop otherwise walks the loop once per statement, quadratic in its length."""
+        if key not in self.facts_cache:
+            self.facts_cache[key] = compute()
+        return self.facts_cache[key]  # type: ignore[return-value]
 
     def of_type(self, kinds: type | tuple | UnionType) -> list[ast.AST]:
         """The file's nodes of `kinds` (what isinstance takes), in walk order.

@@ -72,8 +72,16 @@ def reads_the_clock(script: Script, test: ast.expr, loop: ast.AST) -> bool:
     function before it) sets from one: `elapsed = time.time() - start`."""
     if any(is_clock(script, node) for node in walk(test)):
         return True
-    read = names_in(test)
     scope = enclosing_scope(loop, script) or script.tree
+    clock_names = script.fact(
+        ("names set from a clock", id(scope)), lambda: set_from_a_clock(script, scope)
+    )
+    return bool(names_in(test) & clock_names)
+
+
+def set_from_a_clock(script: Script, scope: ast.AST) -> set[str]:
+    """Names the scope assigns a value read from a clock (`elapsed = time.time() - t0`)."""
+    found: set[str] = set()
     for node in script.scope_nodes(scope):
         if isinstance(node, ast.Assign):
             pairs = name_value_pairs(node)  # `step, tic = 0, time.time()`: tic alone
@@ -81,10 +89,10 @@ def reads_the_clock(script: Script, test: ast.expr, loop: ast.AST) -> bool:
             pairs = [(node.target, node.value)]
         else:
             continue
-        for name, value in pairs:
-            if name.id in read and any(is_clock(script, n) for n in walk(value)):
-                return True
-    return False
+        found.update(
+            name.id for name, value in pairs if any(is_clock(script, n) for n in walk(value))
+        )
+    return found
 
 
 def is_clock(script: Script, node: ast.AST) -> bool:

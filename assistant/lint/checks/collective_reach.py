@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -515,8 +516,8 @@ def check_step_skipped_on_local_data(script: Script) -> Iterator[Finding]:
         if loop is None:
             continue
         own_data = (
-            reads_local_value(node.test, step_data_names(loop, node))
-            or bool(names_in(node.test) & local_value_names(loop, node))
+            reads_local_value(node.test, step_data_names(script, loop, node))
+            or bool(names_in(node.test) & local_value_names(script, loop, node))
             or compares_a_reduction(node.test)
         ) and not tests_the_agreed_gradient_norm(script, node.test, loop)
         own_signal = not own_data and reads_flag(node.test, signalled)
@@ -642,8 +643,13 @@ def tests_the_agreed_gradient_norm(script: Script, test: ast.expr, loop: ast.AST
     read = {n.id for n in walk(test) if isinstance(n, ast.Name) and n.id != "torch"}
     if not read:
         return False
+    return read <= script.fact(("gradient norms", id(loop)), lambda: gradient_norms(script, loop))
+
+
+def gradient_norms(script: Script, loop: ast.AST) -> set[str]:
+    """Names the loop assigns the agreed gradient norm (tests_the_agreed_gradient_norm)."""
     fsdp1 = bool(names_bound_to(script, "FullyShardedDataParallel"))
-    norms = {
+    return {
         target.id
         for assign in walk(loop)
         if isinstance(assign, ast.Assign)
@@ -656,7 +662,6 @@ def tests_the_agreed_gradient_norm(script: Script, test: ast.expr, loop: ast.AST
         for target in assign.targets
         if isinstance(target, ast.Name)
     }
-    return read <= norms
 
 
 def decided_by_rank(script: Script, test_if: ast.If, loop: ast.AST) -> bool:
@@ -796,6 +801,25 @@ class StepFacts:
         self.work_from: dict[int, list[ast.Call | None]] = {}  # id(block) -> per index
         self.agreed_until: dict[int, list[frozenset[str]]] = {}  # id(block) -> per index
         self.agreed_functions = functions_returning_agreed_values(script)
+        self.positions: dict[int, dict[int, int]] = {}  # id(block) -> id(statement) -> index
+
+    def enclosing_blocks(
+        self, node: ast.AST, loop: ast.AST
+    ) -> Iterator[tuple[list[ast.stmt], int]]:
+        """(statement list, index of the statement holding `node`) from `node` out to
+        the loop body (each list's positions indexed once, not searched per skip)."""
+        child, parent = node, self.parents.get(id(node))
+        while parent is not None:
+            for _name, value in ast.iter_fields(parent):
+                if isinstance(value, list):
+                    if id(value) not in self.positions:
+                        self.positions[id(value)] = {id(v): i for i, v in enumerate(value)}
+                    index = self.positions[id(value)].get(id(child))
+                    if index is not None:
+                        yield value, index
+            if parent is loop:
+                return
+            child, parent = parent, self.parents.get(id(parent))
 
     def agreed_before(self, test_if: ast.If, loop: ast.AST) -> bool:
         """A name the test reads went through a collective earlier in the iteration
@@ -803,12 +827,12 @@ class StepFacts:
         read = names_in(test_if.test)
         return any(
             self.agreed(block)[index] & read
-            for block, index in enclosing_blocks(test_if, loop, self.parents)
+            for block, index in self.enclosing_blocks(test_if, loop)
         )
 
     def skipped_work(self, test_if: ast.If, loop: ast.AST) -> ast.Call | None:
         """The first call the skip jumps over that talks to the other ranks."""
-        for block, index in enclosing_blocks(test_if, loop, self.parents):
+        for block, index in self.enclosing_blocks(test_if, loop):
             work = self.work(block)[index + 1]
             if work is not None:
                 return work
@@ -1002,18 +1026,34 @@ def batch_names(loop: ast.For | ast.While) -> set[str]:
     return {n.id for n in walk(target) if isinstance(n, ast.Name)}
 
 
-def step_data_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
+def step_data_names(script: Script, loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     """The loop's batch names and the names its body assigns from them above
     `before`, in source order (`hard_idx, ok = mine(bank, idx)`: what is mined
     from this rank's batch is this rank's own too; `n_correct += ...` too)."""
-    line = getattr(before, "lineno", 0)
-    names = batch_names(loop)
-    if not names:
-        return names
-    for assign in assignments_and_agreements_above(loop, line):
-        if not isinstance(assign, ast.Call) and names_in(assign.value) & names:
-            names |= assigned_names(assign)
-    return names
+    joined = script.fact(("batch names joined", id(loop)), lambda: batch_names_joined(script, loop))
+    _events, lines = events_of(script, loop)
+    above = bisect_left(lines, getattr(before, "lineno", 0))
+    return {name for name, event in joined.items() if event < above}
+
+
+def batch_names_joined(script: Script, loop: ast.For | ast.While) -> dict[str, int]:
+    """Each name step_data_names can return, and the index (in loop_events) of the
+    assignment that first made it batch data (-1: the loop's own batch names). The
+    set only grows down the loop, so one pass serves every statement of it."""
+    joined = dict.fromkeys(batch_names(loop), -1)
+    if not joined:
+        return joined
+    events, _lines = events_of(script, loop)
+    for index, event in enumerate(events):
+        if not isinstance(event, ast.Call) and names_in(event.value) & joined.keys():
+            for name in assigned_names(event):
+                joined.setdefault(name, index)
+    return joined
+
+
+def loops_within(loop: ast.For | ast.While) -> list[ast.For | ast.While]:
+    """The loop and the for loops of its body."""
+    return [loop, *(n for s in loop.body for n in walk(s) if isinstance(n, ast.For))]
 
 
 def assigned_names(assign: ast.Assign | ast.AugAssign) -> set[str]:
@@ -1026,7 +1066,7 @@ def assigned_names(assign: ast.Assign | ast.AugAssign) -> set[str]:
     }
 
 
-def local_value_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
+def local_value_names(script: Script, loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     """Names the loop's body assigns, above `before`, a value read from this rank's
     batch (`valid_frac = (y != IGNORE).float().mean().item()`), or made from such a
     name (`n_correct += (out.argmax(1) == y).sum().item()`, then `acc = n_correct /
@@ -1036,10 +1076,12 @@ def local_value_names(loop: ast.For | ast.While, before: ast.AST) -> set[str]:
     line = getattr(before, "lineno", 0)
     # each loop's own batch: the loop's, and an epoch loop's passes over the data
     # inside it (`for x, y in loader:` under `for epoch in ...:`)
-    loops = [loop, *(n for s in loop.body for n in walk(s) if isinstance(n, ast.For))]
-    batch_of = {id(each): step_data_names(each, before) for each in loops if each.lineno < line}
+    loops = script.fact(("loops within", id(loop)), lambda: loops_within(loop))
+    batch_of = {
+        id(each): step_data_names(script, each, before) for each in loops if each.lineno < line
+    }
     local: set[str] = set()
-    for event in assignments_and_agreements_above(loop, line):
+    for event in assignments_and_agreements_above(script, loop, line):
         if isinstance(event, ast.Call):  # `dist.all_reduce(val)`: val is agreed from here on
             local -= names_in(event.args[0])
             continue
@@ -1058,20 +1100,31 @@ RETURNS_AGREED = frozenset({"gather", "gather_for_metrics", "reduce"})
 
 
 def assignments_and_agreements_above(
-    loop: ast.For | ast.While, line: int
+    script: Script, loop: ast.For | ast.While, line: int
 ) -> list[ast.Assign | ast.AugAssign | ast.Call]:
     """The loop body's assignments above `line`, and its calls of collectives that
     fill their first argument alike on every rank, in source order."""
+    events, lines = events_of(script, loop)
+    return events[: bisect_left(lines, line)]
+
+
+def events_of(script: Script, loop: ast.For | ast.While) -> tuple[list[ast.AST], list[int]]:
+    """loop_events of the loop, worked out once per file."""
+    return script.fact(("assignments and agreements", id(loop)), lambda: loop_events(loop))
+
+
+def loop_events(loop: ast.For | ast.While) -> tuple[list[ast.AST], list[int]]:
+    """Every assignment of the loop's body and every call of a collective that fills
+    its first argument alike, in source order, and their lines."""
     found = [
         n
         for statement in loop.body
         for n in walk(statement)
-        if (isinstance(n, ast.Assign | ast.AugAssign) and n.lineno < line)
-        or (
-            isinstance(n, ast.Call) and n.lineno < line and n.args and called_name(n) in FILLS_ALIKE
-        )
+        if isinstance(n, ast.Assign | ast.AugAssign)
+        or (isinstance(n, ast.Call) and n.args and called_name(n) in FILLS_ALIKE)
     ]
-    return sorted(found, key=lambda n: (n.lineno, n.col_offset))
+    found.sort(key=lambda n: (n.lineno, n.col_offset))
+    return found, [n.lineno for n in found]
 
 
 def pairs_of(assign: ast.Assign | ast.AugAssign) -> list[tuple[set[str], ast.expr]]:
@@ -1183,18 +1236,3 @@ def is_none_test(node: ast.AST) -> bool:
         and isinstance(node.ops[0], ast.Is)
         and is_none(node.comparators[0])
     )
-
-
-def enclosing_blocks(
-    node: ast.AST, loop: ast.AST, parents: dict[int, ast.AST]
-) -> Iterator[tuple[list[ast.stmt], int]]:
-    """(statement list, index of the statement holding `node`) from `node` out to the loop body."""
-    child = node
-    parent = parents.get(id(child))
-    while parent is not None:
-        for _name, value in ast.iter_fields(parent):
-            if isinstance(value, list) and any(v is child for v in value):
-                yield value, next(i for i, v in enumerate(value) if v is child)
-        if parent is loop:
-            return
-        child, parent = parent, parents.get(id(parent))
