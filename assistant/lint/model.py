@@ -586,9 +586,35 @@ def full_text(expr: ast.AST) -> str:
     """`expr`'s whole source text, for a search of what it names: source_text
     abbreviates a long one, which would hide a `world_size` at its end. A deep
     expression reads as empty (ast.unparse recurses once per level)."""
-    if depth_of(expr, MAX_SHOWN_DEPTH + 1) > MAX_SHOWN_DEPTH:
-        return ""
-    return ast.unparse(expr)
+    text = unparsed(expr)
+    return "" if text is None else text
+
+
+# Facts that depend on a node alone (its source text, the names a function
+# binds) are kept on the node itself: the checks ask them of the same nodes
+# hundreds of times per file (an eighth of the lint time went to ast.unparse
+# and its depth test), and they live and die with the tree they were read
+# from. No check changes a parsed node.
+FACTS_ATTRIBUTE = "_assistant_facts"
+
+
+def node_fact(node: ast.AST, question: str, compute: Callable[[], T]) -> T:
+    """`compute()`, worked out once per node for `question`."""
+    facts = node.__dict__.setdefault(FACTS_ATTRIBUTE, {})
+    if question not in facts:
+        facts[question] = compute()
+    return facts[question]
+
+
+def unparsed(expr: ast.AST) -> str | None:
+    """ast.unparse of `expr`, once per node; None when it is too deep to unparse."""
+    return node_fact(
+        expr,
+        "text",
+        lambda: (
+            None if depth_of(expr, MAX_SHOWN_DEPTH + 1) > MAX_SHOWN_DEPTH else ast.unparse(expr)
+        ),
+    )
 
 
 def source_text(expr: ast.AST) -> str:
@@ -596,7 +622,7 @@ def source_text(expr: ast.AST) -> str:
 
     ast.unparse recurses once per level: a deep expression is named by its line.
     """
-    if depth_of(expr, MAX_SHOWN_DEPTH + 1) > MAX_SHOWN_DEPTH:
+    text = unparsed(expr)
+    if text is None:
         return f"<expression on line {getattr(expr, 'lineno', '?')}>"
-    text = ast.unparse(expr)
     return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
