@@ -772,6 +772,50 @@ def test_totals_handed_to_a_file_function_that_gathers_them_are_combined():
     assert reported_lines(body.replace("COMBINE", "scores = scores.float()"))
 
 
+# mmcv's collect_results_cpu: each rank dumps its part into a shared folder, a barrier,
+# then one rank reads every rank's file back (blind set hm's 17, correct).
+COLLECT_THROUGH_FILES = """
+def collect(part, tmpdir, rank, world):
+    with open(os.path.join(tmpdir, f"part_{rank}.json"), "w") as f:
+        json.dump(part, f)
+    dist.barrier()
+    if rank != 0:
+        return None
+    merged = []
+    for r in range(READ_RANKS):
+        with open(os.path.join(tmpdir, f"part_{READ}.json")) as f:
+            merged.extend(json.load(f))
+    return merged
+
+
+def evaluate(net, data, tmpdir, rank, world):
+    loader = DataLoader(data, sampler=DistributedSampler(data, shuffle=False))
+    part = []
+    for x, idx in loader:
+        part.append(net(x).argmax(-1).tolist())
+    results = collect(part, tmpdir, rank, world)
+    if rank == 0:
+        print("accuracy", score(results))
+"""
+
+
+@pytest.mark.parametrize(
+    ("read_ranks", "read", "reported"),
+    [
+        ("world", "r", []),
+        ("world_size", "r", []),
+        ("world", "rank", [19]),  # rank 0 reads its own file, once per rank
+        ("4", "r", [19]),  # a loop over four files is no loop over the ranks
+    ],
+    ids=["every rank's file", "world_size", "its own file", "a fixed count"],
+)
+def test_a_part_per_rank_read_back_by_one_rank_is_combined(read_ranks, read, reported):
+    body = "dist.init_process_group('nccl')\n" + COLLECT_THROUGH_FILES.replace(
+        "READ_RANKS", read_ranks
+    ).replace("READ", read)
+    assert reported_lines(body) == reported
+
+
 # One loader per task kept in a container entry by entry, each given a
 # DistributedSampler, and a loop over one entry picked by a variable (blind set
 # bz's 04): the entries are shares like any sharded loader.

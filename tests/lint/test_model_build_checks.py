@@ -208,6 +208,41 @@ def test_embedding_sizes_measured_from_the_ranks_own_shard_through_a_name():
     assert reported_lines(whole) == []
 
 
+# Blind set ho's 05: the dataset class keeps its whole annotation file's categories
+# and videos as fields; an evaluation elsewhere cuts a local of the field's name.
+FIELD_AND_A_LOCAL = """
+class Clips(Dataset):
+    def __init__(self, ann_file):
+        self.api = VideoAPI(ann_file)
+        self.vids = sorted(self.api.getVidIds())
+        self.cat_ids = sorted(self.api.getCatIds())
+        self.items = [v for v in self.vids for _ in range(8)]
+def evaluate(model, api, rank, world):
+    vids = sorted(api.getVidIds())[rank::world]
+    return len(vids)
+def main(ann_file):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_set = Clips(ann_file)
+    num_classes = len(train_set.cat_ids)
+    model = nn.Linear(4, num_classes)
+    model = DDP(model)
+    evaluate(model, VideoAPI(ann_file), rank, world)
+"""
+
+
+def test_a_field_is_the_classs_not_another_functions_local_of_its_name():
+    assert reported_lines(FIELD_AND_A_LOCAL) == []
+    # the class's own field cut by the rank: every rank counts its own categories
+    cut = (
+        FIELD_AND_A_LOCAL.replace("(self, ann_file)", "(self, ann_file, rank, world)")
+        .replace("sorted(self.api.getVidIds())", "sorted(self.api.getVidIds())[rank::world]")
+        .replace("Clips(ann_file)", "Clips(ann_file, rank, world)")
+        .replace("len(train_set.cat_ids)", "len(train_set.vids)")
+    )
+    assert reported_lines(cut) == [16]
+
+
 # Blind set bg's 13: every rank runs its own Optuna study, whose trials build the model.
 OPTUNA_SEARCH = """
 import optuna

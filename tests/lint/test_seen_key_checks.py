@@ -102,6 +102,10 @@ def test_rows_or_calls_per_key_the_rank_saw_are_reported(body):
             "losses = {}\nfor k, v in model(torch.ones(1, 4)).items():\n    losses[k] = v\n"
             "dist.all_reduce(torch.stack([losses[k] for k in sorted(losses)]))\n"
         ),
+        # entries read by the keys of a fixed list (blind set hn's 08): one row per
+        # listed field on every rank, whichever keys the data filled in
+        FILL_FROM_BATCHES
+        + "dist.all_reduce(torch.tensor([per_class[k] for k in range(num_classes)] + [1.0]))\n",
         # the keys exchanged as objects first
         FILL_FROM_BATCHES + "merged = [None] * 2\ndist.all_gather_object(merged, dict(per_class))\n"
         "dist.all_reduce(torch.tensor(list(per_class.values())))\n",

@@ -1220,6 +1220,19 @@ class DataFlow:
         return values
 
     @cached_property
+    def field_assignments(self) -> dict[str, list[ast.expr]]:
+        """`self.` attribute name -> every value assigned to it as a field in the file."""
+        values: dict[str, list[ast.expr]] = {}
+        for node in self.script.of_type((ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if node.value is None:
+                continue
+            for target in targets:
+                for name, element in paired_fields(target, node.value):
+                    values.setdefault(name, []).append(element)
+        return values
+
+    @cached_property
     def reads(self) -> dict[str, list[ast.AST]]:
         """Name (or `self.` attribute name) -> every node that reads it."""
         found: dict[str, list[ast.AST]] = {}
@@ -1332,7 +1345,10 @@ class DataFlow:
         else the file's (a parameter's callers, a closure's outer function, a field)."""
         every = self.assignments.get(name, [])
         if not every or not any(isinstance(n, ast.Name) and n.id == name for n in walk(node)):
-            return every  # read as a field (`self.train_idx`): the class's, not a local
+            # read as a field (`self.vids`): the class's, not another function's local
+            # `vids` (an evaluation's `vids = ids[rank::world]`); all of them only where
+            # the file never assigns the field as `self.vids` (it came from elsewhere)
+            return self.field_assignments.get(name) or every
         scope = enclosing_scope(node, self.script)
         if not isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
             return every
@@ -2306,14 +2322,33 @@ def is_sequence(value: ast.expr) -> bool:
 
 def paired(target: ast.expr, value: ast.expr) -> Iterator[tuple[str, ast.expr]]:
     """`a, (b, c) = x, (y, z)` -> (a, x), (b, y), (c, z); a name unpacked from one value gets
-    that value. Iterative: a tuple nested a thousand deep is hostile input, not a script."""
+    that value."""
+    for element, part in paired_elements(target, value):
+        yield from ((name, part) for name in bound_names(element))
+
+
+def paired_fields(target: ast.expr, value: ast.expr) -> Iterator[tuple[str, ast.expr]]:
+    """`paired`, for the `self.` fields the target binds only."""
+    for element, part in paired_elements(target, value):
+        pending = [element]
+        while pending:
+            current = pending.pop()
+            if isinstance(current, ast.Tuple | ast.List):
+                pending.extend(current.elts)
+            elif (field := self_attribute(current)) is not None:
+                yield field, part
+
+
+def paired_elements(target: ast.expr, value: ast.expr) -> Iterator[tuple[ast.expr, ast.expr]]:
+    """(target element, its value) as unpacking pairs them. Iterative: a tuple nested
+    a thousand deep is hostile input, not a script."""
     pending = [(target, value)]
     while pending:
         target, value = pending.pop()
         if is_sequence(target) and is_sequence(value) and len(target.elts) == len(value.elts):
             pending.extend(zip(target.elts, value.elts))
         else:
-            yield from ((name, value) for name in bound_names(target))
+            yield target, value
 
 
 def line_of(node: ast.stmt) -> int:

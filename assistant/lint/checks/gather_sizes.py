@@ -52,6 +52,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     children,
+    enclosing_loop,
     names_in,
     own_nodes,
     position,
@@ -168,6 +169,12 @@ def describe_step(script: Script, step: ast.expr) -> str:
         return (
             f"the loader's collate_fn `{name}` (line {function.lineno}) drops samples "
             f"from each batch, so each rank's batch has its own size"
+        )
+    ended = grown_until_the_data_says(script, step)
+    if ended is not None:
+        return (
+            f"`{source_text(step)}`, line {step.lineno}, grows what it returns in a loop "
+            f"that line {ended.lineno} ends when this rank's own outputs say so"
         )
     return f"`{source_text(step)}`, line {step.lineno}"
 
@@ -491,6 +498,7 @@ def content_sized_step(
                 or is_uneven_split_share(script, node)
                 or returns_a_rank_share(script, node)
                 or appended_when_the_data_says(script, node)
+                or grown_until_the_data_says(script, node) is not None
             ):
                 return node
             if dropping_collate(script, node) is not None:
@@ -828,6 +836,80 @@ def appended_when_the_data_says(script: Script, node: ast.AST) -> bool:
             return any(names_in(test) & per_pass_names(parent) for test in tests)
         parent = script.parents.get(id(parent))
     return False
+
+
+def grown_until_the_data_says(script: Script, node: ast.AST) -> ast.stmt | None:
+    """`node` calls the file's own function that returns a tensor it grows in a loop
+    (`x = torch.cat([x, nxt[:, None]], 1)`, a hand-written sampler) which that
+    pass's outputs can end early (`if done.all(): break`, `while not done.all()`):
+    each rank stops at its own length. The statement that ends it, else None. A
+    loop of a fixed number of steps, or one ended by a counter, keeps the lengths."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        return None
+    function = script.functions.get(node.func.id)
+    if function is None:
+        return None
+    nodes = script.scope_nodes(function)
+    returned = {
+        n.value.id for n in nodes if isinstance(n, ast.Return) and isinstance(n.value, ast.Name)
+    }
+    for loop in nodes:
+        grown = {
+            name for name in returned if isinstance(loop, ast.For | ast.While) and grows(loop, name)
+        }
+        ended = ended_by_its_outputs(script, loop, grown) if grown else None
+        if ended is not None:
+            return ended
+    return None
+
+
+def grows(loop: ast.For | ast.While, name: str) -> bool:
+    """The loop assigns `name` a concatenation of itself and more (`x = torch.cat([x, y], 1)`)."""
+    return any(
+        isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == name for t in node.targets)
+        and isinstance(node.value, ast.Call)
+        and called_name(node.value) in CONCATENATIONS
+        and name in names_in(node.value)
+        for node in walk(loop)
+    )
+
+
+def ended_by_its_outputs(
+    script: Script, loop: ast.For | ast.While, grown: set[str]
+) -> ast.stmt | None:
+    """The `while` whose test, or the `if ...: break` (or return) of this loop whose
+    test, reads what the loop computes each pass: not a counter (`step += 1`), nor
+    the grown tensor itself (`x.size(1) >= max_len` grows alike on every rank)."""
+    computed = computed_each_pass(loop) - grown
+    if isinstance(loop, ast.While) and names_in(loop.test) & computed:
+        return loop
+    for node in walk(loop):
+        if (
+            isinstance(node, ast.If)
+            and any(isinstance(s, ast.Break | ast.Return) for s in node.body)
+            and enclosing_loop(node, script.parents) is loop
+            and names_in(node.test) & computed
+        ):
+            return node
+    return None
+
+
+def computed_each_pass(loop: ast.For | ast.While) -> set[str]:
+    """Names the loop's body assigns from a call, or from another such name
+    (`nxt = torch.multinomial(...)`, `done |= nxt == EOS`); not a counter."""
+    assignments = [
+        (names_in(target), node.value)
+        for node in walk(loop)
+        if isinstance(node, ast.Assign | ast.AugAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    ]
+    computed: set[str] = set()
+    for _ in range(2):  # a name made from one assigned later in the body, on the next pass
+        for targets, value in assignments:
+            if any(isinstance(n, ast.Call) for n in walk(value)) or names_in(value) & computed:
+                computed |= targets
+    return computed
 
 
 def per_pass_names(loop: ast.For) -> set[str]:

@@ -881,13 +881,41 @@ def collective_call(script: Script, node: ast.AST) -> bool:
 
 def combining_function(script: Script, func: ast.expr) -> bool:
     """A function of the file whose own body runs a collective that combines
-    (`def collect(scores, idx, world): dist.all_gather(g_scores, scores) ...`)."""
+    (`def collect(scores, idx, world): dist.all_gather(g_scores, scores) ...`), or
+    reads every rank's file (reads_every_ranks_file)."""
     function = script.functions.get(func.id) if isinstance(func, ast.Name) else None
-    return function is not None and any(
-        isinstance(n, ast.Call)
-        and is_collective(script.name_of(n.func))
-        and short(script.name_of(n.func)) not in WAITS
-        for n in walk(function)
+    return function is not None and (
+        any(
+            isinstance(n, ast.Call)
+            and is_collective(script.name_of(n.func))
+            and short(script.name_of(n.func)) not in WAITS
+            for n in walk(function)
+        )
+        or reads_every_ranks_file(function)
+    )
+
+
+# What reads a file back: open() and the loaders of json, pickle, torch, numpy, pandas.
+FILE_READERS = frozenset({"open", "load", "loads", "read_csv", "read_json", "read_parquet"})
+
+
+def reads_every_ranks_file(function: Function) -> bool:
+    """The function loops over the ranks (`for r in range(world)`) and opens or loads
+    a path made with the loop's rank (`f"part_{r}.json"`): the collect of results
+    through a shared folder that mmcv-style evaluations use (each rank writes its
+    part, a barrier, one rank reads them all), which combines them as a gather does."""
+    return any(
+        isinstance(loop, ast.For)
+        and isinstance(loop.iter, ast.Call)
+        and called_name(loop.iter) == "range"
+        and any(PROCESS_COUNT.search(name) for a in loop.iter.args for name in names_in(a))
+        and any(
+            isinstance(call, ast.Call)
+            and called_name(call) in FILE_READERS
+            and names_in(loop.target) & set().union(*map(names_in, all_arguments(call)))
+            for call in walk(loop)
+        )
+        for loop in walk(function)
     )
 
 

@@ -260,7 +260,12 @@ def is_scalar_call(node: ast.AST) -> bool:
 def keyed_rows(tensor: ast.expr, values: dict[str, list[ast.expr]], seen: set[str]) -> str | None:
     """The container whose keys give the tensor its rows, if any."""
     for value in origin(values, tensor, is_scalar_call):
+        # `meter[k]` reads one entry by its key: no walk over the keys (`[meter[k] for
+        # k in loss_fields]` has one row per field of a fixed list on every rank)
+        read_by_key = {id(n.value) for n in walk(value) if isinstance(n, ast.Subscript)}
         for node in walk_until(value, is_scalar_call):
+            if id(node) in read_by_key:
+                continue
             container = walked_container(node, values, seen) or sized_by_keys(node, seen)
             if container:
                 return container
