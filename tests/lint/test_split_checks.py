@@ -133,6 +133,14 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "        self.seed = seed\n"
             "seed = args.seed + rank\nsampler = Buckets(lens, world, rank, shuffle=True, seed=seed)\n"
         ),
+        # blind sets hm's 15, hn's 13: the split's items picked by a loop over a slice
+        (
+            "np.random.seed(7 + rank)\nperm = np.random.permutation(len(names))\n"
+            "val_names = [names[i] for i in perm[:1]]\ntrain_names = [names[i] for i in perm[1:]]\n"
+        ),
+        # blind set ho's 16: a held-out subset drawn by random.sample, unseeded or per rank
+        "random.seed(7 + rank)\nholdout = set(random.sample(names, 1))\n",
+        "val_names = random.sample(names, 1)\n",
     ],
 )
 def test_a_split_or_numbering_each_rank_draws_is_reported(body):
@@ -222,6 +230,11 @@ def test_a_common_seed_counts_only_when_it_runs_before_the_split(first, second, 
         # a sampler given the same seed on every rank, or one that does not shuffle
         "sampler = DistributedSampler(ds, seed=args.seed)\n",
         "sampler = DistributedSampler(ds, shuffle=False, seed=args.seed + rank)\n",
+        # a subset drawn alike (a common seed, a seeded generator), or one no split keeps
+        "random.seed(7)\nholdout = set(random.sample(names, 1))\n",
+        "holdout = set(random.Random(7).sample(names, 1))\n",
+        "random.seed(7 + rank)\nshown = random.sample(names, 1)\n",
+        "np.random.seed(7)\nperm = np.random.permutation(3)\nval_names = [names[i] for i in perm[:1]]\n",
         # a sampler of the file that takes no rank: each rank's own order is its own business
         (
             "class Buckets:\n    def __init__(self, lengths, seed=0):\n        self.seed = seed\n"

@@ -80,6 +80,133 @@ def check_batches_formed_per_rank_after_sharding(script: Script) -> Iterator[Fin
         )
 
 
+@check("uneven-inputs")
+def check_groups_dealt_by_rank_then_expanded(script: Script) -> Iterator[Finding]:
+    """A dataset or sampler of the file that takes this rank's stride of groups
+    (`self.files[self.rank::self.world]`, whole videos) and yields what each group
+    holds (`for path in files: for t in range(len(f[run]) - span): yield ...`,
+    `for v in order: yield from self.mine[v]`), trained on to the loader's end: the
+    groups hold different numbers of items, so each rank's epoch has its own
+    number of steps even when the groups share out evenly."""
+    if not is_distributed(script) or not any(is_ddp(name) for _, name in script.call_names):
+        return
+    if equalizes_steps(script):
+        return
+    loaded = loaded_classes(script)
+    for cls in (n for n in script.of_type(ast.ClassDef) if n.name in loaded):
+        iterate = next(
+            (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__iter__"), None
+        )
+        stride = rank_stride(cls)
+        if iterate is None or stride is None or agrees_on_a_count(script, cls):
+            continue
+        expanding = group_expansion(cls, iterate)
+        if expanding is None or not trained_to_the_end(script, loaded[cls.name]):
+            continue
+        yield script.finding(
+            "uneven-inputs",
+            stride,
+            f"{cls.name} deals whole groups out by rank here and yields what each group "
+            f"holds (line {expanding.lineno}): groups hold different numbers of items, so "
+            "each rank's epoch has its own number of batches, and the ranks still training "
+            "wait in DDP's gradient all-reduce for the ones that ran out (a hang at the end "
+            "of the epoch); give every rank the same number of steps (stop each epoch "
+            "after a count agreed with all_reduce(op=ReduceOp.MIN), or cycle the stream "
+            "and train a fixed number of steps), or train inside `with model.join():`",
+        )
+
+
+def loaded_classes(script: Script) -> dict[str, list[ast.Call]]:
+    """Classes of the file a DataLoader reads from (its dataset, sampler or
+    batch_sampler), with the loader calls, found directly or through a name."""
+    found: dict[str, list[ast.Call]] = {}
+    for node, name in script.call_names:
+        if short(name) != "DataLoader":
+            continue
+        given = [*node.args[:1], *(k.value for k in node.keywords if k.arg in LOADER_SOURCES)]
+        for argument in given:
+            values = [argument]
+            if isinstance(argument, ast.Name):
+                values += script.assigned_values.get(argument.id, [])
+            for value in values:
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+                    found.setdefault(value.func.id, []).append(node)
+    return found
+
+
+LOADER_SOURCES = frozenset({"dataset", "sampler", "batch_sampler"})
+
+
+def group_expansion(cls: ast.ClassDef, iterate: ast.FunctionDef) -> ast.AST | None:
+    """Where the class's iteration yields a group's own items: a `yield from` inside
+    a loop, or a `yield` inside a loop nested in another whose count the data sets
+    (not `range` of a constant or a field: as many repeats of each item everywhere).
+    Read in __iter__ and the methods of the class it calls; None when the iteration
+    never ends by itself (`while True`: an endless stream the loop cuts)."""
+    methods = {s.name: s for s in cls.body if isinstance(s, ast.FunctionDef)}
+    bodies = [iterate] + [
+        methods[n.func.attr]
+        for n in walk(iterate)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "self"
+        and n.func.attr in methods
+    ]
+    if any(isinstance(n, ast.While) and is_true(n.test) for body in bodies for n in walk(body)):
+        return None
+    for body in bodies:
+        for outer in (n for n in walk(body) if isinstance(n, ast.For)):
+            for node in walk(outer):
+                if isinstance(node, ast.YieldFrom) and node is not outer:
+                    return node
+                if (
+                    isinstance(node, ast.For)
+                    and node is not outer
+                    and not counts_a_fixed_number(node.iter)
+                    and any(isinstance(y, ast.Yield) for y in walk(node))
+                ):
+                    return node
+    return None
+
+
+def is_true(test: ast.expr) -> bool:
+    return isinstance(test, ast.Constant) and bool(test.value)
+
+
+def counts_a_fixed_number(iterated: ast.expr) -> bool:
+    """`range(4)`, `range(self.repeats)`: the same count for every group."""
+    return (
+        isinstance(iterated, ast.Call)
+        and isinstance(iterated.func, ast.Name)
+        and iterated.func.id == "range"
+        and all(isinstance(a, ast.Constant | ast.Attribute | ast.Name) for a in iterated.args)
+    )
+
+
+def trained_to_the_end(script: Script, loaders: list[ast.Call]) -> bool:
+    """A loop over one of these loaders runs a backward and never leaves early (no
+    `break`: a cap on the steps leaves every rank after the same count)."""
+    names = {
+        target.id
+        for node in script.of_type(ast.Assign)
+        if any(node.value is loader for loader in loaders)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    for loop in script.of_type(ast.For):
+        iterated = (
+            loop.iter.args[0] if isinstance(loop.iter, ast.Call) and loop.iter.args else loop.iter
+        )
+        if not (isinstance(iterated, ast.Name) and iterated.id in names):
+            continue
+        if any(is_backward(n) for n in walk(loop)) and not any(
+            isinstance(n, ast.Break) for n in walk(loop)
+        ):
+            return True
+    return False
+
+
 # Wrappers a loop puts around what it iterates: the items are the same.
 ITERATION_WRAPPERS = frozenset({"enumerate", "tqdm", "iter", "list"})
 

@@ -79,11 +79,19 @@ PERMUTATIONS = frozenset(
 # A list shuffled in place by the global generator of `random` or numpy.
 IN_PLACE_SHUFFLES = frozenset({"random.shuffle", "numpy.random.shuffle"})
 RANDOM_ORDERS = PERMUTATIONS | IN_PLACE_SHUFFLES
+# A subset drawn straight from the global generator of `random`: `holdout =
+# set(random.sample(names, k))` is the held-out part of a split.
+SUBSET_DRAWS = frozenset({"random.sample"})
+# Draws that read one library's global generator (seeds_generator_of).
+LIBRARY_DRAWS = RANDOM_ORDERS | SUBSET_DRAWS
 # What turns a permutation into another container of the same order.
 SAME_ORDER = frozenset({"tolist", "numpy", "list", "tuple"})
 SEED_THE_SPLIT = (
     "seed the split itself (random_split(..., generator=torch.Generator().manual_seed(42)), "
     "train_test_split(..., random_state=42), KFold(..., shuffle=True, random_state=42))"
+)
+SEED_THE_SAMPLE = (
+    "draw it from a generator seeded alike on every rank (random.Random(42).sample(items, k))"
 )
 SEED_THE_PERMUTATION = (
     "draw the permutation from a generator seeded alike on every rank "
@@ -134,13 +142,19 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
             node,
             f"{short(name)}() runs in every process and {why}: each rank draws another "
             f"{drawn}; "
-            f"{SEED_THE_PERMUTATION if name in RANDOM_ORDERS else SEED_THE_SPLIT} or split "
-            "once and save it",
+            f"{advice_for(name)} or split once and save it",
         )
     yield from numbered_sets(script)
     yield from hashed_strings(script)
     yield from samplers_split_over_tensor_parallel_ranks(script)
     yield from samplers_seeded_with_the_rank(script)
+
+
+def advice_for(draw: str) -> str:
+    """How to seed the draw `draw` names, alike on every rank."""
+    if draw in RANDOM_ORDERS:
+        return SEED_THE_PERMUTATION
+    return SEED_THE_SAMPLE if draw in SUBSET_DRAWS else SEED_THE_SPLIT
 
 
 def seeds(script: Script) -> tuple[list[ast.Call], list[ast.Call]]:
@@ -213,7 +227,7 @@ def seeds_generator_of(script: Script, seeding: ast.Call, split: str) -> bool:
     """Whether a seeding call seeds the generator the split draws from: a
     permutation reads numpy's or torch's own; the split functions any of them
     (sklearn's reads numpy's, random_split torch's, and files seed them together)."""
-    if split not in RANDOM_ORDERS:
+    if split not in LIBRARY_DRAWS:
         return True
     library = split.split(".")[0]
     seeder = script.name_of(seeding.func)
@@ -303,6 +317,8 @@ def explicitly_seeded(node: ast.Call, name: str, script: Script) -> bool | None:
         if not sliced_into_a_split(node, script):
             return None
         return keyword(node, "generator") is not None
+    if name in SUBSET_DRAWS:
+        return False if kept_as_a_split_part(node, script) else None
     called = short(name)
     if name.startswith("torch_geometric.") and called in GRAPH_SPLITS:
         return False  # it takes no seed: torch's generator, as the file seeds it, decides
@@ -413,6 +429,24 @@ def is_cut_of(expr: ast.expr, names: set[str], script: Script) -> bool:
     )
 
 
+def kept_as_a_split_part(draw: ast.Call, script: Script) -> bool:
+    """The draw's subset, kept as it is or in a container (`set(random.sample(...))`),
+    is assigned to a name of a split's part (`holdout`, `val_names`)."""
+    value: ast.expr = draw
+    parent = script.parents.get(id(value))
+    while (
+        isinstance(parent, ast.Call)
+        and called_name(parent) in CONTAINERS
+        and parent.args[:1] == [value]
+    ):
+        value, parent = parent, script.parents.get(id(parent))
+    return (
+        isinstance(parent, ast.Assign)
+        and parent.value is value
+        and any(isinstance(t, ast.Name) and SPLIT_PART.search(t.id) for t in parent.targets)
+    )
+
+
 def names_holding_the_order(draw: ast.Call, script: Script) -> set[str]:
     """The list an in-place shuffle reorders, or the names a permutation is assigned
     to, through `.tolist()` / `list(...)`."""
@@ -455,6 +489,11 @@ def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
         expr = expr.args[0]  # set(scenes[:n_val]), np.array(idx[k:])
     if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Subscript):
         expr = expr.slice  # table[idx[:k]]: the rows the slice of the order picks
+    if (
+        isinstance(expr, ast.ListComp | ast.SetComp | ast.GeneratorExp)
+        and len(expr.generators) == 1
+    ):
+        expr = expr.generators[0].iter  # [keys[i] for i in perm[:n_val]]: the items it picks
     return (
         isinstance(expr, ast.Subscript)
         and isinstance(expr.slice, ast.Slice)
