@@ -981,3 +981,58 @@ print("dev acc", correct / len(data))
 def test_an_evaluation_over_the_files_own_rank_dealing_sampler(parameters, arguments, reported):
     body = TOKEN_BUCKETS.replace("PARAMETERS", parameters).replace("ARGUMENTS", arguments)
     assert reported_lines(body) == reported
+
+
+# Blind set hm's 01: each rank's results go to a file and a COCO-style evaluator
+# reads them back from its path, then the AP of the rank's own share is returned.
+SHARE_OF_THE_ITEMS = """
+def evaluate(model, api, rank, world):
+    loader = DataLoader(api.images, sampler=DistributedSampler(api.images, shuffle=False))
+    results = []
+    for x in loader:
+        results.extend(predict(model, x))
+    if not results:
+        return 0.0
+    WRITE
+    COMBINE
+    return score(detections)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ap = evaluate(model, api, rank, world)
+    if rank == 0:
+        print("AP", ap)
+"""
+
+
+@pytest.mark.parametrize(
+    ("write", "combine", "reported"),
+    [
+        ("detections = api.loadRes(results)", "pass", [5]),
+        (
+            "with open(res_file, 'w') as f:\n        json.dump(results, f)",
+            "detections = api.loadRes(res_file)",
+            [5],
+        ),
+        ("torch.save(results, res_file)", "detections = torch.load(res_file)", [5]),
+        (
+            "merged = [None] * world\n    dist.all_gather_object(merged, results)",
+            "detections = api.loadRes(sum(merged, []))",
+            [],
+        ),
+    ],
+    ids=["read in place", "through a json file", "through torch.save", "gathered first"],
+)
+def test_results_read_back_from_the_file_they_were_written_to(write, combine, reported):
+    body = SHARE_OF_THE_ITEMS.replace("WRITE", write).replace("COMBINE", combine)
+    assert reported_lines(body) == reported
+
+
+def test_the_finding_names_where_the_figure_is_shown_not_the_guard_for_nothing():
+    body = SHARE_OF_THE_ITEMS.replace("WRITE", "detections = results").replace("COMBINE", "")
+    [(_, finding)] = lint_snippet(HEADER, body, ["metrics-not-reduced"])
+    source = (HEADER + body).splitlines()
+    shown = next(n for n, line in enumerate(source, 1) if 'print("AP", ap)' in line)
+    assert f"line {shown} shows" in finding.message, finding.message  # not `if not results:`

@@ -122,7 +122,9 @@ lines it must report.
   (mixed-precision-dtype);
 - splits: a random split every rank draws unseeded (or seeded with its rank),
   and a set of class names numbered in its iteration order
-  (rank-divergent-data-split).
+  (rank-divergent-data-split);
+- vocabulary: a tokenizer of the file whose special ids lie past the
+  vocabulary size it reports (device-side-assert).
 """
 
 from assistant.lint.checks import (
@@ -163,6 +165,7 @@ from assistant.lint.checks import (
     unread_layers,
     unused,
     unused_paths,
+    vocabulary,
     weighted_heads,
     wrapper,
     zero,
@@ -206,6 +209,7 @@ __all__ = [
     "unread_layers",
     "unused",
     "unused_paths",
+    "vocabulary",
     "weighted_heads",
     "wrapper",
     "zero",

@@ -818,6 +818,7 @@ def derive(nodes: list[ast.AST], totals: set[str]) -> set[str]:
     """The totals and the names assigned from them, a few steps on: `acc = correct / n`,
     `results[key] = dets` (the container), `for t in (correct, n):` (the loop variable)."""
     derived = set(totals)
+    opened = opened_paths(nodes)
     for _ in range(DERIVATION_STEPS):
         for node in nodes:
             if isinstance(node, ast.Assign) and names_in(node.value) & derived:
@@ -825,7 +826,41 @@ def derive(nodes: list[ast.AST], totals: set[str]) -> set[str]:
                     derived |= assigned_names(target)
             elif isinstance(node, ast.For) and names_in(node.iter) & derived:
                 derived |= assigned_names(node.target)
+            elif isinstance(node, ast.Call) and (path := path_written_with(node, derived, opened)):
+                derived.add(path)  # `json.dump(results, f)`, then `coco.loadRes(res_file)`
     return derived
+
+
+# Calls that write their first argument to a file (the second: a path or an open file).
+FILE_WRITERS = frozenset({"dump", "save"})
+
+
+def opened_paths(nodes: list[ast.AST]) -> dict[str, str]:
+    """File name -> the path name it was opened from (`with open(res_file, "w") as f`)."""
+    return {
+        item.optional_vars.id: item.context_expr.args[0].id
+        for node in nodes
+        if isinstance(node, ast.With)
+        for item in node.items
+        if isinstance(item.optional_vars, ast.Name)
+        and isinstance(item.context_expr, ast.Call)
+        and called_name(item.context_expr) == "open"
+        and item.context_expr.args
+        and isinstance(item.context_expr.args[0], ast.Name)
+    }
+
+
+def path_written_with(call: ast.Call, derived: set[str], opened: dict[str, str]) -> str | None:
+    """The path name a derived value is written to (`json.dump(results, f)` into a
+    file opened from `res_file`, `torch.save(preds, out_path)`): what is read back
+    from that path is the same values. Only a plain name: a path made with the
+    rank (`f"part_{rank}.json"`) names no single file."""
+    if called_name(call) not in FILE_WRITERS or len(call.args) < 2:
+        return None
+    if not names_in(call.args[0]) & derived or not isinstance(call.args[1], ast.Name):
+        return None
+    target = call.args[1].id
+    return opened.get(target, target)
 
 
 def assigned_names(target: ast.expr) -> set[str]:
@@ -946,7 +981,11 @@ def first_shown(script: Script, after: list[ast.AST], derived: set[str]) -> ast.
     also names the rank (`"rank %d wrote %d", rank, n`) shows a per-rank figure
     on purpose, and is passed over."""
     for node in after:
-        if isinstance(node, ast.If) and names_in(node.test) & derived:
+        if (
+            isinstance(node, ast.If)
+            and names_in(node.test) & derived
+            and not guards_against_nothing(node)
+        ):
             return node
         if (
             isinstance(node, ast.Call)
@@ -957,6 +996,27 @@ def first_shown(script: Script, after: list[ast.AST], derived: set[str]) -> ast.
         ):
             return node
     return None
+
+
+def guards_against_nothing(branch: ast.If) -> bool:
+    """`if not results: return 0.0`, `if len(results) == 0: continue`: a guard for an
+    empty collection that leaves at once, not a look at the figure."""
+    test = branch.test
+    if not (
+        len(branch.body) == 1 and isinstance(branch.body[0], ast.Return | ast.Continue | ast.Raise)
+    ):
+        return False
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return isinstance(test.operand, ast.Name)
+    return (
+        isinstance(test, ast.Compare)
+        and len(test.comparators) == 1
+        and isinstance(test.ops[0], ast.Eq)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == 0
+        and isinstance(test.left, ast.Call)
+        and called_name(test.left) == "len"
+    )
 
 
 def writes_a_file_of_its_rank(script: Script, call: ast.Call) -> bool:
