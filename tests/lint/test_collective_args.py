@@ -391,6 +391,48 @@ def test_a_method_of_an_object_built_with_the_rank_depends_on_what_it_returns(re
     assert [(f.cause_id, f.line) for f in findings if f.cause_id == "uneven-inputs"] == found
 
 
+# A trainer object of the file built with the rank (blind set ht's 09), whose step
+# counter the outer loop reads.
+TRAINER = """\
+import torch
+import torch.distributed as dist
+
+
+class Trainer:
+    def __init__(self, args, rank, shards):
+        self.args, self.rank = args, rank
+        self.step = START
+
+    def train_step(self, batch):
+        self.step += 1
+
+
+def main(args):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    trainer = Trainer(args, rank, list(range(100))[rank::3])
+    while trainer.step < args.max_update:
+        trainer.train_step(None)
+        dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.parametrize(
+    ("start", "found"),
+    [
+        ("0", []),  # a counter every rank starts at 0 and steps alike
+        ("rank * 10", [("uneven-inputs", 20)]),  # started from the rank
+        ("self.rank * 10", [("uneven-inputs", 20)]),  # through another field
+    ],
+    ids=["a counter", "from the rank", "through another field"],
+)
+def test_a_field_of_an_object_built_with_the_rank_depends_on_what_the_class_assigns_it(
+    start, found
+):
+    findings = lint_source(TRAINER.replace("START", start))
+    assert [(f.cause_id, f.line) for f in findings if f.cause_id == "uneven-inputs"] == found
+
+
 @pytest.mark.parametrize(
     "body, reported",
     [

@@ -1384,6 +1384,40 @@ def test_a_cache_file_renamed_into_place_is_never_read_half_written(write, repor
     assert bool(found) == reported, found
 
 
+# Blind set ht's 08 (correct): while the k-means model is missing, each rank dumps
+# its own slice of features to a file named by its rank, and rank 0 alone fits
+# and writes the shared file; only a write of the shared file can race.
+SHARED_BUILT_FROM_PARTS = """
+import os
+import numpy as np
+import torch.distributed as dist
+
+dist.init_process_group("nccl")
+rank, world = dist.get_rank(), dist.get_world_size()
+if not os.path.exists(km_path):
+    np.save(os.path.join(feat_dir, PART), features(items[rank::world]))
+    dist.barrier()
+    SHARED
+    dist.barrier()
+km = np.load(km_path)
+"""
+
+
+@pytest.mark.parametrize(
+    ("part", "shared", "reported"),
+    [
+        ('f"{rank}.npy"', "if rank == 0:\n        np.save(km_path, fit(feat_dir))", []),
+        ('"part.npy"', "if rank == 0:\n        np.save(km_path, fit(feat_dir))", [9]),
+        ('f"{rank}.npy"', "np.save(km_path, fit(feat_dir))", [11]),
+    ],
+    ids=["a part per rank", "one part for all", "the shared file on every rank"],
+)
+def test_a_file_of_each_ranks_own_beside_a_cache_is_no_race(part, shared, reported):
+    source = SHARED_BUILT_FROM_PARTS.replace("PART", part).replace("SHARED", shared)
+    found = [f.line for f in lint_source(source) if f.cause_id == "dataset-cache-race"]
+    assert found == reported
+
+
 PREFETCH_LOADER = """
 class PrefetchDataLoader(DataLoader):
     def __init__(self, num_prefetch_queue, **kwargs):

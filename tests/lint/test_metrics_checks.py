@@ -1036,3 +1036,29 @@ def test_the_finding_names_where_the_figure_is_shown_not_the_guard_for_nothing()
     source = (HEADER + body).splitlines()
     shown = next(n for n, line in enumerate(source, 1) if 'print("AP", ap)' in line)
     assert f"line {shown} shows" in finding.message, finding.message  # not `if not results:`
+
+
+# Blind set hq's 06: each document's matches counted in a scratch value reset on every
+# pass, then added to counts that are all-reduced after the loop.
+SCRATCH_COUNT = """
+dist.init_process_group("nccl")
+def evaluate(model, data):
+    loader = DataLoader(data, sampler=DistributedSampler(data, shuffle=False))
+    counts = torch.zeros(2)
+    for x, fields in loader:
+        tp = 0
+        for f in model(x):
+            if f in fields:
+                tp += 1
+        counts += torch.tensor([tp, len(fields)])
+    REDUCE
+    tp, n = counts.tolist()
+    print("F1", tp / n)
+"""
+
+
+@pytest.mark.parametrize(
+    ("reduce", "reported"), [("dist.all_reduce(counts)", []), ("pass", [6])], ids=["reduced", "not"]
+)
+def test_a_scratch_count_reset_on_every_pass_is_no_total(reduce, reported):
+    assert reported_lines(SCRATCH_COUNT.replace("REDUCE", reduce)) == reported

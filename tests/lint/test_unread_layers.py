@@ -108,6 +108,23 @@ def test_a_layer_without_parameters_or_a_loss_is_not_reported():
     assert unread(extra="self.criterion = nn.CrossEntropyLoss()") == [7]
 
 
+@pytest.mark.parametrize(
+    ("extra", "reported"),
+    [
+        # blind set hs's 06: a list of upsampling layers the forward never runs
+        ("self.ups = nn.ModuleList([nn.Upsample(scale_factor=2) for _ in range(3)])", [7]),
+        ("self.acts = nn.Sequential(nn.ReLU(), nn.Dropout(0.1))", [7]),
+        ("self.heads = nn.ModuleDict({'a': nn.Identity(), 'b': nn.GELU()})", [7]),
+        # a container that holds a layer with parameters is still reported
+        ("self.ups = nn.ModuleList([nn.ConvTranspose2d(4, 4, 2) for _ in range(3)])", [7, 10]),
+        ("self.extra = nn.Sequential(nn.ReLU(), nn.Linear(4, 4))", [7, 10]),
+    ],
+    ids=["upsample list", "activations", "dict of identities", "transposed convs", "a linear"],
+)
+def test_a_container_is_judged_by_the_layers_it_holds(extra, reported):
+    assert unread(extra=extra) == reported
+
+
 @pytest.mark.slow
 def test_the_position_table_fails_under_torchrun_and_its_twin_trains(torchrun):
     assert_broken_fails_and_twin_runs(

@@ -299,11 +299,21 @@ def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
             for inner in walk(statement):
                 if not isinstance(inner, ast.Call):
                     continue
-                if writes_cache(
-                    script, inner, torch_save, HELPER_DEPTH
-                ) and not published_atomically(script, inner, branch):
+                if (
+                    writes_cache(script, inner, torch_save, HELPER_DEPTH)
+                    and not published_atomically(script, inner, branch)
+                    and not writes_a_file_of_its_rank(script, inner, branch)
+                ):
                     writes.setdefault(id(inner), test.lineno)
     return writes
+
+
+def writes_a_file_of_its_rank(script: Script, write: ast.Call, branch: list[ast.stmt]) -> bool:
+    """The write's own path names the rank (`np.save(f"{feat_dir}/{rank}.npy", part)`
+    while the branch builds a shared cache): each rank writes a file of its own,
+    which no other rank writes at the same time."""
+    target = written_target(script, write, branch)
+    return target is not None and not shared_file(script, target)
 
 
 # Renames that replace the destination in one step (POSIX rename): a reader sees the
@@ -339,8 +349,14 @@ def published_atomically(script: Script, write: ast.Call, branch: list[ast.stmt]
 
 
 def written_path(script: Script, write: ast.Call, branch: list[ast.stmt]) -> str | None:
-    """The source text of the path a write goes to: np.save's first argument,
-    pickle.dump's file through `with open(tmp, "wb") as f`, df.to_parquet(path)."""
+    """The source text of the path a write goes to (written_target)."""
+    target = written_target(script, write, branch)
+    return None if target is None else source_text(target)
+
+
+def written_target(script: Script, write: ast.Call, branch: list[ast.stmt]) -> ast.expr | None:
+    """The path a write goes to: np.save's first argument, pickle.dump's file
+    through `with open(tmp, "wb") as f`, df.to_parquet(path)."""
     position = FILE_WRITERS.get(script.name_of(write.func), 0)
     if len(write.args) <= position:
         return None
@@ -358,8 +374,8 @@ def written_path(script: Script, write: ast.Call, branch: list[ast.stmt]) -> str
                             and short(script.name_of(opened.func)) == "open"
                             and opened.args
                         ):
-                            return source_text(opened.args[0])
-    return source_text(target)
+                            return opened.args[0]
+    return target
 
 
 def writes_cache(script: Script, call: ast.Call, torch_save: bool, depth: int) -> bool:

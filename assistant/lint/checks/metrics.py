@@ -622,7 +622,35 @@ def accumulated_names(loop: ast.For) -> set[str]:
             and id(node) not in shown_few
         ):
             totals.add(node.func.value.id)
-    return totals
+    return totals - restarted_each_pass(loop)
+
+
+def restarted_each_pass(loop: ast.For) -> set[str]:
+    """Names the loop's body sets to a constant or an empty container on every pass
+    (`tp = 0` before counting one document's matches, `seen = []`): a scratch value
+    of one item, whatever it is later added to, not a total of the share."""
+    return {
+        target.id
+        for node in walk(loop)
+        if isinstance(node, ast.Assign) and is_fresh(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
+def is_fresh(value: ast.expr) -> bool:
+    """A constant, or an empty list, dict or set (`0`, `[]`, `{}`, `set()`)."""
+    if isinstance(value, ast.Constant):
+        return True
+    if isinstance(value, ast.List | ast.Set | ast.Tuple):
+        return not value.elts
+    if isinstance(value, ast.Dict):
+        return not value.keys
+    return (
+        isinstance(value, ast.Call)
+        and called_name(value) in ("list", "dict", "set")
+        and not (value.args or value.keywords)
+    )
 
 
 def counts_iterations(statement: ast.stmt) -> bool:

@@ -563,6 +563,13 @@ def depends_on_rank(flow: Flow, expr: ast.expr) -> bool:
             key = key_of(node)
             if key in flow.rank_values or key in flow.tensors:
                 return True  # `n` from `n = rank + 1`; `t.numel()` of a rank-shaped t
+        if isinstance(node, ast.Attribute) and (field := own_field_read(flow, node)) is not None:
+            # `trainer.step` of `trainer = Trainer(args, rank, ...)`: what the class
+            # assigns to that field, not everything the object was built with
+            values, parameters = field
+            bound.update(parameters)
+            stack.extend(values)
+            continue
         stack.extend(children(node))
     return False
 
@@ -604,6 +611,75 @@ def own_method_call(flow: Flow, call: ast.Call) -> list[ast.expr] | None:
         if parameter is None or parameter in sources
     ]
     return reached
+
+
+def own_field_read(flow: Flow, read: ast.Attribute) -> tuple[list[ast.expr], set[int]] | None:
+    """For `obj.field` where `obj` was built here as `Cls(...)`, a class of the file
+    whose methods assign `self.field`: the values they assign it and the
+    constructor's arguments bound to the parameters those values read, with the ids
+    of the parameter names in them (their values are the arguments); None for any
+    other read, or a field the class never assigns."""
+    key = key_of(read.value)
+    taint = flow.rank_values.get(key) if key else None
+    built = taint.made_by if taint is not None else None
+    if not (isinstance(built, ast.Call) and isinstance(built.func, ast.Name)):
+        return None
+    cls = next((c for c in flow.script.of_type(ast.ClassDef) if c.name == built.func.id), None)
+    init = flow.script.functions.get(f"{built.func.id}.__init__")
+    if cls is None or init is None:
+        return None
+    assigned = field_assignments(cls)
+    values: list[ast.expr] = []
+    parameters: set[int] = set()
+    pending, seen = [read.attr], set()
+    while pending:  # `self.step = self.start`: the fields a field is made from, too
+        field = pending.pop()
+        if field in seen:
+            continue
+        seen.add(field)
+        for value, own in assigned.get(field, []):
+            values.append(value)
+            for n in walk(value):
+                if isinstance(n, ast.Name) and n.id in own:
+                    parameters.add(id(n))
+                elif isinstance(n, ast.Attribute) and key_of(n) == f"self.{n.attr}":
+                    pending.append(n.attr)
+    if not values:
+        return None
+    read_names = {
+        n.id
+        for value in values
+        for n in walk(value)
+        if isinstance(n, ast.Name) and id(n) in parameters
+    }
+    values += [
+        argument
+        for parameter, argument in bound_arguments(init, built, self_bound=True)
+        if parameter is None or parameter in read_names
+    ]
+    return values, parameters
+
+
+def field_assignments(cls: ast.ClassDef) -> dict[str, list[tuple[ast.expr, set[str]]]]:
+    """Field -> (value, the parameter names of the method that assigns it) for each
+    `self.field = value` (or `+=`) in the class's methods."""
+    found: dict[str, list[tuple[ast.expr, set[str]]]] = {}
+    for method in (m for m in cls.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)):
+        own = {
+            a.arg for a in [*method.args.posonlyargs, *method.args.args, *method.args.kwonlyargs]
+        }
+        for node in walk(method):
+            if isinstance(node, ast.Assign):
+                pairs = target_value_pairs(node)
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign) and node.value is not None:
+                pairs = [(node.target, node.value)]
+            else:
+                continue
+            for target, value in pairs:
+                key = key_of(target)
+                if key is not None and key.startswith("self.") and key.count(".") == 1:
+                    found.setdefault(key[5:], []).append((value, own))
+    return found
 
 
 def target_value_pairs(node: ast.Assign) -> list[tuple[ast.expr, ast.expr]]:

@@ -177,10 +177,38 @@ def read_as_a_whole(script: Script, field: str, keys: set[str]) -> bool:
     return False
 
 
+# torch.nn containers: they hold parameters only through the layers they hold.
+LAYER_HOLDERS = frozenset({"ModuleList", "Sequential", "ModuleDict"})
+
+
+def contained_layers(container: ast.Call) -> list[ast.Call]:
+    """The layers a container is built with, when every one is a call written out:
+    `Sequential(a, b)`, `ModuleList([a, b])`, `ModuleList([a(i) for i in ...])`,
+    `ModuleDict({"k": a})`; [] when any is something else (a name, a star)."""
+    items: list[ast.expr] = []
+    for argument in container.args:
+        if isinstance(argument, ast.List | ast.Tuple):
+            items += argument.elts
+        elif isinstance(argument, ast.ListComp | ast.GeneratorExp):
+            items.append(argument.elt)
+        elif isinstance(argument, ast.Dict):
+            items += argument.values
+        elif isinstance(argument, ast.DictComp):
+            items.append(argument.value)
+        else:
+            items.append(argument)
+    calls = [item for item in items if isinstance(item, ast.Call)]
+    return calls if calls and len(calls) == len(items) else []
+
+
 def has_parameters(script: Script, value: ast.Call, classes: dict[str, ast.ClassDef]) -> bool:
     """A torch.nn layer with parameters, a model class of the file, a library's model."""
     name = script.name_of(value.func)
     short_name = called_name(value)
+    if short_name in LAYER_HOLDERS and name.startswith("torch.nn."):
+        layers = contained_layers(value)
+        if layers:  # `nn.ModuleList([nn.Upsample(...) for ...])`: what it holds decides
+            return any(has_parameters(script, layer, classes) for layer in layers)
     if name.startswith("torch.nn.") and not name.startswith("torch.nn.functional."):
         return short_name not in WITHOUT_PARAMETERS and not short_name.endswith("Loss")
     if isinstance(value.func, ast.Name) and value.func.id in classes:
