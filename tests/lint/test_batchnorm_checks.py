@@ -240,6 +240,28 @@ def test_a_monai_unet_with_batch_norm_and_two_crops_per_gpu_is_reported():
     assert lines == [10]
 
 
+@pytest.mark.parametrize(
+    ("model", "reported"),
+    [
+        # blind set hr's 17: a Unet decoder is BatchNorm whatever the encoder
+        ('smp.Unet("efficientnet-b5", classes=3)', [4]),
+        ('smp.DeepLabV3Plus("resnet50", classes=3)', [4]),
+        ('smp.Unet("resnet34", classes=3, decoder_use_batchnorm=False)', []),
+        ('smp.FPN("mit_b2", classes=3)', []),  # a GroupNorm decoder, a LayerNorm encoder
+    ],
+    ids=["Unet", "DeepLabV3Plus", "Unet told no BatchNorm", "FPN"],
+)
+def test_a_segmentation_models_pytorch_model_with_a_batchnorm_decoder(model, reported):
+    lines = unsynced_lines(
+        f"""
+        import segmentation_models_pytorch as smp
+        train_loader = DataLoader(ds, 2, shuffle=True)
+        model = DDP({model}.cuda())
+        """
+    )
+    assert lines == reported
+
+
 def test_a_torchvision_deeplab_with_a_literal_batch_of_two_is_reported():
     lines = unsynced_lines(
         """

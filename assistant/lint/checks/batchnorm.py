@@ -386,6 +386,8 @@ def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
                 continue
             if BATCH_NORM.match(short(name)) or torchvision_bn_model(name):
                 return node.lineno
+            if smp_bn_model(name, node):
+                return node.lineno
             if picks_a_torchvision_bn_model(script, node):
                 return node.lineno
             called = node.func.id if isinstance(node.func, ast.Name) else None
@@ -398,6 +400,28 @@ def batch_norm_in(script: Script, values: list[ast.AST]) -> int | None:
 def norm_given(call: ast.Call) -> str | None:
     """The text of the norm a call is told to build (`norm_layer=...`, `norm_cfg=...`)."""
     return next((full_text(k.value) for k in call.keywords if k.arg in NORM_KEYWORDS), None)
+
+
+# segmentation_models_pytorch's architectures whose decoder (or ASPP / PSP block) is
+# built of BatchNorm whatever the encoder (FPN's decoder uses GroupNorm: left out).
+SMP_BN_MODELS = frozenset(
+    {"Unet", "UnetPlusPlus", "Linknet", "MAnet", "PSPNet", "DeepLabV3", "DeepLabV3Plus", "PAN"}
+)
+
+
+def smp_bn_model(name: str, call: ast.Call) -> bool:
+    """`smp.Unet("resnet34", ...)`, unless told `decoder_use_batchnorm=False` (or
+    `psp_use_batchnorm=False`)."""
+    owner, _, model = name.rpartition(".")
+    if not owner.startswith("segmentation_models_pytorch") or model not in SMP_BN_MODELS:
+        return False
+    return not any(
+        k.arg
+        and k.arg.endswith("use_batchnorm")
+        and isinstance(k.value, ast.Constant)
+        and k.value.value is False
+        for k in call.keywords
+    )
 
 
 def torchvision_bn_model(name: str) -> bool:
