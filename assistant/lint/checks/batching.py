@@ -125,13 +125,18 @@ def loaded_classes(script: Script) -> dict[str, list[ast.Call]]:
             continue
         given = [*node.args[:1], *(k.value for k in node.keywords if k.arg in LOADER_SOURCES)]
         for argument in given:
-            values = [argument]
-            if isinstance(argument, ast.Name):
-                values += script.assigned_values.get(argument.id, [])
-            for value in values:
-                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-                    found.setdefault(value.func.id, []).append(node)
+            for made in constructions(script, argument):
+                found.setdefault(made.func.id, []).append(node)
     return found
+
+
+def constructions(script: Script, argument: ast.expr) -> list[ast.Call]:
+    """The calls of a plain name (a class of the file, most often) that an argument
+    is, or that the name it passes is assigned: `Sampler(...)`, `sampler`."""
+    values = [argument]
+    if isinstance(argument, ast.Name):
+        values += script.assigned_values.get(argument.id, [])
+    return [v for v in values if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)]
 
 
 LOADER_SOURCES = frozenset({"dataset", "sampler", "batch_sampler"})
@@ -340,12 +345,8 @@ def batching_classes(script: Script) -> dict[str, list[ast.Call]]:
             given = keyword(node, "dataset") or (node.args[0] if node.args else None)
         if given is None:
             continue
-        values = [given]
-        if isinstance(given, ast.Name):
-            values += script.assigned_values.get(given.id, [])
-        for value in values:
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-                made.setdefault(value.func.id, []).append(value)
+        for value in constructions(script, given):
+            made.setdefault(value.func.id, []).append(value)
     return made
 
 
