@@ -341,8 +341,7 @@ FOUND_FLOOR = 3166  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # af17b85: 14/16, 12/16, 12/16, 14/16), 3112 after a file's own sampler stopped at this
 # rank's EOS (hp's 03), a split picked through a slice of a rank-seeded permutation or
 # drawn by random.sample (hm's 15, hn's 13, ho's 16), groups dealt out by rank and
-# yielded whole (hn's 09, ho's 19; bc's 19, bj's 11, bz's 14, missed since sessions
-# 46-48), results read back from the file they were written to (hm's 01) and special
+# yielded whole (hn's 09, ho's 19; bz's 14, missed since session 48), results read back from the file they were written to (hm's 01) and special
 # ids past a tokenizer's vocabulary size (hp's 18); 3165 of 3585 with hq, hr, hs, ht
 # (measured once at 8148cd1: 16/16, 12/16, 14/16, 11/16), 3166 after a
 # segmentation_models_pytorch Unet's BatchNorm decoder (hr's 17)

@@ -24,7 +24,7 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.data import equalizes_steps
+from assistant.lint.checks.data import check_rank_file_shards_of_uneven_length, equalizes_steps
 from assistant.lint.model import Script, full_text, keyword, position, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_ddp, is_distributed
@@ -93,6 +93,7 @@ def check_groups_dealt_by_rank_then_expanded(script: Script) -> Iterator[Finding
     if equalizes_steps(script):
         return
     loaded = loaded_classes(script)
+    reported: set[int] | None = None  # the loaders data.py's shard check already names
     for cls in (n for n in script.of_type(ast.ClassDef) if n.name in loaded):
         iterate = next(
             (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__iter__"), None
@@ -103,6 +104,10 @@ def check_groups_dealt_by_rank_then_expanded(script: Script) -> Iterator[Finding
         expanding = group_expansion(cls, iterate)
         if expanding is None or not trained_to_the_end(script, loaded[cls.name]):
             continue
+        if reported is None:
+            reported = {f.line for f in check_rank_file_shards_of_uneven_length(script)}
+        if any(loader.lineno in reported for loader in loaded[cls.name]):
+            continue  # "DataLoader over Stream(keys, rank, world) reads this rank's own share"
         yield script.finding(
             "uneven-inputs",
             stride,

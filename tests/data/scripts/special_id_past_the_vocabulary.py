@@ -36,6 +36,7 @@ def main():
     model = DDP(nn.Embedding(tok.vocab_size, 8))
     ids = torch.tensor([tok.encode("abc")])
     model(ids).sum().backward()
+    del model  # DDP before its group (see tests/data/scripts/README.md)
     dist.destroy_process_group()
 
 
