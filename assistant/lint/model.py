@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import stat
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -65,15 +65,13 @@ class Script:
     assigned_sides: dict[str, str | None] = field(default_factory=dict, repr=False)
     source: str = field(default="", repr=False)  # the text: its docstring's launch lines
     of_type_cache: dict[object, list[ast.AST]] = field(default_factory=dict, repr=False)
-    facts_cache: dict[tuple, object] = field(default_factory=dict, repr=False)
 
-    def fact(self, key: tuple, compute: Callable[[], T]) -> T:
-        """`compute()`, worked out once per file for `key` (a question and the ids of
-        the nodes it is about): a check that asks it once per statement of a long
-        loop otherwise walks the loop once per statement, quadratic in its length."""
-        if key not in self.facts_cache:
-            self.facts_cache[key] = compute()
-        return self.facts_cache[key]  # type: ignore[return-value]
+    def function_called(self, node: ast.AST) -> Function | None:
+        """The file's function a call by plain name runs (`shard(n, rank)` of `def
+        shard`), if any; None for anything else (a method, a library's function)."""
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            return self.functions.get(node.func.id)
+        return None
 
     def of_type(self, kinds: type | tuple | UnionType) -> list[ast.AST]:
         """The file's nodes of `kinds` (what isinstance takes), in walk order.
@@ -408,9 +406,7 @@ def names_bound_to(script: Script, class_name: str) -> set[str]:
 def returned_calls(script: Script, call: ast.expr) -> list[ast.Call]:
     """The calls a same-file function returns, as `call` of it builds them:
     `return FSDP(model, ...)`, or `wrapped = FSDP(...)` ... `return wrapped`."""
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
-        return []
-    function = script.functions.get(call.func.id)
+    function = script.function_called(call)
     if function is None:
         return []
     own = script.scope_nodes(function)
@@ -567,6 +563,25 @@ def depth_of(node: ast.AST, limit: int) -> int:
     return deepest
 
 
+def files_opened(nodes: Iterable[ast.AST]) -> dict[str, ast.expr]:
+    """Handle name -> the path `open()` was given, for each `with open(path) as
+    handle` among `nodes` (the first, where a name is opened twice)."""
+    opened: dict[str, ast.expr] = {}
+    for node in nodes:
+        if not isinstance(node, ast.With | ast.AsyncWith):
+            continue
+        for item in node.items:
+            call = item.context_expr
+            if (
+                isinstance(item.optional_vars, ast.Name)
+                and isinstance(call, ast.Call)
+                and called_name(call) == "open"
+                and call.args
+            ):
+                opened.setdefault(item.optional_vars.id, call.args[0])
+    return opened
+
+
 def position(node: ast.AST) -> tuple[int, int]:
     """Where a node starts, to compare nodes in source order."""
     return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
@@ -590,16 +605,18 @@ def full_text(expr: ast.AST) -> str:
     return "" if text is None else text
 
 
-# Facts that depend on a node alone (its source text, the names a function
-# binds) are kept on the node itself: the checks ask them of the same nodes
-# hundreds of times per file (an eighth of the lint time went to ast.unparse
-# and its depth test), and they live and die with the tree they were read
-# from. No check changes a parsed node.
+# Facts about a node (its source text; a loop's assignments, read once for all the
+# skips in it) are kept on the node itself: the checks ask them of the same nodes
+# hundreds of times per file (an eighth of the lint time went to ast.unparse and
+# its depth test; a loop walked once per statement of it is quadratic), and they
+# live and die with the tree they were read from, which belongs to one script.
+# No check changes a parsed node.
 FACTS_ATTRIBUTE = "_assistant_facts"
 
 
 def node_fact(node: ast.AST, question: str, compute: Callable[[], T]) -> T:
-    """`compute()`, worked out once per node for `question`."""
+    """`compute()`, worked out once per node for `question` (a fact of the node, or of
+    the node in its script: a tree belongs to one Script)."""
     facts = node.__dict__.setdefault(FACTS_ATTRIBUTE, {})
     if question not in facts:
         facts[question] = compute()

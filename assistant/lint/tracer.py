@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from assistant.lint.model import Function, Script, children, node_fact, unmoved, walk
+from assistant.lint.model import Function, Script, children, unmoved, walk
 from assistant.lint.ranks import NO_RANK, RankPath, narrowed, rank_branch_sides
 from assistant.lint.torchapi import SPAWNERS
 
@@ -293,23 +293,15 @@ def constant_arguments(func: Function, call: ast.Call, method: bool) -> dict[str
     }
 
 
-def assigned_in(func: Function) -> frozenset[str]:
+def assigned_in(func: Function) -> set[str]:
     """Plain names the function binds anew (assignments, loops, with, walrus)."""
-    return node_fact(func, "names bound", lambda: names_bound_in(func))
-
-
-def names_bound_in(func: Function) -> frozenset[str]:
-    return frozenset(
-        {
-            target.id
-            for node in walk(func)
-            if isinstance(
-                node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.For | ast.NamedExpr
-            )
-            for target in walk(node.targets[0] if isinstance(node, ast.Assign) else node.target)
-            if isinstance(target, ast.Name)
-        }
-    )
+    return {
+        target.id
+        for node in walk(func)
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.For | ast.NamedExpr)
+        for target in walk(node.targets[0] if isinstance(node, ast.Assign) else node.target)
+        if isinstance(target, ast.Name)
+    }
 
 
 def flag_branch(test: ast.expr, falsy: frozenset[str]) -> str | None:

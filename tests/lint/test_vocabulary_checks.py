@@ -74,3 +74,16 @@ def test_a_size_that_leaves_out_the_last_special_id_is_reported(size):
 )
 def test_a_size_that_counts_every_id_is_quiet(size, grow):
     assert reported(size, grow) == []
+
+
+def test_a_size_kept_in_a_field_is_read_at_its_assignment():
+    body = TOKENIZER.replace("SIZE", "pass").replace(
+        "GROW", "self.vocab_size = len(self.chars) + 1"
+    )
+    lines = body.splitlines()
+    size_line = next(n for n, line in enumerate(lines, 1) if "self.vocab_size =" in line)
+    assert [line for line, _ in lint_snippet("", body, {CAUSE})] == [size_line]
+    counted = body.replace(
+        "self.vocab_size = len(self.chars) + 1", "self.vocab_size = len(self.chars) + 2"
+    )
+    assert [line for line, _ in lint_snippet("", counted, {CAUSE})] == []

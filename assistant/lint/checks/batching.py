@@ -24,7 +24,11 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.data import check_rank_file_shards_of_uneven_length, equalizes_steps
+from assistant.lint.checks.data import (
+    DataFlow,
+    check_rank_file_shards_of_uneven_length,
+    equalizes_steps,
+)
 from assistant.lint.model import Script, full_text, keyword, position, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_backward, is_collective, is_ddp, is_distributed
@@ -94,6 +98,7 @@ def check_groups_dealt_by_rank_then_expanded(script: Script) -> Iterator[Finding
         return
     loaded = loaded_classes(script)
     reported: set[int] | None = None  # the loaders data.py's shard check already names
+    flow: DataFlow | None = None  # built only for a class that deals groups out
     for cls in (n for n in script.of_type(ast.ClassDef) if n.name in loaded):
         iterate = next(
             (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "__iter__"), None
@@ -102,7 +107,12 @@ def check_groups_dealt_by_rank_then_expanded(script: Script) -> Iterator[Finding
         if iterate is None or stride is None or agrees_on_a_count(script, cls):
             continue
         expanding = group_expansion(cls, iterate)
-        if expanding is None or not trained_to_the_end(script, loaded[cls.name]):
+        if expanding is None:
+            continue
+        flow = flow or DataFlow(script)
+        # trained on to the loader's end: a loop with a backward and no `break` (a cap
+        # on the steps leaves every rank after the same count)
+        if not any(flow.trains_on(loader) for loader in loaded[cls.name]):
             continue
         if reported is None:
             reported = {f.line for f in check_rank_file_shards_of_uneven_length(script)}
@@ -192,29 +202,6 @@ def counts_a_fixed_number(iterated: ast.expr) -> bool:
         and iterated.func.id == "range"
         and all(isinstance(a, ast.Constant | ast.Attribute | ast.Name) for a in iterated.args)
     )
-
-
-def trained_to_the_end(script: Script, loaders: list[ast.Call]) -> bool:
-    """A loop over one of these loaders runs a backward and never leaves early (no
-    `break`: a cap on the steps leaves every rank after the same count)."""
-    names = {
-        target.id
-        for node in script.of_type(ast.Assign)
-        if any(node.value is loader for loader in loaders)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    for loop in script.of_type(ast.For):
-        iterated = (
-            loop.iter.args[0] if isinstance(loop.iter, ast.Call) and loop.iter.args else loop.iter
-        )
-        if not (isinstance(iterated, ast.Name) and iterated.id in names):
-            continue
-        if any(is_backward(n) for n in walk(loop)) and not any(
-            isinstance(n, ast.Break) for n in walk(loop)
-        ):
-            return True
-    return False
 
 
 # Wrappers a loop puts around what it iterates: the items are the same.

@@ -33,6 +33,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     enclosing_loop,
+    files_opened,
     keyword,
     parameter_names,
     short,
@@ -295,25 +296,22 @@ def cache_writes(script: Script, torch_save: bool) -> dict[int, int]:
         tested = tested_paths(test.test)
         if not tested or not all(shared_file(script, path) for path in tested):
             continue  # no existence test, or a file per rank (f"cache_{rank}.pkl")
-        for statement in branch:
-            for inner in walk(statement):
-                if not isinstance(inner, ast.Call):
-                    continue
-                if (
-                    writes_cache(script, inner, torch_save, HELPER_DEPTH)
-                    and not published_atomically(script, inner, branch)
-                    and not writes_a_file_of_its_rank(script, inner, branch)
-                ):
-                    writes.setdefault(id(inner), test.lineno)
+        nodes = [n for statement in branch for n in walk(statement)]
+        opened = files_opened(nodes)
+        for inner in nodes:
+            if not isinstance(inner, ast.Call):
+                continue
+            if not writes_cache(script, inner, torch_save, HELPER_DEPTH):
+                continue
+            path = path_of_write(script, inner, opened)
+            if path is not None and (
+                published_atomically(script, path, nodes) or not shared_file(script, path)
+            ):
+                # renamed into place, or a file of this rank's own beside the shared
+                # cache (`np.save(f"{feat_dir}/{rank}.npy", part)`): no half-written read
+                continue
+            writes.setdefault(id(inner), test.lineno)
     return writes
-
-
-def writes_a_file_of_its_rank(script: Script, write: ast.Call, branch: list[ast.stmt]) -> bool:
-    """The write's own path names the rank (`np.save(f"{feat_dir}/{rank}.npy", part)`
-    while the branch builds a shared cache): each rank writes a file of its own,
-    which no other rank writes at the same time."""
-    target = written_target(script, write, branch)
-    return target is not None and not shared_file(script, target)
 
 
 # Renames that replace the destination in one step (POSIX rename): a reader sees the
@@ -322,59 +320,38 @@ RENAMES = frozenset({"os.replace", "os.rename", "shutil.move"})
 PATH_RENAMES = frozenset({"replace", "rename"})
 
 
-def published_atomically(script: Script, write: ast.Call, branch: list[ast.stmt]) -> bool:
-    """The write goes to a file the branch then renames into place (`np.save(tmp,
-    x); os.replace(tmp, dst)`, `tmp.rename(dst)`): however many ranks build it at
-    once, a rank that finds the file reads a whole one."""
-    written = written_path(script, write, branch)
-    if written is None:
-        return False
-    for statement in branch:
-        for node in walk(statement):
-            if not isinstance(node, ast.Call):
-                continue
-            if script.name_of(node.func) in RENAMES and node.args:
-                renamed = node.args[0]
-            elif (
-                isinstance(node.func, ast.Attribute)
-                and node.func.attr in PATH_RENAMES
-                and len(node.args) == 1
-            ):
-                renamed = node.func.value  # Path(tmp).replace(dst)
-            else:
-                continue
-            if source_text(renamed) == written:
-                return True
+def published_atomically(script: Script, path: ast.expr, nodes: list[ast.AST]) -> bool:
+    """The write goes to a `path` the branch (`nodes`) then renames into place
+    (`np.save(tmp, x); os.replace(tmp, dst)`, `tmp.rename(dst)`): however many ranks
+    build it at once, a rank that finds the file reads a whole one."""
+    written = source_text(path)
+    for node in nodes:
+        if not isinstance(node, ast.Call):
+            continue
+        if script.name_of(node.func) in RENAMES and node.args:
+            renamed = node.args[0]
+        elif (
+            isinstance(node.func, ast.Attribute)
+            and node.func.attr in PATH_RENAMES
+            and len(node.args) == 1
+        ):
+            renamed = node.func.value  # Path(tmp).replace(dst)
+        else:
+            continue
+        if source_text(renamed) == written:
+            return True
     return False
 
 
-def written_path(script: Script, write: ast.Call, branch: list[ast.stmt]) -> str | None:
-    """The source text of the path a write goes to (written_target)."""
-    target = written_target(script, write, branch)
-    return None if target is None else source_text(target)
-
-
-def written_target(script: Script, write: ast.Call, branch: list[ast.stmt]) -> ast.expr | None:
+def path_of_write(script: Script, write: ast.Call, opened: dict[str, ast.expr]) -> ast.expr | None:
     """The path a write goes to: np.save's first argument, pickle.dump's file
-    through `with open(tmp, "wb") as f`, df.to_parquet(path)."""
+    through `with open(tmp, "wb") as f` (`opened`: files_opened), df.to_parquet(path)."""
     position = FILE_WRITERS.get(script.name_of(write.func), 0)
     if len(write.args) <= position:
         return None
     target = write.args[position]
-    if isinstance(target, ast.Name):
-        for statement in branch:
-            for node in walk(statement):
-                if isinstance(node, ast.With | ast.AsyncWith):
-                    for item in node.items:
-                        opened = item.context_expr
-                        if (
-                            isinstance(item.optional_vars, ast.Name)
-                            and item.optional_vars.id == target.id
-                            and isinstance(opened, ast.Call)
-                            and short(script.name_of(opened.func)) == "open"
-                            and opened.args
-                        ):
-                            return opened.args[0]
+    if isinstance(target, ast.Name) and target.id in opened:
+        return opened[target.id]
     return target
 
 

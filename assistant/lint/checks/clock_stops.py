@@ -21,6 +21,7 @@ from assistant.lint.model import (
     enclosing_loop,
     name_value_pairs,
     names_in,
+    node_fact,
     short,
     source_text,
     walk,
@@ -73,8 +74,8 @@ def reads_the_clock(script: Script, test: ast.expr, loop: ast.AST) -> bool:
     if any(is_clock(script, node) for node in walk(test)):
         return True
     scope = enclosing_scope(loop, script) or script.tree
-    clock_names = script.fact(
-        ("names set from a clock", id(scope)), lambda: set_from_a_clock(script, scope)
+    clock_names = node_fact(
+        scope, "names set from a clock", lambda: set_from_a_clock(script, scope)
     )
     return bool(names_in(test) & clock_names)
 

@@ -22,6 +22,7 @@ from assistant.lint.model import (
     method_of,
     names_bound_to,
     names_in,
+    node_fact,
     own_nodes,
     parameter_names,
     position,
@@ -643,7 +644,7 @@ def tests_the_agreed_gradient_norm(script: Script, test: ast.expr, loop: ast.AST
     read = {n.id for n in walk(test) if isinstance(n, ast.Name) and n.id != "torch"}
     if not read:
         return False
-    return read <= script.fact(("gradient norms", id(loop)), lambda: gradient_norms(script, loop))
+    return read <= node_fact(loop, "gradient norms", lambda: gradient_norms(script, loop))
 
 
 def gradient_norms(script: Script, loop: ast.AST) -> set[str]:
@@ -1030,7 +1031,7 @@ def step_data_names(script: Script, loop: ast.For | ast.While, before: ast.AST) 
     """The loop's batch names and the names its body assigns from them above
     `before`, in source order (`hard_idx, ok = mine(bank, idx)`: what is mined
     from this rank's batch is this rank's own too; `n_correct += ...` too)."""
-    joined = script.fact(("batch names joined", id(loop)), lambda: batch_names_joined(script, loop))
+    joined = node_fact(loop, "batch names joined", lambda: batch_names_joined(script, loop))
     _events, lines = events_of(script, loop)
     above = bisect_left(lines, getattr(before, "lineno", 0))
     return {name for name, event in joined.items() if event < above}
@@ -1076,7 +1077,7 @@ def local_value_names(script: Script, loop: ast.For | ast.While, before: ast.AST
     line = getattr(before, "lineno", 0)
     # each loop's own batch: the loop's, and an epoch loop's passes over the data
     # inside it (`for x, y in loader:` under `for epoch in ...:`)
-    loops = script.fact(("loops within", id(loop)), lambda: loops_within(loop))
+    loops = node_fact(loop, "loops within", lambda: loops_within(loop))
     batch_of = {
         id(each): step_data_names(script, each, before) for each in loops if each.lineno < line
     }
@@ -1110,7 +1111,7 @@ def assignments_and_agreements_above(
 
 def events_of(script: Script, loop: ast.For | ast.While) -> tuple[list[ast.AST], list[int]]:
     """loop_events of the loop, worked out once per file."""
-    return script.fact(("assignments and agreements", id(loop)), lambda: loop_events(loop))
+    return node_fact(loop, "assignments and agreements", lambda: loop_events(loop))
 
 
 def loop_events(loop: ast.For | ast.While) -> tuple[list[ast.AST], list[int]]:

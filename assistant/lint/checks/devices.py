@@ -756,9 +756,7 @@ def moved_by_every_origin(script: Script, module: ast.expr, moved: Moves) -> boo
 def returns_a_moved_module(script: Script, value: ast.expr) -> bool:
     """A call of the file's own function that returns the module it moved
     (`return convert_sync_batchnorm(m).to(device)`, or `m = m.cuda(); return m`)."""
-    if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
-        return False
-    function = script.functions.get(value.func.id)
+    function = script.function_called(value)
     if function is None:
         return False
     nodes = script.scope_nodes(function)

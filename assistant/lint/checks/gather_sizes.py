@@ -54,7 +54,6 @@ from assistant.lint.model import (
     children,
     enclosing_loop,
     names_in,
-    own_nodes,
     position,
     short,
     source_text,
@@ -678,12 +677,10 @@ def is_rank_stride(script: Script, node: ast.AST) -> bool:
 def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
     """A call of the file's own function that returns this rank's strided share or
     clipped block (`def shard(n, rank, world): return np.arange(n)[rank::world]`)."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-        return False
-    function = script.functions.get(node.func.id)
+    function = script.function_called(node)
     if function is None:
         return False
-    nodes = list(own_nodes(function))
+    nodes = script.scope_nodes(function)
     values = scope_values(nodes)
     return any(
         is_rank_stride(script, part)
@@ -844,19 +841,15 @@ def grown_until_the_data_says(script: Script, node: ast.AST) -> ast.stmt | None:
     pass's outputs can end early (`if done.all(): break`, `while not done.all()`):
     each rank stops at its own length. The statement that ends it, else None. A
     loop of a fixed number of steps, or one ended by a counter, keeps the lengths."""
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
-        return None
-    function = script.functions.get(node.func.id)
+    function = script.function_called(node)
     if function is None:
         return None
     nodes = script.scope_nodes(function)
     returned = {
         n.value.id for n in nodes if isinstance(n, ast.Return) and isinstance(n.value, ast.Name)
     }
-    for loop in nodes:
-        grown = {
-            name for name in returned if isinstance(loop, ast.For | ast.While) and grows(loop, name)
-        }
+    for loop in (n for n in nodes if isinstance(n, ast.For | ast.While)):
+        grown = {name for name in returned if grows(loop, name)}
         ended = ended_by_its_outputs(script, loop, grown) if grown else None
         if ended is not None:
             return ended

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from assistant.lint.checks.cache import shared_file
+from assistant.lint.checks.cache import FILE_WRITERS, path_of_write, shared_file
 from assistant.lint.checks.rank_dependent import tuple_size_returned
 from assistant.lint.checks.schedules import PROCESS_COUNT
 from assistant.lint.checks.splits import rank_dealing_sampler
@@ -35,6 +35,7 @@ from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
+    files_opened,
     is_int,
     keyword,
     own_nodes,
@@ -126,7 +127,7 @@ def check_evaluation_of_a_share_of_the_count(script: Script) -> Iterator[Finding
                 continue
             function, passed = evaluated
             after = [n for n in nodes if hasattr(n, "lineno") and position_after(n, node)]
-            derived = derive(after, set().union(*map(assigned_names, node.targets)))
+            derived = derive(script, after, set().union(*map(assigned_names, node.targets)))
             if combined(script, after, derived):
                 continue
             shown = first_shown(script, after, derived)
@@ -222,7 +223,7 @@ def check_lightning_epoch_metric_of_one_share(script: Script) -> Iterator[Findin
             nodes = list(walk(end))
             if not outputs or any(collective_call(script, n) for n in nodes):
                 continue
-            derived = derive(nodes, outputs) - {"self"}
+            derived = derive(script, nodes, outputs) - {"self"}
             for node in nodes:
                 if not (isinstance(node, ast.Call) and logs_unsynced(node)):
                     continue
@@ -463,11 +464,13 @@ class EvaluationLoop:
         after = walk_after(scope, self.node.end_lineno or self.node.lineno)
         nodes = [*walk(self.node), *after]
         unreduced = {
-            total for total in self.totals if not combined(script, after, derive(nodes, {total}))
+            total
+            for total in self.totals
+            if not combined(script, after, derive(script, nodes, {total}))
         }
         if not unreduced:
             return None
-        derived = derive(nodes, unreduced)
+        derived = derive(script, nodes, unreduced)
         shown = first_shown(script, after, derived)
         if shown is None and evaluator is not None:
             shown = self.shown_by_callers(script, evaluator, derived, owners, sharded)
@@ -593,7 +596,7 @@ def called_functions(script: Script, call: ast.Call) -> list[Function]:
     """The file's functions a call may run: `fit_batch(x)` by name, `brain.fit_batch(x)`
     as the tracer follows such a call (tracer.own_method_of_an_object)."""
     if isinstance(call.func, ast.Name):
-        function = script.functions.get(call.func.id)
+        function = script.function_called(call)
         return [function] if function is not None else []
     if isinstance(call.func, ast.Attribute):
         receiver = source_text(call.func.value)
@@ -842,11 +845,12 @@ def names_in(node: ast.AST) -> set[str]:
     return found
 
 
-def derive(nodes: list[ast.AST], totals: set[str]) -> set[str]:
+def derive(script: Script, nodes: list[ast.AST], totals: set[str]) -> set[str]:
     """The totals and the names assigned from them, a few steps on: `acc = correct / n`,
-    `results[key] = dets` (the container), `for t in (correct, n):` (the loop variable)."""
+    `results[key] = dets` (the container), `for t in (correct, n):` (the loop variable),
+    the path they are written to (`json.dump(results, f)`, then `coco.loadRes(res_file)`)."""
     derived = set(totals)
-    opened = opened_paths(nodes)
+    opened = files_opened(nodes)
     for _ in range(DERIVATION_STEPS):
         for node in nodes:
             if isinstance(node, ast.Assign) and names_in(node.value) & derived:
@@ -854,41 +858,27 @@ def derive(nodes: list[ast.AST], totals: set[str]) -> set[str]:
                     derived |= assigned_names(target)
             elif isinstance(node, ast.For) and names_in(node.iter) & derived:
                 derived |= assigned_names(node.target)
-            elif isinstance(node, ast.Call) and (path := path_written_with(node, derived, opened)):
-                derived.add(path)  # `json.dump(results, f)`, then `coco.loadRes(res_file)`
+            elif isinstance(node, ast.Call) and (
+                path := path_written_with(script, node, derived, opened)
+            ):
+                derived.add(path)
     return derived
 
 
-# Calls that write their first argument to a file (the second: a path or an open file).
-FILE_WRITERS = frozenset({"dump", "save"})
-
-
-def opened_paths(nodes: list[ast.AST]) -> dict[str, str]:
-    """File name -> the path name it was opened from (`with open(res_file, "w") as f`)."""
-    return {
-        item.optional_vars.id: item.context_expr.args[0].id
-        for node in nodes
-        if isinstance(node, ast.With)
-        for item in node.items
-        if isinstance(item.optional_vars, ast.Name)
-        and isinstance(item.context_expr, ast.Call)
-        and called_name(item.context_expr) == "open"
-        and item.context_expr.args
-        and isinstance(item.context_expr.args[0], ast.Name)
-    }
-
-
-def path_written_with(call: ast.Call, derived: set[str], opened: dict[str, str]) -> str | None:
-    """The path name a derived value is written to (`json.dump(results, f)` into a
-    file opened from `res_file`, `torch.save(preds, out_path)`): what is read back
-    from that path is the same values. Only a plain name: a path made with the
-    rank (`f"part_{rank}.json"`) names no single file."""
-    if called_name(call) not in FILE_WRITERS or len(call.args) < 2:
+def path_written_with(
+    script: Script, call: ast.Call, derived: set[str], opened: dict[str, ast.expr]
+) -> str | None:
+    """The path name a file writer (cache.FILE_WRITERS) writes a derived value to:
+    what is read back from that path is the same values. Only a plain name: a path
+    made with the rank (`f"part_{rank}.json"`) names no single file."""
+    position = FILE_WRITERS.get(script.name_of(call.func))
+    if position is None:
         return None
-    if not names_in(call.args[0]) & derived or not isinstance(call.args[1], ast.Name):
+    written = [argument for index, argument in enumerate(call.args) if index != position]
+    if not any(names_in(argument) & derived for argument in written):
         return None
-    target = call.args[1].id
-    return opened.get(target, target)
+    path = path_of_write(script, call, opened)
+    return path.id if isinstance(path, ast.Name) else None
 
 
 def assigned_names(target: ast.expr) -> set[str]:
@@ -1060,16 +1050,7 @@ def writes_a_file_of_its_rank(script: Script, call: ast.Call) -> bool:
         if isinstance(parent, ast.With):
             withs.append(parent)
         parent = script.parents.get(id(parent))
-    opened = [
-        item.context_expr.args[0]
-        for node in withs
-        for item in node.items
-        if isinstance(item.optional_vars, ast.Name)
-        and item.optional_vars.id == handle
-        and isinstance(item.context_expr, ast.Call)
-        and called_name(item.context_expr) == "open"
-        and item.context_expr.args
-    ]
+    opened = [path for node in withs if (path := files_opened([node]).get(handle)) is not None]
     return bool(opened) and not any(shared_file(script, path) for path in opened)
 
 
@@ -1159,7 +1140,7 @@ def shown_by_callers(
         received = received_names(assigned.targets, positions)
         scope: ast.AST = script.functions[caller] if caller else script.tree
         after = walk_after(scope, assigned.end_lineno or assigned.lineno)
-        derived = derive(after, received)
+        derived = derive(script, after, received)
         if combined(script, after, derived):
             continue
         shown = first_shown(script, after, derived)

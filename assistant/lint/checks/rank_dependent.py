@@ -361,12 +361,10 @@ def tuple_size_returned(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int
 def called_function(
     script: Script, value: ast.expr
 ) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
-    """The file's own function `value` calls by name (`build_data(args, rank)`), if any."""
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
-        function = script.functions.get(value.func.id)
-        if function is not None and function.args.vararg is None:
-            return function
-    return None
+    """The file's own function `value` calls by name (`build_data(args, rank)`), if any,
+    when it takes no *args."""
+    function = script.function_called(value)
+    return function if function is not None and function.args.vararg is None else None
 
 
 def has_starred(value: ast.Tuple) -> bool:
@@ -628,7 +626,7 @@ def own_field_read(flow: Flow, read: ast.Attribute) -> tuple[list[ast.expr], set
     init = flow.script.functions.get(f"{built.func.id}.__init__")
     if cls is None or init is None:
         return None
-    assigned = field_assignments(cls)
+    assigned = values_of_fields(cls)
     values: list[ast.expr] = []
     parameters: set[int] = set()
     pending, seen = [read.attr], set()
@@ -660,7 +658,7 @@ def own_field_read(flow: Flow, read: ast.Attribute) -> tuple[list[ast.expr], set
     return values, parameters
 
 
-def field_assignments(cls: ast.ClassDef) -> dict[str, list[tuple[ast.expr, set[str]]]]:
+def values_of_fields(cls: ast.ClassDef) -> dict[str, list[tuple[ast.expr, set[str]]]]:
     """Field -> (value, the parameter names of the method that assigns it) for each
     `self.field = value` (or `+=`) in the class's methods."""
     found: dict[str, list[tuple[ast.expr, set[str]]]] = {}
@@ -721,7 +719,7 @@ def arguments_returned(script: Script, call: ast.Call) -> list[ast.expr]:
     them, except for a function of this file, whose returns are followed back to
     its parameters (`load_checkpoint(model, opt, rank)` that reads a per-rank
     shard but returns the step every rank shares)."""
-    function = script.functions.get(call.func.id) if isinstance(call.func, ast.Name) else None
+    function = script.function_called(call)
     if function is None or function.args.vararg is not None:
         return list(call.args)
     returned = parameters_returned(function)

@@ -786,9 +786,7 @@ def the_loss_function_call(
     if not reads or len(calls) != 1:
         return None
     call = next(iter(calls.values()))
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
-        return None
-    function = script.functions.get(call.func.id)
+    function = script.function_called(call)
     if function is None:
         return None
     bound = bound_arguments(function, call)

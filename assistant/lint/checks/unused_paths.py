@@ -500,7 +500,7 @@ def trainable_submodules(script: Script, cls: ast.ClassDef) -> set[str]:
 def built_by_a_file_function(script: Script, value: ast.Call) -> bool:
     """A function of the file that returns a layer it builds (`def tower(d, sizes):
     ... return nn.Sequential(*layers)`)."""
-    function = script.functions.get(value.func.id) if isinstance(value.func, ast.Name) else None
+    function = script.function_called(value)
     if function is None or function.name[:1].isupper():
         return False
     returned = [n.value for n in walk(function) if isinstance(n, ast.Return) and n.value]

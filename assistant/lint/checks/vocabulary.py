@@ -41,15 +41,16 @@ def check_special_id_past_the_vocabulary(script: Script) -> Iterator[Finding]:
     """A special id `len(self.chars) + 2` beside `vocab_size` = `len(self.chars) + 2`."""
     read = {n.attr for n in script.of_type(ast.Attribute) if isinstance(n.ctx, ast.Load)}
     for cls in script.of_type(ast.ClassDef):
-        sizes = class_sizes(cls)
+        assigned = class_ids(cls)
+        sizes = class_sizes(cls, assigned)
         if not sizes:
             continue
-        ids = [item for item in class_ids(cls) if item[0] in read and item[0] not in SIZE_NAMES]
+        ids = [item for item in assigned if item[0] in read and item[0] not in SIZE_NAMES]
         grown = grown_lists(cls)
         for size_node, counted, extra in sizes:
             if counted in grown:
                 continue  # `self.itos.append("<pad>")` after the id: the size counts it
-            past = [(name, k) for name, base, k in ids if base == counted and k >= extra]
+            past = [(name, k) for name, base, k, _where in ids if base == counted and k >= extra]
             if not past:
                 continue
             name, k = max(past, key=lambda item: item[1])
@@ -94,32 +95,29 @@ def len_plus(value: ast.expr) -> tuple[str, int] | None:
     return None
 
 
-def class_ids(cls: ast.ClassDef) -> list[tuple[str, str, int]]:
-    """(field, counted list, k) for each `self.field = len(list) + k` of the class."""
+def class_ids(cls: ast.ClassDef) -> list[tuple[str, str, int, ast.Assign]]:
+    """(field, counted list, k, the assignment) for each `self.field = len(list) + k`
+    of the class."""
     found = []
     for node in walk(cls):
         if isinstance(node, ast.Assign) and (sized := len_plus(node.value)):
             for target in node.targets:
                 if (field := self_attribute(target)) is not None:
-                    found.append((field, *sized))
+                    found.append((field, *sized, node))
     return found
 
 
-def class_sizes(cls: ast.ClassDef) -> list[tuple[ast.AST, str, int]]:
+def class_sizes(
+    cls: ast.ClassDef, assigned: list[tuple[str, str, int, ast.Assign]]
+) -> list[tuple[ast.AST, str, int]]:
     """(where, counted list, m) for the class's size: a method or property named
-    like one that returns `len(list) + m`, or a field of that name assigned so."""
-    found = []
+    like one that returns `len(list) + m`, or a field of that name assigned so
+    (among `assigned`, class_ids)."""
+    found: list[tuple[ast.AST, str, int]] = []
     for statement in cls.body:
         if isinstance(statement, ast.FunctionDef) and statement.name in SIZE_NAMES:
             returns = [n for n in walk(statement) if isinstance(n, ast.Return) and n.value]
             if len(returns) == 1 and (sized := len_plus(returns[0].value)):
                 found.append((returns[0], *sized))
-    for field, counted, m in class_ids(cls):
-        if field in SIZE_NAMES:
-            assign = next(
-                n
-                for n in walk(cls)
-                if isinstance(n, ast.Assign) and any(self_attribute(t) == field for t in n.targets)
-            )
-            found.append((assign, counted, m))
+    found += [(where, counted, m) for field, counted, m, where in assigned if field in SIZE_NAMES]
     return found
