@@ -1017,13 +1017,21 @@ def main():
             [5],
         ),
         ("torch.save(results, res_file)", "detections = torch.load(res_file)", [5]),
+        # numpy writes to the path it is given first
+        ("numpy.save(res_file, results)", "detections = numpy.load(res_file)", [5]),
         (
             "merged = [None] * world\n    dist.all_gather_object(merged, results)",
             "detections = api.loadRes(sum(merged, []))",
             [],
         ),
     ],
-    ids=["read in place", "through a json file", "through torch.save", "gathered first"],
+    ids=[
+        "read in place",
+        "through a json file",
+        "through torch.save",
+        "through numpy.save",
+        "gathered first",
+    ],
 )
 def test_results_read_back_from_the_file_they_were_written_to(write, combine, reported):
     body = SHARE_OF_THE_ITEMS.replace("WRITE", write).replace("COMBINE", combine)
