@@ -156,3 +156,44 @@ def test_per_token_outputs_of_a_batch_padded_to_its_longest_differ_in_length(
 ):
     body = PADDED_QA.replace("OUTPUT", output)
     assert [line for line, _ in lint_snippet(PRELUDE, body, {CAUSE})] == reported
+
+
+FRAME_FEATURES = """
+def crop_to_shortest(batch):
+    n = min(len(w) for w in batch)
+    return torch.stack([w[:n] for w in batch])
+
+
+@torch.no_grad()
+def features(encoder, ds):
+    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds), collate_fn=COLLATE)
+    chunks = []
+    for i, wav in enumerate(loader):
+        h = encoder(wav)
+        chunks.append(ROWS)
+    feats = torch.cat(chunks)
+    bufs = [torch.empty_like(feats) for _ in range(world)]
+    dist.all_gather(bufs, feats)
+"""
+
+
+@pytest.mark.parametrize(
+    "collate, rows, reported",
+    [
+        # blind set ht's 14: every waveform cropped to the batch's shortest, and the
+        # frames of each batch flattened into rows: as many as this rank's batches are long
+        ("crop_to_shortest", "h[:, ::2].reshape(-1, h.size(-1))", [16]),
+        ("crop_to_shortest", "h.flatten(0, 1)", [16]),
+        ("crop_to_shortest", "h.view(-1, 256)", [16]),
+        # one row per waveform: the same count on every rank
+        ("crop_to_shortest", "h.mean(1)", []),
+        # a collate that does not measure its items: batches of one fixed length
+        ("None", "h.reshape(-1, h.size(-1))", []),
+    ],
+    ids=["strided frames reshaped", "flatten(0, 1)", "view(-1, d)", "pooled", "fixed length"],
+)
+def test_frames_of_batches_of_their_own_length_flattened_into_rows_differ_in_count(
+    collate, rows, reported
+):
+    body = FRAME_FEATURES.replace("COLLATE", collate).replace("ROWS", rows)
+    assert [line for line, _ in lint_snippet(PRELUDE, body, {CAUSE})] == reported

@@ -177,3 +177,52 @@ def main(model, test_ds):
         "    ids = ids[real]\n", "    ids = ids[real]\n    all_ids = gather(ids)\n"
     )
     assert reported("", before) == [4]
+
+
+ROLLOUT = """
+@torch.no_grad()
+def rollout(stepper, u, world):
+    rank = dist.get_rank()
+    rows = torch.arange(u.shape[0])
+    SPLIT
+    local = stepper(u[None, None, r0:r1])[0, 0]
+    pieces = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(pieces, local)
+    return torch.cat(pieces)
+"""
+
+
+@pytest.mark.parametrize(
+    "split, reported_lines",
+    [
+        # blind set hn's 10: each rank's slab of grid rows, its ends from a
+        # comprehension over tensor_split's parts
+        (
+            (
+                "bounds = [(int(c[0]), int(c[-1]) + 1) for c in torch.tensor_split(rows, world)]\n"
+                "    r0, r1 = bounds[rank]"
+            ),
+            [10],
+        ),
+        # the parts kept under a name, then this rank's read from it
+        (
+            "parts = np.array_split(rows.numpy(), world)\n    r0, r1 = parts[rank][0], parts[rank][-1] + 1",
+            [10],
+        ),
+        # np.split refuses a length that does not divide: the slabs are equal
+        (
+            (
+                "bounds = [(int(c[0]), int(c[-1]) + 1) for c in np.split(rows.numpy(), world)]\n"
+                "    r0, r1 = bounds[rank]"
+            ),
+            [],
+        ),
+        # even slabs of n // world rows each
+        ("per = u.shape[0] // world\n    r0, r1 = rank * per, (rank + 1) * per", []),
+    ],
+    ids=["ends of tensor_split parts", "array_split kept by name", "np.split", "even slabs"],
+)
+def test_a_ranks_part_of_an_uneven_split_read_through_a_name_sizes_the_gathered_rows(
+    split, reported_lines
+):
+    assert reported("", ROLLOUT.replace("SPLIT", split)) == reported_lines

@@ -152,3 +152,34 @@ def test_a_module_checkpointed_chunk_by_chunk_in_a_comprehension_is_reused():
     assert findings(CHUNKED.replace("CHUNKS", once)) == []
     non_reentrant = chunks.replace("use_reentrant=True", "use_reentrant=False")
     assert findings(CHUNKED.replace("CHUNKS", non_reentrant)) == []
+
+
+SIAMESE = """
+class ChangeNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.head = nn.Linear(16, 2)
+
+    def extract(self, x):
+        for stage in self.stages:
+            x = checkpoint(stage, x, use_reentrant=True)
+        return x
+
+    def forward(self, before, after):
+        return self.head(torch.cat([PAIR], dim=1))
+
+
+model = DDP(ChangeNet())
+"""
+
+
+def test_a_method_that_checkpoints_run_on_both_images_of_a_pair_reuses_its_blocks():
+    # blind set hr's 02: a Siamese change detector runs its checkpointing extractor
+    # on both dates in one forward
+    (message,) = findings(SIAMESE.replace("PAIR", "self.extract(before), self.extract(after)"))
+    assert "in ChangeNet.extract, which ChangeNet runs several times in one forward" in message
+    once = "self.extract(before), after"
+    assert findings(SIAMESE.replace("PAIR", once)) == []
+    stacked = "self.extract(torch.cat([before, after])).chunk(2)[0], after"
+    assert findings(SIAMESE.replace("PAIR", stacked)) == []

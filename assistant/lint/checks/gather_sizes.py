@@ -478,11 +478,15 @@ def content_sized_step(
 ) -> ast.expr | None:
     """The step in the tensor's making whose size depends on the data."""
     batches = loader_batches(values)
-    lengths_differ = pads_to_the_longest(script) and gathered_per_batch(values, tensor, batches)
-    if pads_to_the_longest(script) and batches:
+    own_lengths = batches_of_their_own_length(script)
+    lengths_differ = own_lengths and gathered_per_batch(values, tensor, batches)
+    if own_lengths and batches:
         token_output = per_token_output_per_batch(values, tensor, batches)
         if token_output is not None:
             return token_output  # (batch, its longest sequence) of start_logits
+        flattened = steps_flattened_into_rows(values, tensor, batches)
+        if flattened is not None:
+            return flattened  # (batch x its length) rows of frame features
     for value in origin(values, tensor, stop=fixes_the_rows):
         for node in equal_share_walk(values, value):
             if is_batch_field(node, batches):
@@ -494,7 +498,7 @@ def content_sized_step(
                 or is_mask_selection(values, node)
                 or is_rank_stride(script, node)
                 or is_clipped_rank_block(script, values, node)
-                or is_uneven_split_share(script, node)
+                or is_uneven_split_share(script, values, node)
                 or returns_a_rank_share(script, node)
                 or appended_when_the_data_says(script, node)
                 or grown_until_the_data_says(script, node) is not None
@@ -513,26 +517,70 @@ CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "vstack", "
 STACKS = frozenset({"stack", "hstack"})  # of gathered scalars too: a new axis, not more rows
 
 
-def pads_to_the_longest(script: Script) -> bool:
-    """The file pads each batch to its own longest sequence: a padding option or
-    collator that does, or a collate function of its own that measures its items'
-    longest length (`L = max(it["input_ids"].shape[0] for it in items)`)."""
+def batches_of_their_own_length(script: Script) -> bool:
+    """The file makes each batch as long as its own items: a padding option or
+    collator that pads to the longest sequence, or a collate function of its own
+    (by its name, or as a loader's collate_fn) that measures its items' longest or
+    shortest length (`L = max(it["input_ids"].shape[0] for it in items)`, or
+    `n = min(len(w) for w in batch)`, every waveform cropped to the shortest)."""
+    collates = {
+        name
+        for call, called in script.call_names
+        if short(called) in LOADERS
+        for name, _ in collate_functions(script, call)
+    }
     return bool(PADS_TO_LONGEST.search(script.source)) or any(
-        "collate" in name.rsplit(".", 1)[-1].lower() and measures_the_longest(function)
+        ("collate" in name.rsplit(".", 1)[-1].lower() or name in collates)
+        and measures_its_items(function)
         for name, function in script.functions.items()
     )
 
 
-def measures_the_longest(function: Function) -> bool:
-    """`max(len(x) for x in items)`, `max(t.shape[0] for t in ...)`, `.size(0)` too."""
+def measures_its_items(function: Function) -> bool:
+    """`max(len(x) for x in items)`, `min(t.shape[0] for t in ...)`, `.size(0)` too."""
     return any(
         isinstance(node, ast.Call)
-        and called_name(node) == "max"
+        and called_name(node) in ("max", "min")
         and len(node.args) == 1
         and isinstance(node.args[0], ast.GeneratorExp | ast.ListComp)
         and reads_own_size(node.args[0].elt)
         for node in walk(function)
     )
+
+
+def steps_flattened_into_rows(
+    values: dict[str, list[ast.expr]], tensor: ast.expr, batches: set[str]
+) -> ast.expr | None:
+    """`h.reshape(-1, h.size(-1))` (or `.view(-1, d)`, `.flatten(0, 1)`) of what a
+    model made of a loader's batch: one row per sample and step, as many as the
+    batch is long, and each batch is as long as its own items; concatenated over the
+    batches, still a count of this rank's own."""
+    for value in origin(values, tensor):
+        for node in walk(value):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if flattens_the_leading_axes(node) and any(
+                names_in(made) & batches for made in origin(values, node.func.value)
+            ):
+                return node
+    return None
+
+
+def flattens_the_leading_axes(call: ast.Call) -> bool:
+    """`.reshape(-1, d)`, `.view(-1, d)`, `.flatten(0, 1)`, `.flatten(end_dim=1)`."""
+    method, args = call.func.attr, call.args  # type: ignore[union-attr]
+    if method in ("reshape", "view") and len(args) == 2:
+        first = args[0]
+        return (
+            isinstance(first, ast.UnaryOp)
+            and isinstance(first.op, ast.USub)
+            and isinstance(first.operand, ast.Constant)
+            and first.operand.value == 1
+        )
+    if method == "flatten":
+        ends = [k.value for k in call.keywords if k.arg == "end_dim"] or args[1:2]
+        return any(isinstance(end, ast.Constant) and end.value == 1 for end in ends)
+    return False
 
 
 def gathered_per_batch(
@@ -584,6 +632,8 @@ def loader_batches(values: dict[str, list[ast.expr]]) -> set[str]:
 
 
 def is_loader(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
+    if isinstance(expr, ast.Call) and called_name(expr) == "enumerate" and expr.args:
+        expr = expr.args[0]  # for i, batch in enumerate(loader)
     if isinstance(expr, ast.Name | ast.Attribute):
         named = expr.id if isinstance(expr, ast.Name) else expr.attr
         if LOADER_NAME.search(named):
@@ -685,7 +735,7 @@ def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
     return any(
         is_rank_stride(script, part)
         or is_clipped_rank_block(script, values, part)
-        or is_uneven_split_share(script, part)
+        or is_uneven_split_share(script, values, part)
         for returned in nodes
         if isinstance(returned, ast.Return) and returned.value is not None
         for value in origin(values, returned.value)
@@ -699,16 +749,33 @@ def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
 UNEVEN_SPLITS = frozenset({"array_split", "tensor_split", "chunk"})
 
 
-def is_uneven_split_share(script: Script, node: ast.AST) -> bool:
+def is_uneven_split_share(
+    script: Script, values: dict[str, list[ast.expr]], node: ast.AST
+) -> bool:
     """`np.array_split(idx, world)[rank]`: this rank's part of a split into as many
-    parts as ranks, one shorter on some ranks unless the length divides evenly."""
-    return (
+    parts as ranks, one shorter on some ranks unless the length divides evenly; the
+    split also kept under a name first, or mapped part by part (`bounds = [(c[0],
+    c[-1] + 1) for c in torch.tensor_split(rows, world)]`, then `bounds[rank]`: this
+    rank's part's ends, as uneven as the parts)."""
+    if not (
         isinstance(node, ast.Subscript)
-        and isinstance(node.value, ast.Call)
-        and called_name(node.value) in UNEVEN_SPLITS
         and not isinstance(node.slice, ast.Slice)
         and is_rank_expr(node.slice, script)
-    )
+    ):
+        return False
+    split = node.value
+    if isinstance(split, ast.Name):
+        return any(is_uneven_split(value) for value in values.get(split.id, ())[:1])
+    return is_uneven_split(split)
+
+
+def is_uneven_split(expr: ast.expr) -> bool:
+    """A call of UNEVEN_SPLITS, as it is, listed, or mapped part by part."""
+    if isinstance(expr, ast.ListComp | ast.GeneratorExp) and len(expr.generators) == 1:
+        expr = expr.generators[0].iter
+    elif isinstance(expr, ast.Call) and called_name(expr) in ("list", "tuple") and expr.args:
+        expr = expr.args[0]
+    return isinstance(expr, ast.Call) and called_name(expr) in UNEVEN_SPLITS
 
 
 def is_clipped_rank_block(script: Script, values: dict[str, list[ast.expr]], node: ast.AST) -> bool:

@@ -344,6 +344,13 @@ class ModelRuns:
         owner = self.owner_class(checkpoint_call)
         if owner is None:
             return None
+        method = self.enclosing_method(checkpoint_call)
+        for field, call in self.fields_run_twice(self.classes.get(owner)):
+            if field == method:
+                return (
+                    f"in {owner}.{method}, which {owner} runs several times in one forward "
+                    f"(self.{method} on line {call.lineno})"
+                )
         for cls in self.classes.values():
             for field, call in self.fields_run_twice(cls):
                 if owner in self.held_by_field(cls, field, FIELD_DEPTH):
@@ -367,9 +374,18 @@ class ModelRuns:
             parent = self.script.parents.get(id(parent))
         return parent.name if parent is not None else None
 
-    def fields_run_twice(self, cls: ast.ClassDef) -> Iterator[tuple[str, ast.Call]]:
-        """`self.backbone(...)` inside a loop of a method (with no backward in it),
-        or called twice in one method."""
+    def enclosing_method(self, node: ast.AST) -> str | None:
+        """The name of the method of a class that `node` lies in."""
+        child, parent = node, self.script.parents.get(id(node))
+        while parent is not None and not isinstance(parent, ast.ClassDef):
+            child, parent = parent, self.script.parents.get(id(parent))
+        return child.name if isinstance(child, ast.FunctionDef) else None
+
+    def fields_run_twice(self, cls: ast.ClassDef | None) -> Iterator[tuple[str, ast.Call]]:
+        """`self.backbone(...)` (or a method of its own, `self.extract(...)`) inside a
+        loop of a method (with no backward in it), or called twice in one method."""
+        if cls is None:
+            return
         for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
             seen: dict[str, int] = {}
             for node in own_nodes(method):
