@@ -183,3 +183,37 @@ def test_the_other_node_finds_no_checkpoint_while_the_twin_loads_on_both(tmp_pat
     results = two_nodes(FIXED, fixed)
     assert all(r.returncode == 0 for r in results), results[1].stderr[-2000:]
     assert [f"rank {n} loaded step 1" in r.stdout for n, r in enumerate(results)] == [True, True]
+
+
+@pytest.mark.parametrize(
+    "save, load, reported_lines",
+    [
+        # blind set ht's 04: the k-means that makes the targets, fitted by rank 0 and
+        # kept on $SLURM_TMPDIR, loaded by every rank on every node
+        ("joblib.dump(km, path)", "km = joblib.load(path)", [20]),
+        ("np.save(path, centroids)", "centroids = np.load(path)", [20]),
+        # loaded by rank 0 only, to broadcast: the file is on its own node
+        ("joblib.dump(km, path)", "if rank == 0:\n    km = joblib.load(path)", []),
+    ],
+    ids=["joblib", "numpy", "rank 0 loads"],
+)
+def test_a_fitted_model_rank_0_dumps_on_node_local_disk_for_every_rank_to_load(
+    save, load, reported_lines
+):
+    body = BODY.replace("import torch\n", "import joblib\nimport numpy as np\nimport torch\n")
+    body = body.replace("torch.save(state, path)", save)
+    source = body.replace("{path}", 'os.path.join(os.environ["SLURM_TMPDIR"], "km.bin")')
+    source = source.replace("{test}", "rank == 0").replace("{load}", load)
+    found = lint_snippet(TWO_NODES, source, ["checkpoint-on-node-local-disk"])
+    assert [line for line, _ in found] == reported_lines
+    assert all("rank 0 saves a file (" in finding.message for _, finding in found)
+
+
+def test_a_file_is_read_back_by_its_writers_reader_only():
+    # blind set fh's 09: each node's staged statistics (np.load) beside a checkpoint
+    # rank 0 torch.saves there: only the checkpoint's load reads what rank 0 wrote
+    body = BODY.replace("import torch\n", "import numpy as np\nimport torch\n")
+    load = 'stats = np.load(os.path.join(os.environ["SLURM_TMPDIR"], "stats.npz"))'
+    source = body.replace("{path}", 'os.path.join(os.environ["SLURM_TMPDIR"], "best.pt")')
+    source = source.replace("{test}", "rank == 0").replace("{load}", load)
+    assert lint_snippet(TWO_NODES, source, ["checkpoint-on-node-local-disk"]) == []

@@ -25,7 +25,6 @@ from assistant.lint.launchtext import launched_nodes, logical_lines
 from assistant.lint.model import Script, children, keyword, short, source_text, walk
 from assistant.lint.ranks import RANK_ZERO, RankPath, environment_variable
 from assistant.lint.registry import check
-from assistant.lint.torchapi import loaded_file, saved_file
 from assistant.lint.tracer import TracedCall
 from assistant.lint.values import MAX_HOPS, argparse_flag
 from assistant.results import Finding
@@ -55,7 +54,15 @@ NODE_LOCAL_PATH = re.compile(
     re.IGNORECASE,
 )
 TEMPFILE_FOLDERS = frozenset({"gettempdir", "mkdtemp", "TemporaryDirectory"})
-LOADS = frozenset({"torch.load", "safetensors.torch.load_file"})
+# Calls that write an object to a path, which argument the path is, and the calls
+# that read such a file back: a checkpoint, and the fitted models a run keeps
+# beside it (a k-means of targets, a scaler) that every rank loads the same way.
+SAVES = {"torch.save": 1, "joblib.dump": 1, "numpy.save": 0}
+READERS = {
+    "torch.save": {"torch.load": 0, "safetensors.torch.load_file": 0},
+    "joblib.dump": {"joblib.load": 0},
+    "numpy.save": {"numpy.load": 0},
+}
 # A rank test that names the node's own rank: each node's first process passes it.
 LOCAL_RANK_TEST = re.compile(r"local", re.IGNORECASE)
 
@@ -73,29 +80,36 @@ def check_checkpoint_on_a_node_local_disk(script: Script) -> Iterator[Finding]:
             (call, folder)
             for call in calls
             if writes_on_global_rank_zero(script, call.rank_path)
-            and (folder := node_local_argument(script, call, "torch.save"))
+            and (folder := node_local_argument(script, call, SAVES))
         ),
         None,
     )
     if saved is None:
         return
     save, folder = saved
+    loads = READERS[saving_call(script, save)]
     reported: set[int] = set()
     for call in calls:
         if call.rank_path or id(call.node) in reported:
             continue  # a load under any rank test is not every rank's
-        if any(node_local_argument(script, call, name) for name in LOADS):
+        if node_local_argument(script, call, loads):
             reported.add(id(call.node))
             yield script.finding(
                 "checkpoint-on-node-local-disk",
                 call.node,
-                f"the launch runs {count} nodes (line {launch_line}), rank 0 saves the "
-                f"checkpoint under {folder} (line {save.node.lineno}), a folder on its own "
-                "node's disk, and every rank loads it here: the other nodes' ranks find no "
-                "file (or an old one) and fail or start from scratch; keep checkpoints on "
-                "storage every node mounts (the project or home file system), or copy them "
-                "there before any rank loads them",
+                f"the launch runs {count} nodes (line {launch_line}), rank 0 saves "
+                f"{saved_object(script, save)} under {folder} (line {save.node.lineno}), a folder on "
+                "its own node's disk, and every rank loads it here: the other nodes' ranks "
+                "find no file (or an old one) and fail or start from scratch; keep "
+                "checkpoints on storage every node mounts (the project or home file system), "
+                "or copy them there before any rank loads them",
             )
+
+
+def saved_object(script: Script, save: TracedCall) -> str:
+    """What the save writes, as the finding says it."""
+    name = saving_call(script, save)
+    return "the checkpoint" if name == "torch.save" else f"a file ({name})"
 
 
 def writes_on_global_rank_zero(script: Script, path: RankPath) -> bool:
@@ -113,19 +127,37 @@ def names_the_local_rank(script: Script, test: ast.expr) -> bool:
     return any(LOCAL_RANK_TEST.search(text) for text in texts)
 
 
-def node_local_argument(script: Script, call: TracedCall, wanted: str) -> str | None:
-    """The node-local folder of the file a `wanted` call (torch.save, torch.load) names:
-    in the call itself, or in an argument of a same-file helper that makes that call."""
-    if call.name == wanted:
-        target = saved_file(call.node) if wanted == "torch.save" else loaded_file(call.node)
+def node_local_argument(script: Script, call: TracedCall, calls: dict[str, int]) -> str | None:
+    """The node-local folder of the file one of `calls` (SAVES, LOADS: the name and
+    its path argument) names: in the call itself, or in an argument of a same-file
+    helper that makes such a call."""
+    if call.name in calls:
+        target = path_argument(call.node, calls[call.name])
         return None if target is None else node_local_folder(script, target)
     helper = script.functions.get(call.name)
     if helper is None or not any(
-        isinstance(n, ast.Call) and script.name_of(n.func) == wanted for n in walk(helper)
+        isinstance(n, ast.Call) and script.name_of(n.func) in calls for n in walk(helper)
     ):
         return None
     arguments = [*call.node.args, *(k.value for k in call.node.keywords)]
     return next(filter(None, (node_local_folder(script, a) for a in arguments)), None)
+
+
+def saving_call(script: Script, save: TracedCall) -> str:
+    """Which of SAVES the save is, itself or inside the same-file helper it calls."""
+    if save.name in SAVES:
+        return save.name
+    helper = script.functions[save.name]
+    return next(
+        script.name_of(n.func)
+        for n in walk(helper)
+        if isinstance(n, ast.Call) and script.name_of(n.func) in SAVES
+    )
+
+
+def path_argument(call: ast.Call, position: int) -> ast.expr | None:
+    """The path a save or load call is given: by position, or as `f=` (torch's)."""
+    return call.args[position] if len(call.args) > position else keyword(call, "f")
 
 
 def node_local_folder(script: Script, expr: ast.expr, hops: int = MAX_HOPS) -> str | None:

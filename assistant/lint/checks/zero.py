@@ -36,7 +36,15 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.collective_reach import lonely_calls
-from assistant.lint.model import Script, keyword, names_bound_to, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    called_name,
+    keyword,
+    names_bound_to,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
 from assistant.lint.tracer import TracedCall
@@ -120,6 +128,111 @@ def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
             "`with deepspeed.zero.GatheredParameters(list(...parameters()), modifier_rank=None):` "
             "on every rank (one parameter or layer at a time for a large model)",
         )
+
+
+PARAMETER_MAKERS = frozenset({"Parameter"})
+# What may be read off a partitioned parameter: its flags and DeepSpeed's own record
+# of the full tensor (ds_shape, ds_numel), not its values or shape.
+PLACEHOLDER_SAFE = frozenset({"requires_grad", "ds_shape", "ds_numel", "ds_id", "ds_status"})
+
+
+@check("zero3-partitioned-parameters")
+def check_parameter_field_read_under_zero3(script: Script) -> Iterator[Finding]:
+    """`engine.module.quantizer.codevectors.view(...)` in a ZeRO-3 script, outside a
+    gather and outside the engine's forward: a parameter the file's own class
+    declares (`self.codevectors = nn.Parameter(...)`), read straight off the
+    engine's module, is this rank's placeholder of torch.Size([0])."""
+    stage = zero3_stage(script)
+    engines = engine_names(script) if stage is not None else set()
+    fields = declared_parameters(script) if engines else set()
+    if not fields:
+        return
+    gathered = gathered_nodes(script)
+    reported: set[int] = set()
+    for node in script.of_type(ast.Attribute):
+        if node.attr not in fields or not isinstance(node.ctx, ast.Load) or id(node) in gathered:
+            continue
+        parent = script.parents.get(id(node))
+        if isinstance(parent, ast.Attribute) and parent.attr in PLACEHOLDER_SAFE:
+            continue
+        if engine_of(module_root(node.value), script) not in engines or node.lineno in reported:
+            continue
+        reported.add(node.lineno)
+        yield script.finding(
+            "zero3-partitioned-parameters",
+            node,
+            f"{source_text(node)} under ZeRO stage 3 (line {stage.lineno}) is a parameter "
+            f"read outside the engine's forward: each rank holds only a shard of it, and "
+            "what it reads here is a placeholder of torch.Size([0]) (a view or reshape "
+            "fails, statistics are empty); read it inside "
+            "`with deepspeed.zero.GatheredParameters(param, modifier_rank=None):` on every rank",
+        )
+
+
+def declared_parameters(script: Script) -> set[str]:
+    """Fields the file's classes make parameters (`self.codevectors =
+    nn.Parameter(...)`) that ZeRO-3 partitions: not one of a literal size under
+    DeepSpeed's persistence threshold (a temperature `nn.Parameter(torch.ones([]))`
+    stays whole on every rank), and none where the file sets the threshold itself."""
+    if PERSISTENCE_THRESHOLD in script.string_constants:
+        return set()
+    return {
+        target.attr
+        for node in script.of_type(ast.Assign)
+        if isinstance(node.value, ast.Call)
+        and short(script.name_of(node.value.func)) in PARAMETER_MAKERS
+        and node.value.args
+        and not under_the_persistence_threshold(node.value.args[0])
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+
+
+PERSISTENCE_THRESHOLD = "stage3_param_persistence_threshold"
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default, in elements
+TENSOR_MAKERS = frozenset({"ones", "zeros", "empty", "randn", "rand", "full"})
+
+
+def under_the_persistence_threshold(value: ast.expr) -> bool:
+    """`torch.tensor(2.0)`, `torch.ones([])`, `torch.zeros(1, 8)`: a literal size
+    DeepSpeed keeps whole on every rank; sizes from names are read as large."""
+    value = unmoved_tensor(value)
+    if not isinstance(value, ast.Call):
+        return False
+    name = short(called_name(value))
+    if name == "tensor":
+        return True  # a literal's values: a scalar or a short list
+    if name not in TENSOR_MAKERS:
+        return False
+    sizes = value.args[:1] if name == "full" else value.args
+    if len(sizes) == 1 and isinstance(sizes[0], ast.List | ast.Tuple):
+        sizes = sizes[0].elts
+    if not all(isinstance(size, ast.Constant) and isinstance(size.value, int) for size in sizes):
+        return False
+    count = 1
+    for size in sizes:
+        count *= size.value  # type: ignore[union-attr]
+    return count < DEFAULT_PERSISTENCE_THRESHOLD
+
+
+def unmoved_tensor(value: ast.expr) -> ast.expr:
+    """`torch.ones(8).uniform_()` -> `torch.ones(8)`: what an in-place fill was called on."""
+    while (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr.endswith("_")
+    ):
+        value = value.func.value
+    return value
+
+
+def module_root(chain: ast.expr) -> ast.expr:
+    """`engine.module` of `engine.module.quantizer` (or the chain's first name)."""
+    while isinstance(chain, ast.Attribute) and chain.attr != "module":
+        chain = chain.value
+    return chain
 
 
 def engine_of(receiver: ast.expr, script: Script | None = None) -> str:
@@ -256,7 +369,8 @@ def engine_names(script: Script) -> set[str]:
 
 
 def gathered_nodes(script: Script) -> set[int]:
-    """ids of the nodes inside `with deepspeed.zero.GatheredParameters(...):` blocks."""
+    """ids of the nodes inside `with deepspeed.zero.GatheredParameters(...):` blocks,
+    and of what the gather is given (the parameters it gathers)."""
     inside: set[int] = set()
     for node in script.of_type(ast.With):
         contexts = [item.context_expr for item in node.items]
@@ -264,8 +378,8 @@ def gathered_nodes(script: Script) -> set[int]:
             isinstance(c, ast.Call) and short(script.name_of(c.func)) in GATHERING_CONTEXTS
             for c in contexts
         ):
-            for statement in node.body:
-                inside.update(id(part) for part in walk(statement))
+            for part in (*contexts, *node.body):
+                inside.update(id(inner) for inner in walk(part))
     return inside
 
 
