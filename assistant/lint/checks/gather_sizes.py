@@ -749,9 +749,7 @@ def returns_a_rank_share(script: Script, node: ast.AST) -> bool:
 UNEVEN_SPLITS = frozenset({"array_split", "tensor_split", "chunk"})
 
 
-def is_uneven_split_share(
-    script: Script, values: dict[str, list[ast.expr]], node: ast.AST
-) -> bool:
+def is_uneven_split_share(script: Script, values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
     """`np.array_split(idx, world)[rank]`: this rank's part of a split into as many
     parts as ranks, one shorter on some ranks unless the length divides evenly; the
     split also kept under a name first, or mapped part by part (`bounds = [(c[0],
