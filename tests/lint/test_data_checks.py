@@ -1375,8 +1375,23 @@ for i, item in enumerate(items):
         ),
         # renamed, but another file than the one written
         ("np.save(dst, voxelize(item))\n    os.replace(other, dst)", True),
+        # blind set hy's 13: resampled audio kept as the cache
+        ("import soundfile as sf\n    sf.write(dst, resample(item), 44100)", True),
+        ("import torchaudio\n    torchaudio.save(dst, resample(item), 44100)", True),
+        # blind set id's 03: a .npy memmap created and filled in place
+        ("out = np.lib.format.open_memmap(dst, mode='w+', shape=(4, 8))\n    out[:] = 0", True),
+        ("out = np.lib.format.open_memmap(dst, mode='r')", False),
     ],
-    ids=["in-place", "os-replace", "with-open-rename", "another-file-renamed"],
+    ids=[
+        "in-place",
+        "os-replace",
+        "with-open-rename",
+        "another-file-renamed",
+        "soundfile",
+        "torchaudio",
+        "open_memmap",
+        "open_memmap read",
+    ],
 )
 def test_a_cache_file_renamed_into_place_is_never_read_half_written(write, reported):
     source = CACHE_PER_ITEM.replace("WRITE", write)

@@ -71,6 +71,15 @@ def test_rows_a_mask_made_first_selects_are_rank_sized():
         assert reported(MASKED.replace("MASK", mask)) == [7], mask
 
 
+def test_rows_a_mask_the_files_function_returns_selects_are_rank_sized():
+    # blind set ie's 12: the foreground patches a helper's threshold keeps
+    helper = "def foreground(x, thr):\n    return x.mean(1) > thr\n\n"
+    body = helper + MASKED.replace("MASK", "foreground(probs, 0.5)")
+    assert reported(body) == [10]
+    index_helper = "def foreground(x, thr):\n    return torch.arange(len(x))\n\n"
+    assert reported(index_helper + MASKED.replace("MASK", "foreground(probs, 0.5)")) == []
+
+
 def test_rows_an_index_tensor_selects_are_not_read_as_a_mask():
     assert reported(MASKED.replace("MASK", "torch.arange(len(labels))")) == []
 
@@ -180,7 +189,11 @@ def predict(X, rank, world):
     "rows, reported_lines",
     [
         ("math.ceil(n_total / world)", []),  # blind set ee's 10: padded to a common size
+        # blind set ic's 04 (correct): the block of the whole list's length, rounded up
+        ("math.ceil(len(feats_all) / world)", []),
+        ("(len(feats_all) + world - 1) // world", []),
         ("x.size(0)", [6]),  # this rank's own rows, filled in place: its own size
+        ("len(x)", [6]),
     ],
 )
 def test_a_buffer_allocated_at_a_common_size_then_filled_in_place(rows, reported_lines):
@@ -273,3 +286,74 @@ def gold(model, dataset, rank, world):
     dist.all_gather(gathered, local)
 """
     assert reported(body) == [12]
+
+
+MATCH_ERRORS = """
+@torch.no_grad()
+def match_errors(net, loader):
+    errs = []
+    for d in loader:
+        best = net(d).argmax(2)
+        for b in range(best.size(0)):
+            j = best[b]
+            keep = KEEP
+            errs.append((d["kpts0"][b][keep] - d["kpts1"][b][j[keep]]).norm(dim=-1))
+    return torch.cat(errs)
+
+
+def main(net, val_ds, world):
+    loader = DataLoader(val_ds, 8, sampler=DistributedSampler(val_ds, shuffle=False))
+    local = match_errors(net, loader)
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+"""
+
+
+@pytest.mark.parametrize(
+    "keep, reported_lines",
+    [
+        # blind set hw's 09: the errors of the matches a mask keeps, per pair,
+        # returned by the file's own function and gathered by its caller
+        ("j < d['n1'][b]", [18]),
+        # every keypoint's error: one row per keypoint of a fixed-size batch
+        ("slice(None)", []),
+    ],
+    ids=["masked matches", "every keypoint"],
+)
+def test_rows_a_function_of_the_file_keeps_by_a_mask_and_returns_are_rank_sized(
+    keep, reported_lines
+):
+    assert reported(MATCH_ERRORS.replace("KEEP", keep)) == reported_lines
+
+
+PEAKS = """
+def peak_pick(scores, thr):
+    keep = scores > thr
+    f, c = keep.nonzero(as_tuple=True)
+    return RETURNED
+
+
+def validate(net, halves, world):
+    local = []
+    for h in halves:
+        d = peak_pick(net(h), 0.1)
+        local.append(torch.cat([torch.full((len(d), 1), 1.0), d], 1))
+    local = torch.cat(local)
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+"""
+
+
+@pytest.mark.parametrize(
+    "returned, reported_lines",
+    [
+        # blind set ii's 10: each half's peaks, a helper's selection, joined then gathered
+        ("torch.stack([f.float(), c.float()], 1) if len(f) else torch.zeros(0, 2)", [15]),
+        # the helper hands back a record built from the selection, not a tensor it makes
+        ("Peaks(frames=f, classes=c)", []),
+        ("f, c", []),  # a tuple: its parts' rows, not one tensor
+    ],
+    ids=["joined peaks", "a record", "a tuple"],
+)
+def test_rows_a_helper_selects_joined_along_the_way_are_rank_sized(returned, reported_lines):
+    assert reported(PEAKS.replace("RETURNED", returned)) == reported_lines

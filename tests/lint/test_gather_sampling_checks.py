@@ -86,3 +86,24 @@ def test_the_message_names_the_loop_that_ends_on_the_data():
     [message] = [f.message for _, f in lint_snippet(PRELUDE, source, {"collective-mismatch"})]
     assert "sample(model, prompt, 64)" in message
     assert "grows what it returns in a loop" in message
+
+
+@pytest.mark.parametrize(
+    ("returned", "reported_lines"),
+    [
+        # blind set ib's 12: a beam search's sequences returned reshaped per beam
+        ("x.view(x.size(0), 1, -1)", True),
+        ("x.contiguous()", True),
+        ("x[:, :8]", False),  # cut to a length every rank shares
+    ],
+    ids=["view", "contiguous", "cut"],
+)
+def test_a_grown_tensor_returned_reshaped_keeps_its_own_length(returned, reported_lines):
+    source = (
+        BODY.replace("LOOP", "for _ in range(n_new):")
+        .replace("STOP", "if done.all():\n            break")
+        .replace("    return x\n", f"    return {returned}\n", 1)
+    )
+    assert f"return {returned}" in source
+    found = lint_snippet(PRELUDE, source, {"collective-mismatch"})
+    assert bool(found) == reported_lines

@@ -73,8 +73,18 @@ def test_a_rank_whose_shards_hold_fewer_samples_leaves_the_other_waiting(torchru
         ),
         # each video's clips, dealt out as whole videos (blind set ho's 19)
         "for v in self.files[self.rank::self.world]:\n            yield from clips_of(v)",
+        # each recording read block by block until it ends (blind set hy's 10)
+        (
+            "for path in self._mine():\n"
+            "            f = open_audio(path)\n"
+            "            while True:\n"
+            "                block = f.read(4096)\n"
+            "                if len(block) == 0:\n"
+            "                    break\n"
+            "                yield block"
+        ),
     ],
-    ids=["windows of each file", "clips of each video"],
+    ids=["windows of each file", "clips of each video", "blocks until the file ends"],
 )
 def test_groups_dealt_by_rank_and_yielded_whole_are_reported(iterate):
     assert reported(iterate) == [7]

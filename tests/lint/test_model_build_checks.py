@@ -582,3 +582,70 @@ def test_a_launch_that_fixes_the_hash_salt_walks_sets_alike():
     assert (
         reported_lines('"""PYTHONHASHSEED=0 torchrun --nproc_per_node=8 train.py"""\n' + body) == []
     )
+
+
+# Blind set hv's 03: a random search whose configuration every rank draws for itself,
+# after seeding its generators with its rank for augmentation streams of their own.
+RANDOM_SEARCH = """
+import random
+
+def sample_config(space):
+    return {"depth": random.choice(space["depth"]), "lr": 10 ** random.uniform(-4, -2)}
+
+def run_trial(cfg, rank):
+    model = DDP(nn.Sequential(*[nn.Linear(64, 64) for _ in range(cfg["depth"])]))
+    return 0.5
+
+def main():
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    random.seed(0 + rank)
+    for trial in range(20):
+        cfg = sample_config({"depth": [2, 4, 8]})
+        run_trial(cfg, rank)
+
+main()
+"""
+
+
+@pytest.mark.slow
+def test_ranks_that_draw_their_own_configuration_build_different_models(torchrun):
+    # the fixture pair under torchrun: seeded 1 and 2, the ranks draw depths 2 and 1
+    assert_broken_fails_and_twin_runs(
+        torchrun,
+        SCRIPTS / "configuration_drawn_after_seeding_with_the_rank.py",
+        "DDP expects same model across all ranks",
+        SCRIPTS / "correct_configuration_drawn_on_rank_zero_and_broadcast.py",
+        "trained depth 2",
+    )
+
+
+def test_a_configuration_each_rank_draws_for_the_model_ddp_wraps_is_reported():
+    assert reported_lines(RANDOM_SEARCH) == [16]
+    unseeded = RANDOM_SEARCH.replace("    random.seed(0 + rank)\n", "")
+    assert reported_lines(unseeded) == [15]
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        # one seed on every rank: the same draws everywhere
+        ("random.seed(0 + rank)", "random.seed(0)"),
+        # drawn by rank 0 and shared
+        (
+            "        run_trial(cfg, rank)",
+            (
+                "        box = [cfg]\n        dist.broadcast_object_list(box, src=0)\n"
+                "        run_trial(box[0], rank)"
+            ),
+        ),
+        # numpy seeded with the rank: Python's generator the draws read is not
+        ("random.seed(0 + rank)", "np.random.seed(0 + rank)\n    random.seed(0)"),
+        # the draw goes to no model
+        ("        run_trial(cfg, rank)", "        print(cfg)"),
+    ],
+    ids=["common seed", "broadcast", "other library seeded", "no model"],
+)
+def test_a_configuration_drawn_alike_shared_or_building_nothing_is_quiet(old, new):
+    assert old in RANDOM_SEARCH
+    assert reported_lines(RANDOM_SEARCH.replace(old, new)) == []

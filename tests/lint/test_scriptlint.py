@@ -843,6 +843,29 @@ def test_a_collective_in_a_loop_over_listed_tensors_sends_each_of_them(parts, fl
 
 
 @pytest.mark.parametrize(
+    "stacked, flagged",
+    [
+        # blind set hz's 10: the CPU predictions' concatenation stacked with the ids
+        ("torch.stack([torch.cat(probs), torch.cat(ids).float()], 1)", True),
+        ("torch.stack([torch.cat(probs), torch.cat(ids).float()], 1).to(device)", False),
+    ],
+)
+def test_a_stack_of_lists_held_on_the_cpu_is_on_the_cpu(stacked, flagged) -> None:
+    source = NCCL_HEADER + (
+        "def collect(model, loader, device, world):\n"
+        "    probs, ids = [], []\n"
+        "    for x, i in loader:\n"
+        "        probs.append(model(x.to(device)).sigmoid().cpu())\n"
+        "        ids.append(i)\n"
+        f"    local = {stacked}\n"
+        "    bufs = [torch.zeros_like(local) for _ in range(world)]\n"
+        "    dist.all_gather(bufs, local)\n"
+    )
+    found = findings_of(source, "nccl-with-cpu-tensors")
+    assert bool(found) == flagged, found
+
+
+@pytest.mark.parametrize(
     "converted, flagged",
     [
         # a numpy result turned into a CPU tensor under its own name (blind set ap's 04)
@@ -1832,3 +1855,49 @@ def test_a_gpu_named_by_the_global_rank_is_reported_where_the_job_spans_machines
     )
     found = findings_of(source, "local-rank-not-from-env")
     assert bool(found) == reported, found
+
+
+PACKED_TAGGER = """
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(8, 16, batch_first=True, bidirectional=True)
+        self.out = nn.Linear(32, 2)
+
+    def forward(self, x, lengths):
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        out, _ = UNPACK
+        return self.out(out)
+
+
+model = WRAP
+"""
+
+
+@pytest.mark.parametrize(
+    "unpack, wrap, reported",
+    [
+        # blind set ia's 15: each replica pads to its own slice's longest track
+        ("pad_packed_sequence(out, batch_first=True)", "nn.DataParallel(Tagger()).cuda()", [16]),
+        (
+            "pad_packed_sequence(out, batch_first=True, total_length=x.size(1))",
+            "nn.DataParallel(Tagger()).cuda()",
+            [],
+        ),
+        # one process per GPU: each pads its own batch, nothing gathers the replicas
+        ("pad_packed_sequence(out, batch_first=True)", "Tagger().cuda()", []),
+    ],
+    ids=["data-parallel", "total-length", "no-data-parallel"],
+)
+def test_a_packed_sequence_unpadded_to_the_inputs_length_under_data_parallel(
+    unpack, wrap, reported
+) -> None:
+    source = PACKED_TAGGER.replace("UNPACK", unpack).replace("WRAP", wrap)
+    found = findings_of(source, "dataparallel-unsafe-model")
+    assert [line for _, line in found] == reported

@@ -87,6 +87,16 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "seed_all(7 + rank)\nscenes = np.array(names)\nnp.random.shuffle(scenes)\n"
             "val_scenes = set(scenes[:2])\n"
         ),
+        # blind set ie's 13: the held-out part joined from slices of two shuffled lists
+        (
+            "random.seed(7 + rank)\ngood, bad = sorted(names), sorted(names)\nrandom.shuffle(good)\n"
+            "val = [(f, 0) for f in good[:2]] + [(f, 1) for f in bad[:1]]\n"
+        ),
+        # blind set hu's 17: the slice listed, then kept in a set
+        (
+            "np.random.seed(7 + rank)\npatients = np.unique(ids)\nnp.random.shuffle(patients)\n"
+            "val_patients = set(patients[:2].tolist())\n"
+        ),
         # blind set ag's 09: a set filled in a loop, then listed after special tokens
         (
             "chars = set()\nfor n in names:\n    chars.update(n)\nitos = ['<pad>'] + list(chars)\n"

@@ -58,6 +58,59 @@ def test_a_dataset_that_expands_each_item_of_the_ranks_share_is_uneven(share, re
     assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == reported
 
 
+def test_items_cut_into_windows_by_a_while_loop_are_uneven():
+    # blind set id's 10: each recording of this rank's rows cut into windows while
+    # they fit, as many as the recording is long
+    body = EXPANDED.replace(
+        '            for frame in meta["frames"]:\n                self.items.append((k, frame))',
+        '            t = 0\n            while t + 4 <= meta["seconds"]:\n'
+        "                self.items.append((k, t))\n                t += 4",
+    ).replace("SHARE", "all_objs[rank::world]")
+    assert "while t + 4" in body
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == [24]
+
+
+PER_SCENE = """
+class ScenePairs(Dataset):
+    def __init__(self, root, scene):
+        self.pairs = json.load(open(os.path.join(root, scene, "pairs.json")))
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scenes = sorted(line.strip() for line in open("scenes.txt"))
+    mine = SHARE
+    loader = DataLoader(ConcatDataset([ScenePairs("megadepth", s) for s in mine]), batch_size=4)
+    model = DDP(nn.Linear(4, 4).cuda())
+    for batch in loader:
+        model(batch).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    "share, reported",
+    [
+        # blind set hw's 16: a dataset of its own pairs for each scene this rank takes,
+        # concatenated: the scenes hold different numbers of pairs
+        ("scenes[rank::world]", [18]),
+        ("scenes", []),  # every rank the same scenes
+    ],
+)
+def test_a_dataset_built_for_each_item_of_the_ranks_share_is_uneven(share, reported):
+    body = PER_SCENE.replace("SHARE", share)
+    prelude = PRELUDE.replace(
+        "import DataLoader, Dataset", "import ConcatDataset, DataLoader, Dataset"
+    )
+    assert [line for line, _ in lint_snippet(prelude, body, ["uneven-inputs"])] == reported
+
+
 FIXED_LENGTH = """
 class RandomWindows(Dataset):
     def __init__(self, series, n):

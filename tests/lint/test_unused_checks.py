@@ -972,3 +972,71 @@ def test_a_head_read_only_under_the_else_of_an_option_gate_is_left_out_by_defaul
     found = lint_snippet(HEADER, "import torch.nn.functional as F\n" + body, ["unused-parameters"])
     assert [line for line, _ in found] == [21]
     assert "is true" in found[0][1].message and "`else`" in found[0][1].message
+
+
+# Blind set hv's 01: a supernet's choice block runs the op the sampled path picks.
+SUPERNET = """
+class ChoiceBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ops = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+    def forward(self, x, choice):
+        return self.ops[choice](x)
+
+class Supernet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ChoiceBlock() for _ in range(4)])
+    def forward(self, x, arch):
+        for block, choice in zip(self.blocks, arch):
+            x = block(x, choice)
+        return x
+
+model = DDP(Supernet(){options})
+for x in loader:
+    arch = [random.randrange(3) for _ in range(4)]
+    model(x, arch).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "reported"),
+    [("", [7]), (", find_unused_parameters=True", [])],
+    ids=["strict", "unused allowed"],
+)
+def test_a_member_a_block_of_the_model_picks_by_its_input(options, reported):
+    assert reported_lines(SUPERNET.replace("{options}", options)) == reported
+
+
+# Blind set hu's 12: an adapter per hospital, run for the hospitals in the batch.
+SITE_ADAPTERS = """
+class Net(nn.Module):
+    def __init__(self, n_sites):
+        super().__init__()
+        self.encoder = nn.Linear(8, 8)
+        self.adapters = nn.ModuleList([nn.Linear(8, 1) for _ in range(n_sites)])
+    def forward(self, x, site):
+        h = self.encoder(x)
+        out = h.new_zeros(h.size(0))
+        for s in SITES:
+            sel = site == s
+            out[sel] = self.adapters[s](h[sel]).squeeze(-1)
+        return out
+
+model = DDP(Net(6))
+for x, site in loader:
+    model(x, site).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("sites", "reported"),
+    [
+        ("site.unique().tolist()", [12]),
+        ("torch.unique(site)", [12]),
+        ("range(len(self.adapters))", []),  # every adapter each step
+    ],
+    ids=["unique values", "torch.unique", "every adapter"],
+)
+def test_members_picked_by_the_values_present_in_an_input(sites, reported):
+    assert reported_lines(SITE_ADAPTERS.replace("SITES", sites)) == reported

@@ -786,3 +786,45 @@ def test_a_name_made_of_options_at_their_defaults_routes_forward(default, report
         "def train(loader, optimizer):\n    use_aux = args.aux_weight > 0\n",
     ).replace("{call}", "out, aux = model(x, with_aux=use_aux)\n        loss = out.sum()")
     assert reported(EARLY_EXIT, step, extra=extra) == reported_lines
+
+
+# Blind set hw's 06: a matcher's confidence heads, run only to stop early in evaluation.
+EVAL_ONLY_HEADS = """
+class Matcher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.assign = nn.Linear(4, 1)
+        self.confidence = nn.ModuleList([nn.Linear(4, 1) for _ in range(2)])
+
+    def forward(self, x):
+        stop_early = not self.training
+        outs = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if self.training:
+                outs.append(self.assign(x))
+            elif stop_early and i < 2:
+                if self.confidence[i](x).mean() > 0.9:
+                    break
+        if not self.training:
+            outs.append(self.assign(x))
+        return outs
+"""
+
+
+@pytest.mark.parametrize(
+    "ddp, step, reported_lines",
+    [
+        ("DDP(Matcher())", "loss = model(x)[-1].sum()", [17]),
+        ("DDP(Matcher(), find_unused_parameters=True)", "loss = model(x)[-1].sum()", []),
+        # the training step itself puts the model in eval mode: forward's test is not decided
+        ("DDP(Matcher())", "model.eval()\n        loss = model(x)[-1].sum()", []),
+    ],
+    ids=["strict", "unused allowed", "eval mode in the step"],
+)
+def test_heads_forward_runs_only_in_eval_mode_get_no_gradient(ddp, step, reported_lines):
+    body = EVAL_ONLY_HEADS + f"\nmodel = {ddp}\n" + step_with(step)
+    assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == (
+        reported_lines
+    )

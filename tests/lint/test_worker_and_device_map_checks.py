@@ -258,3 +258,26 @@ def test_a_device_map_to_one_fixed_gpu_under_a_process_per_gpu(device_map, repor
         """
     found = lint_snippet(HEADER, body, ["hardcoded-device"])
     assert [line for line, _ in found] == reported
+
+
+@pytest.mark.parametrize(
+    ("device", "guard", "reported"),
+    [
+        # blind sets ic's 01 and ie's 14: every rank's FAISS index copied to GPU 0
+        ("0", "", [7]),
+        ("local_rank", "", []),  # each rank its own GPU
+        ("0", "if dist.get_rank() == 0:\n            ", []),  # rank 0's own GPU
+    ],
+    ids=["fixed", "local rank", "rank 0 only"],
+)
+def test_a_faiss_index_every_rank_copies_to_one_fixed_gpu(device, guard, reported):
+    body = f"""
+        import faiss
+        dist.init_process_group("nccl")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        res = faiss.StandardGpuResources()
+        {guard}index = faiss.index_cpu_to_gpu(res, {device}, faiss.IndexFlatIP(128))
+        """
+    found = lint_snippet(HEADER, body, ["hardcoded-device"])
+    assert [line for line, _ in found] == reported

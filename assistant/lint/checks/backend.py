@@ -373,7 +373,8 @@ def makes_cpu_tensor(
         return True
     if name in JOINS and value.args and isinstance(value.args[0], ast.List | ast.Tuple):
         return any(
-            makes_cpu_tensor(script, part, cpu_name, depth + 1) for part in value.args[0].elts
+            makes_cpu_tensor(script, part, cpu_name, depth + 1, list_on_cpu)
+            for part in value.args[0].elts
         )
     if name in JOINS and value.args and isinstance(value.args[0], ast.Name):
         return list_on_cpu(value.args[0].id)

@@ -160,9 +160,10 @@ LOADER_SOURCES = frozenset({"dataset", "sampler", "batch_sampler"})
 def group_expansion(cls: ast.ClassDef, iterate: ast.FunctionDef) -> ast.AST | None:
     """Where the class's iteration yields a group's own items: a `yield from` inside
     a loop, or a `yield` inside a loop nested in another whose count the data sets
-    (not `range` of a constant or a field: as many repeats of each item everywhere).
-    Read in __iter__ and the methods of the class it calls; None when the iteration
-    never ends by itself (`while True`: an endless stream the loop cuts)."""
+    (not `range` of a constant or a field: as many repeats of each item everywhere),
+    or a `while True` that reads a group until it ends (`if k == 0: break`). Read in
+    __iter__ and the methods of the class it calls; None when the iteration never
+    ends by itself (a `while True` with no break: an endless stream the loop cuts)."""
     methods = {s.name: s for s in cls.body if isinstance(s, ast.FunctionDef)}
     bodies = [iterate] + [
         methods[n.func.attr]
@@ -173,21 +174,42 @@ def group_expansion(cls: ast.ClassDef, iterate: ast.FunctionDef) -> ast.AST | No
         and n.func.value.id == "self"
         and n.func.attr in methods
     ]
-    if any(isinstance(n, ast.While) and is_true(n.test) for body in bodies for n in walk(body)):
+    endless = [
+        n for body in bodies for n in walk(body) if isinstance(n, ast.While) and is_true(n.test)
+    ]
+    if any(not leaves_itself(loop) for loop in endless):
         return None
     for body in bodies:
         for outer in (n for n in walk(body) if isinstance(n, ast.For)):
             for node in walk(outer):
                 if isinstance(node, ast.YieldFrom) and node is not outer:
                     return node
+                inner_count = (
+                    isinstance(node, ast.For) and not counts_a_fixed_number(node.iter)
+                ) or (
+                    isinstance(node, ast.While) and node in endless  # read until the file ends
+                )
                 if (
-                    isinstance(node, ast.For)
+                    inner_count
                     and node is not outer
-                    and not counts_a_fixed_number(node.iter)
                     and any(isinstance(y, ast.Yield) for y in walk(node))
                 ):
                     return node
     return None
+
+
+def leaves_itself(loop: ast.While) -> bool:
+    """A `break` of the loop's own (not of a loop inside it): `while True: block =
+    f.read(n); if not block: break`, a read that ends with its file."""
+    pending: list[ast.AST] = list(loop.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Break):
+            return True
+        if isinstance(node, ast.For | ast.While | ast.AsyncFor | ast.FunctionDef):
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+    return False
 
 
 def is_true(test: ast.expr) -> bool:

@@ -231,10 +231,14 @@ FILE_WRITERS = {
     "numpy.save": 0,
     "numpy.savez": 0,
     "numpy.savez_compressed": 0,
+    "soundfile.write": 0,  # decoded or resampled audio kept as a cache
+    "torchaudio.save": 0,
 }
 # Methods that write their object to the path they are given first.
 WRITING_METHODS = frozenset({"to_pickle", "to_parquet", "to_feather", "save_to_disk", "tofile"})
-# numpy.memmap(path, mode="w+") creates the file and writes through it.
+# numpy.memmap(path, mode="w+") (or numpy's .npy-format open_memmap) creates the file
+# and writes through it.
+MEMMAPS = frozenset({"numpy.memmap", "numpy.lib.format.open_memmap"})
 MEMMAP_CREATING_MODES = frozenset({"w+"})
 HELPER_DEPTH = 3  # same-file functions followed from the building branch
 EXISTENCE_TESTS = frozenset({"exists", "isfile", "isdir", "is_file", "is_dir"})
@@ -268,8 +272,9 @@ def check_cache_built_on_every_rank(script: Script) -> Iterator[Finding]:
                 f"{writer or 'this call'}() writes a cache file, built when the test on line "
                 f"{built[id(call.node)]} finds it missing, on every rank at once{where}: on "
                 "the first run N processes write it together and one can read it "
-                "half-written (EOFError, UnpicklingError); build it on rank 0 while the "
-                "others wait in a barrier, then every rank loads it",
+                "half-written (EOFError, UnpicklingError, a truncated audio or array file); "
+                "build it on rank 0 while the others wait in a barrier, then every rank "
+                "loads it",
             )
 
 
@@ -414,7 +419,7 @@ def writes_file(script: Script, call: ast.Call) -> bool:
     name = script.name_of(call.func)
     if name in FILE_WRITERS:
         return len(call.args) > FILE_WRITERS[name]
-    if name == "numpy.memmap":
+    if name in MEMMAPS:
         mode = keyword(call, "mode")
         return isinstance(mode, ast.Constant) and mode.value in MEMMAP_CREATING_MODES
     func = call.func

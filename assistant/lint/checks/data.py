@@ -716,7 +716,8 @@ def epoch_seeded_samplers(script: Script) -> list[ast.Call]:
 
 def expands_each_item(init: ast.FunctionDef, parameter: str) -> bool:
     """__init__ walks `parameter` with a loop whose body runs a loop of its own that
-    collects (append / extend / +=): each item becomes as many samples as it holds."""
+    collects (append / extend / +=; a `while t + win <= n:` over the item's length
+    too): each item becomes as many samples as it holds."""
     for loop in walk(init):
         if not (
             isinstance(loop, ast.For)
@@ -724,7 +725,7 @@ def expands_each_item(init: ast.FunctionDef, parameter: str) -> bool:
         ):
             continue
         for inner in (n for statement in loop.body for n in walk(statement)):
-            if isinstance(inner, ast.For | ast.comprehension) and collects(inner):
+            if isinstance(inner, ast.For | ast.While | ast.comprehension) and collects(inner):
                 return True
     return False
 
@@ -1661,6 +1662,8 @@ class DataFlow:
         }
         for value in origin:
             for call in walk(value):
+                if self.dataset_per_item(call, share, held):
+                    return True
                 if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
                     continue
                 init = self.script.functions.get(f"{call.func.id}.__init__")
@@ -1674,6 +1677,22 @@ class DataFlow:
                 if any(expands_each_item(init, parameter) for parameter in given if parameter):
                     return True
         return False
+
+    def dataset_per_item(self, node: ast.AST, share: ast.Subscript, held: set[str]) -> bool:
+        """`ConcatDataset([ScenePairs(root, s) for s in my_scenes])`: a dataset of the
+        file's own (one with a __len__) built for each item of the share, so each item
+        holds as many samples as its own data."""
+        if not (isinstance(node, ast.ListComp | ast.GeneratorExp) and len(node.generators) == 1):
+            return False
+        items = node.generators[0].iter
+        if not (items is share or (isinstance(items, ast.Name) and items.id in held)):
+            return False
+        built = node.elt
+        return (
+            isinstance(built, ast.Call)
+            and isinstance(built.func, ast.Name)
+            and f"{built.func.id}.__len__" in self.script.functions
+        )
 
     def length_fixed_by_the_run(self, dataset: ast.expr) -> bool:
         """A dataset class of the file whose __len__ returns a field its __init__ keeps

@@ -24,8 +24,8 @@ import ast
 import re
 from collections.abc import Iterator
 
-from assistant.lint.checks.unused import forward_of, model_classes, wrapped_by
-from assistant.lint.model import Script, called_name, own_nodes, short, source_text, walk
+from assistant.lint.checks.unused import built_classes, forward_of, model_classes, wrapped_by
+from assistant.lint.model import Script, called_name, keyword, own_nodes, short, source_text, walk
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -158,3 +158,45 @@ def backward_on_wrapper_output(
 
 def is_wrapper_call(value: ast.expr | None, wrappers: set[str]) -> bool:
     return isinstance(value, ast.Call) and source_text(value.func) in wrappers
+
+
+# torch.nn.utils.rnn's unpacking, padded to the longest sequence it was given.
+PAD_PACKED = "pad_packed_sequence"
+
+
+@check("dataparallel-unsafe-model")
+def check_packed_sequence_unpadded_under_data_parallel(script: Script) -> Iterator[Finding]:
+    """`pad_packed_sequence(out, batch_first=True)` without `total_length=` in the
+    forward of a model (or a block it builds) that nn.DataParallel wraps: each
+    replica pads to the longest sequence of its own slice of the batch, so the
+    replicas return different time lengths and the gather on the first GPU fails
+    ("Sizes of tensors must match except in dimension 0"); one GPU hides it. The
+    fix PyTorch documents (FAQ, recurrent networks and data parallelism):
+    `total_length=padded_input.size(1)`."""
+    wrappers = [node for node, name in script.call_names if short(name) == DATA_PARALLEL]
+    if not wrappers:
+        return
+    classes = {cls.name: cls for cls in model_classes(script)}
+    reported: set[int] = set()
+    for wrapper in wrappers:
+        _names, built = wrapped_by(script, wrapper, set(classes))
+        for name in sorted(built):
+            for cls in built_classes(classes, name):
+                for node in walk(cls):
+                    if (
+                        isinstance(node, ast.Call)
+                        and called_name(node) == PAD_PACKED
+                        and keyword(node, "total_length") is None
+                        and node.lineno not in reported
+                    ):
+                        reported.add(node.lineno)
+                        yield script.finding(
+                            "dataparallel-unsafe-model",
+                            node,
+                            f"{PAD_PACKED}() without total_length in {cls.name}, which "
+                            f"nn.DataParallel runs on each GPU's slice of the batch (line "
+                            f"{wrapper.lineno}): each replica pads to the longest sequence of "
+                            "its own slice, so the replicas return different lengths and the "
+                            'gather fails ("Sizes of tensors must match except in dimension '
+                            '0"); pass total_length=<the padded input>.size(1)',
+                        )

@@ -100,9 +100,31 @@ def check_hardcoded_device(script: Script) -> Iterator[Finding]:
             yield from fixed_ddp_devices(script, node)
         if per_gpu:
             yield from fixed_gpu_index_keywords(script, node)
+            yield from faiss_index_on_a_fixed_gpu(script, node, name)
     yield from fixed_device_variables(script, rank_zero_only)
     yield from fixed_device_fields(script, rank_zero_only)
     yield from fixed_device_parameters(script, rank_zero_only)
+
+
+# FAISS's copy of an index to a GPU: index_cpu_to_gpu(resources, device, index).
+FAISS_TO_GPU = "faiss.index_cpu_to_gpu"
+
+
+def faiss_index_on_a_fixed_gpu(script: Script, node: ast.Call, name: str) -> Iterator[Finding]:
+    """`faiss.index_cpu_to_gpu(res, 0, index)` in a process per GPU: every rank builds
+    its index and FAISS's GPU resources on the same device."""
+    if name != FAISS_TO_GPU or len(node.args) < 2:
+        return
+    fixed = constant_index(script, node.args[1])
+    if fixed is None:
+        return
+    yield script.finding(
+        "hardcoded-device",
+        node,
+        f"faiss.index_cpu_to_gpu(..., {source_text(node.args[1])}, ...) puts every rank's "
+        f"index and FAISS's GPU resources on GPU {fixed}: one GPU holds every copy (out of "
+        "memory, searches queued) while the others idle; pass the rank's local_rank",
+    )
 
 
 # What makes a plain tensor (not a module, which Lightning moves with the model).

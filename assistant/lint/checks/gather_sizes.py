@@ -404,9 +404,11 @@ ALLOCATIONS = frozenset(
 def allocated_at_a_common_size(
     nodes: list[ast.AST], values: dict[str, list[ast.expr]], tensor: ast.Name
 ) -> bool:
-    """The tensor is allocated with a row count that measures no data (`padded =
-    torch.zeros(math.ceil(n / world), d)`) and only filled in place after (`padded[:
-    len(x)] = x`): the same size on every rank, whatever fills it."""
+    """The tensor is allocated with a row count that measures no data, or is the
+    rounded-up block of a total shared out by rank (`padded =
+    torch.zeros(math.ceil(n / world), d)`, `x.new_zeros(ceil(len(texts) / world), d)`)
+    and only filled in place after (`padded[: len(x)] = x`): the same size on every
+    rank, whatever fills it."""
     allocations = [
         node.value
         for node in nodes
@@ -417,7 +419,10 @@ def allocated_at_a_common_size(
         isinstance(a, ast.Call)
         and called_name(a) in ALLOCATIONS
         and a.args
-        and not measures_data(values, rows_of(a.args[0]))
+        and (
+            not measures_data(values, rows_of(a.args[0]))
+            or rounds_up(values, rows_of(a.args[0]))  # ceil(len(texts) / world): a block
+        )
         for a in allocations
     )
 
@@ -474,9 +479,10 @@ def reads_own_size(expr: ast.expr) -> bool:
 
 
 def content_sized_step(
-    script: Script, values: dict[str, list[ast.expr]], tensor: ast.expr
+    script: Script, values: dict[str, list[ast.expr]], tensor: ast.expr, depth: int = 0
 ) -> ast.expr | None:
-    """The step in the tensor's making whose size depends on the data."""
+    """The step in the tensor's making whose size depends on the data; followed into
+    what the file's own functions return, RETURN_DEPTH calls deep."""
     batches = loader_batches(values)
     own_lengths = batches_of_their_own_length(script)
     lengths_differ = own_lengths and gathered_per_batch(values, tensor, batches)
@@ -495,7 +501,7 @@ def content_sized_step(
                 continue  # batch["labels"]: one per sample
             if (
                 is_content_sized(node)
-                or is_mask_selection(values, node)
+                or is_mask_selection(script, values, node)
                 or is_rank_stride(script, node)
                 or is_clipped_rank_block(script, values, node)
                 or is_uneven_split_share(script, values, node)
@@ -504,9 +510,46 @@ def content_sized_step(
                 or grown_until_the_data_says(script, node) is not None
             ):
                 return node
+            if depth < RETURN_DEPTH and (inner := returned_content_sized(script, node, depth)):
+                return inner
             if dropping_collate(script, node) is not None:
                 return node
     return None
+
+
+RETURN_DEPTH = 2  # main() -> evaluate(loader) -> matches(batch): where the rows are kept
+
+
+def returned_content_sized(script: Script, node: ast.AST, depth: int) -> ast.expr | None:
+    """The content-sized step in what a function of the file returns, called here
+    (`local = epipolar_errors(model, loader)`, which concatenates the errors of the
+    matches each pair kept by a mask)."""
+    function = script.function_called(node)
+    if function is None:
+        return None
+    nodes = script.scope_nodes(function)
+    returned = [n.value for n in nodes if isinstance(n, ast.Return) and n.value is not None]
+    # a tensor it makes (`torch.cat(errs) if errs else torch.zeros(0, 3)`), not a tuple,
+    # a dataset or a frame handed along the way (those rows are not the gathered ones)
+    if not returned or not all(makes_a_tensor(value) for value in returned):
+        return None
+    values = scope_values(nodes)
+    for value in returned:
+        step = content_sized_step(script, values, value, depth + 1)
+        if step is not None:
+            return step
+    return None
+
+
+def makes_a_tensor(value: ast.expr) -> bool:
+    """The returned expression is a tensor the function makes: a join, an allocation
+    or a selection (`x[keep]`), reshaped or not, on either side of an `a if c else b`."""
+    if isinstance(value, ast.IfExp):
+        return makes_a_tensor(value.body) and makes_a_tensor(value.orelse)
+    value = reshaped_from(value)
+    if isinstance(value, ast.Subscript):
+        return True
+    return isinstance(value, ast.Call) and called_name(value) in TENSOR_MAKING_CALLS
 
 
 # A collation that pads each batch to its own longest sequence.
@@ -514,6 +557,10 @@ PADS_TO_LONGEST = re.compile(
     r"padding\s*=\s*(?:True|['\"]longest['\"])|\bDataCollator\w*|\bpad_sequence\b"
 )
 CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "vstack", "hstack"})
+# Calls that make a tensor of their own: joins, allocations, conversions.
+TENSOR_MAKING_CALLS = (
+    CONCATENATIONS | ALLOCATIONS | {"tensor", "as_tensor", "from_numpy", "where", "nonzero"}
+)
 STACKS = frozenset({"stack", "hstack"})  # of gathered scalars too: a new axis, not more rows
 
 
@@ -834,9 +881,18 @@ def rounds_up(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
                 isinstance(node, ast.BinOp)
                 and isinstance(node.op, ast.FloorDiv)
                 and isinstance(node.left, ast.BinOp)
-                and isinstance(node.left.op, ast.Add)
-                and isinstance(node.left.right, ast.BinOp)
-                and isinstance(node.left.right.op, ast.Sub)
+                and (
+                    (  # n + (world - 1)
+                        isinstance(node.left.op, ast.Add)
+                        and isinstance(node.left.right, ast.BinOp)
+                        and isinstance(node.left.right.op, ast.Sub)
+                    )
+                    or (  # (n + world) - 1, as Python reads n + world - 1
+                        isinstance(node.left.op, ast.Sub)
+                        and isinstance(node.left.left, ast.BinOp)
+                        and isinstance(node.left.left.op, ast.Add)
+                    )
+                )
             ):
                 return True  # (n + world - 1) // world
             if (
@@ -902,7 +958,8 @@ def appended_when_the_data_says(script: Script, node: ast.AST) -> bool:
 
 def grown_until_the_data_says(script: Script, node: ast.AST) -> ast.stmt | None:
     """`node` calls the file's own function that returns a tensor it grows in a loop
-    (`x = torch.cat([x, nxt[:, None]], 1)`, a hand-written sampler) which that
+    (`x = torch.cat([x, nxt[:, None]], 1)`, a hand-written sampler or beam search;
+    returned as it is or reshaped: `y.view(B, k, -1)`) which that
     pass's outputs can end early (`if done.all(): break`, `while not done.all()`):
     each rank stops at its own length. The statement that ends it, else None. A
     loop of a fixed number of steps, or one ended by a counter, keeps the lengths."""
@@ -911,7 +968,11 @@ def grown_until_the_data_says(script: Script, node: ast.AST) -> ast.stmt | None:
         return None
     nodes = script.scope_nodes(function)
     returned = {
-        n.value.id for n in nodes if isinstance(n, ast.Return) and isinstance(n.value, ast.Name)
+        base.id
+        for n in nodes
+        if isinstance(n, ast.Return)
+        and n.value is not None
+        and isinstance(base := reshaped_from(n.value), ast.Name)
     }
     for loop in (n for n in nodes if isinstance(n, ast.For | ast.While)):
         grown = {name for name in returned if grows(loop, name)}
@@ -919,6 +980,21 @@ def grown_until_the_data_says(script: Script, node: ast.AST) -> ast.stmt | None:
         if ended is not None:
             return ended
     return None
+
+
+# Methods that keep a tensor's data, whatever shape they give it.
+RESHAPES = frozenset({"view", "reshape", "contiguous", "detach", "cpu", "clone"})
+
+
+def reshaped_from(value: ast.expr) -> ast.expr:
+    """`y` of `y.view(B, k, -1)` or `y.contiguous()`: what the reshaping is of."""
+    while (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute)
+        and value.func.attr in RESHAPES
+    ):
+        value = value.func.value
+    return value
 
 
 def grows(loop: ast.For | ast.While, name: str) -> bool:
@@ -1009,13 +1085,25 @@ MASK_CALLS = frozenset(
 )
 
 
-def is_mask_selection(values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
+def is_mask_selection(script: Script, values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
     """`x[keep]` where the scope made `keep` a boolean mask (`keep = conf >= t`,
-    `~seen`, `a & b`, `scores.gt(t)`): the rows it selects are as many as the
-    data has true, like `x[x > t]` written inline."""
+    `~seen`, `a & b`, `scores.gt(t)`, or a function of the file that returns one):
+    the rows it selects are as many as the data has true, like `x[x > t]` inline."""
     if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Name)):
         return False
-    return any(is_mask(value) for value in values.get(node.slice.id, []))
+    return any(
+        is_mask(value) or returns_a_mask(script, value) for value in values.get(node.slice.id, [])
+    )
+
+
+def returns_a_mask(script: Script, value: ast.expr) -> bool:
+    """A call of the file's own function that returns a comparison (`def
+    fabric_mask(x, grid, thr): return pooled(x, grid) > thr`)."""
+    function = script.function_called(value)
+    return function is not None and any(
+        isinstance(node, ast.Return) and node.value is not None and is_mask(node.value)
+        for node in script.scope_nodes(function)
+    )
 
 
 def is_mask(expr: ast.expr) -> bool:

@@ -59,9 +59,20 @@ from assistant.results import Finding
 V = TypeVar("V")
 # Methods that add a batch's result to a running total or list.
 ACCUMULATORS = frozenset({"append", "extend", "add_batch"})
-# Where a metric is shown or acted on.
+# Where a metric is shown or acted on; `report`: a hyperparameter search's trial
+# (Optuna's trial.report(value, step), Ray Tune's report), which ranks and prunes on it.
 REPORTERS = frozenset(
-    {"print", "log", "add_scalar", "add_scalars", "info", "log_metrics", "log_dict", "write"}
+    {
+        "print",
+        "log",
+        "add_scalar",
+        "add_scalars",
+        "info",
+        "log_metrics",
+        "log_dict",
+        "write",
+        "report",
+    }
 )
 # An imported helper that combines the ranks' values: `utils.reduce_tensor(x)`, `all_gather(x)`.
 COMBINING_HELPER = re.compile(r"reduce|gather|sync|all_", re.IGNORECASE)

@@ -31,13 +31,21 @@ import ast
 from collections.abc import Iterator
 
 from assistant.lint.checks.rank_dependent import OWN_RANK_NAME, depends_on_rank, flow_walk
-from assistant.lint.checks.splits import is_set_order, names_in_set_order
+from assistant.lint.checks.splits import (
+    is_set_order,
+    names_in_set_order,
+    on_rank_zero_only,
+    seed_in_force,
+    seeds,
+    seeds_generator_of,
+)
 from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
 from assistant.lint.model import (
     Script,
     bound_arguments,
     called_name,
     is_int,
+    names_in,
     parameter_defaults,
     short,
     source_text,
@@ -254,6 +262,113 @@ def check_hyperparameters_each_rank_draws(script: Script) -> Iterator[Finding]:
             "(optuna.integration.TorchDistributedTrial(trial) on every rank), or seed every "
             "rank's sampler alike",
         )
+
+
+# Draws from Python's or numpy's global generator: what a random search samples with.
+CONFIGURATION_DRAWS = frozenset(
+    {
+        "random.choice",
+        "random.choices",
+        "random.uniform",
+        "random.randint",
+        "random.randrange",
+        "random.random",
+        "numpy.random.choice",
+        "numpy.random.uniform",
+        "numpy.random.randint",
+    }
+)
+SHARING_COLLECTIVES = frozenset({"broadcast_object_list", "broadcast", "all_gather_object"})
+
+
+@check("model-differs-across-ranks")
+def check_configuration_drawn_per_rank(script: Script) -> Iterator[Finding]:
+    """`cfg = sample_config(space)` (a function of the file that draws with
+    random.choice / np.random.uniform), run by every rank and handed to a function
+    that builds the DDP model (`run_trial(cfg, ...)`), while the process is seeded
+    with its rank (augmentation streams of their own) or not at all: each rank
+    draws its own depth, width or learning rate. Quiet where rank 0 draws and
+    shares the result (broadcast_object_list), or the seed in force is common."""
+    if not is_distributed(script):
+        return
+    drawing: dict[str, tuple[ast.Call, str]] = {}
+    for node, name in script.call_names:
+        owner = enclosing_scope(node, script)
+        if (
+            name in CONFIGURATION_DRAWS
+            and isinstance(owner, ast.FunctionDef)
+            and script.functions.get(owner.name) is owner
+        ):
+            drawing.setdefault(owner.name, (node, name))
+    if not drawing:
+        return
+    from assistant.lint.checks.collective_reach import CallGraph  # a check module's helper
+
+    training = CallGraph(script).reaching("DistributedDataParallel")
+    common, per_rank = seeds(script)
+    for call, called in script.call_names:
+        if called not in drawing or not isinstance(call.func, ast.Name):
+            continue
+        draw, draw_name = drawing[called]
+        drawn = drawn_configuration(script, call, training)
+        if drawn is None or on_rank_zero_only(call, script):
+            continue
+        family = [c for c in common if seeds_generator_of(script, c, draw_name)]
+        ranked = [c for c in per_rank if seeds_generator_of(script, c, draw_name)]
+        seed = seed_in_force(call, script, family, ranked)
+        if seed is False:
+            continue
+        why = (
+            "no seed is set, so each process draws from its own random state"
+            if seed is None
+            else f"the process is seeded with its rank (line {seed.lineno})"
+        )
+        yield script.finding(
+            "model-differs-across-ranks",
+            call,
+            f"{called}() draws the configuration with {draw_name}() (line "
+            f"{draw.lineno}) in every process, and {why}: each rank gets its own "
+            f"{drawn[0]}, handed to {drawn[1]}() (line {drawn[2]}), which builds the model "
+            "DDP wraps: the ranks build different models (DDP's check that every rank holds "
+            "the same parameters fails) or train them differently; draw on rank 0 and share "
+            "it (dist.broadcast_object_list), or seed the draws alike on every rank",
+        )
+
+
+def drawn_configuration(
+    script: Script, call: ast.Call, training: set[str]
+) -> tuple[str, str, int] | None:
+    """(the name the draw's result is assigned to, the function of the file that
+    builds the DDP model it is handed to, that call's line), unless the scope shares
+    the name between the ranks first."""
+    parent = script.parents.get(id(call))
+    if not (
+        isinstance(parent, ast.Assign)
+        and len(parent.targets) == 1
+        and isinstance(parent.targets[0], ast.Name)
+    ):
+        return None
+    name = parent.targets[0].id
+    scope = enclosing_scope(call, script) or script.tree
+    held = {name}  # the name, and what holds it (`box = [cfg]` for a broadcast)
+    handed = None
+    later = sorted(
+        (n for n in script.scope_nodes(scope) if getattr(n, "lineno", 0) > call.lineno),
+        key=lambda n: (n.lineno, n.col_offset),
+    )
+    for node in later:
+        if isinstance(node, ast.Assign) and names_in(node.value) & held:
+            held |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        if not isinstance(node, ast.Call):
+            continue
+        arguments = [*node.args, *(k.value for k in node.keywords)]
+        if not any(names_in(argument) & held for argument in arguments):
+            continue
+        if short(script.name_of(node.func)) in SHARING_COLLECTIVES:
+            return None
+        if handed is None and isinstance(node.func, ast.Name) and node.func.id in training:
+            handed = (name, node.func.id, node.lineno)
+    return handed
 
 
 def seeded_sampler(script: Script, study: ast.Call) -> bool:

@@ -227,8 +227,8 @@ def seeds_generator_of(script: Script, seeding: ast.Call, split: str) -> bool:
     """Whether a seeding call seeds the generator the split draws from: a
     permutation reads numpy's or torch's own; the split functions any of them
     (sklearn's reads numpy's, random_split torch's, and files seed them together)."""
-    if split not in LIBRARY_DRAWS:
-        return True
+    if split not in LIBRARY_DRAWS and not split.startswith(("random.", "numpy.random.")):
+        return True  # a split function: any of the generators may feed it
     library = split.split(".")[0]
     seeder = script.name_of(seeding.func)
     helper = seeding_helpers(script).get(seeder)
@@ -482,11 +482,18 @@ CONTAINERS = frozenset({"set", "frozenset", "list", "tuple", "sorted", "sort", "
 
 def is_slice_of(expr: ast.expr, names: set[str]) -> bool:
     """`idx[:k]`, `idx[a:b]` (or `.tolist()` of one, or one kept in a set / list /
-    array, or the rows it picks: `table[idx[k:]].copy()`) of a name among `names`."""
-    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Attribute) and not expr.args:
-        expr = expr.func.value  # idx[:k].tolist()
-    elif isinstance(expr, ast.Call) and len(expr.args) == 1 and called_name(expr) in CONTAINERS:
-        expr = expr.args[0]  # set(scenes[:n_val]), np.array(idx[k:])
+    array, both at once, or the rows it picks: `table[idx[k:]].copy()`, or one part of
+    a list joined from several: `[(f, 0) for f in good[:k]] + [(f, 1) for f in
+    bad[:m]]`) of a name among `names`."""
+    if isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add):
+        return is_slice_of(expr.left, names) or is_slice_of(expr.right, names)
+    while isinstance(expr, ast.Call):
+        if isinstance(expr.func, ast.Attribute) and not expr.args:
+            expr = expr.func.value  # idx[:k].tolist()
+        elif len(expr.args) == 1 and called_name(expr) in CONTAINERS:
+            expr = expr.args[0]  # set(scenes[:n_val]), np.array(idx[k:].tolist())
+        else:
+            break
     if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Subscript):
         expr = expr.slice  # table[idx[:k]]: the rows the slice of the order picks
     if (

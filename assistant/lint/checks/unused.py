@@ -356,6 +356,17 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
                     )
                     for call, picked in members_some_steps_leave_out(script, forward, names, ddp)
                 ),
+                *(
+                    (
+                        call,
+                        (
+                            f"{inner.name}.forward runs {picked}: the others get no gradient "
+                            "that step"
+                        ),
+                        ", or run every member each step",
+                    )
+                    for inner, call, picked in members_picked_inside(classes, name)
+                ),
                 *((test, RANDOM_SKIP, "") for test in random_branches(classes, name)),
                 *((test, EMPTY_SKIP, EMPTY_FIX) for test in empty_selection_skips(classes, name)),
             ]
@@ -1274,6 +1285,7 @@ def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
     "quantile" else "point"`)."""
     inputs = {a.arg for a in forward.args.args[1:]}
     from_fields = names_made_of_fields(forward)
+    present = values_present_in_an_input(forward, inputs)
     for node in walk(forward):
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
             continue
@@ -1287,10 +1299,32 @@ def picked_members(forward: ast.FunctionDef) -> Iterator[tuple[ast.Call, str]]:
             continue
         if isinstance(chooser, ast.Name) and chooser.id in inputs:
             yield node, chooser.id
+        elif isinstance(chooser, ast.Name) and chooser.id in present:
+            yield node, f"{chooser.id} in {present[chooser.id]}"
         elif isinstance(chooser, ast.Name) and chooser.id in from_fields:
             yield node, f"{chooser.id} = {source_text(from_fields[chooser.id])}"
         elif self_attribute(chooser):
             yield node, source_text(chooser)
+
+
+def values_present_in_an_input(function: ast.FunctionDef, inputs: set[str]) -> dict[str, str]:
+    """Names a loop binds to the distinct values of an input (`for s in
+    site.unique().tolist()`, `torch.unique(task_ids)`): only the values this batch
+    holds, so the members they pick change with the batch."""
+    present: dict[str, str] = {}
+    for loop in walk(function):
+        if not (
+            isinstance(loop, ast.For | ast.comprehension) and isinstance(loop.target, ast.Name)
+        ):
+            continue
+        values = loop.iter
+        while isinstance(values, ast.Call) and called_name(values) in ("tolist", "list", "sorted"):
+            values = values.args[0] if values.args else values.func.value  # type: ignore[attr-defined]
+        if not (isinstance(values, ast.Call) and called_name(values) == "unique"):
+            continue
+        if names_in(values) & inputs:
+            present[loop.target.id] = source_text(loop.iter)
+    return present
 
 
 def names_made_of_fields(function: ast.FunctionDef) -> dict[str, ast.expr]:
@@ -1317,6 +1351,22 @@ def reads_only_fields(value: ast.expr) -> bool:
     """Every name the value reads is `self` (a field), with at least one field read."""
     names = [n for n in walk(value) if isinstance(n, ast.Name)]
     return bool(names) and all(n.id == "self" for n in names)
+
+
+def members_picked_inside(
+    classes: dict[str, ast.ClassDef], wrapped: str
+) -> Iterator[tuple[ast.ClassDef, ast.Call, str]]:
+    """`self.ops[choice](x)` in the forward of a block the wrapped model builds
+    (a supernet's choice block), `choice` an input of that forward which the
+    model above hands down, differently each step (the sampled path)."""
+    for inner in built_classes(classes, wrapped)[1:]:
+        if not any(isinstance(s, ast.FunctionDef) and s.name == "forward" for s in inner.body):
+            continue  # a container of layers, run by its owner
+        forward = forward_of(inner)
+        for call, chooser in picked_members(forward):
+            if chooser in {a.arg for a in forward.args.args[1:]}:
+                member = source_text(call.func.value)  # type: ignore[attr-defined]
+                yield inner, call, f"one member of {member} per call, the one `{chooser}` picks"
 
 
 def members_some_steps_leave_out(

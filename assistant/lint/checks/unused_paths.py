@@ -123,6 +123,18 @@ def left_out_by_the_steps(
                 )
         if not calls:
             continue
+        eval_only = evaluation_only(cls, everywhere, calls)
+        if eval_only:
+            yield (
+                first_use(forward_of(cls), eval_only),
+                (
+                    f"forward runs {fields_shown(eval_only)} only when the model is not "
+                    "training (self.training False), and the training steps run it in train "
+                    "mode: their parameters never get a gradient, and "
+                    f"{fails}: pass find_unused_parameters=True, or freeze them "
+                    "(requires_grad_(False)) while training them elsewhere"
+                ),
+            )
         for test, left_out in branches_on_the_batch_size(cls, trainable):
             yield (
                 test,
@@ -160,6 +172,36 @@ def left_out_by_the_steps(
                     "pass find_unused_parameters=True"
                 ),
             )
+
+
+def evaluation_only(
+    cls: ast.ClassDef, everywhere: set[str], calls: list[tuple[ast.Call, list[ast.AST]]]
+) -> set[str]:
+    """Trainable submodules forward runs only with self.training False (`elif
+    early_stop:` after `if self.training:`, an early-exit confidence head), that no
+    other method uses, when no training step puts the model in eval mode."""
+    if any(
+        isinstance(n, ast.Call) and called_name(n) == "eval" for _, nodes in calls for n in nodes
+    ):
+        return set()
+    if "self.training" not in {source_text(n) for n in walk(forward_of(cls))}:
+        return set()
+    left_out = everywhere - reached(cls, {"self.training": True})
+    reached_from_forward = reached(cls, {})
+    for method in cls.body:
+        if (
+            isinstance(method, ast.FunctionDef)
+            and method.name not in reached_from_forward
+            and method.name not in ("forward", "__init__")
+        ):
+            left_out -= attributes_in(method)  # a step may call that method itself
+    return left_out
+
+
+def first_use(forward: ast.FunctionDef, fields: set[str]) -> ast.AST:
+    """The first `self.<field>` of `fields` in forward."""
+    uses = [n for n in walk(forward) if self_attribute(n) in fields]
+    return min(uses, key=lambda n: (n.lineno, n.col_offset), default=forward)
 
 
 def side_methods_some_steps_call(

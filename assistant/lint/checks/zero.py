@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from assistant.lint.checks.collective_reach import lonely_calls
 from assistant.lint.model import (
     Script,
+    bound_arguments,
     called_name,
     keyword,
     names_bound_to,
@@ -45,7 +46,7 @@ from assistant.lint.model import (
     source_text,
     walk,
 )
-from assistant.lint.ranks import assignments_seen_from
+from assistant.lint.ranks import assignments_seen_from, enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.tracer import TracedCall
 from assistant.results import Finding
@@ -110,19 +111,16 @@ def check_parameters_read_under_zero3(script: Script) -> Iterator[Finding]:
         return
     gathered = gathered_nodes(script)
     for loop in (n for n in script.of_type(ast.For) if id(n) not in gathered):
-        if not (isinstance(loop.iter, ast.Call) and isinstance(loop.iter.func, ast.Attribute)):
+        walked = engine_parameters_walked(script, loop, engines)
+        if walked is None:
             continue
-        if loop.iter.func.attr not in PARAMETER_ITERATORS:
-            continue
-        if engine_of(loop.iter.func.value) not in engines:
-            continue
-        parameter = loop_parameter(loop)
+        iterated, parameter = walked
         if parameter is None or not reads_values(loop, parameter, gathered):
             continue
         yield script.finding(
             "zero3-partitioned-parameters",
             loop,
-            f"{source_text(loop.iter)} under ZeRO stage 3 (line {stage.lineno}) yields this "
+            f"{source_text(iterated)} under ZeRO stage 3 (line {stage.lineno}) yields this "
             f"rank's placeholders (torch.Size([0])), and the loop reads {parameter}'s values: "
             "what it copies or sends is empty; run the loop inside "
             "`with deepspeed.zero.GatheredParameters(list(...parameters()), modifier_rank=None):` "
@@ -144,18 +142,30 @@ def check_parameter_field_read_under_zero3(script: Script) -> Iterator[Finding]:
     engine's module, is this rank's placeholder of torch.Size([0])."""
     stage = zero3_stage(script)
     engines = engine_names(script) if stage is not None else set()
-    fields = declared_parameters(script) if engines else set()
-    if not fields:
+    threshold = persistence_threshold(script)
+    fields = declared_parameters(script, threshold) if engines and threshold else set()
+    layers = declared_layers(script, threshold) if engines and threshold else set()
+    if not (fields or layers):
         return
     gathered = gathered_nodes(script)
     reported: set[int] = set()
     for node in script.of_type(ast.Attribute):
-        if node.attr not in fields or not isinstance(node.ctx, ast.Load) or id(node) in gathered:
+        if not isinstance(node.ctx, ast.Load) or id(node) in gathered:
+            continue
+        if node.attr in fields:
+            owner = node.value
+        elif (
+            node.attr in LAYER_PARAMETERS
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in layers
+        ):
+            owner = node.value.value  # engine.module.item_emb.weight
+        else:
             continue
         parent = script.parents.get(id(node))
         if isinstance(parent, ast.Attribute) and parent.attr in PLACEHOLDER_SAFE:
             continue
-        if engine_of(module_root(node.value), script) not in engines or node.lineno in reported:
+        if engine_of(module_root(owner), script) not in engines or node.lineno in reported:
             continue
         reported.add(node.lineno)
         yield script.finding(
@@ -169,20 +179,18 @@ def check_parameter_field_read_under_zero3(script: Script) -> Iterator[Finding]:
         )
 
 
-def declared_parameters(script: Script) -> set[str]:
+def declared_parameters(script: Script, threshold: int) -> set[str]:
     """Fields the file's classes make parameters (`self.codevectors =
     nn.Parameter(...)`) that ZeRO-3 partitions: not one of a literal size under
-    DeepSpeed's persistence threshold (a temperature `nn.Parameter(torch.ones([]))`
-    stays whole on every rank), and none where the file sets the threshold itself."""
-    if PERSISTENCE_THRESHOLD in script.string_constants:
-        return set()
+    the persistence threshold (a temperature `nn.Parameter(torch.ones([]))` stays
+    whole on every rank)."""
     return {
         target.attr
         for node in script.of_type(ast.Assign)
         if isinstance(node.value, ast.Call)
         and short(script.name_of(node.value.func)) in PARAMETER_MAKERS
         and node.value.args
-        and not under_the_persistence_threshold(node.value.args[0])
+        and not under_the_persistence_threshold(node.value.args[0], threshold)
         for target in node.targets
         if isinstance(target, ast.Attribute)
         and isinstance(target.value, ast.Name)
@@ -190,14 +198,69 @@ def declared_parameters(script: Script) -> set[str]:
     }
 
 
+# Layers whose weight is a large matrix (an item or vocabulary table, a projection).
+LARGE_LAYERS = frozenset({"Embedding", "EmbeddingBag", "Linear", "Bilinear"})
+LAYER_PARAMETERS = frozenset({"weight", "bias"})
+
+
+def declared_layers(script: Script, threshold: int) -> set[str]:
+    """Fields the file's classes build as LARGE_LAYERS (`self.item_emb =
+    nn.Embedding(n_items, dim)`) whose weight ZeRO-3 partitions: not one of literal
+    sizes under the persistence threshold."""
+    found = set()
+    for node in script.of_type(ast.Assign):
+        value = node.value
+        if not (
+            isinstance(value, ast.Call)
+            and short(script.name_of(value.func)) in LARGE_LAYERS
+            and not sizes_under_the_threshold(value.args[:2], threshold)
+        ):
+            continue
+        found |= {
+            target.attr
+            for target in node.targets
+            if isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+        }
+    return found
+
+
 PERSISTENCE_THRESHOLD = "stage3_param_persistence_threshold"
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default, in elements
+# Sizes the file computes (from its data, its options) are read as larger than a
+# threshold up to this; a file that keeps more whole is not judged on them.
+UNKNOWN_SIZES_ABOVE = 1_000_000
 TENSOR_MAKERS = frozenset({"ones", "zeros", "empty", "randn", "rand", "full"})
 
 
-def under_the_persistence_threshold(value: ast.expr) -> bool:
+def persistence_threshold(script: Script) -> int | None:
+    """The number of elements under which ZeRO-3 keeps a parameter whole on every
+    rank: the config's literal stage3_param_persistence_threshold, DeepSpeed's
+    default where the file sets none, None where it sets one the run computes."""
+    for node in script.of_type(ast.Dict):
+        for key, value in zip(node.keys, node.values, strict=True):
+            if is_key(key, PERSISTENCE_THRESHOLD):
+                if isinstance(value, ast.Constant) and isinstance(value.value, int | float):
+                    return int(value.value)
+                return None
+    return DEFAULT_PERSISTENCE_THRESHOLD
+
+
+def sizes_under_the_threshold(sizes: list[ast.expr], threshold: int) -> bool:
+    """Sizes whose product ZeRO-3 keeps whole on every rank: literal ones under the
+    threshold, or any where the threshold is above what computed sizes are read as."""
+    if not all(isinstance(size, ast.Constant) and isinstance(size.value, int) for size in sizes):
+        return threshold > UNKNOWN_SIZES_ABOVE
+    count = 1
+    for size in sizes:
+        count *= size.value  # type: ignore[union-attr]
+    return count < threshold
+
+
+def under_the_persistence_threshold(value: ast.expr, threshold: int) -> bool:
     """`torch.tensor(2.0)`, `torch.ones([])`, `torch.zeros(1, 8)`: a literal size
-    DeepSpeed keeps whole on every rank; sizes from names are read as large."""
+    ZeRO-3 keeps whole on every rank; sizes from names are read as large."""
     value = unmoved_tensor(value)
     if not isinstance(value, ast.Call):
         return False
@@ -209,12 +272,7 @@ def under_the_persistence_threshold(value: ast.expr) -> bool:
     sizes = value.args[:1] if name == "full" else value.args
     if len(sizes) == 1 and isinstance(sizes[0], ast.List | ast.Tuple):
         sizes = sizes[0].elts
-    if not all(isinstance(size, ast.Constant) and isinstance(size.value, int) for size in sizes):
-        return False
-    count = 1
-    for size in sizes:
-        count *= size.value  # type: ignore[union-attr]
-    return count < DEFAULT_PERSISTENCE_THRESHOLD
+    return sizes_under_the_threshold(list(sizes), threshold)  # torch.ones([]): one element
 
 
 def unmoved_tensor(value: ast.expr) -> ast.expr:
@@ -233,6 +291,52 @@ def module_root(chain: ast.expr) -> ast.expr:
     while isinstance(chain, ast.Attribute) and chain.attr != "module":
         chain = chain.value
     return chain
+
+
+def engine_parameters_walked(
+    script: Script, loop: ast.For, engines: set[str]
+) -> tuple[ast.Call, str | None] | None:
+    """(the engine's parameters() call, the name the loop binds to each parameter) for
+    `for n, p in engine.module.named_parameters()`, or for one side of a zip
+    (`for p_ema, p in zip(ema.parameters(), model.parameters())`, an EMA update),
+    the module also through a parameter of the loop's function that the file's
+    callers give the engine (`ema_update(ema, engine.module, decay)`)."""
+    sources = [loop.iter]
+    targets: list[ast.expr] = [loop.target]
+    if isinstance(loop.iter, ast.Call) and called_name(loop.iter) == "zip":
+        sources = list(loop.iter.args)
+        targets = list(loop.target.elts) if isinstance(loop.target, ast.Tuple) else []
+    for position, source in enumerate(sources):
+        if not (
+            isinstance(source, ast.Call)
+            and isinstance(source.func, ast.Attribute)
+            and source.func.attr in PARAMETER_ITERATORS
+            and holds_the_engine(script, loop, source.func.value, engines)
+        ):
+            continue
+        if len(sources) == 1:
+            return source, loop_parameter(loop)
+        target = targets[position] if position < len(targets) else None
+        return source, target.id if isinstance(target, ast.Name) else None
+    return None
+
+
+def holds_the_engine(script: Script, where: ast.AST, module: ast.expr, engines: set[str]) -> bool:
+    """`engine.module`, `engine` or a name assigned one of them; or a parameter of the
+    function `where` lies in that every call of it in the file is given the engine."""
+    if engine_of(module) in engines:
+        return True
+    function = enclosing_scope(where, script)
+    if not (isinstance(module, ast.Name) and isinstance(function, ast.FunctionDef)):
+        return False
+    given = [
+        argument
+        for call, name in script.call_names
+        if name == function.name and isinstance(call.func, ast.Name)
+        for parameter, argument in bound_arguments(function, call)
+        if parameter == module.id
+    ]
+    return bool(given) and all(engine_of(argument, script) in engines for argument in given)
 
 
 def engine_of(receiver: ast.expr, script: Script | None = None) -> str:
