@@ -197,3 +197,30 @@ def test_frames_of_batches_of_their_own_length_flattened_into_rows_differ_in_cou
 ):
     body = FRAME_FEATURES.replace("COLLATE", collate).replace("ROWS", rows)
     assert [line for line, _ in lint_snippet(PRELUDE, body, {CAUSE})] == reported
+
+
+PADDING_COLLATOR = """
+class HeadTail:
+    def __call__(self, rows):
+        longest = max(len(r) for r in rows)
+        return {"ids": torch.stack([pad(r, longest) for r in rows]), "labels": labels_of(rows)}
+
+
+def evaluate(model, ds):
+    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds), collate_fn=HeadTail())
+    golds = []
+    for batch in loader:
+        GATHER_OR_KEEP
+    golds = torch.cat(golds)
+    bufs = [torch.empty_like(golds) for _ in range(world)]
+    dist.all_gather(bufs, golds)
+"""
+
+
+def test_labels_appended_then_joined_under_their_name_are_one_per_sample():
+    # blind set ij's 13: a collate of its own pads each batch to its longest row, but
+    # the labels are one per sample, appended batch by batch, then joined
+    body = PADDING_COLLATOR.replace("GATHER_OR_KEEP", "golds.append(batch['labels'])")
+    assert lint_snippet(PRELUDE, body, {CAUSE}) == []
+    per_batch = body.replace("    golds = torch.cat(golds)\n", "    golds = batch['labels']\n")
+    assert [line for line, _ in lint_snippet(PRELUDE, per_batch, {CAUSE})] == [15]

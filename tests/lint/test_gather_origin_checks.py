@@ -357,3 +357,37 @@ def validate(net, halves, world):
 )
 def test_rows_a_helper_selects_joined_along_the_way_are_rank_sized(returned, reported_lines):
     assert reported(PEAKS.replace("RETURNED", returned)) == reported_lines
+
+
+GENERATED = """
+@torch.no_grad()
+def evaluate(model, loader, world, n):
+    ids, hits = [], []
+    for idx, src, labels in loader:
+        out = model.generate(input_ids=src, num_beams=4, max_new_tokens=n + 1)
+        cand = CAND
+        hits.append((cand == labels[:, :n]).all(-1).float())
+        ids.append(idx)
+    ids, hits = torch.cat(ids), torch.cat(hits)
+    g = [torch.empty_like(GATHERED) for _ in range(world)]
+    dist.all_gather(g, GATHERED)
+"""
+
+
+@pytest.mark.parametrize(
+    "cand, gathered, reported_lines",
+    [
+        # generated sequences as long as this rank's longest answer
+        ("out", "hits", [12]),
+        # blind set im's 09 (correct): cut to the length every rank shares, then compared
+        ("out[:, 1:n + 1]", "hits", []),
+        # the loader's ids, paired with their own value in a tuple assignment
+        ("out", "ids", []),
+    ],
+    ids=["whole generation", "cut to a length", "ids beside hits"],
+)
+def test_generated_sequences_cut_to_a_common_length_or_other_names_are_not(
+    cand, gathered, reported_lines
+):
+    body = GENERATED.replace("CAND", cand).replace("GATHERED", gathered)
+    assert reported(body) == reported_lines

@@ -1901,3 +1901,40 @@ def test_a_packed_sequence_unpadded_to_the_inputs_length_under_data_parallel(
     source = PACKED_TAGGER.replace("UNPACK", unpack).replace("WRAP", wrap)
     found = findings_of(source, "dataparallel-unsafe-model")
     assert [line for _, line in found] == reported
+
+
+STATEFUL = """
+import torch
+from torch import nn
+
+
+class Neuron(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff = nn.Linear(8, 8)
+        self.v = None
+
+    def forward(self, x):
+        v = self.ff(x) if self.v is None else 0.9 * self.v + self.ff(x)
+        SET
+        return v
+
+
+model = WRAP
+"""
+
+
+@pytest.mark.parametrize(
+    "set_state, wrap, reported",
+    [
+        # blind sets il's 19, ik's 13, im's 04: state kept on the module between calls
+        ("self.v = v", "nn.DataParallel(Neuron()).cuda()", [14]),
+        ("self.v = v", "Neuron().cuda()", []),  # no replicas: the module keeps it
+        ("self.last = v", "nn.DataParallel(Neuron()).cuda()", []),  # never read again
+    ],
+    ids=["data-parallel", "plain", "never read"],
+)
+def test_state_set_in_forward_under_data_parallel_is_lost(set_state, wrap, reported) -> None:
+    source = STATEFUL.replace("SET", set_state).replace("WRAP", wrap)
+    found = findings_of(source, "dataparallel-unsafe-model")
+    assert [line for _, line in found] == reported

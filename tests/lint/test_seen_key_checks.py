@@ -113,3 +113,32 @@ def test_rows_or_calls_per_key_the_rank_saw_are_reported(body):
 )
 def test_rows_over_a_fixed_key_set_or_exchanged_keys_are_quiet(body):
     assert lines(body) == []
+
+
+def test_a_comprehensions_names_and_a_dict_of_loaders_keys_are_no_data_keys():
+    # blind sets gw's 13 and 09: containers made in one tuple assignment and filled
+    # per task; the task name is also bound by a comprehension over a tensor's values
+    # (its own), and a loop over the dict of loaders walks its keys
+    body = (
+        "full = {n: load(n) for n in NAMES}\n"
+        "stats, loaders = {}, {}\n"
+        "for n, ds in full.items():\n"
+        "    stats[n] = ds.mean()\n"
+        "    loaders[n] = make_loader(ds)\n"
+        "agg = torch.zeros(len(NAMES))\n"
+        "for t in loaders:\n"
+        "    agg += model(next(iter(loaders[t])), stats).detach()\n"
+        "dist.all_reduce(agg)\n"
+        "log = {f'train/{n}': v for n, v in zip(NAMES, agg.tolist())}\n"
+    )
+    assert lines(body) == []
+    # the keys a loader's labels fill in are this rank's own (the check's own case)
+    seen = body + (
+        "per_label = {}\n"
+        "for x, y in loader:\n"
+        "    for label in y.tolist():\n"
+        "        per_label[label] = per_label.get(label, 0) + 1\n"
+        "counts = torch.tensor(list(per_label.values()))\n"
+        "dist.all_reduce(counts)\n"
+    )
+    assert len(lines(seen)) == 1

@@ -828,3 +828,54 @@ def test_heads_forward_runs_only_in_eval_mode_get_no_gradient(ddp, step, reporte
     assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == (
         reported_lines
     )
+
+
+TURNS = """
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.count_head = nn.Linear(4, 1)
+        self.disease_head = nn.Linear(4, 3)
+
+    def forward(self, x, task):
+        f = self.body(x)
+        if task == "count":
+            return self.count_head(f)
+        return self.disease_head(f)
+
+
+model = DDP(TwoHeads())
+
+
+def train(loader, optimizer):
+    for x, y in loader:
+        for task in ("count", "disease"):
+            loss = model(x, task).sum()
+            BACKWARD
+"""
+
+
+@pytest.mark.parametrize(
+    "backward, reported_lines",
+    [
+        # blind set ik's 17: each task's own step, a backward per turn
+        ("loss.backward()\n            optimizer.step()", [21]),
+    ],
+    ids=["a backward per task"],
+)
+def test_a_loop_over_tasks_with_a_backward_each_leaves_the_other_head_out(
+    backward, reported_lines
+):
+    body = TURNS.replace("BACKWARD", backward)
+    found = lint_snippet(HEADER, body, ["unused-parameters"])
+    assert [line for line, _ in found] == reported_lines
+    assert "on the steps where task is 'count'" in found[0][1].message
+    # both heads summed into one backward: every parameter has its gradient
+    one_step = (
+        TURNS.replace("            BACKWARD\n", "")
+        .replace("        for task in", "        loss = 0\n        for task in")
+        .replace("loss = model(x, task).sum()", "loss = loss + model(x, task).sum()")
+    ) + "        loss.backward()\n"
+    assert "loss = loss + model" in one_step
+    assert lint_snippet(HEADER, one_step, ["unused-parameters"]) == []

@@ -200,3 +200,60 @@ def check_packed_sequence_unpadded_under_data_parallel(script: Script) -> Iterat
                             'gather fails ("Sizes of tensors must match except in dimension '
                             '0"); pass total_length=<the padded input>.size(1)',
                         )
+
+
+@check("dataparallel-unsafe-model")
+def check_state_set_in_forward_under_data_parallel(script: Script) -> Iterator[Finding]:
+    """`self.v = ...` in the forward of a model (or a block it builds) that
+    nn.DataParallel wraps, where the file reads that field again (a recurrent state
+    carried between calls, an EMA codebook, attention weights read after the step):
+    DataParallel runs forward on replicas it makes for each call and throws away, so
+    the assignment lands on a replica and the model keeps its old value (the
+    PyTorch docs' warning on in-place updates in forward under DataParallel)."""
+    wrappers = [node for node, name in script.call_names if short(name) == DATA_PARALLEL]
+    if not wrappers:
+        return
+    classes = {cls.name: cls for cls in model_classes(script)}
+    read = {node.attr for node in script.of_type(ast.Attribute) if isinstance(node.ctx, ast.Load)}
+    reported: set[str] = set()
+    for wrapper in wrappers:
+        _names, built = wrapped_by(script, wrapper, set(classes))
+        for name in sorted(built):
+            for cls in built_classes(classes, name):
+                forward = next(
+                    (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "forward"),
+                    None,
+                )
+                if forward is None:
+                    continue
+                for node in own_nodes(forward):
+                    if not isinstance(node, ast.Assign | ast.AugAssign):
+                        continue
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for target in targets:
+                        field = self_field(target)
+                        if field is None or field not in read or f"{cls.name}.{field}" in reported:
+                            continue
+                        reported.add(f"{cls.name}.{field}")
+                        yield script.finding(
+                            "dataparallel-unsafe-model",
+                            node,
+                            f"{cls.name}.forward sets self.{field}, and nn.DataParallel (line "
+                            f"{wrapper.lineno}) runs forward, on several GPUs, on replicas it "
+                            "makes for each call and throws away: the value lands on a "
+                            "replica, and the model "
+                            f"keeps its old self.{field} (a state carried to the next call, a "
+                            "statistic read after the step); return it from forward, keep it "
+                            "outside the module, or train with DistributedDataParallel",
+                        )
+
+
+def self_field(target: ast.expr) -> str | None:
+    """`x` of `self.x = ...`."""
+    if (
+        isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    ):
+        return target.attr
+    return None

@@ -53,6 +53,7 @@ from assistant.lint.model import (
     called_name,
     children,
     enclosing_loop,
+    name_value_pairs,
     names_in,
     position,
     short,
@@ -263,13 +264,19 @@ def statements_before(script: Script, node: ast.AST) -> set[int]:
 
 
 def scope_values(nodes: list[ast.AST]) -> dict[str, list[ast.expr]]:
-    """name -> what the scope assigns to it, what it appends or extends it with,
+    """name -> what the scope assigns to it (a tuple of values part by part), what it
+    appends or extends it with,
     and for a loop variable what the loop iterates (`for x, y in loader`: the
     batches come from the loader, and as many as its data holds)."""
     values: dict[str, list[ast.expr]] = {}
     for node in nodes:
         if isinstance(node, ast.Assign):
-            for name in (n for t in node.targets for n in plain_names(t)):
+            # `a, b = torch.cat(a), torch.cat(b)`: each name its own part
+            paired = name_value_pairs(node)
+            for name, value in paired:
+                values.setdefault(name.id, []).append(value)
+            taken = {name.id for name, _ in paired}
+            for name in (n for t in node.targets for n in plain_names(t) if n not in taken):
                 values.setdefault(name, []).append(node.value)
         elif isinstance(node, ast.For):
             for name in plain_names(node.target):
@@ -493,7 +500,11 @@ def content_sized_step(
         flattened = steps_flattened_into_rows(values, tensor, batches)
         if flattened is not None:
             return flattened  # (batch x its length) rows of frame features
-    for value in origin(values, tensor, stop=fixes_the_rows):
+
+    def fixes_the_size(node: ast.AST) -> bool:
+        return fixes_the_rows(node) or cuts_generated_to_a_length(values, node)
+
+    for value in origin(values, tensor, stop=fixes_the_size):
         for node in equal_share_walk(values, value):
             if is_batch_field(node, batches):
                 if lengths_differ:
@@ -633,11 +644,17 @@ def flattens_the_leading_axes(call: ast.Call) -> bool:
 def gathered_per_batch(
     values: dict[str, list[ast.expr]], tensor: ast.expr, batches: set[str]
 ) -> bool:
-    """A batch's field reaches the tensor without a concatenation over batches."""
+    """A batch's field reaches the tensor without a concatenation over batches (a
+    list appended to batch by batch, then joined under its own name: `golds =
+    torch.cat(golds)`, is joined)."""
 
     def concatenated(node: ast.AST) -> bool:
         return isinstance(node, ast.Call) and called_name(node) in CONCATENATIONS
 
+    if isinstance(tensor, ast.Name) and any(
+        concatenated(value) and tensor.id in names_in(value) for value in values.get(tensor.id, [])
+    ):
+        return False
     return any(
         is_batch_field(node, batches)
         for value in origin(values, tensor, concatenated)
@@ -932,6 +949,26 @@ def fixes_the_rows(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and called_name(node) == "topk"
 
 
+def cuts_generated_to_a_length(values: dict[str, list[ast.expr]], node: ast.AST) -> bool:
+    """`out[:, 1:n + 1]` of `out = model.generate(...)`: the generated sequences cut
+    to a length every rank shares (generate's rows are the batch's; only its length
+    is this rank's own)."""
+    if not (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.slice, ast.Tuple)
+        and len(node.slice.elts) >= 2
+        and isinstance(node.slice.elts[1], ast.Slice)
+        and node.slice.elts[1].upper is not None
+    ):
+        return False
+    made = [node.value]
+    if isinstance(node.value, ast.Name):
+        made = values.get(node.value.id, [])
+    return bool(made) and all(
+        isinstance(value, ast.Call) and called_name(value) == "generate" for value in made
+    )
+
+
 def appended_when_the_data_says(script: Script, node: ast.AST) -> bool:
     """`node` is what a loop appends to a list only when a test on that pass's data
     holds (`if "episode" in info: finished.append(r)`, a filter on each item): the
@@ -988,13 +1025,7 @@ RESHAPES = frozenset({"view", "reshape", "contiguous", "detach", "cpu", "clone"}
 
 def reshaped_from(value: ast.expr) -> ast.expr:
     """`y` of `y.view(B, k, -1)` or `y.contiguous()`: what the reshaping is of."""
-    while (
-        isinstance(value, ast.Call)
-        and isinstance(value.func, ast.Attribute)
-        and value.func.attr in RESHAPES
-    ):
-        value = value.func.value
-    return value
+    return unmoved(value, RESHAPES)
 
 
 def grows(loop: ast.For | ast.While, name: str) -> bool:

@@ -32,12 +32,11 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.rank_dependent import OWN_RANK_NAME, depends_on_rank, flow_walk
 from assistant.lint.checks.splits import (
+    draws_seed,
     is_set_order,
     names_in_set_order,
     on_rank_zero_only,
-    seed_in_force,
     seeds,
-    seeds_generator_of,
 )
 from assistant.lint.checks.unused import built_classes, model_classes, wrapped_by
 from assistant.lint.model import (
@@ -313,9 +312,7 @@ def check_configuration_drawn_per_rank(script: Script) -> Iterator[Finding]:
         drawn = drawn_configuration(script, call, training)
         if drawn is None or on_rank_zero_only(call, script):
             continue
-        family = [c for c in common if seeds_generator_of(script, c, draw_name)]
-        ranked = [c for c in per_rank if seeds_generator_of(script, c, draw_name)]
-        seed = seed_in_force(call, script, family, ranked)
+        seed = draws_seed(script, call, draw_name, common, per_rank)
         if seed is False:
             continue
         why = (

@@ -147,11 +147,11 @@ def seen_key_containers(nodes: list[ast.AST], values: dict[str, list[ast.expr]])
         for name, made in values.items()
         if made and all(is_empty_container(value) for value in made[:1])
     }
-    data_names = data_loop_names(nodes, values)
+    statement_names, data_names = data_loop_names(nodes, values)
     filled: set[str] = set()
     for node in nodes:
         for base, key in filled_keys(node):
-            if base in made_empty and names_in(key) & data_names:
+            if base in made_empty and names_in(key) & statement_names:
                 filled.add(base)
     counted = {
         name
@@ -183,28 +183,48 @@ def is_counter_of_data(
     )
 
 
-def data_loop_names(nodes: list[ast.AST], values: dict[str, list[ast.expr]]) -> set[str]:
-    """Names a loop (or comprehension) binds while walking this rank's data: a
-    loader's batches, and what a loop over a batch's values (`y.tolist()`, a
-    tensor read off a batch) binds; not a config's keys or range(10)."""
-    loops = [n for n in nodes if isinstance(n, ast.For | ast.comprehension)]
+def data_loop_names(
+    nodes: list[ast.AST], values: dict[str, list[ast.expr]]
+) -> tuple[set[str], set[str]]:
+    """Names a loop binds while walking this rank's data: a loader's batches, and
+    what a loop over a batch's values (`y.tolist()`, a tensor read off a batch)
+    binds; not a config's keys or range(10). (The function's own: for-loop names and
+    names made of them; and those with what comprehensions bind, which are the
+    comprehension's own: `{f"train/{n}": v for n, v in zip(names, agg.tolist())}`
+    makes no `n` of the loop that fills `stats[n]`.)"""
+    names = bound_while_walking([n for n in nodes if isinstance(n, ast.For)], values, set())
+    # a key made from a loop name: `label = int(t)`
+    names |= {name for name, made in values.items() if any(names_in(v) & names for v in made)}
+    comprehensions = [n for n in nodes if isinstance(n, ast.comprehension)]
+    return names, names | bound_while_walking(comprehensions, values, names)
+
+
+def bound_while_walking(
+    loops: list[ast.AST], values: dict[str, list[ast.expr]], known: set[str]
+) -> set[str]:
+    """The names `loops` bind that walk data, a loop inside a loop over it too."""
     names: set[str] = set()
     grew = True
     while grew:  # a loop over a batch's field, inside a loop over the loader
         grew = False
         for loop in loops:
-            bound = names_in(loop.target)
-            if bound <= names or not walks_data(loop.iter, values, names):
+            bound = names_in(loop.target)  # type: ignore[attr-defined]
+            if bound <= names or not walks_data(loop.iter, values, names | known):  # type: ignore[attr-defined]
                 continue
             names |= bound
             grew = True
-    # a key made from a loop name: `label = int(t)`
-    return names | {name for name, made in values.items() if any(names_in(v) & names for v in made)}
+    return names
 
 
 def walks_data(expr: ast.expr, values: dict[str, list[ast.expr]], data: set[str]) -> bool:
     """A loader, a tensor's values (`.tolist()`), or something made of names bound
-    from the data."""
+    from the data. A dict the scope made empty and filled by key is walked for its
+    keys (`for t in loaders:`, a dict of one loader per task), not its data."""
+    if isinstance(expr, ast.Name) and any(
+        isinstance(value, ast.Dict) and is_empty_container(value)
+        for value in values.get(expr.id, [])[:1]
+    ):
+        return False
     if is_loader(values, expr):
         return True
     for node in walk(expr):

@@ -114,13 +114,10 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
         seeded_here = explicitly_seeded(node, name, script)
         if seeded_here is None or seeded_here or on_rank_zero_only(node, script):
             continue
-        # A permutation reads one library's generator: only that library's seeding
-        # (or a helper that seeds them all) counts for it.
-        family = [c for c in common if seeds_generator_of(script, c, name)]
-        ranked = [c for c in per_rank if seeds_generator_of(script, c, name)]
-        ranked_seed = seed_in_force(node, script, family, ranked)
+        ranked_seed = draws_seed(script, node, name, common, per_rank)
         if ranked_seed is False:
             continue
+        family = [c for c in common if seeds_generator_of(script, c, name)]  # named below
         if ranked_seed is None and family:
             why = (
                 f"the file's seed (line {family[0].lineno}) is set only after it runs, so "
@@ -247,6 +244,17 @@ def seeds_library(seeder: str, library: str) -> bool:
             "set_seed",
         )
     )
+
+
+def draws_seed(
+    script: Script, node: ast.Call, draw: str, common: list[ast.Call], per_rank: list[ast.Call]
+) -> ast.Call | bool | None:
+    """seed_in_force for a draw (`draw` names its function) among the file's seeding
+    calls (seeds()): a draw reads one library's generator, so only that library's
+    seeding (or a helper that seeds them all) counts for it."""
+    family = [c for c in common if seeds_generator_of(script, c, draw)]
+    ranked = [c for c in per_rank if seeds_generator_of(script, c, draw)]
+    return seed_in_force(node, script, family, ranked)
 
 
 def seed_in_force(

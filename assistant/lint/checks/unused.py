@@ -51,7 +51,7 @@ from assistant.lint.model import (
 )
 from assistant.lint.ranks import assignments_seen_from
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp
+from assistant.lint.torchapi import is_backward, is_ddp
 from assistant.lint.values import decide, option_default
 from assistant.results import Finding
 
@@ -257,6 +257,31 @@ def none_line(given: ast.expr, set_to_none: dict[str, int]) -> int | None:
     return None
 
 
+def turn_values(given: ast.expr, nodes: list[ast.AST]) -> list[object]:
+    """The constants a name takes in turn (`for task in ("count", "disease")`)."""
+    for loop in (n for n in nodes if isinstance(n, ast.For)):
+        if (
+            isinstance(given, ast.Name)
+            and isinstance(loop.target, ast.Name)
+            and loop.target.id == given.id
+            and takes_turns(loop)
+        ):
+            return [item.value for item in loop.iter.elts]  # type: ignore[attr-defined]
+    return []
+
+
+def takes_turns(loop: ast.For) -> bool:
+    """`for task in ("count", "disease"):` with a backward in its body: a list of
+    constants the loop takes one at a time, each pass its own step."""
+    items = loop.iter
+    return (
+        isinstance(items, ast.Tuple | ast.List)
+        and len({source_text(item) for item in items.elts}) >= 2
+        and all(isinstance(item, ast.Constant) for item in items.elts)
+        and any(is_backward(n) for statement in loop.body for n in walk(statement))
+    )
+
+
 def varying_line(
     given: ast.expr,
     nodes: list[ast.AST],
@@ -285,6 +310,9 @@ def varying_line(
         for target in walk(node.target)
         if isinstance(target, ast.Name)
     }
+    for loop in (n for n in nodes if isinstance(n, ast.For)):
+        if read & names_in(loop.target) and takes_turns(loop):
+            return loop.lineno  # `for task in ("count", "disease"):` a backward each
     for value in values:
         for node in walk(value):
             modulo = isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)

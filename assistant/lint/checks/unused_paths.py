@@ -31,6 +31,7 @@ from assistant.lint.checks.unused import (
     inside_no_grad,
     model_classes,
     strict_ddp_calls,
+    turn_values,
     varying_line,
     without_gradients,
     wrapped_by,
@@ -294,11 +295,11 @@ def routes(
         )
         yield left_out, call.lineno, f"with {shown or 'these arguments'},"
     for parameter, argument in per_step_arguments(forward, decided, call, nodes):
-        for value in (False, True):
+        for value in turn_values(argument, nodes) or (False, True):
             left_out = everywhere - reached(cls, {**given, parameter: value})
             if left_out:
                 line = varying_line(argument, nodes) or call.lineno
-                how = f"on the steps where {source_text(argument)} is {value},"
+                how = f"on the steps where {source_text(argument)} is {value!r},"
                 yield left_out, line, how
                 break
 
