@@ -864,9 +864,7 @@ def train(loader, optimizer):
     ],
     ids=["a backward per task"],
 )
-def test_a_loop_over_tasks_with_a_backward_each_leaves_the_other_head_out(
-    backward, reported_lines
-):
+def test_a_loop_over_tasks_with_a_backward_each_leaves_the_other_head_out(backward, reported_lines):
     body = TURNS.replace("BACKWARD", backward)
     found = lint_snippet(HEADER, body, ["unused-parameters"])
     assert [line for line, _ in found] == reported_lines
