@@ -25,7 +25,17 @@ import re
 from collections.abc import Iterator
 
 from assistant.lint.checks.unused import built_classes, forward_of, model_classes, wrapped_by
-from assistant.lint.model import Script, called_name, keyword, own_nodes, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    called_name,
+    keyword,
+    method_of,
+    own_nodes,
+    self_attribute,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.registry import check
 from assistant.results import Finding
 
@@ -173,33 +183,26 @@ def check_packed_sequence_unpadded_under_data_parallel(script: Script) -> Iterat
     ("Sizes of tensors must match except in dimension 0"); one GPU hides it. The
     fix PyTorch documents (FAQ, recurrent networks and data parallelism):
     `total_length=padded_input.size(1)`."""
-    wrappers = [node for node, name in script.call_names if short(name) == DATA_PARALLEL]
-    if not wrappers:
-        return
-    classes = {cls.name: cls for cls in model_classes(script)}
     reported: set[int] = set()
-    for wrapper in wrappers:
-        _names, built = wrapped_by(script, wrapper, set(classes))
-        for name in sorted(built):
-            for cls in built_classes(classes, name):
-                for node in walk(cls):
-                    if (
-                        isinstance(node, ast.Call)
-                        and called_name(node) == PAD_PACKED
-                        and keyword(node, "total_length") is None
-                        and node.lineno not in reported
-                    ):
-                        reported.add(node.lineno)
-                        yield script.finding(
-                            "dataparallel-unsafe-model",
-                            node,
-                            f"{PAD_PACKED}() without total_length in {cls.name}, which "
-                            f"nn.DataParallel runs on each GPU's slice of the batch (line "
-                            f"{wrapper.lineno}): each replica pads to the longest sequence of "
-                            "its own slice, so the replicas return different lengths and the "
-                            'gather fails ("Sizes of tensors must match except in dimension '
-                            '0"); pass total_length=<the padded input>.size(1)',
-                        )
+    for wrapper, cls in classes_run_by_data_parallel(script):
+        for node in walk(cls):
+            if (
+                isinstance(node, ast.Call)
+                and called_name(node) == PAD_PACKED
+                and keyword(node, "total_length") is None
+                and node.lineno not in reported
+            ):
+                reported.add(node.lineno)
+                yield script.finding(
+                    "dataparallel-unsafe-model",
+                    node,
+                    f"{PAD_PACKED}() without total_length in {cls.name}, which "
+                    f"nn.DataParallel runs on each GPU's slice of the batch (line "
+                    f"{wrapper.lineno}): each replica pads to the longest sequence of "
+                    "its own slice, so the replicas return different lengths and the "
+                    'gather fails ("Sizes of tensors must match except in dimension '
+                    '0"); pass total_length=<the padded input>.size(1)',
+                )
 
 
 @check("dataparallel-unsafe-model")
@@ -210,50 +213,41 @@ def check_state_set_in_forward_under_data_parallel(script: Script) -> Iterator[F
     DataParallel runs forward on replicas it makes for each call and throws away, so
     the assignment lands on a replica and the model keeps its old value (the
     PyTorch docs' warning on in-place updates in forward under DataParallel)."""
-    wrappers = [node for node, name in script.call_names if short(name) == DATA_PARALLEL]
-    if not wrappers:
-        return
-    classes = {cls.name: cls for cls in model_classes(script)}
     read = {node.attr for node in script.of_type(ast.Attribute) if isinstance(node.ctx, ast.Load)}
     reported: set[str] = set()
+    for wrapper, cls in classes_run_by_data_parallel(script):
+        forward = method_of(cls, "forward")
+        if forward is None:
+            continue
+        for node in own_nodes(forward):
+            if not isinstance(node, ast.Assign | ast.AugAssign):
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                field = self_attribute(target)
+                if field is None or field not in read or f"{cls.name}.{field}" in reported:
+                    continue
+                reported.add(f"{cls.name}.{field}")
+                yield script.finding(
+                    "dataparallel-unsafe-model",
+                    node,
+                    f"{cls.name}.forward sets self.{field}, and nn.DataParallel (line "
+                    f"{wrapper.lineno}) runs forward, on several GPUs, on replicas it "
+                    "makes for each call and throws away: the value lands on a "
+                    "replica, and the model "
+                    f"keeps its old self.{field} (a state carried to the next call, a "
+                    "statistic read after the step); return it from forward, keep it "
+                    "outside the module, or train with DistributedDataParallel",
+                )
+
+
+def classes_run_by_data_parallel(script: Script) -> Iterator[tuple[ast.Call, ast.ClassDef]]:
+    """(the nn.DataParallel call, a model class of the file it runs: the wrapped
+    model's and the blocks it builds)."""
+    wrappers = [node for node, name in script.call_names if short(name) == DATA_PARALLEL]
+    classes = {cls.name: cls for cls in model_classes(script)} if wrappers else {}
     for wrapper in wrappers:
         _names, built = wrapped_by(script, wrapper, set(classes))
         for name in sorted(built):
             for cls in built_classes(classes, name):
-                forward = next(
-                    (s for s in cls.body if isinstance(s, ast.FunctionDef) and s.name == "forward"),
-                    None,
-                )
-                if forward is None:
-                    continue
-                for node in own_nodes(forward):
-                    if not isinstance(node, ast.Assign | ast.AugAssign):
-                        continue
-                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                    for target in targets:
-                        field = self_field(target)
-                        if field is None or field not in read or f"{cls.name}.{field}" in reported:
-                            continue
-                        reported.add(f"{cls.name}.{field}")
-                        yield script.finding(
-                            "dataparallel-unsafe-model",
-                            node,
-                            f"{cls.name}.forward sets self.{field}, and nn.DataParallel (line "
-                            f"{wrapper.lineno}) runs forward, on several GPUs, on replicas it "
-                            "makes for each call and throws away: the value lands on a "
-                            "replica, and the model "
-                            f"keeps its old self.{field} (a state carried to the next call, a "
-                            "statistic read after the step); return it from forward, keep it "
-                            "outside the module, or train with DistributedDataParallel",
-                        )
-
-
-def self_field(target: ast.expr) -> str | None:
-    """`x` of `self.x = ...`."""
-    if (
-        isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
-    ):
-        return target.attr
-    return None
+                yield wrapper, cls
