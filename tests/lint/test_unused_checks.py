@@ -1040,3 +1040,40 @@ for x, site in loader:
 )
 def test_members_picked_by_the_values_present_in_an_input(sites, reported):
     assert reported_lines(SITE_ADAPTERS.replace("SITES", sites)) == reported
+
+
+# Blind set ig's 01: modality dropout decided by a draw, the frontends run on its flags.
+MODALITY_DROPOUT = """
+class AVModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.visual = nn.Linear(8, 8)
+        self.audio = nn.Linear(8, 8)
+        self.fusion = nn.Linear(16, 4)
+    def forward(self, video, audio):
+        use_video = True
+        if self.training and random.random() < 0.3:
+            use_video = False
+        v = self.visual(video) if use_video else video.new_zeros(video.shape)
+        if GUARD:
+            v = v + self.visual(video)
+        return self.fusion(torch.cat([v, self.audio(audio)], -1))
+
+model = DDP(AVModel(){options})
+for video, audio in loader:
+    model(video, audio).sum().backward()
+"""
+
+
+@pytest.mark.parametrize(
+    ("guard", "options", "reported"),
+    [
+        ("use_video", "", [13]),
+        ("use_video", ", find_unused_parameters=True", []),
+        ("video.numel() > 0", "", []),  # a flag no draw sets
+    ],
+    ids=["flag a draw sets", "unused allowed", "another test"],
+)
+def test_a_submodule_under_a_flag_a_random_draw_sets(guard, options, reported):
+    body = MODALITY_DROPOUT.replace("GUARD", guard).replace("{options}", options)
+    assert reported_lines(body) == reported

@@ -345,6 +345,11 @@ RANDOM_SKIP = (
     "LayerDrop, stochastic depth): on the steps it skips one, that submodule's parameters "
     "get no gradient"
 )
+DRAWN_FLAG_SKIP = (
+    "this `if` tests a flag that a random draw sets in the same method (modality "
+    "dropout, a dropped branch): on the steps the draw turns it off, the submodule it "
+    "guards gets no gradient"
+)
 EMPTY_SKIP = (
     "this `if` skips a member of the model's loop when the data routed to it is empty (an "
     "expert that got no tokens this step): on such a step that member's parameters get no "
@@ -395,7 +400,10 @@ def check_submodules_a_step_leaves_out(script: Script) -> Iterator[Finding]:
                     )
                     for inner, call, picked in members_picked_inside(classes, name)
                 ),
-                *((test, RANDOM_SKIP, "") for test in random_branches(classes, name)),
+                *(
+                    (test, RANDOM_SKIP if draws_random(test.test) else DRAWN_FLAG_SKIP, "")
+                    for test in random_branches(classes, name)
+                ),
                 *((test, EMPTY_SKIP, EMPTY_FIX) for test in empty_selection_skips(classes, name)),
             ]
             for node, what, fix in skips:
@@ -1129,12 +1137,17 @@ MAX_CLASSES = 32
 def random_branches(classes: dict[str, ast.ClassDef], wrapped: str) -> Iterator[ast.If]:
     """`if random.random() < p:` in the methods of the wrapped model, or of the
     model classes it builds, where a branch (or the rest of the method, after a
-    `return` in the branch) calls a submodule."""
+    `return` in the branch) calls a submodule; also an `if` on a flag such a draw
+    sets (`if random.random() < p: use_video = False` ... `if use_video: v =
+    self.visual(video)`: modality dropout)."""
     for cls in built_classes(classes, wrapped):
         for method in (s for s in cls.body if isinstance(s, ast.FunctionDef)):
+            drawn = flags_set_by_a_draw(method)
             for block in statement_lists(method):
                 for position, statement in enumerate(block):
-                    if isinstance(statement, ast.If) and draws_random(statement.test):
+                    if isinstance(statement, ast.If) and (
+                        draws_random(statement.test) or names_in(statement.test) & drawn
+                    ):
                         skipped = [*statement.body, *statement.orelse]
                         if leaves_the_block(statement.body):
                             skipped += block[position + 1 :]
@@ -1242,6 +1255,20 @@ def statement_lists(function: ast.AST) -> Iterator[list[ast.stmt]]:
             block = getattr(node, field, None)
             if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
                 yield block
+
+
+def flags_set_by_a_draw(method: ast.FunctionDef) -> set[str]:
+    """Names an `if` on a random draw assigns a constant (`use_video = False`)."""
+    return {
+        target.id
+        for test in walk(method)
+        if isinstance(test, ast.If) and draws_random(test.test)
+        for statement in [*test.body, *test.orelse]
+        for node in walk(statement)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
 
 
 def draws_random(test: ast.expr) -> bool:
