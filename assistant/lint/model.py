@@ -355,6 +355,17 @@ def name_value_pairs(node: ast.Assign) -> list[tuple[ast.Name, ast.expr]]:
     return pairs
 
 
+def sole_name_target(node: ast.AST | None) -> str | None:
+    """The one plain name an assignment binds (`cfg = sample(space)` -> "cfg"), else None."""
+    if (
+        isinstance(node, ast.Assign)
+        and len(node.targets) == 1
+        and isinstance(node.targets[0], ast.Name)
+    ):
+        return node.targets[0].id
+    return None
+
+
 def keyword(call: ast.Call, name: str) -> ast.expr | None:
     """The value of `name=` in a call, None if absent."""
     return next((k.value for k in call.keywords if k.arg == name), None)

@@ -55,6 +55,7 @@ from assistant.lint.model import (
     enclosing_loop,
     name_value_pairs,
     names_in,
+    node_fact,
     position,
     short,
     source_text,
@@ -580,7 +581,12 @@ def batches_of_their_own_length(script: Script) -> bool:
     collator that pads to the longest sequence, or a collate function of its own
     (by its name, or as a loader's collate_fn) that measures its items' longest or
     shortest length (`L = max(it["input_ids"].shape[0] for it in items)`, or
-    `n = min(len(w) for w in batch)`, every waveform cropped to the shortest)."""
+    `n = min(len(w) for w in batch)`, every waveform cropped to the shortest). Worked
+    out once per file: each gather of it asks."""
+    return node_fact(script.tree, "batches of their own length", lambda: own_lengths(script))
+
+
+def own_lengths(script: Script) -> bool:
     collates = {
         name
         for call, called in script.call_names

@@ -47,6 +47,7 @@ from assistant.lint.model import (
     names_in,
     parameter_defaults,
     short,
+    sole_name_target,
     source_text,
     walk,
 )
@@ -338,14 +339,9 @@ def drawn_configuration(
     """(the name the draw's result is assigned to, the function of the file that
     builds the DDP model it is handed to, that call's line), unless the scope shares
     the name between the ranks first."""
-    parent = script.parents.get(id(call))
-    if not (
-        isinstance(parent, ast.Assign)
-        and len(parent.targets) == 1
-        and isinstance(parent.targets[0], ast.Name)
-    ):
+    name = sole_name_target(script.parents.get(id(call)))
+    if name is None:
         return None
-    name = parent.targets[0].id
     scope = enclosing_scope(call, script) or script.tree
     held = {name}  # the name, and what holds it (`box = [cfg]` for a broadcast)
     handed = None

@@ -200,7 +200,9 @@ def data_loop_names(
 
 
 def bound_while_walking(
-    loops: list[ast.AST], values: dict[str, list[ast.expr]], known: set[str]
+    loops: list[ast.For] | list[ast.comprehension],
+    values: dict[str, list[ast.expr]],
+    known: set[str],
 ) -> set[str]:
     """The names `loops` bind that walk data, a loop inside a loop over it too."""
     names: set[str] = set()
@@ -208,8 +210,8 @@ def bound_while_walking(
     while grew:  # a loop over a batch's field, inside a loop over the loader
         grew = False
         for loop in loops:
-            bound = names_in(loop.target)  # type: ignore[attr-defined]
-            if bound <= names or not walks_data(loop.iter, values, names | known):  # type: ignore[attr-defined]
+            bound = names_in(loop.target)
+            if bound <= names or not walks_data(loop.iter, values, names | known):
                 continue
             names |= bound
             grew = True

@@ -45,6 +45,7 @@ from assistant.lint.model import (
     keyword,
     method_of,
     self_attribute,
+    sole_name_target,
     source_text,
     truth_at_count,
     walk,
@@ -817,13 +818,9 @@ def reads_only_token_states(cls: ast.ClassDef, field: str) -> bool:
         parent = parents.get(id(call))
         if token_state_read(parent, call):
             continue
-        if not (
-            isinstance(parent, ast.Assign)
-            and len(parent.targets) == 1
-            and isinstance(parent.targets[0], ast.Name)
-        ):
+        name = sole_name_target(parent)
+        if name is None:
             return False
-        name = parent.targets[0].id
         reads = [
             n
             for n in walk(cls)

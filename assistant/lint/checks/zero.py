@@ -33,15 +33,16 @@ all-reduces the norms).
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from assistant.lint.checks.collective_reach import lonely_calls
+from assistant.lint.checks.gather_sizes import caller_arguments
 from assistant.lint.model import (
     Script,
-    bound_arguments,
     called_name,
     keyword,
     names_bound_to,
+    self_attribute,
     short,
     source_text,
     walk,
@@ -184,18 +185,13 @@ def declared_parameters(script: Script, threshold: int) -> set[str]:
     nn.Parameter(...)`) that ZeRO-3 partitions: not one of a literal size under
     the persistence threshold (a temperature `nn.Parameter(torch.ones([]))` stays
     whole on every rank)."""
-    return {
-        target.attr
-        for node in script.of_type(ast.Assign)
-        if isinstance(node.value, ast.Call)
-        and short(script.name_of(node.value.func)) in PARAMETER_MAKERS
-        and node.value.args
-        and not under_the_persistence_threshold(node.value.args[0], threshold)
-        for target in node.targets
-        if isinstance(target, ast.Attribute)
-        and isinstance(target.value, ast.Name)
-        and target.value.id == "self"
-    }
+    return fields_built(
+        script,
+        PARAMETER_MAKERS,
+        lambda call: (
+            bool(call.args) and not under_the_persistence_threshold(call.args[0], threshold)
+        ),
+    )
 
 
 # Layers whose weight is a large matrix (an item or vocabulary table, a projection).
@@ -207,23 +203,27 @@ def declared_layers(script: Script, threshold: int) -> set[str]:
     """Fields the file's classes build as LARGE_LAYERS (`self.item_emb =
     nn.Embedding(n_items, dim)`) whose weight ZeRO-3 partitions: not one of literal
     sizes under the persistence threshold."""
-    found = set()
-    for node in script.of_type(ast.Assign):
-        value = node.value
-        if not (
-            isinstance(value, ast.Call)
-            and short(script.name_of(value.func)) in LARGE_LAYERS
-            and not sizes_under_the_threshold(value.args[:2], threshold)
-        ):
-            continue
-        found |= {
-            target.attr
-            for target in node.targets
-            if isinstance(target, ast.Attribute)
-            and isinstance(target.value, ast.Name)
-            and target.value.id == "self"
-        }
-    return found
+    return fields_built(
+        script,
+        LARGE_LAYERS,
+        lambda call: not sizes_under_the_threshold(call.args[:2], threshold),
+    )
+
+
+def fields_built(
+    script: Script, makers: frozenset[str], partitioned: Callable[[ast.Call], bool]
+) -> set[str]:
+    """`x` of each `self.x = <one of makers>(...)` the file writes whose call
+    `partitioned` keeps."""
+    return {
+        field
+        for node in script.of_type(ast.Assign)
+        if isinstance(node.value, ast.Call)
+        and short(script.name_of(node.value.func)) in makers
+        and partitioned(node.value)
+        for target in node.targets
+        if (field := self_attribute(target)) is not None
+    }
 
 
 PERSISTENCE_THRESHOLD = "stage3_param_persistence_threshold"
@@ -329,13 +329,7 @@ def holds_the_engine(script: Script, where: ast.AST, module: ast.expr, engines: 
     function = enclosing_scope(where, script)
     if not (isinstance(module, ast.Name) and isinstance(function, ast.FunctionDef)):
         return False
-    given = [
-        argument
-        for call, name in script.call_names
-        if name == function.name and isinstance(call.func, ast.Name)
-        for parameter, argument in bound_arguments(function, call)
-        if parameter == module.id
-    ]
+    given = [argument for _, _, argument in caller_arguments(script, function, {module.id})]
     return bool(given) and all(engine_of(argument, script) in engines for argument in given)
 
 
