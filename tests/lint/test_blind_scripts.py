@@ -116,7 +116,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # fp 14/16; fq 14/16; fr 14/16; fs 16/16; ft 12/16; fu 13/16; fv 14/16; fw 13/16;
 # gb 13/16; fz 10/16; fx 8/16; gd 13/16; gf 14/16; gg 6/16), of 2961 with session 54's
 # fifteen sets
-FOUND_FLOOR = 3472  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 3587  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -353,7 +353,11 @@ FOUND_FLOOR = 3472  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # ic, id, ie, if, ig, ih, ii (measured once at 602cac9: 13, 15, 14, 15, 14, 14, 13, 14, 14,
 # 13 and 13 of 16) and what hu to ii taught (1a16def); 3471 of 3889 with ij, ik, il, im
 # (measured once at 6df0313: 14, 14, 13 and 14 of 16) and what they taught (fab8e8e), 3472
-# after a submodule under a flag a random draw sets (modality dropout: ig's 01)
+# after a submodule under a flag a random draw sets (modality dropout: ig's 01); session
+# 59: 3579 of 4017 with in, io, ip, iq, ir, is, it, iu (measured once at 2748a94: 15, 14,
+# 12, 14, 13, 12, 13 and 14 of 16), 3587 after an evaluation over a list's strided share
+# (ih's 05, ii's 03, if's 13, ir's 05; fa's 07, ho's 05, hg's 19) and examples each rank
+# makes in its training loop with no agreed step count (is's 14)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -552,8 +556,11 @@ FOUND_FLOOR = 3472  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # rounded-up block of the whole list read as this rank's size: false, mended); 143 with ij,
 # ik, il, im (im's 09, correct, a generate() cut to a fixed length and ids paired with
 # hits in one tuple assignment: false, mended; ij's 13, two: labels joined under their
-# name read per batch, mended)
-OTHER_FINDINGS_CEILING = 143
+# name read per batch, mended); session 59: 151 with in to iu (is's 19, correct, a loader
+# over its own self-play positions read as missing a sampler: false, mended), 146 once
+# examples a rank makes itself are its own (is's 14, 19) and modules moved in a loop over
+# them or deep-copied from a moved one are on the GPU (ir's 14, 15; is's 10)
+OTHER_FINDINGS_CEILING = 146
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -571,8 +578,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 3889
-    assert sum(label["cause"] is None for label in labels) == 971
+    assert sum(label["cause"] is not None for label in labels) == 4017
+    assert sum(label["cause"] is None for label in labels) == 1003
 
 
 # Linting every blind script (3,700 files) takes about four minutes on two idle cores,

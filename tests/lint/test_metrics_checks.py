@@ -1104,3 +1104,145 @@ def objective(trial, model, val_set):
 def test_a_hyperparameter_trial_reported_this_ranks_share(combined, reported):
     body = TRIAL.replace("COMBINED", combined)
     assert reported_lines(body) == reported
+
+
+# Blind sets ih's 05, ii's 03 and if's 13: an evaluation over a list cut into this
+# rank's strided share by hand (trials, games, scenario files), never combined.
+STRIDED_SHARE = """
+@torch.no_grad()
+def validate(model, trials, rank, world):
+    model.eval()
+    mine = trials[rank::world]
+    EVALUATE
+    COMBINE
+    return float(np.mean(scores))
+
+
+def main(model, trials):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    eer = validate(model, trials, rank, world)
+    if rank == 0:
+        print("EER", eer)
+"""
+LOOP = """scores = []
+    for enroll, test in mine:
+        scores.append(float(model(enroll) @ model(test)))"""
+COMPREHENSION = "scores = np.stack([simulate(model, item) for item in mine])"
+GATHER = """parts = [None] * world
+    dist.all_gather_object(parts, scores)
+    scores = [s for part in parts for s in part]"""
+
+
+@pytest.mark.parametrize(
+    ("evaluate", "combine", "reported"),
+    [
+        (LOOP, "", [7]),
+        (COMPREHENSION, "", [6]),
+        (LOOP, GATHER, []),
+        (COMPREHENSION, GATHER, []),
+    ],
+    ids=["loop", "comprehension", "loop gathered", "comprehension gathered"],
+)
+def test_an_evaluation_over_a_strided_share_of_a_list(evaluate, combine, reported):
+    body = STRIDED_SHARE.replace("EVALUATE", evaluate).replace("COMBINE", combine)
+    assert reported_lines(body) == reported
+
+
+def test_a_strided_share_handed_to_an_evaluation_function_is_its_share():
+    body = """
+@torch.no_grad()
+def evaluate(model, games):
+    model.eval()
+    maps = []
+    for game in games:
+        maps.append(score_game(model, game))
+    return sum(maps) / len(maps)
+
+
+def main(model, splits):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    val_games = sorted(splits["val"])[rank::world]
+    best = 0.0
+    for epoch in range(10):
+        m = evaluate(model, val_games)
+        if rank == 0 and m > best:
+            best = m
+"""
+    assert reported_lines(body) == [6]
+
+
+def test_a_strided_share_of_work_outside_an_evaluation_is_no_metric():
+    # Batches formed from this rank's share of the indices (a sampler's own
+    # bookkeeping, no model in eval mode) and a count logged: not an evaluation.
+    body = """
+def batches_of(indices, budget, rank, world):
+    shard = indices[rank::world]
+    batches, cur = [], []
+    for i in shard:
+        cur.append(i)
+        if len(cur) >= budget:
+            batches.append(cur)
+            cur = []
+    print("batches", len(batches))
+    return batches
+
+
+def main(data):
+    dist.init_process_group("nccl")
+    return batches_of(list(range(len(data))), 64, dist.get_rank(), dist.get_world_size())
+"""
+    assert reported_lines(body) == []
+
+
+def test_a_countdown_set_anew_for_each_item_is_no_total():
+    # blind set fd's 19: samples drawn per task until `remaining` reaches 0, the
+    # completions gathered from every rank before pass@k is computed.
+    body = """
+def main(model, problems, n_samples):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model.eval()
+    task_ids = list(range(len(problems)))[rank::world]
+    local = []
+    for pi in task_ids:
+        remaining = n_samples
+        while remaining > 0:
+            n = min(8, remaining)
+            local.extend(model.generate(problems[pi], n))
+            remaining -= n
+    gathered = [None] * world
+    dist.all_gather_object(gathered, local)
+    if rank == 0:
+        n = len(gathered)
+        print("pass@1", score(gathered, n))
+"""
+    assert reported_lines(body) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "reported"),
+    [("evaluate_fid", [5]), ("generate_images", [])],
+    ids=["an evaluation by its name", "no evaluation"],
+)
+def test_a_share_read_batch_by_batch_through_its_positions(name, reported):
+    # blind set ir's 05 (also hg's 19): images generated for this rank's prompts,
+    # a batch at a time, and the FID of its features logged on rank 0
+    body = f"""
+def {name}(pipe, inception, prompts, rank, world):
+    mine = prompts[rank::world]
+    feats = []
+    for i in range(0, len(mine), 8):
+        feats.append(inception(pipe(mine[i : i + 8]).images))
+    return frechet_distance(torch.cat(feats))
+
+
+def main(pipe, inception, prompts):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fid = {name}(pipe, inception, prompts, rank, world)
+    if rank == 0:
+        print("FID", fid)
+"""
+    assert reported_lines(body) == reported

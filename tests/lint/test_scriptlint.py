@@ -469,6 +469,42 @@ def test_device_ids_look_through_wrappers_that_keep_the_module_where_it_is(wrap,
 
 
 @pytest.mark.parametrize(
+    "loop, reported",
+    [
+        # blind set ir's 14 and 15: the frozen parts and the trained one moved in one loop
+        ("for m in (text_encoder, model):\n    m.requires_grad_(False).to(0)\n", False),
+        ("for m in [text_encoder, model]:\n    m.requires_grad_(False)\n    m.to(0)\n", False),
+        ("for m in (text_encoder, other):\n    m.to(0)\n", True),  # not the wrapped one
+        ("for m in (text_encoder, model):\n    m.requires_grad_(False)\n", True),  # no move
+    ],
+)
+def test_a_module_moved_by_a_loop_over_the_modules_is_moved(loop, reported) -> None:
+    source = (
+        DDP_HEADER
+        + "text_encoder, model, other = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)\n"
+        + loop
+        + "model = DDP(model, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    wrap = source.count("\n")  # the last line
+    expected = [("ddp-device-ids-cpu-module", wrap)] if reported else []
+    assert findings_of(source) == expected
+
+
+@pytest.mark.parametrize("moved", [True, False])
+def test_a_deep_copy_is_where_its_original_is(moved) -> None:
+    # blind set is's 10: a candidate network copied from the best one, then wrapped
+    move = ".to(int(os.environ['LOCAL_RANK']))" if moved else ""
+    source = (
+        DDP_HEADER
+        + "import copy\n"
+        + f"best = nn.Linear(4, 4){move}.eval()\n"
+        + "candidate = copy.deepcopy(best)\n"
+        + "model = DDP(candidate, device_ids=[int(os.environ['LOCAL_RANK'])])\n"
+    )
+    assert findings_of(source) == ([] if moved else [("ddp-device-ids-cpu-module", 8)])
+
+
+@pytest.mark.parametrize(
     "after, reported",
     [
         # blind sets bd's 15 and be's 18: the move comes on the line after the wrap

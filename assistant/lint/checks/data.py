@@ -31,6 +31,7 @@ from assistant.lint.model import (
     enclosing_loop,
     full_text,
     keyword,
+    names_in,
     own_nodes,
     parameter_names,
     self_attribute,
@@ -53,6 +54,7 @@ from assistant.lint.torchapi import (
     calls_any,
     imports_package,
     is_backward,
+    is_ddp,
     is_dist_call,
     is_distributed,
     is_method,
@@ -82,6 +84,10 @@ SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.
 # script, every rank draws its own full epoch (WeightedRandomSampler's num_samples
 # from every index), as with the file's own unsplit sampler.
 WHOLE_SET_SAMPLERS = frozenset({"WeightedRandomSampler", "RandomSampler"})
+# Calls that list or read files: data a function returns through them was not made there.
+FILE_READS = frozenset(
+    {"glob", "iglob", "rglob", "listdir", "scandir", "open", "load", "loadtxt", "read_csv"}
+)
 # A test of whether the run is distributed: its branches are for one process or for N.
 DISTRIBUTED_TEST = re.compile(
     r"distributed|world|ddp|rank|is_initialized|is_available|n_?gpu|num_gpus|parallel|"
@@ -151,6 +157,8 @@ def check_missing_distributed_sampler(script: Script) -> Iterator[Finding]:
                 )
             continue
         if data.rank_zero_only(node) or data.read_into_memory(node):
+            continue
+        if data.made_by_its_own_training_loop(node, dataset):
             continue
         if trains_a_model_of_its_own(script, node):
             continue
@@ -806,6 +814,38 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
             "run different numbers of steps and the first to finish "
             "leaves the others waiting in DDP's gradient all-reduce; agree on the step "
             "count (all_reduce it with ReduceOp.MIN and stop there) or use DDP's join()",
+        )
+
+
+@check("uneven-inputs")
+def check_training_on_examples_each_rank_makes(script: Script) -> Iterator[Finding]:
+    """A DDP training loop over a loader of examples the rank makes itself in that loop
+    (self-play games, episodes) in a loop that runs until the game ends: each rank has
+    its own number of examples, hence of batches, and the rank with more runs a backward
+    whose gradient all-reduce no other rank joins. Quiet where the script agrees on a
+    step count (an all_reduce with ReduceOp.MIN, DDP's join())."""
+    data = DataFlow(script)
+    if not data.is_distributed or data.uses_framework or equalizes_steps(script):
+        return
+    if not any(is_ddp(name) for _, name in script.call_names):
+        return
+    for node in data.loader_calls:
+        dataset = loader_dataset(node)
+        if dataset is None or has_sampler(node) or not data.trains_on(node):
+            continue
+        maker = data.maker_in_its_training_loop(node, dataset)
+        ending = data.made_until_an_end(dataset) if maker is not None else None
+        if maker is None or ending is None:
+            continue
+        yield script.finding(
+            "uneven-inputs",
+            node,
+            f"DataLoader over {source_text(dataset)} holds the examples this rank makes in "
+            f"its training loop ({source_text(maker.func)}(...), line {maker.lineno}), "
+            f"collected until the `while` of line {ending.lineno} ends: each rank has its own "
+            "number of examples and of batches, and the rank with more runs a backward whose "
+            "gradient all-reduce no other rank joins; agree on the step count (all_reduce the "
+            "number of batches with ReduceOp.MIN and stop there) or train under DDP's join()",
         )
 
 
@@ -1489,7 +1529,7 @@ class DataFlow:
     @cached_property
     def appended_to(self) -> dict[tuple[int, str], list[ast.expr]]:
         """(id of the function, list name) of a list built by appending
-        (`parts.append(AssetWindows(df, aid))`, `parts.extend(...)`) -> the values
+        (`parts.append(AssetWindows(df, aid))`, `parts.extend(...)`, `parts += ...`) -> the values
         appended: `ConcatDataset(parts)` is made of them, and of what their loop
         iterates. By function: another function's `records` is another list."""
         appended: dict[tuple[int, str], list[ast.expr]] = {}
@@ -1503,6 +1543,10 @@ class DataFlow:
             ):
                 key = (id(self.enclosing_function(node)), func.value.id)
                 appended.setdefault(key, []).append(node.args[0])
+        for node in self.script.of_type(ast.AugAssign):  # `fresh += self_play(mcts)`
+            if isinstance(node.op, ast.Add) and isinstance(node.target, ast.Name):
+                key = (id(self.enclosing_function(node)), node.target.id)
+                appended.setdefault(key, []).append(node.value)
         return appended
 
     @cached_property
@@ -1827,6 +1871,68 @@ class DataFlow:
             if any(isinstance(n, ast.Yield | ast.YieldFrom) for n in own_nodes(function)):
                 return False  # a generator hands the batches on to the loop that trains
         return True
+
+    def made_by_its_own_training_loop(self, loader: ast.Call, dataset: ast.expr) -> bool:
+        """Examples the process makes itself, in the loop that trains on them, under a
+        random seed of its own rank: `for it in range(iters): games.append(play(net));
+        ds = TensorDataset(...games...); for x, y in DataLoader(ds, shuffle=True): ...
+        backward()` (self-play, rollouts). Each rank's data is its own already; there is
+        nothing for a sampler to split."""
+        from assistant.lint.checks.splits import seeds  # splits imports data
+
+        return self.maker_in_its_training_loop(loader, dataset) is not None and bool(
+            seeds(self.script)[1]
+        )
+
+    def maker_in_its_training_loop(self, loader: ast.Call, dataset: ast.expr) -> ast.Call | None:
+        """The call of the file's own function, in the loop around the loader that also
+        trains, that makes the loader's examples (`fresh += self_play(mcts)`) without
+        reading files; None when the data is not made there."""
+        loop = enclosing_loop(loader, self.parents)
+        if loop is None or not any(is_backward(n) for n in walk(loop)):
+            return None
+        inside = {id(n) for n in walk(loop)}
+        return next(
+            (
+                call
+                for value in self.origin(dataset)
+                if id(value) in inside
+                for call in walk(value)
+                if isinstance(call, ast.Call)
+                and (function := self.script.function_called(call)) is not None
+                and not self.reads_files(function)
+            ),
+            None,
+        )
+
+    def reads_files(self, function: ast.AST) -> bool:
+        """The function lists or reads files (`glob`, `listdir`, `open`, `np.load`):
+        what it returns was written by someone else, not made here."""
+        return any(
+            isinstance(node, ast.Call) and short(self.script.name_of(node.func)) in FILE_READS
+            for node in walk(function)
+        )
+
+    def made_until_an_end(self, dataset: ast.expr) -> ast.While | None:
+        """A `while` loop that makes the dataset's items (`while not state.is_terminal():
+        hist.append(...)`): a game or an episode that ends when it ends, so the number
+        of items is its own."""
+        origin = self.origin(dataset)
+        appended = [  # one step past the origin's depth: `return [... for o in hist]`
+            item
+            for value in origin
+            for name in names_in(value)
+            for item in self.appended_seen_from(value, name)
+        ]
+        for value in [*origin, *appended]:
+            parent = self.parents.get(id(value))
+            while parent is not None and not isinstance(
+                parent, ast.FunctionDef | ast.AsyncFunctionDef
+            ):
+                if isinstance(parent, ast.While):
+                    return parent
+                parent = self.parents.get(id(parent))
+        return None
 
     def read_into_memory(self, loader: ast.Call) -> bool:
         """Every read of the loader collects its batches (`[(x, y) for x, y in loader]`,

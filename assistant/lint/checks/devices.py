@@ -817,7 +817,12 @@ def holds_moved_modules_only(
 
 # Calls that return their module argument, or one built from its parameters,
 # on the device it was on: DDP(convert_sync_batchnorm(model)) is on model's device.
-DEVICE_KEEPING_WRAPPERS = ("convert_sync_batchnorm", "convert_syncbn_model", "compile")
+DEVICE_KEEPING_WRAPPERS = (
+    "convert_sync_batchnorm",
+    "convert_syncbn_model",
+    "compile",
+    "deepcopy",  # a copy keeps each tensor's device
+)
 
 
 def unwrapped_module(script: Script, module: ast.expr) -> ast.expr:
@@ -925,17 +930,23 @@ def is_move(expr: ast.expr) -> bool:
     """`x.to(...)`, `x.cuda(...)`, a constructor given device=..., or a Hugging Face
     model placed by from_pretrained's device_map=...; also followed by methods that
     return the module (`.train()`, `.eval()`)."""
+    expr = module_returned_by(expr)
+    if not isinstance(expr, ast.Call):
+        return False
+    if isinstance(expr.func, ast.Attribute) and expr.func.attr in ("to", "cuda"):
+        return True
+    return keyword(expr, "device") is not None or keyword(expr, "device_map") is not None
+
+
+def module_returned_by(expr: ast.expr) -> ast.expr:
+    """`m` of `m.requires_grad_(False)` or `m.eval()`: calls that return their module."""
     while (
         isinstance(expr, ast.Call)
         and isinstance(expr.func, ast.Attribute)
         and expr.func.attr in RETURN_THE_MODULE
     ):
         expr = expr.func.value
-    if not isinstance(expr, ast.Call):
-        return False
-    if isinstance(expr.func, ast.Attribute) and expr.func.attr in ("to", "cuda"):
-        return True
-    return keyword(expr, "device") is not None or keyword(expr, "device_map") is not None
+    return expr
 
 
 class Moves:
@@ -959,6 +970,26 @@ class Moves:
                 for name, value in name_value_pairs(node):
                     if is_move(value):
                         self.add(name.id, node)
+        for node in script.of_type(ast.For):
+            self.add_moved_in_turn(node)
+
+    def add_moved_in_turn(self, loop: ast.For) -> None:
+        """`for m in (text_encoder, vae, unet): m.requires_grad_(False).to(device)`:
+        each module the loop lists is moved, at the loop."""
+        if not (isinstance(loop.target, ast.Name) and isinstance(loop.iter, ast.Tuple | ast.List)):
+            return
+        variable = loop.target.id
+        if not any(
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("to", "cuda")
+            and source_text(module_returned_by(node.func.value)) == variable
+            for node in walk(loop)
+        ):
+            return
+        for element in loop.iter.elts:
+            if isinstance(element, ast.Name | ast.Attribute):
+                self.add(source_text(element), loop)
 
     def add(self, text: str, node: ast.AST) -> None:
         self.where.setdefault(text, []).append(node)

@@ -29,7 +29,7 @@ from assistant.lint.checks.cache import FILE_WRITERS, path_of_write, shared_file
 from assistant.lint.checks.rank_dependent import tuple_size_returned
 from assistant.lint.checks.schedules import PROCESS_COUNT
 from assistant.lint.checks.splits import rank_dealing_sampler
-from assistant.lint.checks.unused import position_after, wrapped_by
+from assistant.lint.checks.unused import inside_no_grad, names_no_grad, position_after, wrapped_by
 from assistant.lint.model import (
     Function,
     Script,
@@ -80,6 +80,8 @@ COMBINING_HELPER = re.compile(r"reduce|gather|sync|all_", re.IGNORECASE)
 TENSOR_LIBRARIES = frozenset({"torch", "numpy", "functools", "operator", "math"})
 # Collectives that combine nothing: waiting is not reducing.
 WAITS = frozenset({"barrier", "monitored_barrier", "wait_for_everyone"})
+# The name of a function that evaluates: `evaluate`, `validate`, `test_epoch`, `compute_metrics`.
+EVALUATION_NAME = re.compile(r"eval|valid|test|metric", re.IGNORECASE)
 # Assignments followed from a total to what is shown: `acc = correct / total`,
 # `t = torch.tensor([acc])`, `metrics = metric.compute()`.
 DERIVATION_STEPS = 3
@@ -91,10 +93,12 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
     if not is_distributed(script) and "Accelerator" not in script.called_short_names:
         return
     owners = owning_functions(script)
-    sharded = sharded_loaders(script, owners)
+    shares = strided_shares(script, owners)
+    shares |= sharded_parameters(script, shares, owners)
+    sharded = sharded_loaders(script, owners) | shares
     if not sharded:
         return
-    for loop in evaluation_loops(script, sharded, owners):
+    for loop in evaluation_loops(script, sharded, owners, shares):
         found = loop.shown_unreduced(script, owners, sharded)
         if found is None:
             continue
@@ -109,8 +113,8 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
         yield script.finding(
             "metrics-not-reduced",
             loop.node,
-            f"this loop over {loop.loader}, which gives each rank its own share, adds up "
-            f"{', '.join(sorted(unreduced))} and line {shown.lineno} shows or compares the result "
+            f"this {loop.kind} over {loop.loader}, which gives each rank its own share, "
+            f"{loop.gathers} {', '.join(sorted(unreduced))} and line {shown.lineno} shows or compares the result "
             f"without combining the ranks: each rank reports its own part of the data; {fix}",
         )
 
@@ -358,6 +362,28 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
     return found | sharded_parameters(script, found, owners)
 
 
+def strided_shares(script: Script, owners: dict[int, str]) -> set[tuple[str | None, str]]:
+    """(function, name) of lists cut into every rank's strided share by hand
+    (`mine = trials[rank::world]`, `games = sorted(splits["val"])[rank::world]`):
+    an evaluation over one reads this rank's items only, as one over a
+    DistributedSampler's loader does."""
+    from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
+
+    flow = DataFlow(script)
+    return {
+        (owners.get(id(node)), target.id)
+        for node in script.of_type(ast.Assign)
+        if isinstance(node.value, ast.Subscript)
+        and isinstance(node.value.slice, ast.Slice)
+        and node.value.slice.lower is not None
+        and node.value.slice.step is not None
+        and flow.value_reads_rank(node.value.slice.lower)
+        and any(PROCESS_COUNT.search(name) for name in names_in(node.value.slice.step))
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
 def returned_loaders(
     script: Script,
     sharded: set[tuple[str | None, str]],
@@ -451,13 +477,22 @@ def owning_functions(script: Script) -> dict[int, str]:
 
 @dataclass
 class EvaluationLoop:
-    """A loop over a sharded loader that adds up results and trains nothing."""
+    """A loop over a sharded loader that adds up results and trains nothing, or an
+    assignment of a comprehension over one (`results = [simulate(f) for f in mine]`)."""
 
-    node: ast.For
+    node: ast.For | ast.Assign
     loader: str
     totals: set[str]  # the names the loop accumulates into
     function: str | None  # the file function it is written in
     syncs: dict[str, str]  # an updated object of the file's metric class -> its combining method
+
+    @property
+    def kind(self) -> str:
+        return "loop" if isinstance(self.node, ast.For) else "comprehension"
+
+    @property
+    def gathers(self) -> str:
+        return "adds up" if isinstance(self.node, ast.For) else "collects"
 
     def shown_unreduced(
         self,
@@ -523,14 +558,22 @@ class EvaluationLoop:
 
 
 def evaluation_loops(
-    script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
+    script: Script,
+    sharded: set[tuple[str | None, str]],
+    owners: dict[int, str],
+    shares: set[tuple[str | None, str]],
 ) -> Iterator[EvaluationLoop]:
+    """Loops over a sharded loader that train nothing and add up results; over a list
+    cut by rank (`shares`), only in an evaluation (a list of this rank's files or
+    batches is also how data is prepared)."""
     for node in script.of_type(ast.For):
-        loader = iterated_name(node.iter)
         function = owners.get(id(node))
+        loader = iterated_name(node.iter) or indexed_share(node, function, shares)
         if loader is None:
             continue
         if not known(function, loader, sharded):
+            continue
+        if not known(function, loader, sharded - shares) and not evaluates(script, node, function):
             continue
         if trains(script, node) or any(collective_call(script, n) for n in walk(node)):
             continue
@@ -545,6 +588,96 @@ def evaluation_loops(
         )
         if totals:
             yield EvaluationLoop(node, loader, totals, function, syncs)
+    yield from comprehension_evaluations(script, sharded, owners)
+
+
+def indexed_share(
+    loop: ast.For, function: str | None, shares: set[tuple[str | None, str]]
+) -> str | None:
+    """`mine` of `for i in range(0, len(mine), bs): batch = mine[i : i + bs]`: a loop
+    over a share's positions that reads the share by them."""
+    if not (isinstance(loop.iter, ast.Call) and called_name(loop.iter) == "range"):
+        return None
+    measured = {
+        source_text(n.args[0])
+        for argument in loop.iter.args
+        for n in walk(argument)
+        if isinstance(n, ast.Call) and called_name(n) == "len" and len(n.args) == 1
+    }
+    read = {
+        source_text(n.value)
+        for statement in loop.body
+        for n in walk(statement)
+        if isinstance(n, ast.Subscript)
+    }
+    return next((name for name in sorted(measured & read) if known(function, name, shares)), None)
+
+
+def evaluates(script: Script, node: ast.AST, function: str | None) -> bool:
+    """`node` runs in an evaluation: its function is named as one (`evaluate_fid`,
+    `validate`, `closed_loop_eval`), puts a model in eval mode or runs under no_grad /
+    inference_mode (decorated, or in a `with` block)."""
+    scope = script.functions.get(function) if function else None
+    if scope is None:
+        return False
+    return (
+        EVALUATION_NAME.search(scope.name) is not None
+        or any(names_no_grad(decorator) for decorator in scope.decorator_list)
+        or any(is_eval_mode(n) for n in walk(scope))
+        or id(node) in inside_no_grad(list(walk(scope)))
+    )
+
+
+def is_eval_mode(node: ast.AST) -> bool:
+    """`model.eval()`."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "eval"
+        and not node.args
+        and not node.keywords
+    )
+
+
+def comprehension_evaluations(
+    script: Script, sharded: set[tuple[str | None, str]], owners: dict[int, str]
+) -> Iterator[EvaluationLoop]:
+    """`results = np.stack([simulate(planner, f) for f in mine])` in an evaluation: a
+    comprehension over a sharded loader or share whose items are each computed by a
+    call, assigned to a name, training nothing and combining nothing: the name holds
+    this rank's results only."""
+    for node in script.of_type(ast.Assign):
+        function = owners.get(id(node))
+        if not evaluates(script, node, function):
+            continue
+        comprehensions = [
+            n
+            for n in walk(node.value)
+            if isinstance(n, ast.ListComp | ast.GeneratorExp | ast.SetComp | ast.DictComp)
+        ]
+        loader = next(
+            (
+                name
+                for comprehension in comprehensions
+                if any(isinstance(n, ast.Call) for n in walk(comprehension_element(comprehension)))
+                for generator in comprehension.generators
+                if (name := iterated_name(generator.iter)) is not None
+                and known(function, name, sharded)
+            ),
+            None,
+        )
+        if loader is None:
+            continue
+        if trains(script, node) or any(collective_call(script, n) for n in walk(node)):
+            continue
+        totals = {target.id for target in node.targets if isinstance(target, ast.Name)}
+        if totals:
+            yield EvaluationLoop(node, loader, totals, function, {})
+
+
+def comprehension_element(comprehension: ast.expr) -> ast.expr:
+    """What a comprehension makes of each item: `elt`, or a dict comprehension's value."""
+    return comprehension.value if isinstance(comprehension, ast.DictComp) else comprehension.elt
 
 
 def sharded_parameters(
@@ -580,7 +713,7 @@ def iterated_name(expr: ast.expr) -> str | None:
     return source_text(expr) if isinstance(expr, (ast.Name, ast.Attribute)) else None
 
 
-def trains(script: Script, loop: ast.For) -> bool:
+def trains(script: Script, loop: ast.For | ast.Assign) -> bool:
     """The loop runs backward, itself or in a function or method of the file it
     calls (`loss = brain.fit_batch(batch)`), a couple of calls deep."""
     return runs_backward(script, loop, TRAINING_CALL_DEPTH)
@@ -641,15 +774,26 @@ def accumulated_names(loop: ast.For) -> set[str]:
 
 def restarted_each_pass(loop: ast.For) -> set[str]:
     """Names the loop's body sets to a constant or an empty container on every pass
-    (`tp = 0` before counting one document's matches, `seen = []`): a scratch value
-    of one item, whatever it is later added to, not a total of the share."""
-    return {
+    (`tp = 0` before counting one document's matches, `seen = []`), or to any value
+    not made from themselves by a statement of the body itself: a scratch value of
+    one item, whatever it is later added to, not a total of the share."""
+    fresh = {
         target.id
         for node in walk(loop)
         if isinstance(node, ast.Assign) and is_fresh(node.value)
         for target in node.targets
         if isinstance(target, ast.Name)
     }
+    # `remaining = args.n_samples` first thing in each pass, then `remaining -= n`:
+    # a countdown of one item, set anew from something other than itself.
+    reset = {
+        target.id
+        for statement in loop.body
+        if isinstance(statement, ast.Assign)
+        for target in statement.targets
+        if isinstance(target, ast.Name) and target.id not in names_in(statement.value)
+    }
+    return fresh | reset
 
 
 def is_fresh(value: ast.expr) -> bool:
@@ -1160,7 +1304,7 @@ def shown_by_callers(
     return None
 
 
-def cap_parameters(function: Function, loop: ast.For) -> frozenset[str]:
+def cap_parameters(function: Function, loop: ast.For | ast.Assign) -> frozenset[str]:
     """The function's parameters the loop stops at: `if i >= max_batches: break`."""
     parameters = {a.arg for a in function.args.args}
     return frozenset(
