@@ -224,3 +224,61 @@ def test_labels_appended_then_joined_under_their_name_are_one_per_sample():
     assert lint_snippet(PRELUDE, body, {CAUSE}) == []
     per_batch = body.replace("    golds = torch.cat(golds)\n", "    golds = batch['labels']\n")
     assert [line for line, _ in lint_snippet(PRELUDE, per_batch, {CAUSE})] == [15]
+
+
+# Blind set io's 01: a collator class pads each batch's contact maps to its longest
+# chain; the validation loop unpacks the batch and gathers a map packed from one
+# batch's parts into buffers shaped like its own.
+PADDED_FIELD = """
+class Collate:
+    def __call__(self, batch):
+        idxs, seqs, contacts = zip(*batch)
+        L = max(len(s) for s in seqs)
+        tgt = torch.zeros(len(seqs), L, L)
+        for b, c in enumerate(contacts):
+            tgt[b, : c.shape[0], : c.shape[0]] = c
+        return torch.tensor(idxs), tokenize(seqs), tgt
+
+
+def evaluate(ds):
+    loader = DataLoader(ds, batch_size=1, sampler=DistributedSampler(ds), collate_fn=Collate())
+    hits = []
+    for idx, tokens, tgt in loader:
+        GATHERED
+"""
+
+
+@pytest.mark.parametrize(
+    ("gathered", "reported"),
+    [
+        # the map, padded to this batch's own longest chain
+        ("packed = torch.stack([model(tokens), tgt[0]])", True),
+        # the index: one per sample, the same size on every rank
+        ("packed = idx.float()", False),
+    ],
+    ids=["padded map", "one per sample"],
+)
+def test_a_field_the_collate_pads_to_its_batch_gathered_batch_by_batch(gathered, reported):
+    body = PADDED_FIELD.replace(
+        "GATHERED",
+        gathered
+        + "\n        bufs = [torch.empty_like(packed) for _ in range(world)]"
+        + "\n        dist.all_gather(bufs, packed)",
+    )
+    found = lint_snippet(PRELUDE, body, [CAUSE])
+    assert bool(found) == reported, found
+    if reported:
+        assert "pads to the batch's own longest item" in found[0][1].message
+
+
+def test_a_padded_field_concatenated_over_the_batches_first_is_not_reported():
+    # blind sets z's 19, hu's 05, im's 09: model outputs of the padded inputs, one row per
+    # sample, joined over the batches before the gather
+    body = PADDED_FIELD.replace(
+        "GATHERED",
+        "hits.append(model(tokens).mean(-1))"
+        "\n    hits = torch.cat(hits)"
+        "\n    bufs = [torch.empty_like(hits) for _ in range(world)]"
+        "\n    dist.all_gather(bufs, hits)",
+    )
+    assert lint_snippet(PRELUDE, body, [CAUSE]) == []

@@ -177,6 +177,16 @@ def describe_step(script: Script, step: ast.expr) -> str:
             f"`{source_text(step)}`, line {step.lineno}, grows what it returns in a loop "
             f"that line {ended.lineno} ends when this rank's own outputs say so"
         )
+    unpacked_into = script.parents.get(id(step))
+    if (
+        isinstance(step, ast.Name)
+        and isinstance(unpacked_into, ast.Tuple)
+        and isinstance(script.parents.get(id(unpacked_into)), ast.For)
+    ):
+        return (
+            f"`{step.id}`, line {step.lineno}, a part of each batch that the file's "
+            "collate pads to the batch's own longest item"
+        )
     return f"`{source_text(step)}`, line {step.lineno}"
 
 
@@ -502,6 +512,12 @@ def content_sized_step(
         if flattened is not None:
             return flattened  # (batch x its length) rows of frame features
 
+    padded = padded_fields(script, values) if own_lengths else {}
+    if padded:
+        field = padded_field_per_batch(values, tensor, padded)
+        if field is not None:
+            return field  # (batch, its longest, ...): padded per batch
+
     def fixes_the_size(node: ast.AST) -> bool:
         return fixes_the_rows(node) or cuts_generated_to_a_length(values, node)
 
@@ -594,10 +610,99 @@ def own_lengths(script: Script) -> bool:
         for name, _ in collate_functions(script, call)
     }
     return bool(PADS_TO_LONGEST.search(script.source)) or any(
-        ("collate" in name.rsplit(".", 1)[-1].lower() or name in collates)
-        and measures_its_items(function)
+        (is_collate_name(name) or name in collates) and measures_its_items(function)
         for name, function in script.functions.items()
     )
+
+
+def is_collate_name(qualified: str) -> bool:
+    """`collate_fn`, `pad_collate`, or the `__call__` of a collator class (`Collate`,
+    `ContactCollator`)."""
+    owner, _, name = qualified.rpartition(".")
+    if name == "__call__":
+        name = owner.rsplit(".", 1)[-1]
+    return "collat" in name.lower()
+
+
+def padded_fields(script: Script, values: dict[str, list[ast.expr]]) -> dict[str, ast.Name]:
+    """Names a loop over a loader unpacks from the places of its batch that a collate of
+    the file pads to the batch's own longest item (`for idx, tokens, tgt, msk in
+    loader`, where the collate returns `tgt = torch.zeros(n, L, L)` with `L = max(len(s)
+    for s in seqs)`), each with where the loop binds it: each batch, and each rank's,
+    has its own size there."""
+    places = padded_places(script)
+    return {
+        element.id: element
+        for iterated in {id(v): v for made in values.values() for v in made}.values()
+        if is_loader(values, iterated)
+        for loop in script.of_type(ast.For)
+        if loop.iter is iterated and isinstance(loop.target, ast.Tuple)
+        for index, element in enumerate(loop.target.elts)
+        if isinstance(element, ast.Name) and (len(loop.target.elts), index) in places
+    }
+
+
+def padded_field_per_batch(
+    values: dict[str, list[ast.expr]], tensor: ast.expr, padded: dict[str, ast.Name]
+) -> ast.Name | None:
+    """Where the loop binds a padded field that reaches the tensor batch by batch, not
+    first concatenated over the batches (`torch.cat(preds)` of a model's one row per
+    sample needs one length per rank anyway)."""
+
+    def concatenated(node: ast.AST) -> bool:
+        """A join of a list made elsewhere (`torch.cat(preds)`), not of this batch's
+        parts written out (`torch.stack([probs, tgt[0]])`)."""
+        return (
+            isinstance(node, ast.Call)
+            and called_name(node) in CONCATENATIONS
+            and bool(node.args)
+            and not isinstance(node.args[0], ast.List | ast.Tuple)
+        )
+
+    if isinstance(tensor, ast.Name) and any(
+        concatenated(value) and tensor.id in names_in(value) for value in values.get(tensor.id, [])
+    ):
+        return None  # `hits = torch.cat(hits)`: appended batch by batch, joined under its name
+    return next(
+        (
+            padded[node.id]
+            for value in origin(values, tensor, concatenated)
+            for node in walk_until(value, concatenated)
+            if isinstance(node, ast.Name) and node.id in padded
+        ),
+        None,
+    )
+
+
+def padded_places(script: Script) -> set[tuple[int, int]]:
+    """(length of the returned tuple, place) of what the file's collates return padded to
+    the longest item they measured. Worked out once per file."""
+    return node_fact(script.tree, "padded places", lambda: collate_padded_places(script))
+
+
+def collate_padded_places(script: Script) -> set[tuple[int, int]]:
+    found: set[tuple[int, int]] = set()
+    for name, function in script.functions.items():
+        if not is_collate_name(name):
+            continue
+        nodes = script.scope_nodes(function)
+        measured = {
+            target.id
+            for node in nodes
+            if isinstance(node, ast.Assign) and measures_its_items(node.value)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+        if not measured:
+            continue
+        values = scope_values(nodes)
+        for node in nodes:
+            if not (isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)):
+                continue
+            for index, part in enumerate(node.value.elts):
+                if any(names_in(made) & measured for made in origin(values, part)):
+                    found.add((len(node.value.elts), index))
+    return found
 
 
 def measures_its_items(function: Function) -> bool:
