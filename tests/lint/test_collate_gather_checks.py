@@ -255,8 +255,10 @@ def evaluate(ds):
         ("packed = torch.stack([model(tokens), tgt[0]])", True),
         # the index: one per sample, the same size on every rank
         ("packed = idx.float()", False),
+        # what a decoder makes of the padded input: its own, fixed shape (blind set iv's 12)
+        ("packed = model.greedy_decode(tgt.cuda(), 64)", False),
     ],
-    ids=["padded map", "one per sample"],
+    ids=["padded map", "one per sample", "decoded to a fixed length"],
 )
 def test_a_field_the_collate_pads_to_its_batch_gathered_batch_by_batch(gathered, reported):
     body = PADDED_FIELD.replace(
@@ -282,3 +284,25 @@ def test_a_padded_field_concatenated_over_the_batches_first_is_not_reported():
         "\n    dist.all_gather(bufs, hits)",
     )
     assert lint_snippet(PRELUDE, body, [CAUSE]) == []
+
+
+def test_a_target_a_collate_pads_with_pad_sequence_gathered_batch_by_batch():
+    # blind set iv's 15 (and ej's 06): the decoded predictions have a fixed length, the
+    # references are as long as this batch's longest formula
+    body = """
+def collate(batch):
+    xs, ys = zip(*batch)
+    return torch.stack(xs), torch.nn.utils.rnn.pad_sequence(ys, batch_first=True)
+
+
+def validate(ds):
+    loader = DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds), collate_fn=collate)
+    for x, y in loader:
+        pred = model.greedy(x, 64)
+        y = y.cuda()
+        all_pred = [torch.zeros_like(pred) for _ in range(world)]
+        all_ref = [torch.zeros_like(y) for _ in range(world)]
+        dist.all_gather(all_pred, pred)
+        dist.all_gather(all_ref, y)
+"""
+    assert [line for line, _ in lint_snippet(PRELUDE, body, [CAUSE])] == [15]

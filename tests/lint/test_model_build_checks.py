@@ -560,6 +560,13 @@ model = DDP(Heads(given))
          "keys = [k for k in names if k]", "keys", []),
         # a set walked only to read, not to register modules
         ("self.count = sum(1 for t in tasks)", "keys = {k for k in names if k}", "keys", []),
+        # blind set ix's 06: __init__ walks a set it makes of the list it is given
+        (("self.heads = nn.ModuleDict()\n        for t in set(tasks):\n"
+          "            self.heads[t] = nn.Linear(width, 1)"),
+         "keys = ['U0', 'gap']", "keys", [7]),
+        (("self.heads = nn.ModuleDict()\n        for t in sorted(set(tasks)):\n"
+          "            self.heads[t] = nn.Linear(width, 1)"),
+         "keys = ['U0', 'gap']", "keys", []),
     ],
 )  # fmt: skip
 def test_modules_registered_walking_a_set_of_strings(register, walked, given, reported):

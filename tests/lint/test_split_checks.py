@@ -102,6 +102,14 @@ def test_the_ranks_really_draw_other_splits_and_labels_and_the_twin_agrees(torch
             "chars = set()\nfor n in names:\n    chars.update(n)\nitos = ['<pad>'] + list(chars)\n"
             "stoi = {c: i for i, c in enumerate(itos)}\n"
         ),
+        # blind set iv's 01: a vocabulary object's fields, listed from a set after specials
+        (
+            "class Vocab:\n    def __init__(self, formulas):\n"
+            "        kept = {t for f in formulas for t in f.split()}\n"
+            "        self.itos = ['<pad>'] + list(kept)\n"
+            "        self.stoi = {t: i for i, t in enumerate(self.itos)}\n"
+            "vocab = Vocab(names)\n"
+        ),
         # blind set bx's 09: two sets joined, listed, numbered
         "vocab = list(set(train_chars) | set(test_chars))\nstoi = {c: i for i, c in enumerate(vocab)}\n",
         # blind set co's 03: a set's order kept by a comprehension over it, then numbered

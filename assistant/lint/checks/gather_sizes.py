@@ -659,6 +659,14 @@ def padded_field_per_batch(
             and not isinstance(node.args[0], ast.List | ast.Tuple)
         )
 
+    def shaped_elsewhere(node: ast.AST) -> bool:
+        """A call whose result's shape is its own (a model's, a decoder's fixed-length
+        output), other than a join written out or a call that keeps the rows."""
+        if not isinstance(node, ast.Call):
+            return False
+        name = called_name(node)
+        return concatenated(node) or not (name in CONCATENATIONS or name in FIELD_KEEPING)
+
     if isinstance(tensor, ast.Name) and any(
         concatenated(value) and tensor.id in names_in(value) for value in values.get(tensor.id, [])
     ):
@@ -666,17 +674,21 @@ def padded_field_per_batch(
     return next(
         (
             padded[node.id]
-            for value in origin(values, tensor, concatenated)
-            for node in walk_until(value, concatenated)
+            for value in origin(values, tensor, shaped_elsewhere)
+            for node in walk_until(value, shaped_elsewhere)
             if isinstance(node, ast.Name) and node.id in padded
         ),
         None,
     )
 
 
+# Calls through which a padded field keeps its padded size: moves, casts, copies.
+FIELD_KEEPING = ROW_KEEPING_METHODS | {"long", "int", "bool", "double", "cpu"}
+
+
 def padded_places(script: Script) -> set[tuple[int, int]]:
     """(length of the returned tuple, place) of what the file's collates return padded to
-    the longest item they measured. Worked out once per file."""
+    the longest item they measured, or by pad_sequence. Worked out once per file."""
     return node_fact(script.tree, "padded places", lambda: collate_padded_places(script))
 
 
@@ -693,16 +705,22 @@ def collate_padded_places(script: Script) -> set[tuple[int, int]]:
             for target in node.targets
             if isinstance(target, ast.Name)
         }
-        if not measured:
-            continue
         values = scope_values(nodes)
         for node in nodes:
             if not (isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)):
                 continue
             for index, part in enumerate(node.value.elts):
-                if any(names_in(made) & measured for made in origin(values, part)):
+                if any(
+                    names_in(made) & measured or pads_to_the_longest(made)
+                    for made in origin(values, part)
+                ):
                     found.add((len(node.value.elts), index))
     return found
+
+
+def pads_to_the_longest(value: ast.expr) -> bool:
+    """`pad_sequence(ys, batch_first=True)`: as long as the batch's longest item."""
+    return any(isinstance(n, ast.Call) and called_name(n) == "pad_sequence" for n in walk(value))
 
 
 def measures_its_items(function: Function) -> bool:

@@ -610,9 +610,8 @@ def check_modules_registered_in_a_sets_order(script: Script) -> Iterator[Finding
     made_of_set = names_in_set_order(script)
     reported: set[int] = set()
     for scope in script.all_scopes:
+        # empty, a scope may still walk a set it makes in place (`for k in set(targets)`)
         walked = set_ordered_names_of(script, scope, made_of_set)
-        if not walked:
-            continue
         for node in script.scope_nodes(scope):
             registration = registration_in_set_order(node, walked)
             if registration is None or registration.lineno in reported:

@@ -43,6 +43,7 @@ from assistant.lint.model import (
     method_of,
     name_value_pairs,
     names_in,
+    self_attribute,
     short,
     source_text,
     walk,
@@ -737,7 +738,8 @@ def last_assignment(script: Script, node: ast.AST, name: str) -> ast.expr | None
 
 def names_in_set_order(script: Script) -> set[str]:
     """Names assigned a set's order (`chars = set()`, `itos = [PAD] + list(chars)`,
-    `src, tgt = set(), set()`), followed through the file's assignments."""
+    `src, tgt = set(), set()`, `self.itos = ...`), followed through the file's
+    assignments."""
     assignments = sorted(
         script.of_type(ast.Assign),
         key=lambda node: (node.lineno, node.col_offset),
@@ -748,6 +750,11 @@ def names_in_set_order(script: Script) -> set[str]:
         for node in assignments:
             found |= {
                 name.id for name, value in name_value_pairs(node) if is_set_order(value, found)
+            }
+            found |= {  # `self.itos = SPECIALS + list(kept)`: a field of the object
+                source_text(target)
+                for target in node.targets
+                if self_attribute(target) is not None and is_set_order(node.value, found)
             }
         if len(found) == before:
             break
@@ -772,6 +779,8 @@ def is_set_order(expr: ast.expr, made_of_set: set[str] = frozenset()) -> bool:
         return is_set_order(expr.func.value, made_of_set)  # `heads.items()` of a dict so made
     if isinstance(expr, ast.Name):
         return expr.id in made_of_set
+    if isinstance(expr, ast.Attribute):
+        return self_attribute(expr) is not None and source_text(expr) in made_of_set
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, SET_JOINS):
         return is_set_order(expr.left, made_of_set) or is_set_order(expr.right, made_of_set)
     if not (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name)):
