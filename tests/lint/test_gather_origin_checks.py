@@ -391,3 +391,41 @@ def test_generated_sequences_cut_to_a_common_length_or_other_names_are_not(
 ):
     body = GENERATED.replace("CAND", cand).replace("GATHERED", gathered)
     assert reported(body) == reported_lines
+
+
+# Blind set iz's 12: a helper of the file scores the users it is handed, a row per user
+# joined at its end; main's nested function hands it this rank's strided share of users.
+SHARE_HANDED_IN = """
+def target_ranks(net, seqs, users):
+    out = []
+    for b in range(0, len(users), 256):
+        x = torch.tensor([seqs[u] for u in users[b : b + 256]])
+        out.append(net(x).argmax(1))
+    return torch.cat(out)
+
+
+def main(net, seqs):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    my_users = USERS
+
+    def gather_ranks():
+        local = target_ranks(net, seqs, my_users)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts)
+
+    return gather_ranks()
+"""
+
+
+@pytest.mark.parametrize(
+    ("users", "lines"),
+    [
+        ("list(range(rank, len(seqs), world))", [18]),
+        ("list(range(len(seqs)))", []),  # every rank scores every user
+    ],
+    ids=["strided share", "every user"],
+)
+def test_rows_a_helper_collects_over_a_share_it_is_handed(users, lines):
+    assert reported(SHARE_HANDED_IN.replace("USERS", users)) == lines

@@ -62,7 +62,7 @@ from assistant.lint.model import (
     unmoved,
     walk,
 )
-from assistant.lint.ranks import is_rank_expr
+from assistant.lint.ranks import enclosing_scope, is_rank_expr
 from assistant.lint.registry import check
 from assistant.lint.torchapi import is_dist_call
 from assistant.results import Finding
@@ -566,7 +566,64 @@ def returned_content_sized(script: Script, node: ast.AST, depth: int) -> ast.exp
         step = content_sized_step(script, values, value, depth + 1)
         if step is not None:
             return step
+    return share_handed_in(script, node, function, returned, depth)
+
+
+def share_handed_in(
+    script: Script, call: ast.Call, function: Function, returned: list[ast.expr], depth: int
+) -> ast.expr | None:
+    """The content-sized step in what the call hands a parameter that the function's
+    rows are collected over: `target_ranks(net, my_users)` whose loop over `users`
+    appends a row per user to the list it returns joined, given `my_users =
+    list(range(rank, n, world))` (in the calling function or the one around it)."""
+    joined = {
+        value.args[0].id
+        for value in returned
+        if isinstance(value, ast.Call)
+        and called_name(value) in CONCATENATIONS
+        and value.args
+        and isinstance(value.args[0], ast.Name)
+    }
+    parameters = {a.arg for a in function.args.args}
+    collected_over = {
+        name
+        for loop in script.scope_nodes(function)
+        if isinstance(loop, ast.For) and appends_to(loop, joined)
+        for name in names_in(loop.iter) & parameters
+    }
+    if not collected_over:
+        return None
+    values = values_around(script, call)
+    for parameter, argument in bound_arguments(function, call):
+        if parameter in collected_over:
+            step = content_sized_step(script, values, argument, depth + 1)
+            if step is not None:
+                return step
     return None
+
+
+def appends_to(loop: ast.For, names: set[str]) -> bool:
+    """The loop appends to (or extends) one of `names` each pass."""
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in ("append", "extend")
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id in names
+        for n in walk(loop)
+    )
+
+
+def values_around(script: Script, node: ast.AST) -> dict[str, list[ast.expr]]:
+    """scope_values where `node` is, with the names a nested function reads from the
+    function around it (`my_users` of main, read in main's `def gather_ranks():`)."""
+    scope = enclosing_scope(node, script) or script.tree
+    values = scope_values(script.scope_nodes(scope))
+    if scope is not script.tree:
+        outer = enclosing_scope(scope, script) or script.tree
+        for name, made in scope_values(script.scope_nodes(outer)).items():
+            values.setdefault(name, made)
+    return values
 
 
 def makes_a_tensor(value: ast.expr) -> bool:
