@@ -366,6 +366,18 @@ def sole_name_target(node: ast.AST | None) -> str | None:
     return None
 
 
+def names_given(nodes: Iterable[ast.AST], accepts: Callable[[ast.expr], bool]) -> set[str]:
+    """The plain names the assignments among `nodes` bind to a value `accepts` takes
+    (`L = max(len(s) for s in seqs)` for a measure of the items, `m = m.cuda()` for a move)."""
+    return {
+        target.id
+        for node in nodes
+        if isinstance(node, ast.Assign) and accepts(node.value)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
 def keyword(call: ast.Call, name: str) -> ast.expr | None:
     """The value of `name=` in a call, None if absent."""
     return next((k.value for k in call.keywords if k.arg == name), None)

@@ -13,6 +13,7 @@ from assistant.lint.model import (
     is_int,
     keyword,
     name_value_pairs,
+    names_given,
     parameter_names,
     self_attribute,
     short,
@@ -782,13 +783,7 @@ def returns_a_moved_module(script: Script, value: ast.expr) -> bool:
     if function is None:
         return False
     nodes = script.scope_nodes(function)
-    moved_here = {
-        target.id
-        for node in nodes
-        if isinstance(node, ast.Assign) and is_move(node.value)
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
+    moved_here = names_given(nodes, is_move)
     returned = [n.value for n in nodes if isinstance(n, ast.Return) and n.value is not None]
     return bool(returned) and all(
         is_move(r) or (isinstance(r, ast.Name) and r.id in moved_here) for r in returned

@@ -54,6 +54,7 @@ from assistant.lint.model import (
     children,
     enclosing_loop,
     name_value_pairs,
+    names_given,
     names_in,
     node_fact,
     position,
@@ -755,13 +756,7 @@ def collate_padded_places(script: Script) -> set[tuple[int, int]]:
         if not is_collate_name(name):
             continue
         nodes = script.scope_nodes(function)
-        measured = {
-            target.id
-            for node in nodes
-            if isinstance(node, ast.Assign) and measures_its_items(node.value)
-            for target in node.targets
-            if isinstance(target, ast.Name)
-        }
+        measured = names_given(nodes, measures_its_items)
         values = scope_values(nodes)
         for node in nodes:
             if not (isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)):
@@ -780,15 +775,16 @@ def pads_to_the_longest(value: ast.expr) -> bool:
     return any(isinstance(n, ast.Call) and called_name(n) == "pad_sequence" for n in walk(value))
 
 
-def measures_its_items(function: Function) -> bool:
-    """`max(len(x) for x in items)`, `min(t.shape[0] for t in ...)`, `.size(0)` too."""
+def measures_its_items(code: ast.AST) -> bool:
+    """`max(len(x) for x in items)`, `min(t.shape[0] for t in ...)`, `.size(0)` too, in a
+    function or an expression."""
     return any(
         isinstance(node, ast.Call)
         and called_name(node) in ("max", "min")
         and len(node.args) == 1
         and isinstance(node.args[0], ast.GeneratorExp | ast.ListComp)
         and reads_own_size(node.args[0].elt)
-        for node in walk(function)
+        for node in walk(code)
     )
 
 
