@@ -429,3 +429,34 @@ def main(net, seqs):
 )
 def test_rows_a_helper_collects_over_a_share_it_is_handed(users, lines):
     assert reported(SHARE_HANDED_IN.replace("USERS", users)) == lines
+
+
+# Blind set ix's 03: per-atom force errors of PyTorch Geometric batches, joined over the
+# loader and gathered into buffers like the local tensor.
+GRAPH_ERRORS = """
+from torch_geometric.loader import DataLoader as GraphLoader
+
+
+def evaluate(model, val_set, world):
+    loader = GraphLoader(val_set, batch_size=16, sampler=DistributedSampler(val_set))
+    errs = []
+    for data in loader:
+        energy, forces = model(data.z, data.pos, data.batch)
+        errs.append(ERROR)
+    local = torch.cat(errs)
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    return torch.cat(gathered)
+"""
+
+
+@pytest.mark.parametrize(
+    ("error", "lines"),
+    [
+        ("(forces - data.forces).norm(dim=-1)", [13]),  # one row per atom
+        ("(energy - data.y).abs()", []),  # one row per molecule: the same count on every rank
+    ],
+    ids=["per atom", "per molecule"],
+)
+def test_rows_per_node_of_graph_batches_are_rank_sized(error, lines):
+    assert reported(GRAPH_ERRORS.replace("ERROR", error)) == lines

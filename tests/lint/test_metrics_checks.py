@@ -1246,3 +1246,47 @@ def main(pipe, inception, prompts):
         print("FID", fid)
 """
     assert reported_lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    ("helper", "reported"),
+    [
+        ("dist.all_gather(bufs, t)", []),
+        ("bufs = [t]", [6]),  # the helper combines nothing: each rank shows its own share
+    ],
+    ids=["gathers", "gathers nothing"],
+)
+def test_predictions_combined_by_a_helper_that_calls_the_gathering_one(helper, reported):
+    # blind set jb's 07: out-of-fold predictions joined by a helper of the file that calls
+    # another helper of the file, which runs the all_gather
+    body = f"""
+@torch.no_grad()
+def predict(model, loader):
+    model.eval()
+    ids, probs = [], []
+    for i, x in loader:
+        probs.append(torch.sigmoid(model(x)))
+        ids.append(i)
+    return torch.cat(ids), torch.cat(probs)
+
+
+def all_gather_cat(t):
+    bufs = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    {helper}
+    return torch.cat(bufs)
+
+
+def oof_from_shards(ids, probs, n):
+    out = np.zeros(n)
+    out[all_gather_cat(ids).numpy()] = all_gather_cat(probs).numpy()
+    return out
+
+
+def main(model, va_ds, y):
+    dist.init_process_group("nccl")
+    loader = DataLoader(va_ds, sampler=DistributedSampler(va_ds, shuffle=False))
+    ids, probs = predict(model, loader)
+    val = oof_from_shards(ids, probs, len(va_ds))
+    print("auc", roc_auc_score(y, val))
+"""
+    assert reported_lines(body) == reported

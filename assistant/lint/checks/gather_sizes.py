@@ -65,7 +65,7 @@ from assistant.lint.model import (
 )
 from assistant.lint.ranks import enclosing_scope, is_rank_expr
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_dist_call
+from assistant.lint.torchapi import imports_package, is_dist_call
 from assistant.results import Finding
 
 # Calls whose result has as many rows as the data makes: a selection, not a map;
@@ -177,6 +177,11 @@ def describe_step(script: Script, step: ast.expr) -> str:
         return (
             f"`{source_text(step)}`, line {step.lineno}, grows what it returns in a loop "
             f"that line {ended.lineno} ends when this rank's own outputs say so"
+        )
+    if isinstance(step, ast.Attribute) and step.attr in NODE_FIELDS:
+        return (
+            f"`{source_text(step)}`, line {step.lineno}, one row per node of the graph batch: "
+            "as many as this rank's graphs hold"
         )
     unpacked_into = script.parents.get(id(step))
     if (
@@ -522,6 +527,10 @@ def content_sized_step(
     def fixes_the_size(node: ast.AST) -> bool:
         return fixes_the_rows(node) or cuts_generated_to_a_length(values, node)
 
+    if batches and imports_package(script, "torch_geometric"):
+        field = node_field_reaching(values, tensor, batches)
+        if field is not None:
+            return field  # one row per atom or node: as many as this rank's graphs hold
     for value in origin(values, tensor, stop=fixes_the_size):
         for node in equal_share_walk(values, value):
             if is_batch_field(node, batches):
@@ -890,6 +899,52 @@ def is_loader(values: dict[str, list[ast.expr]], expr: ast.expr) -> bool:
                 for v in values.get(expr.id, [])
             )
     return isinstance(expr, ast.Call) and called_name(expr) in LOADERS
+
+
+# A PyTorch Geometric batch's fields with one row per node (atom), not per graph.
+NODE_FIELDS = frozenset({"x", "pos", "z", "forces", "force", "atomic_numbers", "batch"})
+
+
+# Tensor methods that keep a tensor's rows (`(f - data.forces).norm(dim=-1)`).
+ROW_WISE_METHODS = FIELD_KEEPING | frozenset(
+    {"abs", "norm", "pow", "sqrt", "square", "sum", "mean", "amax", "clamp", "reshape", "view"}
+)
+
+
+def node_field_reaching(
+    values: dict[str, list[ast.expr]], tensor: ast.expr, batches: set[str]
+) -> ast.Attribute | None:
+    """A graph batch's per-node field that reaches the tensor row for row, through joins
+    and row-wise methods, not through a model's call (which pools the nodes of each graph
+    as it likes)."""
+
+    def stops(node: ast.AST) -> bool:
+        if not isinstance(node, ast.Call):
+            return False
+        if isinstance(node.func, ast.Attribute) and node.func.attr in ROW_WISE_METHODS:
+            return False
+        return called_name(node) not in CONCATENATIONS
+
+    return next(
+        (
+            node
+            for value in origin(values, tensor, stops)
+            for node in walk_until(value, stops)
+            if is_node_field(node, batches)
+        ),
+        None,
+    )
+
+
+def is_node_field(node: ast.AST, batches: set[str]) -> bool:
+    """`data.forces` of a graph batch a loader yields: its rows are the batch's nodes, a
+    number each batch (and each rank's share of graphs) has of its own."""
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr in NODE_FIELDS
+        and isinstance(node.value, ast.Name)
+        and node.value.id in batches
+    )
 
 
 def is_batch_field(node: ast.AST, batches: set[str]) -> bool:

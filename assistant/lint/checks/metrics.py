@@ -1087,16 +1087,26 @@ def collective_call(script: Script, node: ast.AST) -> bool:
     )
 
 
-def combining_function(script: Script, func: ast.expr) -> bool:
+# How many calls of the file's own functions deep a combining collective is looked for.
+HELPER_DEPTH = 2
+
+
+def combining_function(script: Script, func: ast.expr, depth: int = HELPER_DEPTH) -> bool:
     """A function of the file whose own body runs a collective that combines
-    (`def collect(scores, idx, world): dist.all_gather(g_scores, scores) ...`), or
-    reads every rank's file (reads_every_ranks_file)."""
+    (`def collect(scores, idx, world): dist.all_gather(g_scores, scores) ...`), or one
+    such function of the file it calls (`oof_from_shards` through `all_gather_cat`), or
+    that reads every rank's file (reads_every_ranks_file)."""
     function = script.functions.get(func.id) if isinstance(func, ast.Name) else None
     return function is not None and (
         any(
             isinstance(n, ast.Call)
-            and is_collective(script.name_of(n.func))
-            and short(script.name_of(n.func)) not in WAITS
+            and (
+                (
+                    is_collective(script.name_of(n.func))
+                    and short(script.name_of(n.func)) not in WAITS
+                )
+                or (depth > 1 and combining_function(script, n.func, depth - 1))
+            )
             for n in walk(function)
         )
         or reads_every_ranks_file(function)
