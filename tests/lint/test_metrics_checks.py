@@ -1290,3 +1290,35 @@ def main(model, va_ds, y):
     print("auc", roc_auc_score(y, val))
 """
     assert reported_lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    ("sampler", "reported"),
+    [("sampler=DistributedSampler(ds, shuffle=False)", [5]), ("shuffle=False", [])],
+    ids=["a share per rank", "the whole task on every rank"],
+)
+def test_an_evaluation_over_a_loader_kept_in_a_list_of_loaders(sampler, reported):
+    # blind set jf's 19 (also ed's 16): one test loader per task appended to a list, each
+    # evaluated by a helper whose counts fill an accuracy matrix shown on rank 0
+    body = f"""
+@torch.no_grad()
+def eval_task(net, loader):
+    correct = total = 0
+    for x, y in loader:
+        correct += (net(x).argmax(1) == y).sum().item()
+        total += y.numel()
+    return 100.0 * correct / total
+
+
+def main(net, tasks, acc):
+    dist.init_process_group("nccl")
+    test_loaders = []
+    for ds in tasks:
+        test_loaders.append(DataLoader(ds, batch_size=128, {sampler}))
+    for t in range(len(tasks)):
+        for j in range(t + 1):
+            acc[t, j] = eval_task(net, test_loaders[j])
+        if dist.get_rank() == 0:
+            print("average accuracy", acc[t, : t + 1].mean())
+"""
+    assert reported_lines(body) == reported

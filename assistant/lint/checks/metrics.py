@@ -358,6 +358,17 @@ def sharded_loaders(script: Script, owners: dict[int, str]) -> set[tuple[str | N
             for target in node.targets:
                 elements = target.elts if isinstance(target, ast.Tuple) else [target]
                 found.update((owner, source_text(e)) for e in elements)
+    for node in script.of_type(ast.Call):  # `test_loaders.append(DataLoader(...))`: the list
+        func = node.func
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr == "append"
+            and isinstance(func.value, ast.Name)
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Call)
+            and shares(node.args[0], owners.get(id(node)))
+        ):
+            found.add((owners.get(id(node)), func.value.id))
     found |= returned_loaders(script, found, owners, shares)
     return found | sharded_parameters(script, found, owners)
 
@@ -694,10 +705,10 @@ def sharded_parameters(
             caller = owners.get(id(node))
             parameters = [a.arg for a in function.args.args]
             for position, argument in enumerate(node.args):
-                if (caller, source_text(argument)) in found and position < len(parameters):
+                if (caller, held_in(argument)) in found and position < len(parameters):
                     found.add((name, parameters[position]))
             for given in node.keywords:
-                if given.arg and (caller, source_text(given.value)) in found:
+                if given.arg and (caller, held_in(given.value)) in found:
                     found.add((name, given.arg))
     return found - sharded
 
@@ -1354,4 +1365,12 @@ def passes_a_sharded_loader(
         for index, argument in enumerate(call.args)
         if index < len(positions) and positions[index] == parameter
     ] + [k.value for k in call.keywords if k.arg == parameter]
-    return any((caller, source_text(argument)) in sharded for argument in given)
+    return any((caller, held_in(argument)) in sharded for argument in given)
+
+
+def held_in(argument: ast.expr) -> str:
+    """What an argument is, or the container it is an entry of (`test_loaders[j]`: a
+    loader of the list `test_loaders`)."""
+    if isinstance(argument, ast.Subscript):
+        return source_text(argument.value)
+    return source_text(argument)
