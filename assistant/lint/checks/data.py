@@ -834,8 +834,10 @@ def check_training_on_examples_each_rank_makes(script: Script) -> Iterator[Findi
         if dataset is None or has_sampler(node) or not data.trains_on(node):
             continue
         maker = data.maker_in_its_training_loop(node, dataset)
-        ending = data.made_until_an_end(dataset) if maker is not None else None
-        if maker is None or ending is None:
+        if maker is None:
+            continue
+        ending = data.made_until_an_end(dataset)
+        if ending is None:
             continue
         yield script.finding(
             "uneven-inputs",

@@ -659,8 +659,6 @@ def comprehension_evaluations(
     this rank's results only."""
     for node in script.of_type(ast.Assign):
         function = owners.get(id(node))
-        if not evaluates(script, node, function):
-            continue
         comprehensions = [
             n
             for n in walk(node.value)
@@ -677,7 +675,8 @@ def comprehension_evaluations(
             ),
             None,
         )
-        if loader is None:
+        # the function is read only for a comprehension over a share: not at every assignment
+        if loader is None or not evaluates(script, node, function):
             continue
         if trains(script, node) or any(collective_call(script, n) for n in walk(node)):
             continue
