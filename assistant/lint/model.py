@@ -586,6 +586,12 @@ def depth_of(node: ast.AST, limit: int) -> int:
     return deepest
 
 
+# Calls that read a file back: open() and the loaders of json, pickle, torch, numpy, pandas.
+FILE_READERS = frozenset(
+    {"open", "load", "loads", "loadtxt", "read_csv", "read_json", "read_parquet"}
+)
+
+
 def files_opened(nodes: Iterable[ast.AST]) -> dict[str, ast.expr]:
     """Handle name -> the path `open()` was given, for each `with open(path) as
     handle` among `nodes` (the first, where a name is opened twice)."""

@@ -23,6 +23,7 @@ from typing import TypeVar
 from assistant.lint.checks.rank_dependent import is_placement, target_value_pairs
 from assistant.lint.model import (
     COMPREHENSIONS,
+    FILE_READERS,
     MOVES,
     Script,
     bound_arguments,
@@ -85,9 +86,7 @@ SPLIT_WORDS = re.compile(r"rank|replica|world|shard|part|split|distributed", re.
 # from every index), as with the file's own unsplit sampler.
 WHOLE_SET_SAMPLERS = frozenset({"WeightedRandomSampler", "RandomSampler"})
 # Calls that list or read files: data a function returns through them was not made there.
-FILE_READS = frozenset(
-    {"glob", "iglob", "rglob", "listdir", "scandir", "open", "load", "loadtxt", "read_csv"}
-)
+FILE_READS = FILE_READERS | {"glob", "iglob", "rglob", "listdir", "scandir"}
 # A test of whether the run is distributed: its branches are for one process or for N.
 DISTRIBUTED_TEST = re.compile(
     r"distributed|world|ddp|rank|is_initialized|is_available|n_?gpu|num_gpus|parallel|"

@@ -734,16 +734,39 @@ def padded_field_per_batch(
         name = called_name(node)
         return concatenated(node) or not (name in CONCATENATIONS or name in FIELD_KEEPING)
 
-    if isinstance(tensor, ast.Name) and any(
+    if joined_under_its_name(values, tensor, concatenated):
+        return None
+    reaching = first_reaching(
+        values, tensor, shaped_elsewhere, lambda n: isinstance(n, ast.Name) and n.id in padded
+    )
+    return padded[reaching.id] if isinstance(reaching, ast.Name) else None
+
+
+def joined_under_its_name(
+    values: dict[str, list[ast.expr]], tensor: ast.expr, concatenated: Callable[[ast.AST], bool]
+) -> bool:
+    """`hits = torch.cat(hits)`: a list appended to batch by batch, then joined under its
+    own name, holds all the rank's batches, whatever each batch's own size."""
+    return isinstance(tensor, ast.Name) and any(
         concatenated(value) and tensor.id in names_in(value) for value in values.get(tensor.id, [])
-    ):
-        return None  # `hits = torch.cat(hits)`: appended batch by batch, joined under its name
+    )
+
+
+def first_reaching(
+    values: dict[str, list[ast.expr]],
+    tensor: ast.expr,
+    stops: Callable[[ast.AST], bool],
+    accepts: Callable[[ast.AST], bool],
+) -> ast.AST | None:
+    """The first node `accepts` takes among those that reach the tensor: its origin and
+    each value's nodes, read until a call `stops` (a model's, one that shapes its own
+    output) ends that path."""
     return next(
         (
-            padded[node.id]
-            for value in origin(values, tensor, shaped_elsewhere)
-            for node in walk_until(value, shaped_elsewhere)
-            if isinstance(node, ast.Name) and node.id in padded
+            node
+            for value in origin(values, tensor, stops)
+            for node in walk_until(value, stops)
+            if accepts(node)
         ),
         None,
     )
@@ -842,14 +865,11 @@ def gathered_per_batch(
     def concatenated(node: ast.AST) -> bool:
         return isinstance(node, ast.Call) and called_name(node) in CONCATENATIONS
 
-    if isinstance(tensor, ast.Name) and any(
-        concatenated(value) and tensor.id in names_in(value) for value in values.get(tensor.id, [])
-    ):
+    if joined_under_its_name(values, tensor, concatenated):
         return False
-    return any(
-        is_batch_field(node, batches)
-        for value in origin(values, tensor, concatenated)
-        for node in walk_until(value, concatenated)
+    return (
+        first_reaching(values, tensor, concatenated, lambda n: is_batch_field(n, batches))
+        is not None
     )
 
 
@@ -925,15 +945,8 @@ def node_field_reaching(
             return False
         return called_name(node) not in CONCATENATIONS
 
-    return next(
-        (
-            node
-            for value in origin(values, tensor, stops)
-            for node in walk_until(value, stops)
-            if is_node_field(node, batches)
-        ),
-        None,
-    )
+    found = first_reaching(values, tensor, stops, lambda n: is_node_field(n, batches))
+    return found if isinstance(found, ast.Attribute) else None
 
 
 def is_node_field(node: ast.AST, batches: set[str]) -> bool:

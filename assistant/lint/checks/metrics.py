@@ -31,6 +31,7 @@ from assistant.lint.checks.schedules import PROCESS_COUNT
 from assistant.lint.checks.splits import rank_dealing_sampler
 from assistant.lint.checks.unused import inside_no_grad, names_no_grad, position_after, wrapped_by
 from assistant.lint.model import (
+    FILE_READERS,
     Function,
     Script,
     bound_arguments,
@@ -110,11 +111,12 @@ def check_shard_metrics_never_combined(script: Script) -> Iterator[Finding]:
             else "all_reduce the sums and counts (or gather the predictions, "
             "accelerator.gather_for_metrics) before computing the metric"
         )
+        kind, gathers = loop.described
         yield script.finding(
             "metrics-not-reduced",
             loop.node,
-            f"this {loop.kind} over {loop.loader}, which gives each rank its own share, "
-            f"{loop.gathers} {', '.join(sorted(unreduced))} and line {shown.lineno} shows or compares the result "
+            f"this {kind} over {loop.loader}, which gives each rank its own share, "
+            f"{gathers} {', '.join(sorted(unreduced))} and line {shown.lineno} shows or compares the result "
             f"without combining the ranks: each rank reports its own part of the data; {fix}",
         )
 
@@ -498,12 +500,11 @@ class EvaluationLoop:
     syncs: dict[str, str]  # an updated object of the file's metric class -> its combining method
 
     @property
-    def kind(self) -> str:
-        return "loop" if isinstance(self.node, ast.For) else "comprehension"
-
-    @property
-    def gathers(self) -> str:
-        return "adds up" if isinstance(self.node, ast.For) else "collects"
+    def described(self) -> tuple[str, str]:
+        """What it is and what it does with results, in the finding's words."""
+        return (
+            ("loop", "adds up") if isinstance(self.node, ast.For) else ("comprehension", "collects")
+        )
 
     def shown_unreduced(
         self,
@@ -1121,10 +1122,6 @@ def combining_function(script: Script, func: ast.expr, depth: int = HELPER_DEPTH
         )
         or reads_every_ranks_file(function)
     )
-
-
-# What reads a file back: open() and the loaders of json, pickle, torch, numpy, pandas.
-FILE_READERS = frozenset({"open", "load", "loads", "read_csv", "read_json", "read_parquet"})
 
 
 def reads_every_ranks_file(function: Function) -> bool:
