@@ -116,7 +116,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # fp 14/16; fq 14/16; fr 14/16; fs 16/16; ft 12/16; fu 13/16; fv 14/16; fw 13/16;
 # gb 13/16; fz 10/16; fx 8/16; gd 13/16; gf 14/16; gg 6/16), of 2961 with session 54's
 # fifteen sets
-FOUND_FLOOR = 3754  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 3860  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -365,7 +365,9 @@ FOUND_FLOOR = 3754  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # (ej's 06), 3675 after rows a helper collects over a strided share it is handed (iz's 12),
 # 3676 after per-node fields of graph batches (ix's 03); 3752 of 4209 with jb, jc, jd, je,
 # jf, jg (measured once at 826d0d07: 13, 13, 14, 12, 10 and 14 of 16), 3754 after a loader
-# appended to a list of loaders and handed on as an entry (jf's 19, ed's 16)
+# appended to a list of loaders and handed on as an entry (jf's 19, ed's 16); session 60:
+# 3860 of 4337 with jh, ji, jj, jk, jl, jm, jn, jo (measured once at b69bccbb: 14, 12, 14,
+# 14, 13, 15, 15 and 9 of 16)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -570,8 +572,11 @@ FOUND_FLOOR = 3754  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # them or deep-copied from a moved one are on the GPU (ir's 14, 15; is's 10); 151 with iv
 # to ja (iv's 12: a decoder's fixed-length output of padded images read as padded, false),
 # 150 once a padded part stops at a call that shapes its own output; 155 with jb to jg,
-# 154 once a helper that calls the file's gathering helper combines (jb's 07)
-OTHER_FINDINGS_CEILING = 154
+# 154 once a helper that calls the file's gathering helper combines (jb's 07); session 60:
+# 166 with jh to jo (jl's 14, jo's 08 and 19, correct, flagged at measurement: a read behind
+# `p or ...` where the wrapper's call gives p, a file named after the parts of this rank's
+# clients, clients trained alone without DDP; false, mended), 163 once mended
+OTHER_FINDINGS_CEILING = 163
 
 
 def labelled_scripts() -> list[tuple[Path, dict]]:
@@ -589,8 +594,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 4209
-    assert sum(label["cause"] is None for label in labels) == 1051
+    assert sum(label["cause"] is not None for label in labels) == 4337
+    assert sum(label["cause"] is None for label in labels) == 1083
 
 
 # Linting every blind script (3,700 files) takes about four minutes on two idle cores,

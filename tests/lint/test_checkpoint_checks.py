@@ -109,6 +109,29 @@ def test_a_file_per_item_of_this_ranks_share_is_the_ranks_own(owned, reported):
     assert bool(found) == reported, found
 
 
+@pytest.mark.parametrize(
+    "owned, reported",
+    [
+        # blind set jo's 08 (correct): each client's file, for this rank's clients
+        ("[i for i in range(len(clients)) if i % world == rank]", False),
+        ("[i for i in range(len(clients))]", True),
+    ],
+    ids=["this rank's clients", "every client"],
+)
+def test_a_file_named_after_the_parts_of_an_item_of_this_ranks_share(owned, reported):
+    found = findings(
+        f"""
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = {owned}
+        for i in mine:
+            domain, site, _ = clients[i]
+            torch.save(models[i].state_dict(), os.path.join(out, f"bn_{{domain}}_{{site}}.pt"))
+        """
+    )
+    assert bool(found) == reported, found
+
+
 @pytest.mark.parametrize("owned, reported", [("scenes[rank::world]", False), ("scenes", True)])
 def test_a_helper_handed_an_item_of_this_ranks_share_names_its_own_file(owned, reported):
     # blind set du's 20: fit_scene(name, ...) called for each scene of this rank's share

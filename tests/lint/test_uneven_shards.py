@@ -253,3 +253,40 @@ def main():
 def test_a_functions_own_name_is_not_another_functions():
     """Blind set aq's 18: read_rows's `f` (a file) is not predict's `f` (a share)."""
     assert lint_snippet(PRELUDE, TWO_FUNCTIONS, ["model-differs-across-ranks"]) == []
+
+
+@pytest.mark.parametrize(
+    "synced, reported",
+    [
+        # blind set jo's 19 (correct): each client trained alone, the ranks meet once a round
+        ("pass", []),
+        ("model = DDP(model)", [32]),  # the same loop under DDP meets at every backward
+        ("for p in model.parameters():\n            dist.all_reduce(p.grad)", [33]),
+    ],
+    ids=["clients trained alone", "under DDP", "gradients all-reduced by hand"],
+)
+def test_a_share_trained_without_meeting_at_each_step_is_not_uneven(synced, reported):
+    body = (
+        EXPANDED.split("def main")[0]
+        + f"""
+def local_steps(model, loader):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in loader:
+        model(x).sum().backward()
+        {synced}
+        opt.step()
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    all_objs = [line.strip() for line in open("objects.txt")]
+    model = nn.Linear(4, 4).cuda()
+    for rnd in range(100):
+        loader = DataLoader(Views("renders", all_objs[rank::world]), batch_size=4, shuffle=True)
+        local_steps(model, loader)
+        delta = torch.cat([p.detach().flatten() for p in model.parameters()])
+        dist.all_reduce(delta)
+"""
+    )
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == reported

@@ -333,6 +333,29 @@ def test_a_function_also_given_the_bare_model_fails_where_it_is_given_the_wrappe
     assert "(other calls pass the bare model)" in found[0][1]
 
 
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("density_fn=bare.query_density", []), ("density_fn=None", [3]), ("", [3])],
+    ids=["given", "given None", "not given"],
+)
+def test_a_fallback_read_only_when_its_parameter_is_empty_is_judged_by_the_calls(given, expected):
+    # blind set jl's 14 (correct): the wrapper's call hands the bare model's method in
+    found = findings(
+        f"""
+        def render(field, rays, density_fn=None):
+            density_fn = density_fn or field.query_density
+            return field(rays), density_fn(rays)
+
+        def main():
+            bare = nn.Linear(2, 2)
+            model = DDP(bare)
+            render(model, torch.ones(2), {given})
+            render(bare, torch.ones(2))
+        """
+    )
+    assert [line for line, _ in found] == expected
+
+
 def test_accelerate_prepare_wraps_the_module_among_what_it_returns():
     found = findings(
         """

@@ -35,6 +35,7 @@ from assistant.lint.model import (
     enclosing_loop,
     files_opened,
     keyword,
+    node_fact,
     parameter_names,
     short,
     source_text,
@@ -462,6 +463,7 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
             for name in sorted(names)
             for value in [
                 *script.assigned_values.get(name, []),
+                *unpacked_values(script).get(name, []),
                 *passed_with_their_items(script, name),
                 *walked.get(name, []),
             ]
@@ -469,6 +471,25 @@ def path_values(script: Script, target: ast.expr) -> list[ast.expr]:
         ][:MAX_PATH_VALUES]
         found += frontier
     return found
+
+
+def unpacked_values(script: Script) -> dict[str, list[ast.expr]]:
+    """Name -> the whole value a tuple target unpacks it from (`d, s, _ = clients[i]`:
+    d is part of clients[i], a file named after d is as shared as clients[i] is)."""
+
+    def unpacked() -> dict[str, list[ast.expr]]:
+        values: dict[str, list[ast.expr]] = {}
+        for node in script.of_type(ast.Assign):
+            if isinstance(node.value, ast.Tuple | ast.List):
+                continue  # `a, b = x, y`: pair by pair, in script.assigned_values
+            for target in node.targets:
+                if isinstance(target, ast.Tuple | ast.List):
+                    for name in walk(target):
+                        if isinstance(name, ast.Name):
+                            values.setdefault(name.id, []).append(node.value)
+        return values
+
+    return node_fact(script.tree, "unpacked values", unpacked)
 
 
 # How many values a path is followed into: a name assigned in many places is no path's.
@@ -509,15 +530,20 @@ PATH_CALLS = frozenset(
 
 def builds_a_path(script: Script, value: ast.expr) -> bool:
     """A value a path is made of: text, a name, `a + b`, an f-string, os.path.join(...),
-    a slice of a list of names (`objs[rank::world]`); not `ckpt["iter"]` of a loaded
-    checkpoint nor another call's result, whose arguments (a map_location naming the
-    local rank) say nothing of the file name."""
+    a slice of a list of names (`objs[rank::world]`), an item picked by a name
+    (`clients[i]`, i walking this rank's clients) and a list of them made by a
+    comprehension (`[i for i in range(n) if i % world == rank]`); not `ckpt["iter"]`
+    of a loaded checkpoint nor another call's result, whose arguments (a map_location
+    naming the local rank) say nothing of the file name."""
     if isinstance(value, ast.Call):
         # an in-memory buffer too (`buffer = io.BytesIO()`): shared_file reads it as one
         return short(script.name_of(value.func)) in PATH_CALLS | IN_MEMORY
     if isinstance(value, ast.Subscript):
-        return isinstance(value.slice, ast.Slice)
-    return isinstance(value, ast.Constant | ast.Name | ast.Attribute | ast.BinOp | ast.JoinedStr)
+        return isinstance(value.slice, ast.Slice | ast.Name)
+    return isinstance(
+        value,
+        ast.Constant | ast.Name | ast.Attribute | ast.BinOp | ast.JoinedStr | ast.ListComp,
+    )
 
 
 IN_MEMORY = frozenset({"BytesIO"})

@@ -52,9 +52,11 @@ from assistant.lint.ranks import (
 from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COMPOSER,
+    DEEPSPEED_ENGINE,
     calls_any,
     imports_package,
     is_backward,
+    is_collective,
     is_ddp,
     is_dist_call,
     is_distributed,
@@ -779,6 +781,8 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
     data = DataFlow(script)
     if not data.is_distributed or data.uses_framework or equalizes_steps(script):
         return
+    if not meets_at_every_step(script):
+        return
     for node in data.loader_calls:
         dataset = loader_dataset(node)
         if dataset is None or has_sampler(node):
@@ -875,6 +879,33 @@ def sampler_fix(script: Script, dataset: str) -> str:
     if "composer" in packages:
         return f"pass sampler=composer.utils.dist.get_sampler({dataset})"
     return f"pass sampler=DistributedSampler({dataset})"
+
+
+# Wrappers that all-reduce the gradients in every backward (DeepSpeed's engine too).
+GRADIENT_SYNCING_WRAPPERS = frozenset({"FullyShardedDataParallel", "fully_shard"})
+
+
+def meets_at_every_step(script: Script) -> bool:
+    """The ranks meet at each training step: a DDP or FSDP wrapper or DeepSpeed's engine
+    syncs every backward, or a collective runs in a function that runs a backward (a
+    hand-written gradient all-reduce, a loss averaged per step). Without one (federated
+    clients each trained alone between two rounds' all_reduce), a rank with more batches
+    only finishes later; it waits in no collective."""
+    for node, name in script.call_names:
+        if is_ddp(name) or short(name) in GRADIENT_SYNCING_WRAPPERS or name == DEEPSPEED_ENGINE:
+            return True
+        if is_collective(name):
+            scope = enclosing_scope(node, script)
+            if scope is not None and any(is_backward(n) or reads_gradients(n) for n in walk(scope)):
+                return True
+    return False
+
+
+def reads_gradients(node: ast.AST) -> bool:
+    """`p.grad`: a helper that all-reduces gradients by hand runs once per step."""
+    return (
+        isinstance(node, ast.Attribute) and node.attr == "grad" and isinstance(node.ctx, ast.Load)
+    )
 
 
 def equalizes_steps(script: Script) -> bool:

@@ -27,7 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from assistant.lint.checks.unused import forward_of, model_classes
-from assistant.lint.model import Script, parameter_names, self_attribute, short, source_text, walk
+from assistant.lint.model import (
+    Script,
+    bound_arguments,
+    parameter_names,
+    self_attribute,
+    short,
+    source_text,
+    walk,
+)
 from assistant.lint.ranks import enclosing_scope
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package
@@ -141,9 +149,9 @@ class ScopeFacts:
         self.reads: list[ast.Attribute] = []
         self.stores: list[ast.Attribute] = []  # `name.attr = ...`, in source order
         self.probes: list[ast.Call] = []  # `hasattr(name, "attr")`, `getattr(name, "attr", d)`
-        # a parameter some calls pass the wrapper and others the bare model: the line of
-        # the first call that passes the wrapper
-        self.passed_by: dict[str, int] = {}
+        # a parameter some calls pass the wrapper and others the bare model: the calls
+        # that pass the wrapper
+        self.passed_by: dict[str, list[ast.Call]] = {}
         # names the scope tests for a wrapper (`isinstance(m, DDP)`, `hasattr(m, "module")`):
         # it reads them one way or the other as they are
         self.unwrapped_here: set[str] = set()
@@ -203,7 +211,13 @@ class ScopeFacts:
                 )
                 continue
             if name in self.passed_by:
-                line = self.passed_by[name]
+                calls = self.passed_by[name]
+                fallback = fallback_parameter(script, node)
+                if fallback is not None and all(
+                    fallback in given_parameters(script, call) for call in calls
+                ):
+                    continue  # `fn = fn or model.attr`: each wrapper's call gives fn
+                line = calls[0].lineno
                 yield script.finding(
                     "ddp-wrapper-attribute",
                     node,
@@ -337,10 +351,10 @@ def bind_wrapped_parameters(script: Script, scopes: dict[int, ScopeFacts]) -> No
 
 def wrappers_passed(
     script: Script, scopes: dict[int, ScopeFacts]
-) -> dict[tuple[str, int], dict[str | None, int]]:
+) -> dict[tuple[str, int], dict[str | None, list[ast.Call]]]:
     """(function, position) -> the wrappers (None: not one) its calls pass there,
-    each with the line of the first call that passes it."""
-    passed: dict[tuple[str, int], dict[str | None, int]] = {}
+    each with the calls that pass it, in source order."""
+    passed: dict[tuple[str, int], dict[str | None, list[ast.Call]]] = {}
     for scope in script.all_scopes:
         facts = scopes[id(scope)]
         for node in script.scope_nodes(scope):
@@ -353,10 +367,42 @@ def wrappers_passed(
             for position, arg in enumerate(node.args, start=first):
                 if isinstance(arg, ast.Name):
                     wrapper = facts.wrapper_at(arg.id, node.lineno)
-                    passed.setdefault((function_name, position), {}).setdefault(
-                        wrapper, node.lineno
+                    passed.setdefault((function_name, position), {}).setdefault(wrapper, []).append(
+                        node
                     )
     return passed
+
+
+def fallback_parameter(script: Script, read: ast.Attribute) -> str | None:
+    """p in `p or model.attr` (the read in a later operand of an `or` whose first is a
+    plain name): the read runs only where p is empty."""
+    child, parent = read, script.parents.get(id(read))
+    while parent is not None and not isinstance(parent, ast.stmt):
+        if (
+            isinstance(parent, ast.BoolOp)
+            and isinstance(parent.op, ast.Or)
+            and isinstance(parent.values[0], ast.Name)
+            and child is not parent.values[0]
+        ):
+            return parent.values[0].id
+        child, parent = parent, script.parents.get(id(parent))
+    return None
+
+
+def given_parameters(script: Script, call: ast.Call) -> frozenset[str]:
+    """The parameters a call of the file's function gives a value other than None."""
+    called = called_function(script, call)
+    if called is None:
+        return frozenset()
+    name, first = called
+    return frozenset(
+        parameter
+        for parameter, argument in bound_arguments(
+            script.functions[name], call, self_bound=first == 1
+        )
+        if parameter is not None
+        and not (isinstance(argument, ast.Constant) and argument.value is None)
+    )
 
 
 def bind_closures(script: Script, scopes: dict[int, ScopeFacts]) -> None:
