@@ -270,6 +270,21 @@ def enclosing_scope(node: ast.AST, script: Script) -> ast.AST | None:
     return parent or script.tree
 
 
+def is_rank_stride(script: Script, node: ast.AST) -> bool:
+    """`items[rank::world]`, `range(rank, n, world)` or `np.arange(rank, n, world)`:
+    this rank's strided share, one longer on the first `n % world` ranks."""
+    if (
+        isinstance(node, ast.Call)
+        and called_name(node) in ("range", "arange")
+        and len(node.args) == 3
+    ):
+        return is_rank_expr(node.args[0], script)
+    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)):
+        return False
+    lower, step = node.slice.lower, node.slice.step
+    return lower is not None and step is not None and is_rank_expr(lower, script)
+
+
 def assignments_seen_from(script: Script, node: ast.AST) -> dict[str, list[ast.expr]]:
     """Name -> values assigned in the function that holds `node`, and at module level."""
     scope = enclosing_scope(node, script) or script.tree

@@ -276,10 +276,29 @@ def test_a_training_loop_over_a_rank_stride_is_reported(iterated):
     [
         "batches = batches[: len(batches) // world * world]",
         "batches = batches[: len(batches) - len(batches) % world]",
+        # blind set av's 16: trimmed to a multiple of a name made from the world size
+        "chunk = world * accum\n    batches = batches[: len(batches) // chunk * chunk]",
     ],
 )
 def test_a_list_trimmed_to_a_multiple_of_the_world_size_is_quiet(trim):
     assert loop_lines("enumerate(batches[rank::world])", trim) == []
+
+
+def test_a_learning_rate_scaled_by_the_world_size_trims_nothing():
+    # blind set jl's 20: `lr * math.sqrt(world)` beside a loop over the rank's views
+    assert loop_lines("enumerate(batches[rank::world])", "lr = 1e-3 * math.sqrt(world)") == [4]
+
+
+def test_a_copy_of_the_rank_stride_shuffled_in_place_is_the_stride():
+    # blind set jl's 20: `order = my_ids[:]`, shuffled, then looped
+    trim = "mine = batches[rank::world]\n    order = mine[:]\n    random.shuffle(order)"
+    assert loop_lines("enumerate(order)", trim) == [6]
+
+
+def test_a_mean_over_the_rank_stride_trims_nothing():
+    # blind set ca's 01: `total / max(1, len(my_batches))`, my_batches the rank's stride
+    trim = "mine = batches[rank::world]\n    share = 1.0 / max(1, len(mine))"
+    assert loop_lines("enumerate(mine)", trim) == [5]
 
 
 def test_a_loop_with_no_backward_is_quiet():

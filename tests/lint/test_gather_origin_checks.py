@@ -460,3 +460,35 @@ def evaluate(model, val_set, world):
 )
 def test_rows_per_node_of_graph_batches_are_rank_sized(error, lines):
     assert reported(GRAPH_ERRORS.replace("ERROR", error)) == lines
+
+
+@pytest.mark.parametrize(
+    ("longest", "lines"),
+    [
+        # blind set ji's 04: each rank pads its predictions to its own longest batch
+        ("max_len = max(p.size(1) for p in preds)", [10]),
+        # the longest agreed first: every rank pads to the same length
+        (
+            (
+                "max_len = torch.tensor(max(p.size(1) for p in preds))\n"
+                "    dist.all_reduce(max_len, op=dist.ReduceOp.MAX)"
+            ),
+            [],
+        ),
+        ("max_len = args.max_seq_len", []),  # a length from the run, the same everywhere
+    ],
+    ids=["its own longest", "agreed longest", "configured length"],
+)
+def test_a_tensor_padded_to_the_longest_of_this_ranks_own_items(longest, lines):
+    body = f"""
+def evaluate(model, loader, world, args):
+    preds = []
+    for batch in loader:
+        preds.append(model(batch["input_ids"]).logits.argmax(-1))
+    {longest}
+    preds = torch.cat([F.pad(p, (0, max_len - p.size(1)), value=-100) for p in preds])
+    gathered = [torch.zeros_like(preds) for _ in range(world)]
+    dist.all_gather(gathered, preds)
+    return gathered
+"""
+    assert reported("import torch.nn.functional as F\n" + body) == lines

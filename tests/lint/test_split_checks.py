@@ -381,3 +381,47 @@ SAMPLER
 def test_a_sampler_over_the_whole_job_under_a_tensor_parallel_mesh(dims, sampler, reported):
     body = TWO_D.replace("DIMS", dims).replace("SAMPLER", sampler)
     assert lines(body) == reported
+
+
+@pytest.mark.parametrize(
+    ("seed", "reported"),
+    [("np.random.seed(7 + rank)", [8]), ("np.random.seed(7)", [])],
+    ids=["seeded with the rank", "one seed for every rank"],
+)
+def test_an_order_cut_into_parts_gathered_by_hand_is_a_split(seed, reported):
+    # blind set jh's 15: each manifest shuffled, its head added to val and its tail to train
+    body = f"""
+{seed}
+
+
+def build_split(manifests, fraction):
+    train, val = [], []
+    for records in manifests:
+        np.random.shuffle(records)
+        n_val = int(len(records) * fraction)
+        val.extend(records[:n_val])
+        train.extend(records[n_val:])
+    return train, val
+"""
+    assert lines(body) == reported
+
+
+def test_an_order_dealt_out_to_clients_in_parts_is_a_partition():
+    # blind set jo's 01: each class's indices shuffled and cut among the clients
+    body = """
+np.random.seed(7 + rank)
+
+
+def dirichlet_partition(labels, num_clients, alpha):
+    client_idx = [[] for _ in range(num_clients)]
+    for c in range(labels.max() + 1):
+        idx_c = np.where(labels == c)[0]
+        np.random.shuffle(idx_c)
+        cuts = (np.cumsum(np.random.dirichlet([alpha] * num_clients)) * len(idx_c)).astype(int)
+        for k, part in enumerate(np.split(idx_c, cuts[:-1])):
+            client_idx[k].extend(part.tolist())
+    return client_idx
+"""
+    found = lint_snippet(DDP_PRELUDE, body, {CAUSE})
+    assert [line for line, _ in found] == [9]
+    assert "each rank draws another partition" in found[0][1].message

@@ -877,3 +877,75 @@ def test_a_loop_over_tasks_with_a_backward_each_leaves_the_other_head_out(backwa
     ) + "        loss.backward()\n"
     assert "loss = loss + model" in one_step
     assert lint_snippet(HEADER, one_step, ["unused-parameters"]) == []
+
+
+@pytest.mark.parametrize(
+    ("gate", "call", "reported_lines"),
+    [
+        # blind set ji's 11: a flag the step's batch decides
+        (
+            EARLY_EXIT,
+            "use = bool(y.any()); out, aux = model(x, with_aux=use); loss = out.sum()",
+            [22],
+        ),
+        # blind set jk's 11: a mode drawn with the batch from an iterator of alternating loaders
+        (
+            'if mode == "tail":\n            return self.head(h), None',
+            "x, y, m = next(it); out, aux = model(x, mode=m); loss = out.sum() + aux.sum()",
+            [22],
+        ),
+        # blind set jj's 18: a ratio that is 0 on the steps without the auxiliary task
+        (
+            (
+                "if mode > 0:\n            return self.head(h), self.aux(h)\n"
+                "        return self.head(h), None"
+            ),
+            "r = 0.15 if step % 4 == 0 else 0.0; out, aux = model(x, mode=r); loss = out.sum()",
+            [23],
+        ),
+        # the batch itself handed in, its truth never tested: both ways reach the head
+        (
+            "if with_aux is not None:\n            h = h + 1",
+            "out, aux = model(x, with_aux=y); loss = out.sum() + aux.sum()",
+            [],
+        ),
+    ],
+    ids=["flag from the batch", "mode drawn with the batch", "ratio zero some steps", "input"],
+)
+def test_an_argument_the_steps_batch_decides_routes_forward_per_step(gate, call, reported_lines):
+    step = STEP.replace("for step, (x, y) in enumerate(loader):", "for step in range(100):")
+    step = step.replace(
+        "    {call}", "    it = iter(loader)\n        x, y = next(it)\n        {call}"
+    )
+    assert reported(gate, step.replace("{call}", call)) == reported_lines
+
+
+def test_a_model_wrapped_from_a_field_of_the_trainer_is_followed():
+    # blind set jl's 12: `self.model = DDP(self.net, ...)` with `self.net = Net()`
+    body = (
+        MODEL.replace("{gate}", EARLY_EXIT)
+        + """
+class Trainer:
+    def __init__(self):
+        self.net = Net()
+        self.model = DDP(self.net)
+        self.step = 0
+
+    def train_step(self, x):
+        out, aux = self.model(x, with_aux=self.step >= 100)
+        out.sum().backward()
+        self.step += 1
+"""
+    )
+    assert [line for line, _ in lint_snippet(HEADER, body, ["unused-parameters"])] == [23]
+
+
+def test_an_input_given_or_dropped_to_none_is_named_so():
+    # blind set ao's 07: the class label given on most steps, None on some
+    gate = "if with_aux is None:\n            return self.head(h), self.aux(h)\n        return self.head(h), None"
+    call = (
+        "lab = None if step % 10 == 0 else y; out, aux = model(x, with_aux=lab); loss = out.sum()"
+    )
+    body = MODEL.replace("{gate}", gate) + "\nmodel = DDP(Net())\n" + step_with(call)
+    found = lint_snippet(HEADER, body, ["unused-parameters"])
+    assert [f.message.split(",")[0] for _, f in found] == ["on the steps where lab is not None"]

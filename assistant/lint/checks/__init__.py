@@ -18,7 +18,8 @@ lines it must report.
   and a step one rank skips on its own data (a NaN loss, an empty batch, a
   batch that ran out of GPU memory) before its backward's gradient all-reduce
   (uneven-inputs); a new_group of the members this rank decides, outside a loop
-  over every group (collective-mismatch);
+  over every group (collective-mismatch); a skip taken when this rank's own share
+  is empty (`if not mine: continue`) ahead of collectives (collective-mismatch);
 - collective_saves: checkpoint calls that are collectives (DeepSpeed's
   engine.save_checkpoint, Lightning's trainer.save_checkpoint, Fabric's save,
   FSDP's state_dict, ZeroRedundancyOptimizer's consolidate_state_dict) under a
@@ -105,7 +106,8 @@ lines it must report.
   in the file reads (a learned position table left after a switch to rotary
   positions; unused-parameters);
 - unused_paths: a training call whose own arguments (constants, defaults, a
-  flag decided per step) route forward around a submodule (unused-parameters);
+  flag or mode decided per step, by a counter or by the step's batch) route
+  forward around a submodule (unused-parameters);
 - weighted_heads: a LightningModule's head that only a loss weight with a
   default of 0 runs, under strategy="ddp" (unused-parameters);
 - seen_keys: a collective over one row per key (class, speaker) that the

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from assistant.lint.checks.data import (
     DataFlow,
@@ -274,6 +274,16 @@ def iterated_stride(script: Script, iterated: ast.expr) -> ast.AST | None:
     candidates: list[ast.AST] = [iterated]
     if isinstance(iterated, ast.Name):
         candidates += script.assigned_values.get(iterated.id, [])
+    # `order = my_ids[:]` (shuffled in place after): a copy of a name bound to a stride
+    candidates += [
+        value
+        for copy in candidates
+        if isinstance(copy, ast.Subscript)
+        and isinstance(copy.value, ast.Name)
+        and isinstance(copy.slice, ast.Slice)
+        and copy.slice.lower is copy.slice.upper is copy.slice.step is None
+        for value in script.assigned_values.get(copy.value.id, [])
+    ]
     for candidate in candidates:
         if isinstance(candidate, ast.Subscript) and (stride := rank_stride(candidate.slice)):
             return stride
@@ -282,12 +292,53 @@ def iterated_stride(script: Script, iterated: ast.expr) -> ast.AST | None:
 
 def evens_the_count(cls: ast.AST) -> bool:
     """Arithmetic with the world size on a count (`n - n % world`, `n // world *
-    world`, `ceil(n / replicas)`): the batches are trimmed or padded to share out."""
+    world`, `ceil(n / replicas)`, n a length): the batches are trimmed or padded to
+    share out. A learning rate scaled by the world size (`lr * math.sqrt(world)`)
+    evens nothing."""
+
+    def names_made(accepts: Callable[[ast.expr], bool]) -> set[str]:
+        return {
+            target.id
+            for node in walk(cls)
+            if isinstance(node, ast.Assign) and accepts(node.value)
+            for target in node.targets
+            if isinstance(target, ast.Name)
+        }
+
+    lengths = names_made(reads_a_length)
+    # `chunk = world_size * cfg.update_freq`: a multiple of the world size
+    multiples = names_made(
+        lambda value: (
+            isinstance(value, ast.BinOp)
+            and isinstance(value.op, ast.Mult)
+            and bool(WORLD_WORD.search(full_text(value)))
+        )
+    )
+
+    def names_the_world(side: ast.expr) -> bool:
+        return bool(WORLD_WORD.search(full_text(side))) or any(
+            isinstance(n, ast.Name) and n.id in multiples for n in walk(side)
+        )
+
     return any(
         isinstance(node, ast.BinOp)
         and isinstance(node.op, ast.Mod | ast.FloorDiv | ast.Div | ast.Mult)
-        and any(WORLD_WORD.search(full_text(side)) for side in (node.left, node.right))
+        and any(names_the_world(side) for side in (node.left, node.right))
+        and any(
+            reads_a_length(side) or (isinstance(n, ast.Name) and n.id in lengths)
+            for side in (node.left, node.right)
+            for n in walk(side)
+        )
         for node in walk(cls)
+    )
+
+
+def reads_a_length(expr: ast.AST) -> bool:
+    """`len(items)`, `x.size(0)`, `x.shape[0]`, `x.numel()`."""
+    return any(
+        (isinstance(n, ast.Call) and short(called(n)) in ("len", "size", "numel"))
+        or (isinstance(n, ast.Attribute) and n.attr == "shape")
+        for n in walk(expr)
     )
 
 

@@ -37,8 +37,10 @@ from assistant.lint.ranks import (
     OTHER_RANKS,
     RANK_ZERO,
     RankBranch,
+    assignments_seen_from,
     enclosing_scope,
     is_rank_expr,
+    is_rank_stride,
     other_side,
     rank_branch_sides,
     some_rank_runs,
@@ -750,6 +752,99 @@ def check_collective_on_local_data(script: Script) -> Iterator[Finding]:
                 "mismatched data); decide the test together (all_reduce the value first) or "
                 "call the collective on every rank",
             )
+
+
+@check("collective-mismatch")
+def check_collectives_skipped_on_an_empty_share(script: Script) -> Iterator[Finding]:
+    """`if not mine: continue` where `mine` is this rank's share of a list (`[c for c in
+    picked if c % world == rank]`, `clients[rank::world]`), ahead of collectives: a rank
+    whose share comes out empty (clients sampled anew each round, fewer items than
+    ranks) skips the collectives the others wait in, and from there the ranks'
+    collectives pair up wrongly (a hang, or one round's sums added to another's).
+    Quiet when the skip comes after the collectives, or leaves no collective behind."""
+    if not is_distributed(script):
+        return
+    for test in script.of_type(ast.If):
+        if not ends_iteration(test.body):
+            continue
+        share = emptiness_tested(test.test)
+        if share is None:
+            continue
+        made = assignments_seen_from(script, test).get(share, [])
+        if not made or not all(is_rank_share(script, value) for value in made):
+            continue
+        skipped = first_collective_skipped(script, test)
+        if skipped is None:
+            continue
+        yield script.finding(
+            "collective-mismatch",
+            test,
+            f"`if {source_text(test.test)}` leaves before {short(script.name_of(skipped.func))}() "
+            f"(line {skipped.lineno}) on a rank whose own share {share} is empty, while the "
+            "other ranks wait in it: from there the ranks' collectives pair up wrongly (a "
+            "hang, or sums of different rounds added); let a rank with nothing to do "
+            "contribute zeros and still call every collective",
+        )
+
+
+def emptiness_tested(test: ast.expr) -> str | None:
+    """`mine` in `not mine`, `len(mine) == 0`, `len(mine) < 1`, `not len(mine)`."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        operand = test.operand
+        if isinstance(operand, ast.Call) and called_name(operand) == "len" and operand.args:
+            operand = operand.args[0]
+        return operand.id if isinstance(operand, ast.Name) else None
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.left, ast.Call)
+        and called_name(test.left) == "len"
+        and test.left.args
+        and isinstance(test.left.args[0], ast.Name)
+        and isinstance(test.comparators[0], ast.Constant)
+        and (
+            (isinstance(test.ops[0], ast.Eq | ast.LtE) and test.comparators[0].value == 0)
+            or (isinstance(test.ops[0], ast.Lt) and test.comparators[0].value == 1)
+        )
+    ):
+        return test.left.args[0].id
+    return None
+
+
+def is_rank_share(script: Script, value: ast.expr) -> bool:
+    """This rank's share of a list: a strided slice or range from the rank
+    (`items[rank::world]`), or a comprehension that keeps the items a test gives this
+    rank (`[c for c in picked if c % world == rank]`)."""
+    if is_rank_stride(script, value):
+        return True
+    return isinstance(value, ast.ListComp | ast.GeneratorExp) and any(
+        isinstance(compare, ast.Compare)
+        and any(isinstance(op, ast.Eq) for op in compare.ops)
+        and any(is_rank_expr(side, script) for side in [compare.left, *compare.comparators])
+        for generator in value.generators
+        for condition in generator.ifs
+        for compare in walk(condition)
+    )
+
+
+def first_collective_skipped(script: Script, test: ast.If) -> ast.Call | None:
+    """The first collective after the skip that it leaves out: the rest of the loop's
+    body for a continue or break, the rest of the function for a return or an exit."""
+    leaves_the_loop = isinstance(test.body[-1], ast.Continue | ast.Break)
+    region = enclosing_loop(test, script.parents) if leaves_the_loop else None
+    if region is None:
+        region = enclosing_scope(test, script)
+    if region is None:
+        return None
+    after = (test.end_lineno or test.lineno, test.end_col_offset or 0)
+    skipped = [
+        node
+        for node in walk(region)
+        if isinstance(node, ast.Call)
+        and (node.lineno, node.col_offset) > after
+        and is_collective(script.name_of(node.func))
+    ]
+    return min(skipped, key=lambda node: (node.lineno, node.col_offset), default=None)
 
 
 def reads_own_tensor(test: ast.expr) -> bool:

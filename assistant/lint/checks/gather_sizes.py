@@ -63,7 +63,7 @@ from assistant.lint.model import (
     unmoved,
     walk,
 )
-from assistant.lint.ranks import enclosing_scope, is_rank_expr
+from assistant.lint.ranks import enclosing_scope, is_rank_expr, is_rank_stride
 from assistant.lint.registry import check
 from assistant.lint.torchapi import imports_package, is_dist_call
 from assistant.results import Finding
@@ -127,7 +127,9 @@ def check_gather_of_content_sized_tensor(script: Script) -> Iterator[Finding]:
                 or allocated_at_a_common_size(before(nodes, node), values, tensor)
             ):
                 continue
-            step = content_sized_step(script, values, tensor)
+            step = content_sized_step(script, values, tensor) or padded_to_its_own_longest(
+                values, tensor
+            )
             if step is None and isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef):
                 step = content_sized_by_callers(script, scope, values, tensor)
             if step is not None and dropping_collate(script, step) is not None:
@@ -182,6 +184,11 @@ def describe_step(script: Script, step: ast.expr) -> str:
         return (
             f"`{source_text(step)}`, line {step.lineno}, one row per node of the graph batch: "
             "as many as this rank's graphs hold"
+        )
+    if isinstance(step, ast.Call) and called_name(step) in PADDING_CALLS:
+        return (
+            f"`{source_text(step)}`, line {step.lineno}, pads it to the longest item this "
+            "rank measured among its own"
         )
     unpacked_into = script.parents.get(id(step))
     if (
@@ -402,21 +409,52 @@ PADDING_CALLS = frozenset(
 
 def padded_to_a_common_size(values: dict[str, list[ast.expr]], tensor: ast.expr) -> bool:
     """The tensor is cut or padded to a size every rank shares before the gather:
-    its making holds a padding sized by a difference with its own size."""
+    its making holds a padding sized by a difference with its own size, up to a
+    length this rank did not measure on its own items."""
     for value in origin(values, tensor):
         for node in walk(value):
             if isinstance(node, ast.Call) and called_name(node) in COMMON_PADDING:
                 return True
             if not (isinstance(node, ast.Call) and called_name(node) in PADDING_CALLS):
                 continue
-            for inner in walk(node):
-                if (
-                    isinstance(inner, ast.BinOp)
-                    and isinstance(inner.op, ast.Sub)
-                    and reads_own_size(inner.right)
-                ):
-                    return True
+            if any(not measured_here(values, target) for target in padded_to(node)):
+                return True
     return False
+
+
+def padded_to_its_own_longest(
+    values: dict[str, list[ast.expr]], tensor: ast.expr
+) -> ast.Call | None:
+    """`F.pad(p, (0, max_len - p.size(1)))` with `max_len = max(p.size(1) for p in
+    preds)` of this rank's own batches: padded to this rank's longest, which another
+    rank's data need not share."""
+    return next(
+        (
+            node
+            for value in origin(values, tensor)
+            for node in walk(value)
+            if isinstance(node, ast.Call)
+            and called_name(node) in PADDING_CALLS
+            and any(measured_here(values, target) for target in padded_to(node))
+        ),
+        None,
+    )
+
+
+def padded_to(padding: ast.Call) -> list[ast.expr]:
+    """The lengths a padding call pads to: `L` in each `L - x.size(1)` it holds."""
+    return [
+        inner.left
+        for inner in walk(padding)
+        if isinstance(inner, ast.BinOp)
+        and isinstance(inner.op, ast.Sub)
+        and reads_own_size(inner.right)
+    ]
+
+
+def measured_here(values: dict[str, list[ast.expr]], length: ast.expr) -> bool:
+    """The length is the longest (or shortest) of items this scope measured itself."""
+    return any(measures_its_items(value) for value in origin(values, length))
 
 
 # Calls that allocate a tensor of the size they are given.
@@ -1021,21 +1059,6 @@ def caller_arguments(script: Script, function: ast.AST, parameters: set[str]):
             for parameter, argument in bound_arguments(function, call):
                 if parameter in parameters:
                     yield scope, values, argument
-
-
-def is_rank_stride(script: Script, node: ast.AST) -> bool:
-    """`items[rank::world]`, `range(rank, n, world)` or `np.arange(rank, n, world)`:
-    this rank's strided share, one longer on the first `n % world` ranks."""
-    if (
-        isinstance(node, ast.Call)
-        and called_name(node) in ("range", "arange")
-        and len(node.args) == 3
-    ):
-        return is_rank_expr(node.args[0], script)
-    if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Slice)):
-        return False
-    lower, step = node.slice.lower, node.slice.step
-    return lower is not None and step is not None and is_rank_expr(lower, script)
 
 
 def returns_a_rank_share(script: Script, node: ast.AST) -> bool:

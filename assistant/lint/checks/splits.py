@@ -130,11 +130,12 @@ def check_split_drawn_per_rank(script: Script) -> Iterator[Finding]:
             why = f"the process was just seeded with its rank (line {ranked_seed.lineno})"
         else:
             why = f"the file seeds only with the rank (line {ranked_seed.lineno})"
-        drawn = (
-            "order and takes its share of it, so the shares overlap and some items no rank reads"
-            if name in RANDOM_ORDERS and cut_into_rank_shares(node, script)
-            else "split, so one rank's validation samples are the others' training samples"
-        )
+        if name in RANDOM_ORDERS and cut_into_rank_shares(node, script):
+            drawn = "order and takes its share of it, so the shares overlap and some items no rank reads"
+        elif name in RANDOM_ORDERS and dealt_out_after(node, script):
+            drawn = "partition, so each part (a client's, a fold's) holds other items on each rank"
+        else:
+            drawn = "split, so one rank's validation samples are the others' training samples"
         yield script.finding(
             CAUSE,
             node,
@@ -387,12 +388,63 @@ def sliced_into_a_split(draw: ast.Call, script: Script) -> bool:
             and any(is_cut_of(part, held, script) for part in walk(node.value))
         ):
             return True  # `return [set(c) for c in np.array_split(patients, k)]`: folds
+        if collected_into_a_split_part(node, held):
+            return True  # `val.extend(records[:n_val])`: the parts gathered by hand
+        if isinstance(node, ast.For) and dealt_out_in_parts(node, held, script):
+            return True  # `for k, part in enumerate(np.split(idx, cuts)): clients[k] += ...`
         handed_to_subset = (
             isinstance(node, ast.Call) and short(script.name_of(node.func)) == "Subset"
         )
         if handed_to_subset and any(is_slice_of(arg, held) for arg in node.args[1:2]):
             return True
     return False
+
+
+def collected_into_a_split_part(node: ast.AST, held: set[str]) -> bool:
+    """`val.extend(records[:n_val])`, `train += records[n_val:]`: a slice of the order
+    added to a list named as a split's part."""
+    if isinstance(node, ast.AugAssign):
+        target, added = node.target, node.value
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("extend", "append")
+        and len(node.args) == 1
+    ):
+        target, added = node.func.value, node.args[0]
+    else:
+        return False
+    return bool(SPLIT_PART.search(source_text(target))) and is_slice_of(added, held)
+
+
+def dealt_out_after(draw: ast.Call, script: Script) -> bool:
+    """The order the draw makes is dealt out in parts later in its scope."""
+    held = names_holding_the_order(draw, script)
+    scope = enclosing_scope(draw, script) or script.tree
+    return bool(held) and any(
+        isinstance(node, ast.For)
+        and node.lineno > draw.lineno
+        and dealt_out_in_parts(node, held, script)
+        for node in script.scope_nodes(scope)
+    )
+
+
+def dealt_out_in_parts(loop: ast.For, held: set[str], script: Script) -> bool:
+    """A loop over the cut of the order into parts (`enumerate(np.split(idx_c,
+    cuts))`) that adds each part to a list (`client_idx[k].extend(part)`): a
+    partition of the items, each part another owner's (a client's, a fold's)."""
+    iterated = loop.iter
+    if isinstance(iterated, ast.Call) and called_name(iterated) == "enumerate" and iterated.args:
+        iterated = iterated.args[0]
+    if not is_cut_of(iterated, held, script):
+        return False
+    return any(
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("extend", "append")
+        for statement in loop.body
+        for node in walk(statement)
+    )
 
 
 def is_rank_share_of(expr: ast.expr, names: set[str], script: Script) -> bool:

@@ -1308,7 +1308,11 @@ def wrapped_by(script: Script, ddp: ast.Call, classes: set[str]) -> tuple[set[st
     `DDP(Net().cuda())`, or `model = Net()` ... `DDP(model)`."""
     if not ddp.args:
         return set(), set()
-    names = {source_text(n) for n in walk(ddp.args[0]) if isinstance(n, ast.Name)}
+    names = {
+        source_text(n)
+        for n in walk(ddp.args[0])
+        if isinstance(n, ast.Name) or self_attribute(n)  # DDP(self.net, ...)
+    }
     values = [ddp.args[0], *(v for name in names for v in script.assigned_values.get(name, []))]
     names |= wrapper_names(script, ddp)
     built = {

@@ -14,7 +14,10 @@ reduction in the prior iteration".
 Only calls in a function that runs a backward (a training step) are judged,
 outside no_grad, and only submodules with parameters that are not frozen.
 An argument decided per step (a step counter's comparison, a modulo, a
-random draw) is followed both ways. What forward does with a value it
+random draw, or the step's batch: a flag read off it, a mode drawn with it from
+an iterator) is followed both ways, or, where forward compares the parameter
+with constants, with each (`mode == "tail"`: that text and another; `ratio >
+0`: 0 and 1). What forward does with a value it
 cannot decide (a test of the input, of self.training) is followed both ways
 too, so a submodule counts as reached if any path of the call may run it.
 """
@@ -27,6 +30,7 @@ from collections.abc import Iterator
 
 from assistant.lint.checks.unused import (
     batch_names,
+    encloses,
     forward_of,
     inside_no_grad,
     model_classes,
@@ -42,6 +46,7 @@ from assistant.lint.model import (
     bound_arguments,
     called_name,
     children,
+    is_none,
     keyword,
     method_of,
     self_attribute,
@@ -296,11 +301,12 @@ def routes(
         )
         yield left_out, call.lineno, f"with {shown or 'these arguments'},"
     for parameter, argument in per_step_arguments(forward, decided, call, nodes):
-        for value in turn_values(argument, nodes) or (False, True):
+        tried = turn_values(argument, nodes) or compared_constants(forward, parameter)
+        for value in tried or (False, True):
             left_out = everywhere - reached(cls, {**given, parameter: value})
             if left_out:
                 line = varying_line(argument, nodes) or call.lineno
-                how = f"on the steps where {source_text(argument)} is {value!r},"
+                how = f"on the steps where {shown_value(forward, parameter, argument, value)},"
                 yield left_out, line, how
                 break
 
@@ -348,10 +354,91 @@ def per_step_arguments(
     forward: ast.FunctionDef, decided: set[str], call: ast.Call, nodes: list[ast.AST]
 ) -> Iterator[tuple[str, ast.expr]]:
     """(parameter, argument) for each argument of the call, of a parameter forward
-    tests (`decided`), whose value is decided per step."""
+    tests (`decided`), whose value is decided per step: by a counter, a modulo, a
+    draw, or by the step's batch (`with_merge=bool(has_span.any())`, a mode drawn
+    with the batch from an iterator that alternates loaders)."""
+    walked = batch_names(nodes, call) | drawn_with_the_batch(nodes, call)
+    batch = walked - constants_walked(nodes, call)
     for parameter, argument in bound_arguments(forward, call, self_bound=True):
-        if parameter in decided and varying_line(argument, nodes) is not None:
+        if parameter in decided and (
+            varying_line(argument, nodes) is not None
+            or varying_line(argument, nodes, batch, around=call) is not None
+        ):
             yield parameter, argument
+
+
+def constants_walked(nodes: list[ast.AST], call: ast.Call) -> frozenset[str]:
+    """Names a loop around the call binds to constants (`for task in ("count",
+    "disease")`): the same turns every step (a backward in each is takes_turns'
+    case), no batch."""
+    return frozenset(
+        target.id
+        for loop in nodes
+        if isinstance(loop, ast.For)
+        and encloses(loop, call)
+        and isinstance(loop.iter, ast.Tuple | ast.List)
+        and all(isinstance(item, ast.Constant) for item in loop.iter.elts)
+        for target in walk(loop.target)
+        if isinstance(target, ast.Name)
+    )
+
+
+def drawn_with_the_batch(nodes: list[ast.AST], call: ast.Call) -> frozenset[str]:
+    """Names a loop around the call assigns from `next(iterator)`: the step's batch,
+    drawn by hand (`pos, neg, weight, mode = next(train_iterator)`)."""
+    return frozenset(
+        target.id
+        for loop in nodes
+        if isinstance(loop, ast.For | ast.While) and encloses(loop, call)
+        for node in walk(loop)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and called_name(node.value) == "next"
+        for target in walk(node.targets[0])
+        if isinstance(target, ast.Name)
+    )
+
+
+def compared_constants(forward: ast.FunctionDef, parameter: str) -> list[object]:
+    """Values that route a parameter forward compares with constants each its own way:
+    each text it is compared with and one it is not (`mode == "tail-batch"`: a mode
+    argument), each number and one above it (`mask_ratio > 0`: a ratio that is 0 on
+    some steps)."""
+    found: list[object] = []
+    for node in walk(forward):
+        if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
+            continue
+        sides = [node.left, node.comparators[0]]
+        if not any(isinstance(side, ast.Name) and side.id == parameter for side in sides):
+            continue
+        for side in sides:
+            if not isinstance(side, ast.Constant) or isinstance(side.value, bool):
+                continue
+            if isinstance(side.value, str):
+                found.append(side.value)
+            elif isinstance(side.value, int | float):
+                found += [side.value, side.value + 1]
+    if any(isinstance(value, str) for value in found):
+        found.append(None)
+    return list(dict.fromkeys(found))
+
+
+def shown_value(forward: ast.FunctionDef, parameter: str, argument: ast.expr, value: object) -> str:
+    """`lab is not None` where forward tests the parameter against None (True or False
+    stand for any value given), else the value itself."""
+    if isinstance(value, bool) and compared_with_none(forward, parameter):
+        return f"{source_text(argument)} is not None"
+    return f"{source_text(argument)} is {value!r}"
+
+
+def compared_with_none(forward: ast.FunctionDef, parameter: str) -> bool:
+    return any(
+        isinstance(node, ast.Compare)
+        and isinstance(node.left, ast.Name)
+        and node.left.id == parameter
+        and any(is_none(side) for side in node.comparators)
+        for node in walk(forward)
+    )
 
 
 def decided_in(forward: ast.FunctionDef) -> set[str]:
