@@ -9,6 +9,14 @@ from collections.abc import Iterator
 
 from assistant.lint.model import Script, called_name, is_int, keyword, short
 
+# Anything that names the number of processes or asks the framework for the count.
+PROCESS_COUNT = re.compile(
+    r"world|num_devices|devices|num_gpus|n_gpus|ngpus|gpus|num_processes|nprocs|"
+    r"replicas|stepping_batches|num_nodes|"
+    # the data-parallel size of a tensor- or pipeline-parallel run (Megatron's dp_size)
+    r"dp_size|dp_world|dp_degree|data_parallel",
+    re.IGNORECASE,
+)
 DIST = "torch.distributed"
 
 COLLECTIVES = frozenset(

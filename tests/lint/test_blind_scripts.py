@@ -116,7 +116,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # fp 14/16; fq 14/16; fr 14/16; fs 16/16; ft 12/16; fu 13/16; fv 14/16; fw 13/16;
 # gb 13/16; fz 10/16; fx 8/16; gd 13/16; gf 14/16; gg 6/16), of 2961 with session 54's
 # fifteen sets
-FOUND_FLOOR = 3875  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 3879  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -371,7 +371,8 @@ FOUND_FLOOR = 3875  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # fd's 02), skips on an empty share of the rank (jo's 20), per-step arguments the batch
 # decides (ji's 11, jj's 18, jk's 11, jl's 12), orders gathered into split parts by hand or
 # dealt out in parts (jh's 15, jo's 01, dj's 01, gu's 17, hc's 06, iw's 13) and strides
-# copied or trimmed by no length (jl's 20, bx's 15)
+# copied or trimmed by no length (jl's 20, bx's 15), 3879 after shares walked in place in
+# an evaluation (jm's 08, go's 14, hr's 05) and rows kept by a key modulo the world (jk's 06)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands

@@ -1149,6 +1149,21 @@ def test_an_evaluation_over_a_strided_share_of_a_list(evaluate, combine, reporte
     assert reported_lines(body) == reported
 
 
+@pytest.mark.parametrize(
+    ("walked", "reported"),
+    [("trials[rank::world]", [6]), ("trials", [])],
+    ids=["this rank's share in place", "every trial"],
+)
+def test_an_evaluation_walking_a_strided_share_in_place(walked, reported):
+    # blind set jm's 08: `for prob in self.problems[self.rank :: self.world]:` in an
+    # evaluation, its pass@k averaged and shown by the caller
+    loop = LOOP.replace("for enroll, test in mine:", f"for enroll, test in {walked}:")
+    body = STRIDED_SHARE.replace("    mine = trials[rank::world]\n", "")
+    body = body.replace("EVALUATE", loop).replace("COMBINE", "")
+    assert f"in {walked}:" in body and "mine" not in body
+    assert reported_lines(body) == reported
+
+
 def test_a_strided_share_handed_to_an_evaluation_function_is_its_share():
     body = """
 @torch.no_grad()

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+import numpy as np
 """
 
 EXPANDED = """
@@ -289,4 +290,27 @@ def main():
         dist.all_reduce(delta)
 """
     )
+    assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == reported
+
+
+@pytest.mark.parametrize(
+    ("kept", "reported"),
+    [
+        # blind set jk's 06: edges partitioned by their head entity
+        ("train[train[:, 0] % world == rank]", [6]),
+        ("train[np.arange(len(train)) % world == rank]", []),  # by position: even shares
+    ],
+    ids=["by a key of the data", "by position"],
+)
+def test_rows_a_key_of_the_data_gives_the_rank_are_uneven(kept, reported):
+    body = f"""
+def main(train):
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    part = torch.from_numpy({kept})
+    loader = DataLoader(TensorDataset(part), batch_size=64, shuffle=True)
+    model = DDP(nn.Linear(3, 1).cuda())
+    for (x,) in loader:
+        model(x.float()).sum().backward()
+"""
     assert [line for line, _ in lint_snippet(PRELUDE, body, ["uneven-inputs"])] == reported

@@ -53,6 +53,7 @@ from assistant.lint.registry import check
 from assistant.lint.torchapi import (
     COMPOSER,
     DEEPSPEED_ENGINE,
+    PROCESS_COUNT,
     calls_any,
     imports_package,
     is_backward,
@@ -803,6 +804,19 @@ def check_rank_file_shards_of_uneven_length(script: Script) -> Iterator[Finding]
                 "waiting in DDP's gradient all-reduce; pack or filter before sharding (or "
                 "shard the packed rows with a DistributedSampler), or agree on the step "
                 "count (all_reduce it with ReduceOp.MIN and stop there)",
+            )
+            continue
+        keyed = data.rows_keyed_to_the_rank(dataset)
+        if keyed is not None:
+            yield script.finding(
+                "uneven-inputs",
+                node,
+                f"DataLoader over {source_text(dataset)} holds the rows whose key falls to "
+                f"this rank (`{source_text(keyed)}`, line {keyed.lineno}): as many as the data "
+                "holds for those keys, so ranks run different numbers of steps and the first "
+                "to finish leaves the others waiting in DDP's gradient all-reduce; shard the "
+                "rows evenly (a DistributedSampler), or agree on the step count (all_reduce "
+                "it with ReduceOp.MIN and stop there) or use DDP's join()",
             )
             continue
         split = data.files_split_by_rank(dataset)
@@ -1705,6 +1719,31 @@ class DataFlow:
         return bool(rank_parameters) and all(
             only_compared(function, name, also=to_samplers) for name in rank_parameters
         )
+
+    def rows_keyed_to_the_rank(self, dataset: ast.expr) -> ast.Compare | None:
+        """`train[train[:, 0] % world == rank]`: the rows a mask keeps by a key of the
+        data (a head entity, a user id) taken modulo the world size; not by the row's
+        own position (`np.arange(n) % world == rank` deals out evenly)."""
+        for value in self.origin(dataset):
+            for node in walk(value):
+                if not (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Compare)):
+                    continue
+                mask = node.slice
+                if not (len(mask.ops) == 1 and isinstance(mask.ops[0], ast.Eq)):
+                    continue
+                for keyed, rank in (
+                    (mask.left, mask.comparators[0]),
+                    (mask.comparators[0], mask.left),
+                ):
+                    if (
+                        isinstance(keyed, ast.BinOp)
+                        and isinstance(keyed.op, ast.Mod)
+                        and any(PROCESS_COUNT.search(n) for n in names_in(keyed.right))
+                        and self.value_reads_rank(rank)
+                        and isinstance(keyed.left, ast.Subscript | ast.Attribute)
+                    ):
+                        return mask
+        return None
 
     def files_split_by_rank(self, dataset: ast.expr) -> ast.Subscript | None:
         """`files[rank::world]` in the dataset's making, where `files` is a list of

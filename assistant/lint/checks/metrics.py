@@ -383,18 +383,31 @@ def strided_shares(script: Script, owners: dict[int, str]) -> set[tuple[str | No
     from assistant.lint.checks.data import DataFlow  # data imports the tracer's users
 
     flow = DataFlow(script)
-    return {
+
+    def strided(value: ast.expr) -> bool:
+        return (
+            isinstance(value, ast.Subscript)
+            and isinstance(value.slice, ast.Slice)
+            and value.slice.lower is not None
+            and value.slice.step is not None
+            and flow.value_reads_rank(value.slice.lower)
+            and any(PROCESS_COUNT.search(name) for name in names_in(value.slice.step))
+        )
+
+    named = {
         (owners.get(id(node)), target.id)
         for node in script.of_type(ast.Assign)
-        if isinstance(node.value, ast.Subscript)
-        and isinstance(node.value.slice, ast.Slice)
-        and node.value.slice.lower is not None
-        and node.value.slice.step is not None
-        and flow.value_reads_rank(node.value.slice.lower)
-        and any(PROCESS_COUNT.search(name) for name in names_in(node.value.slice.step))
+        if strided(node.value)
         for target in node.targets
         if isinstance(target, ast.Name)
     }
+    # `for prob in self.problems[self.rank :: self.world]:` walks the share in place
+    walked = {
+        (owners.get(id(loop)), source_text(loop.iter))
+        for loop in script.of_type(ast.For)
+        if strided(loop.iter)
+    }
+    return named | walked
 
 
 def returned_loaders(
@@ -580,7 +593,10 @@ def evaluation_loops(
     batches is also how data is prepared)."""
     for node in script.of_type(ast.For):
         function = owners.get(id(node))
-        loader = iterated_name(node.iter) or indexed_share(node, function, shares)
+        if (function, source_text(node.iter)) in shares:
+            loader = source_text(node.iter)  # a share walked in place
+        else:
+            loader = iterated_name(node.iter) or indexed_share(node, function, shares)
         if loader is None:
             continue
         if not known(function, loader, sharded):

@@ -41,7 +41,7 @@ from assistant.lint.model import (
     walk,
 )
 from assistant.lint.registry import check
-from assistant.lint.torchapi import is_ddp, runs_a_process_per_gpu
+from assistant.lint.torchapi import PROCESS_COUNT, is_ddp, runs_a_process_per_gpu
 from assistant.results import Finding
 
 # Schedules and the arguments that say how many steps they run, each with its
@@ -68,14 +68,6 @@ LOADER_WORDS = re.compile(r"loader|dl\b|_dl|batches|iterator|sampler", re.IGNORE
 SAMPLE_COUNT = re.compile(
     r"^(self\.)?(args|opts?|cfg|config|conf|hparams|hp|params|flags)\."
     r"((num|n)_(train_)?(images?|samples|examples|items)|dataset_size)$",
-    re.IGNORECASE,
-)
-# Anything that names the number of processes or asks the framework for the count.
-PROCESS_COUNT = re.compile(
-    r"world|num_devices|devices|num_gpus|n_gpus|ngpus|gpus|num_processes|nprocs|"
-    r"replicas|stepping_batches|num_nodes|"
-    # the data-parallel size of a tensor- or pipeline-parallel run (Megatron's dp_size)
-    r"dp_size|dp_world|dp_degree|data_parallel",
     re.IGNORECASE,
 )
 # A configured batch of every process together (`args.global_batch`,
