@@ -116,7 +116,7 @@ BLIND = Path(__file__).parents[2] / "data" / "eval" / "blind_scripts"
 # fp 14/16; fq 14/16; fr 14/16; fs 16/16; ft 12/16; fu 13/16; fv 14/16; fw 13/16;
 # gb 13/16; fz 10/16; fx 8/16; gd 13/16; gf 14/16; gg 6/16), of 2961 with session 54's
 # fifteen sets
-FOUND_FLOOR = 3879  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
+FOUND_FLOOR = 3989  # 339 of 384 before set x's lessons, 349 of 400 before set y's (session 35),
 # 368 of 416 before set z's, 382 of 432 before set aa's (session 36; its weighted-sampler
 # lesson also found set s's 12), 384 before a call's arguments were followed through
 # forward (session 37: a's 12, j's 16, m's 16, o's 3, all unused-parameters), 396 of 448
@@ -372,7 +372,9 @@ FOUND_FLOOR = 3879  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # decides (ji's 11, jj's 18, jk's 11, jl's 12), orders gathered into split parts by hand or
 # dealt out in parts (jh's 15, jo's 01, dj's 01, gu's 17, hc's 06, iw's 13) and strides
 # copied or trimmed by no length (jl's 20, bx's 15), 3879 after shares walked in place in
-# an evaluation (jm's 08, go's 14, hr's 05) and rows kept by a key modulo the world (jk's 06)
+# an evaluation (jm's 08, go's 14, hr's 05) and rows kept by a key modulo the world (jk's 06);
+# 3989 of 4465 with jp, jq, jr, js, jt, ju, jv, jw (measured once at 835be546: 13, 11, 15,
+# 14, 15, 15, 12 and 15 of 16)
 # measured once: a, b 14; c, d 8; e, f 6; g 2; h 2; i 1; k 1; j 3; l 0; m 1; n 0; o 5;
 # p 2; q 3; r 0; s 2; t 0; u 2; w 1; v 7; x 3; y 0; z 3; aa 3; ab 1; ac 1; ad 0; ae 2; af 2; ag 1;
 # ah 2; ai 3; aj 0; ak 2 (one false: a spawned worker's `proc_id == 0`, the name it hands
@@ -580,7 +582,8 @@ FOUND_FLOOR = 3879  # 339 of 384 before set x's lessons, 349 of 400 before set y
 # 154 once a helper that calls the file's gathering helper combines (jb's 07); session 60:
 # 166 with jh to jo (jl's 14, jo's 08 and 19, correct, flagged at measurement: a read behind
 # `p or ...` where the wrapper's call gives p, a file named after the parts of this rank's
-# clients, clients trained alone without DDP; false, mended), 163 once mended
+# clients, clients trained alone without DDP; false, mended), 163 once mended; 164 with jp to
+# jw (jt's 18, correct: an idle expert kept in the graph at zero weight; false), 163 once mended
 OTHER_FINDINGS_CEILING = 163
 
 
@@ -599,8 +602,8 @@ def linted() -> list[tuple[dict, list]]:
 
 def test_there_are_broken_and_correct_blind_scripts():
     labels = [label for _path, label in labelled_scripts()]
-    assert sum(label["cause"] is not None for label in labels) == 4337
-    assert sum(label["cause"] is None for label in labels) == 1083
+    assert sum(label["cause"] is not None for label in labels) == 4465
+    assert sum(label["cause"] is None for label in labels) == 1115
 
 
 # Linting every blind script (3,700 files) takes about four minutes on two idle cores,

@@ -724,6 +724,12 @@ def test_an_expert_skipped_on_an_empty_selection_is_reported(empty):
     [
         {"idx.numel() == 0": "idx.numel() > 0"},  # a test for a non-empty selection
         {"continue": "out = out + 0"},  # the branch leaves nothing out
+        # blind set jt's 18 (correct): the idle expert kept in the graph at zero weight
+        {
+            "continue": "out = out + sum(p.sum() for p in expert.parameters()) * 0.0\n"
+            "                    continue"
+        },
+        {"continue": "out = out + self.experts[e](x[:0]).sum()\n                    continue"},
         {"model = DDP(MoE())": "model = DDP(MoE(), find_unused_parameters=True)"},
     ],
 )

@@ -1181,6 +1181,8 @@ def empty_selection_skips(classes: dict[str, ast.ClassDef], wrapped: str) -> Ite
                         and tests_for_empty(statement.test, bound)
                     ):
                         continue
+                    if keeps_the_member(statement.body, members, bound):
+                        continue  # `y = y + sum(p.sum() for p in expert.parameters()) * 0.0`
                     rest = loop.body[position + 1 :]
                     if any(
                         member_call(n, members) or member_picked_by(n, bound)
@@ -1188,6 +1190,31 @@ def empty_selection_skips(classes: dict[str, ast.ClassDef], wrapped: str) -> Ite
                         for n in walk(s)
                     ):
                         yield statement
+
+
+def keeps_the_member(skip: list[ast.stmt], members: set[str], bound: set[str]) -> bool:
+    """The skip's own statements run the member or read its parameters
+    (`sum(p.sum() for p in expert.parameters()) * 0.0`, `self.experts[e](x[:0])`): it
+    stays in the graph with a zero gradient."""
+
+    def is_member(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in members) or (
+            isinstance(node, ast.Subscript)
+            and self_attribute(node.value) is not None
+            and isinstance(node.slice, ast.Name)
+            and node.slice.id in bound
+        )
+
+    return any(
+        (isinstance(n, ast.Call) and is_member(n.func))
+        or (isinstance(n, ast.Attribute) and n.attr in PARAMETER_READS and is_member(n.value))
+        for statement in skip
+        for n in walk(statement)
+    )
+
+
+# What reads a module's parameters into the graph.
+PARAMETER_READS = frozenset({"parameters", "named_parameters", "weight", "bias"})
 
 
 def member_picked_by(node: ast.AST, names: set[str]) -> bool:
