@@ -59,7 +59,11 @@ class Script:
     aliases: dict[str, str]
     functions: dict[str, Function]
     traces: list[list[TracedCall]] = field(default_factory=list)
-    scope_nodes_cache: dict[int, list[ast.AST]] = field(default_factory=dict, repr=False)
+    # id(scope) -> (scope, its own nodes): the scope is kept to tell a node of another
+    # tree that took a freed node's id from the one cached
+    scope_nodes_cache: dict[int, tuple[ast.AST, list[ast.AST]]] = field(
+        default_factory=dict, repr=False
+    )
     # ranks.assigned_side per flag name, worked out once: a field assigned in many
     # places from other such fields otherwise costs exponential time.
     assigned_sides: dict[str, str | None] = field(default_factory=dict, repr=False)
@@ -85,9 +89,10 @@ class Script:
 
     def scope_nodes(self, scope: ast.AST) -> list[ast.AST]:
         """`own_nodes(scope)`, computed once per scope for all checks."""
-        if id(scope) not in self.scope_nodes_cache:
-            self.scope_nodes_cache[id(scope)] = list(own_nodes(scope))
-        return self.scope_nodes_cache[id(scope)]
+        cached = self.scope_nodes_cache.get(id(scope))
+        if cached is None or cached[0] is not scope:
+            cached = self.scope_nodes_cache[id(scope)] = (scope, list(own_nodes(scope)))
+        return cached[1]
 
     @cached_property
     def call_names(self) -> list[tuple[ast.Call, str]]:

@@ -507,3 +507,24 @@ def test_what_a_helper_returns_from_its_gathered_buffers_is_the_same_on_every_ra
     )
     found = [f.cause_id for f in lint_source(source) if f.cause_id == "collective-mismatch"]
     assert bool(found) == reported, found
+
+
+def test_an_element_past_a_nested_functions_shorter_tuple_is_read_from_the_helpers_own():
+    # a helper whose nested function returns a pair: element 2 is the helper's own
+    # third, not an element of the inner pair (reading the inner returns crashed)
+    source = (
+        "import torch\nimport torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader, DistributedSampler, Subset\n"
+        "dist.init_process_group('gloo')\nrank, world = dist.get_rank(), dist.get_world_size()\n"
+        "def build_data(data, rank, world):\n"
+        "    def split(items):\n"
+        "        return items[:10], items[10:]\n"
+        "    sampler = DistributedSampler(data, drop_last=True)\n"
+        "    train_loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+        "    val_loader = DataLoader(Subset(data, range(rank, len(data), world)))\n"
+        "    return sampler, train_loader, val_loader\n"
+        "val_loader = build_data(data, rank, world)[2]\n"
+        "for step in range(len(val_loader)):\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+    )
+    assert "uneven-inputs" in [f.cause_id for f in lint_source(source)]

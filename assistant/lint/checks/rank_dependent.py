@@ -781,9 +781,12 @@ def parameters_returned(
     # its values before the collective do not reach the return.
     collected = received_buffers(function)
     reached: set[str] = set()
-    pending = [n.value for n in walk(function) if isinstance(n, ast.Return) and n.value]
+    # the function's own returns (a nested function's `return a, b` is not one of them)
+    pending = [n.value for n in own_nodes(function) if isinstance(n, ast.Return) and n.value]
     if position is not None:
-        pending = [r.elts[position] for r in pending if isinstance(r, ast.Tuple)]
+        pending = [
+            r.elts[position] for r in pending if isinstance(r, ast.Tuple) and position < len(r.elts)
+        ]
     while pending:
         for node in walk(pending.pop()):
             if isinstance(node, ast.Name) and node.id not in reached:
