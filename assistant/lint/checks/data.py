@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from functools import cached_property, wraps
 from itertools import chain, islice
-from typing import TypeVar
+from typing import TypeGuard, TypeVar
 
 from assistant.lint.checks.rank_dependent import is_placement, target_value_pairs
 from assistant.lint.model import (
@@ -1752,16 +1752,21 @@ class DataFlow:
         origin = self.origin(dataset)
         for value in origin:
             for node in walk(value):
-                if (
-                    isinstance(node, ast.Subscript)
-                    and isinstance(node.slice, ast.Slice)
-                    and node.slice.step is not None
-                    and node.slice.lower is not None
-                    and self.value_reads_rank(node.slice.lower)
-                    and (self.lists_files(node.value) or self.expanded(origin, node))
+                if self.strides_from_the_rank(node) and (
+                    self.lists_files(node.value) or self.expanded(origin, node)
                 ):
                     return node
         return None
+
+    def strides_from_the_rank(self, node: ast.AST) -> TypeGuard[ast.Subscript]:
+        """`items[rank::step]`: a slice that starts where the rank says and steps."""
+        return (
+            isinstance(node, ast.Subscript)
+            and isinstance(node.slice, ast.Slice)
+            and node.slice.step is not None
+            and node.slice.lower is not None
+            and self.value_reads_rank(node.slice.lower)
+        )
 
     def expanded(self, origin: list[ast.expr], share: ast.Subscript) -> bool:
         """A dataset class of the file built from the share (or a name holding it) whose

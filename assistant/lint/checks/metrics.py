@@ -385,13 +385,8 @@ def strided_shares(script: Script, owners: dict[int, str]) -> set[tuple[str | No
     flow = DataFlow(script)
 
     def strided(value: ast.expr) -> bool:
-        return (
-            isinstance(value, ast.Subscript)
-            and isinstance(value.slice, ast.Slice)
-            and value.slice.lower is not None
-            and value.slice.step is not None
-            and flow.value_reads_rank(value.slice.lower)
-            and any(PROCESS_COUNT.search(name) for name in names_in(value.slice.step))
+        return flow.strides_from_the_rank(value) and any(
+            PROCESS_COUNT.search(name) for name in names_in(value.slice.step)
         )
 
     named = {
